@@ -1,0 +1,1 @@
+"""kvjax: the KV-cache bottleneck of autoregressive decoding, measured in JAX/XLA."""

@@ -1,0 +1,134 @@
+"""Multi-head attention with grouped KV heads (MHA / GQA / MQA) and an optional window.
+
+One module covers the blog's lever 1: ``num_kv_heads`` K = N is MHA, K = 1 is MQA
+(Shazeer 2019), anything dividing N is GQA (Ainslie et al. 2023). Query head n reads KV
+head n // G with G = N // K (the heads of one group are adjacent). ``window_size`` is
+lever 3 (a ring-buffer cache of W slots, optional attention sinks).
+
+Scores and softmax are computed in float32 whatever the parameter/cache dtype.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kvjax import cache as cache_lib
+from kvjax.config import ModelConfig
+from kvjax.layers import Einsum, apply_rope
+
+NEG_INF = -1e30
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax attention of grouped queries over one layer's keys and values.
+
+    Args:
+      q: [B, T, K, G, H] queries (already rotated).
+      k: [B, K, S, H] keys.
+      v: [B, K, S, Hv] values.
+      mask: [B, T, S] bool, True where the key is visible.
+    Returns:
+      [B, T, K, G, Hv] in v's dtype. Scores and softmax run in float32; the probabilities
+      are cast to v's dtype for the value product, which accumulates in float32.
+    """
+    scale = q.shape[-1] ** -0.5
+    scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k,
+                        preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("BKGTS,BKSH->BTKGH", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.astype(v.dtype)
+
+
+def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array,
+                k_new: jax.Array, v_new: jax.Array) -> jax.Array:
+    """One decode step (T = 1): attention over the cache's old slots plus the new token.
+
+    Same math as :func:`attend` over ``concat(k_cache, k_new)`` without materialising the
+    concatenation (which would copy the whole cache every step): one softmax over the
+    old scores and the new token's score. The cache is read before the new token is
+    written, so the write can update the (donated) buffer in place.
+
+    Args:
+      q: [B, 1, K, G, H] the new token's queries.
+      k_cache, v_cache: [B, K, S, H] / [B, K, S, Hv] this layer's cache before the write.
+      mask: [B, 1, S] bool, visible old slots.
+      k_new, v_new: [B, K, 1, H] / [B, K, 1, Hv] the new token's key and value.
+    Returns:
+      [B, 1, K, G, Hv] in v_cache's dtype; scores and softmax in float32.
+    """
+    scale = q.shape[-1] ** -0.5
+    q1 = q[:, 0]  # [B, K, G, H]
+    s_old = jnp.einsum("BKGH,BKSH->BKGS", q1, k_cache,
+                       preferred_element_type=jnp.float32) * scale
+    s_old = jnp.where(mask[:, :, None, :], s_old, NEG_INF)
+    s_new = jnp.einsum("BKGH,BKH->BKG", q1, k_new[:, :, 0],
+                       preferred_element_type=jnp.float32)[..., None] * scale
+    m = jnp.maximum(jnp.max(s_old, axis=-1, keepdims=True), s_new)  # [B, K, G, 1]
+    p_old = jnp.exp(s_old - m)
+    p_new = jnp.exp(s_new - m)
+    denom = jnp.sum(p_old, axis=-1, keepdims=True) + p_new
+    p_old = (p_old / denom).astype(v_cache.dtype)
+    p_new = (p_new / denom).astype(v_cache.dtype)
+    out = jnp.einsum("BKGS,BKSH->BKGH", p_old, v_cache, preferred_element_type=jnp.float32)
+    out = out + jnp.einsum("BKGO,BKOH->BKGH", p_new, v_new,
+                           preferred_element_type=jnp.float32)
+    return out[:, None].astype(v_cache.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention layer with a functional KV cache.
+
+    Parameters: q_proj [D, N, H], k_proj [D, K, H], v_proj [D, K, H], o_proj [N, H, D].
+    """
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array, cached: dict | None,
+                 cached_positions: jax.Array | None):
+        """Attention for one layer; the caller writes the returned chunk into the cache.
+
+        Args:
+          x: [B, T, D] inputs.
+          positions: [B, T] int32 absolute positions of the T tokens.
+          cached: this layer's cache before the chunk, {'k': [B, K, S, H], 'v': ...}, or
+            None for a cache-free causal forward over the T tokens.
+          cached_positions: [S] int32 slot positions before the chunk (-1: empty).
+        Returns:
+          (out [B, T, D], {'k': [B, K, T, H], 'v': [B, K, T, H]} in the cache dtype).
+        """
+        c = self.cfg
+        dt = c.jnp_dtype
+        b, t, _ = x.shape
+        n, k, h, g = c.num_heads, c.num_kv_heads, c.head_dim, c.num_groups
+        q = Einsum((c.d_model, n, h), "BTD,DNH->BTNH", dt, name="q_proj")(x)
+        kk = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="k_proj")(x)
+        vv = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="v_proj")(x)
+        q = apply_rope(q, positions, c.rope_theta).reshape(b, t, k, g, h)
+        kk = jnp.swapaxes(apply_rope(kk, positions, c.rope_theta), 1, 2)  # [B, K, T, H]
+        vv = jnp.swapaxes(vv, 1, 2)
+
+        if cached is None:
+            out = attend(q, kk, vv, cache_lib.attention_mask(positions, positions, c))
+        else:
+            # Attend over (old slots ++ this chunk); the caller writes afterwards. Reading
+            # before writing keeps the in-place update copy-free, and in a ring buffer the
+            # chunk's writes may evict keys that its earlier queries still see.
+            k_old, v_old = cached["k"], cached["v"]
+            kk, vv = kk.astype(k_old.dtype), vv.astype(v_old.dtype)
+            mask_old = cache_lib.attention_mask(positions, cached_positions, c)
+            if t == 1:
+                out = attend_step(q, k_old, v_old, mask_old, kk, vv)
+            else:
+                mask_new = cache_lib.attention_mask(positions, positions, c)
+                out = attend(q, jnp.concatenate([k_old, kk], axis=2),
+                             jnp.concatenate([v_old, vv], axis=2),
+                             jnp.concatenate([mask_old, mask_new], axis=2))
+
+        out = Einsum((n, h, c.d_model), "BTNH,NHD->BTD", dt, name="o_proj")(
+            out.reshape(b, t, n, h))
+        return out, {"k": kk, "v": vv}

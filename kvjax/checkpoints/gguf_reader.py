@@ -1,0 +1,324 @@
+"""Reading a llama-architecture GGUF file into HF-layout numpy arrays.
+
+GGUF stores each 2-D weight with ggml shape ``[in, out]``, which the ``gguf``
+package exposes as numpy data of shape ``(out, in)``: after
+``gguf.quants.dequantize`` a weight is already in HF ``nn.Linear.weight``
+layout ``[out, in]``. The one thing to undo is llama.cpp's HF->GGUF converter
+permuting the rows of the Q and K projections (see :func:`llama_cpp_permute`),
+done so that ggml's interleaved-pair rotary reproduces HF's half-split
+(``rotate_half``) rotary. The arrays returned here have that permutation
+undone, so they are meant for HF-style half-split rotary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from typing import Any
+
+import gguf
+import numpy as np
+import tqdm
+
+from kvjax.checkpoints.fetch import WeightsError
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# GGUF tensor name (per layer, after "blk.{i}.") -> our name.
+_LAYER_TENSORS = {
+    "attn_norm.weight": "attn_norm",
+    "ffn_norm.weight": "mlp_norm",
+    "attn_q.weight": "wq",
+    "attn_k.weight": "wk",
+    "attn_v.weight": "wv",
+    "attn_output.weight": "wo",
+    "ffn_gate.weight": "w_gate",
+    "ffn_up.weight": "w_up",
+    "ffn_down.weight": "w_down",
+}
+_GLOBAL_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "final_norm"}
+_OPTIONAL_GLOBAL_TENSORS = {"output.weight": "lm_head"}
+_TOKENIZER_KEYS = (
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.chat_template",
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LlamaGGUF:
+    """A llama GGUF checkpoint, dequantised, in HF orientation.
+
+    Attributes:
+      hparams: ``vocab_size`` V, ``num_layers`` L, ``d_model`` D, ``num_heads``
+        N, ``num_kv_heads`` K, ``head_dim`` H, ``mlp_dim`` F (ints);
+        ``rope_theta``, ``norm_eps`` (floats); ``context_length``,
+        ``bos_token_id``, ``eos_token_id`` (ints; see
+        :func:`resolve_special_token_ids` for how eos is chosen).
+      tensors: name -> numpy array of the requested dtype:
+        ``embed`` [V, D], ``final_norm`` [D], and stacked over layers
+        ``attn_norm`` [L, D], ``mlp_norm`` [L, D], ``wq`` [L, N*H, D],
+        ``wk`` [L, K*H, D], ``wv`` [L, K*H, D], ``wo`` [L, D, N*H],
+        ``w_gate`` [L, F, D], ``w_up`` [L, F, D], ``w_down`` [L, D, F]
+        (``[out, in]``, i.e. ``y = x @ w.T``), plus ``lm_head`` [V, D] only when
+        the file has an untied ``output.weight``. Q/K rows are in HF order
+        (half-split rotary), the llama.cpp permutation undone.
+      path: the file read.
+      tokenizer_fields: the GGUF's ``tokenizer.*`` metadata (tokens, merges,
+        token types, chat template, ...), so :func:`load_tokenizer` need not
+        re-read the file.
+    """
+
+    hparams: dict
+    tensors: dict
+    path: pathlib.Path
+    tokenizer_fields: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's HF->GGUF row permutation of a Q or K weight (reference/test use).
+
+    Within each head, rows ``[x_0..x_{H/2-1}, y_0..y_{H/2-1}]`` (HF half-split
+    rotary pairs ``(x_j, y_j)``) become interleaved ``[x_0, y_0, x_1, y_1, ...]``.
+
+    Args:
+      w: [n_head*H, ...] array (rows = output features).
+      n_head: heads in ``w`` (N for Q, K for K).
+
+    Returns:
+      array of the same shape and dtype.
+    """
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def undo_llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of :func:`llama_cpp_permute`: GGUF Q/K rows back to HF (half-split) order.
+
+    Args:
+      w: [n_head*H, ...] array as stored in the GGUF (after dequantisation).
+      n_head: heads in ``w`` (N for Q, K for K).
+
+    Returns:
+      array of the same shape and dtype (a copy).
+
+    Raises:
+      ValueError: ``w.shape[0]`` is not a multiple of ``2 * n_head``.
+    """
+    if w.shape[0] % (2 * n_head):
+        raise ValueError(f"{w.shape[0]} rows do not split into {n_head} heads of even size")
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _open_reader(path: pathlib.Path) -> gguf.GGUFReader:
+    if not path.exists():
+        raise WeightsError(
+            f"GGUF file {path} does not exist; kvjax.checkpoints.weights_path() fetches "
+            "SmolLM2-135M-Instruct.Q4_1.gguf into the cache and returns its path"
+        )
+    if not path.is_file():
+        raise WeightsError(f"GGUF path {path} is not a regular file")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except (PermissionError, IsADirectoryError) as e:
+        raise WeightsError(f"GGUF file {path} is unreadable: {e}") from e
+    except Exception as e:  # gguf raises ValueError/IndexError/... on truncated or corrupt files
+        size = path.stat().st_size if path.exists() else 0
+        raise WeightsError(
+            f"GGUF file {path} ({size:,} bytes) is truncated or corrupt "
+            f"({type(e).__name__}: {e}). Delete it so that weights_path() fetches it again."
+        ) from e
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = ..., path: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is ...:
+            raise WeightsError(f"GGUF file {path or reader.data.filename} lacks metadata key {key!r}")
+        return default
+    return field.contents()
+
+
+def _tokenizer_fields(reader: gguf.GGUFReader) -> dict:
+    return {k: _field(reader, k, None) for k in _TOKENIZER_KEYS if k in reader.fields}
+
+
+def resolve_special_token_ids(tokenizer_fields: dict) -> tuple[int, int]:
+    """(bos, eos) token ids from GGUF tokenizer metadata.
+
+    bos is ``tokenizer.ggml.bos_token_id``. eos is the id of ``<|im_end|>`` when
+    the chat template is ChatML (uses ``<|im_end|>``) and the vocabulary has that
+    token, otherwise ``tokenizer.ggml.eos_token_id``: SmolLM2's GGUF records eos
+    = 1 (``<|im_start|>``), whereas the HF model ends a turn with
+    ``<|im_end|>`` = 2.
+
+    Raises:
+      WeightsError: no bos/eos id can be determined.
+    """
+    tokens = tokenizer_fields.get("tokenizer.ggml.tokens") or []
+    template = tokenizer_fields.get("tokenizer.chat_template") or ""
+    bos = tokenizer_fields.get("tokenizer.ggml.bos_token_id")
+    eos = tokenizer_fields.get("tokenizer.ggml.eos_token_id")
+    if "<|im_end|>" in template and "<|im_end|>" in tokens:
+        eos = list(tokens).index("<|im_end|>")
+    if bos is None or eos is None:
+        raise WeightsError(f"GGUF tokenizer metadata lacks bos/eos ids (bos={bos}, eos={eos})")
+    return int(bos), int(eos)
+
+
+def _dequantize(tensor: Any, path: pathlib.Path) -> np.ndarray:
+    try:
+        return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except Exception as e:
+        raise WeightsError(
+            f"cannot dequantise tensor {tensor.name} ({tensor.tensor_type.name}) of {path}: "
+            f"{type(e).__name__}: {e}"
+        ) from e
+
+
+def _check_shape(name: str, arr: np.ndarray, expected: tuple[int, ...], path: pathlib.Path) -> None:
+    if tuple(arr.shape) != tuple(expected):
+        raise WeightsError(
+            f"GGUF tensor {name} of {path} has shape {tuple(arr.shape)} (numpy, [out, in]); "
+            f"the hyperparameters imply {tuple(expected)}"
+        )
+
+
+def read_llama_gguf(
+    path: str | os.PathLike, dtype: Any = np.float32, progress: bool = True
+) -> LlamaGGUF:
+    """Reads and dequantises a llama-architecture GGUF file.
+
+    Every tensor is dequantised to float32 with ``gguf.quants.dequantize`` and
+    then cast to ``dtype``. The rows of Q and K are un-permuted
+    (:func:`undo_llama_cpp_permute`, with N heads for Q and K heads for K) so
+    the weights work with HF half-split (``rotate_half``) rotary. Takes ~3 s
+    for SmolLM2-135M (2 s of which is gguf parsing the 49k-token vocabulary).
+
+    Args:
+      path: the ``.gguf`` file.
+      dtype: numpy dtype of the returned arrays, e.g. ``np.float32`` or
+        ``ml_dtypes.bfloat16`` / ``jnp.bfloat16``.
+      progress: show a tqdm progress bar over layers.
+
+    Returns:
+      LlamaGGUF with ``hparams``, ``tensors`` (shapes in its docstring; e.g. for
+      SmolLM2-135M L=30, D=576, N=9, K=3, H=64, F=1536, V=49152) and ``path``.
+
+    Raises:
+      WeightsError: the file is missing or unreadable; truncated or corrupt
+        (the message names it and suggests deleting it to re-fetch);
+        ``general.architecture`` is not ``llama``; metadata keys or tensors
+        are missing, unexpected (e.g. biases, rope_freqs, MoE experts) or of
+        the wrong shape; rope scaling is present.
+    """
+    path = pathlib.Path(path)
+    dtype = np.dtype(dtype)
+    reader = _open_reader(path)
+
+    arch = _field(reader, "general.architecture", None)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise WeightsError(
+            f"GGUF file {path} has general.architecture={arch!r}; "
+            f"this reader supports only {', '.join(map(repr, SUPPORTED_ARCHITECTURES))}"
+        )
+
+    def key(name: str, default: Any = ...) -> Any:
+        return _field(reader, f"{arch}.{name}", default, path)
+
+    rope_scaling = key("rope.scaling.type", None)
+    if rope_scaling not in (None, "none"):
+        raise WeightsError(f"GGUF file {path} uses rope scaling {rope_scaling!r}, which is not supported")
+
+    tok_fields = _tokenizer_fields(reader)
+    bos, eos = resolve_special_token_ids(tok_fields)
+    num_layers = int(key("block_count"))
+    d_model = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    num_kv_heads = int(key("attention.head_count_kv", num_heads))
+    head_dim = int(key("attention.key_length", d_model // num_heads))
+    if int(key("attention.value_length", head_dim)) != head_dim:
+        raise WeightsError(f"GGUF file {path}: key_length != value_length is not supported")
+    rope_dims = int(key("rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise WeightsError(f"GGUF file {path}: partial rotary ({rope_dims} of {head_dim} dims) is not supported")
+    if num_heads % num_kv_heads:
+        raise WeightsError(f"GGUF file {path}: {num_heads} query heads do not group into {num_kv_heads} KV heads")
+
+    by_name = {t.name: t for t in reader.tensors}
+    vocab_default = len(tok_fields.get("tokenizer.ggml.tokens") or [])
+    if not vocab_default and "token_embd.weight" in by_name:
+        vocab_default = int(by_name["token_embd.weight"].shape[-1])
+    hp = dict(
+        vocab_size=int(key("vocab_size", vocab_default)),
+        num_layers=num_layers,
+        d_model=d_model,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        mlp_dim=int(key("feed_forward_length")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        context_length=int(key("context_length")),
+        bos_token_id=bos,
+        eos_token_id=eos,
+    )
+
+    V, L, D, N, K, H, F = (hp[k] for k in (
+        "vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"))
+    layer_shapes = {
+        "attn_norm": (D,), "mlp_norm": (D,),
+        "wq": (N * H, D), "wk": (K * H, D), "wv": (K * H, D), "wo": (D, N * H),
+        "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F),
+    }
+    global_shapes = {"embed": (V, D), "final_norm": (D,), "lm_head": (V, D)}
+
+    expected = set(_GLOBAL_TENSORS) | {f"blk.{i}.{n}" for i in range(L) for n in _LAYER_TENSORS}
+    missing = sorted(expected - set(by_name), key=_natural_key)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
+        raise WeightsError(f"GGUF file {path} lacks tensors: {shown}")
+    unexpected = sorted(set(by_name) - expected - set(_OPTIONAL_GLOBAL_TENSORS), key=_natural_key)
+    if unexpected:
+        shown = ", ".join(unexpected[:8]) + (f", ... ({len(unexpected)} in all)" if len(unexpected) > 8 else "")
+        raise WeightsError(
+            f"GGUF file {path} has tensors this plain-llama reader does not handle: {shown}")
+
+    tensors: dict[str, np.ndarray] = {}
+    for gname, name in {**_GLOBAL_TENSORS, **_OPTIONAL_GLOBAL_TENSORS}.items():
+        if gname in by_name:
+            arr = _dequantize(by_name[gname], path)
+            _check_shape(gname, arr, global_shapes[name], path)
+            tensors[name] = arr.astype(dtype)
+
+    stacked = {name: np.empty((L, *shape), dtype) for name, shape in layer_shapes.items()}
+    for i in tqdm.trange(L, desc=f"dequantising {path.name}", unit="layer", disable=not progress):
+        for gname, name in _LAYER_TENSORS.items():
+            full = f"blk.{i}.{gname}"
+            arr = _dequantize(by_name[full], path)
+            _check_shape(full, arr, layer_shapes[name], path)
+            if name == "wq":
+                arr = undo_llama_cpp_permute(arr, N)
+            elif name == "wk":
+                arr = undo_llama_cpp_permute(arr, K)
+            stacked[name][i] = arr  # casts to dtype
+    tensors.update(stacked)
+    return LlamaGGUF(hparams=hp, tensors=tensors, path=path, tokenizer_fields=tok_fields)
+
+
+def read_tokenizer_fields(path: str | os.PathLike) -> dict:
+    """The ``tokenizer.*`` metadata of a GGUF file (tokens, token types, merges, ...).
+
+    Raises:
+      WeightsError: the file is missing, unreadable, truncated or corrupt.
+    """
+    return _tokenizer_fields(_open_reader(pathlib.Path(path)))
+
+
+def _natural_key(name: str) -> list:
+    return [int(p) if p.isdigit() else p for p in name.replace(".", " . ").split()]

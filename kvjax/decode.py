@@ -1,0 +1,170 @@
+"""Prefill and generation: one compiled prefill, one compiled decode loop, cache donated.
+
+* :func:`prefill` runs the whole prompt in one pass (matrix-matrix: compute-bound).
+* :func:`generate` runs the new tokens inside one ``lax.while_loop`` (matrix-vector:
+  memory-bound, the blog's regime). The step count is a traced argument and the token
+  buffer has the cache's length, so one compilation serves any number of steps.
+* :func:`decode_step` is a single jitted step, used by the cost hook and the benchmarks.
+
+Lengths are checked on the host before anything runs: a prompt longer than the cache or a
+budget past its end raises :class:`CacheOverflowError`, never a silent clamp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import model as model_lib
+from kvjax.cache import KVCache
+from kvjax.config import ModelConfig, SamplingConfig
+
+
+class CacheOverflowError(ValueError):
+    """A prefill or generation would write past the end of a dense cache."""
+
+
+def check_room(cfg: ModelConfig, cache: KVCache, new_tokens: int, what: str) -> None:
+    """Raises CacheOverflowError unless ``new_tokens`` more tokens fit in ``cache``.
+
+    A windowed (ring-buffer) cache never fills. Reads ``cache.length`` from the device.
+    """
+    if cfg.window_size is not None:
+        return
+    length = int(cache.length)
+    if length + new_tokens > cache.num_slots:
+        raise CacheOverflowError(
+            f"{what}: {new_tokens} tokens after {length} cached ones need "
+            f"{length + new_tokens} slots but the cache holds max_seq_len="
+            f"{cache.num_slots}; allowed: at most {cache.num_slots - length} more tokens "
+            f"(raise max_seq_len)")
+
+
+def sample_logits(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig) -> jax.Array:
+    """Picks the next token of each row.
+
+    Args:
+      logits: [B, V] float32.
+      rng: a PRNG key (unused when greedy).
+      sampling: temperature 0 = greedy argmax; otherwise softmax(logits / temperature)
+        restricted to the top_k highest (if top_k > 0) and to the smallest set whose
+        probability reaches top_p (nucleus sampling, Holtzman et al. 2020).
+    Returns:
+      [B] int32 token ids.
+    """
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_k:
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if sampling.top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+        # Keep tokens whose preceding mass is below top_p (the first one always).
+        cutoff_idx = jnp.sum(cum - jax.nn.softmax(sorted_logits, axis=-1) < sampling.top_p,
+                             axis=-1, keepdims=True) - 1
+        cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+def _positions(cache: KVCache, batch: int, t: int) -> jax.Array:
+    pos = cache.length + jnp.arange(t, dtype=jnp.int32)
+    return jnp.broadcast_to(pos, (batch, t))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _prefill(params, tokens, cache, *, cfg):
+    logits, cache = model_lib.forward(params, cfg, tokens,
+                                      _positions(cache, *tokens.shape), cache)
+    return logits[:, -1], cache
+
+
+def prefill(params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache):
+    """Runs the prompt through the model in one pass, filling the cache.
+
+    Args:
+      params: parameters in cfg's layout.
+      tokens: [B, T] int32 prompt ids (all rows the same length).
+      cache: the cache to fill (donated: do not reuse the argument).
+    Returns:
+      (logits [B, V] float32 of the last prompt token, updated cache).
+    Raises:
+      CacheOverflowError: the prompt does not fit in the cache.
+    """
+    check_room(cfg, cache, tokens.shape[1], "prefill")
+    return _prefill(params, tokens, cache, cfg=cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def decode_step(params, token, cache, *, cfg):
+    """One decode step: token [B, 1] int32 at position cache.length -> (logits [B, V], cache).
+
+    No host-side length check (it is the unit the cost hook compiles); use
+    :func:`generate` for checked decoding.
+    """
+    logits, cache = model_lib.forward(params, cfg, token, _positions(cache, *token.shape),
+                                      cache)
+    return logits[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("cache",))
+def _generate(params, first_token, cache, num_steps, rng, eos_id, *, cfg, sampling):
+    batch = first_token.shape[0]
+    buf = jnp.zeros((batch, cache.num_slots), jnp.int32)
+
+    def cond(state):
+        i, _, _, _, done, _ = state
+        return (i < num_steps) & ~jnp.all(done)
+
+    def body(state):
+        i, buf, cache, last, done, rng = state
+        logits, cache = model_lib.forward(params, cfg, last[:, None],
+                                          _positions(cache, batch, 1), cache)
+        rng, key = jax.random.split(rng)
+        nxt = sample_logits(logits[:, 0], key, sampling)
+        nxt = jnp.where(done, eos_id, nxt)
+        buf = jax.lax.dynamic_update_slice(buf, nxt[:, None], (0, i))
+        return i + 1, buf, cache, nxt, done | (nxt == eos_id), rng
+
+    done0 = first_token == eos_id
+    state = (jnp.zeros((), jnp.int32), buf, cache, first_token, done0, rng)
+    steps, buf, cache, _, _, _ = jax.lax.while_loop(cond, body, state)
+    return buf, steps, cache
+
+
+def generate(params, cfg: ModelConfig, first_token: jax.Array, cache: KVCache,
+             num_steps: int, rng: jax.Array | None = None,
+             sampling: SamplingConfig = SamplingConfig(), eos_id: int = -1):
+    """Generates up to ``num_steps`` tokens after ``first_token`` in one compiled loop.
+
+    Each step feeds the previous token, appends its key/value to the cache and samples the
+    next one. A row stops at ``eos_id`` (later entries repeat eos_id); the loop ends when
+    every row has stopped or after ``num_steps`` steps. One compilation serves any
+    ``num_steps`` up to the cache length.
+
+    Args:
+      params: parameters in cfg's layout.
+      first_token: [B] int32, the token sampled from the prefill logits.
+      cache: the prefilled cache (donated).
+      num_steps: tokens to generate after first_token (>= 0).
+      rng: PRNG key for sampling (default key 0).
+      sampling: SamplingConfig (static: a new one compiles a new loop).
+      eos_id: end-of-sequence id (-1: never stop early).
+    Returns:
+      (tokens [B, num_steps] int32, steps actually run (int), updated cache).
+    Raises:
+      CacheOverflowError: the steps would write past the cache's end.
+      ValueError: negative num_steps.
+    """
+    if num_steps < 0:
+        raise ValueError(f"num_steps={num_steps}; allowed: an integer >= 0")
+    check_room(cfg, cache, num_steps, "generate")
+    rng = jax.random.key(0) if rng is None else rng
+    buf, steps, cache = _generate(params, first_token.astype(jnp.int32), cache,
+                                  jnp.int32(num_steps), rng, jnp.int32(eos_id),
+                                  cfg=cfg, sampling=sampling)
+    return buf[:, :num_steps], int(steps), cache

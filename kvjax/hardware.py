@@ -1,0 +1,224 @@
+"""Accelerator figures for the roofline, and a bandwidth probe for the local device.
+
+The blog ("The GPU Memory Hierarchy", "The Roofline Model") reasons with the NVIDIA A100:
+312e12 FLOP/s fp16 tensor-core peak, ~2e12 B/s HBM, 40-80 GB HBM, ~20 MB on-chip SRAM,
+ridge point 312e12 / 2e12 = 156 FLOP/byte. :data:`CHIPS` holds those figures and the
+Hopper parts; :func:`measure_read_bandwidth` and :func:`local_chip` give the same
+quantities for whatever device JAX runs on here (the CPU: ~25 GB/s, DESIGN.md).
+
+Units: FLOP/s, bytes/s, bytes. Peaks are dense (no 2:4 sparsity), keyed by dtype name
+('float16', 'bfloat16', 'float32').
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def dtype_name(dtype: Any) -> str:
+    """Canonical name of a dtype given as a name or a dtype-like ('bfloat16', jnp.float16, ...)."""
+    if isinstance(dtype, str):
+        return np.dtype(jnp.dtype(dtype)).name
+    return np.dtype(dtype).name
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One accelerator's roofline figures.
+
+    Attributes:
+      name: label, e.g. 'A100-80GB'.
+      peak_flops_per_s: dtype name -> peak dense FLOP/s; a dtype missing here has an unknown
+        peak (e.g. a CPU whose matmul rate was not measured).
+      hbm_bytes_per_s: main-memory (HBM, or DRAM for a CPU) bandwidth in bytes/s.
+      hbm_capacity_bytes: main-memory capacity in bytes.
+      sram_bytes: on-chip SRAM (shared memory/L1 over all SMs) in bytes; None if unknown.
+      source: where the figures come from (datasheet, or 'measured').
+    """
+
+    name: str
+    peak_flops_per_s: Mapping[str, float]
+    hbm_bytes_per_s: float
+    hbm_capacity_bytes: float
+    sram_bytes: float | None = None
+    source: str = ""
+
+    def peak_flops(self, dtype: Any = "float16") -> float | None:
+        """Peak FLOP/s for ``dtype``, or None when unknown."""
+        return self.peak_flops_per_s.get(dtype_name(dtype))
+
+    def ridge_point(self, dtype: Any = "float16") -> float | None:
+        """Roofline ridge point in FLOP/byte: peak FLOP/s / bandwidth bytes/s.
+
+        Blog, "The Roofline Model": A100 312e12 / 2e12 = 156 FLOP/byte. None when the
+        peak for ``dtype`` is unknown.
+        """
+        peak = self.peak_flops(dtype)
+        return None if peak is None else peak / self.hbm_bytes_per_s
+
+
+def _half(peak: float, fp32: float) -> dict[str, float]:
+    return {"float16": peak, "bfloat16": peak, "float32": fp32}
+
+
+# A100: NVIDIA A100 Tensor Core GPU datasheet (2021): FP16/BF16 tensor core 312 TFLOPS dense
+# (624 with sparsity), FP32 19.5 TFLOPS (non-tensor; TF32 tensor core 156 TFLOPS).
+# Bandwidth: the datasheet lists 1,555 GB/s (40GB) and 1,935 GB/s (80GB PCIe) /
+# 2,039 GB/s (80GB SXM); both entries here use the blog's round 2e12 B/s so that the
+# blog's ridge point (156 FLOP/byte) and latencies are reproduced exactly.
+# SRAM: the blog's ~20 MB (108 SMs x 192 KB combined L1/shared = 21.2 MB).
+A100_40GB = Chip(
+    name="A100-40GB",
+    peak_flops_per_s=_half(312e12, 19.5e12),
+    hbm_bytes_per_s=2e12,
+    hbm_capacity_bytes=40e9,
+    sram_bytes=20e6,
+    source="NVIDIA A100 datasheet (peaks, capacity); blog's 2 TB/s and ~20 MB SRAM",
+)
+A100_80GB = dataclasses.replace(
+    A100_40GB, name="A100-80GB", hbm_capacity_bytes=80e9,
+)
+
+# H100 SXM5: NVIDIA H100 Tensor Core GPU datasheet: BF16/FP16 tensor core 1,979 TFLOPS
+# with sparsity = 989 TFLOPS dense; FP32 67 TFLOPS; HBM3 80 GB at 3.35 TB/s.
+# SRAM: 132 SMs x 256 KB combined L1/shared (NVIDIA Hopper architecture whitepaper).
+H100_SXM = Chip(
+    name="H100-SXM",
+    peak_flops_per_s=_half(989e12, 67e12),
+    hbm_bytes_per_s=3.35e12,
+    hbm_capacity_bytes=80e9,
+    sram_bytes=132 * 256 * 1024,
+    source="NVIDIA H100 datasheet (SXM5); Hopper whitepaper for SRAM",
+)
+
+# H200 SXM: NVIDIA H200 Tensor Core GPU datasheet: same GH100 compute as H100 SXM
+# (BF16/FP16 989 TFLOPS dense, FP32 67 TFLOPS), HBM3e 141 GB at 4.8 TB/s.
+H200 = Chip(
+    name="H200",
+    peak_flops_per_s=_half(989e12, 67e12),
+    hbm_bytes_per_s=4.8e12,
+    hbm_capacity_bytes=141e9,
+    sram_bytes=132 * 256 * 1024,
+    source="NVIDIA H200 datasheet (SXM); Hopper whitepaper for SRAM",
+)
+
+CHIPS: dict[str, Chip] = {c.name: c for c in (A100_40GB, A100_80GB, H100_SXM, H200)}
+
+
+@dataclasses.dataclass(frozen=True)
+class BandwidthProbe:
+    """Result of :func:`measure_read_bandwidth`.
+
+    Attributes:
+      bytes_per_s: median achieved read bandwidth, bytes/s.
+      samples: every repeat's bandwidth, bytes/s, in run order.
+      num_bytes: bytes read per repeat.
+      device: description of the JAX device measured.
+    """
+
+    bytes_per_s: float
+    samples: tuple[float, ...]
+    num_bytes: int
+    device: str
+
+
+def _describe(device: Any) -> str:
+    return f"{device.platform}:{getattr(device, 'device_kind', '?')} (id {device.id})"
+
+
+def _median_seconds(fn, arg, repeats: int) -> list[float]:
+    fn(arg).block_until_ready()  # compile
+    fn(arg).block_until_ready()  # warm caches / allocator
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(arg).block_until_ready()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def measure_read_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 7,
+                           dtype: Any = jnp.float32) -> BandwidthProbe:
+    """Times a jitted streaming reduction (``jnp.sum``) over ``num_bytes`` on the default device.
+
+    A sum reads every element once and writes one scalar, so bytes read / seconds is the
+    achieved main-memory read bandwidth (the array must be much larger than the caches;
+    the 256 MiB default is). Warm-up runs first; the median of ``repeats`` timings is kept.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}; allowed: an integer >= 1")
+    itemsize = jnp.dtype(dtype).itemsize
+    n = max(1, num_bytes // itemsize)
+    device = jax.devices()[0]
+    x = jax.device_put(jnp.ones((n,), dtype), device)  # a real buffer: nothing to constant-fold
+    reduce = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    seconds = _median_seconds(reduce, x, repeats)
+    read = n * itemsize
+    samples = tuple(read / s for s in seconds)
+    return BandwidthProbe(bytes_per_s=float(statistics.median(samples)), samples=samples,
+                          num_bytes=read, device=_describe(device))
+
+
+def measure_matmul_flops(n: int = 1024, repeats: int = 5, dtype: Any = jnp.float32) -> float:
+    """Median achieved FLOP/s of a jitted n x n x n matmul (2·n³ FLOP) on the default device."""
+    a = jnp.ones((n, n), dtype)
+    mm = jax.jit(lambda x: x @ x)
+    seconds = _median_seconds(mm, a, repeats)
+    return float(2 * n**3 / statistics.median(seconds))
+
+
+def match_chip(device_kind: str) -> Chip | None:
+    """The :data:`CHIPS` entry for a JAX ``device_kind`` string (e.g. 'NVIDIA H200'), or None."""
+    kind = device_kind.upper()
+    if "H200" in kind:
+        return H200
+    if "H100" in kind and "PCIE" not in kind:
+        return H100_SXM
+    if "A100" in kind:
+        return A100_40GB if "40GB" in kind.replace(" ", "").replace("-", "") else A100_80GB
+    return None
+
+
+def _host_memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return float("nan")
+
+
+def local_chip(measure_flops: bool = False) -> Chip:
+    """A :class:`Chip` for JAX's default device.
+
+    A GPU found in :data:`CHIPS` returns its published figures (DESIGN.md: GPUs are compared
+    with the published roofline). Anything else (the CPU here) gets the bandwidth measured
+    by :func:`measure_read_bandwidth`; its float32 peak is measured with
+    :func:`measure_matmul_flops` when ``measure_flops`` is set, else left unknown.
+    """
+    device = jax.devices()[0]
+    known = match_chip(getattr(device, "device_kind", "")) if device.platform == "gpu" else None
+    if known is not None:
+        return known
+    probe = measure_read_bandwidth()
+    peaks = {"float32": measure_matmul_flops()} if measure_flops else {}
+    capacity = None
+    try:
+        stats = device.memory_stats() or {}
+        capacity = stats.get("bytes_limit")
+    except Exception:  # memory_stats is unimplemented on some backends (CPU)
+        capacity = None
+    return Chip(
+        name=probe.device,
+        peak_flops_per_s=peaks,
+        hbm_bytes_per_s=probe.bytes_per_s,
+        hbm_capacity_bytes=float(capacity) if capacity else _host_memory_bytes(),
+        sram_bytes=None,
+        source="measured (jnp.sum read bandwidth" + (", matmul FLOP/s)" if peaks else ")"),
+    )

@@ -1,0 +1,101 @@
+"""Building blocks: RMSNorm, rotary embedding, MLPs, a named einsum projection."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+class Einsum(nn.Module):
+    """A projection ``y = einsum(eqn, x, kernel)`` with a named 'kernel' parameter.
+
+    Attributes:
+      shape: kernel shape, e.g. (D, N, H).
+      eqn: einsum equation with the input first, e.g. 'BTD,DNH->BTNH'.
+      dtype: parameter and output dtype.
+    """
+
+    shape: Sequence[int]
+    eqn: str
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        fan_in = 1
+        lhs, rhs = self.eqn.split("->")[0].split(",")
+        for letter, size in zip(rhs, self.shape):
+            if letter in lhs:
+                fan_in *= size
+        kernel = self.param(
+            "kernel", nn.initializers.normal(stddev=fan_in ** -0.5), tuple(self.shape),
+            self.dtype)
+        return jnp.einsum(self.eqn, x.astype(self.dtype), kernel)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * scale, computed in float32.
+
+    Input and output: [..., D] of ``dtype``.
+    """
+
+    eps: float = 1e-5
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021), half-split ('rotate_half') convention.
+
+    Pairs dimension i with i + H/2 (the HF llama layout; llama.cpp's GGUF rows are
+    un-permuted to it on load).
+
+    Args:
+      x: [B, T, ..., H] queries or keys (any dtype; H even).
+      positions: [B, T] int32 absolute positions.
+      theta: rotary base (SmolLM2: 1e5).
+    Returns:
+      [B, T, ..., H], same dtype as x.
+    """
+    h = x.shape[-1]
+    inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    angles = angles.reshape(angles.shape[:2] + (1,) * (x.ndim - 3) + angles.shape[-1:])
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., : h // 2], x32[..., h // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class MLP(nn.Module):
+    """Feed-forward block.
+
+    'swiglu': down(silu(gate(x)) * up(x)) (Shazeer 2020; llama/SmolLM2), 3·D·F params.
+    'gelu':   down(gelu(up(x))), 2·D·F params (the blog's W1, W2).
+    Input/output [B, T, D].
+    """
+
+    d_model: int
+    mlp_dim: int
+    mlp_type: str = "swiglu"
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d, f = self.d_model, self.mlp_dim
+        up = Einsum((d, f), "BTD,DF->BTF", self.dtype, name="up")(x)
+        if self.mlp_type == "swiglu":
+            gate = Einsum((d, f), "BTD,DF->BTF", self.dtype, name="gate")(x)
+            hidden = jax.nn.silu(gate) * up
+        else:
+            hidden = jax.nn.gelu(up)
+        return Einsum((f, d), "BTF,FD->BTD", self.dtype, name="down")(hidden)

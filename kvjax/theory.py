@@ -1,0 +1,387 @@
+"""Closed-form cost model of one autoregressive decode step.
+
+Implements the blog "The KV Bottleneck Explained: Why Inference Is Memory-Bound"
+(``shared/seed/kv_bottleneck_blog.txt``), generalised from its running MHA model to
+GQA/MQA (K KV heads), MLA (latent cache, DeepSeek-V2 sec. 2.1) and sliding windows.
+
+Notation (DESIGN.md; blog symbols in brackets): L layers, D d_model [d_model], N query
+heads [h], K KV heads [g in "Lever 1"], H head_dim [d_k = d_v], F FFN width, V vocab,
+C MLA latent width [d_c], R decoupled-RoPE key width, W window [w], t context length,
+B batch, b bytes per element (2 in the blog's fp16).
+
+Context convention, used by every function here: ``t`` is the cache length *after* the
+step's own key/value was written, so attention at context ``t`` reads ``t`` keys and
+``t`` values (the new token's included). The blog's Phase 3 writes this as ``t+1`` keys
+when generating token ``t+1``; its boxed "Fundamental Equation" writes ``t``. Both are
+this module's ``t``.
+
+Units: bytes (B), FLOP (multiply-add = 2 FLOP, the blog's convention), seconds.
+Functions taking a :class:`~kvjax.config.ModelConfig` use ``cfg.dtype_bytes`` for b unless
+``element_bytes`` is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from kvjax.config import ModelConfig
+from kvjax.hardware import Chip
+
+
+def _b(cfg: ModelConfig, element_bytes: int | None) -> int:
+    return cfg.dtype_bytes if element_bytes is None else element_bytes
+
+
+# --------------------------------------------------------------------------- KV cache
+
+
+def kv_elements_per_token_per_layer(cfg: ModelConfig) -> int:
+    """Cached elements per token per layer.
+
+    MHA/GQA/MQA: K·(d_k + d_v) = 2·K·H (blog "Deriving the Per-Token KV Cache Formula",
+    with h -> K as in "Lever 1"). MLA: C + R, the latent c_t^KV plus the shared
+    decoupled RoPE key k_t^R (DeepSeek-V2 sec. 2.1.3: (d_c + d_h^R)·l elements per token).
+    """
+    if cfg.is_mla:
+        return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    return 2 * cfg.num_kv_heads * cfg.head_dim
+
+
+def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int | None = None) -> int:
+    """KV-cache bytes per token over all layers: L·K·(d_k+d_v)·b, or L·(C+R)·b for MLA.
+
+    Blog model (L=12, K=N=8, H=64, fp16): 12·8·128·2 = 24,576 B ("24 KB per token").
+    """
+    return cfg.num_layers * kv_elements_per_token_per_layer(cfg) * _b(cfg, element_bytes)
+
+
+def kv_bytes_per_token_blog(num_layers: int, d_model: int, element_bytes: int = 2) -> int:
+    """Blog's boxed simplification 4·L·D bytes/token (fp16, h·d_k = D, d_k = d_v).
+
+    General form: 2·L·D·b ("Simplification using h·d_k = d_model").
+    """
+    return 2 * num_layers * d_model * element_bytes
+
+
+def kv_bytes_per_token_latent_blog(num_layers: int, latent_dim: int,
+                                   element_bytes: int = 2) -> int:
+    """Blog "Lever 2": a latent cache of d_c elements per layer costs L·d_c·b bytes/token.
+
+    The blog omits MLA's decoupled RoPE key (R elements per layer); see
+    :func:`kv_bytes_per_token` for the DeepSeek-V2 count L·(C+R)·b.
+    """
+    return num_layers * latent_dim * element_bytes
+
+
+def tokens_held(cfg: ModelConfig, t: int) -> int:
+    """Tokens in the cache at context ``t``: min(t, W) with a window, else t.
+
+    Attention sinks live inside the window budget (first s + last W-s tokens), so they do
+    not change the count (blog "Lever 3": cache bytes are constant in t once t >= W).
+    """
+    if t < 0:
+        raise ValueError(f"t={t}; allowed: an integer >= 0")
+    return t if cfg.window_size is None else min(t, cfg.window_size)
+
+
+def kv_cache_bytes(cfg: ModelConfig, t: int, batch: int = 1,
+                   element_bytes: int | None = None) -> int:
+    """Bytes of the KV caches of ``batch`` sequences at context ``t``.
+
+    B·kv_bytes_per_token·min(t, W). Blog: 24,576·4,096 = 100,663,296 B ("96 MB");
+    at 128,000 tokens 3,145,728,000 B ("3 GB").
+    """
+    return batch * kv_bytes_per_token(cfg, element_bytes) * tokens_held(cfg, t)
+
+
+# --------------------------------------------------------------------------- weights
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts (elements) by part.
+
+    attention: every attention weight of all layers (MLA: its projections and latent norms).
+    mlp: FFN weights of all layers. norms: 2 RMSNorm scales per layer + the final one.
+    embedding: V·D token table. lm_head: V·D if untied, else 0 (it is the embedding).
+    """
+
+    attention: int
+    mlp: int
+    norms: int
+    embedding: int
+    lm_head: int
+
+    @property
+    def layer_matrices(self) -> int:
+        """Attention + MLP matrices: the blog's 12·D² per layer ("Category 1")."""
+        return self.attention + self.mlp
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.mlp + self.norms + self.embedding + self.lm_head
+
+
+def attention_params_per_layer(cfg: ModelConfig) -> int:
+    """Attention parameters of one layer (no biases).
+
+    MHA/GQA/MQA: W_Q D·N·H + W_K, W_V D·K·H each + W_O N·H·D.
+    MLA (DeepSeek-V2 sec. 2.1): W_DKV D·C, W_KR D·R, W_UK C·N·nope, W_UV C·N·v,
+    W_Q D·N·(nope+R) (or W_DQ D·q_lora + W_UQ/W_QR q_lora·N·(nope+R) plus the q-latent
+    norm q_lora), W_O N·v·D, and the kv-latent RMSNorm C.
+    """
+    d, n = cfg.d_model, cfg.num_heads
+    if not cfg.is_mla:
+        h, k = cfg.head_dim, cfg.num_kv_heads
+        return d * n * h + 2 * d * k * h + n * h * d
+    c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+    qk = n * (nope + r)
+    if cfg.q_lora_rank is None:
+        q = d * qk
+    else:
+        q = d * cfg.q_lora_rank + cfg.q_lora_rank * qk + cfg.q_lora_rank
+    return q + d * c + d * r + c * n * nope + c * n * v + n * v * d + c
+
+
+def mlp_params_per_layer(cfg: ModelConfig) -> int:
+    """FFN parameters of one layer: SwiGLU 3·D·F (gate, up, down), GELU 2·D·F (W1, W2)."""
+    return (3 if cfg.mlp_type == "swiglu" else 2) * cfg.d_model * cfg.mlp_dim
+
+
+def param_counts(cfg: ModelConfig) -> ParamCounts:
+    """Exact parameter counts from the shapes of kvjax's decoder (RMSNorm, no biases)."""
+    d, v, l = cfg.d_model, cfg.vocab_size, cfg.num_layers
+    return ParamCounts(
+        attention=l * attention_params_per_layer(cfg),
+        mlp=l * mlp_params_per_layer(cfg),
+        norms=2 * d * l + d,
+        embedding=v * d,
+        lm_head=0 if cfg.tie_embeddings else v * d,
+    )
+
+
+def weight_bytes(cfg: ModelConfig, element_bytes: int | None = None) -> int:
+    """Bytes of all parameters (what must sit in memory), from exact shapes."""
+    return param_counts(cfg).total * _b(cfg, element_bytes)
+
+
+def weight_bytes_per_step(cfg: ModelConfig, element_bytes: int | None = None) -> int:
+    """Weight bytes read from memory by one decode step.
+
+    Every layer matrix and norm, plus the V·D output matrix once: the LM head reads it
+    whole, while the embedding lookup gathers one D-row per token (D·b bytes, ignored
+    here). Tied: the shared V·D matrix counted once; untied: the LM head's V·D.
+    The blog's "Category 1" counts only the layer matrices (:func:`weight_bytes_blog`).
+    """
+    p = param_counts(cfg)
+    return (p.layer_matrices + p.norms + cfg.vocab_size * cfg.d_model) * _b(cfg, element_bytes)
+
+
+def weight_bytes_blog(num_layers: int, d_model: int, element_bytes: int = 2) -> int:
+    """Blog "Category 1": 12·D² parameters per layer (4D² attention + 8D² FFN with F=4D),
+    i.e. 24·L·D² bytes in fp16. Blog model: 24·12·512² = 75,497,472 B ("72 MB" = 72 MiB).
+    """
+    return 12 * num_layers * d_model**2 * element_bytes
+
+
+# --------------------------------------------------------------------------- bytes per step
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBytes:
+    """Memory traffic of one decode step, bytes.
+
+    weights: weight bytes read (fixed in t). kv_read: B·(cache bytes at context t).
+    kv_write: B·kv_bytes_per_token, the new token's K/V (blog "Phase 2", 2 KB per layer
+    for the blog model; the blog drops it from the boxed equation).
+    """
+
+    weights: int
+    kv_read: int
+    kv_write: int
+
+    @property
+    def read(self) -> int:
+        """weights + kv_read: the blog's boxed B_step(t)."""
+        return self.weights + self.kv_read
+
+    @property
+    def total(self) -> int:
+        """All traffic: weights + kv_read + kv_write."""
+        return self.weights + self.kv_read + self.kv_write
+
+    def as_dict(self) -> dict[str, int]:
+        return {"weights": self.weights, "kv_read": self.kv_read, "kv_write": self.kv_write,
+                "read": self.read, "total": self.total}
+
+
+def step_bytes(cfg: ModelConfig, t: int, batch: int = 1, weights: int | None = None,
+               element_bytes: int | None = None) -> StepBytes:
+    """Bytes moved by one decode step at context ``t`` for ``batch`` sequences.
+
+    Blog "The Fundamental Equation of Inference Throughput":
+    B_step(t) = weight bytes (read once, shared by the batch) + B·KV bytes(t).
+    ``weights`` overrides the weight term (e.g. ``weight_bytes_blog(L, D)`` to reproduce
+    the blog); by default :func:`weight_bytes_per_step`. MLA counts the latent cache read
+    only (no materialised K/V, which would be naive-path activations).
+    """
+    w = weight_bytes_per_step(cfg, element_bytes) if weights is None else weights
+    return StepBytes(
+        weights=int(w),
+        kv_read=kv_cache_bytes(cfg, t, batch, element_bytes),
+        kv_write=batch * kv_bytes_per_token(cfg, element_bytes),
+    )
+
+
+# --------------------------------------------------------------------------- FLOPs per step
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFlops:
+    """FLOP of one decode step (all layers, all sequences), by part.
+
+    proj: Q/K/V/O projections (MLA: also the absorbed up-projections, per token).
+    kv_rebuild: MLA naive path only: re-projecting the t cached latents to K/V.
+    attn: scores + softmax + weighted values over the keys attended (blog "Phase 3").
+    mlp: FFN. lm_head: 2·D·V logits.
+    """
+
+    proj: int
+    kv_rebuild: int
+    attn: int
+    mlp: int
+    lm_head: int
+
+    @property
+    def total(self) -> int:
+        return self.proj + self.kv_rebuild + self.attn + self.mlp + self.lm_head
+
+    def as_dict(self) -> dict[str, int]:
+        return {**dataclasses.asdict(self), "total": self.total}
+
+
+def attention_flops_per_head(score_dim: int, value_dim: int, keys: int) -> int:
+    """One query head over ``keys`` keys (blog "Phase 3"): 2·d_k·t (3a scores)
+    + 4·t (3b scale + softmax) + 2·d_v·t (3c values). d_k = d_v = 64: 260·t.
+    """
+    return 2 * score_dim * keys + 4 * keys + 2 * value_dim * keys
+
+
+def step_flops(cfg: ModelConfig, t: int, batch: int = 1,
+               absorbed: bool | None = None) -> StepFlops:
+    """FLOP of one decode step at context ``t`` (``t`` keys read, own key included).
+
+    Per layer per token, MHA/GQA/MQA:
+      proj 2·D·(N·H + 2·K·H) + 2·N·H·D (blog "Phase 1" is the first term for N=K);
+      attn N·(2·H·t' + 4·t' + 2·H·t') with t' = min(t, W) keys (blog: 260(t+1) per head).
+    MLA (DeepSeek-V2 sec. 2.1), q path 2·D·N·(nope+R) (or through q_lora), latent
+    down-projections 2·D·(C+R), output 2·N·v·D, and
+      naive (``absorbed=False``): rebuild K/V from all t' latents, 2·t'·C·N·(nope+v)
+        (``kv_rebuild``); attention per head over nope+R score dims and v value dims;
+      absorbed (``True``): W_UK folded into the query (2·N·nope·C) and W_UV applied after
+        attention (2·N·C·v), both per token in ``proj``; attention per head over C+R score
+        dims and C value dims.
+    ``absorbed`` defaults to ``cfg.mla_absorb``.
+    MLP: SwiGLU 6·D·F, GELU 4·D·F. LM head 2·D·V once per token. Everything scales with B.
+    """
+    d, n, l = cfg.d_model, cfg.num_heads, cfg.num_layers
+    keys = tokens_held(cfg, t)
+    rebuild = 0
+    if not cfg.is_mla:
+        h, k = cfg.head_dim, cfg.num_kv_heads
+        proj = 2 * d * (n * h + 2 * k * h) + 2 * n * h * d
+        attn = n * attention_flops_per_head(h, h, keys)
+    else:
+        absorbed = cfg.mla_absorb if absorbed is None else absorbed
+        c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+        qk = n * (nope + r)
+        q = 2 * d * qk if cfg.q_lora_rank is None else 2 * cfg.q_lora_rank * (d + qk)
+        proj = q + 2 * d * (c + r) + 2 * n * v * d
+        if absorbed:
+            proj += 2 * n * c * (nope + v)
+            attn = n * attention_flops_per_head(c + r, c, keys)
+        else:
+            rebuild = 2 * keys * c * n * (nope + v)
+            attn = n * attention_flops_per_head(nope + r, v, keys)
+    mlp = (6 if cfg.mlp_type == "swiglu" else 4) * d * cfg.mlp_dim
+    return StepFlops(
+        proj=batch * l * proj,
+        kv_rebuild=batch * l * rebuild,
+        attn=batch * l * attn,
+        mlp=batch * l * mlp,
+        lm_head=batch * 2 * d * cfg.vocab_size,
+    )
+
+
+# --------------------------------------------------------------------------- roofline
+
+
+def arithmetic_intensity(flops: float, num_bytes: float) -> float:
+    """FLOP per byte moved (blog "The Roofline Model"); matrix-vector in fp16: ~1.0."""
+    return flops / num_bytes
+
+
+def memory_time(num_bytes: float, chip: Chip) -> float:
+    """Seconds to move ``num_bytes`` at the chip's HBM bandwidth: bytes / (bytes/s)."""
+    return num_bytes / chip.hbm_bytes_per_s
+
+
+def compute_time(flops: float, chip: Chip, dtype: Any = "float16") -> float | None:
+    """Seconds for ``flops`` at the chip's peak for ``dtype``; None if the peak is unknown."""
+    peak = chip.peak_flops(dtype)
+    return None if peak is None else flops / peak
+
+
+def step_time(num_bytes: float, flops: float, chip: Chip, dtype: Any = "float16") -> float:
+    """Roofline step time, seconds: max(bytes / bandwidth, FLOP / peak).
+
+    Blog "Why Memory Bandwidth Is the Right Metric": T_step = max(T_compute, T_memory).
+    With an unknown peak (an unmeasured CPU) only the memory term is used.
+    """
+    mem = memory_time(num_bytes, chip)
+    comp = compute_time(flops, chip, dtype)
+    return mem if comp is None else max(mem, comp)
+
+
+def crossover_context(cfg: ModelConfig, weights: int | None = None,
+                      element_bytes: int | None = None) -> float:
+    """t* (tokens) where KV bytes read per step equal the weight bytes per step.
+
+    t* = weight bytes / kv_bytes_per_token (blog "The crossover"); ``weights`` overrides
+    :func:`weight_bytes_per_step`. With a window whose full cache stays below the weights,
+    the KV read never catches up: ``math.inf``.
+    """
+    w = weight_bytes_per_step(cfg, element_bytes) if weights is None else weights
+    t_star = w / kv_bytes_per_token(cfg, element_bytes)
+    if cfg.window_size is not None and cfg.window_size < t_star:
+        return math.inf
+    return t_star
+
+
+def crossover_context_blog(d_model: int) -> int:
+    """Blog's t* = 6·D tokens (24·L·D² weights = 4·L·D·t KV). D=512: 3,072."""
+    return 6 * d_model
+
+
+def kv_to_weight_ratio(t: float, d_model: int) -> float:
+    """Blog "The KV Cache vs. Model Weight Ratio": KV bytes / weight bytes = t / (6·D)."""
+    return t / (6 * d_model)
+
+
+def max_batch(cfg: ModelConfig, t: int, memory_bytes: float, reserve_bytes: float = 0,
+              element_bytes: int | None = None) -> int:
+    """Sequences whose KV caches at context ``t`` fit in ``memory_bytes - reserve_bytes``.
+
+    Blog "The memory capacity wall": ~60 GB of an 80 GB A100 left for caches,
+    60,000 / 96 ~ 625 requests at 4K context, 60,000 / 3,000 ~ 20 at 128K. Pass the memory
+    free for caches, or the whole memory with weights etc. in ``reserve_bytes``.
+    """
+    per_seq = kv_cache_bytes(cfg, t, 1, element_bytes)
+    free = memory_bytes - reserve_bytes
+    if per_seq == 0:
+        raise ValueError("an empty cache (t=0) fits any batch; pass t >= 1")
+    return max(0, math.floor(free / per_seq))
