@@ -17,7 +17,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from kvjax import costs, runner
+from kvjax import cache as cache_lib
+from kvjax import costs, runner, theory
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
 
@@ -30,6 +31,7 @@ def report(result: runner.DecodeResult) -> str:
     """The human-readable report of one run."""
     s = result.step
     cfg = s.cfg
+    per_token = theory.kv_bytes_per_token(cfg) * s.batch
     lines = [
         f"model: {cfg.name}  attention={cfg.attention}  N={cfg.num_heads} "
         f"K={cfg.num_kv_heads}  L={cfg.num_layers}  D={cfg.d_model}  dtype={cfg.dtype}  "
@@ -44,10 +46,14 @@ def report(result: runner.DecodeResult) -> str:
         f"{result.time_to_first_token_s * 1e3:.1f} ms; decode "
         f"{result.decode_tokens_per_s:,.2f} tokens/s",
         f"KV cache: {result.kv_cache_bytes:,} bytes allocated "
-        f"(theory {result.kv_cache_bytes_theory:,} = "
-        f"{result.kv_cache_bytes_theory // max(1, s.context):,} B/token x {s.context} slots)",
+        f"(theory {result.kv_cache_bytes_theory:,} = {per_token:,} B/token x "
+        f"{result.kv_cache_bytes_theory // per_token:,} slots)",
         "",
-        f"one decode step at context {s.context} (cache of {s.context} slots):",
+        f"one decode step at context {s.context} (cache of "
+        f"{cache_lib.num_slots(cfg, s.context)} slots"
+        + ("" if cfg.window_size is None else
+           f": a ring of W={cfg.window_size}, {cfg.num_sink_tokens} sinks, reading "
+           f"{theory.tokens_held(cfg, s.context)} keys") + "):",
         costs.cost_table(s, result.step_seconds_median),
     ]
     return "\n".join(lines)

@@ -3,7 +3,9 @@
 * :func:`prefill` runs the whole prompt in one pass (matrix-matrix: compute-bound).
 * :func:`generate` runs the new tokens inside one ``lax.while_loop`` (matrix-vector:
   memory-bound, the blog's regime). The step count is a traced argument and the token
-  buffer has the cache's length, so one compilation serves any number of steps.
+  buffer has the cache's length (a windowed cache, which never fills, gets a buffer of
+  the next power of two >= the steps; :func:`token_buffer_len`), so one compilation
+  serves any number of steps that fits the buffer.
 * :func:`decode_step` is a single jitted step, used by the cost hook and the benchmarks.
 
 Lengths are checked on the host before anything runs: a prompt longer than the cache or a
@@ -111,14 +113,30 @@ def decode_step(params, token, cache, *, cfg):
     return logits[:, 0], cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("cache",))
-def _generate(params, first_token, cache, num_steps, rng, eos_id, *, cfg, sampling):
+def token_buffer_len(cfg: ModelConfig, num_slots: int, num_steps: int) -> int:
+    """Length of :func:`generate`'s token buffer (static: a new length compiles a new loop).
+
+    Dense: the cache's ``num_slots`` (no more steps fit). Windowed: a ring buffer never
+    fills, so the buffer must hold the steps themselves: the next power of two >=
+    ``num_steps`` (at least ``num_slots``), so few lengths ever compile.
+    """
+    if cfg.window_size is None:
+        return num_slots
+    return max(num_slots, 1 << max(0, int(num_steps) - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "buf_len"),
+                   donate_argnames=("cache",))
+def _generate(params, first_token, cache, num_steps, rng, eos_id, *, cfg, sampling,
+              buf_len=None):
+    """``buf_len``: token buffer length (None: the cache's slots); steps past it never run."""
     batch = first_token.shape[0]
-    buf = jnp.zeros((batch, cache.num_slots), jnp.int32)
+    buf_len = cache.num_slots if buf_len is None else buf_len
+    buf = jnp.zeros((batch, buf_len), jnp.int32)
 
     def cond(state):
         i, _, _, _, done, _ = state
-        return (i < num_steps) & ~jnp.all(done)
+        return (i < jnp.minimum(num_steps, buf_len)) & ~jnp.all(done)
 
     def body(state):
         i, buf, cache, last, done, rng = state
@@ -144,7 +162,8 @@ def generate(params, cfg: ModelConfig, first_token: jax.Array, cache: KVCache,
     Each step feeds the previous token, appends its key/value to the cache and samples the
     next one. A row stops at ``eos_id`` (later entries repeat eos_id); the loop ends when
     every row has stopped or after ``num_steps`` steps. One compilation serves any
-    ``num_steps`` up to the cache length.
+    ``num_steps`` up to the cache length (windowed caches: any number of steps, which may
+    wrap the ring many times; one compilation per power-of-two bucket of ``num_steps``).
 
     Args:
       params: parameters in cfg's layout.
@@ -166,5 +185,6 @@ def generate(params, cfg: ModelConfig, first_token: jax.Array, cache: KVCache,
     rng = jax.random.key(0) if rng is None else rng
     buf, steps, cache = _generate(params, first_token.astype(jnp.int32), cache,
                                   jnp.int32(num_steps), rng, jnp.int32(eos_id),
-                                  cfg=cfg, sampling=sampling)
+                                  cfg=cfg, sampling=sampling,
+                                  buf_len=token_buffer_len(cfg, cache.num_slots, num_steps))
     return buf[:, :num_steps], int(steps), cache

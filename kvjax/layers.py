@@ -49,7 +49,7 @@ class RMSNorm(nn.Module):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * scale.astype(jnp.float32)).astype(self.dtype)
+        return (y * jnp.expand_dims(scale.astype(jnp.float32), range(y.ndim - 1))).astype(self.dtype)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -67,7 +67,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """
     h = x.shape[-1]
     inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq[None, None]  # [B, T, H/2]
     angles = angles.reshape(angles.shape[:2] + (1,) * (x.ndim - 3) + angles.shape[-1:])
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x32 = x.astype(jnp.float32)

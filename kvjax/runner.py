@@ -123,9 +123,11 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
     start = time.perf_counter()
     cache = cache_lib.init_cache(cfg, b, run.max_seq_len)
     prefill_c = decode._prefill.lower(params, tokens, cache, cfg=cfg).compile()
+    steps = run.max_new_tokens - 1
     gen_c = decode._generate.lower(
         params, tokens[:, 0], cache, jnp.int32(0), jax.random.key(0), jnp.int32(eos),
-        cfg=cfg, sampling=run.sampling).compile()
+        cfg=cfg, sampling=run.sampling,
+        buf_len=decode.token_buffer_len(cfg, cache.num_slots, steps)).compile()
     compile_s = time.perf_counter() - start
 
     rng = jax.random.key(run.sampling.seed)
@@ -138,7 +140,6 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
     first.block_until_ready()
     ttft = time.perf_counter() - start
 
-    steps = run.max_new_tokens - 1
     decode.check_room(cfg, cache, steps, "generate")
     start = time.perf_counter()
     buf, ran, cache = gen_c(params, first, cache, jnp.int32(steps), rng, jnp.int32(eos))
@@ -164,5 +165,7 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
         prefill_tokens_per_s=len(ids) * b / prefill_s,
         decode_tokens_per_s=(ran * b / decode_s) if ran else float("nan"),
         kv_cache_bytes=kv_bytes,
-        kv_cache_bytes_theory=theory.kv_cache_bytes(cfg, run.max_seq_len, b),
+        # theory for the slots allocated: max_seq_len, or W for a window (a ring buffer)
+        kv_cache_bytes_theory=theory.kv_cache_bytes(
+            cfg, cache_lib.num_slots(cfg, run.max_seq_len), b),
         step=step, step_seconds_median=statistics.median(times))

@@ -236,6 +236,30 @@ def step_bytes(cfg: ModelConfig, t: int, batch: int = 1, weights: int | None = N
     )
 
 
+def mla_unfused_extra_bytes(cfg: ModelConfig, t: int, batch: int = 1,
+                            absorbed: bool | None = None,
+                            element_bytes: int | None = None) -> int:
+    """Bytes an MLA decode step built from one op per contraction (XLA, no fused attention
+    kernel) must move beyond :func:`step_bytes`, which reads the latent cache once.
+
+    absorbed (``True``): the latent is contracted twice, over C for the scores and over the
+    t' keys for ``probs·c``, so it is read twice: + B·L·t'·C·b.
+    naive (``False``): both up-projections read the latent (+ B·L·t'·C·b), and the rebuilt
+    K [t', N, nope] and V [t', N, v] are written and read back: + 2·B·L·t'·N·(nope+v)·b.
+    Lower bounds: scores, masks and layout copies are not counted. t' = min(t, W); 0 for
+    non-MLA configs. ``absorbed`` defaults to ``cfg.mla_absorb``.
+    """
+    if not cfg.is_mla:
+        return 0
+    absorbed = cfg.mla_absorb if absorbed is None else absorbed
+    b = _b(cfg, element_bytes)
+    rows = batch * cfg.num_layers * tokens_held(cfg, t)
+    extra = rows * cfg.kv_lora_rank * b
+    if not absorbed:
+        extra += 2 * rows * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * b
+    return extra
+
+
 # --------------------------------------------------------------------------- FLOPs per step
 
 

@@ -1,0 +1,252 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2: Liu et al. 2024, sec. 2.1): the blog's lever 2.
+
+Per token and layer the cache holds one latent ``c_kv = RMSNorm(x·W_DKV)`` of C =
+kv_lora_rank elements and one rotary key ``k_rope = RoPE(x·W_KR)`` of R = qk_rope_head_dim
+elements shared by every head: (C + R)·b bytes, with no head axis (cache.layer_shapes).
+
+Per head n the keys and values are rebuilt from the latent by up-projections,
+``k_n = [c·W_UK[n] ; k_rope]`` (nope + R dims, nope = qk_nope_head_dim) and
+``v_n = c·W_UV[n]`` (V = v_head_dim dims). Queries come from ``x·W_Q`` (or the low-rank
+path ``RMSNorm(x·W_DQ)·W_UQ`` when q_lora_rank is set), split per head into a no-rope part
+(nope dims) and a rotary part (R dims, half-split RoPE). Softmax scale 1/sqrt(nope + R).
+
+Two mathematically equal ways to attend (``cfg.mla_absorb``):
+
+* naive (False): rebuild K = c·W_UK [B, N, S, nope] and V = c·W_UV [B, N, S, V] from every
+  cached latent at every step, then attend as MHA. The rebuilt K/V are activations of
+  N·(nope + V) elements per token per layer (written and read back each step: the compiled
+  bytes grow with them; see ``kvjax.theory.mla_unfused_extra_bytes``).
+* absorbed (True): fold W_UK into the query, ``q_lat = q_nope·W_UK^T`` [B, T, N, C], score
+  the latents directly (``q_lat·c + q_rope·k_rope``), mix the latents with the
+  probabilities (``o_lat = p·c`` [B, T, N, C]) and apply W_UV afterwards. Per step only
+  the latent cache is read (twice: once per contraction); nothing of size S·N is built
+  except the scores.
+
+Both paths are used for every chunk length (prefill too), so ``mla_absorb`` changes the
+arithmetic, never the function. Scores and softmax run in float32 whatever the dtype.
+
+Parameters (under the layer's 'attn', named after the paper's matrices; each a 'kernel'
+except the norms' 'scale'): w_q [D, N, nope+R] (or w_dq [D, Q], q_norm [Q],
+w_uq [Q, N, nope+R] with q_lora_rank Q), w_dkv [D, C], kv_norm [C] (DeepSeek's
+kv_a_layernorm), w_kr [D, R], w_uk [N, C, nope], w_uv [N, C, V], wo [N, V, D].
+
+W_UK and W_UV are stored head-major, [N, C, ·], not [C, N, ·]: the absorbed path contracts
+them per head (a dot batched over N), and XLA:CPU wants the batch axis major; with
+[C, N, ·] it copied a transposed W_UK and W_UV every step (3.05x their bytes, measured).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kvjax import cache as cache_lib
+from kvjax.config import ModelConfig
+from kvjax.layers import Einsum, RMSNorm, apply_rope
+
+NEG_INF = -1e30
+
+
+class Kernel(nn.Module):
+    """A bare weight ``kernel`` of ``shape`` (normal, stddev fan_in^-1/2), for weights used in
+    more than one contraction (W_UK, W_UV)."""
+
+    shape: Sequence[int]
+    fan_in: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return self.param("kernel", nn.initializers.normal(stddev=self.fan_in ** -0.5),
+                          tuple(self.shape), self.dtype)
+
+
+def _scores(q_main: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax.Array,
+            w_uk: jax.Array, absorb: bool) -> jax.Array:
+    """Unscaled float32 scores [B, N, T, S] of T queries against S cached tokens.
+
+    Args:
+      q_main: absorbed: [B, T, N, C] latent queries; naive: [B, T, N, nope] queries.
+      q_rope: [B, T, N, R] rotated query parts.
+      c_kv: [B, S, C] latents. k_rope: [B, S, R] rotated shared keys.
+      w_uk: [N, C, nope] key up-projection (naive path only).
+    """
+    if absorb:
+        s = jnp.einsum("BTNC,BSC->BNTS", q_main, c_kv, preferred_element_type=jnp.float32)
+    else:
+        k = jnp.einsum("BSC,NCP->BNSP", c_kv, w_uk)  # rebuilt keys, [B, N, S, nope]
+        s = jnp.einsum("BTNP,BNSP->BNTS", q_main, k, preferred_element_type=jnp.float32)
+    return s + jnp.einsum("BTNR,BSR->BNTS", q_rope, k_rope,
+                          preferred_element_type=jnp.float32)
+
+
+def _mix(probs: jax.Array, c_kv: jax.Array, w_uv: jax.Array, absorb: bool) -> jax.Array:
+    """Probability-weighted values, float32: absorbed [B, T, N, C] latents; naive
+    [B, T, N, V] values (rebuilding V = c·W_UV [B, N, S, V] first).
+
+    Args:
+      probs: [B, N, T, S] in the cache dtype.
+      c_kv: [B, S, C]. w_uv: [N, C, V] (naive path only).
+    """
+    if absorb:
+        # Latent first: with (probs, c_kv) XLA:CPU copies a transposed c_kv (3x bytes).
+        return jnp.einsum("BSC,BNTS->BTNC", c_kv, probs, preferred_element_type=jnp.float32)
+    v = jnp.einsum("BSC,NCV->BNSV", c_kv, w_uv)  # rebuilt values
+    return jnp.einsum("BNTS,BNSV->BTNV", probs, v, preferred_element_type=jnp.float32)
+
+
+def attend_mla(q_main, q_rope, c_kv, k_rope, mask, w_uk, w_uv, absorb: bool,
+               scale: float) -> jax.Array:
+    """Softmax attention over S latent tokens (full softmax; prefill and chunks).
+
+    Args:
+      q_main, q_rope: see :func:`_scores`. c_kv [B, S, C], k_rope [B, S, R].
+      mask: [B, T, S] bool, True where visible.
+      w_uk [N, C, nope], w_uv [N, C, V]: up-projections.
+    Returns:
+      float32 [B, T, N, C] (absorbed: still to be multiplied by W_UV) or [B, T, N, V].
+    """
+    s = _scores(q_main, q_rope, c_kv, k_rope, w_uk, absorb) * scale
+    s = jnp.where(mask[:, None], s, NEG_INF)
+    probs = jax.nn.softmax(s, axis=-1).astype(c_kv.dtype)
+    return _mix(probs, c_kv, w_uv, absorb)
+
+
+def attend_mla_step(q_main, q_rope, c_old, kr_old, mask_old, c_new, kr_new, w_uk, w_uv,
+                    absorb: bool, scale: float) -> jax.Array:
+    """One decode step (T = 1) over the cache's old slots plus the new token.
+
+    Same math as :func:`attend_mla` over ``concat(old, new)`` without copying the cache:
+    one softmax split into the old scores and the new token's own score (as
+    ``attention.attend_step``). The cache is read before the new token is written.
+
+    Args:
+      c_old [B, S, C], kr_old [B, S, R]: this layer's cache before the write.
+      mask_old: [B, 1, S] bool, visible old slots.
+      c_new [B, 1, C], kr_new [B, 1, R]: the new token's latent and rotary key.
+    Returns:
+      float32 [B, 1, N, C] (absorbed) or [B, 1, N, V] (naive).
+    """
+    s_old = _scores(q_main, q_rope, c_old, kr_old, w_uk, absorb) * scale  # [B, N, 1, S]
+    s_old = jnp.where(mask_old[:, None], s_old, NEG_INF)
+    s_new = _scores(q_main, q_rope, c_new, kr_new, w_uk, absorb) * scale  # [B, N, 1, 1]
+    m = jnp.maximum(jnp.max(s_old, axis=-1, keepdims=True), s_new)
+    p_old = jnp.exp(s_old - m)
+    p_new = jnp.exp(s_new - m)
+    denom = jnp.sum(p_old, axis=-1, keepdims=True) + p_new
+    p_old = (p_old / denom).astype(c_old.dtype)
+    p_new = (p_new / denom).astype(c_old.dtype)
+    return _mix(p_old, c_old, w_uv, absorb) + _mix(p_new, c_new, w_uv, absorb)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention with a latent KV cache; same contract as
+    ``kvjax.attention.Attention``."""
+
+    cfg: ModelConfig
+
+    def setup(self):
+        c = self.cfg
+        dt = c.jnp_dtype
+        d, n = c.d_model, c.num_heads
+        cl, r = c.kv_lora_rank, c.qk_rope_head_dim
+        nope, v = c.qk_nope_head_dim, c.v_head_dim
+        if c.q_lora_rank is None:
+            self.w_q = Einsum((d, n, nope + r), "BTD,DNH->BTNH", dt)
+        else:
+            q = c.q_lora_rank
+            self.w_dq = Einsum((d, q), "BTD,DQ->BTQ", dt)
+            self.q_norm = RMSNorm(c.norm_eps, dt)
+            self.w_uq = Einsum((q, n, nope + r), "BTQ,QNH->BTNH", dt)
+        self.w_dkv = Einsum((d, cl), "BTD,DC->BTC", dt)
+        self.kv_norm = RMSNorm(c.norm_eps, dt)
+        self.w_kr = Einsum((d, r), "BTD,DR->BTR", dt)
+        self.w_uk = Kernel((n, cl, nope), cl, dt)
+        self.w_uv = Kernel((n, cl, v), cl, dt)
+        self.wo = Einsum((n, v, d), "BTNV,NVD->BTD", dt)
+
+    @property
+    def scale(self) -> float:
+        return (self.cfg.qk_nope_head_dim + self.cfg.qk_rope_head_dim) ** -0.5
+
+    def queries(self, x: jax.Array, positions: jax.Array):
+        """(q_nope [B, T, N, nope], rotated q_rope [B, T, N, R]) in cfg.dtype."""
+        c = self.cfg
+        if c.q_lora_rank is None:
+            q = self.w_q(x)
+        else:
+            q = self.w_uq(self.q_norm(self.w_dq(x)))
+        nope = c.qk_nope_head_dim
+        return q[..., :nope], apply_rope(q[..., nope:], positions, c.rope_theta)
+
+    def latents(self, x: jax.Array, positions: jax.Array):
+        """What the cache stores for x: (c_kv [B, T, C], k_rope [B, T, R]) in cfg.dtype."""
+        c_kv = self.kv_norm(self.w_dkv(x))
+        k_rope = apply_rope(self.w_kr(x), positions, self.cfg.rope_theta)
+        return c_kv, k_rope
+
+    def scores(self, x_q: jax.Array, q_positions: jax.Array, x_k: jax.Array,
+               k_positions: jax.Array) -> jax.Array:
+        """Scaled float32 scores [B, N, Tq, Tk] of queries from x_q against keys from x_k
+        (no mask), by the path ``cfg.mla_absorb`` selects. For tests and analysis."""
+        q_nope, q_rope = self.queries(x_q, q_positions)
+        c_kv, k_rope = self.latents(x_k, k_positions)
+        q_main = self._query_main(q_nope)
+        return _scores(q_main, q_rope, c_kv, k_rope, self.w_uk(), self.cfg.mla_absorb) \
+            * self.scale
+
+    def _query_main(self, q_nope: jax.Array) -> jax.Array:
+        if not self.cfg.mla_absorb:
+            return q_nope
+        # W_UK absorbed into the query: [B, T, N, nope] x [N, C, nope] -> [B, T, N, C].
+        return jnp.einsum("BTNP,NCP->BTNC", q_nope, self.w_uk())
+
+    def __call__(self, x: jax.Array, positions: jax.Array, cached: dict | None,
+                 cached_positions: jax.Array | None):
+        """Attention for one layer; the caller writes the returned chunk into the cache.
+
+        Args:
+          x: [B, T, D] inputs.
+          positions: [B, T] int32 absolute positions of the T tokens.
+          cached: this layer's cache before the chunk, {'c_kv': [B, S, C],
+            'k_rope': [B, S, R]}, or None for a cache-free causal forward over the T tokens.
+          cached_positions: [S] int32 slot positions before the chunk (-1: empty).
+        Returns:
+          (out [B, T, D], {'c_kv': [B, T, C], 'k_rope': [B, T, R]} in the cache dtype).
+        """
+        c = self.cfg
+        absorb = c.mla_absorb
+        b, t, _ = x.shape
+        q_nope, q_rope = self.queries(x, positions)
+        c_kv, k_rope = self.latents(x, positions)
+        q_main = self._query_main(q_nope)
+        w_uk, w_uv = self.w_uk(), self.w_uv()
+
+        if cached is None:
+            out = attend_mla(q_main, q_rope, c_kv, k_rope,
+                             cache_lib.attention_mask(positions, positions, c),
+                             w_uk, w_uv, absorb, self.scale)
+        else:
+            # Attend over (old slots ++ this chunk), reading the cache before the caller
+            # writes the chunk (see attention.Attention).
+            c_old, kr_old = cached["c_kv"], cached["k_rope"]
+            c_kv, k_rope = c_kv.astype(c_old.dtype), k_rope.astype(kr_old.dtype)
+            mask_old = cache_lib.attention_mask(positions, cached_positions, c)
+            if t == 1:
+                out = attend_mla_step(q_main, q_rope, c_old, kr_old, mask_old, c_kv, k_rope,
+                                      w_uk, w_uv, absorb, self.scale)
+            else:
+                mask_new = cache_lib.attention_mask(positions, positions, c)
+                out = attend_mla(q_main, q_rope,
+                                 jnp.concatenate([c_old, c_kv], axis=1),
+                                 jnp.concatenate([kr_old, k_rope], axis=1),
+                                 jnp.concatenate([mask_old, mask_new], axis=2),
+                                 w_uk, w_uv, absorb, self.scale)
+
+        out = out.astype(c.jnp_dtype)
+        if absorb:  # latent output [B, T, N, C] -> per-head values [B, T, N, V]
+            out = jnp.einsum("BTNC,NCV->BTNV", out, w_uv)
+        return self.wo(out), {"c_kv": c_kv, "k_rope": k_rope}

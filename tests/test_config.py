@@ -1,0 +1,72 @@
+"""Config validation: every invalid field fails before any work, naming field and value."""
+
+import pytest
+
+from configs import blog, gqa, mha, mqa
+from kvjax.config import ConfigError, ModelConfig, run_config_from_dict
+
+GOOD = dict(vocab_size=10, num_layers=1, d_model=8, num_heads=4, num_kv_heads=2,
+            head_dim=2, mlp_dim=16)
+
+
+@pytest.mark.parametrize("field,value,pattern", [
+    ("num_kv_heads", 3, r"model.num_kv_heads=3; allowed: a divisor of model.num_heads=4"),
+    ("num_layers", 0, r"model.num_layers=0; allowed: a positive integer"),
+    ("d_model", -8, r"model.d_model=-8; allowed: a positive integer"),
+    ("head_dim", 3, r"model.head_dim=3; allowed: an even integer"),
+    ("dtype", "float8", r"model.dtype='float8'; allowed: one of"),
+    ("attention", "linear", r"model.attention='linear'; allowed: one of"),
+    ("mlp_type", "relu", r"model.mlp_type='relu'"),
+    ("window_size", 0, r"model.window_size=0"),
+])
+def test_invalid_model_fields(field, value, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        ModelConfig(**{**GOOD, field: value})
+
+
+def test_mha_and_mqa_names_must_agree_with_kv_heads():
+    with pytest.raises(ConfigError, match="num_kv_heads=2; allowed: equal to num_heads=4"):
+        ModelConfig(**GOOD, attention="mha")
+    with pytest.raises(ConfigError, match="1 for attention='mqa'"):
+        ModelConfig(**GOOD, attention="mqa")
+
+
+def test_override_errors_name_the_field():
+    c = gqa.get_config()
+    c.model.num_kv_heads = 4
+    with pytest.raises(ConfigError, match="num_kv_heads=4; allowed: a divisor of model.num_heads=9"):
+        run_config_from_dict(c)
+    c = gqa.get_config()
+    c.dtype = "int8"
+    with pytest.raises(ConfigError, match="model.dtype='int8'"):
+        run_config_from_dict(c)
+    c = gqa.get_config()
+    c.max_new_tokens = 0
+    with pytest.raises(ConfigError, match="max_new_tokens=0"):
+        run_config_from_dict(c)
+    c = gqa.get_config()
+    c.sampling.top_p = 1.5
+    with pytest.raises(ConfigError, match="sampling.top_p=1.5"):
+        run_config_from_dict(c)
+    c = gqa.get_config()
+    c.weights = "llama"
+    with pytest.raises(ConfigError, match="weights='llama'"):
+        run_config_from_dict(c)
+
+
+def test_prompt_plus_budget_must_fit_max_seq_len():
+    c = gqa.get_config()
+    c.max_seq_len = 20
+    c.max_new_tokens = 16
+    run = run_config_from_dict(c)
+    run.check_fits(4)
+    with pytest.raises(ConfigError, match=r"max_seq_len=20; allowed: at least prompt tokens "
+                                          r"\(5\) \+ max_new_tokens \(16\) = 21"):
+        run.check_fits(5)
+
+
+def test_shipped_configs_build():
+    for mod, k in ((gqa, 3), (mha, 9), (mqa, 1), (blog, 8)):
+        run = run_config_from_dict(mod.get_config())
+        assert run.model.num_kv_heads == k
+    assert run_config_from_dict(blog.get_config()).weights == "random"
