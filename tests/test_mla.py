@@ -24,6 +24,9 @@ def positions(start, t, batch=1):
     return jnp.broadcast_to(jnp.arange(start, start + t, dtype=jnp.int32), (batch, t))
 
 
+forward = jax.jit(model.forward, static_argnums=1)  # (params, cfg, tokens, positions, cache)
+
+
 def layer_params(cfg, seed=0):
     x = jnp.zeros((1, 2, cfg.d_model), cfg.jnp_dtype)
     return MLAttention(cfg).init(jax.random.key(seed), x, positions(0, 2), None, None)
@@ -41,13 +44,13 @@ def test_absorbed_equals_naive(dtype, atol, q_lora_rank):
     pos = positions(0, 9, 2)
     outs = {}
     for absorb in (True, False):
-        layer = MLAttention(cfg.replace(mla_absorb=absorb))
-        full, new = layer.apply(variables, x, pos, None, None)
+        apply = jax.jit(MLAttention(cfg.replace(mla_absorb=absorb)).apply)
+        full, new = apply(variables, x, pos, None, None)
         # one decode step over a cache holding the first 8 tokens (split softmax path)
         cached = {"c_kv": jnp.zeros((2, 12, 16), cfg.jnp_dtype).at[:, :8].set(new["c_kv"][:, :8]),
                   "k_rope": jnp.zeros((2, 12, 8), cfg.jnp_dtype).at[:, :8].set(new["k_rope"][:, :8])}
         slot_pos = jnp.where(jnp.arange(12) < 8, jnp.arange(12), -1).astype(jnp.int32)
-        step, _ = layer.apply(variables, x[:, 8:], pos[:, 8:], cached, slot_pos)
+        step, _ = apply(variables, x[:, 8:], pos[:, 8:], cached, slot_pos)
         outs[absorb] = (np.asarray(full, np.float32), np.asarray(step, np.float32))
         assert new["c_kv"].shape == (2, 9, 16) and new["k_rope"].shape == (2, 9, 8)
         assert new["c_kv"].dtype == cfg.jnp_dtype and new["k_rope"].dtype == cfg.jnp_dtype
@@ -68,8 +71,7 @@ def cached_logits(params, cfg, tokens, chunks, max_seq_len=16):
     c = cache_lib.init_cache(cfg, b, max_seq_len)
     outs, start = [], 0
     for n in chunks:
-        out, c = model.forward(params, cfg, tokens[:, start:start + n],
-                               positions(start, n, b), c)
+        out, c = forward(params, cfg, tokens[:, start:start + n], positions(start, n, b), c)
         outs.append(out)
         start += n
     return jnp.concatenate(outs, axis=1), c
@@ -81,7 +83,7 @@ def test_cached_decode_equals_full_forward(absorb, scan_layers):
     cfg = small(mla_absorb=absorb, scan_layers=scan_layers)
     params = model.params_for(cfg, model.init_params(small(), jax.random.key(3)))
     tokens = jax.random.randint(jax.random.key(4), (2, 11), 0, cfg.vocab_size)
-    full, _ = model.forward(params, cfg, tokens, positions(0, 11, 2))
+    full, _ = forward(params, cfg, tokens, positions(0, 11, 2))
     # prefill 4, a chunk of 3 (T > 1 over a non-empty cache), then single steps
     got, c = cached_logits(params, cfg, tokens, [4, 3, 1, 1, 1, 1])
     np.testing.assert_allclose(np.asarray(got), np.asarray(full), atol=1e-4, rtol=0)
@@ -95,7 +97,7 @@ def test_windowed_latent_cache_equals_windowed_forward():
     cfg = small(window_size=5, scan_layers=False)
     params = model.params_for(cfg, model.init_params(small(), jax.random.key(5)))
     tokens = jax.random.randint(jax.random.key(6), (1, 13), 0, cfg.vocab_size)
-    full, _ = model.forward(params, cfg, tokens, positions(0, 13))
+    full, _ = forward(params, cfg, tokens, positions(0, 13))
     got, c = cached_logits(params, cfg, tokens, [3] + [1] * 10)
     np.testing.assert_allclose(np.asarray(got), np.asarray(full), atol=1e-4, rtol=0)
     assert c.num_slots == 5

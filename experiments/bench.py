@@ -1,0 +1,217 @@
+r"""Decode measured against the memory-bandwidth roofline, and against peers.
+
+    python -m experiments.bench                      # blog model + SmolLM2 shapes, CPU
+    python -m experiments.bench --quick              # fewer contexts, fewer repeats
+    python -m experiments.bench --models=blog --variants=mha,gqa,mqa --contexts=32768 \
+        --peers=flax,torch --dtype=float32
+    python -m experiments.bench --gpu_check          # the prepared GPU check (bf16, H200)
+
+For each model x variant x context: the median decode-step time (one warm-up, then
+``--repeats`` steps, ``block_until_ready``); theory bytes per step (the blog's B_step at a
+full cache of ``context`` slots); achieved bytes/s = theory bytes / time, and its fraction
+of the roofline (the measured read bandwidth on CPU, the published HBM bandwidth on a
+known GPU). Then: GQA and MQA speedups over MHA against theory's byte ratio; the window's
+flatness in context; the measured crossover context (fitting time = a + b·t, t* = a/b)
+against theory; peers at the same shapes. Prints tables, writes JSON and a PNG plot.
+
+SmolLM2 is benchmarked with its shapes and random weights (timing does not depend on the
+values, and random weights skip the 4 s GGUF read).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import peers
+from kvjax import cache as cache_lib
+from kvjax import costs, hardware, model, presets, theory
+from kvjax.config import ModelConfig, default_scan_layers
+
+_MODELS = flags.DEFINE_list("models", ["blog", "smollm2"], "blog and/or smollm2.")
+_VARIANTS = flags.DEFINE_list("variants", ["mha", "gqa", "mqa", "window"],
+                              "mha, gqa (blog: K=2; SmolLM2: K=3), mqa, window (W=512 on gqa).")
+_CONTEXTS = flags.DEFINE_list("contexts", ["1024", "4096", "16384", "32768", "65536"],
+                              "Cache lengths (tokens).")
+_DTYPE = flags.DEFINE_string("dtype", "float32", "float32 | bfloat16 | float16.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed steps per point (median reported).")
+_PEERS = flags.DEFINE_list("peers", ["flax", "torch"], "Peers to time: flax, torch.")
+_PEER_CONTEXTS = flags.DEFINE_list("peer_contexts", ["4096", "32768"], "Peer contexts.")
+_SCAN = flags.DEFINE_enum("scan_layers", "auto", ["auto", "true", "false", "both"],
+                          "Layer stack mode; 'both' times each.")
+_OUT = flags.DEFINE_string("out_dir", "results/bench", "Where JSON and PNG go.")
+_QUICK = flags.DEFINE_bool("quick", False, "Contexts 1K/16K/32K, 3 repeats, blog only.")
+_GPU_CHECK = flags.DEFINE_bool(
+    "gpu_check", False, "The prepared GPU check: bf16, blog model MHA/GQA/MQA and SmolLM2 "
+    "GQA at 4K/32K/128K, both layer-stack modes, no peers.")
+_MAX_CACHE_BYTES = flags.DEFINE_float("max_cache_gb", 8.0, "Skip points whose cache exceeds this.")
+
+
+def variant_cfg(model_name: str, variant: str, dtype: str, scan_layers: bool) -> ModelConfig:
+    """The config for one benchmark point."""
+    base = (presets.blog_model(dtype=dtype, vocab_size=49152) if model_name == "blog"
+            else presets.smollm2_135m(dtype=dtype))
+    n = base.num_heads
+    k = {"mha": n, "gqa": 2 if model_name == "blog" else 3, "mqa": 1,
+         "window": 2 if model_name == "blog" else 3}[variant]
+    attention = {"mha": "mha", "mqa": "mqa"}.get(variant, "gqa")
+    return base.replace(num_kv_heads=k, attention=attention, scan_layers=scan_layers,
+                        window_size=512 if variant == "window" else None,
+                        name=f"{model_name}-{variant}")
+
+
+def time_point(cfg: ModelConfig, context: int, repeats: int) -> float:
+    """Median seconds of one decode step with a full cache of ``context`` slots."""
+    params = model.init_params(cfg, 0)
+    cache = cache_lib.init_cache(cfg, 1, context)
+    if cfg.window_size is not None:  # a ring holding the last W positions
+        cache = cache.replace(positions=jnp.arange(context - cache.num_slots - 1, context - 1,
+                                                   dtype=jnp.int32))
+    cache = cache.replace(length=jnp.int32(context - 1))
+    times = costs.measure_step_seconds(cfg, params, cache, 1, repeats)
+    del params, cache
+    return statistics.median(times)
+
+
+def fit_crossover(contexts, seconds) -> float:
+    """t* = a / b from a least-squares fit seconds = a + b·t (weights time = KV time)."""
+    b, a = np.polyfit(np.asarray(contexts, float), np.asarray(seconds, float), 1)
+    return float(a / b) if b > 0 else float("inf")
+
+
+def main(argv):
+    del argv
+    models, variants = _MODELS.value, _VARIANTS.value
+    contexts = [int(c) for c in _CONTEXTS.value]
+    dtype, repeats, peer_names = _DTYPE.value, _REPEATS.value, _PEERS.value
+    scan_modes = {"auto": [default_scan_layers()], "true": [True], "false": [False],
+                  "both": [False, True]}[_SCAN.value]
+    if _QUICK.value:
+        models, contexts, repeats = ["blog"], [1024, 16384, 32768], 3
+    if _GPU_CHECK.value:
+        models, variants, dtype = ["blog", "smollm2"], ["mha", "gqa", "mqa"], "bfloat16"
+        contexts, repeats, peer_names, scan_modes = [4096, 32768, 131072], 5, [], [False, True]
+
+    chip = hardware.local_chip()
+    roof = chip.hbm_bytes_per_s
+    print(f"device: {jax.devices()[0]}  roofline: {chip.name} {roof / 1e9:.1f} GB/s "
+          f"({chip.source})")
+    points = []
+    for model_name in models:
+        for scan in scan_modes:
+            for variant in variants:
+                cfg = variant_cfg(model_name, variant, dtype, scan)
+                for t in contexts:
+                    kv = theory.kv_cache_bytes(cfg, t)
+                    if kv > _MAX_CACHE_BYTES.value * 1e9:
+                        continue
+                    sec = time_point(cfg, t, repeats)
+                    sb = theory.step_bytes(cfg, t)
+                    achieved = sb.total / sec
+                    points.append(dict(model=model_name, variant=variant, scan_layers=scan,
+                                       context=t, seconds=sec, theory_bytes=sb.total,
+                                       kv_bytes=sb.kv_read, weight_bytes=sb.weights,
+                                       achieved_bytes_per_s=achieved,
+                                       fraction_of_roofline=achieved / roof,
+                                       roofline_seconds=sb.total / roof))
+                    print(f"{model_name:8s} {variant:7s} scan={scan!s:5s} t={t:>7,d}  "
+                          f"{sec * 1e3:9.2f} ms  {achieved / 1e9:6.2f} GB/s  "
+                          f"{achieved / roof:5.1%} of roofline", flush=True)
+
+    summary = summarize(points, contexts)
+    peer_rows = []
+    if "blog" in models:
+        for t in [int(c) for c in _PEER_CONTEXTS.value]:
+            cfg = variant_cfg("blog", "mha", dtype, scan_modes[0])
+            ours = time_point(cfg, t, repeats)
+            row = dict(context=t, kvjax_ms=ours * 1e3)
+            for name in peer_names:
+                fn = {"flax": peers.flax_decode_step_seconds,
+                      "torch": peers.torch_decode_step_seconds}[name]
+                try:
+                    row[f"{name}_ms"] = peers.median(fn(cfg, t, repeats)) * 1e3
+                except ImportError as e:
+                    row[f"{name}_ms"] = None
+                    print(f"peer {name} skipped: {e}")
+            peer_rows.append(row)
+            print("peers (blog MHA, same shapes/dtype): " + ", ".join(
+                f"{k}={v:.2f}" for k, v in row.items() if isinstance(v, float)), flush=True)
+
+    os.makedirs(_OUT.value, exist_ok=True)
+    out = dict(device=str(jax.devices()[0]), roofline_bytes_per_s=roof, roofline=chip.name,
+               dtype=dtype, points=points, summary=summary, peers=peer_rows)
+    path = os.path.join(_OUT.value, "bench.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=2)
+    print(json.dumps(summary, indent=2))
+    plot(points, os.path.join(_OUT.value, "bench_step_time.png"))
+    print(f"wrote {path} and {os.path.join(_OUT.value, 'bench_step_time.png')}")
+
+
+def summarize(points, contexts) -> dict:
+    """Speedups vs theory, window flatness, crossover fits, worst dense roofline fraction."""
+    out = {}
+    by = {(p["model"], p["variant"], p["scan_layers"], p["context"]): p for p in points}
+    for (m, v, s, t), p in by.items():
+        if v in ("gqa", "mqa") and (m, "mha", s, t) in by:
+            mha = by[(m, "mha", s, t)]
+            out[f"{m}/{v}/scan={s}/t={t}/speedup_vs_mha"] = dict(
+                measured=mha["seconds"] / p["seconds"],
+                theory=mha["theory_bytes"] / p["theory_bytes"])
+    for (m, v, s, t), p in by.items():
+        if v == "window" and t == max(contexts) and (m, v, s, min(contexts)) in by:
+            out[f"{m}/window/scan={s}/t{t}_over_t{min(contexts)}"] = (
+                p["seconds"] / by[(m, v, s, min(contexts))]["seconds"])
+    for m in {p["model"] for p in points}:
+        for s in {p["scan_layers"] for p in points}:
+            pts = [p for p in points if p["model"] == m and p["variant"] == "mha"
+                   and p["scan_layers"] == s]
+            if len(pts) >= 2:
+                cfg = variant_cfg(m, "mha", "float32", s)
+                out[f"{m}/mha/scan={s}/crossover"] = dict(
+                    measured=fit_crossover([p["context"] for p in pts],
+                                           [p["seconds"] for p in pts]),
+                    theory=theory.crossover_context(cfg))
+            dense = [p for p in points if p["model"] == m and p["scan_layers"] == s
+                     and p["variant"] != "window" and p["context"] >= 16384]
+            if dense:
+                out[f"{m}/scan={s}/min_fraction_of_roofline_t>=16K"] = min(
+                    p["fraction_of_roofline"] for p in dense)
+    return out
+
+
+def plot(points, path):
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    models = sorted({p["model"] for p in points})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        for (v, s) in sorted({(p["variant"], p["scan_layers"]) for p in points
+                              if p["model"] == m}):
+            pts = sorted((p for p in points if p["model"] == m and p["variant"] == v
+                          and p["scan_layers"] == s), key=lambda p: p["context"])
+            x = [p["context"] for p in pts]
+            line, = ax.plot(x, [p["seconds"] * 1e3 for p in pts], "o-",
+                            label=f"{v} measured" + (" (scan)" if s else ""))
+            ax.plot(x, [p["roofline_seconds"] * 1e3 for p in pts], "--",
+                    color=line.get_color(), alpha=0.6, label=f"{v} roofline")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context t (cache slots)")
+        ax.set_ylabel("decode step time (ms)")
+        ax.set_title(f"{m}: step time vs context")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    app.run(main)

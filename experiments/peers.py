@@ -1,0 +1,158 @@
+"""Decode-step peers for the benchmark: the same shapes and dtype, other implementations.
+
+* :func:`flax_decode_step_seconds`: Flax's own decode cache
+  (``flax.linen.MultiHeadDotProductAttention(decode=True)``, a mutable 'cache' collection,
+  layout [B, S, N, H]) in a model of the same shapes (pre-norm blocks, GELU MLP, tied LM
+  head), jitted with the cache donated.
+* :func:`torch_decode_step_seconds`: PyTorch ``scaled_dot_product_attention`` over a
+  preallocated static cache [B, K, S, H] (``enable_gqa`` for K < N), same shapes, under
+  ``torch.inference_mode``; needs ``pip install torch==2.13.0`` (optional).
+
+Both return the per-step wall times (s) of ``repeats`` steps at a cache filled to
+``context`` - 1 tokens; peers are benchmark extras, not library dependencies.
+"""
+
+from __future__ import annotations
+
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import ModelConfig
+
+
+class _FlaxBlock(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+        h = nn.RMSNorm(dtype=c.jnp_dtype, param_dtype=c.jnp_dtype)(x)
+        h = nn.MultiHeadDotProductAttention(
+            num_heads=c.num_heads, qkv_features=c.num_heads * c.head_dim, decode=True,
+            dtype=c.jnp_dtype, param_dtype=c.jnp_dtype)(h, h)
+        x = x + h
+        h = nn.RMSNorm(dtype=c.jnp_dtype, param_dtype=c.jnp_dtype)(x)
+        act = nn.gelu if c.mlp_type == "gelu" else nn.silu
+        h = nn.Dense(c.d_model, dtype=c.jnp_dtype, param_dtype=c.jnp_dtype)(
+            act(nn.Dense(c.mlp_dim, dtype=c.jnp_dtype, param_dtype=c.jnp_dtype)(h)))
+        return x + h
+
+
+class _FlaxLM(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens):
+        c = self.cfg
+        embed = nn.Embed(c.vocab_size, c.d_model, dtype=c.jnp_dtype, param_dtype=c.jnp_dtype)
+        x = embed(tokens)
+        for _ in range(c.num_layers):
+            x = _FlaxBlock(c)(x)
+        return embed.attend(nn.RMSNorm(dtype=c.jnp_dtype, param_dtype=c.jnp_dtype)(x))
+
+
+def flax_decode_step_seconds(cfg: ModelConfig, context: int, repeats: int = 5,
+                             batch: int = 1) -> list[float]:
+    """Per-step seconds of Flax's decode=True attention (MHA only: Flax has no KV groups).
+
+    The cache collection is initialised for ``context`` slots and its index set to
+    ``context - 1`` before each timed step (the step then attends over all slots).
+    """
+    model = _FlaxLM(cfg)
+    tokens = jnp.zeros((batch, context), jnp.int32)
+    variables = jax.eval_shape(model.init, jax.random.key(0), tokens)
+    params = jax.tree.map(lambda s: jnp.full(s.shape, 0.01, s.dtype), variables["params"])
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), variables["cache"])
+
+    @jax.jit
+    def step(params, cache, token):
+        logits, mutated = model.apply({"params": params, "cache": cache}, token,
+                                      mutable=["cache"])
+        return logits, mutated["cache"]
+
+    step = jax.jit(step.__wrapped__, donate_argnums=1)
+    token = jnp.zeros((batch, 1), jnp.int32)
+
+    def reset(cache):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: jnp.full_like(x, context - 1) if "cache_index" in str(p[-1]) else x,
+            cache)
+
+    times = []
+    for i in range(repeats + 1):
+        cache = reset(cache)
+        jax.block_until_ready(cache)
+        start = time.perf_counter()
+        logits, cache = step(params, cache, token)
+        logits.block_until_ready()
+        if i:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def torch_decode_step_seconds(cfg: ModelConfig, context: int, repeats: int = 5,
+                              batch: int = 1, threads: int | None = None) -> list[float]:
+    """Per-step seconds of a PyTorch decoder with a static [B, K, S, H] cache and SDPA.
+
+    Raises:
+      ImportError: torch is not installed (``pip install torch==2.13.0``).
+    """
+    import torch  # noqa: PLC0415 (optional peer)
+    import torch.nn.functional as F  # noqa: PLC0415, N812
+
+    if threads:
+        torch.set_num_threads(threads)
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}[cfg.dtype]
+    d, n, k, h, f = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * shape[0] ** -0.5).to(dt)
+
+    layers = [dict(wq=w(d, n * h), wk=w(d, k * h), wv=w(d, k * h), wo=w(n * h, d),
+                   w1=w(d, f), w2=w(f, d), gate=w(d, f) if cfg.mlp_type == "swiglu" else None,
+                   kc=torch.zeros(batch, k, context, h, dtype=dt),
+                   vc=torch.zeros(batch, k, context, h, dtype=dt))
+              for _ in range(cfg.num_layers)]
+    embed = w(cfg.vocab_size, d)
+    mask = torch.ones(1, 1, 1, context, dtype=torch.bool)
+
+    def rms(x):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype)
+
+    def step(token, pos):
+        x = embed[token]  # [B, 1, D]
+        for lay in layers:
+            y = rms(x)
+            q = (y @ lay["wq"]).view(batch, 1, n, h).transpose(1, 2)
+            kk = (y @ lay["wk"]).view(batch, 1, k, h).transpose(1, 2)
+            vv = (y @ lay["wv"]).view(batch, 1, k, h).transpose(1, 2)
+            lay["kc"][:, :, pos] = kk[:, :, 0]
+            lay["vc"][:, :, pos] = vv[:, :, 0]
+            o = F.scaled_dot_product_attention(q, lay["kc"], lay["vc"], attn_mask=mask,
+                                               enable_gqa=k != n)
+            x = x + o.transpose(1, 2).reshape(batch, 1, n * h) @ lay["wo"]
+            y = rms(x)
+            hid = (F.silu(y @ lay["gate"]) * (y @ lay["w1"]) if lay["gate"] is not None
+                   else F.gelu(y @ lay["w1"]))
+            x = x + hid @ lay["w2"]
+        return rms(x) @ embed.T
+
+    token = torch.zeros(batch, 1, dtype=torch.long)
+    times = []
+    with torch.inference_mode():
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            step(token, context - 1)
+            if i:
+                times.append(time.perf_counter() - start)
+    return times
+
+
+def median(xs) -> float:
+    return float(np.median(xs))
