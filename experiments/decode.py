@@ -55,6 +55,10 @@ def report(result: runner.DecodeResult) -> str:
            f": a ring of W={cfg.window_size}, {cfg.num_sink_tokens} sinks, reading "
            f"{theory.tokens_held(cfg, s.context)} keys") + "):",
         costs.cost_table(s, result.step_seconds_median),
+        "",
+        f"the prefill of {result.prompt_tokens} tokens (matrix-matrix; theory counts causal "
+        "attention, kvjax attends over all cache slots, masked):",
+        costs.cost_table(result.prefill_cost, result.prefill_seconds),
     ]
     return "\n".join(lines)
 

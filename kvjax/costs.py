@@ -196,7 +196,7 @@ def cost_table(step: StepCost, measured_seconds: float | None = None) -> str:
     text = format_table(rows, ("per " + step.name, "theory", "XLA (loop-corrected)",
                                "XLA raw", "XLA/theory"))
     if measured_seconds:
-        text += (f"\nmeasured: {measured_seconds * 1e3:.3f} ms/step -> "
+        text += (f"\nmeasured: {measured_seconds * 1e3:.3f} ms per {step.name} -> "
                  f"{step.theory_bytes / measured_seconds / 1e9:.2f} GB/s of theory bytes, "
                  f"{step.xla.bytes / measured_seconds / 1e9:.2f} GB/s of XLA bytes")
     if not step.xla.complete:

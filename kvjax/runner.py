@@ -84,6 +84,7 @@ class DecodeResult:
     kv_cache_bytes_theory: int
     step: costs.StepCost
     step_seconds_median: float
+    prefill_cost: costs.StepCost
 
     def as_json(self) -> dict:
         s = self.step
@@ -104,6 +105,10 @@ class DecodeResult:
             "achieved_bytes_per_s": s.theory_bytes / self.step_seconds_median,
             "cost_context": s.context, "model": dataclasses.asdict(s.cfg),
             "memory": s.memory,
+            "prefill_xla_flops": self.prefill_cost.xla.flops,
+            "prefill_xla_bytes": self.prefill_cost.xla.bytes,
+            "prefill_theory_flops": self.prefill_cost.theory_flops,
+            "prefill_theory_bytes": self.prefill_cost.theory_bytes,
         }
 
 
@@ -168,4 +173,6 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
         # theory for the slots allocated: max_seq_len, or W for a window (a ring buffer)
         kv_cache_bytes_theory=theory.kv_cache_bytes(
             cfg, cache_lib.num_slots(cfg, run.max_seq_len), b),
-        step=step, step_seconds_median=statistics.median(times))
+        step=step, step_seconds_median=statistics.median(times),
+        prefill_cost=costs.analyze_prefill(cfg, len(ids), run.max_seq_len, b,
+                                           compiled=prefill_c))
