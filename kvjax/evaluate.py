@@ -1,0 +1,197 @@
+"""Perplexity and bits per byte of any model config, measured through the decode path.
+
+:func:`perplexity` runs each batch of evaluation windows the way decoding does: an empty
+KV cache (dense, ring buffer or latent, whatever the config asks for) is filled chunk by
+chunk with ``model.forward(params, cfg, chunk, positions, cache)``, and every chunk's
+logits score its next tokens. The cache-free full forward (``cache=None``) computes the
+same function in one pass; ``check_full`` scores the first batch that way too and reports
+the relative difference of the two perplexities (below 1e-4 in float32).
+
+Perplexity = exp(mean negative log-likelihood per predicted token, nats). Bits per byte =
+total NLL / ln 2 / UTF-8 bytes of the predicted tokens (tokenizer-independent).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as cache_lib
+from kvjax import model as model_lib
+from kvjax.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """How to evaluate.
+
+    Attributes:
+      context: T, tokens per evaluation window (each predicts T - 1 tokens).
+      num_tokens: predicted tokens to score at least (ceil(num_tokens / (T - 1)) windows).
+      batch_size: B, windows per batch (rows of one cache).
+      chunk: tokens per prefill chunk written to the cache (must divide context).
+      check_full: also score the first batch with the cache-free forward.
+    """
+
+    context: int = 512
+    num_tokens: int = 16384
+    batch_size: int = 4
+    chunk: int = 128
+    check_full: bool = True
+
+    def __post_init__(self):
+        for f in ("context", "num_tokens", "batch_size", "chunk"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"invalid config: eval.{f}={v!r}; allowed: a positive integer")
+        if self.context < 2:
+            raise ValueError(f"invalid config: eval.context={self.context}; allowed: >= 2")
+        if self.context % self.chunk:
+            raise ValueError(f"invalid config: eval.chunk={self.chunk}; allowed: a divisor "
+                             f"of eval.context={self.context}")
+
+
+@dataclasses.dataclass
+class PerplexityResult:
+    """Scores of one model on a set of windows.
+
+    nll_nats: total negative log-likelihood (nats). num_predicted: tokens scored.
+    num_bytes: their UTF-8 bytes (0 if unknown). ppl, bits_per_byte: the headline numbers.
+    full_ppl, check_rel_diff: the first batch's perplexity by the full forward and
+    |cached - full| / full on that batch (None unless checked). cache_bytes: bytes of the
+    cache tensors used per batch (``cache.cache_bytes``), cache_slots: S, its slots.
+    seconds: wall time of the cached pass (compile included).
+    """
+
+    nll_nats: float
+    num_predicted: int
+    num_bytes: int
+    ppl: float
+    bits_per_byte: float
+    full_ppl: float | None
+    check_rel_diff: float | None
+    cache_bytes: int
+    cache_slots: int
+    batch_size: int
+    seconds: float
+
+    def as_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """[B, T] float32 -log p(target) from logits [B, T, V]."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _chunk_nll(params, tokens, targets, cache, *, cfg):
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(cache.length + jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits, cache = model_lib.forward(params, cfg, tokens, positions, cache)
+    return _token_nll(logits, targets), cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _full_nll(params, tokens, *, cfg):
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits, _ = model_lib.forward(params, cfg, tokens[:, :-1], positions[:, :-1])
+    return _token_nll(logits, tokens[:, 1:])
+
+
+def nll_cached(params, cfg: ModelConfig, windows: np.ndarray, chunk: int):
+    """Per-token NLL through the KV cache, prefilled chunk by chunk.
+
+    Args:
+      params: parameters in cfg's layout.
+      windows: [B, T] int32 token windows; T divisible by ``chunk``.
+      chunk: tokens per ``model.forward`` call.
+    Returns:
+      (nll [B, T - 1] float32 numpy: -log p(windows[:, i + 1] | windows[:, :i + 1]),
+       the final cache).
+    """
+    b, t = windows.shape
+    cache = cache_lib.init_cache(cfg, b, t)
+    # The last token has no target: its logits are scored against a dummy and dropped.
+    targets = np.concatenate([windows[:, 1:], np.zeros((b, 1), windows.dtype)], axis=1)
+    outs = []
+    for s in range(0, t, chunk):
+        nll, cache = _chunk_nll(params, jnp.asarray(windows[:, s:s + chunk]),
+                                jnp.asarray(targets[:, s:s + chunk]), cache, cfg=cfg)
+        outs.append(np.asarray(nll))
+    return np.concatenate(outs, axis=1)[:, :-1], cache
+
+
+def nll_full(params, cfg: ModelConfig, windows: np.ndarray) -> np.ndarray:
+    """[B, T - 1] float32 per-token NLL from one cache-free causal forward."""
+    return np.asarray(_full_nll(params, jnp.asarray(windows), cfg=cfg))
+
+
+def perplexity(params, cfg: ModelConfig, windows: np.ndarray, ecfg: EvalConfig,
+               byte_lengths: np.ndarray | None = None, progress=None) -> PerplexityResult:
+    """Perplexity and bits per byte of ``windows`` [M, T] through the decode path.
+
+    Windows are evaluated B = ecfg.batch_size at a time (a last, smaller batch is run
+    at its own size). ``progress``, if given, is called with the number of windows done.
+
+    Raises:
+      ValueError: T is not divisible by ecfg.chunk.
+    """
+    m, t = windows.shape
+    if t % ecfg.chunk:
+        raise ValueError(f"windows of {t} tokens; allowed: a multiple of chunk={ecfg.chunk}")
+    start = time.perf_counter()
+    total, count, nbytes = 0.0, 0, 0
+    full_ppl = rel = None
+    cache_bytes = slots = 0
+    for i in range(0, m, ecfg.batch_size):
+        w = windows[i:i + ecfg.batch_size]
+        nll, cache = nll_cached(params, cfg, w, ecfg.chunk)
+        total += float(nll.astype(np.float64).sum())
+        count += nll.size
+        if byte_lengths is not None:
+            nbytes += int(byte_lengths[w[:, 1:]].sum())
+        if i == 0:
+            cache_bytes, slots = cache_lib.cache_bytes(cache), cache.num_slots
+            if ecfg.check_full:
+                full = nll_full(params, cfg, w)
+                cached_ppl = math.exp(float(nll.astype(np.float64).mean()))
+                full_ppl = math.exp(float(full.astype(np.float64).mean()))
+                rel = abs(cached_ppl - full_ppl) / full_ppl
+        del cache
+        if progress is not None:
+            progress(min(i + ecfg.batch_size, m))
+    seconds = time.perf_counter() - start
+    mean = total / count
+    return PerplexityResult(
+        nll_nats=total, num_predicted=count, num_bytes=nbytes, ppl=math.exp(mean),
+        bits_per_byte=(total / math.log(2) / nbytes) if nbytes else float("nan"),
+        full_ppl=full_ppl, check_rel_diff=rel, cache_bytes=cache_bytes, cache_slots=slots,
+        batch_size=min(ecfg.batch_size, m), seconds=seconds)
+
+
+def eval_config_dict():
+    """``--eval.*`` flags: the EvalConfig fields plus the corpus and its split."""
+    from ml_collections import config_dict  # noqa: PLC0415
+
+    c = config_dict.ConfigDict(dataclasses.asdict(EvalConfig()))
+    # None: the default corpus (Django 4.2.16 docs from PyPI); else a text file or folder.
+    c.corpus = config_dict.placeholder(str)
+    # Fraction of documents held out for evaluation (by sha256 of the name).
+    c.heldout_fraction = 0.1
+    return c
+
+
+def eval_config_from_dict(d) -> EvalConfig:
+    """EvalConfig from an ``--eval`` ConfigDict (corpus fields ignored)."""
+    d = d.to_dict() if hasattr(d, "to_dict") else dict(d)
+    fields = {f.name for f in dataclasses.fields(EvalConfig)}
+    return EvalConfig(**{k: v for k, v in d.items() if k in fields})
