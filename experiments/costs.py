@@ -1,6 +1,7 @@
 r"""Sweep the cost hook: theory | jaxpr | compiled | measured, per variant, context, dtype.
 
     python -m experiments.costs                  # the default sweep (~5 min on a 2-core CPU)
+    python -m experiments.costs --measure_dtypes=float32,bfloat16   # time bf16 steps too
     python -m experiments.costs --quick          # float32; t = 512, 3072, 16384
     python -m experiments.costs --variants=mha,mqa --contexts=4096,131072 \
         --dtypes=bfloat16 --measure_max_context=0 --out_dir=/tmp/costs
@@ -13,12 +14,13 @@ For each point the decode step is compiled from shapes (nothing allocated) and c
 ways (kvjax.costs): the blog's closed forms; jax.experimental.roofline over the jaxpr
 (dots only, loop-corrected); XLA's cost analysis of the compiled step (loop-corrected,
 attributed to KV reads/writes, weights, copies, other); and, for contexts in
-``--measure_contexts`` up to ``--measure_max_context``, the median wall time of the step
-(random weights, a full cache) as achieved bytes/s. Windowed variants compile one program
-(W slots) for every context >= W.
+``--measure_contexts`` up to ``--measure_max_context`` and dtypes in ``--measure_dtypes``,
+the median wall time of the step (random weights, a full cache) as achieved bytes/s.
+Windowed variants compile one program (W slots) for every context >= W.
 
 Writes to ``--out_dir`` (default results/costs/): costs.csv and costs.json (one row per
-point; the JSON also holds the device, its measured bandwidth and the command), and PNGs:
+point; the JSON also holds the device, its measured bandwidth and the command), the
+printed table as table.txt, and PNGs:
 step_bytes_<dtype>.png (step bytes vs context: theory lines, compiled markers, the
 crossover t*), roofline_<dtype>.png (arithmetic intensity vs attainable FLOP/s: A100,
 H100, H200 and this machine), kv_to_weights.png (the KV-to-weights ratio t/(6·D)) and
@@ -46,7 +48,7 @@ from kvjax import costs, hardware, presets, roofline, theory
 from kvjax.config import ModelConfig, default_scan_layers
 
 ALL_VARIANTS = ("mha", "gqa", "mqa", "mla-naive", "mla-absorbed", "window", "gqa-window")
-DEFAULT_CONTEXTS = (512, 1024, 2048, 3072, 4096, 8192, 16384, 32768, 65536, 131072)
+DEFAULT_CONTEXTS = (512, 1024, 2048, 3072, 4096, 16384, 32768, 131072)
 
 _VARIANTS = flags.DEFINE_list("variants", list(ALL_VARIANTS),
                               f"Variants of the blog model: {', '.join(ALL_VARIANTS)}.")
@@ -55,10 +57,14 @@ _CONTEXTS = flags.DEFINE_list("contexts", [str(c) for c in DEFAULT_CONTEXTS],
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "float32 | bfloat16 | float16.")
 _MEASURE_CONTEXTS = flags.DEFINE_list("measure_contexts", ["512", "3072", "16384"],
                                       "Contexts whose step is also timed (if swept).")
+_MEASURE_DTYPES = flags.DEFINE_list("measure_dtypes", ["float32"],
+                                    "Dtypes whose steps are timed (others: compile only).")
 _MEASURE_MAX = flags.DEFINE_integer(
     "measure_max_context", 16384, "Never time a step above this context (0: time none); "
     "larger ones are compiled and costed only.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed steps per measured point (median).")
+_BUDGET = flags.DEFINE_float("measure_budget_s", 2.0,
+                             "Stop timing a point once its timed steps add up to this.")
 _TABLE_CONTEXTS = flags.DEFINE_list("table_contexts", ["512", "3072", "16384"],
                                     "Contexts printed in the stdout table.")
 _PLOT_CONTEXT = flags.DEFINE_integer("plot_context", 16384,
@@ -107,9 +113,11 @@ class _Program:
 
 
 def sweep(variants, contexts, dtypes, measure_contexts, repeats, scan_layers,
+          measure_dtypes=("float32",), budget_s: float | None = 2.0,
           log=print) -> list[dict]:
     """Costs every (dtype, variant, context); returns one :func:`kvjax.costs.views` row
-    per point, plus 'variant' and 'measured_times_s'."""
+    per point, plus 'variant' and 'measured_times_s'. Points whose context is in
+    ``measure_contexts`` and dtype in ``measure_dtypes`` are also timed."""
     rows = []
     for dtype in dtypes:
         for variant in variants:
@@ -118,7 +126,7 @@ def sweep(variants, contexts, dtypes, measure_contexts, repeats, scan_layers,
             for t in contexts:
                 start = time.perf_counter()
                 slots = cache_lib.num_slots(cfg, t)
-                measure = t in measure_contexts
+                measure = t in measure_contexts and dtype in measure_dtypes
                 prog = programs.get(slots)
                 if prog is None or (measure and not prog.runnable):
                     options = None if measure else costs.analysis_compiler_options()
@@ -132,7 +140,8 @@ def sweep(variants, contexts, dtypes, measure_contexts, repeats, scan_layers,
                                                jaxpr=prog.step.jaxpr)
                 times = []
                 if measure:
-                    times = costs.measure_decode_step(cfg, t, 1, repeats, prog.compiled)
+                    times = costs.measure_decode_step(cfg, t, 1, repeats, prog.compiled,
+                                                      budget_s=budget_s)
                 seconds = statistics.median(times) if times else None
                 row = costs.views(step, seconds)
                 row.update(variant=variant, measured_times_s=times)
@@ -154,12 +163,13 @@ def table(rows: list[dict], contexts) -> str:
         if r["context"] not in contexts:
             continue
         ms = r["measured_s"] * 1e3 if r["measured_s"] == r["measured_s"] else float("nan")
-        out.append((r["dtype"], r["context"], r["variant"], r["theory_bytes"] / 1e6,
-                    r["jaxpr_bytes"] / 1e6, r["xla_bytes"] / 1e6, r["bytes_ratio"],
+        mb = [f"{r[k] / 1e6:,.1f}" for k in ("theory_bytes", "jaxpr_bytes", "xla_bytes")]
+        out.append((r["dtype"], r["context"], r["variant"], *mb, r["bytes_ratio"],
                     r["xla_kv_read"] / r["theory_kv_read"] if r["theory_kv_read"] else 1.0,
                     r["flops_ratio"], ms, r["theory_bytes_per_s"] / 1e9,
                     r["xla_bytes_per_s"] / 1e9))
-    out.sort(key=lambda x: (x[0], x[1]))
+    order = {d: i for i, d in enumerate(dict.fromkeys(r["dtype"] for r in rows))}
+    out.sort(key=lambda x: (order[x[0]], x[1]))  # stable: variants keep the sweep's order
     return costs.format_table(out, (
         "dtype", "t", "variant", "theory MB", "jaxpr MB", "XLA MB", "XLA/theory",
         "kv_read XLA/th", "FLOP XLA/th", "measured ms", "theory GB/s", "XLA GB/s"))
@@ -205,9 +215,10 @@ def plot_step_bytes(rows, dtype, scan_layers, path) -> None:
                     ms=9, mew=2)
     blog = variant_config("mha", dtype, scan_layers)
     ax.axhline(theory.weight_bytes_per_step(blog), color="gray", ls=":", lw=1)
-    ax.axvline(theory.crossover_context_blog(blog.d_model), color="gray", ls="--", lw=1)
-    ax.text(theory.crossover_context_blog(blog.d_model) * 1.05, ax.get_ylim()[0] * 1.5,
-            "blog t* = 6·D = 3,072", color="gray", fontsize=8)
+    t_blog = theory.crossover_context_blog(blog.d_model)
+    ax.axvline(t_blog, color="gray", ls="--", lw=1)
+    ax.text(t_blog * 1.05, 0.03, f"blog t* = 6·D = {t_blog:,}", color="gray", fontsize=8,
+            transform=ax.get_xaxis_transform())
     ax.set(xscale="log", yscale="log", xlabel="context t (tokens)",
            ylabel="bytes per decode step",
            title=f"Blog model decode step, {dtype}: theory (lines) vs XLA (markers); "
@@ -282,7 +293,9 @@ def plot_kv_to_weights(rows, dtype, scan_layers, path) -> None:
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set(xscale="log", yscale="log", xlabel="context t (tokens)",
            ylabel="KV bytes read / weight bytes read, per step",
-           title=f"KV-to-weights ratio ({dtype}); markers: XLA's attributed kv_read / weights")
+           title=f"KV-to-weights ratio ({dtype}). Dashed: blog t/(6·D) (24·L·D² weights); "
+                 "lines: this model's exact weights\n(+ the V·D LM head); markers: XLA's "
+                 "attributed kv_read / weights")
     ax.title.set_fontsize(9)
     ax.legend(fontsize=6, ncol=2)
     ax.grid(True, which="both", alpha=0.3)
@@ -367,18 +380,25 @@ def main(argv):
     for v in variants:
         variant_config(v, dtypes[0], scan_layers)  # fail fast on a bad name
     start = time.perf_counter()
-    rows = sweep(variants, contexts, dtypes, measure, repeats, scan_layers)
+    rows = sweep(variants, contexts, dtypes, measure, repeats, scan_layers,
+                 measure_dtypes=_MEASURE_DTYPES.value, budget_s=_BUDGET.value)
     local = local_chip()
     meta = {
-        "command": " ".join(sys.argv), "jax": jax.__version__, "backend": jax.default_backend(),
+        "command": " ".join(["python -m experiments.costs"] + sys.argv[1:]),
+        "jax": jax.__version__, "backend": jax.default_backend(),
         "device": str(jax.devices()[0]), "local_chip": dataclasses.asdict(local),
         "scan_layers": scan_layers, "variants": variants, "contexts": contexts,
-        "dtypes": dtypes, "measured_contexts": sorted(measure), "repeats": repeats,
+        "dtypes": dtypes, "measured_contexts": sorted(measure),
+        "measured_dtypes": list(_MEASURE_DTYPES.value), "repeats": repeats,
         "seconds": time.perf_counter() - start,
     }
+    text = table(rows, {int(c) for c in _TABLE_CONTEXTS.value})
     print()
-    print(table(rows, {int(c) for c in _TABLE_CONTEXTS.value}))
+    print(text)
     paths = write_files(rows, meta, _OUT.value)
+    paths.append(os.path.join(_OUT.value, "table.txt"))
+    with open(paths[-1], "w") as f:
+        f.write(f"$ {meta['command']}\n\n{text}\n")
     paths += write_plots(rows, dtypes, scan_layers, local, _PLOT_CONTEXT.value, _OUT.value)
     print(f"\nlocal roofline: {local.name}, {local.hbm_bytes_per_s / 1e9:.1f} GB/s "
           f"({local.source}); sweep took {meta['seconds']:.0f} s")

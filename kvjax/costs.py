@@ -187,15 +187,17 @@ def compile_generate(cfg: ModelConfig, batch: int, context: int,
 
 
 def analyze_generate(cfg: ModelConfig, context: int, num_steps: int, batch: int = 1,
-                     compiled=None, attribute: bool = True, jaxpr: bool = True) -> StepCost:
+                     compiled=None, attribute: bool = True, jaxpr: bool = True,
+                     sampling: SamplingConfig = SamplingConfig()) -> StepCost:
     """Theory, jaxpr-level and loop-corrected XLA cost of ``num_steps`` generate steps.
 
     The loop's trip count is only known at run time: XLA's raw figure counts its body
     once, the corrected one ``num_steps`` times. A dense cache of ``context`` slots is
     read in full by every step, so theory is ``num_steps`` x the step at ``context``.
+    ``compiled``, if given, must be the loop for ``sampling``.
     """
     compiled = compiled or compile_generate(
-        cfg, batch, context, compiler_options=analysis_compiler_options())
+        cfg, batch, context, sampling, compiler_options=analysis_compiler_options())
     sb = theory.step_bytes(cfg, context, batch)
     sf = theory.step_flops(cfg, context, batch)
     _, cache = _specs(cfg, batch, context)
@@ -203,7 +205,7 @@ def analyze_generate(cfg: ModelConfig, context: int, num_steps: int, batch: int 
     jc = None
     if jaxpr:
         jc = roofline.jaxpr_cost(
-            functools.partial(decode._generate, cfg=cfg, sampling=SamplingConfig()),
+            functools.partial(decode._generate, cfg=cfg, sampling=sampling),
             *_generate_args(cfg, batch, context), while_trip_count=num_steps)
     return StepCost(
         name="generate", cfg=cfg, batch=batch, context=context,
@@ -235,25 +237,35 @@ def analyze_prefill(cfg: ModelConfig, prompt_len: int, max_seq_len: int,
 
 
 def measure_step_seconds(cfg: ModelConfig, params, cache: cache_lib.KVCache, batch: int = 1,
-                         repeats: int = 5, compiled=None, warmup: int = 1) -> list[float]:
-    """Wall times (s) of ``repeats`` decode steps at the cache's current length.
+                         repeats: int = 5, compiled=None, warmup: int = 1,
+                         budget_s: float | None = None) -> list[float]:
+    """Wall times (s) of up to ``repeats`` decode steps at the cache's current length.
 
     The cache is donated to each call and the returned one fed to the next, with its
     length reset, so every step sees the same context. ``warmup`` calls are not timed.
-    Returns the list of times; report its median.
+    With ``budget_s``, timing stops once the timed steps add up to it (at least one is
+    timed) and a warm-up call that alone exceeds it ends the warm-up: a slow step (MLA's
+    naive path at long context) is timed fewer times. Returns the times; report their
+    median.
     """
     compiled = compiled or decode.decode_step.lower(
         params, jnp.zeros((batch, 1), jnp.int32), cache, cfg=cfg).compile()
     token = jnp.zeros((batch, 1), jnp.int32)
     length = int(cache.length)
-    times = []
-    for i in range(repeats + warmup):
+    times: list[float] = []
+    warm = 0
+    while len(times) < repeats:
         start = time.perf_counter()
         logits, cache = compiled(params, token, cache)
         logits.block_until_ready()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
         cache = cache.replace(length=jnp.int32(length))
+        if warm < warmup:
+            warm = warmup if (budget_s is not None and elapsed > budget_s) else warm + 1
+            continue
+        times.append(elapsed)
+        if budget_s is not None and sum(times) >= budget_s:
+            break
     return times
 
 
@@ -268,13 +280,14 @@ def full_cache(cfg: ModelConfig, batch: int, context: int) -> cache_lib.KVCache:
 
 
 def measure_decode_step(cfg: ModelConfig, context: int, batch: int = 1, repeats: int = 5,
-                        compiled=None) -> list[float]:
-    """Wall times (s) of ``repeats`` decode steps at ``context`` (random weights, a full
-    cache: timing does not depend on the values). Allocates the cache and parameters."""
+                        compiled=None, budget_s: float | None = 2.0) -> list[float]:
+    """Wall times (s) of up to ``repeats`` decode steps at ``context`` (random weights, a
+    full cache: timing does not depend on the values), after two warm-up steps; see
+    :func:`measure_step_seconds` for ``budget_s``. Allocates the cache and parameters."""
     params = model.init_params(cfg, 0)
     cache = full_cache(cfg, batch, context)
     return measure_step_seconds(cfg, params, cache, batch, repeats, compiled=compiled,
-                                warmup=2)
+                                warmup=2, budget_s=budget_s)
 
 
 def format_table(rows: list[tuple], headers: tuple) -> str:
@@ -291,7 +304,7 @@ def _fmt(x) -> str:
     if isinstance(x, float):
         if x != x:
             return "nan"
-        if abs(x) >= 1e4:
+        if abs(x) >= 1e3:
             return f"{x:,.0f}"
         return f"{x:.3g}"
     if isinstance(x, (int, np.integer)):
@@ -341,12 +354,21 @@ def attribution_rows(step: StepCost) -> list[tuple[str, float, float]]:
 
 
 def attribution_table(step: StepCost) -> str:
-    """Compiled bytes of a step split by what they touch, each beside its theory term."""
-    rows = [(p, t, x, x / t if t else float("nan"), x / step.attribution.total_bytes)
-            for p, t, x in attribution_rows(step)]
-    text = format_table(rows, (f"bytes of {step.name} @ t={step.context}", "theory",
-                               "XLA", "XLA/theory", "share of XLA"))
+    """Compiled bytes of a step split by what they touch, each beside its theory term.
+
+    Ops XLA cannot cost (custom calls: cuBLAS GEMMs on GPU) get a column of their own,
+    their operand + output bytes (a lower bound), split into the same parts.
+    """
     a = step.attribution
+    rows = [(p, t, x, x / t if t else float("nan"), x / a.total_bytes)
+            for p, t, x in attribution_rows(step)]
+    headers = (f"bytes of {step.name} @ t={step.context}", "theory", "XLA", "XLA/theory",
+               "share of XLA")
+    if a.num_uncosted_ops:
+        unc = [a.uncosted.get(p, 0.0) for p, *_ in rows[:-1]] + [a.uncosted_bytes]
+        rows = [r + (u,) for r, u in zip(rows, unc)]
+        headers += ("uncosted (>=)",)
+    text = format_table(rows, headers)
     f = step.theory_parts["flops"]
     text += ("\nFLOP: XLA on the cache (attention) "
              f"{a.flops['kv']:,.0f} vs theory attn {f.get('attn', 0) + f.get('kv_rebuild', 0):,}; "
@@ -355,7 +377,7 @@ def attribution_table(step: StepCost) -> str:
              f"other {a.flops['other']:,.0f}")
     if a.num_uncosted_ops:
         text += (f"\n{a.num_uncosted_ops} custom-call executions XLA cannot cost: "
-                 f">= {a.uncosted_bytes:,.0f} bytes not included above")
+                 f">= {a.uncosted_bytes:,.0f} bytes, FLOPs unknown, not in the XLA column")
     return text
 
 

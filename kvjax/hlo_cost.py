@@ -256,8 +256,7 @@ def _raw_cost(name: str, comps: dict[str, list[str]]) -> tuple[float, float, flo
     flops, nbytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
     uncosted = 0.0
     # Custom calls of this computation and of non-loop callees are inside this module.
-    own = [n for n in _closure([name], comps)]
-    for n in own:
+    for n in _closure([name], comps):
         types = _instruction_types(comps[n])
         for cc in _custom_calls(comps[n][1:]):
             flops += 1.0  # HloCostAnalysis::HandleCustomCall sets flops = -1
@@ -394,13 +393,14 @@ def to_json(report: CostReport) -> str:
 # --------------------------------------------------------------------------- per op
 
 # Value classes: where an operand's bytes come from.
-KV = "kv"                  # a KV-cache argument buffer (read in place or updated in place)
+KV = "kv"                  # a KV-cache argument buffer, as passed in
+KV_NEW = "kv_new"          # the cache after this program's update of it (the result)
 WEIGHTS = "weights"        # a parameter (weights) argument buffer
 KV_COPY = "kv_copy"        # a materialised copy / transpose / convert of the cache
 WEIGHTS_COPY = "weights_copy"  # ... of the weights
 OTHER = "other"            # activations, logits, token ids, bookkeeping
 
-_DERIVED = {KV: KV_COPY, KV_COPY: KV_COPY, WEIGHTS: WEIGHTS_COPY,
+_DERIVED = {KV: KV_COPY, KV_NEW: KV_COPY, KV_COPY: KV_COPY, WEIGHTS: WEIGHTS_COPY,
             WEIGHTS_COPY: WEIGHTS_COPY}
 # Ops that only move or re-type data: a fusion of nothing else is a copy of its input.
 _MOVE_OPS = {"parameter", "bitcast", "copy", "transpose", "convert", "reshape",
@@ -438,8 +438,9 @@ class OpCost:
         an in-place dynamic-update-slice charges the update only).
       output_bytes: bytes XLA charges to the output.
       operand_classes, output_class: value classes (KV, WEIGHTS, KV_COPY, ...).
-      costed: False for custom calls, which XLA reports as -1; their operand and output
-        sizes are then given as a lower bound.
+      costed: False for custom calls, which XLA reports as -1 (and for an instruction
+        XLA would not parse on its own); their operand and output sizes are then given
+        as a lower bound. reason: why not costed ('' when costed).
     """
 
     computation: str
@@ -454,6 +455,7 @@ class OpCost:
     operand_classes: tuple[str, ...]
     output_class: str
     costed: bool = True
+    reason: str = ""
 
 
 def _class_of(value, index: int | None = None) -> str:
@@ -467,15 +469,15 @@ def _class_of(value, index: int | None = None) -> str:
 
 def _dominant(classes: list) -> str:
     flat = [_class_of(c) for c in classes]
-    for c in (KV, KV_COPY, WEIGHTS, WEIGHTS_COPY):
+    for c in (KV_NEW, KV, KV_COPY, WEIGHTS, WEIGHTS_COPY):
         if c in flat:
             return c
     return OTHER
 
 
 def _fused_kind(fused: list[Instruction], operand_classes: list) -> Any:
-    """Output class of a fusion from its fused computation: an in-place update of a KV
-    buffer stays KV; a data-movement-only fusion yields a copy of its input's class."""
+    """Output class of a fusion from its fused computation: an update of a KV buffer is
+    KV_NEW; a data-movement-only fusion yields a copy of its input's class."""
     by_name = {i.name: i for i in fused}
     root = next((i for i in fused if i.is_root), fused[-1])
 
@@ -494,8 +496,8 @@ def _fused_kind(fused: list[Instruction], operand_classes: list) -> Any:
             ins = by_name[ins.operands[0]]
         if ins.opcode in _UPDATE_OPS:
             p = source_param(by_name[ins.operands[0]])
-            if p is not None and _class_of(operand_classes[p]) == KV:
-                return KV
+            if p is not None and _class_of(operand_classes[p]) in (KV, KV_NEW):
+                return KV_NEW
         return None
 
     if root.opcode == "tuple":
@@ -551,8 +553,8 @@ def op_costs(compiled, trip_counts: Mapping[str, int] | None = None,
                     c = param_classes[p] if p < len(param_classes) else OTHER
             elif ins.opcode == "get-tuple-element":
                 idx = int(re.search(r"index=(\d+)", ins.attrs).group(1))
-                c = _class_of(ops_cls[0], idx) if isinstance(ops_cls[0], tuple) \
-                    else ops_cls[0]
+                v = ops_cls[0]
+                c = v[idx] if isinstance(v, tuple) and idx < len(v) else _class_of(v)
             elif ins.opcode == "tuple":
                 c = tuple(ops_cls)
             elif ins.opcode in _VIEW_OPS:
@@ -584,7 +586,7 @@ def op_costs(compiled, trip_counts: Mapping[str, int] | None = None,
 
 def _output_class(ins: Instruction, ops_cls: list, parsed) -> Any:
     if ins.opcode in _UPDATE_OPS:
-        return KV if ops_cls and _class_of(ops_cls[0]) == KV else OTHER
+        return KV_NEW if ops_cls and _class_of(ops_cls[0]) in (KV, KV_NEW) else OTHER
     if ins.opcode == "fusion":
         callee = ins.attrs.split("calls=", 1)[1].split(",")[0].strip().lstrip("%")
         return _fused_kind(parsed[callee], ops_cls)
@@ -608,15 +610,20 @@ def _cost_one(comp: str, ins: Instruction, types: dict[str, str], ops_cls: list,
     parts = ["HloModule op"] + [comp_text[n] for n in reversed(callees)]
     parts.append("\n".join([f"ENTRY %op_entry ({header_params}) -> {ins.type} {{"]
                            + params + [body, "}"]))
-    cost = _xla_cost(_STACK_FRAME.sub("", "\n\n".join(parts)))
     op_cls = tuple(_class_of(c) for c in ops_cls)
     # A tuple's output is a table of pointers to its operands' buffers, not their data.
     out_c = OTHER if ins.opcode == "tuple" else _class_of(out_cls)
-    if ins.opcode == "custom-call":
+    reason = "custom call" if ins.opcode == "custom-call" else ""
+    if not reason:
+        try:
+            cost = _xla_cost(_STACK_FRAME.sub("", "\n\n".join(parts)))
+        except Exception as e:  # noqa: BLE001 (XLA's parser raises assorted errors)
+            reason = f"not costable alone: {type(e).__name__}"
+    if reason:
         # XLA cannot see inside: report the operand and output sizes, uncosted.
         ob = tuple(shape_bytes(types[o]) for o in ins.operands)
         return OpCost(comp, ins.name, ins.opcode, ins.op_name, count, 0.0, 0.0, ob,
-                      shape_bytes(ins.type), op_cls, out_c, costed=False)
+                      shape_bytes(ins.type), op_cls, out_c, costed=False, reason=reason)
     ob = tuple(float(cost.get(f"bytes accessed{distinct.index(o)}{{}}", 0.0))
                for o in ins.operands)
     # A repeated operand is one parameter: charge its bytes once.
@@ -637,15 +644,18 @@ FLOP_PARTS = ("kv", "weights", "other")
 class Attribution:
     """Compiled bytes and FLOPs of a program split by what they touch (loop-corrected).
 
-    bytes: kv_read (cache buffers read), kv_write (cache buffers updated in place),
-      weights (parameter buffers read), kv_copies / weight_copies (materialised copies,
-      transposes or dtype converts of the cache / weights: written and read back),
-      other (activations, logits, bookkeeping).
+    bytes: kv_read (cache buffers read); kv_write (updates of the cache buffers: the new
+      entries when updated in place, the whole cache when XLA rewrites it, as for bf16
+      on CPU); weights (parameter buffers read); kv_copies / weight_copies (materialised
+      copies, transposes or dtype converts of the cache / weights: written and read
+      back); other (activations, logits, bookkeeping).
     flops: kv (ops reading the cache or its copies: attention), weights (ops reading
       weights: projections, MLP, LM head), other.
     total_bytes, total_flops: sums of the costed ops (equal :func:`loop_aware_cost`).
-    uncosted_bytes: operand + output bytes of custom calls XLA cannot cost.
-    top: the largest ops by bytes, (name, opcode, op_name, bytes x count, class split).
+    uncosted_bytes, num_uncosted_ops: operand + output bytes and executions of the ops
+      XLA cannot cost (custom calls), not included in the parts; ``uncosted`` splits
+      those bytes into the same parts.
+    top: the largest ops by bytes x count: name, opcode, op_name, bytes, FLOP, parts.
     """
 
     bytes: dict
@@ -655,44 +665,57 @@ class Attribution:
     uncosted_bytes: float
     num_uncosted_ops: int
     top: tuple
+    uncosted: dict = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-_READ_PART = {KV: "kv_read", WEIGHTS: "weights", KV_COPY: "kv_copies",
+# Reading the updated cache back (XLA copying it into the output buffer) is a copy.
+_READ_PART = {KV: "kv_read", KV_NEW: "kv_copies", WEIGHTS: "weights", KV_COPY: "kv_copies",
               WEIGHTS_COPY: "weight_copies", OTHER: "other"}
-_WRITE_PART = {KV: "kv_write", KV_COPY: "kv_copies", WEIGHTS_COPY: "weight_copies"}
+_WRITE_PART = {KV_NEW: "kv_write", KV_COPY: "kv_copies", WEIGHTS_COPY: "weight_copies"}
+
+
+def _split_bytes(op: OpCost, total: float) -> dict:
+    split = dict.fromkeys(BYTE_PARTS, 0.0)
+    for c, nb in zip(op.operand_classes, op.operand_bytes):
+        update = c in (KV, KV_NEW) and op.output_class == KV_NEW
+        split["kv_write" if update else _READ_PART[c]] += nb
+    split[_WRITE_PART.get(op.output_class, "other")] += op.output_bytes
+    split["other"] += total - sum(op.operand_bytes) - op.output_bytes
+    return split
 
 
 def attribute(ops: list[OpCost], top: int = 12) -> Attribution:
     """Splits per-op costs (:func:`op_costs`) into the :class:`Attribution` parts.
 
-    Operand bytes go to the part of the operand's class (a KV operand of an in-place
-    update counts as a write); output bytes go to kv_write for in-place cache updates,
-    to kv_copies / weight_copies for copies, else to other. Whatever XLA charges an op
-    beyond its operands and output (rare) goes to other.
+    Operand bytes go to the part of the operand's class (the cache operand of an update
+    counts as a write; reading the updated cache back, as when XLA copies it into the
+    output buffer, as a copy); output bytes go to kv_write for cache updates, to
+    kv_copies / weight_copies for copies, else to other. Whatever XLA charges an op
+    beyond its operands and output (rare) goes to other. Uncosted ops (custom calls:
+    cuBLAS GEMMs on GPU) are split the same way from their operand and output sizes
+    into ``uncosted``, apart from the costed parts.
     """
     b = dict.fromkeys(BYTE_PARTS, 0.0)
+    ub = dict.fromkeys(BYTE_PARTS, 0.0)
     f = dict.fromkeys(FLOP_PARTS, 0.0)
-    total_b = total_f = uncosted = 0.0
+    total_b = total_f = 0.0
     n_uncosted = 0
     rows = []
     for op in ops:
         if not op.costed:
-            uncosted += op.count * (sum(op.operand_bytes) + op.output_bytes)
             n_uncosted += op.count
+            lower_bound = sum(op.operand_bytes) + op.output_bytes
+            for k, v in _split_bytes(op, lower_bound).items():
+                ub[k] += op.count * v
             continue
-        split = dict.fromkeys(BYTE_PARTS, 0.0)
-        for c, nb in zip(op.operand_classes, op.operand_bytes):
-            part = "kv_write" if (c == KV and op.output_class == KV) else _READ_PART[c]
-            split[part] += nb
-        split[_WRITE_PART.get(op.output_class, "other")] += op.output_bytes
-        split["other"] += op.bytes - sum(op.operand_bytes) - op.output_bytes
+        split = _split_bytes(op, op.bytes)
         for k, v in split.items():
             b[k] += op.count * v
         cls = set(op.operand_classes)
-        fpart = "kv" if cls & {KV, KV_COPY} else "weights" if cls & {
+        fpart = "kv" if cls & {KV, KV_NEW, KV_COPY} else "weights" if cls & {
             WEIGHTS, WEIGHTS_COPY} else "other"
         f[fpart] += op.count * op.flops
         total_b += op.count * op.bytes
@@ -705,4 +728,5 @@ def attribute(ops: list[OpCost], top: int = 12) -> Attribution:
          "parts": {k: op.count * v for k, v in split.items() if v}}
         for nb, op, split in rows[:top])
     return Attribution(bytes=b, flops=f, total_bytes=total_b, total_flops=total_f,
-                       uncosted_bytes=uncosted, num_uncosted_ops=n_uncosted, top=top_rows)
+                       uncosted_bytes=sum(ub.values()), num_uncosted_ops=n_uncosted,
+                       top=top_rows, uncosted=ub)

@@ -69,6 +69,7 @@ def _zeros():
 def _closed_roofline(closed) -> tuple[float, ...]:
     """The library's figure for a ClosedJaxpr (scan bodies once, while loops zero)."""
     specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    # jaxpr_as_fun flattens the arguments: the rebuilt jaxpr is the same one.
     _, result = jax_roofline.roofline(jex_core.jaxpr_as_fun(closed))(*specs)
     return _vec(result)
 
@@ -125,15 +126,15 @@ def jaxpr_cost(fn: Callable, *args: Any, while_trip_count: int | None = None) ->
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        _, raw = jax_roofline.roofline(fn)(*args)
-        closed = jax.make_jaxpr(fn)(*args)
+        closed = jax.make_jaxpr(fn)(*args)  # traced once; the library re-walks the jaxpr
+        raw = _closed_roofline(closed)
         loops: list = []
         state = {"complete": True}
         corr = _correction(closed.jaxpr, while_trip_count, loops, state)
     finally:
         logger.setLevel(level)
-    total = _add(_vec(raw), corr)
-    return JaxprCost(*total, raw=dict(zip(_FIELDS, _vec(raw))), loops=tuple(loops),
+    total = _add(raw, corr)
+    return JaxprCost(*total, raw=dict(zip(_FIELDS, raw)), loops=tuple(loops),
                      complete=state["complete"])
 
 
