@@ -35,12 +35,11 @@ import json
 import math
 import pathlib
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from kvjax import cache as cache_lib
@@ -63,6 +62,8 @@ _UPTRAIN = flags.DEFINE_list("uptrain_kv_heads", ["1", "3"],
                              "KV-head variants to uptrain (3 = the control).")
 _CALIB = flags.DEFINE_integer("calib_tokens", 1024, "Training tokens for MLA calibration.")
 _RESUME = flags.DEFINE_bool("resume", False, "Reuse rows already in out_dir/ablate.json.")
+_PLOT_ONLY = flags.DEFINE_bool("plot_only", False,
+                               "Only redraw pareto.png and print the table from ablate.json.")
 
 FIELDS = ["name", "lever", "kv_heads", "window", "sinks", "mla_rank", "uptrain_steps",
           "kv_bytes_per_token", "tokens_held", "kv_bytes_theory", "kv_bytes_measured",
@@ -93,7 +94,9 @@ def row_for(name, lever, cfg, ctx, res=None, **extra) -> dict:
 
 
 def pareto_front(rows: list) -> list:
-    """Names of rows no other row beats on both KV bytes (theory) and perplexity."""
+    """Names of rows no other row beats on both KV bytes (theory) and perplexity (rows that
+    merely repeat another's function, ``same_as``, are left out)."""
+    rows = [r for r in rows if r.get("ppl") is not None and not r.get("same_as")]
     front = []
     for r in rows:
         if not any(o["kv_bytes_theory"] <= r["kv_bytes_theory"] and o["ppl"] <= r["ppl"]
@@ -118,8 +121,9 @@ def plot_pareto(rows: list, path: pathlib.Path, ctx: int, title: str) -> None:
                        marker=marker, color=color, s=120 if marker == "*" else 50,
                        label=lever, zorder=3)
     for r in rows:
-        ax.annotate(r["name"], (r["kv_bytes_theory"] / 2**20, r["ppl"]), fontsize=7,
-                    xytext=(4, 3), textcoords="offset points")
+        if not r.get("same_as"):  # windows >= context sit on the full-attention point
+            ax.annotate(r["name"], (r["kv_bytes_theory"] / 2**20, r["ppl"]), fontsize=7,
+                        xytext=(4, 3), textcoords="offset points")
     by_name = {r["name"]: r for r in rows}
     for r in rows:  # uptraining arrows: before -> after
         src = by_name.get(r.get("uptrained_from"))
@@ -154,7 +158,7 @@ def write_outputs(out: pathlib.Path, rows: list, settings: dict) -> None:
         w.writeheader()
         w.writerows(rows)
     with open(out / "ablate.json", "w") as f:
-        json.dump({"settings": settings, "rows": rows,
+        json.dump({"settings": settings, "rows": rows, "uptrain_gap": uptrain_summary(rows),
                    "pareto_front": pareto_front([r for r in rows if r.get("ppl")])}, f, indent=2)
 
 
@@ -170,10 +174,46 @@ def markdown_table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def uptrain_summary(rows: list) -> dict | None:
+    """The K=1 vs K=3 loss gap (nats/token) before and after equal uptraining, or None."""
+    def find(k, lever):
+        return next((r for r in rows if r.get("kv_heads") == k and r["lever"] == lever), None)
+    a, b, ua, ub = find(1, "kv heads"), find(3, "kv heads"), find(1, "uptrained"), \
+        find(3, "uptrained")
+    if not (a and b and ua and ub):
+        return None
+    before = math.log(a["ppl"]) - math.log(b["ppl"])
+    after = math.log(ua["ppl"]) - math.log(ub["ppl"])
+    return {"gap_before": before, "gap_after": after, "recovered": 1 - after / before}
+
+
+def finish(out: pathlib.Path, rows: list, settings: dict, histories: dict) -> None:
+    """Writes the CSV/JSON and the Pareto plot, prints the table."""
+    write_outputs(out, rows, settings)
+    plot_pareto([r for r in rows if r.get("ppl")], out / "pareto.png", settings["context"],
+                f"SmolLM2-135M: perplexity vs KV cache, context {settings['context']}, "
+                f"{settings['tokens_scored']:,} held-out tokens")
+    print()
+    print(markdown_table(rows))
+    print(f"\nPareto front: {', '.join(pareto_front(rows))}")
+    gap = uptrain_summary(rows)
+    if gap:
+        print(f"one-KV-head gap in nats/token (K=1 minus K=3): {gap['gap_before']:.3f} "
+              f"converted, {gap['gap_after']:.3f} after uptraining both the same way: "
+              f"{100 * gap['recovered']:.1f}% of the gap recovered")
+    print(f"wrote {out / 'ablate.csv'}, {out / 'ablate.json'}, {out / 'pareto.png'}"
+          + (f", {out / 'uptrain_loss.png'}" if histories else ""))
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
     out = pathlib.Path(_OUT.value)
+    if _PLOT_ONLY.value:
+        saved = json.loads((out / "ablate.json").read_text())
+        finish(out, saved["rows"], saved["settings"], {})
+        return 0
     try:
         run = run_config_from_dict(_CONFIG.value)
         ecfg = evaluate.eval_config_from_dict(_EVAL.value)
@@ -299,15 +339,7 @@ def main(argv):
         train_lib.plot_history(histories, out / "uptrain_loss.png",
                                title=f"uptraining on {corpus.source} (train split)")
 
-    write_outputs(out, rows, settings)
-    plot_pareto([r for r in rows if r.get("ppl")], out / "pareto.png", ctx,
-                f"SmolLM2-135M: perplexity vs KV cache, context {ctx}, "
-                f"{settings['tokens_scored']:,} held-out tokens")
-    print()
-    print(markdown_table(rows))
-    print(f"\nPareto front: {', '.join(pareto_front(rows))}")
-    print(f"wrote {out / 'ablate.csv'}, {out / 'ablate.json'}, {out / 'pareto.png'}"
-          + (f", {out / 'uptrain_loss.png'}" if histories else ""))
+    finish(out, rows, settings, histories)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Text corpora -> token streams -> evaluation windows and training batches.
 
 The default corpus is real English prose available offline from a package registry: the
-Django 4.2.16 documentation (``docs/**/*.txt``, reStructuredText; 587 documents, 5.8 MB),
+Django 4.2.16 documentation (``docs/**/*.txt``, reStructuredText; 586 documents, 5.8 MB),
 which ships inside the PyPI source distribution ``Django==4.2.16`` (BSD-3-Clause, see the
 README's "Licenses"). PyPI files never change once published, so the archive is pinned by
 sha256 (a Debian package would be replaced by each security update). It is fetched like
@@ -293,7 +293,7 @@ def token_byte_lengths(tokenizer) -> np.ndarray:
 
 
 def eval_windows(stream: np.ndarray, context: int, num_tokens: int) -> np.ndarray:
-    """[M, context] int32: the first M = ceil(num_tokens / (context - 1)) non-overlapping
+    """[M, context] int32: the first M = max(1, num_tokens // context) non-overlapping
     windows of ``stream``; each window predicts its context - 1 later tokens.
 
     Raises:
@@ -302,12 +302,12 @@ def eval_windows(stream: np.ndarray, context: int, num_tokens: int) -> np.ndarra
     if context < 2 or num_tokens < 1:
         raise ValueError(f"context={context}, num_tokens={num_tokens}; allowed: context "
                          ">= 2 and num_tokens >= 1")
-    m = -(-num_tokens // (context - 1))
+    m = max(1, num_tokens // context)
     if m * context > stream.shape[0]:
         raise ValueError(
             f"{m} windows of {context} tokens need {m * context} tokens but the held-out "
             f"split has {stream.shape[0]}; allowed: num_tokens <= "
-            f"{(stream.shape[0] // context) * (context - 1)} at this context")
+            f"{(stream.shape[0] // context) * context} at this context")
     return stream[: m * context].reshape(m, context)
 
 

@@ -33,7 +33,7 @@ class EvalConfig:
 
     Attributes:
       context: T, tokens per evaluation window (each predicts T - 1 tokens).
-      num_tokens: predicted tokens to score at least (ceil(num_tokens / (T - 1)) windows).
+      num_tokens: tokens to evaluate: num_tokens // T windows of T tokens (at least one).
       batch_size: B, windows per batch (rows of one cache).
       chunk: tokens per prefill chunk written to the cache (must divide context).
       check_full: also score the first batch with the cache-free forward.
