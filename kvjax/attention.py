@@ -68,14 +68,14 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
     s_new = jnp.einsum("BKGH,BKH->BKG", q1, k_new[:, :, 0],
                        preferred_element_type=jnp.float32)[..., None] * scale
     m = jnp.maximum(jnp.max(s_old, axis=-1, keepdims=True), s_new)  # [B, K, G, 1]
-    p_old = jnp.exp(s_old - m)
-    p_new = jnp.exp(s_new - m)
-    denom = jnp.sum(p_old, axis=-1, keepdims=True) + p_new
-    p_old = (p_old / denom).astype(v_cache.dtype)
-    p_new = (p_new / denom).astype(v_cache.dtype)
-    out = jnp.einsum("BKGS,BKSH->BKGH", p_old, v_cache, preferred_element_type=jnp.float32)
-    out = out + jnp.einsum("BKGO,BKOH->BKGH", p_new, v_new,
-                           preferred_element_type=jnp.float32)
+    # Unnormalised weights; the softmax denominator divides the [.., Hv] output instead
+    # of the [.., S] weights (one pass less over the scores).
+    e_old = jnp.exp(s_old - m).astype(v_cache.dtype)
+    e_new = jnp.exp(s_new - m)
+    denom = jnp.sum(e_old.astype(jnp.float32), axis=-1, keepdims=True) + e_new
+    out = jnp.einsum("BKGS,BKSH->BKGH", e_old, v_cache, preferred_element_type=jnp.float32)
+    out = out + e_new * v_new[:, :, 0][:, :, None, :].astype(jnp.float32)
+    out = out / denom  # [B, K, G, Hv]
     return out[:, None].astype(v_cache.dtype)
 
 
