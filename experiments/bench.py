@@ -140,7 +140,7 @@ def main(argv):
                     row[f"{name}_ms"] = None
                     print(f"peer {name} skipped: {e}")
             peer_rows.append(row)
-            print("peers (blog MHA, same shapes/dtype): " + ", ".join(
+            print(f"peers (blog MHA, same shapes/dtype, t={t}): " + ", ".join(
                 f"{k}={v:.2f}" for k, v in row.items() if isinstance(v, float)), flush=True)
 
     os.makedirs(_OUT.value, exist_ok=True)
@@ -174,10 +174,12 @@ def summarize(points, contexts) -> dict:
                    and p["scan_layers"] == s]
             if len(pts) >= 2:
                 cfg = variant_cfg(m, "mha", "float32", s)
+                # theory: KV read = weights read per step, counting the LM head (V·D)
+                # that the blog's 24·L·D² leaves out; blog_6D: the blog's t* = 6·D.
                 out[f"{m}/mha/scan={s}/crossover"] = dict(
                     measured=fit_crossover([p["context"] for p in pts],
                                            [p["seconds"] for p in pts]),
-                    theory=theory.crossover_context(cfg))
+                    theory=theory.crossover_context(cfg), blog_6D=6 * cfg.d_model)
             dense = [p for p in points if p["model"] == m and p["scan_layers"] == s
                      and p["variant"] != "window" and p["context"] >= 16384]
             if dense:
