@@ -196,6 +196,18 @@ def _plt():
     return plt
 
 
+
+def _finish(fig, ax, path) -> None:
+    """Shared styling of the log-log line plots, then save (PNG, 120 dpi) and close."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=6, ncol=2)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
 def plot_step_bytes(rows, dtype, scan_layers, path) -> None:
     """Step bytes vs context: theory lines, compiled (XLA) markers, t* marked."""
     plt = _plt()
@@ -223,12 +235,7 @@ def plot_step_bytes(rows, dtype, scan_layers, path) -> None:
            ylabel="bytes per decode step",
            title=f"Blog model decode step, {dtype}: theory (lines) vs XLA (markers); "
                  "x = t* (KV = weights)")
-    ax.title.set_fontsize(9)
-    ax.legend(fontsize=6, ncol=2)
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(fig, ax, path)
 
 
 def plot_roofline(rows, dtype, local: hardware.Chip, path) -> None:
@@ -296,12 +303,7 @@ def plot_kv_to_weights(rows, dtype, scan_layers, path) -> None:
            title=f"KV-to-weights ratio ({dtype}). Dashed: blog t/(6·D) (24·L·D² weights); "
                  "lines: this model's exact weights\n(+ the V·D LM head); markers: XLA's "
                  "attributed kv_read / weights")
-    ax.title.set_fontsize(9)
-    ax.legend(fontsize=6, ncol=2)
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(fig, ax, path)
 
 
 def plot_attribution(rows, dtype, context, path) -> bool:

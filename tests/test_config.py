@@ -31,26 +31,21 @@ def test_mha_and_mqa_names_must_agree_with_kv_heads():
         ModelConfig(**GOOD, attention="mqa")
 
 
-def test_override_errors_name_the_field():
+@pytest.mark.parametrize("path,value,pattern", [
+    ("model.num_kv_heads", 4, "num_kv_heads=4; allowed: a divisor of model.num_heads=9"),
+    ("dtype", "int8", "model.dtype='int8'"),
+    ("max_new_tokens", 0, "max_new_tokens=0"),
+    ("sampling.top_p", 1.5, r"sampling.top_p=1.5"),
+    ("weights", "llama", "weights='llama'"),
+])
+def test_override_errors_name_the_field(path, value, pattern):
     c = gqa.get_config()
-    c.model.num_kv_heads = 4
-    with pytest.raises(ConfigError, match="num_kv_heads=4; allowed: a divisor of model.num_heads=9"):
-        run_config_from_dict(c)
-    c = gqa.get_config()
-    c.dtype = "int8"
-    with pytest.raises(ConfigError, match="model.dtype='int8'"):
-        run_config_from_dict(c)
-    c = gqa.get_config()
-    c.max_new_tokens = 0
-    with pytest.raises(ConfigError, match="max_new_tokens=0"):
-        run_config_from_dict(c)
-    c = gqa.get_config()
-    c.sampling.top_p = 1.5
-    with pytest.raises(ConfigError, match="sampling.top_p=1.5"):
-        run_config_from_dict(c)
-    c = gqa.get_config()
-    c.weights = "llama"
-    with pytest.raises(ConfigError, match="weights='llama'"):
+    *parents, leaf = path.split(".")
+    node = c
+    for p in parents:
+        node = node[p]
+    node[leaf] = value
+    with pytest.raises(ConfigError, match=pattern):
         run_config_from_dict(c)
 
 
