@@ -41,7 +41,9 @@ _CONTEXTS = flags.DEFINE_list("contexts", ["1024", "4096", "16384", "32768", "65
                               "Cache lengths (tokens).")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "float32 | bfloat16 | float16.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed steps per point (median reported).")
-_PEERS = flags.DEFINE_list("peers", ["flax", "torch"], "Peers to time: flax, torch.")
+_PEERS = flags.DEFINE_list("peers", ["flax", "torch"],
+                           "Peers to time: flax, torch (blog MHA shapes), llamacpp (SmolLM2 "
+                           "GGUF vs kvjax SmolLM2 GQA, contexts <= 8192).")
 _PEER_CONTEXTS = flags.DEFINE_list("peer_contexts", ["4096", "32768"], "Peer contexts.")
 _SCAN = flags.DEFINE_enum("scan_layers", "auto", ["auto", "true", "false", "both"],
                           "Layer stack mode; 'both' times each.")
@@ -77,6 +79,32 @@ def time_point(cfg: ModelConfig, context: int, repeats: int) -> float:
     times = costs.measure_step_seconds(cfg, params, cache, 1, repeats)
     del params, cache
     return statistics.median(times)
+
+
+def llamacpp_rows(contexts, dtype, scan, repeats, roof) -> list[dict]:
+    """kvjax SmolLM2 GQA vs llama.cpp on the same GGUF: tokens/s and roofline fractions."""
+    from kvjax import checkpoints  # noqa: PLC0415
+
+    path = str(checkpoints.weights_path(progress=False))
+    cfg = variant_cfg("smollm2", "gqa", dtype, scan)
+    rows = []
+    for t in (c for c in contexts if c <= 8192):
+        try:
+            theirs = peers.median(peers.llamacpp_decode_step_seconds(path, t, repeats))
+        except ImportError as e:
+            print(f"peer llamacpp skipped: {e}")
+            return rows
+        ours = time_point(cfg, t, repeats)
+        row = dict(context=t, model="smollm2-gqa", kvjax_ms=ours * 1e3,
+                   llamacpp_ms=theirs * 1e3, kvjax_tokens_per_s=1 / ours,
+                   llamacpp_tokens_per_s=1 / theirs,
+                   kvjax_fraction_of_roofline=theory.step_bytes(cfg, t).total / ours / roof,
+                   llamacpp_fraction_of_roofline=(
+                       peers.llamacpp_step_bytes(path, cfg, t) / theirs / roof))
+        rows.append(row)
+        print(f"peers (SmolLM2 GQA, t={t}; llama.cpp: 4-bit weights, f16 KV): " + ", ".join(
+            f"{k}={v:.3g}" for k, v in row.items() if isinstance(v, float)), flush=True)
+    return rows
 
 
 def fit_crossover(contexts, seconds) -> float:
@@ -126,12 +154,13 @@ def main(argv):
 
     summary = summarize(points, contexts)
     peer_rows = []
-    if "blog" in models:
+    blog_peers = [p for p in peer_names if p in ("flax", "torch")]
+    if "blog" in models and blog_peers:
         for t in [int(c) for c in _PEER_CONTEXTS.value]:
             cfg = variant_cfg("blog", "mha", dtype, scan_modes[0])
             ours = time_point(cfg, t, repeats)
             row = dict(context=t, kvjax_ms=ours * 1e3)
-            for name in peer_names:
+            for name in blog_peers:
                 fn = {"flax": peers.flax_decode_step_seconds,
                       "torch": peers.torch_decode_step_seconds}[name]
                 try:
@@ -142,6 +171,9 @@ def main(argv):
             peer_rows.append(row)
             print(f"peers (blog MHA, same shapes/dtype, t={t}): " + ", ".join(
                 f"{k}={v:.2f}" for k, v in row.items() if isinstance(v, float)), flush=True)
+    if "llamacpp" in peer_names:
+        peer_rows += llamacpp_rows([int(c) for c in _PEER_CONTEXTS.value], dtype,
+                                   scan_modes[0], repeats, roof)
 
     os.makedirs(_OUT.value, exist_ok=True)
     out = dict(device=str(jax.devices()[0]), roofline_bytes_per_s=roof, roofline=chip.name,

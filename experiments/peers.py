@@ -7,6 +7,8 @@
 * :func:`torch_decode_step_seconds`: PyTorch ``scaled_dot_product_attention`` over a
   preallocated static cache [B, K, S, H] (``enable_gqa`` for K < N), same shapes, under
   ``torch.inference_mode``; needs ``pip install torch==2.13.0`` (optional).
+* :func:`llamacpp_decode_step_seconds`: llama.cpp on the same SmolLM2 GGUF (4-bit
+  weights, f16 cache); needs ``pip install llama-cpp-python`` (optional, compiles).
 
 Both return the per-step wall times (s) of ``repeats`` steps at a cache filled to
 ``context`` - 1 tokens; peers are benchmark extras, not library dependencies.
@@ -152,6 +154,43 @@ def torch_decode_step_seconds(cfg: ModelConfig, context: int, repeats: int = 5,
             if i:
                 times.append(time.perf_counter() - start)
     return times
+
+
+def llamacpp_decode_step_seconds(gguf_path: str, context: int, repeats: int = 5,
+                                 threads: int = 2) -> list[float]:
+    """Per-step seconds of llama.cpp (``llama-cpp-python``) on the SmolLM2 GGUF itself.
+
+    Its weights stay 4-bit (Q4_1, Q8_0 embeddings) and its KV cache is f16, so it moves
+    fewer bytes per step than kvjax's float32 run: compare tokens/s and, separately, the
+    fraction of the bandwidth roofline (:func:`llamacpp_step_bytes`). The prompt of
+    ``context - 1`` tokens is evaluated first (not timed), then ``repeats`` single-token
+    steps are timed (one warm-up).
+
+    Raises:
+      ImportError: llama-cpp-python is not installed (``pip install llama-cpp-python``
+        compiles llama.cpp; ~5 min on 2 cores).
+    """
+    import llama_cpp  # noqa: PLC0415 (optional peer)
+
+    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=context + repeats + 1,
+                          n_threads=threads, verbose=False)
+    llm.eval([1] * (context - 1))
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        llm.eval([1])
+        if i:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def llamacpp_step_bytes(gguf_path: str, cfg: ModelConfig, context: int) -> int:
+    """Bytes one llama.cpp decode step reads: the GGUF's tensor bytes (all weights, as
+    stored) + its f16 KV cache at ``context`` tokens (L·K·2·H·2 bytes per token)."""
+    import gguf  # noqa: PLC0415
+
+    weights = sum(int(t.n_bytes) for t in gguf.GGUFReader(gguf_path).tensors)
+    return weights + context * cfg.num_layers * cfg.num_kv_heads * 2 * cfg.head_dim * 2
 
 
 def median(xs) -> float:
