@@ -53,3 +53,18 @@ def test_prompt_longer_than_cache_fails_before_compiling(tmp_path):
                         "--config.max_new_tokens=4")
     assert proc.returncode == 2
     assert "max_seq_len=8; allowed: at least prompt tokens" in proc.stderr
+
+
+def test_bench_entry_point_smoke(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.bench", "--models=blog", "--variants=mha,window",
+         "--contexts=256,512", "--repeats=1", "--peers=", f"--out_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    points = {(p["variant"], p["context"]): p for p in result["points"]}
+    assert set(points) == {("mha", 256), ("mha", 512), ("window", 256), ("window", 512)}
+    # Theory bytes: the window's step reads the same W=512 slots at either context.
+    assert points[("window", 256)]["theory_bytes"] < points[("mha", 512)]["theory_bytes"]
+    assert all(p["seconds"] > 0 for p in points.values())
+    assert (tmp_path / "bench_step_time.png").stat().st_size > 0
