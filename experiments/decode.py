@@ -56,6 +56,9 @@ def report(result: runner.DecodeResult) -> str:
            f"{theory.tokens_held(cfg, s.context)} keys") + "):",
         costs.cost_table(s, result.step_seconds_median),
         "",
+        "where the step's compiled bytes go:",
+        costs.attribution_table(s),
+        "",
         f"the prefill of {result.prompt_tokens} tokens (matrix-matrix; theory counts causal "
         "attention, kvjax attends over all cache slots, masked):",
         costs.cost_table(result.prefill_cost, result.prefill_seconds),

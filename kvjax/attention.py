@@ -129,6 +129,6 @@ class Attention(nn.Module):
                              jnp.concatenate([v_old, vv], axis=2),
                              jnp.concatenate([mask_old, mask_new], axis=2))
 
-        out = Einsum((n, h, c.d_model), "BTNH,NHD->BTD", dt, name="o_proj")(
+        out = Einsum((n, h, c.d_model), "BTF,FD->BTD", dt, merge_in=2, name="o_proj")(
             out.reshape(b, t, n, h))
         return out, {"k": kk, "v": vv}

@@ -16,18 +16,6 @@ import numpy as np
 from kvjax.config import ModelConfig
 
 
-def model_config_from_hparams(hparams: dict, **overrides) -> ModelConfig:
-    """A ModelConfig for a llama GGUF's hyper-parameters (``LlamaGGUF.hparams``)."""
-    fields = dict(
-        vocab_size=hparams["vocab_size"], num_layers=hparams["num_layers"],
-        d_model=hparams["d_model"], num_heads=hparams["num_heads"],
-        num_kv_heads=hparams["num_kv_heads"], head_dim=hparams["head_dim"],
-        mlp_dim=hparams["mlp_dim"], rope_theta=float(hparams["rope_theta"]),
-        norm_eps=float(hparams["norm_eps"]), mlp_type="swiglu", attention="gqa")
-    fields.update(overrides)
-    return ModelConfig(**fields)
-
-
 def check_compatible(cfg: ModelConfig, hparams: dict) -> None:
     """Raises ValueError naming the first field where cfg disagrees with the checkpoint.
 

@@ -34,7 +34,6 @@ count the custom calls' operand + output bytes separately as a lower bound
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from typing import Any, Callable, Mapping
 
@@ -384,10 +383,6 @@ def loop_aware_cost(compiled, trip_counts: Mapping[str, int] | None = None,
                       raw_bytes=float(raw.get("bytes accessed", -1.0)),
                       flops=flops, bytes=nbytes, loops=tuple(reversed(loops)),
                       complete=complete, custom_calls=custom, uncosted_bytes=uncosted)
-
-
-def to_json(report: CostReport) -> str:
-    return json.dumps(report.as_dict(), indent=2)
 
 
 # --------------------------------------------------------------------------- per op
