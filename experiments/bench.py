@@ -26,12 +26,10 @@ import statistics
 
 from absl import app, flags
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from experiments import peers
-from kvjax import cache as cache_lib
-from kvjax import costs, hardware, model, presets, theory
+from kvjax import costs, hardware, presets, theory
 from kvjax.config import ModelConfig, default_scan_layers
 
 _MODELS = flags.DEFINE_list("models", ["blog", "smollm2"], "blog and/or smollm2.")
@@ -70,15 +68,8 @@ def variant_cfg(model_name: str, variant: str, dtype: str, scan_layers: bool) ->
 
 def time_point(cfg: ModelConfig, context: int, repeats: int) -> float:
     """Median seconds of one decode step with a full cache of ``context`` slots."""
-    params = model.init_params(cfg, 0)
-    cache = cache_lib.init_cache(cfg, 1, context)
-    if cfg.window_size is not None:  # a ring holding the last W positions
-        cache = cache.replace(positions=jnp.arange(context - cache.num_slots - 1, context - 1,
-                                                   dtype=jnp.int32))
-    cache = cache.replace(length=jnp.int32(context - 1))
-    times = costs.measure_step_seconds(cfg, params, cache, 1, repeats)
-    del params, cache
-    return statistics.median(times)
+    return statistics.median(costs.measure_decode_step(cfg, context, 1, repeats,
+                                                       budget_s=None))
 
 
 def llamacpp_rows(contexts, dtype, scan, repeats, roof) -> list[dict]:

@@ -126,7 +126,7 @@ class DecoderLM(nn.Module):
         return logits, new_cache
 
 
-def _init_std(path: tuple, shape: tuple, cfg: ModelConfig) -> float | None:
+def _init_std(path: tuple, cfg: ModelConfig) -> float | None:
     """Std of the normal init for a parameter (None: ones, for norm scales)."""
     name = path[-2] if path[-1] in ("kernel", "embedding", "scale") else path[-1]
     if path[-1] == "scale":
@@ -154,7 +154,7 @@ def init_params(cfg: ModelConfig, rng: jax.Array | int = 0):
 
     def make(path, leaf):
         keys = tuple(getattr(p, "key", str(p)) for p in path)
-        std = _init_std(keys, leaf.shape, cfg)
+        std = _init_std(keys, cfg)
         x = np.ones(leaf.shape) if std is None else gen.standard_normal(leaf.shape) * std
         return jnp.asarray(x.astype(np.float32), leaf.dtype)
 

@@ -160,9 +160,8 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
 
     context = run.cost_context or run.max_seq_len
     step = costs.analyze_decode_step(cfg, context, b)
-    measure_cache = cache_lib.init_cache(cfg, b, context)
-    measure_cache = measure_cache.replace(length=jnp.int32(min(context, len(ids))) - 1)
-    times = costs.measure_step_seconds(cfg, params, measure_cache, b, run.measure_repeats)
+    times = costs.measure_step_seconds(cfg, params, costs.full_cache(cfg, b, context), b,
+                                       run.measure_repeats)
     return DecodeResult(
         prompt=run.prompt, generated_text=text, prompt_tokens=len(ids),
         new_tokens=len(out), generated_ids=out, prefill_seconds=prefill_s,
