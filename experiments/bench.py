@@ -9,10 +9,11 @@ r"""Decode measured against the memory-bandwidth roofline, and against peers.
 For each model x variant x context: the median decode-step time (one warm-up, then
 ``--repeats`` steps, ``block_until_ready``); theory bytes per step (the blog's B_step at a
 full cache of ``context`` slots); achieved bytes/s = theory bytes / time, and its fraction
-of the roofline (the measured read bandwidth on CPU, the published HBM bandwidth on a
-known GPU). Then: GQA and MQA speedups over MHA against theory's byte ratio; the window's
-flatness in context; the measured crossover context (fitting time = a + b·t, t* = a/b)
-against theory; peers at the same shapes. Prints tables, writes JSON and a PNG plot.
+of the roofline (on CPU the read bandwidth probed again just before each point, since a
+shared host's bandwidth drifts between 20 and 35 GB/s; on a known GPU the published HBM
+bandwidth). Then: GQA and MQA speedups over MHA against theory's byte ratio; the window's
+flatness in context; the measured crossover context (a robust Theil-Sen fit of
+time = a + b·t, t* = a/b) against theory; peers at the same shapes. Prints tables, writes JSON and a PNG plot.
 
 SmolLM2 is benchmarked with its shapes and random weights (timing does not depend on the
 values, and random weights skip the 4 s GGUF read).
@@ -73,35 +74,65 @@ def time_point(cfg: ModelConfig, context: int, repeats: int) -> float:
 
 
 def llamacpp_rows(contexts, dtype, scan, repeats, roof) -> list[dict]:
-    """kvjax SmolLM2 GQA vs llama.cpp on the same GGUF: tokens/s and roofline fractions."""
+    """kvjax SmolLM2 GQA vs llama.cpp on the same model: tokens/s and roofline fractions.
+
+    llama.cpp runs twice: on the published GGUF (4-bit weights, its default f16 KV cache)
+    and on a float32 copy with a float32 KV cache (:func:`peers.dense_gguf`): the same
+    shapes and dtype as kvjax's float32 run.
+    """
     from kvjax import checkpoints  # noqa: PLC0415
 
-    path = str(checkpoints.weights_path(progress=False))
+    q4_path = str(checkpoints.weights_path(progress=False))
     cfg = variant_cfg("smollm2", "gqa", dtype, scan)
     rows = []
     for t in (c for c in contexts if c <= 8192):
         try:
-            theirs = peers.median(peers.llamacpp_decode_step_seconds(path, t, repeats))
+            q4 = peers.median(peers.llamacpp_decode_step_seconds(q4_path, t, repeats))
+            f32_path = peers.dense_gguf(q4_path)
+            f32 = peers.median(peers.llamacpp_decode_step_seconds(f32_path, t, repeats,
+                                                                  kv_type="f32"))
         except ImportError as e:
             print(f"peer llamacpp skipped: {e}")
             return rows
         ours = time_point(cfg, t, repeats)
         row = dict(context=t, model="smollm2-gqa", kvjax_ms=ours * 1e3,
-                   llamacpp_ms=theirs * 1e3, kvjax_tokens_per_s=1 / ours,
-                   llamacpp_tokens_per_s=1 / theirs,
+                   llamacpp_f32_ms=f32 * 1e3, llamacpp_q4_ms=q4 * 1e3,
+                   kvjax_tokens_per_s=1 / ours, llamacpp_f32_tokens_per_s=1 / f32,
+                   llamacpp_q4_tokens_per_s=1 / q4,
                    kvjax_fraction_of_roofline=theory.step_bytes(cfg, t).total / ours / roof,
-                   llamacpp_fraction_of_roofline=(
-                       peers.llamacpp_step_bytes(path, cfg, t) / theirs / roof))
+                   llamacpp_f32_fraction_of_roofline=(
+                       peers.llamacpp_step_bytes(f32_path, cfg, t, kv_bytes=4) / f32 / roof),
+                   llamacpp_q4_fraction_of_roofline=(
+                       peers.llamacpp_step_bytes(q4_path, cfg, t) / q4 / roof))
         rows.append(row)
-        print(f"peers (SmolLM2 GQA, t={t}; llama.cpp: 4-bit weights, f16 KV): " + ", ".join(
-            f"{k}={v:.3g}" for k, v in row.items() if isinstance(v, float)), flush=True)
+        print(f"peers (SmolLM2 GQA, t={t}; llama.cpp f32 = float32 weights + KV like kvjax, "
+              "q4 = the published 4-bit GGUF with f16 KV): " + ", ".join(
+                  f"{k}={v:.3g}" for k, v in row.items() if isinstance(v, float)), flush=True)
     return rows
 
 
 def fit_crossover(contexts, seconds) -> float:
-    """t* = a / b from a least-squares fit seconds = a + b·t (weights time = KV time)."""
-    b, a = np.polyfit(np.asarray(contexts, float), np.asarray(seconds, float), 1)
-    return float(a / b) if b > 0 else float("inf")
+    """t* = a / b from a Theil-Sen fit seconds = a + b·t (weights time = KV time).
+
+    The slope is the median of the pairwise slopes and the intercept the median of
+    seconds - b·t, so one noisy point cannot flip the sign (least squares did, here).
+    Returns inf when the slope is not positive.
+    """
+    t, y = np.asarray(contexts, float), np.asarray(seconds, float)
+    slopes = [(y[j] - y[i]) / (t[j] - t[i]) for i in range(len(t)) for j in range(i + 1, len(t))
+              if t[j] != t[i]]
+    if not slopes:
+        raise ValueError(f"contexts={list(contexts)}; allowed: at least two distinct values")
+    b = float(np.median(slopes))
+    a = float(np.median(y - b * t))
+    return a / b if b > 0 else float("inf")
+
+
+def roofline_now(chip: hardware.Chip, measured: bool) -> float:
+    """The roofline for the next point: a fresh read-bandwidth probe on a measured device
+    (CPU), the chip's published figure otherwise."""
+    return hardware.measure_read_bandwidth(repeats=5).bytes_per_s if measured else \
+        chip.hbm_bytes_per_s
 
 
 def main(argv):
@@ -118,9 +149,10 @@ def main(argv):
         contexts, repeats, peer_names, scan_modes = [4096, 32768, 131072], 5, [], [False, True]
 
     chip = hardware.local_chip()
-    roof = chip.hbm_bytes_per_s
+    measured = chip.source.startswith("measured")
+    roof = start_roof = chip.hbm_bytes_per_s
     print(f"device: {jax.devices()[0]}  roofline: {chip.name} {roof / 1e9:.1f} GB/s "
-          f"({chip.source})")
+          f"({chip.source}{'; re-probed before every point' if measured else ''})")
     points = []
     for model_name in models:
         for scan in scan_modes:
@@ -130,6 +162,7 @@ def main(argv):
                     kv = theory.kv_cache_bytes(cfg, t)
                     if kv > _MAX_CACHE_BYTES.value * 1e9:
                         continue
+                    roof = roofline_now(chip, measured)
                     sec = time_point(cfg, t, repeats)
                     sb = theory.step_bytes(cfg, t)
                     achieved = sb.total / sec
@@ -137,11 +170,13 @@ def main(argv):
                                        context=t, seconds=sec, theory_bytes=sb.total,
                                        kv_bytes=sb.kv_read, weight_bytes=sb.weights,
                                        achieved_bytes_per_s=achieved,
+                                       roofline_bytes_per_s=roof,
                                        fraction_of_roofline=achieved / roof,
                                        roofline_seconds=sb.total / roof))
                     print(f"{model_name:8s} {variant:7s} scan={scan!s:5s} t={t:>7,d}  "
                           f"{sec * 1e3:9.2f} ms  {achieved / 1e9:6.2f} GB/s  "
-                          f"{achieved / roof:5.1%} of roofline", flush=True)
+                          f"{achieved / roof:5.1%} of {roof / 1e9:.1f} GB/s roofline",
+                          flush=True)
 
     summary = summarize(points, contexts)
     peer_rows = []
@@ -164,10 +199,11 @@ def main(argv):
                 f"{k}={v:.2f}" for k, v in row.items() if isinstance(v, float)), flush=True)
     if "llamacpp" in peer_names:
         peer_rows += llamacpp_rows([int(c) for c in _PEER_CONTEXTS.value], dtype,
-                                   scan_modes[0], repeats, roof)
+                                   scan_modes[0], repeats, roofline_now(chip, measured))
 
     os.makedirs(_OUT.value, exist_ok=True)
-    out = dict(device=str(jax.devices()[0]), roofline_bytes_per_s=roof, roofline=chip.name,
+    out = dict(device=str(jax.devices()[0]), roofline_bytes_per_s=start_roof,
+               roofline_reprobed=measured, roofline=chip.name,
                dtype=dtype, points=points, summary=summary, peers=peer_rows)
     path = os.path.join(_OUT.value, "bench.json")
     with open(path, "w") as f:

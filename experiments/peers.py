@@ -16,6 +16,7 @@ Both return the per-step wall times (s) of ``repeats`` steps at a cache filled t
 
 from __future__ import annotations
 
+import os
 import time
 
 import flax.linen as nn
@@ -157,23 +158,29 @@ def torch_decode_step_seconds(cfg: ModelConfig, context: int, repeats: int = 5,
 
 
 def llamacpp_decode_step_seconds(gguf_path: str, context: int, repeats: int = 5,
-                                 threads: int = 2) -> list[float]:
-    """Per-step seconds of llama.cpp (``llama-cpp-python``) on the SmolLM2 GGUF itself.
+                                 threads: int = 2, kv_type: str = "f16") -> list[float]:
+    """Per-step seconds of llama.cpp (``llama-cpp-python``) on a SmolLM2 GGUF.
 
-    Its weights stay 4-bit (Q4_1, Q8_0 embeddings) and its KV cache is f16, so it moves
-    fewer bytes per step than kvjax's float32 run: compare tokens/s and, separately, the
-    fraction of the bandwidth roofline (:func:`llamacpp_step_bytes`). The prompt of
-    ``context - 1`` tokens is evaluated first (not timed), then ``repeats`` single-token
-    steps are timed (one warm-up).
+    On the published file its weights stay 4-bit (Q4_1, Q8_0 embeddings); on the file
+    from :func:`dense_gguf` they are float32 like kvjax's. ``kv_type`` is llama.cpp's KV
+    cache type ('f16', its default, or 'f32'). Bytes per step differ between the files:
+    compare tokens/s and, separately, the fraction of the bandwidth roofline
+    (:func:`llamacpp_step_bytes`). The prompt of ``context - 1`` tokens is evaluated first
+    (not timed), then ``repeats`` single-token steps are timed (one warm-up).
 
     Raises:
       ImportError: llama-cpp-python is not installed (``pip install llama-cpp-python``
         compiles llama.cpp; ~5 min on 2 cores).
+      ValueError: kv_type not 'f16' or 'f32'.
     """
     import llama_cpp  # noqa: PLC0415 (optional peer)
 
+    types = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}
+    if kv_type not in types:
+        raise ValueError(f"kv_type={kv_type!r}; allowed: one of {list(types)}")
     llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=context + repeats + 1,
-                          n_threads=threads, verbose=False)
+                          n_threads=threads, verbose=False, type_k=types[kv_type],
+                          type_v=types[kv_type])
     llm.eval([1] * (context - 1))
     times = []
     for i in range(repeats + 1):
@@ -184,13 +191,49 @@ def llamacpp_decode_step_seconds(gguf_path: str, context: int, repeats: int = 5,
     return times
 
 
-def llamacpp_step_bytes(gguf_path: str, cfg: ModelConfig, context: int) -> int:
+def dense_gguf(gguf_path: str, out_path: str | None = None) -> str:
+    """A float32 copy of a GGUF (every tensor dequantized with ``gguf.quants``, metadata
+    copied as in gguf-py's ``gguf_new_metadata``), so llama.cpp runs at kvjax's dtype.
+
+    Written once next to ``gguf_path`` (``<stem>.F32.gguf``, ~4x the Q4 file) and reused.
+    Returns the path.
+    """
+    import gguf  # noqa: PLC0415
+
+    out_path = out_path or os.path.splitext(gguf_path)[0] + ".F32.gguf"
+    if os.path.exists(out_path):
+        return out_path
+    reader = gguf.GGUFReader(gguf_path)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    tmp = out_path + ".tmp"
+    writer = gguf.GGUFWriter(tmp, arch=arch)
+    for field in reader.fields.values():
+        if field.name in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE) \
+                or field.name.startswith("GGUF."):
+            continue
+        val_type = field.types[0]
+        sub_type = field.types[-1] if val_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), val_type, sub_type=sub_type)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)  # replaces the copied Q4_1 file type
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.ascontiguousarray(
+            gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, out_path)
+    return out_path
+
+
+def llamacpp_step_bytes(gguf_path: str, cfg: ModelConfig, context: int,
+                        kv_bytes: int = 2) -> int:
     """Bytes one llama.cpp decode step reads: the GGUF's tensor bytes (all weights, as
-    stored) + its f16 KV cache at ``context`` tokens (L·K·2·H·2 bytes per token)."""
+    stored) + its KV cache at ``context`` tokens (L·K·2·H·``kv_bytes`` per token)."""
     import gguf  # noqa: PLC0415
 
     weights = sum(int(t.n_bytes) for t in gguf.GGUFReader(gguf_path).tensors)
-    return weights + context * cfg.num_layers * cfg.num_kv_heads * 2 * cfg.head_dim * 2
+    return weights + context * cfg.num_layers * cfg.num_kv_heads * 2 * cfg.head_dim * kv_bytes
 
 
 def median(xs) -> float:

@@ -21,30 +21,42 @@ from kvjax.layers import Einsum, apply_rope
 NEG_INF = -1e30
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def _spec(layout: str, width: str = "H") -> str:
+    """einsum letters of one layer's keys/values in ``layout`` ('BKSH' or 'BKHS')."""
+    if layout not in ("BKSH", "BKHS"):
+        raise ValueError(f"layout={layout!r}; allowed: 'BKSH' or 'BKHS'")
+    return "BKS" + width if layout == "BKSH" else "BK" + width + "S"
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+           k_layout: str = "BKSH", v_layout: str = "BKSH") -> jax.Array:
     """Softmax attention of grouped queries over one layer's keys and values.
 
     Args:
       q: [B, T, K, G, H] queries (already rotated).
-      k: [B, K, S, H] keys.
-      v: [B, K, S, Hv] values.
+      k: [B, K, S, H] keys ('BKSH'), or [B, K, H, S] with ``k_layout='BKHS'``.
+      v: [B, K, S, Hv] values ('BKSH'), or [B, K, Hv, S] with ``v_layout='BKHS'``.
       mask: [B, T, S] bool, True where the key is visible.
+      k_layout, v_layout: 'BKSH' or 'BKHS' (see ``kvjax.config.default_kv_layout``).
     Returns:
       [B, T, K, G, Hv] in v's dtype. Scores and softmax run in float32; the probabilities
       are cast to v's dtype for the value product, which accumulates in float32.
+    Raises:
+      ValueError: an unknown layout.
     """
     scale = q.shape[-1] ** -0.5
-    scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k,
+    scores = jnp.einsum(f"BTKGH,{_spec(k_layout)}->BKGTS", q, k,
                         preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("BKGTS,BKSH->BTKGH", probs.astype(v.dtype), v,
+    out = jnp.einsum(f"BKGTS,{_spec(v_layout, 'V')}->BTKGV", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
     return out.astype(v.dtype)
 
 
 def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array,
-                k_new: jax.Array, v_new: jax.Array) -> jax.Array:
+                k_new: jax.Array, v_new: jax.Array, k_layout: str = "BKSH",
+                v_layout: str = "BKSH") -> jax.Array:
     """One decode step (T = 1): attention over the cache's old slots plus the new token.
 
     Same math as :func:`attend` over ``concat(k_cache, k_new)`` without materialising the
@@ -54,18 +66,24 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
 
     Args:
       q: [B, 1, K, G, H] the new token's queries.
-      k_cache, v_cache: [B, K, S, H] / [B, K, S, Hv] this layer's cache before the write.
+      k_cache, v_cache: this layer's cache before the write, [B, K, S, H] / [B, K, S, Hv]
+        ('BKSH') or [B, K, H, S] / [B, K, Hv, S] ('BKHS').
       mask: [B, 1, S] bool, visible old slots.
-      k_new, v_new: [B, K, 1, H] / [B, K, 1, Hv] the new token's key and value.
+      k_new, v_new: the new token's key and value in the same layouts (S -> 1).
+      k_layout, v_layout: 'BKSH' or 'BKHS'.
     Returns:
       [B, 1, K, G, Hv] in v_cache's dtype; scores and softmax in float32.
+    Raises:
+      ValueError: an unknown layout.
     """
     scale = q.shape[-1] ** -0.5
     q1 = q[:, 0]  # [B, K, G, H]
-    s_old = jnp.einsum("BKGH,BKSH->BKGS", q1, k_cache,
+    s_old = jnp.einsum(f"BKGH,{_spec(k_layout)}->BKGS", q1, k_cache,
                        preferred_element_type=jnp.float32) * scale
     s_old = jnp.where(mask[:, :, None, :], s_old, NEG_INF)
-    s_new = jnp.einsum("BKGH,BKH->BKG", q1, k_new[:, :, 0],
+    k1 = k_new[:, :, 0] if k_layout == "BKSH" else k_new[..., 0]  # [B, K, H]
+    v1 = v_new[:, :, 0] if v_layout == "BKSH" else v_new[..., 0]  # [B, K, Hv]
+    s_new = jnp.einsum("BKGH,BKH->BKG", q1, k1,
                        preferred_element_type=jnp.float32)[..., None] * scale
     m = jnp.maximum(jnp.max(s_old, axis=-1, keepdims=True), s_new)  # [B, K, G, 1]
     # Unnormalised weights; the softmax denominator divides the [.., Hv] output instead
@@ -73,8 +91,9 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
     e_old = jnp.exp(s_old - m).astype(v_cache.dtype)
     e_new = jnp.exp(s_new - m)
     denom = jnp.sum(e_old.astype(jnp.float32), axis=-1, keepdims=True) + e_new
-    out = jnp.einsum("BKGS,BKSH->BKGH", e_old, v_cache, preferred_element_type=jnp.float32)
-    out = out + e_new * v_new[:, :, 0][:, :, None, :].astype(jnp.float32)
+    out = jnp.einsum(f"BKGS,{_spec(v_layout, 'V')}->BKGV", e_old, v_cache,
+                     preferred_element_type=jnp.float32)
+    out = out + e_new * v1[:, :, None, :].astype(jnp.float32)
     out = out / denom  # [B, K, G, Hv]
     return out[:, None].astype(v_cache.dtype)
 
@@ -95,11 +114,13 @@ class Attention(nn.Module):
         Args:
           x: [B, T, D] inputs.
           positions: [B, T] int32 absolute positions of the T tokens.
-          cached: this layer's cache before the chunk, {'k': [B, K, S, H], 'v': ...}, or
-            None for a cache-free causal forward over the T tokens.
+          cached: this layer's cache before the chunk, {'k': [B, K, S, H], 'v': ...} in
+            the layouts of ``cfg.cache_layout`` (S and H swapped for 'BKHS'), or None for
+            a cache-free causal forward over the T tokens.
           cached_positions: [S] int32 slot positions before the chunk (-1: empty).
         Returns:
-          (out [B, T, D], {'k': [B, K, T, H], 'v': [B, K, T, H]} in the cache dtype).
+          (out [B, T, D], {'k': [B, K, T, H], 'v': [B, K, T, H]} in the cache dtype and
+          the cache layouts: T and H swapped for 'BKHS').
         """
         c = self.cfg
         dt = c.jnp_dtype
@@ -112,22 +133,27 @@ class Attention(nn.Module):
         kk = jnp.swapaxes(apply_rope(kk, positions, c.rope_theta), 1, 2)  # [B, K, T, H]
         vv = jnp.swapaxes(vv, 1, 2)
 
+        k_layout, v_layout = c.cache_layout("k"), c.cache_layout("v")
         if cached is None:
             out = attend(q, kk, vv, cache_lib.attention_mask(positions, positions, c))
+            kk, vv = cache_lib.to_layout(kk, c, "k"), cache_lib.to_layout(vv, c, "v")
         else:
             # Attend over (old slots ++ this chunk); the caller writes afterwards. Reading
             # before writing keeps the in-place update copy-free, and in a ring buffer the
             # chunk's writes may evict keys that its earlier queries still see.
             k_old, v_old = cached["k"], cached["v"]
-            kk, vv = kk.astype(k_old.dtype), vv.astype(v_old.dtype)
+            kk = cache_lib.to_layout(kk.astype(k_old.dtype), c, "k")
+            vv = cache_lib.to_layout(vv.astype(v_old.dtype), c, "v")
             mask_old = cache_lib.attention_mask(positions, cached_positions, c)
             if t == 1:
-                out = attend_step(q, k_old, v_old, mask_old, kk, vv)
+                out = attend_step(q, k_old, v_old, mask_old, kk, vv, k_layout, v_layout)
             else:
                 mask_new = cache_lib.attention_mask(positions, positions, c)
-                out = attend(q, jnp.concatenate([k_old, kk], axis=2),
-                             jnp.concatenate([v_old, vv], axis=2),
-                             jnp.concatenate([mask_old, mask_new], axis=2))
+                out = attend(q,
+                             jnp.concatenate([k_old, kk], axis=cache_lib.slot_axis(c, "k")),
+                             jnp.concatenate([v_old, vv], axis=cache_lib.slot_axis(c, "v")),
+                             jnp.concatenate([mask_old, mask_new], axis=2),
+                             k_layout, v_layout)
 
         out = Einsum((n, h, c.d_model), "BTF,FD->BTD", dt, merge_in=2, name="o_proj")(
             out.reshape(b, t, n, h))

@@ -2,9 +2,11 @@
 
 Two layouts share one bookkeeping scheme:
 
-* MHA/GQA/MQA (optionally windowed): per-head keys and values, laid out head-major
-  ``[L, B, K, S, H]`` (DESIGN.md: a [B, S, K, H] layout made XLA materialise transposes,
-  3.08x the blog's bytes against 1.08x).
+* MHA/GQA/MQA (optionally windowed): per-head keys and values, head-major: each of
+  keys and values is ``[L, B, K, S, H]`` ('BKSH') or ``[L, B, K, H, S]`` ('BKHS', slot
+  axis last), chosen by ``cfg.key_layout`` / ``cfg.value_layout`` (DESIGN.md: a
+  [B, S, K, H] layout made XLA materialise transposes, 3.08x the blog's bytes against
+  1.08x; :func:`kvjax.config.default_kv_layout` says which head-major layout is faster).
 * MLA: one compressed latent and one shared rotary key per token, ``[L, B, S, C]`` and
   ``[L, B, S, R]``, with no head axis.
 
@@ -31,8 +33,9 @@ class KVCache:
     """Functional KV cache: per-layer tensors plus slot bookkeeping.
 
     Attributes:
-      tensors: name -> cached tensor with the slot axis second to last. MHA/GQA/MQA:
-        {'k': [L, B, K, S, H], 'v': [L, B, K, S, H]}; MLA: {'c_kv': [L, B, S, C],
+      tensors: name -> cached tensor with the slot axis second to last or last
+        (:func:`slot_axis`). MHA/GQA/MQA: {'k': [L, B, K, S, H] or [L, B, K, H, S],
+        'v': likewise} per ``cfg.cache_layout``; MLA: {'c_kv': [L, B, S, C],
         'k_rope': [L, B, S, R]} (DeepSeek-V2 sec. 2.1: no head axis). With
         ``scan_layers=False`` each value is instead a tuple of L per-layer arrays
         ([B, K, S, H] ...), so no layer is ever sliced out of a stacked buffer.
@@ -53,13 +56,30 @@ class KVCache:
         return {n: t[i] for n, t in self.tensors.items()}
 
 
+def slot_axis(cfg: ModelConfig, name: str) -> int:
+    """-1 if cached tensor ``name`` keeps its slot axis last ('BKHS'), else -2."""
+    if not cfg.is_mla and cfg.cache_layout(name) == "BKHS":
+        return -1
+    return -2
+
+
+def to_layout(x: jax.Array, cfg: ModelConfig, name: str) -> jax.Array:
+    """[B, K, T, H] keys/values -> the layout cache tensor ``name`` is stored in."""
+    return jnp.swapaxes(x, -1, -2) if slot_axis(cfg, name) == -1 else x
+
+
 def layer_shapes(cfg: ModelConfig, batch_size: int, num_slots_: int) -> dict:
-    """name -> per-layer cached tensor shape (slot axis second to last)."""
+    """name -> per-layer cached tensor shape (slot axis at :func:`slot_axis`)."""
     if cfg.is_mla:
         return {"c_kv": (batch_size, num_slots_, cfg.kv_lora_rank),
                 "k_rope": (batch_size, num_slots_, cfg.qk_rope_head_dim)}
-    shape = (batch_size, cfg.num_kv_heads, num_slots_, cfg.head_dim)
-    return {"k": shape, "v": shape}
+    shapes = {}
+    for name in ("k", "v"):
+        shape = [batch_size, cfg.num_kv_heads, num_slots_, cfg.head_dim]
+        if slot_axis(cfg, name) == -1:
+            shape[2], shape[3] = shape[3], shape[2]
+        shapes[name] = tuple(shape)
+    return shapes
 
 
 def num_slots(cfg: ModelConfig, max_seq_len: int) -> int:
@@ -111,37 +131,43 @@ def total_bytes(tree) -> int:
 
 
 def write(buf: jax.Array, new: jax.Array, chunk_positions: jax.Array, length: jax.Array,
-          cfg: ModelConfig, layer=None) -> jax.Array:
+          cfg: ModelConfig, layer=None, axis: int = -2) -> jax.Array:
     """Writes a chunk of T tokens into a cached tensor, in place.
 
     Args:
-      buf: [..., S, X] one layer's tensor, or [L, ..., S, X] stacked with ``layer`` given.
-      new: [..., T, X] the chunk (same leading axes as one layer).
+      buf: [..., S, X] (``axis`` -2) or [..., X, S] (``axis`` -1): one layer's tensor, or
+        the same with a leading L axis when ``layer`` is given.
+      new: the chunk, laid out like one layer of ``buf`` with T in place of S.
       chunk_positions: [T] int32 consecutive absolute positions of the chunk.
       length: [] int32 tokens in the cache before the chunk (dense write offset).
       cfg: window_size / num_sink_tokens select the ring-buffer layout.
       layer: [] int32 layer index into a stacked ``buf`` (None: ``buf`` is one layer).
+      axis: the slot axis, -2 or -1 (:func:`slot_axis`).
     Returns:
       The updated buffer. Dense: a dynamic-update-slice at ``length`` (callers check it
       fits; see ``model.forward``). Ring: a scatter to each token's slot that drops tokens
       a later token of the same chunk overwrites; out-of-range slots are dropped, never
       clamped.
+    Raises:
+      ValueError: ``axis`` not -2 or -1.
     """
+    if axis not in (-2, -1):
+        raise ValueError(f"axis={axis}; allowed: -2 or -1")
     new = new.astype(buf.dtype)
-    slot_axis = buf.ndim - 2
+    buf_axis = buf.ndim + axis
     if cfg.window_size is None:
         start = [0] * buf.ndim
-        start[slot_axis] = length
+        start[buf_axis] = length
         if layer is not None:
             start[0] = layer
             new = new[None]
         return jax.lax.dynamic_update_slice(buf, new, start)
-    slots = ring_slots(chunk_positions, cfg, buf.shape[slot_axis])
+    slots = ring_slots(chunk_positions, cfg, buf.shape[buf_axis])
     if layer is None:  # one advanced index: its axis stays in place
-        return buf.at[(slice(None),) * slot_axis + (slots,)].set(new, mode="drop")
+        return buf.at[(slice(None),) * buf_axis + (slots,)].set(new, mode="drop")
     # Two advanced indices (layer, slots) split by slices: numpy puts their axis first.
-    index = (layer,) + (slice(None),) * (slot_axis - 1) + (slots,)
-    return buf.at[index].set(jnp.moveaxis(new, new.ndim - 2, 0), mode="drop")
+    index = (layer,) + (slice(None),) * (buf_axis - 1) + (slots,)
+    return buf.at[index].set(jnp.moveaxis(new, new.ndim + axis, 0), mode="drop")
 
 
 def ring_slots(chunk_positions: jax.Array, cfg: ModelConfig, num_slots_: int) -> jax.Array:

@@ -63,7 +63,7 @@ def _scan_body(block: Block, carry, positions):
     if cache is not None:
         cache = cache.replace(tensors={
             n: cache_lib.write(cache.tensors[n], new[n], positions[0], cache.length,
-                               block.cfg, layer=layer)
+                               block.cfg, layer=layer, axis=cache_lib.slot_axis(block.cfg, n))
             for n in cache.tensors})
     return (x, cache, layer + 1), None
 
@@ -101,8 +101,9 @@ class DecoderLM(nn.Module):
                     x, positions, cached, None if cache is None else cache.positions)
                 if cache is not None:
                     for n in tensors:
-                        tensors[n][i] = cache_lib.write(tensors[n][i], new[n], positions[0],
-                                                        cache.length, c)
+                        tensors[n][i] = cache_lib.write(
+                            tensors[n][i], new[n], positions[0], cache.length, c,
+                            axis=cache_lib.slot_axis(c, n))
             new_cache = None if cache is None else cache.replace(
                 tensors={n: tuple(t) for n, t in tensors.items()})
 

@@ -18,10 +18,20 @@ GOOD = dict(vocab_size=10, num_layers=1, d_model=8, num_heads=4, num_kv_heads=2,
     ("attention", "linear", r"model.attention='linear'; allowed: one of"),
     ("mlp_type", "relu", r"model.mlp_type='relu'"),
     ("window_size", 0, r"model.window_size=0"),
+    ("key_layout", "BSKH", r"model.key_layout='BSKH'; allowed: one of \['auto', 'BKSH', 'BKHS'\]"),
+    ("value_layout", "bksh", r"model.value_layout='bksh'; allowed: one of"),
 ])
 def test_invalid_model_fields(field, value, pattern):
     with pytest.raises(ConfigError, match=pattern):
         ModelConfig(**{**GOOD, field: value})
+
+
+def test_mla_rejects_a_head_layout():
+    mla = dict(GOOD, attention="mla", num_kv_heads=4, kv_lora_rank=4, qk_rope_head_dim=2,
+               qk_nope_head_dim=2, v_head_dim=2)
+    ModelConfig(**mla)  # 'auto' is fine
+    with pytest.raises(ConfigError, match=r"model.value_layout='BKHS'; allowed: 'auto' for attention='mla'"):
+        ModelConfig(**mla, value_layout="BKHS")
 
 
 def test_mha_and_mqa_names_must_agree_with_kv_heads():

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 REQUIRED = ["generated_text", "prompt_tokens", "new_tokens", "prefill_tokens_per_s",
@@ -68,3 +69,18 @@ def test_bench_entry_point_smoke(tmp_path):
     assert points[("window", 256)]["theory_bytes"] < points[("mha", 512)]["theory_bytes"]
     assert all(p["seconds"] > 0 for p in points.values())
     assert (tmp_path / "bench_step_time.png").stat().st_size > 0
+
+
+def test_bench_crossover_fit_is_robust_to_one_outlier():
+    from experiments.bench import fit_crossover
+    t = [1024, 4096, 16384, 32768, 65536]
+    a, b = 0.012, 3e-6  # weights 12 ms, KV 3 us/token: t* = 4,000
+    clean = [a + b * x for x in t]
+    assert fit_crossover(t, clean) == pytest.approx(4000, rel=1e-9)
+    noisy = list(clean)
+    noisy[-1] *= 2.5  # one slow point (a shared CPU): least squares gives a negative t*
+    assert np.polyfit(t, noisy, 1)[1] < 0
+    assert fit_crossover(t, noisy) == pytest.approx(4000, rel=0.05)
+    assert fit_crossover([1, 2], [2.0, 1.0]) == float("inf")  # slope <= 0: no crossover
+    with pytest.raises(ValueError, match="contexts=\\[5, 5\\]"):
+        fit_crossover([5, 5], [1.0, 2.0])

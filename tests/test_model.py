@@ -137,13 +137,51 @@ def test_bf16_cache_stays_bf16_and_bytes_equal_theory(scan_layers):
 
 
 def test_cache_is_head_major_with_int32_positions():
-    cfg = tiny(2, "gqa")
+    cfg = tiny(2, "gqa", key_layout="BKSH", value_layout="BKSH")
     c = cache_lib.init_cache(cfg, 3, 11)
     assert c.tensors["k"].shape == (3, 3, 2, 11, 8)  # [L, B, K, S, H]
     assert c.positions.dtype == jnp.int32 and c.length.dtype == jnp.int32
     assert (np.asarray(c.positions) == -1).all()
     unrolled = cache_lib.init_cache(cfg.replace(scan_layers=False), 3, 11)
     assert len(unrolled.tensors["v"]) == 3 and unrolled.tensors["v"][0].shape == (3, 2, 11, 8)
+    slot_last = cache_lib.init_cache(cfg.replace(key_layout="BKHS"), 3, 11)
+    assert slot_last.tensors["k"].shape == (3, 3, 2, 8, 11)  # [L, B, K, H, S]
+    assert slot_last.tensors["v"].shape == (3, 3, 2, 11, 8)
+
+
+def test_auto_layout_on_cpu_is_keys_slot_last_values_slot_last_only_for_mha():
+    assert jax.default_backend() == "cpu"
+    for k, attention, v_layout in ((4, "mha", "BKHS"), (2, "gqa", "BKSH"), (1, "mqa", "BKSH")):
+        cfg = tiny(k, attention)
+        assert (cfg.cache_layout("k"), cfg.cache_layout("v")) == ("BKHS", v_layout)
+        assert cache_lib.slot_axis(cfg, "v") == (-1 if v_layout == "BKHS" else -2)
+    assert tiny(4, "mha", key_layout="BKSH").cache_layout("k") == "BKSH"
+
+
+LAYOUTS = [("BKSH", "BKSH"), ("BKHS", "BKSH"), ("BKSH", "BKHS"), ("BKHS", "BKHS")]
+
+
+@pytest.mark.parametrize("layouts", LAYOUTS, ids=["/".join(x) for x in LAYOUTS])
+@pytest.mark.parametrize("variant, scan_layers", [("mha", True), ("gqa", False)])
+def test_every_cache_layout_decodes_like_the_reference(layouts, variant, scan_layers):
+    """Prefill + single steps in each key/value layout equal the numpy reference, and the
+    cache holds the same keys/values (transposed) as the 'BKSH' one."""
+    k, attention = VARIANTS[variant]
+    base = tiny(k, attention, scan_layers, key_layout="BKSH", value_layout="BKSH")
+    cfg = base.replace(key_layout=layouts[0], value_layout=layouts[1])
+    params = model.init_params(tiny(k, attention), jax.random.key(11))
+    tokens = jax.random.randint(jax.random.key(12), (2, 9), 0, cfg.vocab_size)
+    ref = np.stack([reference.logits(params, cfg, np.asarray(row)) for row in tokens])
+    params = model.params_for(cfg, params)
+    got, c = cached_logits(params, cfg, tokens, 4, max_seq_len=12)
+    np.testing.assert_allclose(got, ref, atol=1e-4)
+    _, c_ref = cached_logits(params, base, tokens, 4, max_seq_len=12)
+    for name, layout in zip("kv", layouts):
+        want = c_ref.layer(1)[name] if scan_layers else c_ref.tensors[name][1]
+        have = c.layer(1)[name] if scan_layers else c.tensors[name][1]
+        if layout == "BKHS":
+            have = jnp.swapaxes(have, -1, -2)
+        np.testing.assert_allclose(have, want, atol=1e-6, err_msg=name)
 
 
 def test_overflowing_write_poisons_logits_instead_of_clamping():

@@ -69,7 +69,7 @@ def test_mean_pooling_to_one_kv_head_thirds_the_cache():
     res_g = evaluate.perplexity(model.params_for(gqa, params), gqa, windows(), ECFG)
     res_m = evaluate.perplexity(model.params_for(mqa, pooled), mqa, windows(), ECFG)
     c = cache_lib.init_cache(mqa, 2, 16)
-    assert c.tensors["k"][0].shape == (2, 1, 16, 8)
+    assert c.tensors["k"][0].shape == (2, 1, 8, 16)  # [B, K=1, H, S]: 'auto' keys on CPU
     assert res_m.cache_bytes * 3 == res_g.cache_bytes
     assert res_m.cache_bytes == cache_lib.cache_bytes(c)
     assert res_m.ppl != pytest.approx(res_g.ppl, rel=1e-3)  # mean-pooling changes the model

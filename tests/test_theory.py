@@ -326,3 +326,12 @@ def test_measure_read_bandwidth_small():
     assert len(probe.samples) == 3
     assert probe.bytes_per_s > 1e8  # any real memory streams faster than 100 MB/s
     assert probe.device
+    assert set(probe.kernels) == set(hardware.READ_KERNELS)
+    assert probe.bytes_per_s == max(probe.kernels.values())  # the roofline: fastest read
+    assert min(probe.samples) <= probe.bytes_per_s <= max(probe.samples)
+    one = hardware.measure_read_bandwidth(num_bytes=MiB, repeats=1, kernels=("row_sum",))
+    assert list(one.kernels) == ["row_sum"] and one.num_bytes == MiB
+    with pytest.raises(ValueError, match="read kernel 'memcpy'; allowed"):
+        hardware.measure_read_bandwidth(num_bytes=MiB, repeats=1, kernels=("memcpy",))
+    with pytest.raises(ValueError, match="repeats=0"):
+        hardware.measure_read_bandwidth(repeats=0)

@@ -147,6 +147,24 @@ def test_ring_decode_matches_banded_reference(prompt_len, sinks, scan):
         assert int(cache.length) == t + 1
 
 
+@pytest.mark.parametrize("layouts", [("BKSH", "BKSH"), ("BKHS", "BKHS")], ids=["BKSH", "BKHS"])
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
+def test_ring_decode_in_each_cache_layout(layouts, scan):
+    """The ring-buffer scatter writes along the slot axis wherever it is: a prefill past
+    W then steps around the wrap, sinks on, equal the banded reference in both layouts."""
+    cfg = tiny(sinks=2, scan=scan, key_layout=layouts[0], value_layout=layouts[1])
+    params = params_for(cfg)
+    total, prompt_len = 2 * W + 5, W + 2
+    tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, total))
+    ref = np.stack([ref_logits(cfg, row) for row in tokens])
+    cache = cache_lib.init_cache(cfg, 2, max_seq_len=3)
+    logits, cache = run_chunk(params, jnp.asarray(tokens[:, :prompt_len]), cache, cfg=cfg)
+    np.testing.assert_allclose(logits, ref[:, :prompt_len], atol=1e-5)
+    for t in range(prompt_len, total):
+        logits, cache = run_chunk(params, jnp.asarray(tokens[:, t:t + 1]), cache, cfg=cfg)
+        np.testing.assert_allclose(logits[:, 0], ref[:, t], atol=1e-5, err_msg=f"t={t}")
+
+
 @pytest.mark.parametrize("sinks", [0, 2, W - 1])
 def test_cache_free_windowed_forward_matches_reference(sinks):
     """The cache-free forward of a windowed config applies the same band (s = W-1 leaves
@@ -230,7 +248,7 @@ def test_uniform_attention_is_the_mean_over_the_window(sinks):
     W - s), to float32 rounding."""
     window, n_pos = 6, 30
     cfg, attn, variables = _uniform_attention(window, sinks, n_pos)
-    cached = {n: jnp.zeros((1, 1, window, 32)) for n in ("k", "v")}
+    cached = {n: jnp.zeros(shape) for n, shape in cache_lib.layer_shapes(cfg, 1, window).items()}
     cache = cache_lib.KVCache(tensors=cached, positions=jnp.full((window,), -1, jnp.int32),
                               length=jnp.zeros((), jnp.int32))
 
@@ -239,7 +257,8 @@ def test_uniform_attention_is_the_mean_over_the_window(sinks):
         x = jax.nn.one_hot(pos, 32)[None]
         out, new = attn.apply(variables, x, pos[None], cache.tensors, cache.positions)
         return out, cache.replace(
-            tensors={n: cache_lib.write(cache.tensors[n], new[n], pos, cache.length, cfg)
+            tensors={n: cache_lib.write(cache.tensors[n], new[n], pos, cache.length, cfg,
+                                        axis=cache_lib.slot_axis(cfg, n))
                      for n in new},
             positions=cache_lib.next_positions(cache, pos, cfg),
             length=cache.length + pos.shape[0])
@@ -306,7 +325,9 @@ def test_prompt_longer_than_window_leaves_its_last_w_tokens():
     assert sorted(held.tolist()) == list(range(n - W, n))
     np.testing.assert_array_equal(held % W, np.arange(W))
     for name in ("k", "v"):
-        np.testing.assert_allclose(ring.tensors[name][0], full.tensors[name][0][:, :, held],
+        axis = cache_lib.slot_axis(cfg, name)
+        np.testing.assert_allclose(ring.tensors[name][0],
+                                   np.take(np.asarray(full.tensors[name][0]), held, axis=axis),
                                    atol=1e-6, rtol=0)
     steps = cache_lib.init_cache(cfg, 2, 4)
     for t in range(n):
