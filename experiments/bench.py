@@ -9,9 +9,10 @@ r"""Decode measured against the memory-bandwidth roofline, and against peers.
 For each model x variant x context: the median decode-step time (one warm-up, then
 ``--repeats`` steps, ``block_until_ready``); theory bytes per step (the blog's B_step at a
 full cache of ``context`` slots); achieved bytes/s = theory bytes / time, and its fraction
-of the roofline (on CPU the read bandwidth probed again just before each point, since a
-shared host's bandwidth drifts between 20 and 35 GB/s; on a known GPU the published HBM
-bandwidth). Then: GQA and MQA speedups over MHA against theory's byte ratio; the window's
+of the roofline: on CPU, paired per step (each timed step follows one timed 256 MiB read
+by the fastest probe kernel, and the fraction is the median of the per-step ratios,
+since a shared host's bandwidth drifts between ~20 and ~55 GB/s within seconds); on a
+known GPU, the published HBM bandwidth. Then: GQA and MQA speedups over MHA against theory's byte ratio; the window's
 flatness in context; the measured crossover context (a robust Theil-Sen fit of
 time = a + b·t, t* = a/b) against theory; peers at the same shapes. Prints tables, writes JSON and a PNG plot.
 
@@ -67,13 +68,35 @@ def variant_cfg(model_name: str, variant: str, dtype: str, scan_layers: bool) ->
                         name=f"{model_name}-{variant}")
 
 
-def time_point(cfg: ModelConfig, context: int, repeats: int) -> float:
-    """Median seconds of one decode step with a full cache of ``context`` slots."""
-    return statistics.median(costs.measure_decode_step(cfg, context, 1, repeats,
-                                                       budget_s=None))
+def time_point(cfg: ModelConfig, context: int, repeats: int,
+               probe: hardware.ReadProbe | None = None) -> tuple[float, float | None, float | None]:
+    """One decode step with a full cache of ``context`` slots, timed ``repeats`` times.
+
+    Returns (median seconds, median probed read bandwidth in bytes/s, median over repeats
+    of achieved/probed bandwidth). With a ``probe``, every step follows one timed read of
+    the probe's buffer, so each step's achieved bandwidth (theory bytes / seconds) is
+    divided by the bandwidth the host gave a moment before; without one, the last two
+    are None.
+    """
+    roofs: list[float] = []
+    before = (lambda: roofs.append(probe.once())) if probe is not None else None
+    times = costs.measure_decode_step(cfg, context, 1, repeats, budget_s=None,
+                                      before_step=before)
+    if probe is None:
+        return statistics.median(times), None, None
+    roofs = roofs[-len(times):]  # drop the warm-ups' probes
+    step_bytes = theory.step_bytes(cfg, context).total
+    fraction = statistics.median(step_bytes / t / r for t, r in zip(times, roofs))
+    return statistics.median(times), statistics.median(roofs), fraction
 
 
-def llamacpp_rows(contexts, dtype, scan, repeats, roof) -> list[dict]:
+def probe_median(probe: hardware.ReadProbe | None, chip: hardware.Chip, n: int = 5) -> float:
+    """Bandwidth for a point timed outside kvjax (llama.cpp): the median of ``n`` probe
+    reads just before it, or the chip's published figure without a probe."""
+    return statistics.median(probe.once() for _ in range(n)) if probe else chip.hbm_bytes_per_s
+
+
+def llamacpp_rows(contexts, dtype, scan, repeats, probe, chip) -> list[dict]:
     """kvjax SmolLM2 GQA vs llama.cpp on the same model: tokens/s and roofline fractions.
 
     llama.cpp runs twice: on the published GGUF (4-bit weights, its default f16 KV cache)
@@ -86,6 +109,7 @@ def llamacpp_rows(contexts, dtype, scan, repeats, roof) -> list[dict]:
     cfg = variant_cfg("smollm2", "gqa", dtype, scan)
     rows = []
     for t in (c for c in contexts if c <= 8192):
+        roof = probe_median(probe, chip)
         try:
             q4 = peers.median(peers.llamacpp_decode_step_seconds(q4_path, t, repeats))
             f32_path = peers.dense_gguf(q4_path)
@@ -94,12 +118,15 @@ def llamacpp_rows(contexts, dtype, scan, repeats, roof) -> list[dict]:
         except ImportError as e:
             print(f"peer llamacpp skipped: {e}")
             return rows
-        ours = time_point(cfg, t, repeats)
+        ours, _, ours_fraction = time_point(cfg, t, repeats, probe)
         row = dict(context=t, model="smollm2-gqa", kvjax_ms=ours * 1e3,
                    llamacpp_f32_ms=f32 * 1e3, llamacpp_q4_ms=q4 * 1e3,
                    kvjax_tokens_per_s=1 / ours, llamacpp_f32_tokens_per_s=1 / f32,
                    llamacpp_q4_tokens_per_s=1 / q4,
-                   kvjax_fraction_of_roofline=theory.step_bytes(cfg, t).total / ours / roof,
+                   roofline_bytes_per_s=roof,
+                   kvjax_fraction_of_roofline=(
+                       ours_fraction if ours_fraction is not None
+                       else theory.step_bytes(cfg, t).total / ours / roof),
                    llamacpp_f32_fraction_of_roofline=(
                        peers.llamacpp_step_bytes(f32_path, cfg, t, kv_bytes=4) / f32 / roof),
                    llamacpp_q4_fraction_of_roofline=(
@@ -128,13 +155,6 @@ def fit_crossover(contexts, seconds) -> float:
     return a / b if b > 0 else float("inf")
 
 
-def roofline_now(chip: hardware.Chip, measured: bool) -> float:
-    """The roofline for the next point: a fresh read-bandwidth probe on a measured device
-    (CPU), the chip's published figure otherwise."""
-    return hardware.measure_read_bandwidth(repeats=5).bytes_per_s if measured else \
-        chip.hbm_bytes_per_s
-
-
 def main(argv):
     del argv
     models, variants = _MODELS.value, _VARIANTS.value
@@ -149,10 +169,14 @@ def main(argv):
         contexts, repeats, peer_names, scan_modes = [4096, 32768, 131072], 5, [], [False, True]
 
     chip = hardware.local_chip()
-    measured = chip.source.startswith("measured")
-    roof = start_roof = chip.hbm_bytes_per_s
-    print(f"device: {jax.devices()[0]}  roofline: {chip.name} {roof / 1e9:.1f} GB/s "
-          f"({chip.source}{'; re-probed before every point' if measured else ''})")
+    start_roof = chip.hbm_bytes_per_s
+    probe = None
+    if chip.source.startswith("measured"):  # pair every step with a read of the fastest kernel
+        kernels = hardware.measure_read_bandwidth(repeats=3).kernels
+        probe = hardware.ReadProbe(max(kernels, key=kernels.get))
+    print(f"device: {jax.devices()[0]}  roofline: {chip.name} {start_roof / 1e9:.1f} GB/s "
+          f"({chip.source}" + (f"; a '{probe.kernel}' read timed before every step)"
+                               if probe else ")"))
     points = []
     for model_name in models:
         for scan in scan_modes:
@@ -162,20 +186,21 @@ def main(argv):
                     kv = theory.kv_cache_bytes(cfg, t)
                     if kv > _MAX_CACHE_BYTES.value * 1e9:
                         continue
-                    roof = roofline_now(chip, measured)
-                    sec = time_point(cfg, t, repeats)
+                    sec, roof, fraction = time_point(cfg, t, repeats, probe)
                     sb = theory.step_bytes(cfg, t)
                     achieved = sb.total / sec
+                    if probe is None:
+                        roof, fraction = chip.hbm_bytes_per_s, achieved / chip.hbm_bytes_per_s
                     points.append(dict(model=model_name, variant=variant, scan_layers=scan,
                                        context=t, seconds=sec, theory_bytes=sb.total,
                                        kv_bytes=sb.kv_read, weight_bytes=sb.weights,
                                        achieved_bytes_per_s=achieved,
                                        roofline_bytes_per_s=roof,
-                                       fraction_of_roofline=achieved / roof,
+                                       fraction_of_roofline=fraction,
                                        roofline_seconds=sb.total / roof))
                     print(f"{model_name:8s} {variant:7s} scan={scan!s:5s} t={t:>7,d}  "
                           f"{sec * 1e3:9.2f} ms  {achieved / 1e9:6.2f} GB/s  "
-                          f"{achieved / roof:5.1%} of {roof / 1e9:.1f} GB/s roofline",
+                          f"{fraction:5.1%} of roofline ({roof / 1e9:.1f} GB/s)",
                           flush=True)
 
     summary = summarize(points, contexts)
@@ -184,7 +209,7 @@ def main(argv):
     if "blog" in models and blog_peers:
         for t in [int(c) for c in _PEER_CONTEXTS.value]:
             cfg = variant_cfg("blog", "mha", dtype, scan_modes[0])
-            ours = time_point(cfg, t, repeats)
+            ours = time_point(cfg, t, repeats)[0]
             row = dict(context=t, kvjax_ms=ours * 1e3)
             for name in blog_peers:
                 fn = {"flax": peers.flax_decode_step_seconds,
@@ -199,11 +224,11 @@ def main(argv):
                 f"{k}={v:.2f}" for k, v in row.items() if isinstance(v, float)), flush=True)
     if "llamacpp" in peer_names:
         peer_rows += llamacpp_rows([int(c) for c in _PEER_CONTEXTS.value], dtype,
-                                   scan_modes[0], repeats, roofline_now(chip, measured))
+                                   scan_modes[0], repeats, probe, chip)
 
     os.makedirs(_OUT.value, exist_ok=True)
     out = dict(device=str(jax.devices()[0]), roofline_bytes_per_s=start_roof,
-               roofline_reprobed=measured, roofline=chip.name,
+               roofline_probe_kernel=probe.kernel if probe else None, roofline=chip.name,
                dtype=dtype, points=points, summary=summary, peers=peer_rows)
     path = os.path.join(_OUT.value, "bench.json")
     with open(path, "w") as f:

@@ -35,7 +35,9 @@ def report(result: runner.DecodeResult) -> str:
     lines = [
         f"model: {cfg.name}  attention={cfg.attention}  N={cfg.num_heads} "
         f"K={cfg.num_kv_heads}  L={cfg.num_layers}  D={cfg.d_model}  dtype={cfg.dtype}  "
-        f"window={cfg.window_size}  scan_layers={cfg.scan_layers}",
+        f"window={cfg.window_size}  scan_layers={cfg.scan_layers}" + (
+            "" if cfg.is_mla else
+            f"  cache layout: k {cfg.cache_layout('k')}, v {cfg.cache_layout('v')}"),
         "",
         f"prompt: {result.prompt!r}",
         f"generated: {result.generated_text!r}",

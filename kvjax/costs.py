@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +80,8 @@ class StepCost:
             "num_kv_heads": self.cfg.num_kv_heads, "window_size": self.cfg.window_size,
             "mla_absorb": self.cfg.mla_absorb if self.cfg.is_mla else None,
             "scan_layers": self.cfg.scan_layers,
+            "kv_layout": None if self.cfg.is_mla else
+            f"k {self.cfg.cache_layout('k')}, v {self.cfg.cache_layout('v')}",
             "dtype": self.cfg.dtype, "batch": self.batch, "context": self.context,
             "theory_flops": self.theory_flops, "theory_bytes": self.theory_bytes,
             "xla_flops": self.xla.flops, "xla_bytes": self.xla.bytes,
@@ -237,15 +240,17 @@ def analyze_prefill(cfg: ModelConfig, prompt_len: int, max_seq_len: int,
 
 def measure_step_seconds(cfg: ModelConfig, params, cache: cache_lib.KVCache, batch: int = 1,
                          repeats: int = 5, compiled=None, warmup: int = 1,
-                         budget_s: float | None = None) -> list[float]:
+                         budget_s: float | None = None,
+                         before_step: Callable[[], object] | None = None) -> list[float]:
     """Wall times (s) of up to ``repeats`` decode steps at the cache's current length.
 
     The cache is donated to each call and the returned one fed to the next, with its
     length reset, so every step sees the same context. ``warmup`` calls are not timed.
     With ``budget_s``, timing stops once the timed steps add up to it (at least one is
     timed) and a warm-up call that alone exceeds it ends the warm-up: a slow step (MLA's
-    naive path at long context) is timed fewer times. Returns the times; report their
-    median.
+    naive path at long context) is timed fewer times. ``before_step``, if given, is called
+    (untimed) before every call, warm-ups included: e.g. a bandwidth probe to pair with
+    each step. Returns the times; report their median.
     """
     compiled = compiled or decode.decode_step.lower(
         params, jnp.zeros((batch, 1), jnp.int32), cache, cfg=cfg).compile()
@@ -254,6 +259,8 @@ def measure_step_seconds(cfg: ModelConfig, params, cache: cache_lib.KVCache, bat
     times: list[float] = []
     warm = 0
     while len(times) < repeats:
+        if before_step is not None:
+            before_step()
         start = time.perf_counter()
         logits, cache = compiled(params, token, cache)
         logits.block_until_ready()
@@ -279,14 +286,16 @@ def full_cache(cfg: ModelConfig, batch: int, context: int) -> cache_lib.KVCache:
 
 
 def measure_decode_step(cfg: ModelConfig, context: int, batch: int = 1, repeats: int = 5,
-                        compiled=None, budget_s: float | None = 2.0) -> list[float]:
+                        compiled=None, budget_s: float | None = 2.0,
+                        before_step: Callable[[], object] | None = None) -> list[float]:
     """Wall times (s) of up to ``repeats`` decode steps at ``context`` (random weights, a
     full cache: timing does not depend on the values), after two warm-up steps; see
-    :func:`measure_step_seconds` for ``budget_s``. Allocates the cache and parameters."""
+    :func:`measure_step_seconds` for ``budget_s`` and ``before_step``. Allocates the cache
+    and parameters."""
     params = model.init_params(cfg, 0)
     cache = full_cache(cfg, batch, context)
     return measure_step_seconds(cfg, params, cache, batch, repeats, compiled=compiled,
-                                warmup=2, budget_s=budget_s)
+                                warmup=2, budget_s=budget_s, before_step=before_step)
 
 
 def format_table(rows: list[tuple], headers: tuple) -> str:

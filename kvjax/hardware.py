@@ -200,6 +200,36 @@ def measure_read_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 7,
                           num_bytes=read, device=_describe(device), kernels=medians)
 
 
+class ReadProbe:
+    """One streaming-read kernel kept compiled with its buffer, for probes interleaved with
+    other work: on a shared host the bandwidth drifts within seconds, so a benchmark
+    pairs every timed step with a read timed just before it (``experiments/bench.py``).
+
+    Args:
+      kernel: one of :data:`READ_KERNELS` (see :func:`measure_read_bandwidth`).
+      num_bytes: bytes read per call (keep it well above the last-level cache).
+    Raises:
+      ValueError: an unknown kernel or num_bytes too small.
+    """
+
+    def __init__(self, kernel: str = "vecmat", num_bytes: int = 256 * 2**20,
+                 dtype: Any = jnp.float32):
+        itemsize = jnp.dtype(dtype).itemsize
+        n = (num_bytes // itemsize) // 64 * 64
+        if n < 64:
+            raise ValueError(f"num_bytes={num_bytes}; allowed: at least {64 * itemsize}")
+        self.kernel, self.num_bytes = kernel, n * itemsize
+        self._fn, shape = _read_kernel(kernel, n)
+        self._x = jax.device_put(jnp.ones(shape, dtype), jax.devices()[0])
+        self._fn(self._x).block_until_ready()  # compile and warm
+
+    def once(self) -> float:
+        """Bytes/s of one timed read of the buffer."""
+        start = time.perf_counter()
+        self._fn(self._x).block_until_ready()
+        return self.num_bytes / (time.perf_counter() - start)
+
+
 def measure_matmul_flops(n: int = 1024, repeats: int = 5, dtype: Any = jnp.float32) -> float:
     """Median achieved FLOP/s of a jitted n x n x n matmul (2·n³ FLOP) on the default device."""
     a = jnp.ones((n, n), dtype)
