@@ -12,9 +12,12 @@ full cache of ``context`` slots); achieved bytes/s = theory bytes / time, and it
 of the roofline: on CPU, paired per step (each timed step follows one timed 256 MiB read
 by the fastest probe kernel, and the fraction is the median of the per-step ratios,
 since a shared host's bandwidth drifts between ~20 and ~55 GB/s within seconds); on a
-known GPU, the published HBM bandwidth. Then: GQA and MQA speedups over MHA against theory's byte ratio; the window's
-flatness in context; the measured crossover context (a robust Theil-Sen fit of
-time = a + b·t, t* = a/b) against theory; peers at the same shapes. Prints tables, writes JSON and a PNG plot.
+known GPU, the published HBM bandwidth. Then: GQA and MQA speedups over MHA against
+theory's byte ratio (also timed interleaved at t = 32K: the two variants' steps back to
+back, so host drift cancels in each ratio); the window's flatness in context (step time
+at the longest context over the shortest, also interleaved); the
+measured crossover context (a robust Theil-Sen fit of time = a + b·t, t* = a/b) against
+theory; peers at the same shapes. Prints tables, writes JSON and a PNG plot.
 
 SmolLM2 is benchmarked with its shapes and random weights (timing does not depend on the
 values, and random weights skip the 4 s GGUF read).
@@ -25,13 +28,15 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 
 from absl import app, flags
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from experiments import peers
-from kvjax import costs, hardware, presets, theory
+from kvjax import costs, decode, hardware, model, presets, theory
 from kvjax.config import ModelConfig, default_scan_layers
 
 _MODELS = flags.DEFINE_list("models", ["blog", "smollm2"], "blog and/or smollm2.")
@@ -88,6 +93,33 @@ def time_point(cfg: ModelConfig, context: int, repeats: int,
     step_bytes = theory.step_bytes(cfg, context).total
     fraction = statistics.median(step_bytes / t / r for t, r in zip(times, roofs))
     return statistics.median(times), statistics.median(roofs), fraction
+
+
+def interleaved_ratio(a: tuple[ModelConfig, int], b: tuple[ModelConfig, int],
+                      repeats: int) -> float:
+    """Median over ``repeats`` of step time of ``a`` / step time of ``b`` (each a config
+    and a context), the two steps timed back to back (two warm-up pairs first), so drift
+    of the shared host cancels in each ratio."""
+    token = jnp.zeros((1, 1), jnp.int32)
+    runs = []
+    for cfg, t in (a, b):
+        params = model.init_params(cfg, 0)
+        cache = costs.full_cache(cfg, 1, t)
+        step = decode.decode_step.lower(params, token, cache, cfg=cfg).compile()
+        runs.append([step, params, cache, int(cache.length)])
+    ratios = []
+    for i in range(repeats + 2):
+        seconds = []
+        for run in runs:
+            step, params, cache, length = run
+            start = time.perf_counter()
+            logits, cache = step(params, token, cache)
+            logits.block_until_ready()
+            seconds.append(time.perf_counter() - start)
+            run[2] = cache.replace(length=jnp.int32(length))
+        if i >= 2:
+            ratios.append(seconds[0] / seconds[1])
+    return statistics.median(ratios)
 
 
 def probe_median(probe: hardware.ReadProbe | None, chip: hardware.Chip, n: int = 5) -> float:
@@ -203,7 +235,28 @@ def main(argv):
                           f"{fraction:5.1%} of roofline ({roof / 1e9:.1f} GB/s)",
                           flush=True)
 
-    summary = summarize(points, contexts)
+    # Ratios timed interleaved (steps back to back): host drift cancels in each pair.
+    window_ratios, speedups = {}, {}
+    t_speed = 32768 if 32768 in contexts else max(contexts)
+    for model_name in models:
+        for scan in scan_modes:
+            if "window" in variants and len(contexts) >= 2:
+                cfg = variant_cfg(model_name, "window", dtype, scan)
+                r = interleaved_ratio((cfg, max(contexts)), (cfg, min(contexts)), repeats)
+                window_ratios[(model_name, scan)] = r
+                print(f"{model_name:8s} window  scan={scan!s:5s} step time t={max(contexts):,d}"
+                      f" / t={min(contexts):,d}, interleaved: {r:.3f}", flush=True)
+            mha = variant_cfg(model_name, "mha", dtype, scan)
+            for v in (v for v in ("gqa", "mqa") if v in variants and "mha" in variants):
+                cfg = variant_cfg(model_name, v, dtype, scan)
+                if theory.kv_cache_bytes(mha, t_speed) > _MAX_CACHE_BYTES.value * 1e9:
+                    continue
+                r = interleaved_ratio((mha, t_speed), (cfg, t_speed), repeats)
+                th = theory.step_bytes(mha, t_speed).total / theory.step_bytes(cfg, t_speed).total
+                speedups[(model_name, v, scan, t_speed)] = r
+                print(f"{model_name:8s} {v:7s} scan={scan!s:5s} speedup over MHA at "
+                      f"t={t_speed:,d}, interleaved: {r:.2f}x (theory {th:.2f}x)", flush=True)
+    summary = summarize(points, contexts, window_ratios, speedups)
     peer_rows = []
     blog_peers = [p for p in peer_names if p in ("flax", "torch")]
     if "blog" in models and blog_peers:
@@ -238,20 +291,22 @@ def main(argv):
     print(f"wrote {path} and {os.path.join(_OUT.value, 'bench_step_time.png')}")
 
 
-def summarize(points, contexts) -> dict:
+def summarize(points, contexts, window_ratios=None, speedups=None) -> dict:
     """Speedups vs theory, window flatness, crossover fits, worst dense roofline fraction."""
-    out = {}
+    out, window_ratios, speedups = {}, window_ratios or {}, speedups or {}
     by = {(p["model"], p["variant"], p["scan_layers"], p["context"]): p for p in points}
     for (m, v, s, t), p in by.items():
         if v in ("gqa", "mqa") and (m, "mha", s, t) in by:
             mha = by[(m, "mha", s, t)]
             out[f"{m}/{v}/scan={s}/t={t}/speedup_vs_mha"] = dict(
                 measured=mha["seconds"] / p["seconds"],
+                interleaved=speedups.get((m, v, s, t)),
                 theory=mha["theory_bytes"] / p["theory_bytes"])
     for (m, v, s, t), p in by.items():
         if v == "window" and t == max(contexts) and (m, v, s, min(contexts)) in by:
-            out[f"{m}/window/scan={s}/t{t}_over_t{min(contexts)}"] = (
-                p["seconds"] / by[(m, v, s, min(contexts))]["seconds"])
+            out[f"{m}/window/scan={s}/t{t}_over_t{min(contexts)}"] = dict(
+                separate_points=p["seconds"] / by[(m, v, s, min(contexts))]["seconds"],
+                interleaved=window_ratios.get((m, s)))
     for m in {p["model"] for p in points}:
         for s in {p["scan_layers"] for p in points}:
             pts = [p for p in points if p["model"] == m and p["variant"] == "mha"

@@ -4,7 +4,8 @@ The blog ("The GPU Memory Hierarchy", "The Roofline Model") reasons with the NVI
 312e12 FLOP/s fp16 tensor-core peak, ~2e12 B/s HBM, 40-80 GB HBM, ~20 MB on-chip SRAM,
 ridge point 312e12 / 2e12 = 156 FLOP/byte. :data:`CHIPS` holds those figures and the
 Hopper parts; :func:`measure_read_bandwidth` and :func:`local_chip` give the same
-quantities for whatever device JAX runs on here (the CPU: ~25 GB/s, DESIGN.md).
+quantities for whatever device JAX runs on here (the 2-core CPU: 20-35 GB/s, at times
+~50, depending on what else the shared host runs).
 
 Units: FLOP/s, bytes/s, bytes. Peaks are dense (no 2:4 sparsity), keyed by dtype name
 ('float16', 'bfloat16', 'float32').
