@@ -68,6 +68,11 @@ def test_bench_entry_point_smoke(tmp_path):
     # Theory bytes: the window's step reads the same W=512 slots at either context.
     assert points[("window", 256)]["theory_bytes"] < points[("mha", 512)]["theory_bytes"]
     assert all(p["seconds"] > 0 for p in points.values())
+    # On CPU every step is paired with a probe read: a fraction and its bandwidth per point.
+    assert all(0 < p["fraction_of_roofline"] and p["roofline_bytes_per_s"] > 1e8
+               for p in points.values())
+    flat = result["summary"]["blog/window/scan=False/t512_over_t256"]
+    assert 0.5 < flat["interleaved"] < 2  # the same W=512 slots: equal within noise
     assert (tmp_path / "bench_step_time.png").stat().st_size > 0
 
 
