@@ -43,6 +43,10 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     m.v_head_dim = config_dict.placeholder(int)
     m.q_lora_rank = config_dict.placeholder(int)
     m.mla_absorb = True
+    # Cache memory layout of keys / values: 'auto' (by backend and G), 'BKSH' or 'BKHS'
+    # (kvjax.config.default_kv_layout). Must stay 'auto' for MLA.
+    m.key_layout = "auto"
+    m.value_layout = "auto"
     # Layer stack as one scan (True) or unrolled (False); None = by backend: unrolled on
     # CPU (XLA copies each layer's slice out of stacked arrays there), scan elsewhere.
     m.scan_layers = config_dict.placeholder(bool)

@@ -28,6 +28,17 @@ def _spec(layout: str, width: str = "H") -> str:
     return "BKS" + width if layout == "BKSH" else "BK" + width + "S"
 
 
+def dot_operand(x: jax.Array) -> jax.Array:
+    """``x`` as a dot operand with a float32 result: on CPU, 2-byte floats are widened to
+    float32 first (exact). XLA:CPU rejects some batched bf16 x bf16 -> f32 dots
+    ("Unsupported element type for DotThunk::Execute", jaxlib 0.10.2, e.g. a prefill
+    with B = 2, K = 2) and widens the operands itself for the others, so the bytes and
+    the result are those XLA:CPU would produce anyway. Other backends: unchanged."""
+    if x.dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "cpu":
+        return x.astype(jnp.float32)
+    return x
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
            k_layout: str = "BKSH", v_layout: str = "BKSH") -> jax.Array:
     """Softmax attention of grouped queries over one layer's keys and values.
@@ -45,11 +56,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
       ValueError: an unknown layout.
     """
     scale = q.shape[-1] ** -0.5
-    scores = jnp.einsum(f"BTKGH,{_spec(k_layout)}->BKGTS", q, k,
+    scores = jnp.einsum(f"BTKGH,{_spec(k_layout)}->BKGTS", dot_operand(q), dot_operand(k),
                         preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum(f"BKGTS,{_spec(v_layout, 'V')}->BTKGV", probs.astype(v.dtype), v,
+    out = jnp.einsum(f"BKGTS,{_spec(v_layout, 'V')}->BTKGV",
+                     dot_operand(probs.astype(v.dtype)), dot_operand(v),
                      preferred_element_type=jnp.float32)
     return out.astype(v.dtype)
 

@@ -41,11 +41,15 @@ class KVCache:
         ([B, K, S, H] ...), so no layer is ever sliced out of a stacked buffer.
       positions: [S] int32, absolute position held in each slot, -1 where empty.
       length: [] int32, tokens written so far (the next absolute position).
+      layouts: static (not a pytree leaf): ((name, 'BKSH' | 'BKHS'), ...) as built by
+        :func:`init_cache`, so ``model.forward`` can refuse a cache built for another
+        layout (when S == H the shapes alone cannot tell); None = not recorded.
     """
 
     tensors: dict
     positions: jax.Array
     length: jax.Array
+    layouts: tuple | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def num_slots(self) -> int:
@@ -66,6 +70,21 @@ def slot_axis(cfg: ModelConfig, name: str) -> int:
 def to_layout(x: jax.Array, cfg: ModelConfig, name: str) -> jax.Array:
     """[B, K, T, H] keys/values -> the layout cache tensor ``name`` is stored in."""
     return jnp.swapaxes(x, -1, -2) if slot_axis(cfg, name) == -1 else x
+
+
+def layouts(cfg: ModelConfig) -> tuple:
+    """((name, 'BKSH' | 'BKHS'), ...) of the per-head cached tensors; () for MLA."""
+    return () if cfg.is_mla else tuple((n, cfg.cache_layout(n)) for n in ("k", "v"))
+
+
+def check_layouts(cache: KVCache, cfg: ModelConfig) -> None:
+    """Raises ValueError if ``cache`` records layouts other than ``cfg``'s."""
+    if cache.layouts is not None and cache.layouts != layouts(cfg):
+        raise ValueError(
+            f"cache layouts={dict(cache.layouts)} do not match the model config's "
+            f"{dict(layouts(cfg))} (key_layout={cfg.key_layout!r}, "
+            f"value_layout={cfg.value_layout!r}); allowed: a cache from "
+            "init_cache(cfg, ...) with the same config")
 
 
 def layer_shapes(cfg: ModelConfig, batch_size: int, num_slots_: int) -> dict:
@@ -108,7 +127,7 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int) -> KVCache:
         else:
             tensors[name] = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
     return KVCache(tensors=tensors, positions=jnp.full((s,), -1, jnp.int32),
-                   length=jnp.zeros((), jnp.int32))
+                   length=jnp.zeros((), jnp.int32), layouts=layouts(cfg))
 
 
 def cache_spec(cfg: ModelConfig, batch_size: int, max_seq_len: int) -> KVCache:

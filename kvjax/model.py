@@ -212,5 +212,9 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
       (logits [B, T, V] float32, updated cache or None). A dense cache that would overflow
       yields NaN logits (never a clamped write); ``decode.prefill``/``generate`` check
       lengths on the host and raise before running.
+    Raises:
+      ValueError: the cache records key/value layouts other than ``cfg``'s.
     """
+    if cache is not None:
+        cache_lib.check_layouts(cache, cfg)
     return DecoderLM(cfg).apply({"params": params}, tokens, positions, cache)

@@ -25,8 +25,10 @@ def run_entry(tmp_path, *args):
 def test_decode_entry_point_blog_shrunk(tmp_path):
     proc, out = run_entry(tmp_path, "--config=configs/blog.py", "--config.model.num_layers=2",
                           "--config.max_new_tokens=4", "--config.max_seq_len=64",
-                          "--config.measure_repeats=2")
+                          "--config.measure_repeats=2", "--config.model.key_layout=BKSH",
+                          "--config.model.value_layout=BKHS")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cache layout: k BKSH, v BKHS" in proc.stdout
     result = json.loads(out.read_text())
     assert all(k in result for k in REQUIRED)
     # 2 layers x 8 KV heads x (64+64) x 4 bytes x 64 slots.
@@ -47,6 +49,12 @@ def test_bad_override_fails_fast_with_the_field_named(tmp_path):
     proc, _ = run_entry(tmp_path, "--config=configs/gqa.py", "--config.model.num_kv_heads=4")
     assert proc.returncode == 2
     assert "model.num_kv_heads=4; allowed: a divisor of model.num_heads=9" in proc.stderr
+
+
+def test_bad_cache_layout_override_fails_fast(tmp_path):
+    proc, _ = run_entry(tmp_path, "--config=configs/gqa.py", "--config.model.key_layout=BSKH")
+    assert proc.returncode == 2
+    assert "model.key_layout='BSKH'; allowed: one of ['auto', 'BKSH', 'BKHS']" in proc.stderr
 
 
 def test_prompt_longer_than_cache_fails_before_compiling(tmp_path):

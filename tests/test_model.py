@@ -158,6 +158,36 @@ def test_auto_layout_on_cpu_is_keys_slot_last_values_slot_last_only_for_mha():
     assert tiny(4, "mha", key_layout="BKSH").cache_layout("k") == "BKSH"
 
 
+def test_a_cache_built_for_another_layout_is_refused():
+    # S == H = 8: the shapes match, only the recorded layouts can tell.
+    built = tiny(2, "gqa", key_layout="BKSH", value_layout="BKSH")
+    run = built.replace(key_layout="BKHS")
+    params = model.init_params(run, jax.random.key(3))
+    c = cache_lib.init_cache(built, 1, 8)
+    assert c.layouts == (("k", "BKSH"), ("v", "BKSH"))
+    with pytest.raises(ValueError, match=r"cache layouts=\{'k': 'BKSH', 'v': 'BKSH'\} do not "
+                                         r"match the model config's \{'k': 'BKHS'"):
+        model.forward(params, run, jnp.zeros((1, 2), jnp.int32), positions(0, 2), c)
+    # and jit keeps the record: it is static, part of the cache's tree structure
+    with pytest.raises(ValueError, match="do not match"):
+        fwd(params, run, jnp.zeros((1, 2), jnp.int32), positions(0, 2), c)
+
+
+@pytest.mark.parametrize("attention, k", [("gqa", 2), ("mha", 4)])
+def test_bf16_prefill_with_batch_two_runs_on_cpu(attention, k):
+    """XLA:CPU rejects some batched bf16 x bf16 -> f32 dots (B=2, K=2 prefill);
+    attention.dot_operand widens them. The bf16 logits follow the float32 model's."""
+    cfg32 = tiny(k, attention)
+    cfg = cfg32.replace(dtype="bfloat16")
+    params32 = model.init_params(cfg32, jax.random.key(4))
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params32)
+    tokens = jax.random.randint(jax.random.key(5), (2, 7), 0, cfg.vocab_size)
+    got, c = cached_logits(params, cfg, tokens, 5, max_seq_len=8)
+    want, _ = cached_logits(params32, cfg32, tokens, 5, max_seq_len=8)
+    assert got.dtype == jnp.float32 and np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(got, want, atol=0.05 * float(jnp.abs(want).max()))
+
+
 LAYOUTS = [("BKSH", "BKSH"), ("BKHS", "BKSH"), ("BKSH", "BKHS"), ("BKHS", "BKHS")]
 
 
