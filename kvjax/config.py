@@ -297,12 +297,12 @@ def default_kv_layout(name: str, num_groups: int) -> str:
     """'auto' cache layouts resolve here (``name`` 'k' or 'v', G = num_groups).
 
     On CPU, XLA lowers the decode step's two products to Eigen matrix-vector kernels
-    whose speed depends on which operand is contiguous. Measured on this 2-core CPU,
-    float32, K·S·H = 8·65,536·64 (scripts/layout_bench.py): q·K^T with keys [H, S] runs at
-    23-31 GB/s against 14-23 with [S, H] for every G; p·V with values [H, S] runs at 31
-    GB/s against 10 for G = 1, but collapses to 1-3 GB/s for G >= 2, where [S, H] runs
-    at 21-30. So keys 'BKHS' always and values 'BKHS' only when G = 1. Other backends
-    get the conventional 'BKSH' (not measured here).
+    whose speed depends on which operand is contiguous. Measured on the 2-core CI CPU,
+    float32, K·G = 8, S = 65,536, H = 64 (``python scripts/layout_bench.py``, GB/s of
+    cache read over several runs): q·K^T with keys [H, S] 24-50 against 9-28 with [S, H],
+    for every G; p·V with values [H, S] 31-45 against 8-10 with [S, H] for G = 1, but
+    1.3-3 against 19-30 for G >= 2. So keys 'BKHS' always and values 'BKHS' only when
+    G = 1. Other backends get the conventional 'BKSH' (not measured here).
     """
     import jax  # noqa: PLC0415 (only needed at the boundary)
     if jax.default_backend() != "cpu":
