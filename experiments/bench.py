@@ -202,10 +202,8 @@ def main(argv):
 
     chip = hardware.local_chip()
     start_roof = chip.hbm_bytes_per_s
-    probe = None
-    if chip.source.startswith("measured"):  # pair every step with a read of the fastest kernel
-        kernels = hardware.measure_read_bandwidth(repeats=3).kernels
-        probe = hardware.ReadProbe(max(kernels, key=kernels.get))
+    # A measured device: pair every step with a read by its probe's fastest kernel.
+    probe = hardware.ReadProbe(chip.read_kernel) if chip.read_kernel else None
     print(f"device: {jax.devices()[0]}  roofline: {chip.name} {start_roof / 1e9:.1f} GB/s "
           f"({chip.source}" + (f"; a '{probe.kernel}' read timed before every step)"
                                if probe else ")"))

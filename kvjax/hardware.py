@@ -43,6 +43,8 @@ class Chip:
       hbm_capacity_bytes: main-memory capacity in bytes.
       sram_bytes: on-chip SRAM (shared memory/L1 over all SMs) in bytes; None if unknown.
       source: where the figures come from (datasheet, or 'measured').
+      read_kernel: for a measured device, the fastest kernel of its bandwidth probe (a
+        :class:`ReadProbe` kernel name); None for published figures.
     """
 
     name: str
@@ -51,6 +53,7 @@ class Chip:
     hbm_capacity_bytes: float
     sram_bytes: float | None = None
     source: str = ""
+    read_kernel: str | None = None
 
     def peak_flops(self, dtype: Any = "float16") -> float | None:
         """Peak FLOP/s for ``dtype``, or None when unknown."""
@@ -183,22 +186,17 @@ def measure_read_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 7,
         raise ValueError(f"repeats={repeats}; allowed: an integer >= 1")
     if not kernels:
         raise ValueError(f"kernels={kernels!r}; allowed: a non-empty subset of {READ_KERNELS}")
-    itemsize = jnp.dtype(dtype).itemsize
-    n = (num_bytes // itemsize) // 64 * 64
-    if n < 64:
-        raise ValueError(f"num_bytes={num_bytes}; allowed: at least {64 * itemsize}")
-    device = jax.devices()[0]
-    read = n * itemsize
     medians, all_samples = {}, {}
     for name in kernels:
-        fn, shape = _read_kernel(name, n)
-        x = jax.device_put(jnp.ones(shape, dtype), device)  # real buffer: no constant folding
-        all_samples[name] = tuple(read / s for s in _median_seconds(fn, x, repeats))
+        probe = ReadProbe(name, num_bytes, dtype)  # compiled and run once
+        probe.once()  # second warm-up: caches / allocator
+        all_samples[name] = tuple(probe.once() for _ in range(repeats))
         medians[name] = float(statistics.median(all_samples[name]))
-        del x
+        del probe  # frees its buffer before the next kernel's
     best = max(medians, key=medians.get)
     return BandwidthProbe(bytes_per_s=medians[best], samples=all_samples[best],
-                          num_bytes=read, device=_describe(device), kernels=medians)
+                          num_bytes=ReadProbe.bytes_read(num_bytes, dtype),
+                          device=_describe(jax.devices()[0]), kernels=medians)
 
 
 class ReadProbe:
@@ -215,14 +213,23 @@ class ReadProbe:
 
     def __init__(self, kernel: str = "vecmat", num_bytes: int = 256 * 2**20,
                  dtype: Any = jnp.float32):
+        self.kernel, self.num_bytes = kernel, self.bytes_read(num_bytes, dtype)
+        self._fn, shape = _read_kernel(kernel, self.num_bytes // jnp.dtype(dtype).itemsize)
+        self._x = jax.device_put(jnp.ones(shape, dtype), jax.devices()[0])
+        self._fn(self._x).block_until_ready()  # compile and warm
+
+    @staticmethod
+    def bytes_read(num_bytes: int, dtype: Any = jnp.float32) -> int:
+        """``num_bytes`` rounded down to whole rows of 64 elements (what a probe reads).
+
+        Raises:
+          ValueError: fewer than 64 elements.
+        """
         itemsize = jnp.dtype(dtype).itemsize
         n = (num_bytes // itemsize) // 64 * 64
         if n < 64:
             raise ValueError(f"num_bytes={num_bytes}; allowed: at least {64 * itemsize}")
-        self.kernel, self.num_bytes = kernel, n * itemsize
-        self._fn, shape = _read_kernel(kernel, n)
-        self._x = jax.device_put(jnp.ones(shape, dtype), jax.devices()[0])
-        self._fn(self._x).block_until_ready()  # compile and warm
+        return n * itemsize
 
     def once(self) -> float:
         """Bytes/s of one timed read of the buffer."""
@@ -286,4 +293,5 @@ def local_chip(measure_flops: bool = False) -> Chip:
         sram_bytes=None,
         source=("measured (fastest of sum / row sum / vector-matrix reads"
                 + (", matmul FLOP/s)" if peaks else ")")),
+        read_kernel=max(probe.kernels, key=probe.kernels.get),
     )

@@ -335,3 +335,14 @@ def test_measure_read_bandwidth_small():
         hardware.measure_read_bandwidth(num_bytes=MiB, repeats=1, kernels=("memcpy",))
     with pytest.raises(ValueError, match="repeats=0"):
         hardware.measure_read_bandwidth(repeats=0)
+    with pytest.raises(ValueError, match="num_bytes=100; allowed: at least 256"):
+        hardware.ReadProbe("sum", num_bytes=100)
+
+
+def test_local_chip_on_cpu_is_measured_and_names_its_fastest_read_kernel():
+    chip = hardware.local_chip()
+    assert chip.source.startswith("measured") and chip.hbm_bytes_per_s > 1e8
+    assert chip.read_kernel in hardware.READ_KERNELS
+    probe = hardware.ReadProbe(chip.read_kernel, num_bytes=MiB)
+    assert probe.num_bytes == MiB and probe.once() > 1e8
+    assert hardware.H200.read_kernel is None  # published figures: nothing to probe
