@@ -43,8 +43,11 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from kvjax import cache as cache_lib
-from kvjax import convert, data, evaluate, model, runner, theory
-from kvjax import train as train_lib
+from kvjax.analysis import theory
+from kvjax.inference import runner
+from kvjax.models import convert, model
+from kvjax.training import data, evaluate
+from kvjax.training import train as train_lib
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
 

@@ -36,7 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import peers
-from kvjax import costs, decode, hardware, model, presets, theory
+from kvjax import presets
+from kvjax.analysis import costs, hardware, theory
+from kvjax.inference import decode
+from kvjax.models import model
 from kvjax.config import ModelConfig, default_scan_layers
 
 _MODELS = flags.DEFINE_list("models", ["blog", "smollm2"], "blog and/or smollm2.")

@@ -44,7 +44,8 @@ import jax
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax import costs, hardware, presets, roofline, theory
+from kvjax import presets
+from kvjax.analysis import costs, hardware, roofline, theory
 from kvjax.config import ModelConfig, default_scan_layers
 
 ALL_VARIANTS = ("mha", "gqa", "mqa", "mla-naive", "mla-absorbed", "window", "gqa-window")

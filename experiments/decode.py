@@ -18,7 +18,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from kvjax import cache as cache_lib
-from kvjax import costs, runner, theory
+from kvjax.analysis import costs, theory
+from kvjax.inference import runner
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
 

@@ -21,7 +21,9 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from kvjax import data, evaluate, runner, theory
+from kvjax.analysis import theory
+from kvjax.inference import runner
+from kvjax.training import data, evaluate
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
 

@@ -25,8 +25,9 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from kvjax import data, evaluate, runner
-from kvjax import train as train_lib
+from kvjax.inference import runner
+from kvjax.training import data, evaluate
+from kvjax.training import train as train_lib
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
 

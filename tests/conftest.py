@@ -10,7 +10,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 def smollm2():
     """(LoadedModel for configs/gqa.py in float32, RunConfig). Fetches weights once."""
     from configs import gqa
-    from kvjax import runner
+    from kvjax.inference import runner
     from kvjax.config import run_config_from_dict
 
     run = run_config_from_dict(gqa.get_config())

@@ -5,7 +5,10 @@ import jax.numpy as jnp
 import pytest
 
 from kvjax import cache as cache_lib
-from kvjax import costs, decode, hlo_cost, model, presets, theory
+from kvjax import presets
+from kvjax.analysis import costs, hlo_cost, theory
+from kvjax.inference import decode
+from kvjax.models import model
 from kvjax.config import ModelConfig, SamplingConfig
 
 

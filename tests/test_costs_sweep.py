@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from kvjax import cache as cache_lib
-from kvjax import costs, decode, hlo_cost, presets, roofline, theory
+from kvjax import presets
+from kvjax.analysis import costs, hlo_cost, roofline, theory
+from kvjax.inference import decode
 from kvjax.config import SamplingConfig
 
 HAS_MLA = importlib.util.find_spec("kvjax.mla") is not None

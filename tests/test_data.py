@@ -5,7 +5,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from kvjax import data
+from kvjax.training import data
 
 
 @pytest.fixture

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from kvjax import cache as cache_lib
-from kvjax import decode, model
+from kvjax.inference import decode
+from kvjax.models import model
 from kvjax.config import ModelConfig, SamplingConfig
 
 

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from kvjax import cache as cache_lib
-from kvjax import costs, model, theory
+from kvjax.analysis import costs, theory
+from kvjax.models import model
 from kvjax.config import ConfigError, ModelConfig, run_config_from_dict
-from kvjax.mla import MLAttention
+from kvjax.models.mla import MLAttention
 
 SMALL = dict(vocab_size=97, num_layers=2, d_model=64, num_heads=4, num_kv_heads=4,
              head_dim=24, mlp_dim=96, attention="mla", kv_lora_rank=16,

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from kvjax import cache as cache_lib
-from kvjax import convert, model
-from kvjax.attention import attend, attend_step
+from kvjax.models import convert, model
+from kvjax.models.attention import attend, attend_step
 from kvjax.config import ModelConfig
 from tests import reference
 
@@ -125,7 +125,7 @@ def test_position_p_logits_and_earlier_token_sensitivity():
 
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_bf16_cache_stays_bf16_and_bytes_equal_theory(scan_layers):
-    from kvjax import theory
+    from kvjax.analysis import theory
     cfg = tiny(2, "gqa", scan_layers, dtype="bfloat16")
     params = model.init_params(cfg, jax.random.key(7))
     tokens = jax.random.randint(jax.random.key(8), (1, 6), 0, cfg.vocab_size)

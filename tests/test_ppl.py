@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from kvjax import cache as cache_lib
-from kvjax import convert, data, evaluate, model
+from kvjax.models import convert, model
+from kvjax.training import data, evaluate
 from kvjax.config import ModelConfig
 
 V = 97

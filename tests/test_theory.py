@@ -9,7 +9,8 @@ import math
 
 import pytest
 
-from kvjax import hardware, presets, theory
+from kvjax import presets
+from kvjax.analysis import hardware, theory
 from kvjax.config import ModelConfig
 
 A100 = hardware.CHIPS["A100-80GB"]

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import model
-from kvjax import train as train_lib
+from kvjax.models import model
+from kvjax.training import train as train_lib
 from kvjax.config import ModelConfig
 
 CFG = ModelConfig(vocab_size=61, num_layers=2, d_model=16, num_heads=4, num_kv_heads=1,

@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 
 from kvjax import cache as cache_lib
-from kvjax import costs, decode, model, theory
-from kvjax.attention import Attention
+from kvjax.analysis import costs, theory
+from kvjax.inference import decode
+from kvjax.models import model
+from kvjax.models.attention import Attention
 from kvjax.config import ConfigError, ModelConfig, run_config_from_dict
 
 W = 6  # window of the tiny models: small, so a few steps wrap the ring
@@ -545,7 +547,7 @@ def test_smollm2_window_generates_past_the_window(smollm2, sinks):
     text is the greedy continuation of the windowed model itself (the cache-free banded
     forward over prompt + output picks every generated token) and reads as English."""
     from configs import window
-    from kvjax import runner
+    from kvjax.inference import runner
 
     loaded, _ = smollm2
     d = window.get_config()

@@ -24,7 +24,7 @@ import jax
 from jax.experimental import roofline as jax_roofline
 from jax.extend import core as jex_core
 
-from kvjax.hardware import Chip
+from kvjax.analysis.hardware import Chip
 
 _FIELDS = ("flops", "hbm_bytes", "unfused_flops", "unfused_hbm_bytes")
 

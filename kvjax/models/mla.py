@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from kvjax import cache as cache_lib
 from kvjax.config import ModelConfig
-from kvjax.layers import Einsum, RMSNorm, apply_rope
+from kvjax.models.layers import Einsum, RMSNorm, apply_rope
 
 NEG_INF = -1e30
 

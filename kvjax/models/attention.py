@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from kvjax import cache as cache_lib
 from kvjax.config import ModelConfig
-from kvjax.layers import Einsum, apply_rope
+from kvjax.models.layers import Einsum, apply_rope
 
 NEG_INF = -1e30
 

@@ -27,7 +27,7 @@ import math
 from typing import Any
 
 from kvjax.config import ModelConfig
-from kvjax.hardware import Chip
+from kvjax.analysis.hardware import Chip
 
 
 def _b(cfg: ModelConfig, element_bytes: int | None) -> int:

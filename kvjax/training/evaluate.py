@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax import model as model_lib
+from kvjax.models import model as model_lib
 from kvjax.config import ModelConfig
 
 

@@ -30,7 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax import decode, hlo_cost, model, roofline, theory
+from kvjax.analysis import hlo_cost, roofline, theory
+from kvjax.inference import decode
+from kvjax.models import model
 from kvjax.config import ModelConfig, SamplingConfig
 
 

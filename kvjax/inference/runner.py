@@ -13,7 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax import checkpoints, convert, costs, decode, model, theory
+from kvjax import checkpoints
+from kvjax.analysis import costs, theory
+from kvjax.inference import decode
+from kvjax.models import convert, model
 from kvjax.config import ConfigError, ModelConfig, RunConfig
 
 

@@ -19,14 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax.attention import Attention
+from kvjax.models.attention import Attention
 from kvjax.config import ModelConfig
-from kvjax.layers import MLP, Einsum, RMSNorm
+from kvjax.models.layers import MLP, Einsum, RMSNorm
 
 
 def _attention_cls(cfg: ModelConfig):
     if cfg.is_mla:
-        from kvjax.mla import MLAttention  # noqa: PLC0415 (optional variant)
+        from kvjax.models.mla import MLAttention  # noqa: PLC0415 (optional variant)
         return MLAttention
     return Attention
 

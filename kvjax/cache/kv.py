@@ -27,6 +27,10 @@ import jax.numpy as jnp
 
 from kvjax.config import ModelConfig
 
+__all__ = ["KVCache", "slot_axis", "to_layout", "layouts", "check_layouts", "layer_shapes",
+           "num_slots", "init_cache", "cache_spec", "cache_bytes", "total_bytes", "write",
+           "ring_slots", "next_positions", "slot_of", "attention_mask"]
+
 
 @flax.struct.dataclass
 class KVCache:

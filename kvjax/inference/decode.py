@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax import model as model_lib
+from kvjax.models import model as model_lib
 from kvjax.cache import KVCache
 from kvjax.config import ModelConfig, SamplingConfig
 

@@ -39,8 +39,8 @@ import numpy as np
 import optax
 from flax import traverse_util
 
-from kvjax import data as data_lib
-from kvjax import model as model_lib
+from kvjax.training import data as data_lib
+from kvjax.models import model as model_lib
 from kvjax.config import DTYPES, ModelConfig
 
 TRAINABLE = ("all", "attention", "kv")

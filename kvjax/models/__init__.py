@@ -1,0 +1,1 @@
+"""Model code: layers, attention (MHA/GQA/MQA, window), MLA, the decoder LM, weight conversions."""

@@ -1,0 +1,1 @@
+"""Data and training: the evaluation corpus, perplexity through the cache, optax uptraining."""
