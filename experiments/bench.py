@@ -109,7 +109,7 @@ def interleaved_ratio(a: tuple[ModelConfig, int], b: tuple[ModelConfig, int],
         params = model.init_params(cfg, 0)
         cache = costs.full_cache(cfg, 1, t)
         step = decode.decode_step.lower(params, token, cache, cfg=cfg).compile()
-        runs.append([step, params, cache, int(cache.length)])
+        runs.append([step, params, cache, cache.length])
     ratios = []
     for i in range(repeats + 2):
         seconds = []
@@ -119,7 +119,7 @@ def interleaved_ratio(a: tuple[ModelConfig, int], b: tuple[ModelConfig, int],
             logits, cache = step(params, token, cache)
             logits.block_until_ready()
             seconds.append(time.perf_counter() - start)
-            run[2] = cache.replace(length=jnp.int32(length))
+            run[2] = cache.replace(length=length)
         if i >= 2:
             ratios.append(seconds[0] / seconds[1])
     return statistics.median(ratios)

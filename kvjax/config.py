@@ -4,7 +4,7 @@ Experiment files under ``configs/`` return an ``ml_collections.ConfigDict``; the
 points turn it into the frozen dataclasses below with :func:`model_config_from_dict` and
 :func:`run_config_from_dict`, which validate every field before any work starts.
 
-Shape letters (DESIGN.md): B batch, T query length, S cache length, D d_model,
+Shape letters (docs/DESIGN.md): B batch, T query length, S cache length, D d_model,
 N query heads, K KV heads, G = N // K, H head_dim, F FFN width, L layers,
 C kv_lora_rank, R qk_rope_head_dim, W window_size.
 """
@@ -17,6 +17,8 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import backend as backend_lib
+
 DTYPES = {
     "float32": jnp.float32,
     "bfloat16": jnp.bfloat16,
@@ -25,6 +27,8 @@ DTYPES = {
 ATTENTION_TYPES = ("mha", "gqa", "mqa", "mla")
 MLP_TYPES = ("swiglu", "gelu")
 WEIGHTS = ("smollm2", "random")
+# Element types a KV cache can hold today (kvjax.cache.encode converts into them).
+KV_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
@@ -77,15 +81,21 @@ class ModelConfig:
       key_layout, value_layout: memory layout of one layer's cached keys / values (MHA,
         GQA, MQA): 'BKSH' (slot-major rows, [B, K, S, H]), 'BKHS' (slot axis last,
         [B, K, H, S]) or 'auto' (see :func:`default_kv_layout`: on CPU keys 'BKHS' and
-        values 'BKHS' only when G = 1, else 'BKSH'; 'BKSH' on accelerators). The math
-        and the bytes are the same; only XLA's dot kernels differ. MLA caches a latent
-        and ignores them (they must stay 'auto').
+        values 'BKHS' only when G = 1, else 'BKSH'; 'BKSH' on accelerators), for the
+        config's ``backend``. The math and the bytes are the same; only XLA's dot kernels
+        differ. MLA caches a latent and ignores them (they must stay 'auto').
       scan_layers: True runs the layer stack as one ``nn.scan`` over stacked parameters
         and a stacked cache (compile time independent of L); False unrolls it over
         per-layer arrays. On CPU the unrolled stack decodes faster: inside the scan XLA
         copies each layer's cache slice out of the stacked buffer before its dot
-        (measured in README "Results").
-      dtype: parameter, activation and KV-cache dtype name.
+        (measured in README "Results"). None: the backend's default
+        (:func:`kvjax.backend.scan_layers`), resolved when the config is built.
+      dtype: parameter and activation dtype name.
+      kv_dtype: the KV cache's element type, one of :data:`KV_DTYPES`; None (default):
+        ``dtype``. The cache's bytes per element (the blog's "bytes" factor) follow it.
+      backend: 'cpu', 'gpu' or 'tpu': the backend whose choices (layouts, layer stack,
+        dot operands; :mod:`kvjax.backend`) this config makes. None (default): the
+        process's JAX backend, resolved once when the config is built.
       name: free-form label used in reports.
     """
 
@@ -111,11 +121,20 @@ class ModelConfig:
     mla_absorb: bool = True
     key_layout: str = "auto"
     value_layout: str = "auto"
-    scan_layers: bool = True
+    scan_layers: bool | None = True
     dtype: str = "float32"
+    kv_dtype: str | None = None
+    backend: str | None = None
     name: str = "model"
 
     def __post_init__(self):
+        # Backend choices are resolved here, once (kvjax.backend), never at trace time.
+        if self.backend is None:
+            object.__setattr__(self, "backend", backend_lib.current())
+        if self.backend not in backend_lib.BACKENDS:
+            _fail("model.backend", self.backend, f"one of {list(backend_lib.BACKENDS)}")
+        if self.scan_layers is None:
+            object.__setattr__(self, "scan_layers", backend_lib.scan_layers(self.backend))
         validate_model_config(self)
 
     replace = dataclasses.replace
@@ -126,7 +145,18 @@ class ModelConfig:
 
     @property
     def dtype_bytes(self) -> int:
+        """Bytes per parameter/activation element."""
         return dtype_bytes(self.dtype)
+
+    @property
+    def cache_dtype(self):
+        """The KV cache's element type (``kv_dtype``, default ``dtype``)."""
+        return DTYPES[self.kv_dtype or self.dtype]
+
+    @property
+    def kv_dtype_bytes(self) -> int:
+        """Bytes per cached element."""
+        return int(np.dtype(self.cache_dtype).itemsize)
 
     @property
     def num_groups(self) -> int:
@@ -139,9 +169,11 @@ class ModelConfig:
 
     def cache_layout(self, name: str) -> str:
         """'BKSH' or 'BKHS': the layout of cached tensor ``name`` ('k' or 'v'), with
-        'auto' resolved by :func:`default_kv_layout` for the current JAX backend."""
+        'auto' resolved by :func:`kvjax.backend.kv_layout` for the config's backend."""
         layout = {"k": self.key_layout, "v": self.value_layout}[name]
-        return default_kv_layout(name, self.num_groups) if layout == "auto" else layout
+        if layout == "auto":
+            return backend_lib.kv_layout(self.backend, name, self.num_groups)
+        return layout
 
 
 def validate_model_config(c: ModelConfig) -> None:
@@ -151,6 +183,10 @@ def validate_model_config(c: ModelConfig) -> None:
         _positive(f"model.{f}", getattr(c, f))
     if c.dtype not in DTYPES:
         _fail("model.dtype", c.dtype, f"one of {sorted(DTYPES)}")
+    if c.kv_dtype is not None and c.kv_dtype not in KV_DTYPES:
+        _fail("model.kv_dtype", c.kv_dtype, f"None (= model.dtype) or one of {list(KV_DTYPES)}")
+    if not isinstance(c.scan_layers, bool):
+        _fail("model.scan_layers", c.scan_layers, "True, False or None (backend default)")
     if c.attention not in ATTENTION_TYPES:
         _fail("model.attention", c.attention, f"one of {list(ATTENTION_TYPES)}")
     if c.mlp_type not in MLP_TYPES:
@@ -173,7 +209,7 @@ def validate_model_config(c: ModelConfig) -> None:
         _positive("model.window_size", c.window_size)
     if isinstance(c.num_sink_tokens, bool) or c.num_sink_tokens < 0:
         _fail("model.num_sink_tokens", c.num_sink_tokens, "an integer >= 0")
-    if c.num_sink_tokens and c.window_size is None:
+    if c.num_sink_tokens and not c.window_size:
         _fail("model.num_sink_tokens", c.num_sink_tokens,
               "0 unless model.window_size is set (sinks are kept beside a window)")
     if c.window_size is not None and c.num_sink_tokens >= c.window_size:
@@ -265,14 +301,15 @@ class RunConfig:
             _fail("prompt", self.prompt, "a non-empty string")
 
     def check_fits(self, prompt_tokens: int) -> None:
-        """Raises ConfigError unless prompt + max_new_tokens fit in max_seq_len.
+        """Raises ConfigError unless prompt + max_new_tokens fit in the cache.
 
-        A windowed cache holds only W slots, so any length fits there.
+        The cache's slot policy decides (a windowed ring never fills, so any length fits).
         """
-        if self.model.window_size is not None:
-            return
+        from kvjax.cache.policy import CacheOverflowError, policy_for  # noqa: PLC0415
         need = prompt_tokens + self.max_new_tokens
-        if need > self.max_seq_len:
+        try:
+            policy_for(self.model).check_room(0, need, self.max_seq_len, "decode")
+        except CacheOverflowError:
             _fail("max_seq_len", self.max_seq_len,
                   f"at least prompt tokens ({prompt_tokens}) + max_new_tokens "
                   f"({self.max_new_tokens}) = {need}")
@@ -283,33 +320,14 @@ def _plain(d: Any) -> dict:
 
 
 def default_scan_layers() -> bool:
-    """scan_layers=None resolves here: unrolled on CPU, scanned on accelerators.
-
-    On CPU, XLA copies each layer's slice of stacked parameters and caches out of the
-    scan's buffers before its dots (2.7x the theory bytes for the blog model at t=4096,
-    against 1.1x unrolled; see README "Results").
-    """
-    import jax  # noqa: PLC0415 (only needed at the boundary)
-    return jax.default_backend() != "cpu"
+    """The layer-stack default of the process's backend (:func:`kvjax.backend.scan_layers`)."""
+    return backend_lib.scan_layers(backend_lib.current())
 
 
 def default_kv_layout(name: str, num_groups: int) -> str:
-    """'auto' cache layouts resolve here (``name`` 'k' or 'v', G = num_groups).
-
-    On CPU, XLA lowers the decode step's two products to Eigen matrix-vector kernels
-    whose speed depends on which operand is contiguous. Measured on the 2-core CI CPU,
-    float32, K·G = 8, S = 65,536, H = 64 (``python scripts/layout_bench.py``, GB/s of
-    cache read over several runs): q·K^T with keys [H, S] 24-50 against 9-28 with [S, H],
-    for every G; p·V with values [H, S] 31-45 against 8-10 with [S, H] for G = 1, but
-    1.3-3 against 19-30 for G >= 2. So keys 'BKHS' always and values 'BKHS' only when
-    G = 1. Other backends get the conventional 'BKSH' (not measured here).
-    """
-    import jax  # noqa: PLC0415 (only needed at the boundary)
-    if jax.default_backend() != "cpu":
-        return "BKSH"
-    if name == "k" or num_groups == 1:
-        return "BKHS"
-    return "BKSH"
+    """The 'auto' layout of cached tensor ``name`` on the process's backend
+    (:func:`kvjax.backend.kv_layout`, which cites the measurements)."""
+    return backend_lib.kv_layout(backend_lib.current(), name, num_groups)
 
 
 def model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
@@ -319,8 +337,6 @@ def model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
       ConfigError: unknown keys or invalid values.
     """
     d = _plain(d)
-    if d.get("scan_layers", False) is None:
-        d["scan_layers"] = default_scan_layers()
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(d) - fields)
     if unknown:

@@ -99,7 +99,7 @@ def test_measure_step_seconds_runs_the_compiled_step():
     cfg = ModelConfig(vocab_size=64, num_layers=1, d_model=16, num_heads=2, num_kv_heads=2,
                       head_dim=8, mlp_dim=32, attention="mha")
     params = model.init_params(cfg, 0)
-    c = cache_lib.init_cache(cfg, 1, 32).replace(length=jnp.int32(10))
+    c = cache_lib.init_cache(cfg, 1, 32).replace(length=jnp.full((1,), 10, jnp.int32))
     times = costs.measure_step_seconds(cfg, params, c, repeats=3)
     assert len(times) == 3 and all(t > 0 for t in times)
 

@@ -49,7 +49,7 @@ def params_for(cfg: ModelConfig, seed: int = 0):
 def run_chunk(params, tokens, cache, *, cfg):
     """All T logits of a chunk continuing the cache (no donation: tests reuse caches)."""
     b, t = tokens.shape
-    pos = jnp.broadcast_to(cache.length + jnp.arange(t, dtype=jnp.int32), (b, t))
+    pos = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     return model.forward(params, cfg, tokens, pos, cache)
 
 
@@ -141,12 +141,12 @@ def test_ring_decode_matches_banded_reference(prompt_len, sinks, scan):
     assert cache.num_slots == W
     logits, cache = run_chunk(params, jnp.asarray(tokens[:, :prompt_len]), cache, cfg=cfg)
     np.testing.assert_allclose(logits, ref[:, :prompt_len], atol=1e-5)
-    np.testing.assert_array_equal(cache.positions, expected_positions(cfg, prompt_len))
+    np.testing.assert_array_equal(cache.positions, [expected_positions(cfg, prompt_len)] * 2)
     for t in range(prompt_len, total):
         logits, cache = run_chunk(params, jnp.asarray(tokens[:, t:t + 1]), cache, cfg=cfg)
         np.testing.assert_allclose(logits[:, 0], ref[:, t], atol=1e-5, err_msg=f"t={t}")
-        np.testing.assert_array_equal(cache.positions, expected_positions(cfg, t + 1))
-        assert int(cache.length) == t + 1
+        np.testing.assert_array_equal(cache.positions, [expected_positions(cfg, t + 1)] * 2)
+        assert cache.length.tolist() == [t + 1] * 2
 
 
 @pytest.mark.parametrize("layouts", [("BKSH", "BKSH"), ("BKHS", "BKHS")], ids=["BKSH", "BKHS"])
@@ -193,7 +193,7 @@ def test_ring_of_one_slot_with_sinks_decodes_like_reference():
         logits, cache = run_chunk(params_for(cfg), jnp.asarray(tokens[:, t:t + 1]), cache,
                                   cfg=cfg)
         np.testing.assert_allclose(logits[:, 0], ref[:, t], atol=1e-5)
-    np.testing.assert_array_equal(cache.positions, [0, 1, 2, 3, 4, 2 * W + 1])
+    np.testing.assert_array_equal(cache.positions, [[0, 1, 2, 3, 4, 2 * W + 1]] * 2)
 
 
 @pytest.mark.parametrize("sinks", [0, 2])
@@ -211,7 +211,7 @@ def test_generate_loop_wraps_the_ring_many_times(sinks):
     out, ran, cache = decode.generate(params, cfg, first, cache, steps)
     assert out.shape == (1, steps) and ran == steps
     seq = np.concatenate([prompt[0], np.asarray(first), np.asarray(out[0])])
-    assert int(cache.length) == len(seq) - 1  # the last token is sampled, not yet fed
+    assert cache.length.tolist() == [len(seq) - 1]  # the last token is sampled, not yet fed
     greedy = ref_logits(cfg, seq).argmax(-1)
     np.testing.assert_array_equal(greedy[len(prompt[0]) - 1:-1], seq[len(prompt[0]):])
     assert len(set(seq[len(prompt[0]):].tolist())) > 1  # not a degenerate repeat
@@ -251,15 +251,15 @@ def test_uniform_attention_is_the_mean_over_the_window(sinks):
     window, n_pos = 6, 30
     cfg, attn, variables = _uniform_attention(window, sinks, n_pos)
     cached = {n: jnp.zeros(shape) for n, shape in cache_lib.layer_shapes(cfg, 1, window).items()}
-    cache = cache_lib.KVCache(tensors=cached, positions=jnp.full((window,), -1, jnp.int32),
-                              length=jnp.zeros((), jnp.int32))
+    cache = cache_lib.KVCache(tensors=cached, positions=jnp.full((1, window), -1, jnp.int32),
+                              length=jnp.zeros((1,), jnp.int32))
 
     @jax.jit
     def attend_chunk(cache, pos):
         x = jax.nn.one_hot(pos, 32)[None]
         out, new = attn.apply(variables, x, pos[None], cache.tensors, cache.positions)
         return out, cache.replace(
-            tensors={n: cache_lib.write(cache.tensors[n], new[n], pos, cache.length, cfg,
+            tensors={n: cache_lib.write(cache.tensors[n], new[n], pos, cfg,
                                         axis=cache_lib.slot_axis(cfg, n))
                      for n in new},
             positions=cache_lib.next_positions(cache, pos, cfg),
@@ -279,7 +279,7 @@ def test_uniform_attention_is_the_mean_over_the_window(sinks):
     last = [24, 25, 26, 27, 28, 29] if sinks == 0 else [0, 1, 26, 27, 28, 29]
     assert start == 30 and _visible(29, window, sinks) == last
     # and the ring holds the sinks plus the last W - s positions, each in its slot
-    held = np.asarray(cache.positions)
+    held = np.asarray(cache.positions[0])
     assert sorted(held.tolist()) == last
     v = np.asarray(cache.tensors["v"][0, 0])  # [W, H]: the value of slot i is e_{held[i]}
     np.testing.assert_array_equal(v, np.eye(32)[held])
@@ -307,7 +307,7 @@ def test_three_tokens_as_one_chunk_or_three_steps(prefix, sinks, scan):
     # step the two-part softmax of attend_step
     np.testing.assert_allclose(chunk_logits, jnp.stack(step_logits, 1), atol=1e-5, rtol=0)
     np.testing.assert_array_equal(chunk_cache.positions, step_cache.positions)
-    assert int(chunk_cache.length) == int(step_cache.length) == prefix + 3
+    assert chunk_cache.length.tolist() == step_cache.length.tolist() == [prefix + 3] * 2
     for a, b in zip(jax.tree.leaves(chunk_cache.tensors), jax.tree.leaves(step_cache.tensors)):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
     # layer 0's keys depend on the token and position only: bit-identical
@@ -323,7 +323,8 @@ def test_prompt_longer_than_window_leaves_its_last_w_tokens():
     tokens = jnp.asarray(np.random.default_rng(9).integers(0, cfg.vocab_size, (2, n)))
     _, ring = run_chunk(params, tokens, cache_lib.init_cache(cfg, 2, 4), cfg=cfg)
     _, full = run_chunk(params, tokens, cache_lib.init_cache(dense, 2, n), cfg=dense)
-    held = np.asarray(ring.positions)
+    held = np.asarray(ring.positions[0])
+    np.testing.assert_array_equal(ring.positions[1], held)
     assert sorted(held.tolist()) == list(range(n - W, n))
     np.testing.assert_array_equal(held % W, np.arange(W))
     for name in ("k", "v"):
@@ -377,7 +378,7 @@ def test_windowed_cache_memory_is_theory_and_constant(sinks):
         spec = cache_lib.cache_spec(cfg, 3, max_seq_len)
         assert cache_lib.cache_bytes(spec) == 3 * W * per_token
         assert cache_lib.cache_bytes(spec) == theory.kv_cache_bytes(cfg, max(max_seq_len, W), 3)
-        assert spec.positions.shape == (W,)
+        assert spec.positions.shape == (3, W)
     assert theory.kv_cache_bytes(cfg, 10**6, 3) == theory.kv_cache_bytes(cfg, W, 3)
     allocated = cache_lib.init_cache(tiny(sinks=sinks, scan=False), 3, 10**6)
     assert cache_lib.cache_bytes(allocated) == 3 * W * per_token
@@ -491,7 +492,7 @@ def test_ring_slots_drop_overwritten_chunk_tokens():
     assert slots.tolist() == [0, 4, 4, 4, 4, 4, 3, 1, 2]  # positions 0 and 6, 7, 8 kept
     buf = jnp.zeros((1, 1, 4, 1))
     new = jnp.arange(9, dtype=jnp.float32).reshape(1, 1, 9, 1)
-    out = cache_lib.write(buf, new, jnp.arange(9), jnp.int32(0), cfg)
+    out = cache_lib.write(buf, new, jnp.arange(9), cfg)
     assert out[0, 0, :, 0].tolist() == [0, 7, 8, 6]
 
 

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
 from kvjax.analysis import hlo_cost, roofline, theory
 from kvjax.inference import decode
@@ -107,14 +108,9 @@ def _specs(cfg: ModelConfig, batch: int, max_seq_len: int):
 
 
 def analysis_compiler_options() -> dict | None:
-    """XLA options for programs compiled only to be analysed, never run.
-
-    On CPU, ``xla_backend_optimization_level=0`` skips LLVM's optimisation of the machine
-    code; the optimised HLO, and so every cost and memory figure read from it, is
-    identical (checked in tests/test_costs_sweep.py), and compiling takes ~2.5x less
-    time. Elsewhere: None (the backend's defaults).
-    """
-    return {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+    """XLA options for programs compiled here only to be analysed, never run
+    (:func:`kvjax.backend.analysis_compiler_options` for the process's compiler)."""
+    return backend_lib.analysis_compiler_options(backend_lib.current())
 
 
 def compile_decode_step(cfg: ModelConfig, batch: int, context: int,
@@ -130,7 +126,7 @@ def compile_prefill(cfg: ModelConfig, batch: int, prompt_len: int, max_seq_len: 
     """Compiles the prefill of ``prompt_len`` tokens into a cache of ``max_seq_len`` slots."""
     params, cache = _specs(cfg, batch, max_seq_len)
     tokens = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
-    return decode._prefill.lower(params, tokens, cache, cfg=cfg).compile(
+    return decode.prefill_program.lower(params, tokens, cache, cfg=cfg).compile(
         compiler_options=compiler_options)
 
 
@@ -183,9 +179,9 @@ def _generate_args(cfg: ModelConfig, batch: int, context: int):
 def compile_generate(cfg: ModelConfig, batch: int, context: int,
                      sampling: SamplingConfig = SamplingConfig(),
                      compiler_options: dict | None = None):
-    """Compiles the generate loop (:func:`kvjax.decode._generate`) over a cache of
+    """Compiles the generate loop (:func:`kvjax.inference.decode.generate_program`) over a cache of
     ``context`` slots, from shapes only; the step count is a run-time argument."""
-    return decode._generate.lower(*_generate_args(cfg, batch, context), cfg=cfg,
+    return decode.generate_program.lower(*_generate_args(cfg, batch, context), cfg=cfg,
                                   sampling=sampling).compile(
         compiler_options=compiler_options)
 
@@ -209,7 +205,7 @@ def analyze_generate(cfg: ModelConfig, context: int, num_steps: int, batch: int 
     jc = None
     if jaxpr:
         jc = roofline.jaxpr_cost(
-            functools.partial(decode._generate, cfg=cfg, sampling=sampling),
+            functools.partial(decode.generate_program, cfg=cfg, sampling=sampling),
             *_generate_args(cfg, batch, context), while_trip_count=num_steps)
     return StepCost(
         name="generate", cfg=cfg, batch=batch, context=context,
@@ -257,7 +253,7 @@ def measure_step_seconds(cfg: ModelConfig, params, cache: cache_lib.KVCache, bat
     compiled = compiled or decode.decode_step.lower(
         params, jnp.zeros((batch, 1), jnp.int32), cache, cfg=cfg).compile()
     token = jnp.zeros((batch, 1), jnp.int32)
-    length = int(cache.length)
+    length = np.asarray(cache.length)
     times: list[float] = []
     warm = 0
     while len(times) < repeats:
@@ -267,7 +263,7 @@ def measure_step_seconds(cfg: ModelConfig, params, cache: cache_lib.KVCache, bat
         logits, cache = compiled(params, token, cache)
         logits.block_until_ready()
         elapsed = time.perf_counter() - start
-        cache = cache.replace(length=jnp.int32(length))
+        cache = cache.replace(length=jnp.asarray(length))
         if warm < warmup:
             warm = warmup if (budget_s is not None and elapsed > budget_s) else warm + 1
             continue
@@ -283,8 +279,9 @@ def full_cache(cfg: ModelConfig, batch: int, context: int) -> cache_lib.KVCache:
     cache = cache_lib.init_cache(cfg, batch, context)
     s = cache.num_slots
     held = jnp.arange(max(0, context - 1 - s), context - 1, dtype=jnp.int32)
-    positions = cache.positions.at[cache_lib.slot_of(held, cfg, s)].set(held)
-    return cache.replace(positions=positions, length=jnp.int32(context - 1))
+    positions = cache.positions.at[:, cache_lib.slot_of(held, cfg, s)].set(held)
+    return cache.replace(positions=positions,
+                         length=jnp.full((batch,), context - 1, jnp.int32))
 
 
 def measure_decode_step(cfg: ModelConfig, context: int, batch: int = 1, repeats: int = 5,

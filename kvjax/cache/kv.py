@@ -1,50 +1,54 @@
 """Functional KV caches: plain pytrees passed into the model and returned updated.
 
-Two layouts share one bookkeeping scheme:
+The contract (docs/DESIGN.md, "The cache contract"):
 
-* MHA/GQA/MQA (optionally windowed): per-head keys and values, head-major: each of
-  keys and values is ``[L, B, K, S, H]`` ('BKSH') or ``[L, B, K, H, S]`` ('BKHS', slot
-  axis last), chosen by ``cfg.key_layout`` / ``cfg.value_layout`` (DESIGN.md: a
-  [B, S, K, H] layout made XLA materialise transposes, 3.08x the blog's bytes against
-  1.08x; :func:`kvjax.config.default_kv_layout` says which head-major layout is faster).
-* MLA: one compressed latent and one shared rotary key per token, ``[L, B, S, C]`` and
-  ``[L, B, S, R]``, with no head axis.
-
-One :class:`KVCache` class holds either; it records the absolute position held by every slot (``positions``, -1 when empty) and
-the number of tokens seen (``length``). Masks are computed from ``positions`` alone, so a
-ring buffer that wraps can never expose a stale or future key. All rows of a batch advance
-in lockstep (same prompt length).
-
-Slots: a dense cache writes position p to slot p. A windowed cache with W slots and s
-attention sinks writes p < s to slot p and p >= s to slot s + (p - s) mod (W - s).
+* A cache is a set of **named tensors** whose names, per-layer shapes, dtypes and layouts
+  come from the config alone (:func:`tensor_specs`): MHA/GQA/MQA (optionally windowed)
+  cache per-head keys and values, head-major, ``'k'``/``'v'`` each ``[L, B, K, S, H]``
+  ('BKSH') or ``[L, B, K, H, S]`` ('BKHS', slot axis last), by ``cfg.cache_layout``; MLA
+  caches one latent and one shared rotary key per token, ``'c_kv' [L, B, S, C]`` and
+  ``'k_rope' [L, B, S, R]``. A later representation (a quantized cache with scale
+  tensors) adds names here without touching the model.
+* Values enter the cache only through :func:`encode` (float -> the cache's
+  representation; a float can never be truncated into an integer cache) and leave it
+  through :func:`read`.
+* **Per-row bookkeeping**: ``positions [B, S]`` (the absolute position held by each slot
+  of each row, -1 when empty) and ``length [B]`` (tokens written per row), so every row
+  may have its own length. Masks come from ``positions`` alone, so a ring buffer that
+  wraps can never expose a stale or future key.
+* Which slot holds which position is the **slot policy's** business
+  (:mod:`kvjax.cache.policy`: dense, or a ring of W slots with sinks).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache.policy import CacheOverflowError, DenseSlots, RingSlots, policy_for
 from kvjax.config import ModelConfig
 
-__all__ = ["KVCache", "slot_axis", "to_layout", "layouts", "check_layouts", "layer_shapes",
-           "num_slots", "init_cache", "cache_spec", "cache_bytes", "total_bytes", "write",
-           "ring_slots", "next_positions", "slot_of", "attention_mask"]
+__all__ = ["KVCache", "TensorSpec", "tensor_specs", "slot_axis", "to_layout", "layouts",
+           "check_layouts", "layer_shapes", "num_slots", "init_cache", "cache_spec",
+           "cache_bytes", "total_bytes", "encode", "read", "write", "chunk_slots",
+           "advance", "ring_slots", "next_positions", "slot_of", "attention_mask",
+           "policy_for", "DenseSlots", "RingSlots", "CacheOverflowError"]
 
 
 @flax.struct.dataclass
 class KVCache:
-    """Functional KV cache: per-layer tensors plus slot bookkeeping.
+    """Functional KV cache: per-layer named tensors plus per-row slot bookkeeping.
 
     Attributes:
-      tensors: name -> cached tensor with the slot axis second to last or last
-        (:func:`slot_axis`). MHA/GQA/MQA: {'k': [L, B, K, S, H] or [L, B, K, H, S],
-        'v': likewise} per ``cfg.cache_layout``; MLA: {'c_kv': [L, B, S, C],
-        'k_rope': [L, B, S, R]} (DeepSeek-V2 sec. 2.1: no head axis). With
-        ``scan_layers=False`` each value is instead a tuple of L per-layer arrays
-        ([B, K, S, H] ...), so no layer is ever sliced out of a stacked buffer.
-      positions: [S] int32, absolute position held in each slot, -1 where empty.
-      length: [] int32, tokens written so far (the next absolute position).
+      tensors: name -> cached tensor (:func:`tensor_specs`), stacked with a leading L
+        axis when ``cfg.scan_layers``; otherwise a tuple of L per-layer arrays, so no
+        layer is ever sliced out of a stacked buffer.
+      positions: [B, S] int32, absolute position held in each slot of each row, -1
+        where empty.
+      length: [B] int32, tokens written so far per row (the row's next position).
       layouts: static (not a pytree leaf): ((name, 'BKSH' | 'BKHS'), ...) as built by
         :func:`init_cache`, so ``model.forward`` can refuse a cache built for another
         layout (when S == H the shapes alone cannot tell); None = not recorded.
@@ -57,6 +61,11 @@ class KVCache:
 
     @property
     def num_slots(self) -> int:
+        """S, slots per row and layer."""
+        return self.positions.shape[-1]
+
+    @property
+    def batch_size(self) -> int:
         return self.positions.shape[0]
 
     def layer(self, i) -> dict:
@@ -64,11 +73,55 @@ class KVCache:
         return {n: t[i] for n, t in self.tensors.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One named cache tensor of one layer: shape (with B and S), dtype and slot axis."""
+
+    name: str
+    shape: tuple
+    dtype: jnp.dtype
+    slot_axis: int  # -2 or -1 in the per-layer shape
+
+    @property
+    def nbytes(self) -> int:
+        size = 1
+        for d in self.shape:
+            size *= d
+        return size * jnp.dtype(self.dtype).itemsize
+
+
 def slot_axis(cfg: ModelConfig, name: str) -> int:
     """-1 if cached tensor ``name`` keeps its slot axis last ('BKHS'), else -2."""
     if not cfg.is_mla and cfg.cache_layout(name) == "BKHS":
         return -1
     return -2
+
+
+def tensor_specs(cfg: ModelConfig, batch_size: int, num_slots_: int) -> dict:
+    """name -> :class:`TensorSpec` of one layer's cached tensors, from the config alone.
+
+    MHA/GQA/MQA: 'k' and 'v', [B, K, S, H] ('BKSH') or [B, K, H, S] ('BKHS'); MLA:
+    'c_kv' [B, S, C] and 'k_rope' [B, S, R] (DeepSeek-V2, Liu et al. 2024, sec. 2.1: no
+    head axis). dtype: ``cfg.cache_dtype`` (``model.kv_dtype``, default the model dtype).
+    """
+    dt = cfg.cache_dtype
+    if cfg.is_mla:
+        return {"c_kv": TensorSpec("c_kv", (batch_size, num_slots_, cfg.kv_lora_rank), dt, -2),
+                "k_rope": TensorSpec("k_rope", (batch_size, num_slots_, cfg.qk_rope_head_dim),
+                                     dt, -2)}
+    specs = {}
+    for name in ("k", "v"):
+        shape = [batch_size, cfg.num_kv_heads, num_slots_, cfg.head_dim]
+        axis = slot_axis(cfg, name)
+        if axis == -1:
+            shape[2], shape[3] = shape[3], shape[2]
+        specs[name] = TensorSpec(name, tuple(shape), dt, axis)
+    return specs
+
+
+def layer_shapes(cfg: ModelConfig, batch_size: int, num_slots_: int) -> dict:
+    """name -> per-layer cached tensor shape (slot axis at :func:`slot_axis`)."""
+    return {n: s.shape for n, s in tensor_specs(cfg, batch_size, num_slots_).items()}
 
 
 def to_layout(x: jax.Array, cfg: ModelConfig, name: str) -> jax.Array:
@@ -91,30 +144,16 @@ def check_layouts(cache: KVCache, cfg: ModelConfig) -> None:
             "init_cache(cfg, ...) with the same config")
 
 
-def layer_shapes(cfg: ModelConfig, batch_size: int, num_slots_: int) -> dict:
-    """name -> per-layer cached tensor shape (slot axis at :func:`slot_axis`)."""
-    if cfg.is_mla:
-        return {"c_kv": (batch_size, num_slots_, cfg.kv_lora_rank),
-                "k_rope": (batch_size, num_slots_, cfg.qk_rope_head_dim)}
-    shapes = {}
-    for name in ("k", "v"):
-        shape = [batch_size, cfg.num_kv_heads, num_slots_, cfg.head_dim]
-        if slot_axis(cfg, name) == -1:
-            shape[2], shape[3] = shape[3], shape[2]
-        shapes[name] = tuple(shape)
-    return shapes
-
-
 def num_slots(cfg: ModelConfig, max_seq_len: int) -> int:
-    """S: slots per layer. Windowed caches hold W slots whatever max_seq_len is."""
-    return cfg.window_size if cfg.window_size is not None else max_seq_len
+    """S: slots per layer (the slot policy's: W for a window, else max_seq_len)."""
+    return policy_for(cfg).num_slots(max_seq_len)
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int) -> KVCache:
     """An empty cache for ``batch_size`` sequences of up to ``max_seq_len`` tokens.
 
-    Tensors are zero-filled in ``cfg.dtype`` (see :class:`KVCache` for shapes), positions
-    -1 and length 0. S = window_size when set, else max_seq_len.
+    Tensors are zero-filled per :func:`tensor_specs`, positions [B, S] -1 and length [B]
+    0. S = window_size when set, else max_seq_len.
 
     Raises:
       ValueError: non-positive batch_size or max_seq_len.
@@ -123,15 +162,15 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int) -> KVCache:
         raise ValueError(
             f"batch_size={batch_size} and max_seq_len={max_seq_len} must be positive")
     s = num_slots(cfg, max_seq_len)
-    dt = cfg.jnp_dtype
     tensors = {}
-    for name, shape in layer_shapes(cfg, batch_size, s).items():
+    for name, spec in tensor_specs(cfg, batch_size, s).items():
         if cfg.scan_layers:
-            tensors[name] = jnp.zeros((cfg.num_layers,) + shape, dt)
+            tensors[name] = jnp.zeros((cfg.num_layers,) + spec.shape, spec.dtype)
         else:
-            tensors[name] = tuple(jnp.zeros(shape, dt) for _ in range(cfg.num_layers))
-    return KVCache(tensors=tensors, positions=jnp.full((s,), -1, jnp.int32),
-                   length=jnp.zeros((), jnp.int32), layouts=layouts(cfg))
+            tensors[name] = tuple(jnp.zeros(spec.shape, spec.dtype)
+                                  for _ in range(cfg.num_layers))
+    return KVCache(tensors=tensors, positions=jnp.full((batch_size, s), -1, jnp.int32),
+                   length=jnp.zeros((batch_size,), jnp.int32), layouts=layouts(cfg))
 
 
 def cache_spec(cfg: ModelConfig, batch_size: int, max_seq_len: int) -> KVCache:
@@ -142,8 +181,8 @@ def cache_spec(cfg: ModelConfig, batch_size: int, max_seq_len: int) -> KVCache:
 def cache_bytes(cache: KVCache) -> int:
     """Bytes of the cached per-token tensors, summed over the pytree (the blog's KV bytes).
 
-    The bookkeeping arrays (``positions``, ``length``: 4·S + 4 bytes) are excluded; use
-    :func:`total_bytes` for everything.
+    The bookkeeping arrays (``positions``, ``length``: 4·B·(S + 1) bytes) are excluded;
+    use :func:`total_bytes` for everything.
     """
     return total_bytes(cache.tensors)
 
@@ -153,63 +192,106 @@ def total_bytes(tree) -> int:
     return int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
-def write(buf: jax.Array, new: jax.Array, chunk_positions: jax.Array, length: jax.Array,
-          cfg: ModelConfig, layer=None, axis: int = -2) -> jax.Array:
-    """Writes a chunk of T tokens into a cached tensor, in place.
+def encode(cfg: ModelConfig, new: dict) -> dict:
+    """The cache's representation of a chunk's new entries (the one way into a cache).
 
     Args:
-      buf: [..., S, X] (``axis`` -2) or [..., X, S] (``axis`` -1): one layer's tensor, or
-        the same with a leading L axis when ``layer`` is given.
-      new: the chunk, laid out like one layer of ``buf`` with T in place of S.
-      chunk_positions: [T] int32 consecutive absolute positions of the chunk.
-      length: [] int32 tokens in the cache before the chunk (dense write offset).
-      cfg: window_size / num_sink_tokens select the ring-buffer layout.
+      new: name -> float tensor laid out like one layer's cached tensor with T in place
+        of S (e.g. 'k': [B, K, T, H] for 'BKSH').
+    Returns:
+      name -> tensor in ``cfg.cache_dtype``. Attention must use :func:`read` of this
+      result for the chunk's own keys, so the chunk sees what later steps will read.
+    Raises:
+      TypeError: the cache dtype is not a float type (no representation converts floats
+        into it; a plain cast would truncate).
+    """
+    dt = jnp.dtype(cfg.cache_dtype)
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(
+            f"cache dtype {dt.name} has no float representation here; allowed: a floating "
+            "kv_dtype (casting floats into an integer cache would truncate them)")
+    return {n: x.astype(dt) for n, x in new.items()}
+
+
+def read(cfg: ModelConfig, tensors: dict, name: str) -> jax.Array:
+    """Tensor ``name`` of one layer's cache (or of :func:`encode`'s output) as attention
+    consumes it; for float caches the stored tensor itself."""
+    del cfg
+    return tensors[name]
+
+
+def chunk_slots(cache: KVCache, chunk_positions: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """[B, T] int32 slot of each chunk token per row (``num_slots``: dropped)."""
+    return policy_for(cfg).write_slots(chunk_positions, cache.num_slots)
+
+
+def write(buf: jax.Array, new: jax.Array, chunk_positions: jax.Array, cfg: ModelConfig,
+          layer=None, axis: int = -2) -> jax.Array:
+    """Writes a chunk of T tokens per row into a cached tensor, in place.
+
+    Args:
+      buf: [B, ..., S, X] (``axis`` -2) or [B, ..., X, S] (``axis`` -1): one layer's
+        tensor, or the same with a leading L axis when ``layer`` is given.
+      new: the chunk, laid out like one layer of ``buf`` with T in place of S, already in
+        the cache's representation (:func:`encode`).
+      chunk_positions: [B, T] (or [T], the same for every row) int32 consecutive absolute
+        positions of each row's chunk.
+      cfg: its slot policy maps positions to slots.
       layer: [] int32 layer index into a stacked ``buf`` (None: ``buf`` is one layer).
       axis: the slot axis, -2 or -1 (:func:`slot_axis`).
     Returns:
-      The updated buffer. Dense: a dynamic-update-slice at ``length`` (callers check it
-      fits; see ``model.forward``). Ring: a scatter to each token's slot that drops tokens
-      a later token of the same chunk overwrites; out-of-range slots are dropped, never
-      clamped.
+      The updated buffer: a scatter of each row's tokens to its slots; tokens the policy
+      drops (overwritten within the chunk, or past a dense cache's end) are dropped,
+      never clamped.
     Raises:
       ValueError: ``axis`` not -2 or -1.
     """
     if axis not in (-2, -1):
         raise ValueError(f"axis={axis}; allowed: -2 or -1")
-    new = new.astype(buf.dtype)
-    buf_axis = buf.ndim + axis
-    if cfg.window_size is None:
-        start = [0] * buf.ndim
-        start[buf_axis] = length
-        if layer is not None:
-            start[0] = layer
-            new = new[None]
-        return jax.lax.dynamic_update_slice(buf, new, start)
-    slots = ring_slots(chunk_positions, cfg, buf.shape[buf_axis])
-    if layer is None:  # one advanced index: its axis stays in place
-        return buf.at[(slice(None),) * buf_axis + (slots,)].set(new, mode="drop")
-    # Two advanced indices (layer, slots) split by slices: numpy puts their axis first.
-    index = (layer,) + (slice(None),) * (buf_axis - 1) + (slots,)
-    return buf.at[index].set(jnp.moveaxis(new, new.ndim + axis, 0), mode="drop")
+    b = new.shape[0]
+    if chunk_positions.ndim == 1:
+        chunk_positions = jnp.broadcast_to(chunk_positions, (b,) + chunk_positions.shape)
+    layer_ndim = buf.ndim - (layer is not None)
+    slots = policy_for(cfg).write_slots(chunk_positions, buf.shape[axis])  # [B, T]
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+    index = [slice(None)] * layer_ndim
+    index[0], index[layer_ndim + axis] = rows, slots
+    if layer is not None:
+        index = [layer] + index
+    # The advanced indices (layer, rows, slots) give the update [B, T, rest...] when a
+    # slice separates them, else [B, T, rest...] in place: the same order either way
+    # because rows and slots are the first two broadcast dimensions.
+    value = jnp.moveaxis(new.astype(buf.dtype), new.ndim + axis, 1)
+    return buf.at[tuple(index)].set(value, mode="drop")
 
 
-def ring_slots(chunk_positions: jax.Array, cfg: ModelConfig, num_slots_: int) -> jax.Array:
-    """[T] int32 ring slot of each chunk token, or ``num_slots_`` (dropped) for a token that
-    a later token of the same chunk overwrites (only the last W - s ring tokens survive;
-    sink tokens always do)."""
-    slots = slot_of(chunk_positions, cfg, num_slots_)
-    ring = num_slots_ - cfg.num_sink_tokens
-    keep = ((chunk_positions < cfg.num_sink_tokens)
-            | (chunk_positions > chunk_positions[-1] - ring))
-    return jnp.where(keep, slots, num_slots_)
+def advance(cache: KVCache, chunk_positions: jax.Array, cfg: ModelConfig,
+            num_new: jax.Array | int | None = None) -> KVCache:
+    """The bookkeeping after writing a chunk: slot positions [B, S] and lengths [B].
+
+    ``chunk_positions``: [B, T] positions written. ``num_new``: tokens per row that count
+    toward ``length`` (default T).
+    """
+    positions = next_positions(cache, chunk_positions, cfg)
+    t = chunk_positions.shape[-1] if num_new is None else num_new
+    return cache.replace(positions=positions, length=cache.length + t)
 
 
 def next_positions(cache: KVCache, chunk_positions: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """[S] int32 slot positions after writing a chunk at ``chunk_positions`` [T]."""
-    if cfg.window_size is None:
-        return jax.lax.dynamic_update_slice(cache.positions, chunk_positions, (cache.length,))
-    slots = ring_slots(chunk_positions, cfg, cache.num_slots)
-    return cache.positions.at[slots].set(chunk_positions, mode="drop")
+    """[B, S] int32 slot positions after writing a chunk at ``chunk_positions`` [B, T]
+    (or [T] for every row)."""
+    b = cache.positions.shape[0]
+    if chunk_positions.ndim == 1:
+        chunk_positions = jnp.broadcast_to(chunk_positions, (b,) + chunk_positions.shape)
+    slots = policy_for(cfg).write_slots(chunk_positions, cache.num_slots)
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+    return cache.positions.at[rows, slots].set(chunk_positions, mode="drop")
+
+
+def ring_slots(chunk_positions: jax.Array, cfg: ModelConfig, num_slots_: int) -> jax.Array:
+    """[..., T] int32 slot of each chunk token, ``num_slots_`` where the write drops it
+    (:meth:`kvjax.cache.policy.RingSlots.write_slots`)."""
+    return policy_for(cfg).write_slots(chunk_positions, num_slots_)
 
 
 def slot_of(position: jax.Array, cfg: ModelConfig, num_slots_: int) -> jax.Array:
@@ -217,11 +299,7 @@ def slot_of(position: jax.Array, cfg: ModelConfig, num_slots_: int) -> jax.Array
 
     Dense: p. Windowed with W slots and s sinks: p if p < s else s + (p - s) mod (W - s).
     """
-    if cfg.window_size is None:
-        return position
-    s = cfg.num_sink_tokens
-    ring = num_slots_ - s
-    return jnp.where(position < s, position, s + (position - s) % ring)
+    return policy_for(cfg).slot_of(position, num_slots_)
 
 
 def attention_mask(q_positions: jax.Array, k_positions: jax.Array,
@@ -231,16 +309,10 @@ def attention_mask(q_positions: jax.Array, k_positions: jax.Array,
     Args:
       q_positions: [B, T] int32 query positions.
       k_positions: [S] or [B, S] int32 key positions (-1: empty slot).
-      cfg: supplies window_size W and num_sink_tokens s.
+      cfg: its slot policy (window W and s sinks) decides.
     Returns:
       [B, T, S] bool: key is filled, causal (k <= q) and, with a window, inside the last
       W - s positions or one of the s sinks (Xiao et al. 2023). Without sinks the window
       is the last W positions (q - k < W).
     """
-    q = q_positions[:, :, None]
-    k = k_positions[None, None, :] if k_positions.ndim == 1 else k_positions[:, None, :]
-    mask = (k >= 0) & (k <= q)
-    if cfg.window_size is not None:
-        s = cfg.num_sink_tokens
-        mask &= (q - k < cfg.window_size - s) | (k < s)
-    return mask
+    return policy_for(cfg).visible(q_positions, k_positions)

@@ -3,13 +3,19 @@
 * :func:`prefill` runs the whole prompt in one pass (matrix-matrix: compute-bound).
 * :func:`generate` runs the new tokens inside one ``lax.while_loop`` (matrix-vector:
   memory-bound, the blog's regime). The step count is a traced argument and the token
-  buffer has the cache's length (a windowed cache, which never fills, gets a buffer of
-  the next power of two >= the steps; :func:`token_buffer_len`), so one compilation
-  serves any number of steps that fits the buffer.
-* :func:`decode_step` is a single jitted step, used by the cost hook and the benchmarks.
+  buffer's length comes from the cache's slot policy (:func:`token_buffer_len`), so one
+  compilation serves any number of steps that fits the buffer.
 
-Lengths are checked on the host before anything runs: a prompt longer than the cache or a
-budget past its end raises :class:`CacheOverflowError`, never a silent clamp.
+The compile units, public so the cost hook and the runner lower and compile exactly what
+decoding runs (``unit.lower(...).compile()``), without host checks:
+
+* :func:`prefill_program` (params, tokens, cache) -> (last logits, cache);
+* :func:`generate_program` (params, first_token, cache, num_steps, rng, eos_id);
+* :func:`decode_step` (params, token, cache) -> (logits, cache): one step.
+
+Each row's positions come from its own ``cache.length`` (per-row bookkeeping). Lengths
+are checked on the host before anything runs: a prompt longer than the cache or a budget
+past its end raises :class:`CacheOverflowError`, never a silent clamp.
 """
 
 from __future__ import annotations
@@ -19,29 +25,21 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.models import model as model_lib
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, policy_for
+from kvjax.cache.policy import CacheOverflowError
 from kvjax.config import ModelConfig, SamplingConfig
+from kvjax.models import model as model_lib
 
-
-class CacheOverflowError(ValueError):
-    """A prefill or generation would write past the end of a dense cache."""
+__all__ = ["CacheOverflowError", "check_room", "sample_logits", "prefill", "generate",
+           "prefill_program", "generate_program", "decode_step", "token_buffer_len"]
 
 
 def check_room(cfg: ModelConfig, cache: KVCache, new_tokens: int, what: str) -> None:
-    """Raises CacheOverflowError unless ``new_tokens`` more tokens fit in ``cache``.
-
-    A windowed (ring-buffer) cache never fills. Reads ``cache.length`` from the device.
-    """
-    if cfg.window_size is not None:
-        return
-    length = int(cache.length)
-    if length + new_tokens > cache.num_slots:
-        raise CacheOverflowError(
-            f"{what}: {new_tokens} tokens after {length} cached ones need "
-            f"{length + new_tokens} slots but the cache holds max_seq_len="
-            f"{cache.num_slots}; allowed: at most {cache.num_slots - length} more tokens "
-            f"(raise max_seq_len)")
+    """Raises CacheOverflowError unless ``new_tokens`` more tokens fit in every row of
+    ``cache`` (the slot policy decides: a ring never fills). Reads ``cache.length``
+    from the device."""
+    policy_for(cfg).check_room(jax.device_get(cache.length), new_tokens, cache.num_slots,
+                               what)
 
 
 def sample_logits(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig) -> jax.Array:
@@ -73,15 +71,17 @@ def sample_logits(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig) -
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-def _positions(cache: KVCache, batch: int, t: int) -> jax.Array:
-    pos = cache.length + jnp.arange(t, dtype=jnp.int32)
-    return jnp.broadcast_to(pos, (batch, t))
+def _positions(cache: KVCache, t: int) -> jax.Array:
+    """[B, T] int32: each row continues its own cache."""
+    return cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _prefill(params, tokens, cache, *, cfg):
+def prefill_program(params, tokens, cache, *, cfg):
+    """Compile unit of :func:`prefill` (no host checks): tokens [B, T] int32 ->
+    (logits [B, V] float32 of the last token, cache)."""
     logits, cache = model_lib.forward(params, cfg, tokens,
-                                      _positions(cache, *tokens.shape), cache)
+                                      _positions(cache, tokens.shape[1]), cache)
     return logits[:, -1], cache
 
 
@@ -98,7 +98,7 @@ def prefill(params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache):
       CacheOverflowError: the prompt does not fit in the cache.
     """
     check_room(cfg, cache, tokens.shape[1], "prefill")
-    return _prefill(params, tokens, cache, cfg=cfg)
+    return prefill_program(params, tokens, cache, cfg=cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
@@ -108,28 +108,26 @@ def decode_step(params, token, cache, *, cfg):
     No host-side length check (it is the unit the cost hook compiles); use
     :func:`generate` for checked decoding.
     """
-    logits, cache = model_lib.forward(params, cfg, token, _positions(cache, *token.shape),
-                                      cache)
+    logits, cache = model_lib.forward(params, cfg, token, _positions(cache, 1), cache)
     return logits[:, 0], cache
 
 
 def token_buffer_len(cfg: ModelConfig, num_slots: int, num_steps: int) -> int:
-    """Length of :func:`generate`'s token buffer (static: a new length compiles a new loop).
-
-    Dense: the cache's ``num_slots`` (no more steps fit). Windowed: a ring buffer never
-    fills, so the buffer must hold the steps themselves: the next power of two >=
-    ``num_steps`` (at least ``num_slots``), so few lengths ever compile.
-    """
-    if cfg.window_size is None:
-        return num_slots
-    return max(num_slots, 1 << max(0, int(num_steps) - 1).bit_length())
+    """Length of :func:`generate`'s token buffer (static: a new length compiles a new loop),
+    from the slot policy: dense, the cache's ``num_slots`` (no more steps fit); a ring,
+    which never fills, the next power of two >= ``num_steps`` (at least ``num_slots``),
+    so few lengths ever compile."""
+    return policy_for(cfg).buffer_len(num_slots, num_steps)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "buf_len"),
                    donate_argnames=("cache",))
-def _generate(params, first_token, cache, num_steps, rng, eos_id, *, cfg, sampling,
-              buf_len=None):
-    """``buf_len``: token buffer length (None: the cache's slots); steps past it never run."""
+def generate_program(params, first_token, cache, num_steps, rng, eos_id, *, cfg, sampling,
+                     buf_len=None):
+    """Compile unit of :func:`generate` (no host checks): first_token [B] int32, cache,
+    num_steps [] int32, rng key, eos_id [] int32 -> (tokens [B, buf_len] int32, steps run
+    [] int32, cache). ``buf_len``: token buffer length (None: the cache's slots); steps
+    past it never run."""
     batch = first_token.shape[0]
     buf_len = cache.num_slots if buf_len is None else buf_len
     buf = jnp.zeros((batch, buf_len), jnp.int32)
@@ -141,7 +139,7 @@ def _generate(params, first_token, cache, num_steps, rng, eos_id, *, cfg, sampli
     def body(state):
         i, buf, cache, last, done, rng = state
         logits, cache = model_lib.forward(params, cfg, last[:, None],
-                                          _positions(cache, batch, 1), cache)
+                                          _positions(cache, 1), cache)
         rng, key = jax.random.split(rng)
         nxt = sample_logits(logits[:, 0], key, sampling)
         nxt = jnp.where(done, eos_id, nxt)
@@ -183,8 +181,13 @@ def generate(params, cfg: ModelConfig, first_token: jax.Array, cache: KVCache,
         raise ValueError(f"num_steps={num_steps}; allowed: an integer >= 0")
     check_room(cfg, cache, num_steps, "generate")
     rng = jax.random.key(0) if rng is None else rng
-    buf, steps, cache = _generate(params, first_token.astype(jnp.int32), cache,
+    buf, steps, cache = generate_program(params, first_token.astype(jnp.int32), cache,
                                   jnp.int32(num_steps), rng, jnp.int32(eos_id),
                                   cfg=cfg, sampling=sampling,
                                   buf_len=token_buffer_len(cfg, cache.num_slots, num_steps))
     return buf[:, :num_steps], int(steps), cache
+
+
+# Earlier private names of the compile units (kept for callers that used them).
+_prefill = prefill_program
+_generate = generate_program

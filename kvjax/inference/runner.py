@@ -130,9 +130,9 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
 
     start = time.perf_counter()
     cache = cache_lib.init_cache(cfg, b, run.max_seq_len)
-    prefill_c = decode._prefill.lower(params, tokens, cache, cfg=cfg).compile()
+    prefill_c = decode.prefill_program.lower(params, tokens, cache, cfg=cfg).compile()
     steps = run.max_new_tokens - 1
-    gen_c = decode._generate.lower(
+    gen_c = decode.generate_program.lower(
         params, tokens[:, 0], cache, jnp.int32(0), jax.random.key(0), jnp.int32(eos),
         cfg=cfg, sampling=run.sampling,
         buf_len=decode.token_buffer_len(cfg, cache.num_slots, steps)).compile()

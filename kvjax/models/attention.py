@@ -2,8 +2,9 @@
 
 One module covers the blog's lever 1: ``num_kv_heads`` K = N is MHA, K = 1 is MQA
 (Shazeer 2019), anything dividing N is GQA (Ainslie et al. 2023). Query head n reads KV
-head n // G with G = N // K (the heads of one group are adjacent). ``window_size`` is
-lever 3 (a ring-buffer cache of W slots, optional attention sinks).
+head n // G with G = N // K (the heads of one group are adjacent). Lever 3, the window,
+is the cache's slot policy (:mod:`kvjax.cache.policy`): it decides which slots exist and
+which keys a query sees, so this module only applies the mask it is given.
 
 Scores and softmax are computed in float32 whatever the parameter/cache dtype.
 """
@@ -14,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
 from kvjax.config import ModelConfig
 from kvjax.models.layers import Einsum, apply_rope
@@ -28,19 +30,19 @@ def _spec(layout: str, width: str = "H") -> str:
     return "BKS" + width if layout == "BKSH" else "BK" + width + "S"
 
 
-def dot_operand(x: jax.Array) -> jax.Array:
-    """``x`` as a dot operand with a float32 result: on CPU, 2-byte floats are widened to
-    float32 first (exact). XLA:CPU rejects some batched bf16 x bf16 -> f32 dots
-    ("Unsupported element type for DotThunk::Execute", jaxlib 0.10.2, e.g. a prefill
-    with B = 2, K = 2) and widens the operands itself for the others, so the bytes and
-    the result are those XLA:CPU would produce anyway. Other backends: unchanged."""
-    if x.dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "cpu":
+def dot_operand(x: jax.Array, backend: str | None = None) -> jax.Array:
+    """``x`` as a dot operand with a float32 result: 2-byte floats are widened to float32
+    first (exact) where :func:`kvjax.backend.widen_dot_operands` says so (CPU).
+    ``backend``: the config's backend (None: the process's)."""
+    backend = backend or backend_lib.current()
+    if x.dtype in (jnp.bfloat16, jnp.float16) and backend_lib.widen_dot_operands(backend):
         return x.astype(jnp.float32)
     return x
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-           k_layout: str = "BKSH", v_layout: str = "BKSH") -> jax.Array:
+           k_layout: str = "BKSH", v_layout: str = "BKSH",
+           backend: str | None = None) -> jax.Array:
     """Softmax attention of grouped queries over one layer's keys and values.
 
     Args:
@@ -48,7 +50,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
       k: [B, K, S, H] keys ('BKSH'), or [B, K, H, S] with ``k_layout='BKHS'``.
       v: [B, K, S, Hv] values ('BKSH'), or [B, K, Hv, S] with ``v_layout='BKHS'``.
       mask: [B, T, S] bool, True where the key is visible.
-      k_layout, v_layout: 'BKSH' or 'BKHS' (see ``kvjax.config.default_kv_layout``).
+      k_layout, v_layout: 'BKSH' or 'BKHS' (see :func:`kvjax.backend.kv_layout`).
+      backend: whose dot-operand rule applies (:func:`dot_operand`).
     Returns:
       [B, T, K, G, Hv] in v's dtype. Scores and softmax run in float32; the probabilities
       are cast to v's dtype for the value product, which accumulates in float32.
@@ -56,12 +59,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
       ValueError: an unknown layout.
     """
     scale = q.shape[-1] ** -0.5
-    scores = jnp.einsum(f"BTKGH,{_spec(k_layout)}->BKGTS", dot_operand(q), dot_operand(k),
-                        preferred_element_type=jnp.float32) * scale
+    scores = jnp.einsum(f"BTKGH,{_spec(k_layout)}->BKGTS", dot_operand(q, backend),
+                        dot_operand(k, backend), preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum(f"BKGTS,{_spec(v_layout, 'V')}->BTKGV",
-                     dot_operand(probs.astype(v.dtype)), dot_operand(v),
+                     dot_operand(probs.astype(v.dtype), backend), dot_operand(v, backend),
                      preferred_element_type=jnp.float32)
     return out.astype(v.dtype)
 
@@ -129,10 +132,12 @@ class Attention(nn.Module):
           cached: this layer's cache before the chunk, {'k': [B, K, S, H], 'v': ...} in
             the layouts of ``cfg.cache_layout`` (S and H swapped for 'BKHS'), or None for
             a cache-free causal forward over the T tokens.
-          cached_positions: [S] int32 slot positions before the chunk (-1: empty).
+          cached_positions: [B, S] int32 slot positions of each row before the chunk
+            (-1: empty).
         Returns:
-          (out [B, T, D], {'k': [B, K, T, H], 'v': [B, K, T, H]} in the cache dtype and
-          the cache layouts: T and H swapped for 'BKHS').
+          (out [B, T, D], the chunk's entries in the cache's representation
+          (:func:`kvjax.cache.encode`): {'k': [B, K, T, H], 'v': [B, K, T, H]} in the
+          cache layouts, T and H swapped for 'BKHS').
         """
         c = self.cfg
         dt = c.jnp_dtype
@@ -146,27 +151,30 @@ class Attention(nn.Module):
         vv = jnp.swapaxes(vv, 1, 2)
 
         k_layout, v_layout = c.cache_layout("k"), c.cache_layout("v")
+        new = cache_lib.encode(c, {"k": cache_lib.to_layout(kk, c, "k"),
+                                   "v": cache_lib.to_layout(vv, c, "v")})
         if cached is None:
-            out = attend(q, kk, vv, cache_lib.attention_mask(positions, positions, c))
-            kk, vv = cache_lib.to_layout(kk, c, "k"), cache_lib.to_layout(vv, c, "v")
+            out = attend(q, kk, vv, cache_lib.attention_mask(positions, positions, c),
+                         backend=c.backend)
         else:
             # Attend over (old slots ++ this chunk); the caller writes afterwards. Reading
             # before writing keeps the in-place update copy-free, and in a ring buffer the
-            # chunk's writes may evict keys that its earlier queries still see.
-            k_old, v_old = cached["k"], cached["v"]
-            kk = cache_lib.to_layout(kk.astype(k_old.dtype), c, "k")
-            vv = cache_lib.to_layout(vv.astype(v_old.dtype), c, "v")
+            # chunk's writes may evict keys that its earlier queries still see. The chunk
+            # attends to its own entries as the cache will hold them.
+            k_old, v_old = cache_lib.read(c, cached, "k"), cache_lib.read(c, cached, "v")
+            k_cur, v_cur = cache_lib.read(c, new, "k"), cache_lib.read(c, new, "v")
             mask_old = cache_lib.attention_mask(positions, cached_positions, c)
             if t == 1:
-                out = attend_step(q, k_old, v_old, mask_old, kk, vv, k_layout, v_layout)
+                out = attend_step(q, k_old, v_old, mask_old, k_cur, v_cur,
+                                  k_layout, v_layout)
             else:
                 mask_new = cache_lib.attention_mask(positions, positions, c)
                 out = attend(q,
-                             jnp.concatenate([k_old, kk], axis=cache_lib.slot_axis(c, "k")),
-                             jnp.concatenate([v_old, vv], axis=cache_lib.slot_axis(c, "v")),
+                             jnp.concatenate([k_old, k_cur], axis=cache_lib.slot_axis(c, "k")),
+                             jnp.concatenate([v_old, v_cur], axis=cache_lib.slot_axis(c, "v")),
                              jnp.concatenate([mask_old, mask_new], axis=2),
-                             k_layout, v_layout)
+                             k_layout, v_layout, backend=c.backend)
 
         out = Einsum((n, h, c.d_model), "BTF,FD->BTD", dt, merge_in=2, name="o_proj")(
-            out.reshape(b, t, n, h))
-        return out, {"k": kk, "v": vv}
+            out.astype(dt).reshape(b, t, n, h))
+        return out, new

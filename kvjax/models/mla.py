@@ -213,9 +213,11 @@ class MLAttention(nn.Module):
           positions: [B, T] int32 absolute positions of the T tokens.
           cached: this layer's cache before the chunk, {'c_kv': [B, S, C],
             'k_rope': [B, S, R]}, or None for a cache-free causal forward over the T tokens.
-          cached_positions: [S] int32 slot positions before the chunk (-1: empty).
+          cached_positions: [B, S] int32 slot positions of each row before the chunk
+            (-1: empty).
         Returns:
-          (out [B, T, D], {'c_kv': [B, T, C], 'k_rope': [B, T, R]} in the cache dtype).
+          (out [B, T, D], {'c_kv': [B, T, C], 'k_rope': [B, T, R]} in the cache's
+          representation (:func:`kvjax.cache.encode`)).
         """
         c = self.cfg
         absorb = c.mla_absorb
@@ -224,6 +226,7 @@ class MLAttention(nn.Module):
         c_kv, k_rope = self.latents(x, positions)
         q_main = self._query_main(q_nope)
         w_uk, w_uv = self.w_uk(), self.w_uv()
+        new = cache_lib.encode(c, {"c_kv": c_kv, "k_rope": k_rope})
 
         if cached is None:
             out = attend_mla(q_main, q_rope, c_kv, k_rope,
@@ -232,8 +235,8 @@ class MLAttention(nn.Module):
         else:
             # Attend over (old slots ++ this chunk), reading the cache before the caller
             # writes the chunk (see attention.Attention).
-            c_old, kr_old = cached["c_kv"], cached["k_rope"]
-            c_kv, k_rope = c_kv.astype(c_old.dtype), k_rope.astype(kr_old.dtype)
+            c_old, kr_old = cache_lib.read(c, cached, "c_kv"), cache_lib.read(c, cached, "k_rope")
+            c_kv, k_rope = cache_lib.read(c, new, "c_kv"), cache_lib.read(c, new, "k_rope")
             mask_old = cache_lib.attention_mask(positions, cached_positions, c)
             if t == 1:
                 out = attend_mla_step(q_main, q_rope, c_old, kr_old, mask_old, c_kv, k_rope,
@@ -249,4 +252,4 @@ class MLAttention(nn.Module):
         out = out.astype(c.jnp_dtype)
         if absorb:  # latent output [B, T, N, C] -> per-head values [B, T, N, V]
             out = jnp.einsum("BTNC,NCV->BTNV", out, w_uv)
-        return self.wo(out), {"c_kv": c_kv, "k_rope": k_rope}
+        return self.wo(out), new

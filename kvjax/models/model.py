@@ -22,13 +22,11 @@ from kvjax import cache as cache_lib
 from kvjax.models.attention import Attention
 from kvjax.config import ModelConfig
 from kvjax.models.layers import MLP, Einsum, RMSNorm
+from kvjax.models.mla import MLAttention
 
 
 def _attention_cls(cfg: ModelConfig):
-    if cfg.is_mla:
-        from kvjax.models.mla import MLAttention  # noqa: PLC0415 (optional variant)
-        return MLAttention
-    return Attention
+    return MLAttention if cfg.is_mla else Attention
 
 
 class Block(nn.Module):
@@ -62,8 +60,8 @@ def _scan_body(block: Block, carry, positions):
     x, new = block(x, positions, cached, cached_positions)
     if cache is not None:
         cache = cache.replace(tensors={
-            n: cache_lib.write(cache.tensors[n], new[n], positions[0], cache.length,
-                               block.cfg, layer=layer, axis=cache_lib.slot_axis(block.cfg, n))
+            n: cache_lib.write(cache.tensors[n], new[n], positions, block.cfg, layer=layer,
+                               axis=cache_lib.slot_axis(block.cfg, n))
             for n in cache.tensors})
     return (x, cache, layer + 1), None
 
@@ -101,9 +99,8 @@ class DecoderLM(nn.Module):
                     x, positions, cached, None if cache is None else cache.positions)
                 if cache is not None:
                     for n in tensors:
-                        tensors[n][i] = cache_lib.write(
-                            tensors[n][i], new[n], positions[0], cache.length, c,
-                            axis=cache_lib.slot_axis(c, n))
+                        tensors[n][i] = cache_lib.write(tensors[n][i], new[n], positions, c,
+                                                        axis=cache_lib.slot_axis(c, n))
             new_cache = None if cache is None else cache.replace(
                 tensors={n: tuple(t) for n, t in tensors.items()})
 
@@ -117,14 +114,11 @@ class DecoderLM(nn.Module):
         if cache is None:
             return logits, None
         t = tokens.shape[1]
-        if c.window_size is None:
-            # Never a silent clamp: a write past the end poisons the logits with NaN.
-            # (The host-side entry points in decode.py raise before running.)
-            logits = jnp.where(cache.length + t > cache.num_slots, jnp.nan, logits)
-        new_cache = new_cache.replace(
-            positions=cache_lib.next_positions(cache, positions[0], c),
-            length=cache.length + t)
-        return logits, new_cache
+        # Never a silent clamp: a row whose write runs past a dense cache's end gets NaN
+        # logits (the host-side entry points in decode.py raise before running).
+        over = cache_lib.policy_for(c).overflows(cache.length, t, cache.num_slots)
+        logits = jnp.where(over[:, None, None], jnp.nan, logits)
+        return logits, cache_lib.advance(new_cache, positions, c)
 
 
 def _init_std(path: tuple, cfg: ModelConfig) -> float | None:
@@ -205,16 +199,42 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
         layout of ``cfg.scan_layers`` (see :func:`params_for`).
       cfg: the architecture.
       tokens: [B, T] int32 token ids.
-      positions: [B, T] int32 absolute positions. With a cache they must continue it:
-        positions[:, 0] == cache.length, consecutive, identical across rows.
+      positions: [B, T] int32 absolute positions. With a cache each row's must continue
+        that row's cache: positions[b] == cache.length[b] + arange(T). Rows may differ.
       cache: a cache from ``cache.init_cache`` or None for a cache-free causal forward.
     Returns:
-      (logits [B, T, V] float32, updated cache or None). A dense cache that would overflow
-      yields NaN logits (never a clamped write); ``decode.prefill``/``generate`` check
-      lengths on the host and raise before running.
+      (logits [B, T, V] float32, updated cache or None). A row of a dense cache that
+      would overflow yields NaN logits (never a clamped write); ``decode.prefill`` /
+      ``generate`` check lengths on the host and raise before running.
     Raises:
-      ValueError: the cache records key/value layouts other than ``cfg``'s.
+      ValueError: the cache records key/value layouts other than ``cfg``'s, or (checked
+        on the host when positions and the cache's lengths are concrete arrays, i.e.
+        outside jit) a row's positions do not continue its cache; the message names the
+        row.
     """
     if cache is not None:
         cache_lib.check_layouts(cache, cfg)
+        check_positions(positions, cache)
     return DecoderLM(cfg).apply({"params": params}, tokens, positions, cache)
+
+
+def check_positions(positions: jax.Array, cache: cache_lib.KVCache) -> None:
+    """Raises ValueError naming the first row whose ``positions`` [B, T] do not continue
+    its cache (``cache.length[b] + arange(T)``). Skipped for traced values (inside jit
+    the callers derive positions from ``cache.length``)."""
+    if isinstance(positions, jax.core.Tracer) or isinstance(cache.length, jax.core.Tracer):
+        return
+    pos = np.asarray(positions)
+    length = np.asarray(cache.length)
+    if pos.ndim != 2 or length.shape != (pos.shape[0],):
+        raise ValueError(
+            f"positions of shape {pos.shape} for a cache of lengths {length.shape}; "
+            f"allowed: [B, T] with B = {length.shape[0] if length.ndim else '?'}")
+    want = length[:, None] + np.arange(pos.shape[1])
+    bad = np.nonzero((pos != want).any(axis=1))[0]
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(
+            f"positions of row {b} are {pos[b, :4].tolist()}... but that row's cache holds "
+            f"{int(length[b])} tokens; allowed: positions {int(length[b])}, "
+            f"{int(length[b]) + 1}, ... (each row continues its own cache)")

@@ -94,7 +94,7 @@ def _token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def _chunk_nll(params, tokens, targets, cache, *, cfg):
     b, t = tokens.shape
-    positions = jnp.broadcast_to(cache.length + jnp.arange(t, dtype=jnp.int32), (b, t))
+    positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     logits, cache = model_lib.forward(params, cfg, tokens, positions, cache)
     return _token_nll(logits, targets), cache
 

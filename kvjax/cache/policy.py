@@ -1,0 +1,143 @@
+"""Slot policies: which cache slot holds which token, and which keys a query sees.
+
+A cache policy owns everything that depends on the cache *kind* (docs/DESIGN.md, "The
+cache contract"): the slot count for a given ``max_seq_len``, the slot of an absolute
+position, which tokens of a chunk survive the write, whether a chunk fits, how long the
+generate loop's token buffer must be, and the attention mask. No other module branches
+on ``window_size`` for cache mechanics; they ask :func:`policy_for`.
+
+* :class:`DenseSlots`: full attention; position p lives in slot p, S = max_seq_len.
+* :class:`RingSlots`: a sliding window of W slots (lever 3 of the blog) with s attention
+  sinks (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks"):
+  p < s lives in slot p, p >= s in slot s + (p - s) mod (W - s). A query at q sees the
+  sinks and the last W - s positions (q - k < W - s); without sinks, the last W.
+
+A paged policy (block tables) would be a third class with the same methods.
+
+All array methods are traceable (jnp); ``check_room`` and ``buffer_len`` run on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class CacheOverflowError(ValueError):
+    """A prefill or generation would write past the end of a dense cache."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseSlots:
+    """Full attention: one slot per position, S = max_seq_len."""
+
+    kind = "dense"
+
+    def num_slots(self, max_seq_len: int) -> int:
+        """S for a cache of ``max_seq_len`` tokens."""
+        return max_seq_len
+
+    def slot_of(self, position: jax.Array, num_slots: int) -> jax.Array:
+        """Slot of absolute ``position`` (int32, any shape): the position itself."""
+        del num_slots
+        return position
+
+    def write_slots(self, chunk_positions: jax.Array, num_slots: int) -> jax.Array:
+        """[..., T] int32 slot of each chunk token; ``num_slots`` (out of range: the write
+        drops it) past the end. Never clamped: ``overflows`` poisons such a step."""
+        return jnp.where(chunk_positions < num_slots, chunk_positions, num_slots)
+
+    def overflows(self, length: jax.Array, new_tokens: int, num_slots: int) -> jax.Array:
+        """[B] bool: the chunk would run past the last slot."""
+        return length + new_tokens > num_slots
+
+    def visible(self, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
+        """[B, T, S] bool from q_positions [B, T] and k_positions [S] or [B, S]: key slot
+        filled (k >= 0) and causal (k <= q)."""
+        q, k = _broadcast(q_positions, k_positions)
+        return (k >= 0) & (k <= q)
+
+    def check_room(self, lengths, new_tokens: int, num_slots: int, what: str) -> None:
+        """Raises CacheOverflowError unless every row has room for ``new_tokens`` more.
+
+        ``lengths``: tokens already cached per row (host ints or a [B] array).
+        """
+        lengths = np.atleast_1d(np.asarray(lengths))
+        worst = int(lengths.argmax())
+        length = int(lengths[worst])
+        if length + new_tokens > num_slots:
+            row = f" (row {worst})" if lengths.size > 1 else ""
+            raise CacheOverflowError(
+                f"{what}: {new_tokens} tokens after {length} cached ones{row} need "
+                f"{length + new_tokens} slots but the cache holds max_seq_len={num_slots}; "
+                f"allowed: at most {num_slots - length} more tokens (raise max_seq_len)")
+
+    def buffer_len(self, num_slots: int, num_steps: int) -> int:
+        """Token buffer of the generate loop: no more than ``num_slots`` steps fit."""
+        del num_steps
+        return num_slots
+
+
+@dataclasses.dataclass(frozen=True)
+class RingSlots:
+    """A window of W = ``window_size`` slots, the first ``num_sink_tokens`` of them sinks."""
+
+    window_size: int
+    num_sink_tokens: int = 0
+    kind = "ring"
+
+    def num_slots(self, max_seq_len: int) -> int:
+        """S = W whatever ``max_seq_len`` is: the cache is constant in t."""
+        del max_seq_len
+        return self.window_size
+
+    def slot_of(self, position: jax.Array, num_slots: int) -> jax.Array:
+        """p if p < s else s + (p - s) mod (S - s)."""
+        s = self.num_sink_tokens
+        return jnp.where(position < s, position, s + (position - s) % (num_slots - s))
+
+    def write_slots(self, chunk_positions: jax.Array, num_slots: int) -> jax.Array:
+        """[..., T] int32 ring slot of each chunk token, or ``num_slots`` (dropped) for a
+        token that a later token of the same chunk overwrites: only the last S - s ring
+        tokens of a chunk survive; sink tokens always do. ``chunk_positions`` are
+        consecutive along the last axis."""
+        slots = self.slot_of(chunk_positions, num_slots)
+        ring = num_slots - self.num_sink_tokens
+        keep = ((chunk_positions < self.num_sink_tokens)
+                | (chunk_positions > chunk_positions[..., -1:] - ring))
+        return jnp.where(keep, slots, num_slots)
+
+    def overflows(self, length: jax.Array, new_tokens: int, num_slots: int) -> jax.Array:
+        """A ring never fills."""
+        del new_tokens, num_slots
+        return jnp.zeros(jnp.shape(length), bool)
+
+    def visible(self, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
+        """[B, T, S] bool: filled, causal and inside the window or a sink."""
+        q, k = _broadcast(q_positions, k_positions)
+        s = self.num_sink_tokens
+        return (k >= 0) & (k <= q) & ((q - k < self.window_size - s) | (k < s))
+
+    def check_room(self, lengths, new_tokens: int, num_slots: int, what: str) -> None:
+        """A ring never fills: any length fits."""
+
+    def buffer_len(self, num_slots: int, num_steps: int) -> int:
+        """A ring never fills, so the generate loop's buffer must hold the steps: the next
+        power of two >= ``num_steps`` (at least ``num_slots``), so few lengths compile."""
+        return max(num_slots, 1 << max(0, int(num_steps) - 1).bit_length())
+
+
+def policy_for(cfg) -> DenseSlots | RingSlots:
+    """The slot policy of a :class:`kvjax.config.ModelConfig` (window_size, sinks)."""
+    if cfg.window_size:
+        return RingSlots(cfg.window_size, cfg.num_sink_tokens)
+    return DenseSlots()
+
+
+def _broadcast(q_positions: jax.Array, k_positions: jax.Array):
+    q = q_positions[:, :, None]
+    k = k_positions[None, None, :] if k_positions.ndim == 1 else k_positions[:, None, :]
+    return q, k
