@@ -18,7 +18,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from kvjax import cache as cache_lib
-from kvjax.analysis import costs, theory
+from kvjax.analysis import report as report_lib
+from kvjax.analysis import theory
 from kvjax.inference import runner
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
@@ -29,44 +30,91 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results as JSON her
 
 
 def report(result: runner.DecodeResult) -> str:
-    """The human-readable report of one run."""
-    s = result.step
+    """The human-readable report of one run: the generate loop's figures first (the
+    program that decodes), the single step second, then the prefill."""
+    c = result.costs
+    loop, s = c.loop, c.step
     cfg = s.cfg
     per_token = theory.kv_bytes_per_token(cfg) * s.batch
+    policy = cache_lib.policy_for(cfg)
     lines = [
         f"model: {cfg.name}  attention={cfg.attention}  N={cfg.num_heads} "
         f"K={cfg.num_kv_heads}  L={cfg.num_layers}  D={cfg.d_model}  dtype={cfg.dtype}  "
-        f"window={cfg.window_size}  scan_layers={cfg.scan_layers}" + (
+        f"kv_dtype={cfg.kv_dtype or cfg.dtype}  window={cfg.window_size}  "
+        f"scan_layers={cfg.scan_layers}  backend={cfg.backend}" + (
             "" if cfg.is_mla else
             f"  cache layout: k {cfg.cache_layout('k')}, v {cfg.cache_layout('v')}"),
         "",
-        f"prompt: {result.prompt!r}",
+        f"prompt: {_short(result.prompt)}",
         f"generated: {result.generated_text!r}",
         "",
         f"prompt tokens {result.prompt_tokens}, new tokens {result.new_tokens}; "
         f"compile {result.compile_seconds:.2f} s",
         f"prefill {result.prefill_tokens_per_s:,.1f} tokens/s; time to first token "
         f"{result.time_to_first_token_s * 1e3:.1f} ms; decode "
-        f"{result.decode_tokens_per_s:,.2f} tokens/s",
+        f"{result.decode_tokens_per_s:,.2f} tokens/s (one call of the compiled loop, "
+        f"{result.loop_steps} steps x B={s.batch})",
         f"KV cache: {result.kv_cache_bytes:,} bytes allocated "
         f"(theory {result.kv_cache_bytes_theory:,} = {per_token:,} B/token x "
         f"{result.kv_cache_bytes_theory // per_token:,} slots)",
         "",
-        f"one decode step at context {s.context} (cache of "
+        f"the generate loop, per generated token, at context {s.context} (cache of "
         f"{cache_lib.num_slots(cfg, s.context)} slots"
-        + ("" if cfg.window_size is None else
+        + ("" if policy.kind == "dense" else
            f": a ring of W={cfg.window_size}, {cfg.num_sink_tokens} sinks, reading "
            f"{theory.tokens_held(cfg, s.context)} keys") + "):",
-        costs.cost_table(s, result.step_seconds_median),
+        report_lib.cost_table(loop, c.loop_seconds_per_token),
+        f"(measured inside the loop: {c.loop_timing['steps'][1]} minus "
+        f"{c.loop_timing['steps'][0]} steps, so the call's fixed cost of "
+        f"{c.loop_timing['call_overhead_s'] * 1e3:.1f} ms cancels)",
+        _loop_memory(loop),
         "",
-        "where the step's compiled bytes go:",
-        costs.attribution_table(s),
+        "where the loop's compiled bytes per token go:",
+        report_lib.attribution_table(loop),
+        "",
+        "one decode step compiled on its own and called from Python (second view):",
+        report_lib.cost_table(s, c.step_seconds_median),
+        _why_they_differ(c),
         "",
         f"the prefill of {result.prompt_tokens} tokens (matrix-matrix; theory counts causal "
         "attention, kvjax attends over all cache slots, masked):",
-        costs.cost_table(result.prefill_cost, result.prefill_seconds),
+        report_lib.cost_table(c.prefill, result.prefill_seconds),
     ]
     return "\n".join(lines)
+
+
+def _short(text: str, limit: int = 200) -> str:
+    """A prompt for the screen: repr, cut to ``limit`` characters with the count."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text):,} characters)"
+
+
+def _loop_memory(loop) -> str:
+    m = loop.memory
+    return ("loop program memory (memory_analysis, bytes): "
+            + ", ".join(f"{k.replace('_bytes', '')} {m[k]:,.0f}" for k in
+                        ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes")
+                        if m.get(k) is not None))
+
+
+def _why_they_differ(c) -> str:
+    """One line on why the loop's and the single step's figures differ, when they do."""
+    loop, s = c.loop, c.step
+    reasons = []
+    byte_ratio = s.xla.bytes / loop.xla.bytes
+    if abs(byte_ratio - 1) > 0.02:
+        reasons.append(
+            f"the single step's compiled bytes are {byte_ratio:.2f}x the loop's per token: "
+            f"the loop does {loop.once_per_call['bytes']:,.0f} bytes of loop-invariant work "
+            "once per call (e.g. weights widened to float32 before the loop) that the "
+            "single step repeats every call")
+    time_ratio = c.step_seconds_median / c.loop_seconds_per_token
+    if abs(time_ratio - 1) > 0.10:
+        reasons.append(f"the single step takes {time_ratio:.2f}x the loop's time per token "
+                       "(its own compiled program, dispatched from Python every step)")
+    return ("loop vs single step: " + "; ".join(reasons)) if reasons else \
+        "loop vs single step: same bytes (within 2%) and time (within 10%)"
 
 
 def main(argv):

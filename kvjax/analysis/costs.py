@@ -52,6 +52,10 @@ class StepCost:
       attribution: XLA's bytes/FLOPs split into KV reads/writes, weights, copies, other
         (None if not requested).
       jaxpr: the loop-corrected jaxpr-level cost (None if not requested).
+      once_per_call: for a per-token view of the generate loop (:func:`analyze_loop`):
+        the FLOP and bytes the program spends once per call, outside the loop body
+        (e.g. weights widened to float32 before the loop), with their attribution
+        parts; not included in the per-token figures. None otherwise.
     """
 
     name: str
@@ -66,6 +70,7 @@ class StepCost:
     cache_bytes: int
     attribution: hlo_cost.Attribution | None = None
     jaxpr: roofline.JaxprCost | None = None
+    once_per_call: dict | None = None
 
     @property
     def flops_ratio(self) -> float:
@@ -77,26 +82,62 @@ class StepCost:
         """XLA (loop-corrected) bytes accessed / theory bytes."""
         return self.xla.bytes / self.theory_bytes
 
-    def as_dict(self) -> dict:
-        return {
-            "name": self.name, "model": self.cfg.name, "attention": self.cfg.attention,
-            "num_kv_heads": self.cfg.num_kv_heads, "window_size": self.cfg.window_size,
-            "mla_absorb": self.cfg.mla_absorb if self.cfg.is_mla else None,
-            "scan_layers": self.cfg.scan_layers,
-            "kv_layout": None if self.cfg.is_mla else
-            f"k {self.cfg.cache_layout('k')}, v {self.cfg.cache_layout('v')}",
-            "dtype": self.cfg.dtype, "batch": self.batch, "context": self.context,
-            "theory_flops": self.theory_flops, "theory_bytes": self.theory_bytes,
-            "xla_flops": self.xla.flops, "xla_bytes": self.xla.bytes,
-            "xla_raw_flops": self.xla.raw_flops, "xla_raw_bytes": self.xla.raw_bytes,
-            "flops_ratio": self.flops_ratio, "bytes_ratio": self.bytes_ratio,
-            "xla_complete": self.xla.complete,
-            "xla_custom_calls": list(self.xla.custom_calls),
-            "xla_uncosted_bytes": self.xla.uncosted_bytes, "memory": self.memory,
-            "theory_parts": self.theory_parts, "cache_bytes": self.cache_bytes,
-            "attribution": None if self.attribution is None else self.attribution.as_dict(),
-            "jaxpr": None if self.jaxpr is None else self.jaxpr.as_dict(),
+    def as_dict(self, seconds: float | None = None, nested: bool = True) -> dict:
+        """The one serialisation of a program's cost (JSON files, CSV rows, reports).
+
+        Flat keys: what was compiled (model, variant, attention, num_kv_heads, window /
+        window_size, num_sink_tokens, mla_absorb, scan_layers, kv_layout, dtype, kv_dtype,
+        backend, batch, context, name); theory_* (bytes, FLOP and the byte terms
+        weights / kv_read / kv_write); jaxpr_* (dots only, loop-corrected); xla_* (loop-
+        corrected and raw, plus the attribution's byte parts ``xla_<part>``); ratios;
+        memory figures (alias_bytes, temp_bytes); cache_bytes; measured_s and achieved
+        bytes/s of theory and XLA bytes when ``seconds`` (per program run) is given.
+        ``nested`` adds the structured parts: memory, theory_parts, attribution, jaxpr.
+        """
+        c = self.cfg
+        variant = c.attention + ("" if not c.is_mla else
+                                 "-absorbed" if c.mla_absorb else "-naive")
+        nan = float("nan")
+        tb = self.theory_parts.get("bytes", {})
+        row = {
+            "name": self.name, "model": c.name, "variant": variant,
+            "attention": c.attention, "num_kv_heads": c.num_kv_heads,
+            "window": c.window_size, "window_size": c.window_size,
+            "num_sink_tokens": c.num_sink_tokens,
+            "mla_absorb": c.mla_absorb if c.is_mla else None,
+            "scan_layers": c.scan_layers,
+            "kv_layout": None if c.is_mla else
+            f"k {c.cache_layout('k')}, v {c.cache_layout('v')}",
+            "dtype": c.dtype, "kv_dtype": c.kv_dtype or c.dtype, "backend": c.backend,
+            "batch": self.batch, "context": self.context,
+            "theory_bytes": self.theory_bytes, "theory_flops": self.theory_flops,
+            "theory_weights": tb.get("weights"), "theory_kv_read": tb.get("kv_read"),
+            "theory_kv_write": tb.get("kv_write"),
+            "jaxpr_bytes": self.jaxpr.hbm_bytes if self.jaxpr else nan,
+            "jaxpr_flops": self.jaxpr.flops if self.jaxpr else nan,
+            "jaxpr_unfused_bytes": self.jaxpr.unfused_hbm_bytes if self.jaxpr else nan,
+            "xla_bytes": self.xla.bytes, "xla_flops": self.xla.flops,
+            "xla_raw_bytes": self.xla.raw_bytes, "xla_raw_flops": self.xla.raw_flops,
+            "xla_complete": self.xla.complete, "xla_uncosted_bytes": self.xla.uncosted_bytes,
+            "bytes_ratio": self.bytes_ratio, "flops_ratio": self.flops_ratio,
+            "alias_bytes": self.memory.get("alias_bytes"),
+            "temp_bytes": self.memory.get("temp_bytes"), "cache_bytes": self.cache_bytes,
+            "measured_s": nan if seconds is None else seconds,
+            "theory_bytes_per_s": nan if not seconds else self.theory_bytes / seconds,
+            "xla_bytes_per_s": nan if not seconds else self.xla.bytes / seconds,
         }
+        if self.attribution is not None:
+            row.update({f"xla_{k}": v for k, v in self.attribution.bytes.items()})
+        if self.once_per_call is not None:
+            row["once_per_call_bytes"] = self.once_per_call["bytes"]
+            row["once_per_call_flops"] = self.once_per_call["flops"]
+        if nested:
+            row.update({
+                "xla_custom_calls": list(self.xla.custom_calls), "memory": self.memory,
+                "theory_parts": self.theory_parts,
+                "attribution": None if self.attribution is None else self.attribution.as_dict(),
+                "jaxpr": None if self.jaxpr is None else self.jaxpr.as_dict()})
+        return row
 
 
 def _token_spec(batch: int):
@@ -218,6 +259,103 @@ def analyze_generate(cfg: ModelConfig, context: int, num_steps: int, batch: int 
         attribution=None if ops is None else hlo_cost.attribute(ops), jaxpr=jc)
 
 
+def analyze_loop(cfg: ModelConfig, context: int, batch: int = 1, compiled=None,
+                 attribute: bool = True, sampling: SamplingConfig = SamplingConfig(),
+                 num_steps: int = 16) -> StepCost:
+    """The generate loop's cost **per generated token**, and what it spends once per call.
+
+    XLA's figures for the loop are affine in its trip count n: C(n) = once + n·per_token
+    (the body runs n times; the rest of the program, such as weights widened to float32
+    before the loop because the conversion is loop-invariant, runs once). Both terms
+    come from two loop-corrected analyses of the same compiled program, at n and 2n:
+    per_token = (C(2n) - C(n)) / n, once = C(n) - n·per_token; the attribution is split
+    the same way, part by part. Theory is one decode step at ``context``
+    (:func:`kvjax.analysis.theory.step_bytes`). ``compiled``, if given, must be
+    :func:`compile_generate`'s program for ``sampling``; the memory figures
+    (``memory_analysis``: argument, output, alias, temp bytes) are the loop program's,
+    so a hoisted weight copy shows in its temp bytes.
+    """
+    compiled = compiled or compile_generate(
+        cfg, batch, context, sampling, compiler_options=analysis_compiler_options())
+    n = num_steps
+    a = hlo_cost.loop_aware_cost(compiled, default_trip_count=n)
+    b = hlo_cost.loop_aware_cost(compiled, default_trip_count=2 * n)
+    tok_f, tok_b = (b.flops - a.flops) / n, (b.bytes - a.bytes) / n
+    xla = dataclasses.replace(a, flops=tok_f, bytes=tok_b,
+                              uncosted_bytes=(b.uncosted_bytes - a.uncosted_bytes) / n)
+    once = {"flops": a.flops - n * tok_f, "bytes": a.bytes - n * tok_b, "parts": {}}
+    attribution = None
+    if attribute:
+        att_a = hlo_cost.attribute(hlo_cost.op_costs(compiled, default_trip_count=n))
+        att_b = hlo_cost.attribute(hlo_cost.op_costs(compiled, default_trip_count=2 * n))
+        per = {k: (att_b.bytes[k] - att_a.bytes[k]) / n for k in att_a.bytes}
+        once["parts"] = {k: att_a.bytes[k] - n * per[k] for k in per}
+        attribution = dataclasses.replace(
+            att_a, bytes=per,
+            flops={k: (att_b.flops[k] - att_a.flops[k]) / n for k in att_a.flops},
+            total_bytes=(att_b.total_bytes - att_a.total_bytes) / n,
+            total_flops=(att_b.total_flops - att_a.total_flops) / n,
+            uncosted_bytes=(att_b.uncosted_bytes - att_a.uncosted_bytes) / n,
+            uncosted={k: (att_b.uncosted[k] - att_a.uncosted[k]) / n for k in att_a.uncosted})
+    sb = theory.step_bytes(cfg, context, batch)
+    sf = theory.step_flops(cfg, context, batch)
+    _, cache = _specs(cfg, batch, context)
+    return StepCost(
+        name="generated token", cfg=cfg, batch=batch, context=context, xla=xla,
+        memory=hlo_cost.memory_stats(compiled), theory_flops=float(sf.total),
+        theory_bytes=float(sb.total),
+        theory_parts={"bytes": sb.as_dict(), "flops": sf.as_dict()},
+        cache_bytes=cache_lib.cache_bytes(cache), attribution=attribution,
+        once_per_call=once)
+
+
+def measure_loop_seconds(cfg: ModelConfig, params, context: int, batch: int = 1,
+                         compiled=None, sampling: SamplingConfig = SamplingConfig(),
+                         steps: tuple[int, int] = (4, 20), repeats: int = 3) -> dict:
+    """Seconds per generated token of the compiled generate loop itself, at ``context``.
+
+    The loop runs n1 and n2 steps (interleaved, ``repeats`` times each) over a cache of
+    ``context`` slots holding context - n2 - 1 tokens, so every step reads the same slots
+    (a dense cache is read in full, masked; a ring holds W); no row stops (no EOS). The
+    fixed cost of a call (entering the loop, hoisted conversions, the Python dispatch)
+    cancels in per_token_s = (median t(n2) - median t(n1)) / (n2 - n1).
+
+    Returns:
+      {'per_token_s', 'steps': (n1, n2), 'seconds': {n1: [...], n2: [...]},
+      'call_overhead_s': median t(n1) - n1·per_token_s}; per_token_s is nan when the
+      context leaves no room for 2 steps.
+    """
+    n2 = min(steps[1], context - 1)
+    n1 = min(steps[0], n2 // 2)
+    if n2 - n1 < 1:
+        return {"per_token_s": float("nan"), "steps": (n1, n2), "seconds": {},
+                "call_overhead_s": float("nan")}
+    cache = full_cache(cfg, batch, context - n2)
+    if cache_lib.num_slots(cfg, context) != cache.num_slots:
+        # dense: a cache of ``context`` slots holding the same tokens
+        big = cache_lib.init_cache(cfg, batch, context)
+        pos = big.positions.at[:, :cache.num_slots].set(cache.positions)
+        cache = big.replace(positions=pos, length=cache.length)
+    pos0, len0 = np.asarray(cache.positions), np.asarray(cache.length)
+    compiled = compiled or compile_generate(cfg, batch, context, sampling)
+    first = jnp.zeros((batch,), jnp.int32)
+    rng = jax.random.key(0)
+    seconds: dict[int, list[float]] = {n1: [], n2: []}
+    for i in range(repeats + 1):
+        for n in (n1, n2):
+            start = time.perf_counter()
+            buf, _, cache = compiled(params, first, cache, jnp.int32(n), rng, jnp.int32(-1))
+            buf.block_until_ready()
+            elapsed = time.perf_counter() - start
+            cache = cache.replace(positions=jnp.asarray(pos0), length=jnp.asarray(len0))
+            if i:  # the first round warms up
+                seconds[n].append(elapsed)
+    t1, t2 = np.median(seconds[n1]), np.median(seconds[n2])
+    per = float((t2 - t1) / (n2 - n1))
+    return {"per_token_s": per, "steps": (n1, n2), "seconds": seconds,
+            "call_overhead_s": float(t1 - n1 * per)}
+
+
 def analyze_prefill(cfg: ModelConfig, prompt_len: int, max_seq_len: int,
                     batch: int = 1, compiled=None) -> StepCost:
     """Theory and loop-corrected XLA cost of the prefill. Theory bytes: all weights once,
@@ -297,128 +435,12 @@ def measure_decode_step(cfg: ModelConfig, context: int, batch: int = 1, repeats:
                                 warmup=2, budget_s=budget_s, before_step=before_step)
 
 
-def format_table(rows: list[tuple], headers: tuple) -> str:
-    """Plain-text table with right-aligned numeric columns."""
-    cells = [[_fmt(c) for c in r] for r in rows]
-    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    line = "  ".join(str(h).rjust(w) for h, w in zip(headers, widths))
-    out = [line, "-" * len(line)]
-    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
-    return "\n".join(out)
-
-
-def _fmt(x) -> str:
-    if isinstance(x, float):
-        if x != x:
-            return "nan"
-        if abs(x) >= 1e3:
-            return f"{x:,.0f}"
-        return f"{x:.3g}"
-    if isinstance(x, (int, np.integer)):
-        return f"{x:,}"
-    return str(x)
-
-
-def cost_table(step: StepCost, measured_seconds: float | None = None) -> str:
-    """Theory | jaxpr | XLA | ratio rows for FLOP and bytes (and measured time if given).
-
-    The jaxpr column (when computed) counts dots only: their FLOP, and their operands'
-    and outputs' bytes.
-    """
-    jf = step.jaxpr.flops if step.jaxpr else float("nan")
-    jb = step.jaxpr.hbm_bytes if step.jaxpr else float("nan")
-    rows = [
-        ("FLOP", step.theory_flops, jf, step.xla.flops, step.xla.raw_flops,
-         step.flops_ratio),
-        ("bytes", step.theory_bytes, jb, step.xla.bytes, step.xla.raw_bytes,
-         step.bytes_ratio),
-    ]
-    text = format_table(rows, ("per " + step.name, "theory", "jaxpr (dots)",
-                               "XLA (loop-corrected)", "XLA raw", "XLA/theory"))
-    if measured_seconds:
-        text += (f"\nmeasured: {measured_seconds * 1e3:.3f} ms per {step.name} -> "
-                 f"{step.theory_bytes / measured_seconds / 1e9:.2f} GB/s of theory bytes, "
-                 f"{step.xla.bytes / measured_seconds / 1e9:.2f} GB/s of XLA bytes")
-    if not step.xla.complete:
-        text += ("\nwarning: XLA's figure is incomplete (custom calls "
-                 f"{list(step.xla.custom_calls)}, >= {step.xla.uncosted_bytes:,.0f} bytes "
-                 "uncosted, or loops of unknown trip count)")
-    return text
-
-
-def attribution_rows(step: StepCost) -> list[tuple[str, float, float]]:
-    """(part, theory bytes, XLA bytes) for weights, kv_read, kv_write, kv_copies,
-    weight_copies, other and the total; theory has no copies and no 'other'
-    (activations, logits), so those rows are 0 there."""
-    if step.attribution is None:
-        raise ValueError("analyze the step with attribute=True")
-    tb = step.theory_parts["bytes"]
-    xb = step.attribution.bytes
-    rows = [(part, float(tb.get(part, 0)), xb[part]) for part in
-            ("weights", "kv_read", "kv_write", "kv_copies", "weight_copies", "other")]
-    rows.append(("total", step.theory_bytes, step.attribution.total_bytes))
-    return rows
-
-
-def attribution_table(step: StepCost) -> str:
-    """Compiled bytes of a step split by what they touch, each beside its theory term.
-
-    Ops XLA cannot cost (custom calls: cuBLAS GEMMs on GPU) get a column of their own,
-    their operand + output bytes (a lower bound), split into the same parts.
-    """
-    a = step.attribution
-    rows = [(p, t, x, x / t if t else float("nan"), x / a.total_bytes)
-            for p, t, x in attribution_rows(step)]
-    headers = (f"bytes of {step.name} @ t={step.context}", "theory", "XLA", "XLA/theory",
-               "share of XLA")
-    if a.num_uncosted_ops:
-        unc = [a.uncosted.get(p, 0.0) for p, *_ in rows[:-1]] + [a.uncosted_bytes]
-        rows = [r + (u,) for r, u in zip(rows, unc)]
-        headers += ("uncosted (>=)",)
-    text = format_table(rows, headers)
-    f = step.theory_parts["flops"]
-    text += ("\nFLOP: XLA on the cache (attention) "
-             f"{a.flops['kv']:,.0f} vs theory attn {f.get('attn', 0) + f.get('kv_rebuild', 0):,}; "
-             f"on weights {a.flops['weights']:,.0f} vs theory proj+mlp+lm_head "
-             f"{f.get('proj', 0) + f.get('mlp', 0) + f.get('lm_head', 0):,}; "
-             f"other {a.flops['other']:,.0f}")
-    if a.num_uncosted_ops:
-        text += (f"\n{a.num_uncosted_ops} custom-call executions XLA cannot cost: "
-                 f">= {a.uncosted_bytes:,.0f} bytes, FLOPs unknown, not in the XLA column")
-    return text
-
-
 def views(step: StepCost, seconds: float | None = None) -> dict:
-    """The four views of one step as a flat dict (one table/CSV row).
+    """The four views of one step as a flat dict (one table/CSV row):
+    ``step.as_dict(seconds, nested=False)``."""
+    return step.as_dict(seconds, nested=False)
 
-    theory_*: the blog; jaxpr_*: jax.experimental.roofline, loop-corrected (dots only);
-    xla_*: compiled, loop-corrected, with the attribution's parts (xla_kv_read, ...);
-    measured_s and the achieved bandwidth of theory and XLA bytes (bytes/s).
-    """
-    c = step.cfg
-    variant = c.attention + ("" if not c.is_mla else
-                             "-absorbed" if c.mla_absorb else "-naive")
-    row = {
-        "model": c.name, "variant": variant, "num_kv_heads": c.num_kv_heads,
-        "window": c.window_size, "dtype": c.dtype, "scan_layers": c.scan_layers,
-        "context": step.context, "batch": step.batch,
-        "theory_bytes": step.theory_bytes, "theory_flops": step.theory_flops,
-        "theory_weights": step.theory_parts["bytes"]["weights"],
-        "theory_kv_read": step.theory_parts["bytes"]["kv_read"],
-        "theory_kv_write": step.theory_parts["bytes"]["kv_write"],
-        "jaxpr_bytes": step.jaxpr.hbm_bytes if step.jaxpr else float("nan"),
-        "jaxpr_flops": step.jaxpr.flops if step.jaxpr else float("nan"),
-        "jaxpr_unfused_bytes": step.jaxpr.unfused_hbm_bytes if step.jaxpr else float("nan"),
-        "xla_bytes": step.xla.bytes, "xla_flops": step.xla.flops,
-        "xla_raw_bytes": step.xla.raw_bytes, "xla_raw_flops": step.xla.raw_flops,
-        "xla_complete": step.xla.complete, "xla_uncosted_bytes": step.xla.uncosted_bytes,
-        "bytes_ratio": step.bytes_ratio, "flops_ratio": step.flops_ratio,
-        "alias_bytes": step.memory.get("alias_bytes"),
-        "temp_bytes": step.memory.get("temp_bytes"), "cache_bytes": step.cache_bytes,
-        "measured_s": float("nan") if seconds is None else seconds,
-        "theory_bytes_per_s": float("nan") if not seconds else step.theory_bytes / seconds,
-        "xla_bytes_per_s": float("nan") if not seconds else step.xla.bytes / seconds,
-    }
-    if step.attribution is not None:
-        row.update({f"xla_{k}": v for k, v in step.attribution.bytes.items()})
-    return row
+
+# Formatting moved to kvjax.analysis.report; the old names stay importable from here.
+from kvjax.analysis.report import (  # noqa: E402,F401
+    attribution_rows, attribution_table, cost_table, format_table)

@@ -69,54 +69,55 @@ def load(run: RunConfig, progress: bool = True) -> LoadedModel:
 
 
 @dataclasses.dataclass
-class DecodeResult:
-    """What one decode run produced and cost. Times in seconds, rates in tokens/s."""
+class Generation:
+    """What decoding one prompt produced. Times in seconds, rates in tokens/s.
+
+    decode_tokens_per_s: (steps the loop ran x B) / decode_seconds, where decode_seconds
+    is one call of the compiled generate loop (its fixed cost included).
+    """
 
     prompt: str
     generated_text: str
     prompt_tokens: int
     new_tokens: int
     generated_ids: list
+    compile_seconds: float
     prefill_seconds: float
     time_to_first_token_s: float
     decode_seconds: float
-    compile_seconds: float
+    loop_steps: int
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     kv_cache_bytes: int
     kv_cache_bytes_theory: int
+    prefill_compiled: object = dataclasses.field(default=None, repr=False)
+    generate_compiled: object = dataclasses.field(default=None, repr=False)
+
+
+@dataclasses.dataclass
+class CostReport:
+    """The cost hook's figures for a run, the program that decodes first.
+
+    loop: the compiled generate loop per generated token (:func:`costs.analyze_loop`);
+    loop_seconds_per_token: its measured time per token (:func:`costs.measure_loop_seconds`,
+      the difference of two loop lengths, so the call's fixed cost cancels);
+    loop_timing: that measurement's details;
+    step: one separately compiled ``decode_step`` called from Python
+      (:func:`costs.analyze_decode_step`); step_seconds_median: its median wall time;
+    prefill: the compiled prefill.
+    """
+
+    loop: costs.StepCost
+    loop_seconds_per_token: float
+    loop_timing: dict
     step: costs.StepCost
     step_seconds_median: float
-    prefill_cost: costs.StepCost
-
-    def as_json(self) -> dict:
-        s = self.step
-        return {
-            "generated_text": self.generated_text, "prompt": self.prompt,
-            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
-            "generated_ids": self.generated_ids,
-            "prefill_tokens_per_s": self.prefill_tokens_per_s,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            "time_to_first_token_s": self.time_to_first_token_s,
-            "compile_seconds": self.compile_seconds,
-            "kv_cache_bytes": self.kv_cache_bytes,
-            "kv_cache_bytes_theory": self.kv_cache_bytes_theory,
-            "xla_flops_per_step": s.xla.flops, "xla_bytes_per_step": s.xla.bytes,
-            "xla_raw_flops_per_step": s.xla.raw_flops, "xla_raw_bytes_per_step": s.xla.raw_bytes,
-            "theory_flops_per_step": s.theory_flops, "theory_bytes_per_step": s.theory_bytes,
-            "step_seconds_median": self.step_seconds_median,
-            "achieved_bytes_per_s": s.theory_bytes / self.step_seconds_median,
-            "cost_context": s.context, "model": dataclasses.asdict(s.cfg),
-            "memory": s.memory,
-            "prefill_xla_flops": self.prefill_cost.xla.flops,
-            "prefill_xla_bytes": self.prefill_cost.xla.bytes,
-            "prefill_theory_flops": self.prefill_cost.theory_flops,
-            "prefill_theory_bytes": self.prefill_cost.theory_bytes,
-        }
+    prefill: costs.StepCost
 
 
-def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
-    """Prefills the prompt, generates ``run.max_new_tokens`` tokens, and costs the step.
+def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
+    """Prefills ``run.prompt``, generates up to ``run.max_new_tokens`` tokens in one compiled
+    loop, and detokenizes the first row (trimmed at EOS).
 
     Raises:
       ConfigError: prompt + max_new_tokens do not fit in max_seq_len (before compiling).
@@ -158,23 +159,96 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
     out = [int(first[0])] + [int(t) for t in np.asarray(buf[0, :ran])]
     if eos in out:
         out = out[: out.index(eos)]
-    text = tok.decode(out)
-    kv_bytes = cache_lib.cache_bytes(cache)
-
-    context = run.cost_context or run.max_seq_len
-    step = costs.analyze_decode_step(cfg, context, b)
-    times = costs.measure_step_seconds(cfg, params, costs.full_cache(cfg, b, context), b,
-                                       run.measure_repeats)
-    return DecodeResult(
-        prompt=run.prompt, generated_text=text, prompt_tokens=len(ids),
-        new_tokens=len(out), generated_ids=out, prefill_seconds=prefill_s,
-        time_to_first_token_s=ttft, decode_seconds=decode_s, compile_seconds=compile_s,
-        prefill_tokens_per_s=len(ids) * b / prefill_s,
+    return Generation(
+        prompt=run.prompt, generated_text=tok.decode(out), prompt_tokens=len(ids),
+        new_tokens=len(out), generated_ids=out, compile_seconds=compile_s,
+        prefill_seconds=prefill_s, time_to_first_token_s=ttft, decode_seconds=decode_s,
+        loop_steps=ran, prefill_tokens_per_s=len(ids) * b / prefill_s,
         decode_tokens_per_s=(ran * b / decode_s) if ran else float("nan"),
-        kv_cache_bytes=kv_bytes,
+        kv_cache_bytes=cache_lib.cache_bytes(cache),
         # theory for the slots allocated: max_seq_len, or W for a window (a ring buffer)
         kv_cache_bytes_theory=theory.kv_cache_bytes(
             cfg, cache_lib.num_slots(cfg, run.max_seq_len), b),
-        step=step, step_seconds_median=statistics.median(times),
-        prefill_cost=costs.analyze_prefill(cfg, len(ids), run.max_seq_len, b,
-                                           compiled=prefill_c))
+        prefill_compiled=prefill_c, generate_compiled=gen_c)
+
+
+def cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> CostReport:
+    """The cost hook for ``run`` at context ``run.cost_context`` (default max_seq_len):
+    the generate loop per token (compiled for timing and analysed), the single step, and
+    the prefill ``gen`` ran."""
+    cfg, params, b = loaded.cfg, loaded.params, run.batch_size
+    context = run.cost_context or run.max_seq_len
+    loop_c = costs.compile_generate(cfg, b, context, run.sampling)
+    timing = costs.measure_loop_seconds(cfg, params, context, b, compiled=loop_c,
+                                        sampling=run.sampling,
+                                        repeats=max(2, run.measure_repeats // 2))
+    loop = costs.analyze_loop(cfg, context, b, compiled=loop_c, sampling=run.sampling)
+    step = costs.analyze_decode_step(cfg, context, b)
+    times = costs.measure_step_seconds(cfg, params, costs.full_cache(cfg, b, context), b,
+                                       run.measure_repeats)
+    prefill = costs.analyze_prefill(cfg, gen.prompt_tokens, run.max_seq_len, b,
+                                    compiled=gen.prefill_compiled)
+    return CostReport(loop=loop, loop_seconds_per_token=timing["per_token_s"],
+                      loop_timing=timing, step=step,
+                      step_seconds_median=statistics.median(times), prefill=prefill)
+
+
+@dataclasses.dataclass
+class DecodeResult:
+    """One run of the main job: the generation and its cost report."""
+
+    generation: Generation
+    costs: CostReport
+
+    def __getattr__(self, name):  # the fields of both, as before the split
+        if name in ("generation", "costs"):
+            raise AttributeError(name)
+        for part in (self.generation, self.costs):
+            if hasattr(part, name):
+                return getattr(part, name)
+        raise AttributeError(name)
+
+    @property
+    def prefill_cost(self) -> costs.StepCost:
+        return self.costs.prefill
+
+    def as_json(self) -> dict:
+        g, c = self.generation, self.costs
+        s, loop = c.step, c.loop
+        out = {k: v for k, v in dataclasses.asdict(g).items()
+               if k not in ("prefill_compiled", "generate_compiled")}
+        out.update({
+            "loop_seconds_per_token": c.loop_seconds_per_token,
+            "loop_timing": {"steps": list(c.loop_timing["steps"]),
+                            "call_overhead_s": c.loop_timing["call_overhead_s"]},
+            "xla_flops_per_token": loop.xla.flops, "xla_bytes_per_token": loop.xla.bytes,
+            "theory_flops_per_token": loop.theory_flops,
+            "theory_bytes_per_token": loop.theory_bytes,
+            "loop_memory": loop.memory, "loop_once_per_call": loop.once_per_call,
+            # the single step, compiled and called on its own
+            "xla_flops_per_step": s.xla.flops, "xla_bytes_per_step": s.xla.bytes,
+            "xla_raw_flops_per_step": s.xla.raw_flops, "xla_raw_bytes_per_step": s.xla.raw_bytes,
+            "theory_flops_per_step": s.theory_flops, "theory_bytes_per_step": s.theory_bytes,
+            "step_seconds_median": c.step_seconds_median,
+            "achieved_bytes_per_s": s.theory_bytes / c.step_seconds_median,
+            "cost_context": s.context, "model": dataclasses.asdict(s.cfg),
+            "memory": s.memory,
+            "prefill_xla_flops": c.prefill.xla.flops,
+            "prefill_xla_bytes": c.prefill.xla.bytes,
+            "prefill_theory_flops": c.prefill.theory_flops,
+            "prefill_theory_bytes": c.prefill.theory_bytes,
+            "loop": loop.as_dict(c.loop_seconds_per_token),
+            "step": s.as_dict(c.step_seconds_median),
+            "prefill": c.prefill.as_dict(g.prefill_seconds),
+        })
+        return out
+
+
+def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
+    """Decodes ``run.prompt`` (:func:`decode_prompt`) and costs it (:func:`cost_report`).
+
+    Raises:
+      ConfigError: prompt + max_new_tokens do not fit in max_seq_len (before compiling).
+    """
+    gen = decode_prompt(run, loaded)
+    return DecodeResult(gen, cost_report(run, loaded, gen))

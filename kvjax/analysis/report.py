@@ -1,0 +1,104 @@
+"""Plain-text reports of the cost hook's figures: tables of theory | jaxpr | XLA |
+measured and the attribution of compiled bytes. Formatting only: the figures come from
+:mod:`kvjax.analysis.costs` (:class:`~kvjax.analysis.costs.StepCost`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def format_table(rows: list[tuple], headers: tuple) -> str:
+    """Plain-text table with right-aligned numeric columns."""
+    cells = [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = "  ".join(str(h).rjust(w) for h, w in zip(headers, widths))
+    out = [line, "-" * len(line)]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join(out)
+
+
+def _fmt(x) -> str:
+    if isinstance(x, float):
+        if x != x:
+            return "nan"
+        if abs(x) >= 1e3:
+            return f"{x:,.0f}"
+        return f"{x:.3g}"
+    if isinstance(x, (int, np.integer)):
+        return f"{x:,}"
+    return str(x)
+
+
+def cost_table(step: StepCost, measured_seconds: float | None = None) -> str:
+    """Theory | jaxpr | XLA | ratio rows for FLOP and bytes (and measured time if given).
+
+    The jaxpr column (when computed) counts dots only: their FLOP, and their operands'
+    and outputs' bytes.
+    """
+    jf = step.jaxpr.flops if step.jaxpr else float("nan")
+    jb = step.jaxpr.hbm_bytes if step.jaxpr else float("nan")
+    rows = [
+        ("FLOP", step.theory_flops, jf, step.xla.flops, step.xla.raw_flops,
+         step.flops_ratio),
+        ("bytes", step.theory_bytes, jb, step.xla.bytes, step.xla.raw_bytes,
+         step.bytes_ratio),
+    ]
+    text = format_table(rows, ("per " + step.name, "theory", "jaxpr (dots)",
+                               "XLA (loop-corrected)", "XLA raw", "XLA/theory"))
+    if measured_seconds:
+        text += (f"\nmeasured: {measured_seconds * 1e3:.3f} ms per {step.name} -> "
+                 f"{step.theory_bytes / measured_seconds / 1e9:.2f} GB/s of theory bytes, "
+                 f"{step.xla.bytes / measured_seconds / 1e9:.2f} GB/s of XLA bytes")
+    if not step.xla.complete:
+        text += ("\nwarning: XLA's figure is incomplete (custom calls "
+                 f"{list(step.xla.custom_calls)}, >= {step.xla.uncosted_bytes:,.0f} bytes "
+                 "uncosted, or loops of unknown trip count)")
+    return text
+
+
+def attribution_rows(step: StepCost) -> list[tuple[str, float, float]]:
+    """(part, theory bytes, XLA bytes) for weights, kv_read, kv_write, kv_copies,
+    weight_copies, other and the total; theory has no copies and no 'other'
+    (activations, logits), so those rows are 0 there."""
+    if step.attribution is None:
+        raise ValueError("analyze the step with attribute=True")
+    tb = step.theory_parts["bytes"]
+    xb = step.attribution.bytes
+    rows = [(part, float(tb.get(part, 0)), xb[part]) for part in
+            ("weights", "kv_read", "kv_write", "kv_copies", "weight_copies", "other")]
+    rows.append(("total", step.theory_bytes, step.attribution.total_bytes))
+    return rows
+
+
+def attribution_table(step: StepCost) -> str:
+    """Compiled bytes of a step split by what they touch, each beside its theory term.
+
+    Ops XLA cannot cost (custom calls: cuBLAS GEMMs on GPU) get a column of their own,
+    their operand + output bytes (a lower bound), split into the same parts.
+    """
+    a = step.attribution
+    rows = [(p, t, x, x / t if t else float("nan"), x / a.total_bytes)
+            for p, t, x in attribution_rows(step)]
+    headers = (f"bytes of {step.name} @ t={step.context}", "theory", "XLA", "XLA/theory",
+               "share of XLA")
+    if a.num_uncosted_ops:
+        unc = [a.uncosted.get(p, 0.0) for p, *_ in rows[:-1]] + [a.uncosted_bytes]
+        rows = [r + (u,) for r, u in zip(rows, unc)]
+        headers += ("uncosted (>=)",)
+    text = format_table(rows, headers)
+    f = step.theory_parts["flops"]
+    text += ("\nFLOP: XLA on the cache (attention) "
+             f"{a.flops['kv']:,.0f} vs theory attn {f.get('attn', 0) + f.get('kv_rebuild', 0):,}; "
+             f"on weights {a.flops['weights']:,.0f} vs theory proj+mlp+lm_head "
+             f"{f.get('proj', 0) + f.get('mlp', 0) + f.get('lm_head', 0):,}; "
+             f"other {a.flops['other']:,.0f}")
+    if a.num_uncosted_ops:
+        text += (f"\n{a.num_uncosted_ops} custom-call executions XLA cannot cost: "
+                 f">= {a.uncosted_bytes:,.0f} bytes, FLOPs unknown, not in the XLA column")
+    if step.once_per_call is not None:
+        once = step.once_per_call
+        parts = ", ".join(f"{k} {v:,.0f}" for k, v in once["parts"].items() if abs(v) >= 1)
+        text += (f"\nonce per call, outside the loop body (not in the per-token rows): "
+                 f"{once['bytes']:,.0f} bytes, {once['flops']:,.0f} FLOP"
+                 + (f" ({parts})" if parts else ""))
+    return text
