@@ -8,11 +8,11 @@ naming the field, the value and what is allowed.
 
 from ml_collections import config_dict
 
-# SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0), from its GGUF's metadata.
-SMOLLM2 = dict(
-    name="smollm2-135m", vocab_size=49152, num_layers=30, d_model=576, num_heads=9,
-    num_kv_heads=3, head_dim=64, mlp_dim=1536, mlp_type="swiglu", attention="gqa",
-    rope_theta=1e5, norm_eps=1e-5, tie_embeddings=True)
+from kvjax import presets
+
+# SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0): kvjax.presets.smollm2_135m, the one
+# place its sizes are written.
+SMOLLM2 = presets.architecture(presets.smollm2_135m)
 
 
 def model_dict(**fields) -> config_dict.ConfigDict:
@@ -50,6 +50,8 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     # Layer stack as one scan (True) or unrolled (False); None = by backend: unrolled on
     # CPU (XLA copies each layer's slice out of stacked arrays there), scan elsewhere.
     m.scan_layers = config_dict.placeholder(bool)
+    # The KV cache's element type (kvjax.config.KV_DTYPES); None = the model dtype.
+    m.kv_dtype = config_dict.placeholder(str)
     m.update(fields)
     return m
 
@@ -71,6 +73,9 @@ def run_dict(model: config_dict.ConfigDict, **fields) -> config_dict.ConfigDict:
     c.batch_size = 1
     # Parameter, activation and KV-cache dtype: float32 | bfloat16 | float16.
     c.dtype = "float32"
+    # The backend whose choices (layouts, layer stack, dot operands; kvjax/backend.py) the
+    # model config makes: cpu | gpu | tpu; None = this process's JAX backend.
+    c.backend = config_dict.placeholder(str)
     c.sampling = config_dict.ConfigDict(dict(temperature=0.0, top_k=0, top_p=1.0, seed=0))
     c.stop_at_eos = True
     # Context at which the cost report compiles the step (None: max_seq_len, the run's).

@@ -9,11 +9,10 @@ doubles that to 49,152.
 """
 
 from configs import base
+from kvjax import presets
 
 
 def get_config():
-    model = base.model_dict(
-        name="blog", vocab_size=49152, num_layers=12, d_model=512, num_heads=8,
-        num_kv_heads=8, head_dim=64, mlp_dim=2048, mlp_type="gelu", attention="mha")
+    model = base.model_dict(**presets.architecture(presets.blog_model, vocab_size=49152))
     return base.run_dict(model, weights="random", max_new_tokens=16,
                          prompt="The KV cache is the bottleneck of inference because")

@@ -10,12 +10,12 @@ default float32 doubles the bytes.
 """
 
 from configs import base
+from kvjax import presets
 
 
 def get_config():
-    model = base.model_dict(
-        name="blog-gqa2-window512", vocab_size=49152, num_layers=12, d_model=512,
-        num_heads=8, num_kv_heads=2, head_dim=64, mlp_dim=2048, mlp_type="gelu",
-        attention="gqa", window_size=512)
+    model = base.model_dict(**presets.variant(
+        presets.architecture(presets.blog_model, vocab_size=49152),
+        num_kv_heads=2, window_size=512))
     return base.run_dict(model, weights="random", max_new_tokens=16,
                          prompt="The KV cache is the bottleneck of inference because")

@@ -18,13 +18,11 @@ ModelConfig requires. The cost report compiles the step at ``cost_context`` = 4,
 """
 
 from configs import base
+from kvjax import presets
 
 
 def get_config():
-    model = base.model_dict(
-        name="deepseek-v2-lite-attn", vocab_size=49152, num_layers=2, d_model=2048,
-        num_heads=16, num_kv_heads=16, head_dim=192, mlp_dim=10944, mlp_type="swiglu",
-        attention="mla", rope_theta=1e4, norm_eps=1e-6, tie_embeddings=False,
-        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    model = base.model_dict(**presets.architecture(
+        presets.deepseek_v2_lite_attention(vocab_size=49152)))
     return base.run_dict(model, weights="random", max_new_tokens=16, cost_context=4096,
                          prompt="The KV cache is the bottleneck of inference because")

@@ -7,8 +7,9 @@ times the KV bytes: 138,240 bytes per token in float32.
 """
 
 from configs import base
+from kvjax import presets
 
 
 def get_config():
-    return base.run_dict(base.model_dict(**dict(
-        base.SMOLLM2, name="smollm2-135m-mha", num_kv_heads=9, attention="mha")))
+    return base.run_dict(base.model_dict(**presets.variant(
+        base.SMOLLM2, num_kv_heads=9, name="smollm2-135m-mha")))

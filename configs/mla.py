@@ -24,12 +24,10 @@ tokenizer, hence V = 49,152. ``model.num_kv_heads``/``head_dim`` are the per-hea
 """
 
 from configs import base
+from kvjax import presets
 
 
 def get_config():
-    model = base.model_dict(
-        name="blog-mla", vocab_size=49152, num_layers=12, d_model=512, num_heads=8,
-        num_kv_heads=8, head_dim=128, mlp_dim=2048, mlp_type="gelu", attention="mla",
-        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64)
+    model = base.model_dict(**presets.architecture(presets.blog_mla(vocab_size=49152)))
     return base.run_dict(model, weights="random", max_new_tokens=16,
                          prompt="The KV cache is the bottleneck of inference because")

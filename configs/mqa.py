@@ -8,8 +8,9 @@ change (the quality price of fewer KV heads), the KV cache is a third of gqa.py'
 """
 
 from configs import base
+from kvjax import presets
 
 
 def get_config():
-    return base.run_dict(base.model_dict(**dict(
-        base.SMOLLM2, name="smollm2-135m-mqa", num_kv_heads=1, attention="mqa")))
+    return base.run_dict(base.model_dict(**presets.variant(
+        base.SMOLLM2, num_kv_heads=1, name="smollm2-135m-mqa")))

@@ -18,8 +18,8 @@ window shorter than the text changes its outputs (the quality price of lever 3);
 """
 
 from configs import base
+from kvjax import presets
 
 
 def get_config():
-    return base.run_dict(base.model_dict(**dict(
-        base.SMOLLM2, name="smollm2-135m-window512", window_size=512)))
+    return base.run_dict(base.model_dict(**presets.variant(base.SMOLLM2, window_size=512)))

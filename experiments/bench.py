@@ -66,14 +66,12 @@ _MAX_CACHE_BYTES = flags.DEFINE_float("max_cache_gb", 8.0, "Skip points whose ca
 def variant_cfg(model_name: str, variant: str, dtype: str, scan_layers: bool) -> ModelConfig:
     """The config for one benchmark point."""
     base = (presets.blog_model(dtype=dtype, vocab_size=49152) if model_name == "blog"
-            else presets.smollm2_135m(dtype=dtype))
-    n = base.num_heads
-    k = {"mha": n, "gqa": 2 if model_name == "blog" else 3, "mqa": 1,
+            else presets.smollm2_135m(dtype=dtype)).replace(scan_layers=scan_layers)
+    k = {"mha": base.num_heads, "gqa": 2 if model_name == "blog" else 3, "mqa": 1,
          "window": 2 if model_name == "blog" else 3}[variant]
-    attention = {"mha": "mha", "mqa": "mqa"}.get(variant, "gqa")
-    return base.replace(num_kv_heads=k, attention=attention, scan_layers=scan_layers,
-                        window_size=512 if variant == "window" else None,
-                        name=f"{model_name}-{variant}")
+    return presets.variant(base, num_kv_heads=k,
+                           window_size=512 if variant == "window" else None,
+                           name=f"{model_name}-{variant}")
 
 
 def time_point(cfg: ModelConfig, context: int, repeats: int,
@@ -109,7 +107,7 @@ def interleaved_ratio(a: tuple[ModelConfig, int], b: tuple[ModelConfig, int],
         params = model.init_params(cfg, 0)
         cache = costs.full_cache(cfg, 1, t)
         step = decode.decode_step.lower(params, token, cache, cfg=cfg).compile()
-        runs.append([step, params, cache, cache.length])
+        runs.append([step, params, cache, np.asarray(cache.length)])
     ratios = []
     for i in range(repeats + 2):
         seconds = []
@@ -119,7 +117,7 @@ def interleaved_ratio(a: tuple[ModelConfig, int], b: tuple[ModelConfig, int],
             logits, cache = step(params, token, cache)
             logits.block_until_ready()
             seconds.append(time.perf_counter() - start)
-            run[2] = cache.replace(length=length)
+            run[2] = cache.replace(length=jnp.asarray(length))
         if i >= 2:
             ratios.append(seconds[0] / seconds[1])
     return statistics.median(ratios)

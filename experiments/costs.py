@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -81,27 +80,22 @@ _COLORS = {"mha": "C0", "gqa": "C1", "mqa": "C2", "mla-naive": "C3", "mla-absorb
 _PARTS = ("weights", "kv_read", "kv_write", "kv_copies", "weight_copies", "other")
 
 
-def mla_available() -> bool:
-    return importlib.util.find_spec("kvjax.mla") is not None
-
-
 def variant_config(variant: str, dtype: str, scan_layers: bool) -> ModelConfig:
     """The blog model with one attention variant (see the module docstring)."""
     base = presets.blog_model(dtype=dtype, scan_layers=scan_layers)
-    mla = dict(attention="mla", num_kv_heads=base.num_heads, head_dim=128, kv_lora_rank=512,
-               qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64)
+    mla = presets.blog_mla(dtype=dtype, scan_layers=scan_layers)
     fields = {
-        "mha": {},
-        "gqa": dict(num_kv_heads=2, attention="gqa"),
-        "mqa": dict(num_kv_heads=1, attention="mqa"),
-        "mla-naive": dict(mla, mla_absorb=False),
-        "mla-absorbed": dict(mla, mla_absorb=True),
-        "window": dict(window_size=512),
-        "gqa-window": dict(num_kv_heads=2, attention="gqa", window_size=512),
+        "mha": lambda: base,
+        "gqa": lambda: presets.variant(base, num_kv_heads=2),
+        "mqa": lambda: presets.variant(base, num_kv_heads=1),
+        "mla-naive": lambda: mla.replace(mla_absorb=False),
+        "mla-absorbed": lambda: mla,
+        "window": lambda: presets.variant(base, window_size=512),
+        "gqa-window": lambda: presets.variant(base, num_kv_heads=2, window_size=512),
     }
     if variant not in fields:
         raise app.UsageError(f"--variants: {variant!r}; allowed: {', '.join(fields)}")
-    return base.replace(name=f"blog-{variant}", **fields[variant])
+    return fields[variant]().replace(name=f"blog-{variant}")
 
 
 @dataclasses.dataclass
@@ -374,11 +368,6 @@ def main(argv):
     repeats = _REPEATS.value
     if _QUICK.value:
         dtypes, contexts, repeats = ["float32"], [512, 3072, 16384], 3
-    if not mla_available():
-        skipped = [v for v in variants if v.startswith("mla")]
-        variants = [v for v in variants if not v.startswith("mla")]
-        if skipped:
-            print(f"kvjax.mla not importable: skipping {skipped}", file=sys.stderr)
     scan_layers = {"auto": default_scan_layers(), "true": True, "false": False}[_SCAN.value]
     for v in variants:
         variant_config(v, dtypes[0], scan_layers)  # fail fast on a bad name

@@ -351,17 +351,18 @@ def model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
 def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
     """Builds a validated RunConfig from an experiment ConfigDict.
 
-    ``d.dtype``, when present, overrides ``d.model.dtype`` (so ``--config.dtype=bfloat16``
-    works); ``d.sampling`` is a mapping of SamplingConfig fields.
+    ``d.dtype`` and ``d.backend``, when set, override ``d.model``'s (so
+    ``--config.dtype=bfloat16`` and ``--config.backend=gpu`` work); ``d.sampling`` is a mapping of SamplingConfig fields.
 
     Raises:
       ConfigError: unknown keys or invalid values, naming the field.
     """
     d = _plain(d)
     model = dict(d.pop("model"))
-    if d.get("dtype") is not None:
-        model["dtype"] = d["dtype"]
-    d.pop("dtype", None)
+    for key in ("dtype", "backend"):  # run-level overrides of the model's fields
+        if d.get(key) is not None:
+            model[key] = d[key]
+        d.pop(key, None)
     sampling = SamplingConfig(**_plain(d.pop("sampling", {})))
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     unknown = sorted(set(d) - fields)

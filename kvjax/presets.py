@@ -17,6 +17,7 @@ theory functions read the MLA fields (C, R, nope, v) for MLA configs, not these 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 from kvjax.config import ModelConfig
@@ -172,3 +173,75 @@ PRESETS: dict[str, Callable[..., ModelConfig]] = {
     "deepseek-v2-lite-attn": deepseek_v2_lite_attention,
     "gpt3-175b": gpt3_175b,
 }
+
+
+# --------------------------------------------------------------------------- variants
+
+# Fields that say how a model runs rather than what it is: left out of architecture().
+_RUN_FIELDS = ("dtype", "kv_dtype", "backend", "scan_layers", "key_layout", "value_layout",
+               "mla_absorb")
+
+
+def architecture(preset: ModelConfig | Callable[..., ModelConfig], **overrides: Any) -> dict:
+    """The architecture fields of a preset (a factory above, or a ModelConfig) as a plain
+    dict, for ``configs/*.py`` (``base.model_dict(**presets.architecture(...))``): how it
+    runs (dtype, kv_dtype, backend, layer stack, layouts, MLA decode path) is left to the
+    experiment config. ``overrides`` replace fields."""
+    cfg = preset if isinstance(preset, ModelConfig) else preset()
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)
+              if f.name not in _RUN_FIELDS}
+    fields.update(overrides)
+    return fields
+
+
+def variant(base: ModelConfig | dict, *, num_kv_heads: int | None = None,
+            window_size: int | None = None, num_sink_tokens: int | None = None,
+            kv_lora_rank: int | None = None, qk_rope_head_dim: int = 64,
+            kv_dtype: str | None = None, name: str | None = None) -> ModelConfig | dict:
+    """``base`` with the blog's levers pulled: the one way kvjax makes a variant.
+
+    Args:
+      base: a ModelConfig, or a dict of its fields (returns the same kind).
+      num_kv_heads: lever 1, K KV heads; ``attention`` follows ('mha' for K = N, 'mqa'
+        for K = 1, else 'gqa'). (Converting pretrained weights: kvjax.models.convert.)
+      window_size, num_sink_tokens: lever 3, a ring of W slots with s sinks.
+      kv_lora_rank: lever 2, MLA with a latent of C = kv_lora_rank and a shared rotary key
+        of R = ``qk_rope_head_dim`` dims; per head nope = v = base head_dim (the blog's
+        MLA shape from its MHA model: configs/mla.py).
+      kv_dtype: the cache's element type (the blog's "bytes" factor).
+      name: the variant's name (default: base name + what changed, e.g. 'blog-gqa2-window512').
+    Raises:
+      ConfigError: an invalid combination (from ModelConfig's validation).
+    """
+    f = dataclasses.asdict(base) if isinstance(base, ModelConfig) else dict(base)
+    suffix = []
+    if num_kv_heads is not None:
+        n = f["num_heads"]
+        f["num_kv_heads"] = num_kv_heads
+        f["attention"] = "mha" if num_kv_heads == n else "mqa" if num_kv_heads == 1 else "gqa"
+        suffix.append(f["attention"] + (str(num_kv_heads) if f["attention"] == "gqa" else ""))
+    if kv_lora_rank is not None:
+        h = f["head_dim"]
+        f.update(attention="mla", num_kv_heads=f["num_heads"], head_dim=h + qk_rope_head_dim,
+                 kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+                 qk_nope_head_dim=h, v_head_dim=h)
+        suffix.append(f"mla{kv_lora_rank}")
+    if window_size is not None:
+        f["window_size"] = window_size
+        suffix.append(f"window{window_size}")
+    if num_sink_tokens is not None:
+        f["num_sink_tokens"] = num_sink_tokens
+        if num_sink_tokens:
+            suffix.append(f"{num_sink_tokens}sinks")
+    if kv_dtype is not None:
+        f["kv_dtype"] = kv_dtype
+        suffix.append(f"kv-{kv_dtype}")
+    f["name"] = name or "-".join([f.get("name") or "model"] + suffix)
+    return ModelConfig(**f) if isinstance(base, ModelConfig) else f
+
+
+def blog_mla(dtype: str = "float16", **overrides: Any) -> ModelConfig:
+    """The blog's running model with MLA (lever 2): C = kv_lora_rank = 512 (the blog's
+    d_c = d_model example) plus DeepSeek-V2's decoupled rotary key of R = 64 dims; per
+    head 64 no-rope + 64 rope query/key dims and 64 value dims (configs/mla.py)."""
+    return variant(blog_model(dtype, **overrides), kv_lora_rank=512, name="blog-mla")

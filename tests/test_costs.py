@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from kvjax import cache as cache_lib
@@ -108,3 +109,50 @@ def test_theory_prefill_flops_is_the_sum_of_step_flops():
     cfg = presets.blog_model()
     direct = sum(theory.step_flops(cfg, t).total for t in range(1, 50))
     assert costs.theory_prefill_flops(cfg, 49) == pytest.approx(direct)
+
+
+# ------------------------------------------------------------------ the loop that decodes
+
+
+def _smol(dtype, layers=2):
+    from kvjax import presets
+    return presets.smollm2_135m(dtype=dtype, num_layers=layers, scan_layers=False)
+
+
+def test_loop_per_token_bytes_equal_the_single_step_in_float32():
+    """float32: the generate loop per token and the single step cost the same compiled
+    bytes (within 2%), and the loop's work outside its body is tiny."""
+    cfg = _smol("float32")
+    loop = costs.analyze_loop(cfg, 256)
+    step = costs.analyze_decode_step(cfg, 256, attribute=False, jaxpr=False)
+    assert abs(step.xla.bytes / loop.xla.bytes - 1) < 0.02
+    assert abs(loop.bytes_ratio - 1) < 0.03
+    assert loop.once_per_call["bytes"] < 1e-3 * loop.xla.bytes
+    assert "bytes_widened" not in loop.theory_parts
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU widens bf16 dots")
+def test_bf16_loop_hoists_a_float32_copy_of_the_weights():
+    """bf16 on CPU: the loop converts the weights to float32 once, before the loop (it is
+    loop-invariant): its temp memory holds a float32 copy of them, the conversion shows
+    once per call (not per token), and per token it reads ~2x the blog's bytes against the
+    single step's ~5x."""
+    cfg = _smol("bfloat16")
+    loop = costs.analyze_loop(cfg, 256)
+    step = costs.analyze_decode_step(cfg, 256, attribute=False, jaxpr=False)
+    f32_weights = theory.weight_bytes(cfg) * 2
+    assert loop.memory["temp_bytes"] >= f32_weights
+    assert loop.once_per_call["parts"]["weight_copies"] >= 0.5 * f32_weights
+    assert 1.7 < loop.bytes_ratio < 2.6 and step.bytes_ratio > 4
+    widened = loop.theory_parts["bytes_widened"]
+    assert abs(loop.xla.bytes / widened["total"] - 1) < 0.1
+
+
+def test_measure_loop_seconds_differences_two_loop_lengths():
+    cfg = _smol("float32", layers=1)
+    params = model.init_params(cfg, 0)
+    got = costs.measure_loop_seconds(cfg, params, 64, steps=(2, 6), repeats=2)
+    assert got["steps"] == (2, 6) and len(got["seconds"][6]) == 2
+    assert np.isfinite(got["per_token_s"])
+    assert got["call_overhead_s"] == pytest.approx(
+        np.median(got["seconds"][2]) - 2 * got["per_token_s"])

@@ -3,7 +3,6 @@ the jaxpr view loop-corrected, real architectures compiled at 128K, and the swee
 point. Every figure is compiled from shapes on this machine's XLA (CPU) and compared with
 the blog's theory (kvjax.theory)."""
 
-import importlib.util
 import json
 import resource
 import subprocess
@@ -20,7 +19,6 @@ from kvjax.analysis import costs, hlo_cost, roofline, theory
 from kvjax.inference import decode
 from kvjax.config import SamplingConfig
 
-HAS_MLA = importlib.util.find_spec("kvjax.mla") is not None
 CPU = jax.default_backend() == "cpu"
 needs_cpu = pytest.mark.skipif(not CPU, reason="states XLA:CPU's figures")
 
@@ -169,7 +167,6 @@ def test_window_512_matches_theory_with_min_t_w_at_4096():
 
 
 @needs_cpu
-@pytest.mark.skipif(not HAS_MLA, reason="kvjax.mla not importable")
 def test_mla_absorbed_matches_theory_plus_its_second_latent_read_at_4096():
     """XLA runs one op per contraction, so the absorbed path reads the latent twice
     (scores over C, then probs·c): kv_read = (2C + R)/(C + R) x theory's. Against
@@ -242,12 +239,7 @@ def test_jaxpr_view_corrects_scans_and_while_loops():
 
 
 def _preset_names():
-    names = []
-    for name, factory in presets.PRESETS.items():
-        cfg = factory(num_layers=1)
-        names.append(pytest.param(name, marks=pytest.mark.skipif(
-            cfg.is_mla and not HAS_MLA, reason="kvjax.mla not importable")))
-    return names
+    return list(presets.PRESETS)
 
 
 @pytest.mark.parametrize("name", _preset_names())

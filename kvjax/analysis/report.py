@@ -49,6 +49,11 @@ def cost_table(step: StepCost, measured_seconds: float | None = None) -> str:
         text += (f"\nmeasured: {measured_seconds * 1e3:.3f} ms per {step.name} -> "
                  f"{step.theory_bytes / measured_seconds / 1e9:.2f} GB/s of theory bytes, "
                  f"{step.xla.bytes / measured_seconds / 1e9:.2f} GB/s of XLA bytes")
+    widened = step.theory_parts.get("bytes_widened")
+    if widened:
+        text += (f"\ntheory as this backend runs it (weights read as float32 copies made "
+                 f"once before the loop): {widened['total']:,.0f} bytes per "
+                 f"{step.name}; XLA/that = {step.xla.bytes / widened['total']:.2f}")
     if not step.xla.complete:
         text += ("\nwarning: XLA's figure is incomplete (custom calls "
                  f"{list(step.xla.custom_calls)}, >= {step.xla.uncosted_bytes:,.0f} bytes "

@@ -16,8 +16,9 @@ when generating token ``t+1``; its boxed "Fundamental Equation" writes ``t``. Bo
 this module's ``t``.
 
 Units: bytes (B), FLOP (multiply-add = 2 FLOP, the blog's convention), seconds.
-Functions taking a :class:`~kvjax.config.ModelConfig` use ``cfg.dtype_bytes`` for b unless
-``element_bytes`` is given.
+Functions taking a :class:`~kvjax.config.ModelConfig` use ``cfg.dtype_bytes`` for b (and
+``cfg.kv_dtype_bytes``, the cache's element type, for KV bytes) unless ``element_bytes``
+is given.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ from kvjax.analysis.hardware import Chip
 
 def _b(cfg: ModelConfig, element_bytes: int | None) -> int:
     return cfg.dtype_bytes if element_bytes is None else element_bytes
+
+
+def _kv_b(cfg: ModelConfig, element_bytes: int | None) -> int:
+    """Bytes per cached element: ``cfg.kv_dtype``'s (default the model dtype's)."""
+    return cfg.kv_dtype_bytes if element_bytes is None else element_bytes
 
 
 # --------------------------------------------------------------------------- KV cache
@@ -54,7 +60,7 @@ def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int | None = None) -> in
 
     Blog model (L=12, K=N=8, H=64, fp16): 12·8·128·2 = 24,576 B ("24 KB per token").
     """
-    return cfg.num_layers * kv_elements_per_token_per_layer(cfg) * _b(cfg, element_bytes)
+    return cfg.num_layers * kv_elements_per_token_per_layer(cfg) * _kv_b(cfg, element_bytes)
 
 
 def kv_bytes_per_token_blog(num_layers: int, d_model: int, element_bytes: int = 2) -> int:
@@ -254,7 +260,7 @@ def mla_unfused_extra_bytes(cfg: ModelConfig, t: int, batch: int = 1,
     absorbed = cfg.mla_absorb if absorbed is None else absorbed
     b = _b(cfg, element_bytes)
     rows = batch * cfg.num_layers * tokens_held(cfg, t)
-    extra = rows * cfg.kv_lora_rank * b
+    extra = rows * cfg.kv_lora_rank * _kv_b(cfg, element_bytes)
     if not absorbed:
         extra += 2 * rows * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * b
     return extra
