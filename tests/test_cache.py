@@ -61,7 +61,7 @@ def test_ring_policy_slots_masks_and_buffer():
 
 
 def _prefill_one(params, cfg, tokens, max_seq_len):
-    cache = cache_lib.init_cache(cfg, 1, max_seq_len)
+    cache = cache_lib.init_cache(cfg, 1, max_seq_len, ragged=True)
     return decode.prefill(params, cfg, jnp.asarray([tokens], jnp.int32), cache)
 
 
@@ -88,7 +88,7 @@ def test_rows_of_different_lengths_decode_as_if_alone(window):
                  for n in caches[0].tensors},
         positions=jnp.concatenate([caches[0].positions, caches[1].positions]),
         length=jnp.concatenate([caches[0].length, caches[1].length]),
-        layouts=caches[0].layouts)
+        layouts=caches[0].layouts, ragged=True)
     assert both.length.tolist() == [3, 7]
     tokens = jnp.asarray([[prompts[0][-1]], [prompts[1][-1]]], jnp.int32)
     logits, after = decode.decode_step(params, tokens, both, cfg=cfg)
@@ -97,6 +97,22 @@ def test_rows_of_different_lengths_decode_as_if_alone(window):
     assert after.length.tolist() == [4, 8]
     held = np.asarray(after.positions)
     assert 3 in held[0] and 7 in held[1] and 7 not in held[0]
+
+
+def test_lockstep_cache_refuses_rows_at_different_positions():
+    """A lockstep cache (the default) writes every row at row 0's positions: rows given
+    different positions are refused, naming the row; a ragged cache takes them."""
+    cfg = tiny()
+    params = model.params_for(cfg, model.init_params(cfg, 0))
+    cache = cache_lib.init_cache(cfg, 2, 8).replace(length=jnp.array([0, 2], jnp.int32))
+    pos = jnp.array([[0, 1], [2, 3]], jnp.int32)
+    with pytest.raises(ValueError, match=r"row 1 .*differ from row 0.*ragged=True"):
+        model.forward(params, cfg, jnp.zeros((2, 2), jnp.int32), pos, cache)
+    ragged = cache_lib.init_cache(cfg, 2, 8, ragged=True).replace(
+        length=jnp.array([0, 2], jnp.int32))
+    _, out = model.forward(params, cfg, jnp.zeros((2, 2), jnp.int32), pos, ragged)
+    assert out.length.tolist() == [2, 4]
+    assert out.positions[1, 2:4].tolist() == [2, 3] and out.positions[0, :2].tolist() == [0, 1]
 
 
 def test_forward_refuses_positions_that_do_not_continue_a_row():

@@ -1,5 +1,5 @@
 """kvjax.theory / hardware / presets against the literal numbers of the blog
-(shared/seed/kv_bottleneck_blog.txt). Section names of the blog are quoted per test.
+("The KV Bottleneck Explained"). Section names of the blog are quoted per test.
 
 The blog writes "MB" for MiB: 72 MB = 75,497,472 B, 96 MB = 100,663,296 B, 3 GB at 128K =
 3,145,728,000 B = 3,000 MiB, and "60 GB" free for caches behaves as 60,000 MiB.

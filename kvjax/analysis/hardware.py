@@ -268,7 +268,7 @@ def _host_memory_bytes() -> float:
 def local_chip(measure_flops: bool = False) -> Chip:
     """A :class:`Chip` for JAX's default device.
 
-    A GPU found in :data:`CHIPS` returns its published figures (DESIGN.md: GPUs are compared
+    A GPU found in :data:`CHIPS` returns its published figures (docs/DESIGN.md: GPUs are compared
     with the published roofline). Anything else (the CPU here) gets the bandwidth measured
     by :func:`measure_read_bandwidth`; its float32 peak is measured with
     :func:`measure_matmul_flops` when ``measure_flops`` is set, else left unknown.

@@ -1,6 +1,6 @@
 """Loop-aware, attributed XLA cost analysis of compiled programs.
 
-XLA's ``cost_analysis()`` counts the body of a while loop once (DESIGN.md: a 12-layer
+XLA's ``cost_analysis()`` counts the body of a while loop once (docs/DESIGN.md: a 12-layer
 ``lax.scan`` reported 1/12 of the unrolled FLOPs). This module corrects that soundly with
 XLA's own cost model (``HloCostAnalysis``, via ``hlo_module_cost_analysis``), two ways
 that must agree:

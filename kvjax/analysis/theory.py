@@ -1,10 +1,10 @@
 """Closed-form cost model of one autoregressive decode step.
 
 Implements the blog "The KV Bottleneck Explained: Why Inference Is Memory-Bound"
-(``shared/seed/kv_bottleneck_blog.txt``), generalised from its running MHA model to
+(docs/DESIGN.md summarises its formulas), generalised from its running MHA model to
 GQA/MQA (K KV heads), MLA (latent cache, DeepSeek-V2 sec. 2.1) and sliding windows.
 
-Notation (DESIGN.md; blog symbols in brackets): L layers, D d_model [d_model], N query
+Notation (docs/DESIGN.md; blog symbols in brackets): L layers, D d_model [d_model], N query
 heads [h], K KV heads [g in "Lever 1"], H head_dim [d_k = d_v], F FFN width, V vocab,
 C MLA latent width [d_c], R decoupled-RoPE key width, W window [w], t context length,
 B batch, b bytes per element (2 in the blog's fp16).

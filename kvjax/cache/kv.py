@@ -52,12 +52,17 @@ class KVCache:
       layouts: static (not a pytree leaf): ((name, 'BKSH' | 'BKHS'), ...) as built by
         :func:`init_cache`, so ``model.forward`` can refuse a cache built for another
         layout (when S == H the shapes alone cannot tell); None = not recorded.
+      ragged: static. False (lockstep): every row holds the same positions, and a chunk
+        is written to all rows with one in-place update at row 0's positions. True: rows
+        may have their own lengths; each row's chunk is scattered to its own slots.
+        ``model.forward`` checks on the host that a lockstep cache is fed equal rows.
     """
 
     tensors: dict
     positions: jax.Array
     length: jax.Array
     layouts: tuple | None = flax.struct.field(pytree_node=False, default=None)
+    ragged: bool = flax.struct.field(pytree_node=False, default=False)
 
     @property
     def num_slots(self) -> int:
@@ -149,11 +154,13 @@ def num_slots(cfg: ModelConfig, max_seq_len: int) -> int:
     return policy_for(cfg).num_slots(max_seq_len)
 
 
-def init_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int) -> KVCache:
+def init_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int,
+               ragged: bool = False) -> KVCache:
     """An empty cache for ``batch_size`` sequences of up to ``max_seq_len`` tokens.
 
     Tensors are zero-filled per :func:`tensor_specs`, positions [B, S] -1 and length [B]
-    0. S = window_size when set, else max_seq_len.
+    0. S = window_size when set, else max_seq_len. ``ragged``: rows may take different
+    lengths (:class:`KVCache`).
 
     Raises:
       ValueError: non-positive batch_size or max_seq_len.
@@ -170,7 +177,8 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int) -> KVCache:
             tensors[name] = tuple(jnp.zeros(spec.shape, spec.dtype)
                                   for _ in range(cfg.num_layers))
     return KVCache(tensors=tensors, positions=jnp.full((batch_size, s), -1, jnp.int32),
-                   length=jnp.zeros((batch_size,), jnp.int32), layouts=layouts(cfg))
+                   length=jnp.zeros((batch_size,), jnp.int32), layouts=layouts(cfg),
+                   ragged=ragged)
 
 
 def cache_spec(cfg: ModelConfig, batch_size: int, max_seq_len: int) -> KVCache:
@@ -226,7 +234,7 @@ def chunk_slots(cache: KVCache, chunk_positions: jax.Array, cfg: ModelConfig) ->
 
 
 def write(buf: jax.Array, new: jax.Array, chunk_positions: jax.Array, cfg: ModelConfig,
-          layer=None, axis: int = -2) -> jax.Array:
+          layer=None, axis: int = -2, ragged: bool = False) -> jax.Array:
     """Writes a chunk of T tokens per row into a cached tensor, in place.
 
     Args:
@@ -236,33 +244,26 @@ def write(buf: jax.Array, new: jax.Array, chunk_positions: jax.Array, cfg: Model
         the cache's representation (:func:`encode`).
       chunk_positions: [B, T] (or [T], the same for every row) int32 consecutive absolute
         positions of each row's chunk.
-      cfg: its slot policy maps positions to slots.
+      cfg: its slot policy maps positions to slots and writes.
       layer: [] int32 layer index into a stacked ``buf`` (None: ``buf`` is one layer).
       axis: the slot axis, -2 or -1 (:func:`slot_axis`).
+      ragged: rows may sit at different positions (:attr:`KVCache.ragged`); False: every
+        row writes at row 0's positions (one in-place update for the batch).
     Returns:
-      The updated buffer: a scatter of each row's tokens to its slots; tokens the policy
-      drops (overwritten within the chunk, or past a dense cache's end) are dropped,
-      never clamped.
+      The updated buffer (:meth:`kvjax.cache.policy.DenseSlots.write`,
+      :meth:`kvjax.cache.policy.RingSlots.write`): a ring drops tokens a later token of
+      the same chunk overwrites; a dense cache writes in place and never clamps silently,
+      because a row that would write past its end has its logits poisoned with NaN (and
+      the host-side entry points raise before running).
     Raises:
       ValueError: ``axis`` not -2 or -1.
     """
     if axis not in (-2, -1):
         raise ValueError(f"axis={axis}; allowed: -2 or -1")
-    b = new.shape[0]
     if chunk_positions.ndim == 1:
-        chunk_positions = jnp.broadcast_to(chunk_positions, (b,) + chunk_positions.shape)
-    layer_ndim = buf.ndim - (layer is not None)
-    slots = policy_for(cfg).write_slots(chunk_positions, buf.shape[axis])  # [B, T]
-    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-    index = [slice(None)] * layer_ndim
-    index[0], index[layer_ndim + axis] = rows, slots
-    if layer is not None:
-        index = [layer] + index
-    # The advanced indices (layer, rows, slots) give the update [B, T, rest...] when a
-    # slice separates them, else [B, T, rest...] in place: the same order either way
-    # because rows and slots are the first two broadcast dimensions.
-    value = jnp.moveaxis(new.astype(buf.dtype), new.ndim + axis, 1)
-    return buf.at[tuple(index)].set(value, mode="drop")
+        chunk_positions = jnp.broadcast_to(chunk_positions,
+                                           (new.shape[0],) + chunk_positions.shape)
+    return policy_for(cfg).write(buf, new, chunk_positions, axis, layer, ragged)
 
 
 def advance(cache: KVCache, chunk_positions: jax.Array, cfg: ModelConfig,
@@ -283,9 +284,9 @@ def next_positions(cache: KVCache, chunk_positions: jax.Array, cfg: ModelConfig)
     b = cache.positions.shape[0]
     if chunk_positions.ndim == 1:
         chunk_positions = jnp.broadcast_to(chunk_positions, (b,) + chunk_positions.shape)
-    slots = policy_for(cfg).write_slots(chunk_positions, cache.num_slots)
-    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-    return cache.positions.at[rows, slots].set(chunk_positions, mode="drop")
+    policy = policy_for(cfg)
+    return policy.write(cache.positions, chunk_positions, chunk_positions, -1,
+                        ragged=cache.ragged)
 
 
 def ring_slots(chunk_positions: jax.Array, cfg: ModelConfig, num_slots_: int) -> jax.Array:

@@ -35,6 +35,10 @@ class DenseSlots:
     """Full attention: one slot per position, S = max_seq_len."""
 
     kind = "dense"
+    # Every slot a write names exists unless the row overflows, and an overflowing row's
+    # logits are poisoned (``overflows``), so the scatter may assume in-bounds indices
+    # (XLA then updates in place without reading the old slot).
+    write_mode = "promise_in_bounds"
 
     def num_slots(self, max_seq_len: int) -> int:
         """S for a cache of ``max_seq_len`` tokens."""
@@ -49,6 +53,22 @@ class DenseSlots:
         """[..., T] int32 slot of each chunk token; ``num_slots`` (out of range: the write
         drops it) past the end. Never clamped: ``overflows`` poisons such a step."""
         return jnp.where(chunk_positions < num_slots, chunk_positions, num_slots)
+
+    def write(self, buf: jax.Array, new: jax.Array, chunk_positions: jax.Array, axis: int,
+              layer=None, ragged: bool = False) -> jax.Array:
+        """Writes ``new`` (see :func:`write_rows`) at each row's positions. Lockstep rows
+        (``ragged`` False: every row at the same positions) take one in-place
+        dynamic-update-slice at row 0's first position, whose cost is the update alone;
+        ragged rows a per-row scatter."""
+        if ragged:
+            return write_rows(buf, new, self.write_slots(chunk_positions, buf.shape[axis]),
+                              axis, layer, self.write_mode)
+        start = [0] * buf.ndim
+        start[buf.ndim + axis] = chunk_positions[0, 0]
+        if layer is not None:
+            start[0] = layer
+            new = new[None]
+        return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), start)
 
     def overflows(self, length: jax.Array, new_tokens: int, num_slots: int) -> jax.Array:
         """[B] bool: the chunk would run past the last slot."""
@@ -88,6 +108,8 @@ class RingSlots:
     window_size: int
     num_sink_tokens: int = 0
     kind = "ring"
+    # Tokens a later token of the same chunk overwrites get slot S and must be dropped.
+    write_mode = "drop"
 
     def num_slots(self, max_seq_len: int) -> int:
         """S = W whatever ``max_seq_len`` is: the cache is constant in t."""
@@ -110,6 +132,22 @@ class RingSlots:
                 | (chunk_positions > chunk_positions[..., -1:] - ring))
         return jnp.where(keep, slots, num_slots)
 
+    def write(self, buf: jax.Array, new: jax.Array, chunk_positions: jax.Array, axis: int,
+              layer=None, ragged: bool = False) -> jax.Array:
+        """Writes ``new`` (see :func:`write_rows`) to each row's ring slots. Lockstep rows
+        share row 0's slots (one scatter along the slot axis); ragged rows scatter each
+        to its own. Dropped tokens (overwritten within the chunk) are never written."""
+        slots = self.write_slots(chunk_positions, buf.shape[axis])
+        if ragged:
+            return write_rows(buf, new, slots, axis, layer, self.write_mode)
+        slots, new = slots[0], new.astype(buf.dtype)
+        buf_axis = buf.ndim + axis
+        if layer is None:  # one advanced index: its axis stays in place
+            return buf.at[(slice(None),) * buf_axis + (slots,)].set(new, mode="drop")
+        # Two advanced indices (layer, slots) split by slices: numpy puts their axis first.
+        index = (layer,) + (slice(None),) * (buf_axis - 1) + (slots,)
+        return buf.at[index].set(jnp.moveaxis(new, new.ndim + axis, 0), mode="drop")
+
     def overflows(self, length: jax.Array, new_tokens: int, num_slots: int) -> jax.Array:
         """A ring never fills."""
         del new_tokens, num_slots
@@ -128,6 +166,29 @@ class RingSlots:
         """A ring never fills, so the generate loop's buffer must hold the steps: the next
         power of two >= ``num_steps`` (at least ``num_slots``), so few lengths compile."""
         return max(num_slots, 1 << max(0, int(num_steps) - 1).bit_length())
+
+
+def write_rows(buf: jax.Array, new: jax.Array, slots: jax.Array, axis: int, layer=None,
+               mode: str = "drop") -> jax.Array:
+    """Scatters each row's chunk to its own slots.
+
+    Args:
+      buf: [B, ..., S, X] (``axis`` -2) or [B, ..., X, S] (``axis`` -1), with a leading L
+        axis when ``layer`` (a [] int32 index) is given.
+      new: laid out like one layer of ``buf`` with T in place of S.
+      slots: [B, T] int32 slot per row and token (S: dropped with ``mode='drop'``).
+    """
+    b = new.shape[0]
+    layer_ndim = buf.ndim - (layer is not None)
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+    index = [slice(None)] * layer_ndim
+    index[0], index[layer_ndim + axis] = rows, slots
+    if layer is not None:
+        index = [layer] + index
+    # The advanced indices (layer, rows, slots) broadcast to [B, T]; the update is
+    # [B, T, rest...] whether a slice separates them (numpy puts them first) or not.
+    value = jnp.moveaxis(new.astype(buf.dtype), new.ndim + axis, 1)
+    return buf.at[tuple(index)].set(value, mode=mode)
 
 
 def policy_for(cfg) -> DenseSlots | RingSlots:

@@ -61,7 +61,7 @@ def _scan_body(block: Block, carry, positions):
     if cache is not None:
         cache = cache.replace(tensors={
             n: cache_lib.write(cache.tensors[n], new[n], positions, block.cfg, layer=layer,
-                               axis=cache_lib.slot_axis(block.cfg, n))
+                               axis=cache_lib.slot_axis(block.cfg, n), ragged=cache.ragged)
             for n in cache.tensors})
     return (x, cache, layer + 1), None
 
@@ -100,7 +100,8 @@ class DecoderLM(nn.Module):
                 if cache is not None:
                     for n in tensors:
                         tensors[n][i] = cache_lib.write(tensors[n][i], new[n], positions, c,
-                                                        axis=cache_lib.slot_axis(c, n))
+                                                        axis=cache_lib.slot_axis(c, n),
+                                                        ragged=cache.ragged)
             new_cache = None if cache is None else cache.replace(
                 tensors={n: tuple(t) for n, t in tensors.items()})
 
@@ -220,8 +221,9 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
 
 def check_positions(positions: jax.Array, cache: cache_lib.KVCache) -> None:
     """Raises ValueError naming the first row whose ``positions`` [B, T] do not continue
-    its cache (``cache.length[b] + arange(T)``). Skipped for traced values (inside jit
-    the callers derive positions from ``cache.length``)."""
+    its cache (``cache.length[b] + arange(T)``), or, for a lockstep cache (not
+    ``ragged``), that differs from row 0. Skipped for traced values (inside jit the
+    callers derive positions from ``cache.length``)."""
     if isinstance(positions, jax.core.Tracer) or isinstance(cache.length, jax.core.Tracer):
         return
     pos = np.asarray(positions)
@@ -232,6 +234,14 @@ def check_positions(positions: jax.Array, cache: cache_lib.KVCache) -> None:
             f"allowed: [B, T] with B = {length.shape[0] if length.ndim else '?'}")
     want = length[:, None] + np.arange(pos.shape[1])
     bad = np.nonzero((pos != want).any(axis=1))[0]
+    if not cache.ragged and not bad.size:
+        bad = np.nonzero((pos != pos[:1]).any(axis=1))[0]
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(
+                f"positions of row {b} ({pos[b, :4].tolist()}...) differ from row 0's "
+                f"({pos[0, :4].tolist()}...) in a lockstep cache; allowed: equal rows, or a "
+                "cache from init_cache(..., ragged=True) whose rows have their own lengths")
     if bad.size:
         b = int(bad[0])
         raise ValueError(
