@@ -43,6 +43,14 @@ def _positive(field: str, value: Any) -> None:
         _fail(field, value, "a positive integer")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of a dtype name ('float32' -> 4, 'bfloat16' -> 2, ...)."""
     if dtype not in DTYPES:
@@ -199,7 +207,16 @@ def validate_model_config(c: ModelConfig) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """Token sampling. temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
+    """Token sampling (the rule: ``kvjax.inference.sampling``).
+
+    Attributes:
+      temperature: finite number >= 0; 0 means greedy (argmax; the filters are unused).
+      top_k: integer >= 0; keep the k most likely tokens (0 = off). A top_k at or above
+        the vocabulary size keeps every token (clamped to V where the logits are known).
+      top_p: number in (0, 1]; keep the smallest sorted prefix whose probability reaches
+        top_p (1 = off).
+      seed: integer seed of the sampling PRNG key.
+    """
 
     temperature: float = 0.0
     top_k: int = 0
@@ -207,12 +224,16 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            _fail("sampling.temperature", self.temperature, "a number >= 0 (0 = greedy)")
-        if isinstance(self.top_k, bool) or self.top_k < 0:
-            _fail("sampling.top_k", self.top_k, "an integer >= 0 (0 = off)")
-        if not 0 < self.top_p <= 1:
+        if not _is_real(self.temperature) or not 0 <= self.temperature < float("inf"):
+            _fail("sampling.temperature", self.temperature,
+                  "a finite number >= 0 (0 = greedy)")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            _fail("sampling.top_k", self.top_k,
+                  "an integer >= 0 (0 = off; values >= the vocabulary keep every token)")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             _fail("sampling.top_p", self.top_p, "a number in (0, 1] (1 = off)")
+        if not _is_int(self.seed):
+            _fail("sampling.seed", self.seed, "an integer")
 
     @property
     def greedy(self) -> bool:
