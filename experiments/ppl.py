@@ -48,7 +48,8 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = loaded.cfg
-    res = evaluate.perplexity(loaded.params, cfg, windows, ecfg, corpus.byte_lengths)
+    res = evaluate.perplexity(loaded.params, cfg, windows, ecfg, corpus.byte_lengths,
+                              separator_id=corpus.separator_id)
     print(f"model: {cfg.name}  attention={cfg.attention}  K={cfg.num_kv_heads}  "
           f"window={cfg.window_size}  sinks={cfg.num_sink_tokens}  dtype={cfg.dtype}")
     print(f"corpus: {corpus.source}, held-out split: {len(corpus.heldout_docs)} documents, "
