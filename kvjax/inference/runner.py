@@ -39,7 +39,9 @@ def load(run: RunConfig, progress: bool = True) -> LoadedModel:
 
     Raises:
       checkpoints.WeightsError: weights unreachable, corrupt or of another architecture.
-      ConfigError: the model config does not fit the checkpoint or the tokenizer.
+      ConfigError: the run disagrees with a hyper-parameter the checkpoint states
+        (:func:`check_checkpoint`; raised from the metadata, before any tensor is
+        dequantised) or with the tokenizer.
     """
     cfg = run.model
     path = run.weights_path or checkpoints.weights_path(run.cache_dir, progress=progress)
@@ -52,11 +54,8 @@ def load(run: RunConfig, progress: bool = True) -> LoadedModel:
         params = model.init_params(cfg, jax.random.key(run.sampling.seed))
         return LoadedModel(cfg, params, tokenizer)
 
-    ckpt = checkpoints.read_llama_gguf(path, dtype=np.dtype(cfg.jnp_dtype), progress=progress)
-    try:
-        convert.check_compatible(cfg, ckpt.hparams)
-    except ValueError as e:
-        raise ConfigError(f"invalid config: {e}") from None
+    ckpt = checkpoints.read_llama_gguf(path, dtype=np.dtype(cfg.jnp_dtype), progress=progress,
+                                       check=lambda hp: check_checkpoint(run, hp))
     h = ckpt.hparams
     params = convert.params_from_gguf(ckpt.tensors, h["num_heads"], h["num_kv_heads"],
                                       h["head_dim"], tied="lm_head" not in ckpt.tensors)
@@ -66,6 +65,27 @@ def load(run: RunConfig, progress: bool = True) -> LoadedModel:
         raise ConfigError(f"invalid config: {e}") from None
     params = jax.tree.map(jnp.asarray, model.params_for(cfg, params))
     return LoadedModel(cfg, params, checkpoints.load_tokenizer(ckpt))
+
+
+def check_checkpoint(run: RunConfig, hparams: dict) -> None:
+    """Raises ConfigError naming both values where ``run`` disagrees with what the
+    checkpoint states (``read_llama_hparams``); called before any tensor is dequantised.
+
+    Model fields: :func:`kvjax.models.convert.check_compatible`. Context length: a dense
+    cache of ``max_seq_len`` slots may not pass the ``context_length`` the model was
+    trained for (rotary positions past it are untrained); a windowed cache may.
+    """
+    try:
+        convert.check_compatible(run.model, hparams)
+    except ValueError as e:
+        raise ConfigError(f"invalid config: {e}") from None
+    ctx = hparams.get("context_length")
+    if ctx and run.model.window_size is None and run.max_seq_len > ctx:
+        raise ConfigError(
+            f"invalid config: max_seq_len={run.max_seq_len} exceeds the checkpoint's "
+            f"context_length={ctx} (llama.context_length: positions past it were never "
+            f"trained); allowed with these weights: max_seq_len <= {ctx}, or a sliding "
+            "window (model.window_size)")
 
 
 @dataclasses.dataclass
