@@ -76,5 +76,8 @@ def run_dict(model: config_dict.ConfigDict, **fields) -> config_dict.ConfigDict:
     # Context at which the cost report compiles the step (None: max_seq_len, the run's).
     c.cost_context = config_dict.placeholder(int)
     c.measure_repeats = 5
+    # Refuse (before allocating) a run whose weights + cache + temporaries exceed the
+    # memory available; True skips the check (kvjax/inference/memory.py).
+    c.ignore_memory_check = False
     c.update(fields)
     return c

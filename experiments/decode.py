@@ -19,7 +19,7 @@ from ml_collections import config_flags
 
 from kvjax import cache as cache_lib
 from kvjax.analysis import costs, theory
-from kvjax.inference import runner
+from kvjax.inference import memory, runner
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
 
@@ -74,6 +74,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     try:
         run = run_config_from_dict(_CONFIG.value)
+        memory.check_run(run, weights_loaded=False)
         loaded = runner.load(run)
         result = runner.run_decode(run, loaded)
     except (ConfigError, WeightsError) as e:

@@ -258,6 +258,8 @@ class RunConfig:
       cost_context: context length t at which the cost report compiles the decode step
         (None: the prompt length).
       measure_repeats: repeats of the timed decode step for the measured column.
+      ignore_memory_check: skip the check that weights + cache + temporaries fit the
+        memory available (``kvjax.inference.memory``), for those who know better.
     """
 
     model: ModelConfig
@@ -272,6 +274,7 @@ class RunConfig:
     stop_at_eos: bool = True
     cost_context: int | None = None
     measure_repeats: int = 5
+    ignore_memory_check: bool = False
 
     def __post_init__(self):
         if self.weights not in WEIGHTS:

@@ -15,7 +15,7 @@ import numpy as np
 from kvjax import cache as cache_lib
 from kvjax import checkpoints
 from kvjax.analysis import costs, theory
-from kvjax.inference import decode
+from kvjax.inference import decode, memory
 from kvjax.models import convert, model
 from kvjax.config import ConfigError, ModelConfig, RunConfig
 
@@ -140,6 +140,8 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
 
     Raises:
       ConfigError: prompt + max_new_tokens do not fit in max_seq_len (before compiling).
+      memory.MemoryCheckError: the cache and temporaries do not fit the memory available
+        (before allocating; ``run.ignore_memory_check`` skips the check).
     """
     cfg, params, tok = loaded.cfg, loaded.params, loaded.tokenizer
     ids = tok.encode(run.prompt)
@@ -148,6 +150,7 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
     tokens = jnp.asarray([ids] * b, jnp.int32)
     eos = tok.eos_token_id if run.stop_at_eos else -1
 
+    memory.check_run(run, weights_loaded=True, prompt_tokens=len(ids))
     start = time.perf_counter()
     cache = cache_lib.init_cache(cfg, b, run.max_seq_len)
     prefill_c = decode._prefill.lower(params, tokens, cache, cfg=cfg).compile()
@@ -180,6 +183,7 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
         out = out[: out.index(eos)]
     text = tok.decode(out)
     kv_bytes = cache_lib.cache_bytes(cache)
+    del cache  # the cost hook below allocates its own cache: never hold both
 
     context = run.cost_context or run.max_seq_len
     step = costs.analyze_decode_step(cfg, context, b)
