@@ -1,6 +1,8 @@
 r"""Decode real text with a real model and print what a decode step costs.
 
     python -m experiments.decode --config=configs/gqa.py
+    python -m experiments.decode --config=configs/gqa.py --config.prompt="What is the capital of France?"
+    python -m experiments.decode --config=configs/gqa.py --config.chat_template=False   # raw completion
     python -m experiments.decode --config=configs/mqa.py --config.prompt="Once upon a time"
     python -m experiments.decode --config=configs/blog.py --config.dtype=float16 \
         --json_out=/tmp/blog.json
@@ -40,8 +42,11 @@ def report(result: runner.DecodeResult) -> str:
             "" if cfg.is_mla else
             f"  cache layout: k {cfg.cache_layout('k')}, v {cfg.cache_layout('v')}"),
         "",
-        f"prompt: {result.prompt!r}",
+        f"prompt: {result.prompt!r}"
+        + ("  (the checkpoint's chat template; --config.chat_template=False for raw "
+           "completion)" if result.chat_template else ""),
         f"generated: {result.generated_text!r}",
+        *(f"warning: {w}" for w in result.warnings),
         "",
         f"prompt tokens {result.prompt_tokens}, new tokens {result.new_tokens}; "
         f"compile {result.compile_seconds:.2f} s",
@@ -81,6 +86,8 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report(result))
+    for w in result.warnings:
+        print(f"warning: {w}", file=sys.stderr)
     if _JSON_OUT.value:
         with open(_JSON_OUT.value, "w") as f:
             json.dump(result.as_json(), f, indent=2)

@@ -12,6 +12,7 @@ C kv_lora_rank, R qk_rope_head_dim, W window_size.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Mapping
 
 import jax.numpy as jnp
@@ -258,6 +259,14 @@ class RunConfig:
       cost_context: context length t at which the cost report compiles the decode step
         (None: the prompt length).
       measure_repeats: repeats of the timed decode step for the measured column.
+      chat_template: apply the checkpoint's own chat template to the prompt (the prompt
+        becomes the user's turn and generation starts in the assistant's turn): True
+        (an error if the checkpoint has none), False (raw completion of the prompt
+        text) or None (the default: apply it when the weights are a pretrained
+        checkpoint that carries a template, as SmolLM2-Instruct does; never for
+        'random' weights).
+      system_prompt: the system turn with the chat template (None: the template's own
+        default, if any). system_prompt_file: read it from this file instead.
       ignore_memory_check: skip the check that weights + cache + temporaries fit the
         memory available (``kvjax.inference.memory``), for those who know better.
     """
@@ -266,7 +275,7 @@ class RunConfig:
     weights: str = "smollm2"
     weights_path: str | None = None
     cache_dir: str | None = None
-    prompt: str = "The capital of France is"
+    prompt: str = "What is the capital of France?"
     max_new_tokens: int = 32
     max_seq_len: int = 256
     batch_size: int = 1
@@ -274,6 +283,9 @@ class RunConfig:
     stop_at_eos: bool = True
     cost_context: int | None = None
     measure_repeats: int = 5
+    chat_template: bool | None = None
+    system_prompt: str | None = None
+    system_prompt_file: str | None = None
     ignore_memory_check: bool = False
 
     def __post_init__(self):
@@ -287,6 +299,17 @@ class RunConfig:
             _positive("cost_context", self.cost_context)
         if not isinstance(self.prompt, str) or not self.prompt:
             _fail("prompt", self.prompt, "a non-empty string")
+        if self.chat_template not in (None, True, False):
+            _fail("chat_template", self.chat_template, "True, False or None (auto)")
+        if self.system_prompt is not None and self.system_prompt_file is not None:
+            _fail("system_prompt_file", self.system_prompt_file,
+                  "None when system_prompt is set (one source for the system turn)")
+        if self.chat_template is False and (self.system_prompt is not None
+                                            or self.system_prompt_file is not None):
+            _fail("chat_template", False,
+                  "True or None when a system prompt is given (it needs the template)")
+        if self.system_prompt_file is not None and not os.path.isfile(self.system_prompt_file):
+            _fail("system_prompt_file", self.system_prompt_file, "a readable text file")
 
     def check_fits(self, prompt_tokens: int) -> None:
         """Raises ConfigError unless prompt + max_new_tokens fit in max_seq_len.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import checkpoints
+from kvjax.checkpoints.tokenizer import is_chatml
 from kvjax.analysis import costs, theory
 from kvjax.inference import decode, memory
 from kvjax.models import convert, model
@@ -79,6 +81,12 @@ def check_checkpoint(run: RunConfig, hparams: dict) -> None:
         convert.check_compatible(run.model, hparams)
     except ValueError as e:
         raise ConfigError(f"invalid config: {e}") from None
+    if run.chat_template and not is_chatml(hparams.get("chat_template")):
+        raise ConfigError(
+            "invalid config: chat_template=True but the checkpoint carries "
+            + ("no chat template" if not hparams.get("chat_template") else
+               "a chat template that is not ChatML (the family kvjax renders)")
+            + "; allowed: chat_template=False (raw completion)")
     ctx = hparams.get("context_length")
     if ctx and run.model.window_size is None and run.max_seq_len > ctx:
         raise ConfigError(
@@ -86,6 +94,35 @@ def check_checkpoint(run: RunConfig, hparams: dict) -> None:
             f"context_length={ctx} (llama.context_length: positions past it were never "
             f"trained); allowed with these weights: max_seq_len <= {ctx}, or a sliding "
             "window (model.window_size)")
+
+
+def uses_chat_template(run: RunConfig, tokenizer: checkpoints.Tokenizer) -> bool:
+    """Whether ``run`` applies the chat template (``RunConfig.chat_template``; None: when
+    pretrained weights come with a template kvjax renders)."""
+    if run.chat_template is not None:
+        return run.chat_template
+    return run.weights != "random" and is_chatml(tokenizer.chat_template)
+
+
+def render_prompt(run: RunConfig, tokenizer: checkpoints.Tokenizer) -> str:
+    """The text to encode: ``run.prompt`` itself, or, with the chat template, the
+    checkpoint's template around it as the user's turn (``Tokenizer.chat_prompt``), the
+    system turn from ``run.system_prompt`` / ``run.system_prompt_file``.
+
+    Raises:
+      ConfigError: chat_template=True and the tokenizer has no ChatML template.
+    """
+    if not uses_chat_template(run, tokenizer):
+        return run.prompt
+    system = run.system_prompt
+    if run.system_prompt_file is not None:
+        with open(run.system_prompt_file, encoding="utf-8") as f:
+            system = f.read()
+    try:
+        return tokenizer.chat_prompt(run.prompt, system)
+    except ValueError as e:
+        raise ConfigError(f"invalid config: chat_template={run.chat_template}: {e}; "
+                          "allowed: chat_template=False (raw completion)") from None
 
 
 @dataclasses.dataclass
@@ -108,13 +145,16 @@ class DecodeResult:
     step: costs.StepCost
     step_seconds_median: float
     prefill_cost: costs.StepCost
+    chat_template: bool = False
+    warnings: list = dataclasses.field(default_factory=list)
 
     def as_json(self) -> dict:
         s = self.step
         return {
             "generated_text": self.generated_text, "prompt": self.prompt,
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
-            "generated_ids": self.generated_ids,
+            "generated_ids": self.generated_ids, "chat_template": self.chat_template,
+            "warnings": self.warnings,
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "time_to_first_token_s": self.time_to_first_token_s,
@@ -144,7 +184,9 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
         (before allocating; ``run.ignore_memory_check`` skips the check).
     """
     cfg, params, tok = loaded.cfg, loaded.params, loaded.tokenizer
-    ids = tok.encode(run.prompt)
+    chat = uses_chat_template(run, tok)
+    prompt = render_prompt(run, tok)
+    ids = tok.encode(prompt)
     run.check_fits(len(ids))
     b = run.batch_size
     tokens = jnp.asarray([ids] * b, jnp.int32)
@@ -182,6 +224,14 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
     if eos in out:
         out = out[: out.index(eos)]
     text = tok.decode(out)
+    notes = []
+    if not out:
+        notes.append(
+            f"the generation stopped with 0 new tokens: the first token sampled was "
+            f"end-of-sequence ({tok.id_to_token(eos)!r}, id {eos})" + (
+                "; a chat model given raw text often ends its turn at once: try "
+                "--config.chat_template=True" if not chat and tok.chat_template else ""))
+        warnings.warn(notes[-1], RuntimeWarning, stacklevel=2)
     kv_bytes = cache_lib.cache_bytes(cache)
     del cache  # the cost hook below allocates its own cache: never hold both
 
@@ -190,7 +240,7 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
     times = costs.measure_step_seconds(cfg, params, costs.full_cache(cfg, b, context), b,
                                        run.measure_repeats)
     return DecodeResult(
-        prompt=run.prompt, generated_text=text, prompt_tokens=len(ids),
+        prompt=prompt, generated_text=text, prompt_tokens=len(ids),
         new_tokens=len(out), generated_ids=out, prefill_seconds=prefill_s,
         time_to_first_token_s=ttft, decode_seconds=decode_s, compile_seconds=compile_s,
         prefill_tokens_per_s=len(ids) * b / prefill_s,
@@ -201,4 +251,5 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
             cfg, cache_lib.num_slots(cfg, run.max_seq_len), b),
         step=step, step_seconds_median=statistics.median(times),
         prefill_cost=costs.analyze_prefill(cfg, len(ids), run.max_seq_len, b,
-                                           compiled=prefill_c))
+                                           compiled=prefill_c),
+        chat_template=chat, warnings=notes)
