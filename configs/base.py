@@ -66,7 +66,16 @@ def run_dict(model: config_dict.ConfigDict, **fields) -> config_dict.ConfigDict:
     c.weights_path = config_dict.placeholder(str)
     # Where fetched weights are cached (default $KVJAX_CACHE or ~/.cache/kvjax).
     c.cache_dir = config_dict.placeholder(str)
-    c.prompt = "The capital of France is"
+    # The user's turn with the chat template (SmolLM2-Instruct answers "The capital of
+    # France is Paris."); raw completion of "The capital of France is" gives " Paris.".
+    c.prompt = "What is the capital of France?"
+    # Apply the checkpoint's own chat template (the prompt becomes the user's turn):
+    # None = when a pretrained checkpoint carries one (SmolLM2-Instruct does); False =
+    # raw completion of the prompt text; True = required.
+    c.chat_template = config_dict.placeholder(bool)
+    # The system turn with the template (None: the template's default); or from a file.
+    c.system_prompt = config_dict.placeholder(str)
+    c.system_prompt_file = config_dict.placeholder(str)
     c.max_new_tokens = 32
     # Cache length S in tokens: prompt + max_new_tokens must fit (a window holds W).
     c.max_seq_len = 256
@@ -81,5 +90,8 @@ def run_dict(model: config_dict.ConfigDict, **fields) -> config_dict.ConfigDict:
     # Context at which the cost report compiles the step (None: max_seq_len, the run's).
     c.cost_context = config_dict.placeholder(int)
     c.measure_repeats = 5
+    # Refuse (before allocating) a run whose weights + cache + temporaries exceed the
+    # memory available; True skips the check (kvjax/inference/memory.py).
+    c.ignore_memory_check = False
     c.update(fields)
     return c

@@ -2,8 +2,11 @@
 
     python -m experiments.decode --config=configs/gqa.py
 
-Expected: greedy decoding continues "The capital of France is" with " Paris."; the KV
-cache holds 30·3·(64+64)·4 = 46,080 bytes per token in float32 (a third of mha.py's).
+Expected: with the checkpoint's chat template (the default), the answer to "What is the
+capital of France?" is "The capital of France is Paris."; raw completion
+(``--config.chat_template=False --config.prompt="The capital of France is"``) continues
+with " Paris.". The KV cache holds 30·3·(64+64)·4 = 46,080 bytes per token in float32 (a
+third of mha.py's).
 """
 
 from configs import base

@@ -262,7 +262,8 @@ def main(argv):
             print(f"{name}: reused from {out / 'ablate.json'}")
             return done[name]
         params = params_in(cfg, stacked_fn())
-        res = evaluate.perplexity(params, cfg, eval_w, ecfg, corpus.byte_lengths)
+        res = evaluate.perplexity(params, cfg, eval_w, ecfg, corpus.byte_lengths,
+                                  separator_id=corpus.separator_id)
         row = row_for(name, lever, cfg, ctx, res, **extra)
         rows.append(row)
         print(f"{name}: ppl {res.ppl:.3f}  bits/byte {res.bits_per_byte:.4f}  KV "

@@ -1,6 +1,8 @@
 r"""Decode real text with a real model and print what a decode step costs.
 
     python -m experiments.decode --config=configs/gqa.py
+    python -m experiments.decode --config=configs/gqa.py --config.prompt="What is the capital of France?"
+    python -m experiments.decode --config=configs/gqa.py --config.chat_template=False   # raw completion
     python -m experiments.decode --config=configs/mqa.py --config.prompt="Once upon a time"
     python -m experiments.decode --config=configs/blog.py --config.dtype=float16 \
         --json_out=/tmp/blog.json
@@ -20,7 +22,7 @@ from ml_collections import config_flags
 from kvjax import cache as cache_lib
 from kvjax.analysis import report as report_lib
 from kvjax.analysis import theory
-from kvjax.inference import runner
+from kvjax.inference import memory, runner
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
 
@@ -45,8 +47,11 @@ def report(result: runner.DecodeResult) -> str:
             "" if cfg.is_mla else
             f"  cache layout: k {cfg.cache_layout('k')}, v {cfg.cache_layout('v')}"),
         "",
-        f"prompt: {_short(result.prompt)}",
+        f"prompt: {_short(result.prompt)}"
+        + ("  (the checkpoint's chat template; --config.chat_template=False for raw "
+           "completion)" if result.chat_template else ""),
         f"generated: {result.generated_text!r}",
+        *(f"warning: {w}" for w in result.warnings),
         "",
         f"prompt tokens {result.prompt_tokens}, new tokens {result.new_tokens}; "
         f"compile {result.compile_seconds:.2f} s",
@@ -122,12 +127,15 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     try:
         run = run_config_from_dict(_CONFIG.value)
+        memory.check_run(run, weights_loaded=False)
         loaded = runner.load(run)
         result = runner.run_decode(run, loaded)
     except (ConfigError, WeightsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report(result))
+    for w in result.warnings:
+        print(f"warning: {w}", file=sys.stderr)
     if _JSON_OUT.value:
         with open(_JSON_OUT.value, "w") as f:
             json.dump(result.as_json(), f, indent=2)

@@ -22,7 +22,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from kvjax.analysis import theory
-from kvjax.inference import runner
+from kvjax.inference import memory, runner
 from kvjax.training import data, evaluate
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
@@ -39,6 +39,10 @@ def main(argv):
     try:
         run = run_config_from_dict(_CONFIG.value)
         ecfg = evaluate.eval_config_from_dict(_EVAL.value)
+        if not run.ignore_memory_check:  # the eval cache: B windows of `context` slots
+            memory.check(run.model, ecfg.batch_size, ecfg.context, what="perplexity",
+                         weights_bytes=2 * theory.weight_bytes(run.model),
+                         prompt_tokens=ecfg.chunk)
         loaded = runner.load(run)
         corpus = data.tokenized_corpus(loaded.tokenizer, _EVAL.value.corpus,
                                        _EVAL.value.heldout_fraction, run.cache_dir,
@@ -48,7 +52,8 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = loaded.cfg
-    res = evaluate.perplexity(loaded.params, cfg, windows, ecfg, corpus.byte_lengths)
+    res = evaluate.perplexity(loaded.params, cfg, windows, ecfg, corpus.byte_lengths,
+                              separator_id=corpus.separator_id)
     print(f"model: {cfg.name}  attention={cfg.attention}  K={cfg.num_kv_heads}  "
           f"window={cfg.window_size}  sinks={cfg.num_sink_tokens}  dtype={cfg.dtype}")
     print(f"corpus: {corpus.source}, held-out split: {len(corpus.heldout_docs)} documents, "

@@ -63,7 +63,8 @@ def main(argv):
           f"{corpus.train.size:,} training tokens in {len(corpus.train_docs)} documents")
     out = {"model": cfg.name, "train": vars(tcfg).copy()}
     if windows is not None:
-        before = evaluate.perplexity(loaded.params, cfg, windows, ecfg, corpus.byte_lengths)
+        before = evaluate.perplexity(loaded.params, cfg, windows, ecfg, corpus.byte_lengths,
+                                     separator_id=corpus.separator_id)
         print(f"before: perplexity {before.ppl:.3f}, bits/byte {before.bits_per_byte:.4f} "
               f"({before.num_predicted:,} held-out tokens, context {ecfg.context})")
         out["before"] = before.as_json()
@@ -75,7 +76,8 @@ def main(argv):
     out.update(history=result.history, train_seconds=result.seconds)
     if windows is not None:
         after = evaluate.perplexity(train_lib.to_layout(result.params, cfg), cfg, windows,
-                                    ecfg, corpus.byte_lengths)
+                                    ecfg, corpus.byte_lengths,
+                                    separator_id=corpus.separator_id)
         print(f"after {tcfg.steps} steps: perplexity {after.ppl:.3f}, bits/byte "
               f"{after.bits_per_byte:.4f}")
         out["after"] = after.as_json()

@@ -12,6 +12,7 @@ C kv_lora_rank, R qk_rope_head_dim, W window_size.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Mapping
 
 import jax.numpy as jnp
@@ -45,6 +46,14 @@ def _fail(field: str, value: Any, allowed: str) -> None:
 def _positive(field: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         _fail(field, value, "a positive integer")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -235,7 +244,16 @@ def validate_model_config(c: ModelConfig) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """Token sampling. temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
+    """Token sampling (the rule: ``kvjax.inference.sampling``).
+
+    Attributes:
+      temperature: finite number >= 0; 0 means greedy (argmax; the filters are unused).
+      top_k: integer >= 0; keep the k most likely tokens (0 = off). A top_k at or above
+        the vocabulary size keeps every token (clamped to V where the logits are known).
+      top_p: number in (0, 1]; keep the smallest sorted prefix whose probability reaches
+        top_p (1 = off).
+      seed: integer seed of the sampling PRNG key.
+    """
 
     temperature: float = 0.0
     top_k: int = 0
@@ -243,12 +261,16 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            _fail("sampling.temperature", self.temperature, "a number >= 0 (0 = greedy)")
-        if isinstance(self.top_k, bool) or self.top_k < 0:
-            _fail("sampling.top_k", self.top_k, "an integer >= 0 (0 = off)")
-        if not 0 < self.top_p <= 1:
+        if not _is_real(self.temperature) or not 0 <= self.temperature < float("inf"):
+            _fail("sampling.temperature", self.temperature,
+                  "a finite number >= 0 (0 = greedy)")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            _fail("sampling.top_k", self.top_k,
+                  "an integer >= 0 (0 = off; values >= the vocabulary keep every token)")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             _fail("sampling.top_p", self.top_p, "a number in (0, 1] (1 = off)")
+        if not _is_int(self.seed):
+            _fail("sampling.seed", self.seed, "an integer")
 
     @property
     def greedy(self) -> bool:
@@ -273,13 +295,23 @@ class RunConfig:
       cost_context: context length t at which the cost report compiles the decode step
         (None: the prompt length).
       measure_repeats: repeats of the timed decode step for the measured column.
+      chat_template: apply the checkpoint's own chat template to the prompt (the prompt
+        becomes the user's turn and generation starts in the assistant's turn): True
+        (an error if the checkpoint has none), False (raw completion of the prompt
+        text) or None (the default: apply it when the weights are a pretrained
+        checkpoint that carries a template, as SmolLM2-Instruct does; never for
+        'random' weights).
+      system_prompt: the system turn with the chat template (None: the template's own
+        default, if any). system_prompt_file: read it from this file instead.
+      ignore_memory_check: skip the check that weights + cache + temporaries fit the
+        memory available (``kvjax.inference.memory``), for those who know better.
     """
 
     model: ModelConfig
     weights: str = "smollm2"
     weights_path: str | None = None
     cache_dir: str | None = None
-    prompt: str = "The capital of France is"
+    prompt: str = "What is the capital of France?"
     max_new_tokens: int = 32
     max_seq_len: int = 256
     batch_size: int = 1
@@ -287,6 +319,10 @@ class RunConfig:
     stop_at_eos: bool = True
     cost_context: int | None = None
     measure_repeats: int = 5
+    chat_template: bool | None = None
+    system_prompt: str | None = None
+    system_prompt_file: str | None = None
+    ignore_memory_check: bool = False
 
     def __post_init__(self):
         if self.weights not in WEIGHTS:
@@ -299,6 +335,17 @@ class RunConfig:
             _positive("cost_context", self.cost_context)
         if not isinstance(self.prompt, str) or not self.prompt:
             _fail("prompt", self.prompt, "a non-empty string")
+        if self.chat_template not in (None, True, False):
+            _fail("chat_template", self.chat_template, "True, False or None (auto)")
+        if self.system_prompt is not None and self.system_prompt_file is not None:
+            _fail("system_prompt_file", self.system_prompt_file,
+                  "None when system_prompt is set (one source for the system turn)")
+        if self.chat_template is False and (self.system_prompt is not None
+                                            or self.system_prompt_file is not None):
+            _fail("chat_template", False,
+                  "True or None when a system prompt is given (it needs the template)")
+        if self.system_prompt_file is not None and not os.path.isfile(self.system_prompt_file):
+            _fail("system_prompt_file", self.system_prompt_file, "a readable text file")
 
     def check_fits(self, prompt_tokens: int) -> None:
         """Raises ConfigError unless prompt + max_new_tokens fit in the cache.

@@ -300,7 +300,7 @@ def test_real_hparams(real):
     assert real.hparams == dict(
         vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3, head_dim=64,
         mlp_dim=1536, rope_theta=1e5, norm_eps=pytest.approx(1e-5), context_length=8192,
-        bos_token_id=1, eos_token_id=2)
+        bos_token_id=1, eos_token_id=2, tie_embeddings=True)
 
 
 @pytest.mark.slow

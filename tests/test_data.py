@@ -94,4 +94,4 @@ def test_default_corpus_is_fetched_verified_and_split(smollm2):
     assert (ids == data.separator_id(tok)).sum() == 3 and data.separator_id(tok) == 0
     lengths = data.token_byte_lengths(tok)
     text = "".join(d.text for d in held[:3]).encode("utf-8")
-    assert lengths[ids].sum() == len(text) + 3 * len("<|endoftext|>")
+    assert lengths[ids].sum() == len(text)  # the separators are not text: 0 bytes

@@ -39,10 +39,28 @@ def test_decode_entry_point_blog_shrunk(tmp_path):
 
 @pytest.mark.slow
 def test_decode_entry_point_real_model_paris(tmp_path):
+    """Raw completion (the chat template off) of "The capital of France is"."""
     proc, out = run_entry(tmp_path, "--config=configs/gqa.py", "--config.max_new_tokens=3",
-                          "--config.max_seq_len=32", "--config.measure_repeats=2")
+                          "--config.max_seq_len=32", "--config.measure_repeats=2",
+                          "--config.chat_template=False",
+                          "--config.prompt=The capital of France is")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert " Paris" in json.loads(out.read_text())["generated_text"]
+    result = json.loads(out.read_text())
+    assert result["generated_text"].startswith(" Paris.") and not result["chat_template"]
+
+
+@pytest.mark.slow
+def test_decode_entry_point_chat_model_answers(tmp_path):
+    """The issue's command: SmolLM2-Instruct through its own chat template (on by default)."""
+    proc, out = run_entry(tmp_path, "--config=configs/gqa.py",
+                          "--config.prompt=What is the capital of France?",
+                          "--config.measure_repeats=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["chat_template"] and "Paris" in result["generated_text"]
+    assert result["prompt"].endswith("What is the capital of France?<|im_end|>\n"
+                                     "<|im_start|>assistant\n")
+    assert result["new_tokens"] > 0 and "warning" not in proc.stderr
 
 
 def test_bad_override_fails_fast_with_the_field_named(tmp_path):

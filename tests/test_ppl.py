@@ -176,3 +176,35 @@ def test_ablate_entry_point_writes_table_and_plots(tmp_path):
         assert r["check_rel_diff"] is None or r["check_rel_diff"] < 1e-4
     assert (out / "pareto.png").stat().st_size > 0 and (out / "uptrain_loss.png").is_file()
     assert "Pareto front" in proc.stdout
+
+
+def test_separator_is_not_text_two_documents(tmp_path):
+    """Two documents joined by <|endoftext|> (id 0): "cab ba" (6 bytes) and "abc 12"
+    (6 bytes). The window is the whole stream; its first token 'c' (1 byte) is context
+    only, so 12 - 1 = 11 bytes of text are scored, in 5 - 1 + 4 = 8 text tokens; the two
+    separator predictions are not scored (they used to add 2 x 13 bytes and 2 tokens)."""
+    from tests.test_checkpoints import write_tiny_gguf  # noqa: PLC0415
+    from kvjax.checkpoints import load_tokenizer  # noqa: PLC0415
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    tok = load_tokenizer(path)
+    docs = [data.Document("one.txt", "cab ba"), data.Document("two.txt", "abc 12")]
+    stream = data.token_stream(docs, tok)
+    assert [tok.decode([i]) for i in stream] == [
+        "c", "ab", " ", "b", "a", "<|endoftext|>", "abc", " ", "1", "2", "<|endoftext|>"]
+    lengths = data.token_byte_lengths(tok)
+    assert lengths[0] == 0 and lengths[stream].sum() == 12
+    v = tok.vocab_size
+    cfg = ModelConfig(vocab_size=v, num_layers=1, d_model=8, num_heads=2, num_kv_heads=1,
+                      head_dim=4, mlp_dim=8, scan_layers=False)
+    params = model.params_for(cfg, model.init_params(cfg.replace(scan_layers=True), 0))
+    params["embed"]["embedding"] = jnp.zeros_like(params["embed"]["embedding"])  # uniform
+    n = stream.size  # 11
+    ecfg = evaluate.EvalConfig(context=n, num_tokens=n, batch_size=1, chunk=n,
+                               check_full=False)
+    res = evaluate.perplexity(params, cfg, stream[None], ecfg, lengths,
+                              separator_id=data.separator_id(tok))
+    assert (res.num_predicted, res.num_bytes, res.num_separators) == (8, 11, 2)
+    assert res.nll_nats == pytest.approx(8 * math.log(v), rel=1e-6)
+    assert res.bits_per_byte == pytest.approx(8 * math.log2(v) / 11, rel=1e-6)

@@ -288,12 +288,40 @@ def test_max_batch(blog):
     assert theory.max_batch(blog, 4096, 80e9, reserve_bytes=80e9) == 0
 
 
+def test_max_batch_docstring_states_units_and_both_readings():
+    doc = theory.max_batch.__doc__
+    assert "MiB" in doc and "bytes" in doc
+    assert "60_000 * 2**20) == 625" in doc and "596" in doc
+
+
+def test_batch_fit_explains_a_zero(blog):
+    fit = theory.batch_fit(blog, 4096, 60_000 * MiB)
+    assert (fit.batch, fit.per_sequence_bytes, fit.devices_needed) == (625, 96 * MiB, 1)
+    assert fit.reason.startswith("625 sequences of 100,663,296 B (context 4096)")
+    # weights alone (here a reserve of 80e9 B) exceed the memory
+    fit = theory.batch_fit(blog, 4096, 80e9, reserve_bytes=80e9 + 1)
+    assert fit.batch == 0 and fit.max_context == 0 and fit.devices_needed == 2
+    assert "leaves nothing of 80,000,000,000 B" in fit.reason and "2 devices" in fit.reason
+    # some memory free, less than one sequence: the longest context that fits
+    fit = theory.batch_fit(blog, 4096, 50 * MiB)
+    assert fit.batch == 0 and fit.max_context == 50 * MiB // theory.kv_bytes_per_token(blog)
+    assert fit.max_context == 2133 and "at most 2,133 tokens fit" in fit.reason
+
+
 def test_llama7b_cache_exceeds_a100():
     # "LLaMA-7B at 128K context, each cache is 64 GB - it does not even fit": with 14 GB
     # of fp16 weights on an 80 GB A100, zero 128K caches fit.
     cfg = presets.llama_7b()
     assert theory.max_batch(cfg, 128_000, A100.hbm_capacity_bytes,
                             reserve_bytes=theory.weight_bytes(cfg)) == 0
+    fit = theory.batch_fit(cfg, 128_000, A100.hbm_capacity_bytes,
+                           reserve_bytes=theory.weight_bytes(cfg))
+    # 64 GiB of cache + 13.5 GB of fp16 weights > 80 GB; int8 weights leave room for one,
+    # and two A100s with weights and cache split evenly hold one too.
+    assert fit.per_sequence_bytes == 128_000 * 32 * 2 * 4096 * 2
+    assert fit.weight_options[2] == 0 and fit.weight_options[1] == 1
+    assert fit.devices_needed == 2
+    assert "2 devices" in fit.reason and "int8" in fit.reason, fit.reason
 
 
 # ------------------------------------------------------------------ presets

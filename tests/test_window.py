@@ -555,6 +555,7 @@ def test_smollm2_window_generates_past_the_window(smollm2, sinks):
     d.model.window_size = 64
     d.model.num_sink_tokens = sinks
     d.prompt = LONG_PROMPT
+    d.chat_template = False  # raw continuation of the text
     d.max_new_tokens = 3 * 64 + 8  # the ring wraps three more times while generating
     d.stop_at_eos = False
     d.measure_repeats = 1

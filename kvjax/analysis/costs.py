@@ -32,7 +32,7 @@ import numpy as np
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
 from kvjax.analysis import hlo_cost, roofline, theory
-from kvjax.inference import decode
+from kvjax.inference import decode, memory
 from kvjax.models import model
 from kvjax.config import ModelConfig, SamplingConfig
 
@@ -434,7 +434,14 @@ def measure_decode_step(cfg: ModelConfig, context: int, batch: int = 1, repeats:
     """Wall times (s) of up to ``repeats`` decode steps at ``context`` (random weights, a
     full cache: timing does not depend on the values), after two warm-up steps; see
     :func:`measure_step_seconds` for ``budget_s`` and ``before_step``. Allocates the cache
-    and parameters."""
+    and parameters, after checking that they fit the memory available.
+
+    Raises:
+      kvjax.inference.memory.MemoryCheckError: they do not fit.
+    """
+    temps = None if compiled is None else hlo_cost.memory_stats(compiled).get("temp_bytes")
+    memory.check(cfg, batch, context, what=f"decode step at context {context}",
+                 weights_bytes=theory.weight_bytes(cfg), temp_bytes=temps)
     params = model.init_params(cfg, 0)
     cache = full_cache(cfg, batch, context)
     return measure_step_seconds(cfg, params, cache, batch, repeats, compiled=compiled,

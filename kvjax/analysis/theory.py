@@ -406,12 +406,96 @@ def max_batch(cfg: ModelConfig, t: int, memory_bytes: float, reserve_bytes: floa
               element_bytes: int | None = None) -> int:
     """Sequences whose KV caches at context ``t`` fit in ``memory_bytes - reserve_bytes``.
 
-    Blog "The memory capacity wall": ~60 GB of an 80 GB A100 left for caches,
-    60,000 / 96 ~ 625 requests at 4K context, 60,000 / 3,000 ~ 20 at 128K. Pass the memory
-    free for caches, or the whole memory with weights etc. in ``reserve_bytes``.
+    Units: ``memory_bytes`` and ``reserve_bytes`` in bytes (B), the result a count of
+    sequences. Blog "The memory capacity wall": "~60 GB" of an 80 GB A100 left for
+    caches, "60,000 / 96 ~ 625" requests at 4K context and "60,000 / 3,000 ~ 20" at 128K.
+    The blog's "MB" are MiB (96 MB = 100,663,296 B), so its quotients hold for
+    60,000 MiB = 62,914,560,000 B: ``max_batch(blog, 4096, 60_000 * 2**20) == 625`` and
+    ``== 20`` at t = 128,000; 60 GB read as 60e9 B gives 596 and 19. Pass the memory free
+    for caches, or the whole memory with weights etc. in ``reserve_bytes``.
+
+    Returns 0 when not one sequence fits (e.g. the weights alone exceed the memory);
+    :func:`batch_fit` says why and what would fit.
+
+    Raises:
+      ValueError: t = 0 (an empty cache fits any batch) or a negative t.
+    """
+    return batch_fit(cfg, t, memory_bytes, reserve_bytes, element_bytes).batch
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchFit:
+    """How many sequences fit, and why not more (:func:`batch_fit`).
+
+    Attributes:
+      batch: sequences whose caches fit (what :func:`max_batch` returns).
+      per_sequence_bytes: one sequence's KV cache at the context asked, bytes.
+      free_bytes: memory_bytes - reserve_bytes (negative when the reserve exceeds it).
+      max_context: the longest context one sequence could hold in ``free_bytes``
+        (tokens; None when any context fits, i.e. a windowed cache that fits; 0 when
+        nothing is free).
+      devices_needed: devices of ``memory_bytes`` each that hold the reserve and one
+        sequence when both are split evenly across them (1 when one sequence fits).
+      weight_options: {bytes per parameter: sequences that would fit} for weights stored
+        at 4, 2, 1 and 0.5 bytes (float32, 16-bit, int8, int4), taking the reserve as the
+        model's weights at ``cfg.dtype`` plus the rest; empty unless the reserve covers
+        them (reserve_bytes >= :func:`weight_bytes`).
+      reason: one sentence: the count, or why it is 0 and what would fit.
+    """
+
+    batch: int
+    per_sequence_bytes: int
+    free_bytes: float
+    max_context: int | None
+    devices_needed: int
+    weight_options: dict
+    reason: str
+
+
+def batch_fit(cfg: ModelConfig, t: int, memory_bytes: float, reserve_bytes: float = 0,
+              element_bytes: int | None = None) -> BatchFit:
+    """:func:`max_batch` with its reasons (same arguments, bytes): a :class:`BatchFit`.
+
+    Raises:
+      ValueError: t = 0 (an empty cache fits any batch) or a negative t.
     """
     per_seq = kv_cache_bytes(cfg, t, 1, element_bytes)
-    free = memory_bytes - reserve_bytes
     if per_seq == 0:
         raise ValueError("an empty cache (t=0) fits any batch; pass t >= 1")
-    return max(0, math.floor(free / per_seq))
+    free = memory_bytes - reserve_bytes
+    batch = max(0, math.floor(free / per_seq))
+    per_token = kv_bytes_per_token(cfg, element_bytes)
+    if batch >= 1 and cfg.window_size is not None:
+        max_context = None
+    else:
+        max_context = max(0, math.floor(free / per_token))
+    devices = max(1, math.ceil((reserve_bytes + per_seq) / memory_bytes))
+    options = {}
+    weights = weight_bytes(cfg)
+    if reserve_bytes >= weights:
+        params = param_counts(cfg).total
+        for b in (4, 2, 1, 0.5):
+            options[b] = max(0, math.floor(
+                (memory_bytes - (reserve_bytes - weights) - params * b) / per_seq))
+    if batch >= 1:
+        reason = (f"{batch} sequences of {per_seq:,} B (context {t}) fit in "
+                  f"{free:,.0f} B free ({memory_bytes:,.0f} B - {reserve_bytes:,.0f} B "
+                  "reserved)")
+    else:
+        if free <= 0:
+            head = (f"the reserve ({reserve_bytes:,.0f} B, e.g. the weights) leaves "
+                    f"nothing of {memory_bytes:,.0f} B for caches")
+        else:
+            head = (f"one sequence's cache at context {t} needs {per_seq:,} B but only "
+                    f"{free:,.0f} B are free; at most {max_context:,} tokens fit")
+        fixes = [f"{devices} devices of {memory_bytes:,.0f} B with weights and cache "
+                 "split evenly hold one sequence"]
+        fitting = [b for b in (2, 1, 0.5) if options.get(b, 0) >= 1]
+        if fitting:
+            names = {2: "16-bit", 1: "int8", 0.5: "int4"}
+            fixes.append(f"weights at {fitting[0]} B per parameter ({names[fitting[0]]}) "
+                         f"leave room for {options[fitting[0]]} sequence(s)")
+        reason = head + "; " + "; ".join(fixes)
+    return BatchFit(batch=batch, per_sequence_bytes=per_seq, free_bytes=free,
+                    max_context=max_context, devices_needed=devices,
+                    weight_options=options, reason=reason)

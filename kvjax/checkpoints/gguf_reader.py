@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-from typing import Any
+from typing import Any, Callable
 
 import gguf
 import numpy as np
@@ -60,7 +60,8 @@ class LlamaGGUF:
         N, ``num_kv_heads`` K, ``head_dim`` H, ``mlp_dim`` F (ints);
         ``rope_theta``, ``norm_eps`` (floats); ``context_length``,
         ``bos_token_id``, ``eos_token_id`` (ints; see
-        :func:`resolve_special_token_ids` for how eos is chosen).
+        :func:`resolve_special_token_ids` for how eos is chosen);
+        ``tie_embeddings`` (bool: no separate ``output.weight``).
       tensors: name -> numpy array of the requested dtype:
         ``embed`` [V, D], ``final_norm`` [D], and stacked over layers
         ``attn_norm`` [L, D], ``mlp_norm`` [L, D], ``wq`` [L, N*H, D],
@@ -189,38 +190,9 @@ def _check_shape(name: str, arr: np.ndarray, expected: tuple[int, ...], path: pa
         )
 
 
-def read_llama_gguf(
-    path: str | os.PathLike, dtype: Any = np.float32, progress: bool = True
-) -> LlamaGGUF:
-    """Reads and dequantises a llama-architecture GGUF file.
-
-    Every tensor is dequantised to float32 with ``gguf.quants.dequantize`` and
-    then cast to ``dtype``. The rows of Q and K are un-permuted
-    (:func:`undo_llama_cpp_permute`, with N heads for Q and K heads for K) so
-    the weights work with HF half-split (``rotate_half``) rotary. Takes ~3 s
-    for SmolLM2-135M (2 s of which is gguf parsing the 49k-token vocabulary).
-
-    Args:
-      path: the ``.gguf`` file.
-      dtype: numpy dtype of the returned arrays, e.g. ``np.float32`` or
-        ``ml_dtypes.bfloat16`` / ``jnp.bfloat16``.
-      progress: show a tqdm progress bar over layers.
-
-    Returns:
-      LlamaGGUF with ``hparams``, ``tensors`` (shapes in its docstring; e.g. for
-      SmolLM2-135M L=30, D=576, N=9, K=3, H=64, F=1536, V=49152) and ``path``.
-
-    Raises:
-      WeightsError: the file is missing or unreadable; truncated or corrupt
-        (the message names it and suggests deleting it to re-fetch);
-        ``general.architecture`` is not ``llama``; metadata keys or tensors
-        are missing, unexpected (e.g. biases, rope_freqs, MoE experts) or of
-        the wrong shape; rope scaling is present.
-    """
-    path = pathlib.Path(path)
-    dtype = np.dtype(dtype)
-    reader = _open_reader(path)
-
+def _read_hparams(reader: gguf.GGUFReader, path: pathlib.Path):
+    """(hparams, tokenizer fields, tensors by name) from a GGUF's metadata; no tensor data
+    is read. Raises WeightsError as :func:`read_llama_gguf` does for metadata."""
     arch = _field(reader, "general.architecture", None)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise WeightsError(
@@ -267,7 +239,64 @@ def read_llama_gguf(
         context_length=int(key("context_length")),
         bos_token_id=bos,
         eos_token_id=eos,
+        tie_embeddings="output.weight" not in by_name,
     )
+    return hp, tok_fields, by_name
+
+
+def read_llama_hparams(path: str | os.PathLike) -> dict:
+    """The hyper-parameters :func:`read_llama_gguf` would return, from the file's metadata
+    alone (no tensor is dequantised; ~2 s for SmolLM2, parsing the vocabulary).
+
+    Returns:
+      the ``LlamaGGUF.hparams`` dict plus ``chat_template`` (str or None).
+
+    Raises:
+      WeightsError: as :func:`read_llama_gguf` for the metadata.
+    """
+    path = pathlib.Path(path)
+    hp, tok_fields, _ = _read_hparams(_open_reader(path), path)
+    return dict(hp, chat_template=tok_fields.get("tokenizer.chat_template"))
+
+
+def read_llama_gguf(
+    path: str | os.PathLike, dtype: Any = np.float32, progress: bool = True,
+    check: Callable[[dict], None] | None = None,
+) -> LlamaGGUF:
+    """Reads and dequantises a llama-architecture GGUF file.
+
+    Every tensor is dequantised to float32 with ``gguf.quants.dequantize`` and
+    then cast to ``dtype``. The rows of Q and K are un-permuted
+    (:func:`undo_llama_cpp_permute`, with N heads for Q and K heads for K) so
+    the weights work with HF half-split (``rotate_half``) rotary. Takes ~3 s
+    for SmolLM2-135M (2 s of which is gguf parsing the 49k-token vocabulary).
+
+    Args:
+      path: the ``.gguf`` file.
+      dtype: numpy dtype of the returned arrays, e.g. ``np.float32`` or
+        ``ml_dtypes.bfloat16`` / ``jnp.bfloat16``.
+      progress: show a tqdm progress bar over layers.
+      check: called with the hyper-parameters (as :func:`read_llama_hparams` returns
+        them) after the metadata is read and before any tensor is dequantised; what it
+        raises propagates (e.g. a config that disagrees with the file).
+
+    Returns:
+      LlamaGGUF with ``hparams``, ``tensors`` (shapes in its docstring; e.g. for
+      SmolLM2-135M L=30, D=576, N=9, K=3, H=64, F=1536, V=49152) and ``path``.
+
+    Raises:
+      WeightsError: the file is missing or unreadable; truncated or corrupt
+        (the message names it and suggests deleting it to re-fetch);
+        ``general.architecture`` is not ``llama``; metadata keys or tensors
+        are missing, unexpected (e.g. biases, rope_freqs, MoE experts) or of
+        the wrong shape; rope scaling is present.
+    """
+    path = pathlib.Path(path)
+    dtype = np.dtype(dtype)
+    reader = _open_reader(path)
+    hp, tok_fields, by_name = _read_hparams(reader, path)
+    if check is not None:
+        check(dict(hp, chat_template=tok_fields.get("tokenizer.chat_template")))
 
     V, L, D, N, K, H, F = (hp[k] for k in (
         "vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"))

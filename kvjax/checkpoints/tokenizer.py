@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 from typing import Any, Sequence
 
 import gguf
@@ -32,6 +33,24 @@ TOKEN_TYPE_CONTROL = int(gguf.TokenType.CONTROL)  # 3
 TOKEN_TYPE_USER_DEFINED = int(gguf.TokenType.USER_DEFINED)  # 4
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+_CHATML_TURN = "'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'"
+_CHATML_DEFAULT_SYSTEM = re.compile(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", re.S)
+
+
+def chatml_default_system(template: str) -> str | None:
+    """The system prompt a ChatML template inserts when no system message is given
+    (SmolLM2: :data:`DEFAULT_SYSTEM_PROMPT`), or None if it inserts none."""
+    m = _CHATML_DEFAULT_SYSTEM.search(template)
+    return m.group(1) if m else None
+
+
+def is_chatml(template: str | None) -> bool:
+    """Whether a GGUF chat template is ChatML (turns ``<|im_start|>{role}\\n{content}
+    <|im_end|>\\n``, reply opened by ``<|im_start|>assistant\\n``), the family
+    :meth:`Tokenizer.chat_prompt` renders."""
+    return bool(template) and _CHATML_TURN in template.replace('"', "'") and \
+        "'<|im_start|>assistant\n'" in template
 
 
 class Tokenizer:
@@ -86,6 +105,35 @@ class Tokenizer:
             f"<|im_start|>user\n{user_message}<|im_end|>\n"
             "<|im_start|>assistant\n"
         )
+
+    def chat_prompt(self, user_message: str, system_message: str | None = None) -> str:
+        """The prompt the checkpoint's own chat template (``tokenizer.chat_template``)
+        renders for one user turn, with the generation prompt (the assistant's turn
+        opened), as Hugging Face's ``apply_chat_template(..., add_generation_prompt=True)``.
+
+        Args:
+          user_message: the user's turn.
+          system_message: a system turn; None uses the template's default (ChatML
+            templates that insert one when the conversation has no system turn, as
+            SmolLM2's does), or none.
+        Returns:
+          the prompt text (special tokens as text; ``encode`` maps each to one id).
+        Raises:
+          ValueError: the checkpoint has no chat template, or one that is not ChatML
+            (the only family rendered here; tested against Jinja rendering).
+        """
+        t = self.chat_template
+        if not t:
+            raise ValueError("the checkpoint carries no chat template (tokenizer.chat_template)")
+        if not is_chatml(t):
+            raise ValueError("the checkpoint's chat template is not ChatML; only ChatML "
+                             f"templates are rendered (template starts {t[:80]!r})")
+        if system_message is None:
+            system_message = chatml_default_system(t)
+        turns = [] if system_message is None else [("system", system_message)]
+        turns.append(("user", user_message))
+        return "".join(f"<|im_start|>{r}\n{c}<|im_end|>\n" for r, c in turns) + \
+            "<|im_start|>assistant\n"
 
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id}, "

@@ -29,6 +29,7 @@ from kvjax.cache import KVCache, policy_for
 from kvjax.cache.policy import CacheOverflowError
 from kvjax.config import ModelConfig, SamplingConfig
 from kvjax.models import model as model_lib
+from kvjax.inference.sampling import sample_logits  # noqa: F401 (re-exported)
 
 __all__ = ["CacheOverflowError", "check_room", "sample_logits", "prefill", "generate",
            "prefill_program", "generate_program", "decode_step", "token_buffer_len"]
@@ -40,35 +41,6 @@ def check_room(cfg: ModelConfig, cache: KVCache, new_tokens: int, what: str) -> 
     from the device."""
     policy_for(cfg).check_room(jax.device_get(cache.length), new_tokens, cache.num_slots,
                                what)
-
-
-def sample_logits(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig) -> jax.Array:
-    """Picks the next token of each row.
-
-    Args:
-      logits: [B, V] float32.
-      rng: a PRNG key (unused when greedy).
-      sampling: temperature 0 = greedy argmax; otherwise softmax(logits / temperature)
-        restricted to the top_k highest (if top_k > 0) and to the smallest set whose
-        probability reaches top_p (nucleus sampling, Holtzman et al. 2020).
-    Returns:
-      [B] int32 token ids.
-    """
-    if sampling.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / sampling.temperature
-    if sampling.top_k:
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if sampling.top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
-        # Keep tokens whose preceding mass is below top_p (the first one always).
-        cutoff_idx = jnp.sum(cum - jax.nn.softmax(sorted_logits, axis=-1) < sampling.top_p,
-                             axis=-1, keepdims=True) - 1
-        cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
 def _positions(cache: KVCache, t: int) -> jax.Array:

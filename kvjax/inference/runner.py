@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +15,9 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import checkpoints
+from kvjax.checkpoints.tokenizer import is_chatml
 from kvjax.analysis import costs, theory
-from kvjax.inference import decode
+from kvjax.inference import decode, memory
 from kvjax.models import convert, model
 from kvjax.config import ConfigError, ModelConfig, RunConfig
 
@@ -39,7 +41,9 @@ def load(run: RunConfig, progress: bool = True) -> LoadedModel:
 
     Raises:
       checkpoints.WeightsError: weights unreachable, corrupt or of another architecture.
-      ConfigError: the model config does not fit the checkpoint or the tokenizer.
+      ConfigError: the run disagrees with a hyper-parameter the checkpoint states
+        (:func:`check_checkpoint`; raised from the metadata, before any tensor is
+        dequantised) or with the tokenizer.
     """
     cfg = run.model
     path = run.weights_path or checkpoints.weights_path(run.cache_dir, progress=progress)
@@ -52,11 +56,8 @@ def load(run: RunConfig, progress: bool = True) -> LoadedModel:
         params = model.init_params(cfg, jax.random.key(run.sampling.seed))
         return LoadedModel(cfg, params, tokenizer)
 
-    ckpt = checkpoints.read_llama_gguf(path, dtype=np.dtype(cfg.jnp_dtype), progress=progress)
-    try:
-        convert.check_compatible(cfg, ckpt.hparams)
-    except ValueError as e:
-        raise ConfigError(f"invalid config: {e}") from None
+    ckpt = checkpoints.read_llama_gguf(path, dtype=np.dtype(cfg.jnp_dtype), progress=progress,
+                                       check=lambda hp: check_checkpoint(run, hp))
     h = ckpt.hparams
     params = convert.params_from_gguf(ckpt.tensors, h["num_heads"], h["num_kv_heads"],
                                       h["head_dim"], tied="lm_head" not in ckpt.tensors)
@@ -66,6 +67,62 @@ def load(run: RunConfig, progress: bool = True) -> LoadedModel:
         raise ConfigError(f"invalid config: {e}") from None
     params = jax.tree.map(jnp.asarray, model.params_for(cfg, params))
     return LoadedModel(cfg, params, checkpoints.load_tokenizer(ckpt))
+
+
+def check_checkpoint(run: RunConfig, hparams: dict) -> None:
+    """Raises ConfigError naming both values where ``run`` disagrees with what the
+    checkpoint states (``read_llama_hparams``); called before any tensor is dequantised.
+
+    Model fields: :func:`kvjax.models.convert.check_compatible`. Context length: a dense
+    cache of ``max_seq_len`` slots may not pass the ``context_length`` the model was
+    trained for (rotary positions past it are untrained); a windowed cache may.
+    """
+    try:
+        convert.check_compatible(run.model, hparams)
+    except ValueError as e:
+        raise ConfigError(f"invalid config: {e}") from None
+    if run.chat_template and not is_chatml(hparams.get("chat_template")):
+        raise ConfigError(
+            "invalid config: chat_template=True but the checkpoint carries "
+            + ("no chat template" if not hparams.get("chat_template") else
+               "a chat template that is not ChatML (the family kvjax renders)")
+            + "; allowed: chat_template=False (raw completion)")
+    ctx = hparams.get("context_length")
+    if ctx and run.model.window_size is None and run.max_seq_len > ctx:
+        raise ConfigError(
+            f"invalid config: max_seq_len={run.max_seq_len} exceeds the checkpoint's "
+            f"context_length={ctx} (llama.context_length: positions past it were never "
+            f"trained); allowed with these weights: max_seq_len <= {ctx}, or a sliding "
+            "window (model.window_size)")
+
+
+def uses_chat_template(run: RunConfig, tokenizer: checkpoints.Tokenizer) -> bool:
+    """Whether ``run`` applies the chat template (``RunConfig.chat_template``; None: when
+    pretrained weights come with a template kvjax renders)."""
+    if run.chat_template is not None:
+        return run.chat_template
+    return run.weights != "random" and is_chatml(tokenizer.chat_template)
+
+
+def render_prompt(run: RunConfig, tokenizer: checkpoints.Tokenizer) -> str:
+    """The text to encode: ``run.prompt`` itself, or, with the chat template, the
+    checkpoint's template around it as the user's turn (``Tokenizer.chat_prompt``), the
+    system turn from ``run.system_prompt`` / ``run.system_prompt_file``.
+
+    Raises:
+      ConfigError: chat_template=True and the tokenizer has no ChatML template.
+    """
+    if not uses_chat_template(run, tokenizer):
+        return run.prompt
+    system = run.system_prompt
+    if run.system_prompt_file is not None:
+        with open(run.system_prompt_file, encoding="utf-8") as f:
+            system = f.read()
+    try:
+        return tokenizer.chat_prompt(run.prompt, system)
+    except ValueError as e:
+        raise ConfigError(f"invalid config: chat_template={run.chat_template}: {e}; "
+                          "allowed: chat_template=False (raw completion)") from None
 
 
 @dataclasses.dataclass
@@ -90,6 +147,8 @@ class Generation:
     decode_tokens_per_s: float
     kv_cache_bytes: int
     kv_cache_bytes_theory: int
+    chat_template: bool = False
+    warnings: list = dataclasses.field(default_factory=list)
     prefill_compiled: object = dataclasses.field(default=None, repr=False)
     generate_compiled: object = dataclasses.field(default=None, repr=False)
 
@@ -121,14 +180,19 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
 
     Raises:
       ConfigError: prompt + max_new_tokens do not fit in max_seq_len (before compiling).
+      memory.MemoryCheckError: the cache and temporaries do not fit the memory available
+        (before allocating; ``run.ignore_memory_check`` skips the check).
     """
     cfg, params, tok = loaded.cfg, loaded.params, loaded.tokenizer
-    ids = tok.encode(run.prompt)
+    chat = uses_chat_template(run, tok)
+    prompt = render_prompt(run, tok)
+    ids = tok.encode(prompt)
     run.check_fits(len(ids))
     b = run.batch_size
     tokens = jnp.asarray([ids] * b, jnp.int32)
     eos = tok.eos_token_id if run.stop_at_eos else -1
 
+    memory.check_run(run, weights_loaded=True, prompt_tokens=len(ids))
     start = time.perf_counter()
     cache = cache_lib.init_cache(cfg, b, run.max_seq_len)
     prefill_c = decode.prefill_program.lower(params, tokens, cache, cfg=cfg).compile()
@@ -159,8 +223,17 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
     out = [int(first[0])] + [int(t) for t in np.asarray(buf[0, :ran])]
     if eos in out:
         out = out[: out.index(eos)]
+    text = tok.decode(out)
+    notes = []
+    if not out:
+        notes.append(
+            f"the generation stopped with 0 new tokens: the first token sampled was "
+            f"end-of-sequence ({tok.id_to_token(eos)!r}, id {eos})" + (
+                "; a chat model given raw text often ends its turn at once: try "
+                "--config.chat_template=True" if not chat and tok.chat_template else ""))
+        warnings.warn(notes[-1], RuntimeWarning, stacklevel=2)
     return Generation(
-        prompt=run.prompt, generated_text=tok.decode(out), prompt_tokens=len(ids),
+        prompt=prompt, generated_text=text, prompt_tokens=len(ids),
         new_tokens=len(out), generated_ids=out, compile_seconds=compile_s,
         prefill_seconds=prefill_s, time_to_first_token_s=ttft, decode_seconds=decode_s,
         loop_steps=ran, prefill_tokens_per_s=len(ids) * b / prefill_s,
@@ -169,7 +242,8 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
         # theory for the slots allocated: max_seq_len, or W for a window (a ring buffer)
         kv_cache_bytes_theory=theory.kv_cache_bytes(
             cfg, cache_lib.num_slots(cfg, run.max_seq_len), b),
-        prefill_compiled=prefill_c, generate_compiled=gen_c)
+        prefill_compiled=prefill_c, generate_compiled=gen_c, chat_template=chat,
+        warnings=notes)
 
 
 def cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> CostReport:

@@ -6,7 +6,8 @@ head n // G with G = N // K (the heads of one group are adjacent). Lever 3, the 
 is the cache's slot policy (:mod:`kvjax.cache.policy`): it decides which slots exist and
 which keys a query sees, so this module only applies the mask it is given.
 
-Scores and softmax are computed in float32 whatever the parameter/cache dtype.
+Scores, softmax weights and (in :func:`attend`) the value product are float32 whatever the
+parameter/cache dtype; a query that sees no key gets zeros.
 """
 
 from __future__ import annotations
@@ -40,6 +41,21 @@ def dot_operand(x: jax.Array, backend: str | None = None) -> jax.Array:
     return x
 
 
+def weight_dtype(value_dtype) -> jnp.dtype:
+    """dtype of the softmax weights in a decode step's value product.
+
+    float32 when the values are float32 or XLA widens them anyway (2-byte floats on CPU,
+    see :func:`dot_operand`): exact weights at no extra traffic. Elsewhere the cache
+    dtype: a float32 weight operand would make XLA widen the whole cached operand for
+    the dot, every step. Rounding the unnormalised weights (the largest exactly 1) with a
+    denominator summed from the rounded weights keeps their sum at 1; each weight's
+    ratio to the largest errs by up to 2^-9 in bf16 (not measured on an accelerator).
+    """
+    if jnp.dtype(value_dtype) in (jnp.bfloat16, jnp.float16) and jax.default_backend() != "cpu":
+        return jnp.dtype(value_dtype)
+    return jnp.dtype(jnp.float32)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
            k_layout: str = "BKSH", v_layout: str = "BKSH",
            backend: str | None = None) -> jax.Array:
@@ -53,25 +69,32 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
       k_layout, v_layout: 'BKSH' or 'BKHS' (see :func:`kvjax.backend.kv_layout`).
       backend: whose dot-operand rule applies (:func:`dot_operand`).
     Returns:
-      [B, T, K, G, Hv] in v's dtype. Scores and softmax run in float32; the probabilities
-      are cast to v's dtype for the value product, which accumulates in float32.
+      [B, T, K, G, Hv] in v's dtype. Scores, softmax weights and the value product are
+      float32 (the weights are not rounded to v's dtype: in bf16 that erred by 1.7e-3 on
+      a weight of 0.84); the unnormalised weights exp(s - max) are multiplied into the
+      values and the [.., Hv] result divided by their sum. A query row that sees no key
+      (all of its mask False, e.g. a padded row) gets zeros.
     Raises:
       ValueError: an unknown layout.
     """
     scale = q.shape[-1] ** -0.5
     scores = jnp.einsum(f"BTKGH,{_spec(k_layout)}->BKGTS", dot_operand(q, backend),
                         dot_operand(k, backend), preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum(f"BKGTS,{_spec(v_layout, 'V')}->BTKGV",
-                     dot_operand(probs.astype(v.dtype), backend), dot_operand(v, backend),
+    visible = mask[:, None, None, :, :]
+    scores = jnp.where(visible, scores, NEG_INF)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    # Masked keys weigh exactly 0, also in a row with no visible key (there m = NEG_INF).
+    e = jnp.where(visible, jnp.exp(scores - m), 0.0)  # [B, K, G, T, S] float32
+    denom = jnp.sum(e, axis=-1)  # [B, K, G, T]
+    out = jnp.einsum(f"BKGTS,{_spec(v_layout, 'V')}->BTKGV", e, dot_operand(v, backend),
                      preferred_element_type=jnp.float32)
-    return out.astype(v.dtype)
+    denom = jnp.transpose(denom, (0, 3, 1, 2))[..., None]  # [B, T, K, G, 1]
+    return (out / jnp.where(denom > 0, denom, 1.0)).astype(v.dtype)
 
 
 def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array,
                 k_new: jax.Array, v_new: jax.Array, k_layout: str = "BKSH",
-                v_layout: str = "BKSH") -> jax.Array:
+                v_layout: str = "BKSH", new_visible: jax.Array | None = None) -> jax.Array:
     """One decode step (T = 1): attention over the cache's old slots plus the new token.
 
     Same math as :func:`attend` over ``concat(k_cache, k_new)`` without materialising the
@@ -86,8 +109,12 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
       mask: [B, 1, S] bool, visible old slots.
       k_new, v_new: the new token's key and value in the same layouts (S -> 1).
       k_layout, v_layout: 'BKSH' or 'BKHS'.
+      new_visible: [B] bool, whether each row's query sees its own new key (None: all
+        do). A row that sees no key at all gets zeros, as in :func:`attend`.
     Returns:
-      [B, 1, K, G, Hv] in v_cache's dtype; scores and softmax in float32.
+      [B, 1, K, G, Hv] in v_cache's dtype; scores and softmax in float32. The
+      unnormalised weights exp(s - max) enter the value product in
+      :func:`weight_dtype` (float32 on CPU) and the denominator sums them as used.
     Raises:
       ValueError: an unknown layout.
     """
@@ -95,21 +122,29 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
     q1 = q[:, 0]  # [B, K, G, H]
     s_old = jnp.einsum(f"BKGH,{_spec(k_layout)}->BKGS", q1, k_cache,
                        preferred_element_type=jnp.float32) * scale
-    s_old = jnp.where(mask[:, :, None, :], s_old, NEG_INF)
+    visible = mask[:, :, None, :]  # [B, 1, 1, S]
+    s_old = jnp.where(visible, s_old, NEG_INF)
     k1 = k_new[:, :, 0] if k_layout == "BKSH" else k_new[..., 0]  # [B, K, H]
     v1 = v_new[:, :, 0] if v_layout == "BKSH" else v_new[..., 0]  # [B, K, Hv]
     s_new = jnp.einsum("BKGH,BKH->BKG", q1, k1,
                        preferred_element_type=jnp.float32)[..., None] * scale
+    if new_visible is not None:
+        s_new = jnp.where(new_visible[:, None, None, None], s_new, NEG_INF)
     m = jnp.maximum(jnp.max(s_old, axis=-1, keepdims=True), s_new)  # [B, K, G, 1]
     # Unnormalised weights; the softmax denominator divides the [.., Hv] output instead
-    # of the [.., S] weights (one pass less over the scores).
-    e_old = jnp.exp(s_old - m).astype(v_cache.dtype)
+    # of the [.., S] weights (one pass less over the scores). Masked keys weigh 0 even
+    # when no key is visible (m = NEG_INF there).
+    wdt = weight_dtype(v_cache.dtype)
+    e_old = jnp.where(visible, jnp.exp(s_old - m), 0.0).astype(wdt)
     e_new = jnp.exp(s_new - m)
+    if new_visible is not None:
+        e_new = jnp.where(new_visible[:, None, None, None], e_new, 0.0)
     denom = jnp.sum(e_old.astype(jnp.float32), axis=-1, keepdims=True) + e_new
-    out = jnp.einsum(f"BKGS,{_spec(v_layout, 'V')}->BKGV", e_old, v_cache,
+    v_op = dot_operand(v_cache) if wdt == jnp.float32 else v_cache
+    out = jnp.einsum(f"BKGS,{_spec(v_layout, 'V')}->BKGV", e_old, v_op,
                      preferred_element_type=jnp.float32)
     out = out + e_new * v1[:, :, None, :].astype(jnp.float32)
-    out = out / denom  # [B, K, G, Hv]
+    out = out / jnp.where(denom > 0, denom, 1.0)  # [B, K, G, Hv]
     return out[:, None].astype(v_cache.dtype)
 
 

@@ -16,16 +16,57 @@ import numpy as np
 from kvjax.config import ModelConfig
 
 
+# ModelConfig field -> the GGUF metadata key it must agree with (llama architecture).
+CHECKPOINT_FIELDS = {
+    "vocab_size": "llama.vocab_size (or the tokenizer's token count)",
+    "num_layers": "llama.block_count",
+    "d_model": "llama.embedding_length",
+    "num_heads": "llama.attention.head_count",
+    "head_dim": "llama.attention.key_length (or embedding_length / head_count)",
+    "mlp_dim": "llama.feed_forward_length",
+    "rope_theta": "llama.rope.freq_base",
+    "norm_eps": "llama.attention.layer_norm_rms_epsilon",
+    "tie_embeddings": "no output.weight tensor (the LM head is the embedding)",
+}
+
+
+def _same(field: str, ours, theirs) -> bool:
+    if field in ("rope_theta", "norm_eps"):
+        # GGUF stores float32: 1e-5 is read back as 9.99999975e-06.
+        return bool(np.float32(ours) == np.float32(theirs))
+    return ours == theirs
+
+
 def check_compatible(cfg: ModelConfig, hparams: dict) -> None:
     """Raises ValueError naming the first field where cfg disagrees with the checkpoint.
 
-    num_kv_heads may differ (see :func:`convert_kv_heads`); everything else must match.
+    Every hyper-parameter the file states must match: vocabulary, layers, widths, query
+    heads, head and FFN widths, rotary base and RMSNorm epsilon (compared at float32,
+    the file's precision) and whether the LM head is tied. ``num_kv_heads`` may differ
+    when it is a multiple or a divisor of the file's (see :func:`convert_kv_heads`).
+    Call it with the metadata alone (``checkpoints.gguf_reader.read_llama_hparams`` or
+    ``read_llama_gguf(check=...)``), before any tensor is dequantised.
+
+    Args:
+      cfg: the model config.
+      hparams: ``LlamaGGUF.hparams``.
+    Raises:
+      ValueError: "model.<field>=<config value> does not match the checkpoint's <value>
+        (<GGUF key>); allowed with these weights: <value>".
     """
-    for f in ("vocab_size", "num_layers", "d_model", "num_heads", "head_dim", "mlp_dim"):
-        if getattr(cfg, f) != hparams[f]:
+    for f, key in CHECKPOINT_FIELDS.items():
+        if f not in hparams:
+            continue
+        ours, theirs = getattr(cfg, f), hparams[f]
+        if not _same(f, ours, theirs):
             raise ValueError(
-                f"model.{f}={getattr(cfg, f)} does not match the checkpoint's {hparams[f]}; "
-                f"allowed with these weights: {hparams[f]}")
+                f"model.{f}={ours!r} does not match the checkpoint's {theirs!r} ({key}); "
+                f"allowed with these weights: {theirs!r}")
+    k, k_file = cfg.num_kv_heads, hparams["num_kv_heads"]
+    if k % k_file and k_file % k:
+        raise ValueError(
+            f"model.num_kv_heads={k} cannot be made from the checkpoint's {k_file} KV heads "
+            f"(llama.attention.head_count_kv); allowed: a multiple or a divisor of {k_file}")
     if cfg.mlp_type != "swiglu" or cfg.attention == "mla":
         raise ValueError(
             f"model.mlp_type={cfg.mlp_type!r}, attention={cfg.attention!r}: the llama "

@@ -23,7 +23,8 @@ Two mathematically equal ways to attend (``cfg.mla_absorb``):
   except the scores.
 
 Both paths are used for every chunk length (prefill too), so ``mla_absorb`` changes the
-arithmetic, never the function. Scores and softmax run in float32 whatever the dtype.
+arithmetic, never the function. Scores and softmax run in float32 whatever the dtype; a
+query that sees no key gets zeros.
 
 Parameters (under the layer's 'attn', named after the paper's matrices; each a 'kernel'
 except the norms' 'scale'): w_q [D, N, nope+R] (or w_dq [D, Q], q_norm [Q],
@@ -45,6 +46,7 @@ import jax.numpy as jnp
 
 from kvjax import cache as cache_lib
 from kvjax.config import ModelConfig
+from kvjax.models.attention import weight_dtype
 from kvjax.models.layers import Einsum, RMSNorm, apply_rope
 
 NEG_INF = -1e30
@@ -88,7 +90,8 @@ def _mix(probs: jax.Array, c_kv: jax.Array, w_uv: jax.Array, absorb: bool) -> ja
     [B, T, N, V] values (rebuilding V = c·W_UV [B, N, S, V] first).
 
     Args:
-      probs: [B, N, T, S] in the cache dtype.
+      probs: [B, N, T, S] weights, float32 (prefill: the latents are widened for the
+        product) or the cache dtype (decode step).
       c_kv: [B, S, C]. w_uv: [N, C, V] (naive path only).
     """
     if absorb:
@@ -98,9 +101,19 @@ def _mix(probs: jax.Array, c_kv: jax.Array, w_uv: jax.Array, absorb: bool) -> ja
     return jnp.einsum("BNTS,BNSV->BTNV", probs, v, preferred_element_type=jnp.float32)
 
 
+def _normalise(out: jax.Array, denom: jax.Array) -> jax.Array:
+    """out [B, T, N, ·] / denom [B, N, T, 1]; rows whose denominator is 0 (no visible
+    key: every weight 0) stay 0."""
+    denom = jnp.swapaxes(denom, 1, 2)  # [B, T, N, 1]
+    return out / jnp.where(denom > 0, denom, 1.0)
+
+
 def attend_mla(q_main, q_rope, c_kv, k_rope, mask, w_uk, w_uv, absorb: bool,
                scale: float) -> jax.Array:
     """Softmax attention over S latent tokens (full softmax; prefill and chunks).
+
+    The softmax weights stay float32 into the latent (or value) product, as in
+    ``attention.attend``; a query row that sees no key gets zeros.
 
     Args:
       q_main, q_rope: see :func:`_scores`. c_kv [B, S, C], k_rope [B, S, R].
@@ -110,36 +123,49 @@ def attend_mla(q_main, q_rope, c_kv, k_rope, mask, w_uk, w_uv, absorb: bool,
       float32 [B, T, N, C] (absorbed: still to be multiplied by W_UV) or [B, T, N, V].
     """
     s = _scores(q_main, q_rope, c_kv, k_rope, w_uk, absorb) * scale
-    s = jnp.where(mask[:, None], s, NEG_INF)
-    probs = jax.nn.softmax(s, axis=-1).astype(c_kv.dtype)
-    return _mix(probs, c_kv, w_uv, absorb)
+    visible = mask[:, None]  # [B, 1, T, S]
+    s = jnp.where(visible, s, NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    e = jnp.where(visible, jnp.exp(s - m), 0.0)  # [B, N, T, S] float32
+    return _normalise(_mix(e, c_kv, w_uv, absorb), jnp.sum(e, axis=-1, keepdims=True))
 
 
 def attend_mla_step(q_main, q_rope, c_old, kr_old, mask_old, c_new, kr_new, w_uk, w_uv,
-                    absorb: bool, scale: float) -> jax.Array:
+                    absorb: bool, scale: float, new_visible=None) -> jax.Array:
     """One decode step (T = 1) over the cache's old slots plus the new token.
 
     Same math as :func:`attend_mla` over ``concat(old, new)`` without copying the cache:
     one softmax split into the old scores and the new token's own score (as
-    ``attention.attend_step``). The cache is read before the new token is written.
+    ``attention.attend_step``). The cache is read before the new token is written. The
+    unnormalised weights exp(s - max) enter the product in ``attention.weight_dtype``
+    (float32 on CPU) and the denominator sums them as used.
 
     Args:
       c_old [B, S, C], kr_old [B, S, R]: this layer's cache before the write.
       mask_old: [B, 1, S] bool, visible old slots.
       c_new [B, 1, C], kr_new [B, 1, R]: the new token's latent and rotary key.
+      new_visible: [B] bool, whether each row sees its own new token (None: all do); a
+        row that sees no key gets zeros.
     Returns:
       float32 [B, 1, N, C] (absorbed) or [B, 1, N, V] (naive).
     """
     s_old = _scores(q_main, q_rope, c_old, kr_old, w_uk, absorb) * scale  # [B, N, 1, S]
-    s_old = jnp.where(mask_old[:, None], s_old, NEG_INF)
+    visible = mask_old[:, None]
+    s_old = jnp.where(visible, s_old, NEG_INF)
     s_new = _scores(q_main, q_rope, c_new, kr_new, w_uk, absorb) * scale  # [B, N, 1, 1]
+    if new_visible is not None:
+        s_new = jnp.where(new_visible[:, None, None, None], s_new, NEG_INF)
     m = jnp.maximum(jnp.max(s_old, axis=-1, keepdims=True), s_new)
-    p_old = jnp.exp(s_old - m)
+    wdt = weight_dtype(c_old.dtype)
+    p_old = jnp.where(visible, jnp.exp(s_old - m), 0.0).astype(wdt)
     p_new = jnp.exp(s_new - m)
-    denom = jnp.sum(p_old, axis=-1, keepdims=True) + p_new
-    p_old = (p_old / denom).astype(c_old.dtype)
-    p_new = (p_new / denom).astype(c_old.dtype)
-    return _mix(p_old, c_old, w_uv, absorb) + _mix(p_new, c_new, w_uv, absorb)
+    if new_visible is not None:
+        p_new = jnp.where(new_visible[:, None, None, None], p_new, 0.0)
+    p_new = p_new.astype(wdt)
+    denom = (jnp.sum(p_old.astype(jnp.float32), axis=-1, keepdims=True)
+             + p_new.astype(jnp.float32))
+    return _normalise(_mix(p_old, c_old, w_uv, absorb) + _mix(p_new, c_new, w_uv, absorb),
+                      denom)
 
 
 class MLAttention(nn.Module):

@@ -275,17 +275,21 @@ def _bytes_to_unicode() -> dict:
 
 
 def token_byte_lengths(tokenizer) -> np.ndarray:
-    """[V] int64: UTF-8 bytes each token id stands for (bits per byte = nats / ln 2 / bytes).
+    """[V] int64: UTF-8 bytes of text each token id stands for (bits per byte = nats /
+    ln 2 / bytes).
 
-    Byte-level BPE tokens are strings over GPT-2's byte alphabet, one character per byte;
-    special tokens count their literal text.
+    Byte-level BPE tokens are strings over GPT-2's byte alphabet, one character per byte.
+    Special (control) tokens such as the document separator ``<|endoftext|>`` are not
+    text and count 0 bytes (they used to count their 13-character names).
     """
     table = _bytes_to_unicode()
     v = tokenizer.vocab_size
     out = np.zeros((v,), np.int64)
     for i in range(v):
         s = tokenizer.id_to_token(i) or ""
-        if i in tokenizer.special_token_ids or any(ch not in table for ch in s):
+        if i in tokenizer.special_token_ids:
+            out[i] = 0
+        elif any(ch not in table for ch in s):
             out[i] = len(s.encode("utf-8"))
         else:
             out[i] = len(s)
@@ -331,7 +335,8 @@ def batch_at(stream: np.ndarray, step: int, batch_size: int, seq_len: int,
 @dataclasses.dataclass
 class TokenizedCorpus:
     """A corpus split and tokenized: ``train`` and ``heldout`` [N] int32 streams, the
-    document names of each split, and per-token byte lengths ``byte_lengths`` [V]."""
+    document names of each split, per-token byte lengths ``byte_lengths`` [V] and the
+    ``separator_id`` joining the documents (pass it to ``evaluate.perplexity``)."""
 
     source: str
     train: np.ndarray
@@ -339,6 +344,7 @@ class TokenizedCorpus:
     train_docs: list
     heldout_docs: list
     byte_lengths: np.ndarray
+    separator_id: int = 0
 
 
 def tokenized_corpus(tokenizer, source: str | None = None, heldout_fraction: float = 0.1,
@@ -352,4 +358,4 @@ def tokenized_corpus(tokenizer, source: str | None = None, heldout_fraction: flo
         train=token_stream(tr, tokenizer) if train else np.zeros((0,), np.int32),
         heldout=token_stream(held, tokenizer),
         train_docs=[d.name for d in tr], heldout_docs=[d.name for d in held],
-        byte_lengths=token_byte_lengths(tokenizer))
+        byte_lengths=token_byte_lengths(tokenizer), separator_id=separator_id(tokenizer))

@@ -7,8 +7,14 @@ logits score its next tokens. The cache-free full forward (``cache=None``) compu
 same function in one pass; ``check_full`` scores the first batch that way too and reports
 the relative difference of the two perplexities (below 1e-4 in float32).
 
-Perplexity = exp(mean negative log-likelihood per predicted token, nats). Bits per byte =
-total NLL / ln 2 / UTF-8 bytes of the predicted tokens (tokenizer-independent).
+Perplexity = exp(mean negative log-likelihood per scored token, nats). Bits per byte =
+total NLL / ln 2 / UTF-8 bytes of the scored tokens (tokenizer-independent).
+
+What is scored: every prediction whose target is text. The document separator
+(``<|endoftext|>``, ``separator_id``) is not text: predicting it is not scored (neither its
+nats nor a token nor bytes), and special tokens count 0 bytes
+(:func:`kvjax.training.data.token_byte_lengths`). The token after a separator, the first
+of the next document, is scored, with everything before it in the window as context.
 """
 
 from __future__ import annotations
@@ -61,8 +67,9 @@ class EvalConfig:
 class PerplexityResult:
     """Scores of one model on a set of windows.
 
-    nll_nats: total negative log-likelihood (nats). num_predicted: tokens scored.
-    num_bytes: their UTF-8 bytes (0 if unknown). ppl, bits_per_byte: the headline numbers.
+    nll_nats: total negative log-likelihood (nats). num_predicted: tokens scored (text
+    targets; separators excluded). num_bytes: their UTF-8 bytes (0 if unknown). ppl,
+    bits_per_byte: the headline numbers. num_separators: separator targets left unscored.
     full_ppl, check_rel_diff: the first batch's perplexity by the full forward and
     |cached - full| / full on that batch (None unless checked). cache_bytes: bytes of the
     cache tensors used per batch (``cache.cache_bytes``), cache_slots: S, its slots.
@@ -80,6 +87,7 @@ class PerplexityResult:
     cache_slots: int
     batch_size: int
     seconds: float
+    num_separators: int = 0
 
     def as_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -136,11 +144,15 @@ def nll_full(params, cfg: ModelConfig, windows: np.ndarray) -> np.ndarray:
 
 
 def perplexity(params, cfg: ModelConfig, windows: np.ndarray, ecfg: EvalConfig,
-               byte_lengths: np.ndarray | None = None, progress=None) -> PerplexityResult:
+               byte_lengths: np.ndarray | None = None, progress=None,
+               separator_id: int | None = None) -> PerplexityResult:
     """Perplexity and bits per byte of ``windows`` [M, T] through the decode path.
 
     Windows are evaluated B = ecfg.batch_size at a time (a last, smaller batch is run
     at its own size). ``progress``, if given, is called with the number of windows done.
+    ``byte_lengths`` [V]: UTF-8 bytes per token id (``data.token_byte_lengths``).
+    ``separator_id``: the document separator; predictions of it are not scored (see the
+    module docstring). None scores every target.
 
     Raises:
       ValueError: T is not divisible by ecfg.chunk.
@@ -149,16 +161,20 @@ def perplexity(params, cfg: ModelConfig, windows: np.ndarray, ecfg: EvalConfig,
     if t % ecfg.chunk:
         raise ValueError(f"windows of {t} tokens; allowed: a multiple of chunk={ecfg.chunk}")
     start = time.perf_counter()
-    total, count, nbytes = 0.0, 0, 0
+    total, count, nbytes, seps = 0.0, 0, 0, 0
     full_ppl = rel = None
     cache_bytes = slots = 0
     for i in range(0, m, ecfg.batch_size):
         w = windows[i:i + ecfg.batch_size]
         nll, cache = nll_cached(params, cfg, w, ecfg.chunk)
-        total += float(nll.astype(np.float64).sum())
-        count += nll.size
+        targets = w[:, 1:]
+        scored = (np.ones(targets.shape, bool) if separator_id is None
+                  else targets != separator_id)
+        total += float(nll.astype(np.float64)[scored].sum())
+        count += int(scored.sum())
+        seps += int((~scored).sum())
         if byte_lengths is not None:
-            nbytes += int(byte_lengths[w[:, 1:]].sum())
+            nbytes += int(byte_lengths[targets[scored]].sum())
         if i == 0:
             cache_bytes, slots = cache_lib.cache_bytes(cache), cache.num_slots
             if ecfg.check_full:
@@ -170,12 +186,14 @@ def perplexity(params, cfg: ModelConfig, windows: np.ndarray, ecfg: EvalConfig,
         if progress is not None:
             progress(min(i + ecfg.batch_size, m))
     seconds = time.perf_counter() - start
+    if count == 0:
+        raise ValueError("no token was scored: every target is the separator")
     mean = total / count
     return PerplexityResult(
         nll_nats=total, num_predicted=count, num_bytes=nbytes, ppl=math.exp(mean),
         bits_per_byte=(total / math.log(2) / nbytes) if nbytes else float("nan"),
         full_ppl=full_ppl, check_rel_diff=rel, cache_bytes=cache_bytes, cache_slots=slots,
-        batch_size=min(ecfg.batch_size, m), seconds=seconds)
+        batch_size=min(ecfg.batch_size, m), seconds=seconds, num_separators=seps)
 
 
 def eval_config_dict():

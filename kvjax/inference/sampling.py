@@ -1,0 +1,94 @@
+"""Token sampling: greedy, temperature, top-k and nucleus (top-p), by sorted position.
+
+The rule (one definition, shared by :func:`sample_logits` and :func:`sampling_probs`):
+
+1. temperature 0 is greedy: the argmax (the lowest index among equal maxima).
+2. Otherwise the logits are divided by the temperature (float32) and sorted in
+   descending order, ties broken by index (the lower index ranks first).
+3. top-k keeps the first ``min(top_k, V)`` sorted positions: a ``top_k`` at or above the
+   vocabulary V keeps every token (clamped, as Hugging Face's ``TopKLogitsWarper`` does;
+   the vocabulary is a property of the model, not of the config).
+4. top-p keeps the smallest prefix of the sorted, renormalised distribution whose mass
+   reaches ``top_p`` (Holtzman et al. 2020, "The Curious Case of Neural Text
+   Degeneration", sec. 3.1): position i is kept iff the mass *before* it is below top_p.
+   Masses are float32 sums, so a prefix mass within :data:`MASS_TOLERANCE` of top_p counts
+   as reaching it: for [0.5, 0.3, 0.1, 0.1] and top_p = 0.8 the mass before the first 0.1
+   sums to 0.79999995 in float32 and the nucleus is still {0.5, 0.3}. The first position
+   is always kept.
+5. A token is drawn from the kept positions with probabilities proportional to their
+   softmax (``jax.random.categorical`` over the sorted, filtered logits).
+
+Filters act on sorted *positions*, never on logit values, so tied tokens on either side
+of a cut-off are split by index, not all kept.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.config import SamplingConfig
+
+MASS_TOLERANCE = 1e-6
+"""Absolute slack on the nucleus' prefix mass (about 8 float32 ulps at 1.0)."""
+
+
+def _sorted_filtered(logits: jax.Array, sampling: SamplingConfig):
+    """(filtered sorted logits [B, V'] float32 (-inf where dropped), token ids [B, V'] int32).
+
+    V' = min(top_k, V) with top-k, else V; only called when sampling is not greedy.
+    """
+    x = logits.astype(jnp.float32) / sampling.temperature
+    v = x.shape[-1]
+    k = min(sampling.top_k, v) if sampling.top_k else v
+    if k < v:
+        # lax.top_k ranks equal values by index (lower first), like a stable sort.
+        xs, order = jax.lax.top_k(x, k)
+    else:
+        order = jnp.argsort(-x, axis=-1, stable=True)
+        xs = jnp.take_along_axis(x, order, axis=-1)
+    if sampling.top_p < 1.0:
+        p = jax.nn.softmax(xs, axis=-1)
+        # Mass of the positions ahead of each one (an exclusive prefix sum).
+        cum = jnp.cumsum(p, axis=-1)
+        before = jnp.concatenate([jnp.zeros_like(cum[..., :1]), cum[..., :-1]], axis=-1)
+        keep = before < sampling.top_p - MASS_TOLERANCE
+        keep = keep.at[..., 0].set(True)
+        xs = jnp.where(keep, xs, -jnp.inf)
+    return xs, order.astype(jnp.int32)
+
+
+def sample_logits(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig) -> jax.Array:
+    """Picks the next token of each row by the module's rule.
+
+    Args:
+      logits: [B, V] float (any float dtype; computed in float32).
+      rng: a PRNG key (unused when greedy).
+      sampling: temperature 0 = greedy argmax; else softmax(logits / temperature) with
+        the top_k (0: off; clamped to V) and top_p (1: off) filters of the module
+        docstring. Static under jit: a new config compiles a new program.
+    Returns:
+      [B] int32 token ids.
+    """
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not sampling.top_k and sampling.top_p >= 1.0:
+        x = logits.astype(jnp.float32) / sampling.temperature
+        return jax.random.categorical(rng, x, axis=-1).astype(jnp.int32)
+    xs, order = _sorted_filtered(logits, sampling)
+    pos = jax.random.categorical(rng, xs, axis=-1)
+    return jnp.take_along_axis(order, pos[:, None], axis=-1)[:, 0]
+
+
+def sampling_probs(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
+    """The distribution :func:`sample_logits` draws from: [B, V] float32, rows sum to 1.
+
+    Greedy gives a one-hot row at the argmax. For tests and analysis.
+    """
+    b, v = logits.shape
+    if sampling.greedy:
+        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
+    xs, order = _sorted_filtered(logits, sampling)
+    p = jax.nn.softmax(xs, axis=-1)
+    rows = jnp.arange(b)[:, None]
+    return jnp.zeros((b, v), jnp.float32).at[rows, order].add(p)
