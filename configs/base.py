@@ -36,6 +36,9 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     m.window_size = config_dict.placeholder(int)
     # Attention sinks kept beside the window (Xiao et al. 2023).
     m.num_sink_tokens = 0
+    # Rotary positions of the sinks: 'absolute' or 'cache' (StreamingLLM: within the
+    # cache, so the query-to-sink distance stays below the window).
+    m.rope_positions = "absolute"
     # MLA sizes (lever 2), used when attention='mla'.
     m.kv_lora_rank = config_dict.placeholder(int)
     m.qk_rope_head_dim = config_dict.placeholder(int)

@@ -37,6 +37,7 @@ class ConfigError(ValueError):
 
 
 KV_LAYOUTS = ("auto", "BKSH", "BKHS")
+ROPE_POSITIONS = ("absolute", "cache")
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -83,6 +84,12 @@ class ModelConfig:
       tie_embeddings: LM head shares the token embedding matrix.
       window_size: W, sliding-window length in tokens; None for full attention.
       num_sink_tokens: attention sinks kept besides the window (needs window_size).
+      rope_positions: how sinks are placed for rotary embeddings: 'absolute' (each token
+        at its own position, as Mistral-style models trained with a window expect; past
+        the training length the query-to-sink distance is out of distribution) or
+        'cache' (StreamingLLM, Xiao et al. 2023, sec. 3.2: positions within the cache,
+        so the query-to-sink distance stays below W). Ring keys are at the same
+        distance either way. 'cache' needs sinks; not implemented for MLA.
       kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim, q_lora_rank:
         MLA sizes C, R, per-head no-rope key width, per-head value width and the
         optional query low-rank width (DeepSeek-V2, Liu et al. 2024, sec. 2.1).
@@ -122,6 +129,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     window_size: int | None = None
     num_sink_tokens: int = 0
+    rope_positions: str = "absolute"
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
     qk_nope_head_dim: int | None = None
@@ -224,6 +232,12 @@ def validate_model_config(c: ModelConfig) -> None:
     if c.window_size is not None and c.num_sink_tokens >= c.window_size:
         _fail("model.num_sink_tokens", c.num_sink_tokens,
               f"an integer below window_size={c.window_size}")
+    if c.rope_positions not in ROPE_POSITIONS:
+        _fail("model.rope_positions", c.rope_positions, f"one of {list(ROPE_POSITIONS)}")
+    if c.rope_positions == "cache" and (not c.num_sink_tokens or c.attention == "mla"):
+        _fail("model.rope_positions", c.rope_positions,
+              "'absolute' unless model.num_sink_tokens > 0 and attention is not 'mla' "
+              "(cache positions only move the sinks; MLA does not implement them)")
     for f in ("key_layout", "value_layout"):
         if getattr(c, f) not in KV_LAYOUTS:
             _fail(f"model.{f}", getattr(c, f), f"one of {list(KV_LAYOUTS)}")

@@ -58,7 +58,7 @@ def weight_dtype(value_dtype) -> jnp.dtype:
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
            k_layout: str = "BKSH", v_layout: str = "BKSH",
-           backend: str | None = None) -> jax.Array:
+           backend: str | None = None, sinks: tuple | None = None) -> jax.Array:
     """Softmax attention of grouped queries over one layer's keys and values.
 
     Args:
@@ -68,6 +68,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
       mask: [B, T, S] bool, True where the key is visible.
       k_layout, v_layout: 'BKSH' or 'BKHS' (see :func:`kvjax.backend.kv_layout`).
       backend: whose dot-operand rule applies (:func:`dot_operand`).
+      sinks: (q_sink [B, T, K, G, H], is_sink [B, S] bool) or None: keys flagged as
+        attention sinks are scored with ``q_sink`` (the queries rotated at their cache
+        positions, StreamingLLM) instead of ``q``.
     Returns:
       [B, T, K, G, Hv] in v's dtype. Scores, softmax weights and the value product are
       float32 (the weights are not rounded to v's dtype: in bf16 that erred by 1.7e-3 on
@@ -80,6 +83,11 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     scale = q.shape[-1] ** -0.5
     scores = jnp.einsum(f"BTKGH,{_spec(k_layout)}->BKGTS", dot_operand(q, backend),
                         dot_operand(k, backend), preferred_element_type=jnp.float32) * scale
+    if sinks is not None:
+        q_sink, is_sink = sinks
+        s_sink = jnp.einsum(f"BTKGH,{_spec(k_layout)}->BKGTS", dot_operand(q_sink, backend),
+                            dot_operand(k, backend), preferred_element_type=jnp.float32)
+        scores = jnp.where(is_sink[:, None, None, None, :], s_sink * scale, scores)
     visible = mask[:, None, None, :, :]
     scores = jnp.where(visible, scores, NEG_INF)
     m = jnp.max(scores, axis=-1, keepdims=True)
@@ -94,7 +102,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 
 def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array,
                 k_new: jax.Array, v_new: jax.Array, k_layout: str = "BKSH",
-                v_layout: str = "BKSH", new_visible: jax.Array | None = None) -> jax.Array:
+                v_layout: str = "BKSH", new_visible: jax.Array | None = None,
+                sink_scores: jax.Array | None = None) -> jax.Array:
     """One decode step (T = 1): attention over the cache's old slots plus the new token.
 
     Same math as :func:`attend` over ``concat(k_cache, k_new)`` without materialising the
@@ -111,6 +120,8 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
       k_layout, v_layout: 'BKSH' or 'BKHS'.
       new_visible: [B] bool, whether each row's query sees its own new key (None: all
         do). A row that sees no key at all gets zeros, as in :func:`attend`.
+      sink_scores: [B, K, G, s] float32 scaled scores that replace those of slots 0..s-1
+        (attention sinks scored at cache positions, :func:`sink_scores`), or None.
     Returns:
       [B, 1, K, G, Hv] in v_cache's dtype; scores and softmax in float32. The
       unnormalised weights exp(s - max) enter the value product in
@@ -122,6 +133,8 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
     q1 = q[:, 0]  # [B, K, G, H]
     s_old = jnp.einsum(f"BKGH,{_spec(k_layout)}->BKGS", q1, k_cache,
                        preferred_element_type=jnp.float32) * scale
+    if sink_scores is not None:  # the first slots are sinks scored with another query
+        s_old = s_old.at[..., :sink_scores.shape[-1]].set(sink_scores)
     visible = mask[:, :, None, :]  # [B, 1, 1, S]
     s_old = jnp.where(visible, s_old, NEG_INF)
     k1 = k_new[:, :, 0] if k_layout == "BKSH" else k_new[..., 0]  # [B, K, H]
@@ -146,6 +159,39 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
     out = out + e_new * v1[:, :, None, :].astype(jnp.float32)
     out = out / jnp.where(denom > 0, denom, 1.0)  # [B, K, G, Hv]
     return out[:, None].astype(v_cache.dtype)
+
+
+def sink_query_positions(cfg: ModelConfig, positions: jax.Array) -> jax.Array | None:
+    """[B, T] int32 positions at which queries are rotated to score the attention sinks,
+    or None when sinks use absolute positions (``cfg.rope_positions`` 'absolute', or no
+    sinks). With 'cache' (StreamingLLM, Xiao et al. 2023, sec. 3.2: positions within the
+    cache), a query at q sits at cache position min(q, W - 1) of a contiguous stream
+    (s sinks, then the ring's W - s newest tokens, itself last) and sink k at k, so the
+    query-to-sink distance stays below W; ring keys keep their distance q - k, which is
+    the same in both modes, so only the sinks' scores change."""
+    if cfg.rope_positions != "cache" or not cfg.num_sink_tokens:
+        return None
+    return jnp.minimum(positions, cfg.window_size - 1)
+
+
+def sink_scores(cfg: ModelConfig, q_sink: jax.Array | None, k_old: jax.Array,
+                k_layout: str) -> jax.Array | None:
+    """[B, K, G, s] float32 scaled scores of the decode step's sink slots (slots 0..s-1 of
+    a ring, :class:`kvjax.cache.policy.RingSlots`) against ``q_sink`` [B, 1, K, G, H], or
+    None. Extra cost per layer and step: s keys read again and 2·N·s·H FLOP."""
+    if q_sink is None:
+        return None
+    s = cfg.num_sink_tokens
+    sinks = k_old[:, :, :s] if k_layout == "BKSH" else k_old[..., :s]
+    return jnp.einsum(f"BKGH,{_spec(k_layout)}->BKGS", q_sink[:, 0], sinks,
+                      preferred_element_type=jnp.float32) * q_sink.shape[-1] ** -0.5
+
+
+def _sinks(cfg: ModelConfig, q_sink, key_positions: jax.Array):
+    """(q_sink, is_sink [B, S]) for :func:`attend`, or None."""
+    if q_sink is None:
+        return None
+    return q_sink, (key_positions >= 0) & (key_positions < cfg.num_sink_tokens)
 
 
 class Attention(nn.Module):
@@ -181,6 +227,11 @@ class Attention(nn.Module):
         q = Einsum((c.d_model, n, h), "BTD,DNH->BTNH", dt, name="q_proj")(x)
         kk = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="k_proj")(x)
         vv = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="v_proj")(x)
+        # Sinks at cache positions (StreamingLLM): sink keys are scored with the queries
+        # rotated at their cache positions instead of their absolute ones.
+        sink_q = sink_query_positions(c, positions)
+        q_sink = None if sink_q is None else apply_rope(
+            q, sink_q, c.rope_theta).reshape(b, t, k, g, h)
         q = apply_rope(q, positions, c.rope_theta).reshape(b, t, k, g, h)
         kk = jnp.swapaxes(apply_rope(kk, positions, c.rope_theta), 1, 2)  # [B, K, T, H]
         vv = jnp.swapaxes(vv, 1, 2)
@@ -190,7 +241,7 @@ class Attention(nn.Module):
                                    "v": cache_lib.to_layout(vv, c, "v")})
         if cached is None:
             out = attend(q, kk, vv, cache_lib.attention_mask(positions, positions, c),
-                         backend=c.backend)
+                         backend=c.backend, sinks=_sinks(c, q_sink, positions))
         else:
             # Attend over (old slots ++ this chunk); the caller writes afterwards. Reading
             # before writing keeps the in-place update copy-free, and in a ring buffer the
@@ -201,14 +252,17 @@ class Attention(nn.Module):
             mask_old = cache_lib.attention_mask(positions, cached_positions, c)
             if t == 1:
                 out = attend_step(q, k_old, v_old, mask_old, k_cur, v_cur,
-                                  k_layout, v_layout)
+                                  k_layout, v_layout,
+                                  sink_scores=sink_scores(c, q_sink, k_old, k_layout))
             else:
                 mask_new = cache_lib.attention_mask(positions, positions, c)
                 out = attend(q,
                              jnp.concatenate([k_old, k_cur], axis=cache_lib.slot_axis(c, "k")),
                              jnp.concatenate([v_old, v_cur], axis=cache_lib.slot_axis(c, "v")),
                              jnp.concatenate([mask_old, mask_new], axis=2),
-                             k_layout, v_layout, backend=c.backend)
+                             k_layout, v_layout, backend=c.backend,
+                             sinks=_sinks(c, q_sink, jnp.concatenate(
+                                 [cached_positions, positions], axis=1)))
 
         out = Einsum((n, h, c.d_model), "BTF,FD->BTD", dt, merge_in=2, name="o_proj")(
             out.astype(dt).reshape(b, t, n, h))
