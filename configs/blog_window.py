@@ -14,7 +14,7 @@ from configs import base
 
 def get_config():
     model = base.model_dict(
-        name="blog-gqa2-window512", vocab_size=49152, num_layers=12, d_model=512,
+        name="blog", vocab_size=49152, num_layers=12, d_model=512,
         num_heads=8, num_kv_heads=2, head_dim=64, mlp_dim=2048, mlp_type="gelu",
         attention="gqa", window_size=512)
     return base.run_dict(model, weights="random", max_new_tokens=16,

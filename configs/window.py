@@ -22,4 +22,4 @@ from configs import base
 
 def get_config():
     return base.run_dict(base.model_dict(**dict(
-        base.SMOLLM2, name="smollm2-135m-window512", window_size=512)))
+        base.SMOLLM2, window_size=512)))

@@ -40,7 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
-from ml_collections import config_flags
+
+from experiments import cli
 
 from kvjax import cache as cache_lib
 from kvjax.analysis import theory
@@ -51,11 +52,12 @@ from kvjax.training import train as train_lib
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/gqa.py", "The base model (GQA SmolLM2).", lock_config=True)
-_EVAL = config_flags.DEFINE_config_dict("eval", evaluate.eval_config_dict(), lock_config=True)
-_TRAIN = config_flags.DEFINE_config_dict("train", train_lib.train_config_dict(),
-                                         lock_config=True)
+_CONFIG = cli.DEFINE_config_file(
+    "config", "configs/gqa.py", cli.config_help("The base model (GQA SmolLM2)."), lock_config=True)
+_EVAL = cli.DEFINE_config_dict("eval", evaluate.eval_config_dict(), cli.EVAL_HELP,
+                               lock_config=True)
+_TRAIN = cli.DEFINE_config_dict("train", train_lib.train_config_dict(), cli.TRAIN_HELP,
+                                lock_config=True)
 _OUT = flags.DEFINE_string("out_dir", "results/ablate", "Output folder.")
 _KV = flags.DEFINE_list("kv_heads", ["9", "3", "1"], "KV-head variants.")
 _WINDOWS = flags.DEFINE_list("windows", ["64", "128", "256", "512", "1024"], "Windows W.")
@@ -221,6 +223,9 @@ def main(argv):
         run = run_config_from_dict(_CONFIG.value)
         ecfg = evaluate.eval_config_from_dict(_EVAL.value)
         tcfg = train_lib.train_config_from_dict(_TRAIN.value)
+        if ecfg.split != "heldout":
+            raise ValueError(f"invalid config: eval.split={ecfg.split!r}; allowed: 'heldout' "
+                             "(this entry point trains on the rest of the corpus)")
         kv_heads = [int(k) for k in _KV.value]
         windows = [int(w) for w in _WINDOWS.value]
         ranks = [int(c) for c in _MLA.value]
@@ -347,4 +352,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -15,7 +15,8 @@ import json
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
+
+from experiments import cli
 
 from kvjax import cache as cache_lib
 from kvjax.analysis import costs, theory
@@ -23,8 +24,8 @@ from kvjax.inference import runner
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/gqa.py", "Experiment config file (get_config()).", lock_config=True)
+_CONFIG = cli.DEFINE_config_file(
+    "config", "configs/gqa.py", cli.config_help("Experiment config file (get_config())."), lock_config=True)
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
 
 
@@ -88,4 +89,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

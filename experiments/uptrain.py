@@ -23,7 +23,8 @@ import pathlib
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
+
+from experiments import cli
 
 from kvjax.inference import runner
 from kvjax.training import data, evaluate
@@ -31,11 +32,12 @@ from kvjax.training import train as train_lib
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/mqa.py", "Model config file (get_config()).", lock_config=True)
-_TRAIN = config_flags.DEFINE_config_dict("train", train_lib.train_config_dict(),
-                                         lock_config=True)
-_EVAL = config_flags.DEFINE_config_dict("eval", evaluate.eval_config_dict(), lock_config=True)
+_CONFIG = cli.DEFINE_config_file(
+    "config", "configs/mqa.py", cli.config_help("Model config file (get_config())."), lock_config=True)
+_TRAIN = cli.DEFINE_config_dict("train", train_lib.train_config_dict(), cli.TRAIN_HELP,
+                                lock_config=True)
+_EVAL = cli.DEFINE_config_dict("eval", evaluate.eval_config_dict(), cli.EVAL_HELP,
+                               lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "results/uptrain", "Checkpoints, history, plot.")
 _EVALUATE = flags.DEFINE_bool("evaluate", True, "Score the held-out split before and after.")
 
@@ -48,6 +50,9 @@ def main(argv):
         run = run_config_from_dict(_CONFIG.value)
         tcfg = train_lib.train_config_from_dict(_TRAIN.value)
         ecfg = evaluate.eval_config_from_dict(_EVAL.value)
+        if ecfg.split != "heldout":
+            raise ValueError(f"invalid config: eval.split={ecfg.split!r}; allowed: 'heldout' "
+                             "(this entry point trains on the rest of the corpus)")
         loaded = runner.load(run)
         corpus = data.tokenized_corpus(loaded.tokenizer, _EVAL.value.corpus,
                                        _EVAL.value.heldout_fraction, run.cache_dir)
@@ -86,4 +91,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)
