@@ -11,4 +11,4 @@ from configs import base
 
 def get_config():
     return base.run_dict(base.model_dict(**dict(
-        base.SMOLLM2, name="smollm2-135m-mha", num_kv_heads=9, attention="mha")))
+        base.SMOLLM2, num_kv_heads=9, attention="mha")))

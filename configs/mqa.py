@@ -12,4 +12,4 @@ from configs import base
 
 def get_config():
     return base.run_dict(base.model_dict(**dict(
-        base.SMOLLM2, name="smollm2-135m-mqa", num_kv_heads=1, attention="mqa")))
+        base.SMOLLM2, num_kv_heads=1, attention="mqa")))

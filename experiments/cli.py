@@ -11,6 +11,7 @@ weights load. ``--list_fields`` prints every field (type, default, description; 
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import sys
 from typing import Any, Callable
@@ -192,7 +193,8 @@ def parse_flags(argv: list[str]) -> list[str]:
             raise UsageError(f"--{name}: {err}")
         if any(n == "list_fields" and v in (None, "true", "True", "1")
                for n, v in _flag_args(argv)):
-            print(fields.format_fields(all_fields(configs), _headers(argv)))
+            groups = field_groups(argv, configs) + (_EXTRA_FIELDS() if _EXTRA_FIELDS else [])
+            print(fields.format_fields(groups))
             sys.exit(0)
         try:
             return flags.FLAGS(argv)
@@ -207,17 +209,20 @@ def parse_flags(argv: list[str]) -> list[str]:
         sys.exit(2)
 
 
-def _headers(argv: list[str]) -> dict[str, str]:
+def field_groups(argv: list[str], configs: dict[str, Any]) -> list[tuple[str, list]]:
+    """(header, fields) per config flag, paths written as typed (``--eval.context``)."""
     given = dict(_flag_args(argv))
-    out = {}
-    for name, flag in _config_flags().items():
+    groups = []
+    for name, cd in configs.items():
+        flag = _config_flags()[name]
         if isinstance(flag.parser, config_flags.config_flags.ConfigFileFlagParser):
-            src = given.get(name) or flag.default_as_str or ""
-            out[name] = (f"--{name} fields (values from {src.strip(chr(39))}; set one with "
-                         f"--{name}.FIELD=VALUE):")
+            src = given.get(name) or (flag.default_as_str or "").strip("'")
+            header = f"--{name} fields (values from {src}; set one with --{name}.FIELD=VALUE):"
         else:
-            out[name] = f"--{name} fields (set one with --{name}.FIELD=VALUE):"
-    return out
+            header = f"--{name} fields (set one with --{name}.FIELD=VALUE):"
+        groups.append((header, [dataclasses.replace(f, path="--" + f.path)
+                                for f in fields.config_fields(name, cd)]))
+    return groups
 
 
 def check_output_file(path: str | None, flag: str) -> None:
@@ -261,6 +266,13 @@ def _module_name(argv: list[str]) -> str:
     return f"{p.parent.name}.{p.stem}" if p.parent.name else p.stem
 
 
-def run(main: Callable[[list[str]], int | None]) -> None:
-    """``app.run(main)`` with :func:`parse_flags` as the flag parser."""
+_EXTRA_FIELDS: Callable[[], list] | None = None
+
+
+def run(main: Callable[[list[str]], int | None],
+        extra_fields: Callable[[], list] | None = None) -> None:
+    """``app.run(main)`` with :func:`parse_flags` as the flag parser; ``extra_fields``
+    returns more (header, fields) groups for ``--list_fields``."""
+    global _EXTRA_FIELDS
+    _EXTRA_FIELDS = extra_fields
     app.run(main, flags_parser=parse_flags)

@@ -26,6 +26,7 @@ from absl import app, flags, logging
 
 from experiments import cli
 
+from kvjax import naming
 from kvjax.inference import runner
 from kvjax.training import data, evaluate
 from kvjax.training import train as train_lib
@@ -64,9 +65,9 @@ def main(argv):
     cfg = loaded.cfg
     workdir = pathlib.Path(_WORKDIR.value)
     workdir.mkdir(parents=True, exist_ok=True)
-    print(f"model {cfg.name} (K={cfg.num_kv_heads}); corpus {corpus.source}: "
+    print(f"model {naming.variant_name(cfg)}; corpus {corpus.source}: "
           f"{corpus.train.size:,} training tokens in {len(corpus.train_docs)} documents")
-    out = {"model": cfg.name, "train": vars(tcfg).copy()}
+    out = {"model": cfg.name, "variant": naming.variant_name(cfg), "train": vars(tcfg).copy()}
     if windows is not None:
         before = evaluate.perplexity(loaded.params, cfg, windows, ecfg, corpus.byte_lengths)
         print(f"before: perplexity {before.ppl:.3f}, bits/byte {before.bits_per_byte:.4f} "
@@ -75,8 +76,9 @@ def main(argv):
     result = train_lib.train(loaded.params, cfg, tcfg, corpus.train, workdir=workdir)
     if result.resumed_from is not None:
         print(f"resumed from the checkpoint at step {result.resumed_from}")
-    train_lib.plot_history({cfg.name: result.history}, workdir / "loss_curve.png",
-                           title=f"uptraining {cfg.name} on {corpus.source}")
+    train_lib.plot_history({naming.variant_name(cfg): result.history},
+                           workdir / "loss_curve.png",
+                           title=f"uptraining {naming.variant_name(cfg)} on {corpus.source}")
     out.update(history=result.history, train_seconds=result.seconds)
     if windows is not None:
         after = evaluate.perplexity(train_lib.to_layout(result.params, cfg), cfg, windows,

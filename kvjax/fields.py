@@ -128,22 +128,22 @@ def config_fields(flag_name: str, cd: Mapping[str, Any]) -> list[Field]:
     return out
 
 
-def format_fields(fields: list[Field], headers: Mapping[str, str] | None = None) -> str:
-    """A plain-text table: ``--path  type  default  description``, one field a line;
-    ``headers`` maps a flag name to a line printed before its first field."""
-    if not fields:
+def format_fields(groups: list[tuple[str, list[Field]]]) -> str:
+    """Plain-text tables, one per (header, fields) group: ``path  type  default
+    description``, one field a line (paths as given: ``--eval.context``)."""
+    rows = [(f.path, f.type_name, _show(f.default), f.description)
+            for _, fs in groups for f in fs]
+    if not rows:
         return ""
-    headers = dict(headers or {})
-    rows = [(f"--{f.path}", f.type_name, _show(f.default), f.description) for f in fields]
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     w2 = min(max(len(r[2]) for r in rows), 24)
-    lines = []
-    for f, (a, b, c, d) in zip(fields, rows):
-        head = headers.pop(f.path.split(".")[0], None)
-        if head:
-            lines += ([""] if lines else []) + [head]
-        lines.append(f"  {a:<{w0}}  {b:<{w1}}  {c:<{w2}}  {d}")
+    lines: list[str] = []
+    for header, fs in groups:
+        lines += ([""] if lines else []) + [header]
+        for f in fs:
+            lines.append(f"  {f.path:<{w0}}  {f.type_name:<{w1}}  {_show(f.default):<{w2}}  "
+                         f"{f.description}")
     return "\n".join(lines)
 
 
