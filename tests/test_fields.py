@@ -184,3 +184,22 @@ def test_compare_entry_point_on_your_own_text(tmp_path):
     for f in ("compare.txt", "compare.csv", "compare.png"):
         assert (out / f).stat().st_size > 0
     assert "W=16+4 sinks" in (out / "compare.txt").read_text()
+
+
+def test_blog_table_in_one_call_llama2_70b_on_h100_at_128k():
+    from kvjax.analysis import sizing
+    assert sizing.parse_context("128K") == 131_072 and sizing.parse_context(128_000) == 128_000
+    with pytest.raises(ValueError, match="K = 1,024 tokens"):
+        sizing.parse_context("128 thousand")
+    t = sizing.blog_table("Llama2-70B", chip="H100-80GB", context="128K")
+    # 80 layers x 8 KV heads x (128 + 128) x 2 bytes = 327,680 B per token.
+    assert t.kv_bytes_per_token == 327_680
+    assert t.kv_cache_bytes_per_sequence == 327_680 * 131_072
+    assert t.max_batch == 0 and t.weight_bytes > 80e9
+    text = str(t)
+    assert "0: the weights (138 GB) exceed the 80 GB" in text
+    # 138 GB of weights + 43 GB of cache need 3 x 80 GB; int4 weights (34 GB) fit one.
+    assert t.devices_needed == 3 and "int4 weights (34 GB) on one (1 sequence)" in text
+    assert sizing.blog_table("blog", "A100", 4096).max_batch == 793
+    with pytest.raises(ValueError, match="preset 'llama3-70b': unknown.*closest: llama2-70b"):
+        sizing.blog_table("llama3-70b", "H100")
