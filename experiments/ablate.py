@@ -141,14 +141,21 @@ def plot_pareto(rows: list, path: pathlib.Path, ctx: int, title: str) -> None:
             where="post", color="k", alpha=0.4, lw=1, label="Pareto front")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    from matplotlib.ticker import FuncFormatter  # noqa: PLC0415
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_xlabel(f"KV cache per sequence at context {ctx} (MiB, float32; theory = measured "
                   "except W > context)")
     ax.set_ylabel("perplexity on held-out Django docs")
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    handles = ax.get_legend_handles_labels()[0]
+    if any(r.get("uptrained_from") for r in rows):
+        from matplotlib.lines import Line2D  # noqa: PLC0415
+        handles.append(Line2D([], [], color="C4", alpha=0.6, marker=">", ms=5,
+                              label="uptraining: before -> after"))
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              frameon=False)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -11,7 +11,6 @@ and the cost table (theory | XLA compiled, loop-corrected | measured) of one dec
 
 from __future__ import annotations
 
-import json
 import sys
 
 from absl import app, flags
@@ -19,6 +18,7 @@ from absl import app, flags
 from experiments import cli
 
 from kvjax import cache as cache_lib
+from kvjax import naming
 from kvjax.analysis import costs, theory
 from kvjax.inference import runner
 from kvjax.checkpoints import WeightsError
@@ -29,19 +29,32 @@ _CONFIG = cli.DEFINE_config_file(
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
 
 
+PROMPT_CHARS = 160  # longer prompts are shown by their two ends on screen (JSON: whole)
+
+
+def shorten(text: str, limit: int = PROMPT_CHARS) -> str:
+    """``repr(text)``, or for a longer text its first and last ``limit // 2`` characters
+    around a note of how many were left out."""
+    if len(text) <= limit:
+        return repr(text)
+    half = limit // 2
+    return (f"{text[:half]!r} ... [{len(text) - 2 * half:,} characters omitted; "
+            f"{len(text):,} in all] ... {text[-half:]!r}")
+
+
 def report(result: runner.DecodeResult) -> str:
     """The human-readable report of one run."""
     s = result.step
     cfg = s.cfg
     per_token = theory.kv_bytes_per_token(cfg) * s.batch
     lines = [
-        f"model: {cfg.name}  attention={cfg.attention}  N={cfg.num_heads} "
+        f"model: {naming.variant_name(cfg)}  attention={cfg.attention}  N={cfg.num_heads} "
         f"K={cfg.num_kv_heads}  L={cfg.num_layers}  D={cfg.d_model}  dtype={cfg.dtype}  "
         f"window={cfg.window_size}  scan_layers={cfg.scan_layers}" + (
             "" if cfg.is_mla else
             f"  cache layout: k {cfg.cache_layout('k')}, v {cfg.cache_layout('v')}"),
         "",
-        f"prompt: {result.prompt!r}",
+        f"prompt: {shorten(result.prompt)}",
         f"generated: {result.generated_text!r}",
         "",
         f"prompt tokens {result.prompt_tokens}, new tokens {result.new_tokens}; "
@@ -49,8 +62,9 @@ def report(result: runner.DecodeResult) -> str:
         f"prefill {result.prefill_tokens_per_s:,.1f} tokens/s; time to first token "
         f"{result.time_to_first_token_s * 1e3:.1f} ms; decode "
         f"{result.decode_tokens_per_s:,.2f} tokens/s",
-        f"KV cache: {result.kv_cache_bytes:,} bytes allocated "
-        f"(theory {result.kv_cache_bytes_theory:,} = {per_token:,} B/token x "
+        f"KV cache: {result.kv_cache_bytes:,} bytes allocated for the batch of {s.batch} "
+        f"({result.kv_cache_bytes // s.batch:,} per sequence; theory "
+        f"{result.kv_cache_bytes_theory:,} = {per_token:,} B/token x "
         f"{result.kv_cache_bytes_theory // per_token:,} slots)",
         "",
         f"one decode step at context {s.context} (cache of "
@@ -75,15 +89,15 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     try:
         run = run_config_from_dict(_CONFIG.value)
+        cli.check_output_file(_JSON_OUT.value, "json_out")
         loaded = runner.load(run)
         result = runner.run_decode(run, loaded)
-    except (ConfigError, WeightsError) as e:
+    except (ConfigError, WeightsError, cli.UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report(result))
     if _JSON_OUT.value:
-        with open(_JSON_OUT.value, "w") as f:
-            json.dump(result.as_json(), f, indent=2)
+        cli.write_json(_JSON_OUT.value, result.as_json())
         print(f"\nwrote {_JSON_OUT.value}")
     return 0
 

@@ -203,3 +203,12 @@ def test_blog_table_in_one_call_llama2_70b_on_h100_at_128k():
     assert sizing.blog_table("blog", "A100", 4096).max_batch == 793
     with pytest.raises(ValueError, match="preset 'llama3-70b': unknown.*closest: llama2-70b"):
         sizing.blog_table("llama3-70b", "H100")
+
+
+def test_long_prompts_are_shortened_on_screen():
+    from experiments.decode import shorten
+    assert shorten("short") == "'short'"
+    long = "a" * 3000 + "END"
+    s = shorten(long)
+    assert len(s) < 250 and "3,003 in all" in s and s.endswith("'aEND'") is False
+    assert "END" in s and "2,843 characters omitted" in s
