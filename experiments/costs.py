@@ -208,8 +208,16 @@ def _finish(fig, ax, path, handles=None) -> None:
     then save (PNG, 120 dpi) and close."""
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
+    from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: PLC0415
+
     ax.title.set_fontsize(9)
     ax.grid(True, which="both", alpha=0.3)
+    if ax.get_yscale() == "log":  # plain numbers (0.2, 0.5, 1, 2), not 2x10^-1
+        lo, hi = ax.get_ylim()
+        if hi / lo < 1e3:
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
     if handles is None:
         handles = ax.get_legend_handles_labels()[0]
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
@@ -242,7 +250,7 @@ def plot_step_bytes(rows, dtype, scan_layers, path) -> None:
         cfg = variant_config(variant, dtype, scan_layers)
         c = _COLORS.get(variant, "k")
         ax.plot(ts, [theory.step_bytes(cfg, int(t)).total / GB for t in ts], color=c,
-                lw=1.4, ls=_STYLE.get(variant, "-"))
+                lw=1.4, ls=_STYLE.get(variant, "-"), zorder=3 if variant in _STYLE else 2)
         pts = [r for r in rows if r["dtype"] == dtype and r["variant"] == variant]
         ax.plot([r["context"] for r in pts], [r["xla_bytes"] / GB for r in pts], "o",
                 color=c, ms=5)
@@ -269,6 +277,10 @@ def plot_step_bytes(rows, dtype, scan_layers, path) -> None:
     _finish(fig, ax, path, handles)
 
 
+def _flops_text(flops: float) -> str:
+    return (f"{flops / 1e12:,.1f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:,.0f} GFLOP/s")
+
+
 def plot_roofline(rows, dtype, local: hardware.Chip, path) -> None:
     """Arithmetic intensity vs attainable FLOP/s: chip rooflines (their ridge points
     marked and labelled, the blog's A100 fp16 ridge of 156 FLOP/byte always drawn),
@@ -281,23 +293,25 @@ def plot_roofline(rows, dtype, local: hardware.Chip, path) -> None:
     roofs = [(chip, dtype if chip.peak_flops(dtype) else "float32") for chip in chips]
     if dtype == "float32":  # the blog reasons in fp16: keep its A100 roof in view
         roofs.insert(1, (hardware.CHIPS["A100-80GB"], "float16"))
+    chip_colors = ["k", "C7", "C8", "C9", "0.55"]  # apart from the variants' C0-C6
     for i, (chip, peak_dtype) in enumerate(roofs):
         y = [roofline.attainable_flops(a, chip, peak_dtype) for a in ai]
         ridge = chip.ridge_point(peak_dtype)
+        peak = chip.peak_flops(peak_dtype)
         label = (f"{chip.name}: {chip.hbm_bytes_per_s / GB:,.0f} GB/s"
-                 + (f", {chip.peak_flops(peak_dtype) / 1e12:,.1f} TFLOP/s {peak_dtype}; "
-                    f"ridge {ridge:,.0f} FLOP/B" if ridge else " (peak not measured)"))
+                 + (f", {_flops_text(peak)} {peak_dtype}; ridge {ridge:,.{0 if ridge >= 10 else 1}f}"
+                    " FLOP/B" if ridge else " (peak not measured)"))
         ls = "--" if (chip.name == "A100-80GB" and peak_dtype == "float16"
                       and dtype == "float32") else "-"
-        line, = ax.plot(ai, y, color=f"C{i}", lw=1.5, ls=ls, label=label)
+        i = chip_colors[i % len(chip_colors)]
+        line, = ax.plot(ai, y, color=i, lw=1.5, ls=ls, label=label)
         handles.append(line)
         if ridge:
-            ax.plot([ridge], [chip.peak_flops(peak_dtype)], "|", color=f"C{i}", ms=14, mew=2)
+            ax.plot([ridge], [peak], "|", color=i, ms=14, mew=2)
             if chip.name == "A100-80GB" and peak_dtype == "float16":
-                ax.annotate(f"blog: A100 fp16 ridge = {ridge:.0f} FLOP/byte",
-                            (ridge, chip.peak_flops(peak_dtype)), xytext=(-10, 12),
-                            textcoords="offset points", ha="right", fontsize=8,
-                            color=f"C{i}")
+                ax.annotate(f"blog: A100 fp16 ridge\n= {ridge:.0f} FLOP/byte", (ridge, peak),
+                            xytext=(8, -26), textcoords="offset points", ha="left",
+                            fontsize=8, color=i)
     h200 = hardware.H200
     variants = []
     for r in rows:
@@ -334,7 +348,8 @@ def plot_kv_to_weights(rows, dtype, scan_layers, path) -> None:
         cfg = variant_config(variant, dtype, scan_layers)
         c = _COLORS.get(variant, "k")
         ax.plot(ts, [theory.step_bytes(cfg, int(t)).kv_read / theory.weight_bytes_per_step(cfg)
-                     for t in ts], color=c, lw=1.2, ls=_STYLE.get(variant, "-"))
+                     for t in ts], color=c, lw=1.2, ls=_STYLE.get(variant, "-"),
+                zorder=3 if variant in _STYLE else 2)
         pts = [r for r in rows if r["dtype"] == dtype and r["variant"] == variant]
         ax.plot([r["context"] for r in pts], [r["xla_kv_read"] / r["xla_weights"] for r in pts],
                 "o", color=c, ms=5)
