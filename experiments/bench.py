@@ -338,6 +338,7 @@ def plot(points, path, device: str = "", bandwidth: float | None = None):
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: PLC0415
 
     if not points:
         return
@@ -362,13 +363,18 @@ def plot(points, path, device: str = "", bandwidth: float | None = None):
             handles.setdefault(roof.get_label(), roof)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(
+            lambda v, _: f"{v / 1024:g}K" if v >= 1024 else f"{v:g}"))
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
         ax.set_xlabel("context t (tokens in the cache)")
         ax.set_ylabel("decode step time (ms, median)")
         ax.set_title(f"{m}: step time vs context", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
     fig.legend(list(handles.values()), list(handles), loc="outside lower center",
                ncol=4, fontsize=8, frameon=False)
-    fig.suptitle(f"{device or 'this device'}, {points[0].get('dtype', '')}; roofline = "
+    fig.suptitle(f"{device or 'this device'}, {points[0].get('dtype', '')}\nroofline = "
                  f"theory bytes / {bandwidth / 1e9:.1f} GB/s (median of the run's probe "
                  "reads; GB = 10^9 B)", fontsize=9)
     fig.savefig(path, dpi=120)

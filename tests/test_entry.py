@@ -84,6 +84,7 @@ def test_bench_entry_point_smoke(tmp_path):
     flat = result["summary"]["blog/window/scan=False/t512_over_t256"]
     assert 0.5 < flat["interleaved"] < 2  # the same W=512 slots: equal within noise
     assert (tmp_path / "bench_step_time.png").stat().st_size > 0
+    assert result["device"].startswith("CPU: ") and "(id 0)" not in result["device"]
 
 
 def test_bench_crossover_fit_is_robust_to_one_outlier():
