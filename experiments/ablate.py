@@ -74,6 +74,8 @@ FIELDS = ["name", "lever", "kv_heads", "window", "sinks", "mla_rank", "uptrain_s
           "kv_bytes_per_token", "tokens_held", "kv_bytes_theory", "kv_bytes_measured",
           "cache_slots", "ppl", "bits_per_byte", "ppl_vs_gqa", "tokens_scored",
           "check_rel_diff", "same_as", "seconds"]
+# --help lists the config flags (defined through cli) with this module's own.
+flags.adopt_module_key_flags(cli)
 
 
 def kv_label(k: int, n: int) -> str:

@@ -70,6 +70,8 @@ _OUT = flags.DEFINE_string("out_dir", "results/compare",
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON here.")
 
 MB = 1e6  # decimal megabytes: every MB printed or plotted here is 10^6 bytes
+# --help lists the config flags (defined through cli) with this module's own.
+flags.adopt_module_key_flags(cli)
 
 
 class CompareError(ValueError):

@@ -27,19 +27,8 @@ from kvjax.config import ConfigError, run_config_from_dict
 _CONFIG = cli.DEFINE_config_file(
     "config", "configs/gqa.py", cli.config_help("Experiment config file (get_config())."), lock_config=True)
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
-
-
-PROMPT_CHARS = 160  # longer prompts are shown by their two ends on screen (JSON: whole)
-
-
-def shorten(text: str, limit: int = PROMPT_CHARS) -> str:
-    """``repr(text)``, or for a longer text its first and last ``limit // 2`` characters
-    around a note of how many were left out."""
-    if len(text) <= limit:
-        return repr(text)
-    half = limit // 2
-    return (f"{text[:half]!r} ... [{len(text) - 2 * half:,} characters omitted; "
-            f"{len(text):,} in all] ... {text[-half:]!r}")
+# --help lists the config flags (defined through cli) with this module's own.
+flags.adopt_module_key_flags(cli)
 
 
 def report(result: runner.DecodeResult) -> str:
@@ -54,7 +43,7 @@ def report(result: runner.DecodeResult) -> str:
             "" if cfg.is_mla else
             f"  cache layout: k {cfg.cache_layout('k')}, v {cfg.cache_layout('v')}"),
         "",
-        f"prompt: {shorten(result.prompt)}",
+        f"prompt: {naming.shorten(result.prompt)}",
         f"generated: {result.generated_text!r}",
         "",
         f"prompt tokens {result.prompt_tokens}, new tokens {result.new_tokens}; "

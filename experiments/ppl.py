@@ -39,6 +39,8 @@ _CONFIG = cli.DEFINE_config_file(
 _EVAL = cli.DEFINE_config_dict("eval", evaluate.eval_config_dict(), cli.EVAL_HELP,
                                lock_config=True)
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the result as JSON here.")
+# --help lists the config flags (defined through cli) with this module's own.
+flags.adopt_module_key_flags(cli)
 
 
 def main(argv):

@@ -41,6 +41,8 @@ _EVAL = cli.DEFINE_config_dict("eval", evaluate.eval_config_dict(), cli.EVAL_HEL
                                lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "results/uptrain", "Checkpoints, history, plot.")
 _EVALUATE = flags.DEFINE_bool("evaluate", True, "Score the held-out split before and after.")
+# --help lists the config flags (defined through cli) with this module's own.
+flags.adopt_module_key_flags(cli)
 
 
 def main(argv):

@@ -38,3 +38,16 @@ def variant_name(cfg: ModelConfig, with_model: bool = True, with_dtype: bool = T
     if with_dtype:
         parts.append(DTYPE_SHORT.get(cfg.dtype, cfg.dtype))
     return " ".join(p for p in parts if p)
+
+
+PROMPT_CHARS = 160  # longer prompts are shown by their two ends on screen (JSON: whole)
+
+
+def shorten(text: str, limit: int = PROMPT_CHARS) -> str:
+    """``repr(text)``, or for a longer text its first and last ``limit // 2`` characters
+    around a note of how many were left out."""
+    if len(text) <= limit:
+        return repr(text)
+    half = limit // 2
+    return (f"{text[:half]!r} ... [{len(text) - 2 * half:,} characters omitted; "
+            f"{len(text):,} in all] ... {text[-half:]!r}")

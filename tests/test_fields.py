@@ -206,7 +206,7 @@ def test_blog_table_in_one_call_llama2_70b_on_h100_at_128k():
 
 
 def test_long_prompts_are_shortened_on_screen():
-    from experiments.decode import shorten
+    from kvjax.naming import shorten
     assert shorten("short") == "'short'"
     long = "a" * 3000 + "END"
     s = shorten(long)
