@@ -16,6 +16,6 @@ from kvjax import presets
 def get_config():
     model = base.model_dict(**presets.variant(
         presets.architecture(presets.blog_model, vocab_size=49152),
-        num_kv_heads=2, window_size=512))
+        num_kv_heads=2, window_size=512, name="blog"))
     return base.run_dict(model, weights="random", max_new_tokens=16,
                          prompt="The KV cache is the bottleneck of inference because")

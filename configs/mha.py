@@ -12,4 +12,4 @@ from kvjax import presets
 
 def get_config():
     return base.run_dict(base.model_dict(**presets.variant(
-        base.SMOLLM2, num_kv_heads=9, name="smollm2-135m-mha")))
+        base.SMOLLM2, num_kv_heads=9, name="smollm2-135m")))

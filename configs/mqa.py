@@ -13,4 +13,4 @@ from kvjax import presets
 
 def get_config():
     return base.run_dict(base.model_dict(**presets.variant(
-        base.SMOLLM2, num_kv_heads=1, name="smollm2-135m-mqa")))
+        base.SMOLLM2, num_kv_heads=1, name="smollm2-135m")))

@@ -22,4 +22,5 @@ from kvjax import presets
 
 
 def get_config():
-    return base.run_dict(base.model_dict(**presets.variant(base.SMOLLM2, window_size=512)))
+    return base.run_dict(base.model_dict(**presets.variant(
+        base.SMOLLM2, window_size=512, name="smollm2-135m")))

@@ -40,7 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
-from ml_collections import config_flags
+
+from experiments import cli
 
 from kvjax import cache as cache_lib
 from kvjax.analysis import theory
@@ -51,11 +52,12 @@ from kvjax.training import train as train_lib
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/gqa.py", "The base model (GQA SmolLM2).", lock_config=True)
-_EVAL = config_flags.DEFINE_config_dict("eval", evaluate.eval_config_dict(), lock_config=True)
-_TRAIN = config_flags.DEFINE_config_dict("train", train_lib.train_config_dict(),
-                                         lock_config=True)
+_CONFIG = cli.DEFINE_config_file(
+    "config", "configs/gqa.py", cli.config_help("The base model (GQA SmolLM2)."), lock_config=True)
+_EVAL = cli.DEFINE_config_dict("eval", evaluate.eval_config_dict(), cli.EVAL_HELP,
+                               lock_config=True)
+_TRAIN = cli.DEFINE_config_dict("train", train_lib.train_config_dict(), cli.TRAIN_HELP,
+                                lock_config=True)
 _OUT = flags.DEFINE_string("out_dir", "results/ablate", "Output folder.")
 _KV = flags.DEFINE_list("kv_heads", ["9", "3", "1"], "KV-head variants.")
 _WINDOWS = flags.DEFINE_list("windows", ["64", "128", "256", "512", "1024"], "Windows W.")
@@ -72,6 +74,8 @@ FIELDS = ["name", "lever", "kv_heads", "window", "sinks", "mla_rank", "uptrain_s
           "kv_bytes_per_token", "tokens_held", "kv_bytes_theory", "kv_bytes_measured",
           "cache_slots", "ppl", "bits_per_byte", "ppl_vs_gqa", "tokens_scored",
           "check_rel_diff", "same_as", "seconds"]
+# --help lists the config flags (defined through cli) with this module's own.
+flags.adopt_module_key_flags(cli)
 
 
 def kv_label(k: int, n: int) -> str:
@@ -139,14 +143,21 @@ def plot_pareto(rows: list, path: pathlib.Path, ctx: int, title: str) -> None:
             where="post", color="k", alpha=0.4, lw=1, label="Pareto front")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    from matplotlib.ticker import FuncFormatter  # noqa: PLC0415
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_xlabel(f"KV cache per sequence at context {ctx} (MiB, float32; theory = measured "
                   "except W > context)")
     ax.set_ylabel("perplexity on held-out Django docs")
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    handles = ax.get_legend_handles_labels()[0]
+    if any(r.get("uptrained_from") for r in rows):
+        from matplotlib.lines import Line2D  # noqa: PLC0415
+        handles.append(Line2D([], [], color="C4", alpha=0.6, marker=">", ms=5,
+                              label="uptraining: before -> after"))
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              frameon=False)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -221,6 +232,9 @@ def main(argv):
         run = run_config_from_dict(_CONFIG.value)
         ecfg = evaluate.eval_config_from_dict(_EVAL.value)
         tcfg = train_lib.train_config_from_dict(_TRAIN.value)
+        if ecfg.split != "heldout":
+            raise ValueError(f"invalid config: eval.split={ecfg.split!r}; allowed: 'heldout' "
+                             "(this entry point trains on the rest of the corpus)")
         kv_heads = [int(k) for k in _KV.value]
         windows = [int(w) for w in _WINDOWS.value]
         ranks = [int(c) for c in _MLA.value]
@@ -348,4 +362,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

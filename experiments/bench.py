@@ -205,7 +205,7 @@ def main(argv):
     start_roof = chip.hbm_bytes_per_s
     # A measured device: pair every step with a read by its probe's fastest kernel.
     probe = hardware.ReadProbe(chip.read_kernel) if chip.read_kernel else None
-    print(f"device: {jax.devices()[0]}  roofline: {chip.name} {start_roof / 1e9:.1f} GB/s "
+    print(f"device: {hardware.device_name()}  roofline: {chip.name} {start_roof / 1e9:.1f} GB/s "
           f"({chip.source}" + (f"; a '{probe.kernel}' read timed before every step)"
                                if probe else ")"))
     points = []
@@ -223,7 +223,7 @@ def main(argv):
                     if probe is None:
                         roof, fraction = chip.hbm_bytes_per_s, achieved / chip.hbm_bytes_per_s
                     points.append(dict(model=model_name, variant=variant, scan_layers=scan,
-                                       context=t, seconds=sec, theory_bytes=sb.total,
+                                       dtype=dtype, context=t, seconds=sec, theory_bytes=sb.total,
                                        kv_bytes=sb.kv_read, weight_bytes=sb.weights,
                                        achieved_bytes_per_s=achieved,
                                        roofline_bytes_per_s=roof,
@@ -279,14 +279,16 @@ def main(argv):
                                    scan_modes[0], repeats, probe, chip)
 
     os.makedirs(_OUT.value, exist_ok=True)
-    out = dict(device=str(jax.devices()[0]), roofline_bytes_per_s=start_roof,
+    out = dict(device=hardware.device_name(), roofline_bytes_per_s=start_roof,
                roofline_probe_kernel=probe.kernel if probe else None, roofline=chip.name,
                dtype=dtype, points=points, summary=summary, peers=peer_rows)
     path = os.path.join(_OUT.value, "bench.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=2)
     print(json.dumps(summary, indent=2))
-    plot(points, os.path.join(_OUT.value, "bench_step_time.png"))
+    plot(points, os.path.join(_OUT.value, "bench_step_time.png"), out["device"],
+         bandwidth=statistics.median(p["roofline_bytes_per_s"] for p in points)
+         if points else None)
     print(f"wrote {path} and {os.path.join(_OUT.value, 'bench_step_time.png')}")
 
 
@@ -326,31 +328,55 @@ def summarize(points, contexts, window_ratios=None, speedups=None) -> dict:
     return out
 
 
-def plot(points, path):
+def plot(points, path, device: str = "", bandwidth: float | None = None):
+    """Step time vs context per model (log-log): measured markers and lines per variant,
+    and each variant's roofline (theory bytes / one bandwidth for the whole run: by
+    default the median of the points' probe reads; the per-point probes stay in the
+    JSON and the table). The legend sits below the panels."""
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: PLC0415
 
+    if not points:
+        return
+    if bandwidth is None:
+        bandwidth = statistics.median(p["roofline_bytes_per_s"] for p in points)
     models = sorted({p["model"] for p in points})
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5), squeeze=False,
+                             constrained_layout=True)
+    handles = {}
     for ax, m in zip(axes[0], models):
-        for (v, s) in sorted({(p["variant"], p["scan_layers"]) for p in points
-                              if p["model"] == m}):
+        for i, (v, s) in enumerate(sorted({(p["variant"], p["scan_layers"]) for p in points
+                                           if p["model"] == m})):
             pts = sorted((p for p in points if p["model"] == m and p["variant"] == v
                           and p["scan_layers"] == s), key=lambda p: p["context"])
             x = [p["context"] for p in pts]
-            line, = ax.plot(x, [p["seconds"] * 1e3 for p in pts], "o-",
-                            label=f"{v} measured" + (" (scan)" if s else ""))
-            ax.plot(x, [p["roofline_seconds"] * 1e3 for p in pts], "--",
-                    color=line.get_color(), alpha=0.6, label=f"{v} roofline")
+            name = v + (" (scan)" if s else "")
+            line, = ax.plot(x, [p["seconds"] * 1e3 for p in pts], "o-", color=f"C{i}",
+                            label=f"{name}: measured")
+            roof, = ax.plot(x, [p["theory_bytes"] / bandwidth * 1e3 for p in pts], "--",
+                            color=f"C{i}", alpha=0.7, label=f"{name}: roofline")
+            handles.setdefault(line.get_label(), line)
+            handles.setdefault(roof.get_label(), roof)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("context t (cache slots)")
-        ax.set_ylabel("decode step time (ms)")
-        ax.set_title(f"{m}: step time vs context")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+        ax.xaxis.set_major_formatter(FuncFormatter(
+            lambda v, _: f"{v / 1024:g}K" if v >= 1024 else f"{v:g}"))
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+        ax.set_xlabel("context t (tokens in the cache)")
+        ax.set_ylabel("decode step time (ms, median)")
+        ax.set_title(f"{m}: step time vs context", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center",
+               ncol=4, fontsize=8, frameon=False)
+    fig.suptitle(f"{device or 'this device'}, {points[0].get('dtype', '')}\nroofline = "
+                 f"theory bytes / {bandwidth / 1e9:.1f} GB/s (median of the run's probe "
+                 "reads; GB = 10^9 B)", fontsize=9)
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

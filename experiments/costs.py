@@ -73,7 +73,8 @@ _SCAN = flags.DEFINE_enum("scan_layers", "auto", ["auto", "true", "false"],
                           "Layer stack: auto = unrolled on CPU, scanned elsewhere.")
 _OUT = flags.DEFINE_string("out_dir", "results/costs", "Where CSV, JSON and PNGs go.")
 _QUICK = flags.DEFINE_bool("quick", False,
-                           "float32 only, contexts 512/3072/16384, 3 repeats.")
+                           "Contexts 512/3072/16384, 3 repeats; float32 timed, bfloat16 "
+                           "compiled only.")
 
 _COLORS = {"mha": "C0", "gqa": "C1", "mqa": "C2", "mla-naive": "C3", "mla-absorbed": "C4",
            "window": "C5", "gqa-window": "C6"}
@@ -192,87 +193,140 @@ def _plt():
 
 
 
-def _finish(fig, ax, path) -> None:
-    """Shared styling of the log-log line plots, then save (PNG, 120 dpi) and close."""
+GB = 1e9  # every GB / MB on the plots is decimal: 10^9 / 10^6 bytes
+_STYLE = {"mla-naive": (0, (5, 3))}  # dashed: its theory equals mla-absorbed's line
+
+
+def _finish(fig, ax, path, handles=None) -> None:
+    """Shared styling of the log-log plots: grid, legend outside the axes on the right,
+    then save (PNG, 120 dpi) and close."""
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
+    from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: PLC0415
+
     ax.title.set_fontsize(9)
-    ax.legend(fontsize=6, ncol=2)
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    if ax.get_yscale() == "log":  # plain numbers (0.2, 0.5, 1, 2), not 2x10^-1
+        lo, hi = ax.get_ylim()
+        if hi / lo < 1e3:
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    if handles is None:
+        handles = ax.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              frameon=False)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
+
+def _variant_handles(variants) -> list:
+    """One legend entry per variant (its colour), whatever the marks it has."""
+    from matplotlib.lines import Line2D  # noqa: PLC0415
+    return [Line2D([], [], color=_COLORS.get(v, "k"), ls=_STYLE.get(v, "-"), lw=2,
+                   label=v + (" (theory = mla-absorbed)" if v == "mla-naive" else ""))
+            for v in variants]
+
+
+def _mark(marker: str, label: str, **kw):
+    from matplotlib.lines import Line2D  # noqa: PLC0415
+    return Line2D([], [], color=kw.pop("color", "k"), marker=marker, ls=kw.pop("ls", "none"),
+                  label=label, **kw)
+
+
 def plot_step_bytes(rows, dtype, scan_layers, path) -> None:
-    """Step bytes vs context: theory lines, compiled (XLA) markers, t* marked."""
+    """Step bytes (GB) vs context: theory lines, compiled (XLA) markers, t* marked."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 5.5))
     ts = np.geomspace(256, 2 * max(r["context"] for r in rows), 200)
-    for variant in dict.fromkeys(r["variant"] for r in rows if r["dtype"] == dtype):
+    variants = list(dict.fromkeys(r["variant"] for r in rows if r["dtype"] == dtype))
+    for variant in variants:
         cfg = variant_config(variant, dtype, scan_layers)
         c = _COLORS.get(variant, "k")
-        ax.plot(ts, [theory.step_bytes(cfg, int(t)).total for t in ts], color=c, lw=1.2,
-                label=f"{variant} theory")
+        ax.plot(ts, [theory.step_bytes(cfg, int(t)).total / GB for t in ts], color=c,
+                lw=1.4, ls=_STYLE.get(variant, "-"), zorder=3 if variant in _STYLE else 2)
         pts = [r for r in rows if r["dtype"] == dtype and r["variant"] == variant]
-        ax.plot([r["context"] for r in pts], [r["xla_bytes"] for r in pts], "o", color=c,
-                ms=4, label=f"{variant} XLA (compiled)")
+        ax.plot([r["context"] for r in pts], [r["xla_bytes"] / GB for r in pts], "o",
+                color=c, ms=5)
         t_star = theory.crossover_context(cfg)
         if math.isfinite(t_star):
-            ax.plot([t_star], [theory.step_bytes(cfg, int(t_star)).total], "x", color=c,
-                    ms=9, mew=2)
+            ax.plot([t_star], [theory.step_bytes(cfg, int(t_star)).total / GB], "x",
+                    color=c, ms=9, mew=2)
     blog = variant_config("mha", dtype, scan_layers)
-    ax.axhline(theory.weight_bytes_per_step(blog), color="gray", ls=":", lw=1)
+    wb = theory.weight_bytes_per_step(blog) / GB
+    ax.axhline(wb, color="gray", ls=":", lw=1)
     t_blog = theory.crossover_context_blog(blog.d_model)
     ax.axvline(t_blog, color="gray", ls="--", lw=1)
     ax.text(t_blog * 1.05, 0.03, f"blog t* = 6·D = {t_blog:,}", color="gray", fontsize=8,
             transform=ax.get_xaxis_transform())
     ax.set(xscale="log", yscale="log", xlabel="context t (tokens)",
-           ylabel="bytes per decode step",
-           title=f"Blog model decode step, {dtype}: theory (lines) vs XLA (markers); "
-                 "x = t* (KV = weights)")
-    _finish(fig, ax, path)
+           ylabel="GB per decode step (GB = 10^9 bytes)",
+           title=f"Blog model decode step, {dtype}, batch 1: bytes moved")
+    handles = _variant_handles(variants) + [
+        _mark(None, "theory (line)", ls="-"),
+        _mark("o", "XLA compiled, loop-corrected"),
+        _mark("x", "t*: KV read = weights", mew=2),
+        _mark(None, f"weights per step ({wb:.2f} GB)", ls=":", color="gray"),
+        _mark(None, "blog's t* = 6·D", ls="--", color="gray")]
+    _finish(fig, ax, path, handles)
+
+
+def _flops_text(flops: float) -> str:
+    return (f"{flops / 1e12:,.1f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:,.0f} GFLOP/s")
 
 
 def plot_roofline(rows, dtype, local: hardware.Chip, path) -> None:
-    """Arithmetic intensity vs attainable FLOP/s: chip rooflines, decode-step points."""
+    """Arithmetic intensity vs attainable FLOP/s: chip rooflines (their ridge points
+    marked and labelled, the blog's A100 fp16 ridge of 156 FLOP/byte always drawn),
+    decode-step points."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    fig, ax = plt.subplots(figsize=(8.5, 5.5))
     ai = np.geomspace(0.05, 2000, 300)
     chips = [hardware.CHIPS[n] for n in ("A100-80GB", "H100-SXM", "H200")] + [local]
-    for i, chip in enumerate(chips):
-        peak_dtype = dtype if chip.peak_flops(dtype) else "float32"
+    handles = []
+    roofs = [(chip, dtype if chip.peak_flops(dtype) else "float32") for chip in chips]
+    if dtype == "float32":  # the blog reasons in fp16: keep its A100 roof in view
+        roofs.insert(1, (hardware.CHIPS["A100-80GB"], "float16"))
+    chip_colors = ["k", "C7", "C8", "C9", "0.55"]  # apart from the variants' C0-C6
+    for i, (chip, peak_dtype) in enumerate(roofs):
         y = [roofline.attainable_flops(a, chip, peak_dtype) for a in ai]
-        label = (f"{chip.name}: {chip.hbm_bytes_per_s / 1e9:,.0f} GB/s"
-                 + (f", {chip.peak_flops(peak_dtype) / 1e12:,.1f} TFLOP/s {peak_dtype}"
-                    if chip.peak_flops(peak_dtype) else ""))
-        ax.plot(ai, y, color=f"C{i}", lw=1.5, label=label)
         ridge = chip.ridge_point(peak_dtype)
+        peak = chip.peak_flops(peak_dtype)
+        label = (f"{chip.name}: {chip.hbm_bytes_per_s / GB:,.0f} GB/s"
+                 + (f", {_flops_text(peak)} {peak_dtype}; ridge {ridge:,.{0 if ridge >= 10 else 1}f}"
+                    " FLOP/B" if ridge else " (peak not measured)"))
+        ls = "--" if (chip.name == "A100-80GB" and peak_dtype == "float16"
+                      and dtype == "float32") else "-"
+        i = chip_colors[i % len(chip_colors)]
+        line, = ax.plot(ai, y, color=i, lw=1.5, ls=ls, label=label)
+        handles.append(line)
         if ridge:
-            ax.axvline(ridge, color=f"C{i}", ls=":", lw=0.8)
+            ax.plot([ridge], [peak], "|", color=i, ms=14, mew=2)
+            if chip.name == "A100-80GB" and peak_dtype == "float16":
+                ax.annotate(f"blog: A100 fp16 ridge\n= {ridge:.0f} FLOP/byte", (ridge, peak),
+                            xytext=(8, -26), textcoords="offset points", ha="left",
+                            fontsize=8, color=i)
     h200 = hardware.H200
+    variants = []
     for r in rows:
         if r["dtype"] != dtype:
             continue
+        variants.append(r["variant"])
         c = _COLORS.get(r["variant"], "k")
         a_th = r["theory_flops"] / r["theory_bytes"]
         ax.plot([a_th], [roofline.attainable_flops(a_th, h200, dtype)], "o", mfc="none",
-                color=c, ms=4)
+                color=c, ms=5)
         if r["measured_s"] == r["measured_s"]:
             a_x = r["xla_flops"] / r["xla_bytes"]
             ax.plot([a_x], [r["xla_flops"] / r["measured_s"]], "o", color=c, ms=5)
-    for v, c in _COLORS.items():
-        if any(r["variant"] == v for r in rows):
-            ax.plot([], [], "o", color=c, label=v)
+    handles += _variant_handles(dict.fromkeys(variants)) + [
+        _mark("o", "theory intensity, on H200's roof", mfc="none"),
+        _mark("o", "XLA intensity at the FLOP/s measured here"),
+        _mark("|", "ridge point (peak / bandwidth)", ms=10, mew=2)]
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)",
-           ylabel="FLOP/s",
-           title=f"Roofline of a decode step ({dtype}). Hollow: theory intensity on H200's "
-                 "roof;\nfilled: XLA's intensity at the FLOP/s measured on this machine")
-    ax.title.set_fontsize(9)
-    ax.legend(fontsize=6, loc="lower right")
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+           ylabel="attainable FLOP/s",
+           title=f"Roofline of a decode step ({dtype}, batch 1)")
+    _finish(fig, ax, path, handles)
 
 
 def plot_kv_to_weights(rows, dtype, scan_layers, path) -> None:
@@ -282,56 +336,58 @@ def plot_kv_to_weights(rows, dtype, scan_layers, path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5.5))
     ts = np.geomspace(256, 2 * max(r["context"] for r in rows), 200)
     blog = variant_config("mha", dtype, scan_layers)
-    ax.plot(ts, [theory.kv_to_weight_ratio(t, blog.d_model) for t in ts], "k--", lw=1.5,
-            label="blog t / (6·D)")
-    for variant in dict.fromkeys(r["variant"] for r in rows if r["dtype"] == dtype):
+    ax.plot(ts, [theory.kv_to_weight_ratio(t, blog.d_model) for t in ts], "k--", lw=1.5)
+    variants = list(dict.fromkeys(r["variant"] for r in rows if r["dtype"] == dtype))
+    for variant in variants:
         cfg = variant_config(variant, dtype, scan_layers)
         c = _COLORS.get(variant, "k")
         ax.plot(ts, [theory.step_bytes(cfg, int(t)).kv_read / theory.weight_bytes_per_step(cfg)
-                     for t in ts], color=c, lw=1, label=f"{variant} theory")
+                     for t in ts], color=c, lw=1.2, ls=_STYLE.get(variant, "-"),
+                zorder=3 if variant in _STYLE else 2)
         pts = [r for r in rows if r["dtype"] == dtype and r["variant"] == variant]
         ax.plot([r["context"] for r in pts], [r["xla_kv_read"] / r["xla_weights"] for r in pts],
-                "o", color=c, ms=4)
+                "o", color=c, ms=5)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set(xscale="log", yscale="log", xlabel="context t (tokens)",
            ylabel="KV bytes read / weight bytes read, per step",
-           title=f"KV-to-weights ratio ({dtype}). Dashed: blog t/(6·D) (24·L·D² weights); "
-                 "lines: this model's exact weights\n(+ the V·D LM head); markers: XLA's "
-                 "attributed kv_read / weights")
-    _finish(fig, ax, path)
+           title=f"KV-to-weights ratio per decode step ({dtype}, batch 1)")
+    handles = _variant_handles(variants) + [
+        _mark(None, "blog: t / (6·D) (24·L·D² weights)", ls="--"),
+        _mark(None, "theory, this model's exact weights (+ V·D LM head)", ls="-"),
+        _mark("o", "XLA: attributed kv_read / weights"),
+        _mark(None, "ratio 1: KV read = weights", ls="-", color="gray")]
+    _finish(fig, ax, path, handles)
 
 
 def plot_attribution(rows, dtype, context, path) -> bool:
-    """Stacked bars of XLA's bytes by part per variant at one context, theory beside."""
+    """Where the compiled bytes go at one context: per variant, one bar per part (log
+    scale, MB = 10^6 bytes: the weights dwarf KV writes by 10^3), theory's weights /
+    kv_read / kv_write as black ticks on the matching bars."""
     pts = [r for r in rows if r["dtype"] == dtype and r["context"] == context]
     if not pts:
         return False
     plt = _plt()
-    from matplotlib.patches import Patch  # noqa: PLC0415
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(10, 5))
     x = np.arange(len(pts))
-    bottom = np.zeros(len(pts))
+    width = 0.8 / len(_PARTS)
+    theory_drawn = False
     for i, part in enumerate(_PARTS):
-        vals = np.array([r[f"xla_{part}"] for r in pts]) / 1e6
-        ax.bar(x + 0.2, vals, 0.38, bottom=bottom, color=f"C{i}", label=f"XLA {part}")
-        bottom += vals
-    th_bottom = np.zeros(len(pts))
-    for i, part in enumerate(("weights", "kv_read", "kv_write")):
-        vals = np.array([r[f"theory_{part}"] for r in pts]) / 1e6
-        ax.bar(x - 0.2, vals, 0.38, bottom=th_bottom, color=f"C{_PARTS.index(part)}",
-               alpha=0.45, hatch="//")
-        th_bottom += vals
-    handles, _ = ax.get_legend_handles_labels()
-    handles.append(Patch(facecolor="lightgray", hatch="//", label="theory (same colours)"))
+        vals = np.array([r[f"xla_{part}"] for r in pts], dtype=float) / 1e6
+        off = x - 0.4 + (i + 0.5) * width
+        ax.bar(off, np.where(vals > 0, vals, np.nan), width, color=f"C{i}",
+               label=f"XLA {part.replace('_', ' ')}")
+        if part in ("weights", "kv_read", "kv_write"):
+            th = np.array([r[f"theory_{part}"] for r in pts], dtype=float) / 1e6
+            ax.plot(off, np.where(th > 0, th, np.nan), "_", color="k", ms=12, mew=2,
+                    label=None if theory_drawn else "theory (weights, KV read, KV write)")
+            theory_drawn = True
     ax.set_xticks(x, [r["variant"] for r in pts], fontsize=8)
-    ax.set(ylabel="MB per decode step",
-           title=f"Where the bytes go at t = {context:,} ({dtype}): theory (left, hatched) "
-                 "vs XLA compiled (right)")
-    ax.title.set_fontsize(9)
-    ax.legend(handles=handles, fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.set_yscale("log")
+    ax.set(ylabel="MB per decode step (MB = 10^6 bytes, log scale)",
+           title=f"Where the compiled bytes go at t = {context:,} ({dtype}, batch 1); "
+                 "parts with 0 bytes have no bar")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    _finish(fig, ax, path)
     return True
 
 
@@ -366,8 +422,8 @@ def main(argv):
     contexts = [int(c) for c in _CONTEXTS.value]
     measure = {int(c) for c in _MEASURE_CONTEXTS.value if int(c) <= _MEASURE_MAX.value}
     repeats = _REPEATS.value
-    if _QUICK.value:
-        dtypes, contexts, repeats = ["float32"], [512, 3072, 16384], 3
+    if _QUICK.value:  # bf16 compiled only (measure_dtypes): its roofline uses the fp16 peaks
+        dtypes, contexts, repeats = ["float32", "bfloat16"], [512, 3072, 16384], 3
     scan_layers = {"auto": default_scan_layers(), "true": True, "false": False}[_SCAN.value]
     for v in variants:
         variant_config(v, dtypes[0], scan_layers)  # fail fast on a bad name
@@ -378,7 +434,7 @@ def main(argv):
     meta = {
         "command": " ".join(["python -m experiments.costs"] + sys.argv[1:]),
         "jax": jax.__version__, "backend": jax.default_backend(),
-        "device": str(jax.devices()[0]), "local_chip": dataclasses.asdict(local),
+        "device": hardware.device_name(), "local_chip": dataclasses.asdict(local),
         "scan_layers": scan_layers, "variants": variants, "contexts": contexts,
         "dtypes": dtypes, "measured_contexts": sorted(measure),
         "measured_dtypes": list(_MEASURE_DTYPES.value), "repeats": repeats,

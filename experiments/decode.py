@@ -13,22 +13,25 @@ and the cost table (theory | XLA compiled, loop-corrected | measured) of one dec
 
 from __future__ import annotations
 
-import json
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
+
+from experiments import cli
 
 from kvjax import cache as cache_lib
+from kvjax import naming
 from kvjax.analysis import report as report_lib
 from kvjax.analysis import theory
 from kvjax.inference import memory, runner
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/gqa.py", "Experiment config file (get_config()).", lock_config=True)
+_CONFIG = cli.DEFINE_config_file(
+    "config", "configs/gqa.py", cli.config_help("Experiment config file (get_config())."), lock_config=True)
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
+# --help lists the config flags (defined through cli) with this module's own.
+flags.adopt_module_key_flags(cli)
 
 
 def report(result: runner.DecodeResult) -> str:
@@ -40,14 +43,14 @@ def report(result: runner.DecodeResult) -> str:
     per_token = theory.kv_bytes_per_token(cfg) * s.batch
     policy = cache_lib.policy_for(cfg)
     lines = [
-        f"model: {cfg.name}  attention={cfg.attention}  N={cfg.num_heads} "
+        f"model: {naming.variant_name(cfg)}  attention={cfg.attention}  N={cfg.num_heads} "
         f"K={cfg.num_kv_heads}  L={cfg.num_layers}  D={cfg.d_model}  dtype={cfg.dtype}  "
         f"kv_dtype={cfg.kv_dtype or cfg.dtype}  window={cfg.window_size}  "
         f"scan_layers={cfg.scan_layers}  backend={cfg.backend}" + (
             "" if cfg.is_mla else
             f"  cache layout: k {cfg.cache_layout('k')}, v {cfg.cache_layout('v')}"),
         "",
-        f"prompt: {_short(result.prompt)}"
+        f"prompt: {naming.shorten(result.prompt)}"
         + ("  (the checkpoint's chat template; --config.chat_template=False for raw "
            "completion)" if result.chat_template else ""),
         f"generated: {result.generated_text!r}",
@@ -59,8 +62,9 @@ def report(result: runner.DecodeResult) -> str:
         f"{result.time_to_first_token_s * 1e3:.1f} ms; decode "
         f"{result.decode_tokens_per_s:,.2f} tokens/s (one call of the compiled loop, "
         f"{result.loop_steps} steps x B={s.batch})",
-        f"KV cache: {result.kv_cache_bytes:,} bytes allocated "
-        f"(theory {result.kv_cache_bytes_theory:,} = {per_token:,} B/token x "
+        f"KV cache: {result.kv_cache_bytes:,} bytes allocated for the batch of {s.batch} "
+        f"({result.kv_cache_bytes // s.batch:,} per sequence; theory "
+        f"{result.kv_cache_bytes_theory:,} = {per_token:,} B/token x "
         f"{result.kv_cache_bytes_theory // per_token:,} slots)",
         "",
         f"the generate loop, per generated token, at context {s.context} (cache of "
@@ -86,13 +90,6 @@ def report(result: runner.DecodeResult) -> str:
         report_lib.cost_table(c.prefill, result.prefill_seconds),
     ]
     return "\n".join(lines)
-
-
-def _short(text: str, limit: int = 200) -> str:
-    """A prompt for the screen: repr, cut to ``limit`` characters with the count."""
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}... ({len(text):,} characters)"
 
 
 def _loop_memory(loop) -> str:
@@ -128,20 +125,20 @@ def main(argv):
     try:
         run = run_config_from_dict(_CONFIG.value)
         memory.check_run(run, weights_loaded=False)
+        cli.check_output_file(_JSON_OUT.value, "json_out")
         loaded = runner.load(run)
         result = runner.run_decode(run, loaded)
-    except (ConfigError, WeightsError) as e:
+    except (ConfigError, WeightsError, cli.UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report(result))
     for w in result.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if _JSON_OUT.value:
-        with open(_JSON_OUT.value, "w") as f:
-            json.dump(result.as_json(), f, indent=2)
+        cli.write_json(_JSON_OUT.value, result.as_json())
         print(f"\nwrote {_JSON_OUT.value}")
     return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -23,21 +23,26 @@ import pathlib
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
+from experiments import cli
+
+from kvjax import naming
 from kvjax.inference import runner
 from kvjax.training import data, evaluate
 from kvjax.training import train as train_lib
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/mqa.py", "Model config file (get_config()).", lock_config=True)
-_TRAIN = config_flags.DEFINE_config_dict("train", train_lib.train_config_dict(),
-                                         lock_config=True)
-_EVAL = config_flags.DEFINE_config_dict("eval", evaluate.eval_config_dict(), lock_config=True)
+_CONFIG = cli.DEFINE_config_file(
+    "config", "configs/mqa.py", cli.config_help("Model config file (get_config())."), lock_config=True)
+_TRAIN = cli.DEFINE_config_dict("train", train_lib.train_config_dict(), cli.TRAIN_HELP,
+                                lock_config=True)
+_EVAL = cli.DEFINE_config_dict("eval", evaluate.eval_config_dict(), cli.EVAL_HELP,
+                               lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "results/uptrain", "Checkpoints, history, plot.")
 _EVALUATE = flags.DEFINE_bool("evaluate", True, "Score the held-out split before and after.")
+# --help lists the config flags (defined through cli) with this module's own.
+flags.adopt_module_key_flags(cli)
 
 
 def main(argv):
@@ -48,6 +53,9 @@ def main(argv):
         run = run_config_from_dict(_CONFIG.value)
         tcfg = train_lib.train_config_from_dict(_TRAIN.value)
         ecfg = evaluate.eval_config_from_dict(_EVAL.value)
+        if ecfg.split != "heldout":
+            raise ValueError(f"invalid config: eval.split={ecfg.split!r}; allowed: 'heldout' "
+                             "(this entry point trains on the rest of the corpus)")
         loaded = runner.load(run)
         corpus = data.tokenized_corpus(loaded.tokenizer, _EVAL.value.corpus,
                                        _EVAL.value.heldout_fraction, run.cache_dir)
@@ -59,9 +67,9 @@ def main(argv):
     cfg = loaded.cfg
     workdir = pathlib.Path(_WORKDIR.value)
     workdir.mkdir(parents=True, exist_ok=True)
-    print(f"model {cfg.name} (K={cfg.num_kv_heads}); corpus {corpus.source}: "
+    print(f"model {naming.variant_name(cfg)}; corpus {corpus.source}: "
           f"{corpus.train.size:,} training tokens in {len(corpus.train_docs)} documents")
-    out = {"model": cfg.name, "train": vars(tcfg).copy()}
+    out = {"model": cfg.name, "variant": naming.variant_name(cfg), "train": vars(tcfg).copy()}
     if windows is not None:
         before = evaluate.perplexity(loaded.params, cfg, windows, ecfg, corpus.byte_lengths,
                                      separator_id=corpus.separator_id)
@@ -71,8 +79,9 @@ def main(argv):
     result = train_lib.train(loaded.params, cfg, tcfg, corpus.train, workdir=workdir)
     if result.resumed_from is not None:
         print(f"resumed from the checkpoint at step {result.resumed_from}")
-    train_lib.plot_history({cfg.name: result.history}, workdir / "loss_curve.png",
-                           title=f"uptraining {cfg.name} on {corpus.source}")
+    train_lib.plot_history({naming.variant_name(cfg): result.history},
+                           workdir / "loss_curve.png",
+                           title=f"uptraining {naming.variant_name(cfg)} on {corpus.source}")
     out.update(history=result.history, train_seconds=result.seconds)
     if windows is not None:
         after = evaluate.perplexity(train_lib.to_layout(result.params, cfg), cfg, windows,
@@ -88,4 +97,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

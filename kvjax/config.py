@@ -70,7 +70,7 @@ class ModelConfig:
 
     Attributes:
       vocab_size: V, tokens in the vocabulary.
-      num_layers: L.
+      num_layers: L, decoder layers.
       d_model: D, residual width.
       num_heads: N, query heads.
       num_kv_heads: K, key/value heads; must divide N (MHA: K = N, MQA: K = 1).
@@ -90,9 +90,12 @@ class ModelConfig:
         'cache' (StreamingLLM, Xiao et al. 2023, sec. 3.2: positions within the cache,
         so the query-to-sink distance stays below W). Ring keys are at the same
         distance either way. 'cache' needs sinks; not implemented for MLA.
-      kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim, q_lora_rank:
-        MLA sizes C, R, per-head no-rope key width, per-head value width and the
-        optional query low-rank width (DeepSeek-V2, Liu et al. 2024, sec. 2.1).
+      kv_lora_rank: C, MLA's latent width: the cache holds C + R values per token and
+        layer (DeepSeek-V2, Liu et al. 2024, sec. 2.1).
+      qk_rope_head_dim: R, MLA's decoupled rotary key width (shared by all heads).
+      qk_nope_head_dim: MLA's per-head query/key width without rotary.
+      v_head_dim: MLA's per-head value width.
+      q_lora_rank: MLA's optional query low-rank width; None projects queries directly.
       mla_absorb: MLA decode path, False = naive (rebuild K/V), True = absorbed.
       key_layout, value_layout: memory layout of one layer's cached keys / values (MHA,
         GQA, MQA): 'BKSH' (slot-major rows, [B, K, S, H]), 'BKHS' (slot axis last,
@@ -307,7 +310,7 @@ class RunConfig:
       sampling: SamplingConfig.
       stop_at_eos: end a row when it emits the end-of-sequence token.
       cost_context: context length t at which the cost report compiles the decode step
-        (None: the prompt length).
+        (None: max_seq_len).
       measure_repeats: repeats of the timed decode step for the measured column.
       chat_template: apply the checkpoint's own chat template to the prompt (the prompt
         becomes the user's turn and generation starts in the assistant's turn): True

@@ -59,7 +59,7 @@ def test_eval_windows_and_batches():
     stream = np.arange(1000, dtype=np.int32)
     w = data.eval_windows(stream, 100, 450)
     assert w.shape == (4, 100) and w[1, 0] == 100
-    with pytest.raises(ValueError, match="held-out split has 1000"):
+    with pytest.raises(ValueError, match="the held-out split has 1,000"):
         data.eval_windows(stream, 100, 2000)
     b1 = data.batch_at(stream, 7, 3, 16, seed=1)
     assert b1.shape == (3, 17)

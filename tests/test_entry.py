@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 REQUIRED = ["generated_text", "prompt_tokens", "new_tokens", "prefill_tokens_per_s",
-            "decode_tokens_per_s", "kv_cache_bytes", "kv_cache_bytes_theory",
+            "decode_tokens_per_s", "kv_cache_bytes_per_batch", "kv_cache_bytes_per_sequence",
+            "kv_cache_bytes_theory_per_batch",
             "xla_flops_per_step", "xla_bytes_per_step", "theory_flops_per_step",
             "theory_bytes_per_step"]
 
@@ -32,7 +33,8 @@ def test_decode_entry_point_blog_shrunk(tmp_path):
     result = json.loads(out.read_text())
     assert all(k in result for k in REQUIRED)
     # 2 layers x 8 KV heads x (64+64) x 4 bytes x 64 slots.
-    assert result["kv_cache_bytes"] == result["kv_cache_bytes_theory"] == 2 * 8 * 128 * 4 * 64
+    assert result["kv_cache_bytes_per_batch"] == result["kv_cache_bytes_theory_per_batch"] \
+        == result["kv_cache_bytes_per_sequence"] == 2 * 8 * 128 * 4 * 64
     assert result["new_tokens"] == 4
     assert "XLA/theory" in proc.stdout
 
@@ -100,6 +102,7 @@ def test_bench_entry_point_smoke(tmp_path):
     flat = result["summary"]["blog/window/scan=False/t512_over_t256"]
     assert 0.5 < flat["interleaved"] < 2  # the same W=512 slots: equal within noise
     assert (tmp_path / "bench_step_time.png").stat().st_size > 0
+    assert result["device"].startswith("CPU: ") and "(id 0)" not in result["device"]
 
 
 def test_bench_crossover_fit_is_robust_to_one_outlier():

@@ -116,6 +116,67 @@ H200 = Chip(
 
 CHIPS: dict[str, Chip] = {c.name: c for c in (A100_40GB, A100_80GB, H100_SXM, H200)}
 
+# Other spellings of the same parts (matched case-insensitively, ignoring spaces, '-' and
+# '_'): the memory size, the form factor, the marketing name.
+CHIP_ALIASES: dict[str, str] = {
+    "A100": "A100-80GB", "A100-80G": "A100-80GB", "A100-SXM": "A100-80GB",
+    "A100-SXM4-80GB": "A100-80GB", "A100-40G": "A100-40GB", "A100-SXM4-40GB": "A100-40GB",
+    "H100": "H100-SXM", "H100-80GB": "H100-SXM", "H100-80G": "H100-SXM",
+    "H100-SXM5": "H100-SXM", "H100-SXM-80GB": "H100-SXM",
+    "H200-141GB": "H200", "H200-SXM": "H200", "H200-141G": "H200",
+}
+
+
+def _key(name: str) -> str:
+    return "".join(ch for ch in name.upper() if ch.isalnum())
+
+
+def chip(name: str) -> Chip:
+    """The :data:`CHIPS` entry for ``name`` or one of its :data:`CHIP_ALIASES`
+    ('H100', 'H100-80GB', 'h100 sxm5', 'A100', 'H200-141GB', ...).
+
+    Raises:
+      ValueError: an unknown name; the message lists the chips and the closest aliases.
+        (The H100 PCIe, 2.0 TB/s, is a different part and is not in the table.)
+    """
+    table = {_key(n): c for n, c in CHIPS.items()}
+    table.update({_key(a): CHIPS[n] for a, n in CHIP_ALIASES.items()})
+    found = table.get(_key(name))
+    if found is not None:
+        return found
+    import difflib  # noqa: PLC0415
+    names = list(CHIPS) + list(CHIP_ALIASES)
+    near = difflib.get_close_matches(name.upper(), names, n=3, cutoff=0.5)
+    raise ValueError(f"chip {name!r}: unknown; allowed: {sorted(CHIPS)} or an alias such as "
+                     f"{', '.join(near or ['H100-80GB', 'A100', 'H200-141GB'])}")
+
+
+def cpu_model() -> str | None:
+    """The host CPU's model name from /proc/cpuinfo ('AMD EPYC 7R13 Processor'), or
+    None where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return " ".join(line.split(":", 1)[1].split()) or None
+    except OSError:
+        return None
+    return None
+
+
+def device_name(device: Any = None) -> str:
+    """A readable name of a JAX device for tables and plot titles: 'NVIDIA H200' for an
+    accelerator (its device_kind), 'CPU: AMD EPYC (2 cores)' for the host CPU (the
+    model name of /proc/cpuinfo and the cores this process may use)."""
+    device = jax.devices()[0] if device is None else device
+    if device.platform != "cpu":
+        return getattr(device, "device_kind", device.platform)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 0
+    return f"CPU: {cpu_model() or 'unknown model'} ({cores} cores)"
+
 
 @dataclasses.dataclass(frozen=True)
 class BandwidthProbe:
@@ -137,7 +198,7 @@ class BandwidthProbe:
 
 
 def _describe(device: Any) -> str:
-    return f"{device.platform}:{getattr(device, 'device_kind', '?')} (id {device.id})"
+    return device_name(device)
 
 
 def _median_seconds(fn, arg, repeats: int) -> list[float]:

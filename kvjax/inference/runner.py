@@ -290,8 +290,14 @@ class DecodeResult:
         g, c = self.generation, self.costs
         s, loop = c.step, c.loop
         out = {k: v for k, v in dataclasses.asdict(g).items()
-               if k not in ("prefill_compiled", "generate_compiled")}
+               if k not in ("prefill_compiled", "generate_compiled", "kv_cache_bytes",
+                            "kv_cache_bytes_theory")}
         out.update({
+            # per batch or per sequence, said in the key (issue 16)
+            "batch_size": s.batch,
+            "kv_cache_bytes_per_batch": g.kv_cache_bytes,
+            "kv_cache_bytes_per_sequence": g.kv_cache_bytes // s.batch,
+            "kv_cache_bytes_theory_per_batch": g.kv_cache_bytes_theory,
             "loop_seconds_per_token": c.loop_seconds_per_token,
             "loop_timing": {"steps": list(c.loop_timing["steps"]),
                             "call_overhead_s": c.loop_timing["call_overhead_s"]},

@@ -14,7 +14,10 @@ Any local text file or folder works too (:func:`load_documents`).
 Split: a document is held out for evaluation when the sha256 of its name falls in the
 first ``heldout_fraction`` of the hash range (:func:`is_heldout`): deterministic, by
 document, independent of the order or number of the other documents; training never sees
-a held-out document.
+a held-out document. A single file is first cut at blank lines into documents of about
+``DOC_CHARS`` = 4,000 characters, so a short file has few documents and most fractions
+leave one side empty: ``split='all'`` (:func:`select_documents`) scores every document
+and holds nothing out (there is then no training split).
 
 Token streams: documents are tokenized and joined with ``<|endoftext|>`` (SmolLM2's
 document separator, id 0) in a fixed order. Evaluation takes consecutive non-overlapping
@@ -53,6 +56,7 @@ PIP_TIMEOUT_S = 900  # pip builds the sdist's metadata in an isolated environmen
 
 TEXT_SUFFIXES = (".txt", ".rst", ".md", ".text", "")
 DOC_CHARS = 4000  # a single user file is cut into documents of about this many characters
+SPLITS = ("heldout", "all")  # which documents are scored: the held-out ones, or every one
 
 
 class CorpusError(RuntimeError):
@@ -222,22 +226,64 @@ def is_heldout(name: str, heldout_fraction: float) -> bool:
     return doc_hash(name) < heldout_fraction
 
 
+def working_fractions(docs: list[Document]) -> tuple[float, float]:
+    """(lo, hi): ``split_documents(docs, f)`` leaves both splits non-empty exactly when
+    lo < f <= hi (lo: the smallest document hash, hi: the largest)."""
+    hashes = [doc_hash(d.name) for d in docs]
+    return min(hashes), max(hashes)
+
+
+def _suggest_fraction(docs: list[Document], asked: float) -> float | None:
+    """A two-decimal heldout_fraction near ``asked`` that leaves both splits non-empty."""
+    lo, hi = working_fractions(docs)
+    for k in sorted(range(1, 100), key=lambda k: (abs(k / 100 - asked), k)):
+        if lo < k / 100 <= hi:
+            return k / 100
+    return None
+
+
 def split_documents(docs: list[Document], heldout_fraction: float = 0.1):
     """(train, heldout) lists, each in hash order (a fixed pseudo-random order).
 
     Raises:
-      ValueError: heldout_fraction outside (0, 1), or either split empty.
+      ValueError: heldout_fraction outside (0, 1), or either split empty; the message
+        gives a fraction that works for these documents (if any) and the alternative
+        ``eval.split='all'``.
     """
     if not 0 < heldout_fraction < 1:
-        raise ValueError(f"heldout_fraction={heldout_fraction}; allowed: a number in (0, 1)")
+        raise ValueError(f"invalid config: eval.heldout_fraction={heldout_fraction}; "
+                         "allowed: a number in (0, 1)")
     ordered = sorted(docs, key=lambda d: (doc_hash(d.name), d.name))
     held = [d for d in ordered if is_heldout(d.name, heldout_fraction)]
     train = [d for d in ordered if not is_heldout(d.name, heldout_fraction)]
     if not held or not train:
-        raise ValueError(f"heldout_fraction={heldout_fraction} leaves {len(train)} training "
-                         f"and {len(held)} held-out documents of {len(docs)}; both must be "
-                         "non-empty (use a larger corpus or another fraction)")
+        good = _suggest_fraction(docs, heldout_fraction)
+        lo, hi = working_fractions(docs)
+        fix = (f"allowed: a fraction in ({lo:.3f}, {hi:.3f}] for these documents, e.g. "
+               f"--eval.heldout_fraction={good}, or " if good is not None
+               else "no fraction splits a single document; use ")
+        raise ValueError(
+            f"invalid config: eval.heldout_fraction={heldout_fraction} leaves {len(train)} "
+            f"training and {len(held)} held-out documents of {len(docs)} (a file is cut "
+            f"into documents of ~{DOC_CHARS:,} characters); {fix}--eval.split=all to "
+            "score every document (nothing held out, no training split)")
     return train, held
+
+
+def select_documents(docs: list[Document], split: str = "heldout",
+                     heldout_fraction: float = 0.1) -> tuple[list, list]:
+    """(train, scored) documents: ``split='heldout'`` is :func:`split_documents`;
+    ``split='all'`` scores every document (in hash order) and trains on none.
+
+    Raises:
+      ValueError: an unknown split, or an empty side of a 'heldout' split.
+    """
+    if split == "all":
+        return [], sorted(docs, key=lambda d: (doc_hash(d.name), d.name))
+    if split != "heldout":
+        raise ValueError(f"invalid config: eval.split={split!r}; allowed: one of "
+                         f"{list(SPLITS)}")
+    return split_documents(docs, heldout_fraction)
 
 
 # --------------------------------------------------------------------------- tokens
@@ -296,22 +342,30 @@ def token_byte_lengths(tokenizer) -> np.ndarray:
     return out
 
 
-def eval_windows(stream: np.ndarray, context: int, num_tokens: int) -> np.ndarray:
-    """[M, context] int32: the first M = max(1, num_tokens // context) non-overlapping
-    windows of ``stream``; each window predicts its context - 1 later tokens.
+def eval_windows(stream: np.ndarray, context: int, num_tokens: int,
+                 what: str = "the held-out split") -> np.ndarray:
+    """[M, context] int32: the first M non-overlapping windows of ``stream``, M =
+    max(1, num_tokens // context), or every full window when ``num_tokens`` is 0; each
+    window predicts its context - 1 later tokens (a last partial window is dropped).
 
     Raises:
-      ValueError: the stream is too short for the requested windows.
+      ValueError: the stream is too short; the message gives the values that fit.
     """
-    if context < 2 or num_tokens < 1:
+    if context < 2 or num_tokens < 0:
         raise ValueError(f"context={context}, num_tokens={num_tokens}; allowed: context "
-                         ">= 2 and num_tokens >= 1")
-    m = max(1, num_tokens // context)
-    if m * context > stream.shape[0]:
+                         ">= 2 and num_tokens >= 0 (0: all)")
+    n = stream.shape[0]
+    if n < context:
         raise ValueError(
-            f"{m} windows of {context} tokens need {m * context} tokens but the held-out "
-            f"split has {stream.shape[0]}; allowed: num_tokens <= "
-            f"{(stream.shape[0] // context) * context} at this context")
+            f"invalid config: eval.context={context}: {what} has only {n:,} tokens; "
+            f"allowed: eval.context <= {n:,} (and a multiple of eval.chunk)")
+    m = n // context if num_tokens == 0 else max(1, num_tokens // context)
+    if m * context > n:
+        raise ValueError(
+            f"invalid config: eval.num_tokens={num_tokens}: {m} windows of {context} tokens "
+            f"need {m * context:,} tokens but {what} has {n:,}; allowed: "
+            f"eval.num_tokens <= {(n // context) * context:,} at this context, or 0 for "
+            "every full window")
     return stream[: m * context].reshape(m, context)
 
 
@@ -348,14 +402,25 @@ class TokenizedCorpus:
 
 
 def tokenized_corpus(tokenizer, source: str | None = None, heldout_fraction: float = 0.1,
-                     cache_dir: str | None = None, train: bool = True) -> TokenizedCorpus:
-    """Loads, splits and tokenizes a corpus (``train=False`` skips the training split's
-    tokenization, ~4 s for the default corpus on 2 cores)."""
-    docs = load_documents(source, cache_dir)
-    tr, held = split_documents(docs, heldout_fraction)
+                     cache_dir: str | None = None, train: bool = True,
+                     split: str = "heldout",
+                     docs: list[Document] | None = None) -> TokenizedCorpus:
+    """Loads (unless ``docs`` are given), splits and tokenizes a corpus.
+
+    ``split``: 'heldout' (``heldout`` holds the held-out documents, ``train`` the rest) or
+    'all' (``heldout`` holds every document, ``train`` none). ``train=False`` skips the
+    training split's tokenization (~4 s for the default corpus on 2 cores).
+
+    Raises:
+      CorpusError: the corpus cannot be read. ValueError: an empty split (see
+        :func:`split_documents`).
+    """
+    if docs is None:
+        docs = load_documents(source, cache_dir)
+    tr, held = select_documents(docs, split, heldout_fraction)
     return TokenizedCorpus(
         source=str(source or CORPUS_NAME),
-        train=token_stream(tr, tokenizer) if train else np.zeros((0,), np.int32),
+        train=token_stream(tr, tokenizer) if train and tr else np.zeros((0,), np.int32),
         heldout=token_stream(held, tokenizer),
         train_docs=[d.name for d in tr], heldout_docs=[d.name for d in held],
         byte_lengths=token_byte_lengths(tokenizer), separator_id=separator_id(tokenizer))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import pathlib
 import time
 
 import jax
@@ -30,16 +31,27 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax.models import model as model_lib
+from kvjax.training import data
 from kvjax.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    """How to evaluate.
+    """What to score and how (the ``--eval.*`` flags).
 
     Attributes:
-      context: T, tokens per evaluation window (each predicts T - 1 tokens).
-      num_tokens: tokens to evaluate: num_tokens // T windows of T tokens (at least one).
+      corpus: unset: the Django 4.2.16 docs (from PyPI); else a text file (cut at blank
+        lines into ~4,000-character documents) or a folder (one document per file).
+        A file is named FILE#k per piece; a folder's files (.txt/.rst/.md/.text or no
+        suffix, UTF-8) by their relative paths.
+      split: 'heldout': score documents whose name hash < heldout_fraction; 'all': score
+        every document (your own text). With 'heldout' the rest is uptraining data; the
+        hash is sha256(name) / 2**64, so the split does not depend on the other documents.
+      heldout_fraction: share of the hash range held out when split='heldout'. For a
+        fraction that empties a side, the error names one that works.
+      context: T, tokens per evaluation window (each window predicts T - 1 tokens).
+      num_tokens: tokens to score: the first num_tokens // T windows of T tokens (at
+        least one); 0 scores every full window of the split.
       batch_size: B, windows per batch (rows of one cache).
       chunk: tokens per prefill chunk written to the cache (must divide context).
       check_full: also score the first batch with the cache-free forward.
@@ -50,17 +62,36 @@ class EvalConfig:
     batch_size: int = 4
     chunk: int = 128
     check_full: bool = True
+    corpus: str | None = None
+    split: str = "heldout"
+    heldout_fraction: float = 0.1
 
     def __post_init__(self):
         for f in ("context", "num_tokens", "batch_size", "chunk"):
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"invalid config: eval.{f}={v!r}; allowed: a positive integer")
+            least = 0 if f == "num_tokens" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"invalid config: eval.{f}={v!r}; allowed: a positive "
+                                 "integer" + (" or 0 (every full window)"
+                                              if f == "num_tokens" else ""))
         if self.context < 2:
             raise ValueError(f"invalid config: eval.context={self.context}; allowed: >= 2")
         if self.context % self.chunk:
             raise ValueError(f"invalid config: eval.chunk={self.chunk}; allowed: a divisor "
                              f"of eval.context={self.context}")
+        if self.split not in ("heldout", "all"):
+            raise ValueError(f"invalid config: eval.split={self.split!r}; allowed: "
+                             "'heldout' or 'all'")
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(f"invalid config: eval.heldout_fraction={self.heldout_fraction};"
+                             " allowed: a number in (0, 1)")
+        if self.corpus is not None and self.corpus != "django-docs":
+            p = pathlib.Path(self.corpus).expanduser()
+            if not p.exists():
+                raise ValueError(
+                    f"invalid config: eval.corpus={self.corpus!r}: no such file or folder "
+                    f"(from {pathlib.Path.cwd()}); allowed: a text file, a folder of text "
+                    "files, or unset for the default corpus (Django docs)")
 
 
 @dataclasses.dataclass
@@ -72,7 +103,8 @@ class PerplexityResult:
     bits_per_byte: the headline numbers. num_separators: separator targets left unscored.
     full_ppl, check_rel_diff: the first batch's perplexity by the full forward and
     |cached - full| / full on that batch (None unless checked). cache_bytes: bytes of the
-    cache tensors used per batch (``cache.cache_bytes``), cache_slots: S, its slots.
+    cache tensors of one batch of ``batch_size`` rows (``cache.cache_bytes``; per row:
+    :attr:`cache_bytes_per_sequence`), cache_slots: S, its slots per row.
     seconds: wall time of the cached pass (compile included).
     """
 
@@ -89,8 +121,18 @@ class PerplexityResult:
     seconds: float
     num_separators: int = 0
 
+    @property
+    def cache_bytes_per_sequence(self) -> int:
+        """Bytes of one row's cache: ``cache_bytes`` / ``batch_size``."""
+        return self.cache_bytes // self.batch_size
+
     def as_json(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields, with the cache's bytes named per batch and per sequence."""
+        out = dataclasses.asdict(self)
+        out["kv_cache_bytes_per_batch"] = out.pop("cache_bytes")
+        out["kv_cache_bytes_per_sequence"] = self.cache_bytes_per_sequence
+        out["kv_cache_slots"] = out.pop("cache_slots")
+        return out
 
 
 def _token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -196,20 +238,71 @@ def perplexity(params, cfg: ModelConfig, windows: np.ndarray, ecfg: EvalConfig,
         batch_size=min(ecfg.batch_size, m), seconds=seconds, num_separators=seps)
 
 
+@dataclasses.dataclass
+class EvalSet:
+    """The scored side of a corpus, tokenized, and its windows [M, T] int32."""
+
+    corpus: "data.TokenizedCorpus"
+    windows: np.ndarray
+
+    @property
+    def split_name(self) -> str:
+        return "every document" if not self.corpus.train_docs else "the held-out split"
+
+
+def eval_documents(ecfg: EvalConfig, cache_dir: str | None = None) -> list:
+    """The corpus's documents, with the split checked (no tokenizer needed).
+
+    Raises:
+      data.CorpusError: the corpus cannot be fetched or read.
+      ValueError: a split that leaves a side empty (the message names a fraction that
+        works, or ``--eval.split=all``).
+    """
+    docs = data.load_documents(ecfg.corpus, cache_dir)
+    data.select_documents(docs, ecfg.split, ecfg.heldout_fraction)
+    return docs
+
+
+def prepare_eval(ecfg: EvalConfig, tokenizer, cache_dir: str | None = None,
+                 docs: list | None = None) -> EvalSet:
+    """Loads (unless ``docs`` from :func:`eval_documents` are given) and splits
+    ``ecfg.corpus``, tokenizes the scored side and cuts its windows: everything but the
+    weights, so an entry point fails here before loading them.
+
+    Raises:
+      data.CorpusError: the corpus cannot be fetched or read.
+      ValueError: an empty split, or too few tokens for the windows (the message gives
+        values that work).
+    """
+    if docs is None:
+        docs = eval_documents(ecfg, cache_dir)
+    corpus = data.tokenized_corpus(tokenizer, ecfg.corpus, ecfg.heldout_fraction, cache_dir,
+                                   train=False, split=ecfg.split, docs=docs)
+    what = ("the corpus" if ecfg.split == "all" else "the held-out split") + (
+        f" of {ecfg.corpus}" if ecfg.corpus else "")
+    return EvalSet(corpus, data.eval_windows(corpus.heldout, ecfg.context, ecfg.num_tokens,
+                                             what=what))
+
+
 def eval_config_dict():
-    """``--eval.*`` flags: the EvalConfig fields plus the corpus and its split."""
+    """``--eval.*`` flags: the EvalConfig fields (corpus a str placeholder)."""
     from ml_collections import config_dict  # noqa: PLC0415
 
     c = config_dict.ConfigDict(dataclasses.asdict(EvalConfig()))
-    # None: the default corpus (Django 4.2.16 docs from PyPI); else a text file or folder.
     c.corpus = config_dict.placeholder(str)
-    # Fraction of documents held out for evaluation (by sha256 of the name).
-    c.heldout_fraction = 0.1
     return c
 
 
 def eval_config_from_dict(d) -> EvalConfig:
-    """EvalConfig from an ``--eval`` ConfigDict (corpus fields ignored)."""
+    """EvalConfig from an ``--eval`` ConfigDict.
+
+    Raises:
+      ValueError: an unknown field or an invalid value (the message names it).
+    """
     d = d.to_dict() if hasattr(d, "to_dict") else dict(d)
     fields = {f.name for f in dataclasses.fields(EvalConfig)}
-    return EvalConfig(**{k: v for k, v in d.items() if k in fields})
+    unknown = sorted(set(d) - fields)
+    if unknown:
+        raise ValueError(f"invalid config: eval.{unknown[0]}; allowed: fields among "
+                         f"{sorted(fields)}")
+    return EvalConfig(**d)

@@ -339,7 +339,7 @@ def plot_history(history, path: str | os.PathLike, title: str = "training loss")
             continue
         steps = [r["step"] for r in h]
         losses = np.asarray([r["loss"] for r in h])
-        line, = ax.plot(steps, losses, alpha=0.35, lw=1)
+        line, = ax.plot(steps, losses, alpha=0.35, lw=1, label=f"{label} (each step)")
         k = max(1, len(losses) // 10)
         smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
         ax.plot(steps[k - 1:], smooth, lw=2, color=line.get_color(),
@@ -348,9 +348,8 @@ def plot_history(history, path: str | os.PathLike, title: str = "training loss")
     ax.set_ylabel("cross entropy (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

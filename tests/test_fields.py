@@ -1,0 +1,214 @@
+"""Field documentation (--list_fields), one-line errors for bad flags, the compare entry point."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvjax import fields, naming
+from kvjax.analysis import hardware
+from kvjax.config import ModelConfig
+from kvjax.training import data, evaluate
+
+
+def entry(*args, module="experiments.ppl", timeout=120):
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_attribute_docs_parse_groups_and_continuations():
+    class C:
+        """Doc.
+
+        Attributes:
+          a: first line
+            continued.
+          b, c: shared.
+        Returns:
+          nothing.
+        """
+    assert fields.attribute_docs(C) == {"a": "first line continued.", "b": "shared.",
+                                        "c": "shared."}
+
+
+@pytest.mark.parametrize("config", ["gqa", "window", "mla", "blog_window"])
+def test_every_config_and_eval_field_is_documented(config):
+    from experiments.compare import load_config_file
+    from experiments.cli import resolve_config_path
+    listed = (fields.config_fields("config", load_config_file(resolve_config_path(config)))
+              + fields.config_fields("eval", evaluate.eval_config_dict()))
+    undocumented = [f.path for f in listed if not f.description]
+    assert not undocumented
+    by = {f.path: f for f in listed}
+    assert by["eval.split"].default == "heldout" and by["eval.split"].type_name == "str"
+    assert by["config.model.window_size"].type_name.startswith("int")
+    assert by["eval.corpus"].type_name == "str|None"
+
+
+def test_closest_prefers_the_same_tail_then_spelling():
+    paths = ["config.model.window_size", "config.model.vocab_size", "eval.corpus",
+             "config.batch_size", "eval.num_tokens", "config.model.num_kv_heads",
+             "config.model.num_heads"]
+    assert fields.closest("config.eval.corpus", paths) == ["eval.corpus"]
+    assert fields.closest("config.window_size", paths) == ["config.model.window_size"]
+    assert fields.closest("config.model.window_sise", paths) == ["config.model.window_size"]
+    assert fields.closest("eval.num_token", paths) == ["eval.num_tokens"]
+    assert fields.closest("config.model.num_kv_head", paths)[0] == "config.model.num_kv_heads"
+    assert fields.closest("zzz.qqq", paths) == []
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("--config.model.window_sise=128",
+     "unknown field --config.model.window_sise; did you mean --config.model.window_size?"),
+    ("--config.eval.corpus=x.txt",
+     "unknown field --config.eval.corpus; did you mean --eval.corpus?"),
+    ("--eval.num_token=3", "unknown field --eval.num_token; did you mean --eval.num_tokens?"),
+    ("--config=gqq", "config 'gqq': no such file; shipped configs: blog, blog_window,"),
+    ("--eval.split=some", "eval.split='some'; allowed: 'heldout' or 'all'"),
+    ("--eval.corpus=/nonexistent/t.txt", "eval.corpus='/nonexistent/t.txt': no such file"),
+])
+def test_bad_flags_fail_in_one_line_without_traceback(arg, expected):
+    proc = entry("--config=configs/gqa.py", arg)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    first = proc.stderr.strip().splitlines()[0]
+    assert first.startswith("error: ") and expected in first, proc.stderr
+
+
+def test_list_fields_prints_every_field_with_type_default_and_description():
+    proc = entry("--config=mla", "--list_fields")
+    assert proc.returncode == 0, proc.stderr
+    lines = {ln.split()[0]: ln for ln in proc.stdout.splitlines() if ln.startswith("  --")}
+    assert "int  " in lines["--config.model.kv_lora_rank"]
+    assert "512" in lines["--config.model.kv_lora_rank"]  # configs/mla.py's value
+    assert "'heldout'" in lines["--eval.split"] and "'all'" in lines["--eval.split"]
+    assert len(lines) == len(fields.config_fields("eval", evaluate.eval_config_dict())) + len(
+        [ln for ln in lines if ln.startswith("--config.")])
+
+
+def test_split_error_suggests_a_fraction_that_works(tmp_path):
+    p = tmp_path / "mine.txt"
+    p.write_text("\n\n".join(f"Paragraph {i}. " + "text " * 300 for i in range(12)))
+    docs = data.load_documents(p)
+    lo, hi = data.working_fractions(docs)
+    bad = lo / 2  # below every document's hash: no held-out document
+    with pytest.raises(ValueError) as e:
+        data.split_documents(docs, bad)
+    msg = str(e.value)
+    assert f"of {len(docs)}" in msg and "--eval.split=all" in msg
+    good = float(msg.split("--eval.heldout_fraction=")[1].split(",")[0])
+    train, held = data.split_documents(docs, good)
+    assert train and held
+    train, scored = data.select_documents(docs, "all", bad)
+    assert train == [] and sorted(d.name for d in scored) == sorted(d.name for d in docs)
+
+
+def test_eval_windows_zero_means_every_full_window():
+    import numpy as np
+    stream = np.arange(1000, dtype=np.int32)
+    assert data.eval_windows(stream, 64, 0).shape == (15, 64)
+    with pytest.raises(ValueError, match="eval.context <= 1,000"):
+        data.eval_windows(stream, 2048, 0)
+    with pytest.raises(ValueError, match="eval.num_tokens <= 960 at this context, or 0"):
+        data.eval_windows(stream, 64, 2000)
+
+
+def test_variant_names_say_what_the_config_is():
+    base = dict(vocab_size=64, num_layers=1, d_model=32, num_heads=4, head_dim=8,
+                mlp_dim=64, name="m")
+    assert naming.variant_name(ModelConfig(num_kv_heads=2, **base)) == "m GQA K=2 fp32"
+    assert naming.variant_name(ModelConfig(num_kv_heads=1, window_size=128, num_sink_tokens=4,
+                                           dtype="bfloat16", **base)) \
+        == "m MQA K=1 W=128+4 sinks bf16"
+    assert naming.variant_name(ModelConfig(num_kv_heads=4, attention="mha", **base),
+                               with_model=False, with_dtype=False) == "MHA K=4"
+
+
+def test_chip_aliases_and_readable_device_name():
+    assert hardware.chip("H100-80GB") is hardware.CHIPS["H100-SXM"]
+    assert hardware.chip("h100 sxm5") is hardware.CHIPS["H100-SXM"]
+    assert hardware.chip("A100") is hardware.CHIPS["A100-80GB"]
+    assert hardware.chip("H200-141GB").hbm_capacity_bytes == 141e9
+    with pytest.raises(ValueError, match="chip 'B300': unknown; allowed"):
+        hardware.chip("B300")
+    name = hardware.device_name()
+    assert name.startswith("CPU: ") and "cores)" in name and "id 0" not in name
+
+
+def test_compare_parses_labels_and_overrides():
+    from experiments import compare
+    runs = compare.build_variants(
+        ["gqa", "w64=window", "w128=window"],
+        ["w64:model.window_size=64,model.num_sink_tokens=4", "all:max_new_tokens=8,prompt=Hi, there",
+         "w128:config.model.window_size=128"])
+    assert [v.label for v in runs] == ["gqa", "w64", "w128"]
+    assert [v.run.model.window_size for v in runs] == [None, 64, 128]
+    assert runs[1].name == "smollm2-135m GQA K=3 W=64+4 sinks fp32"
+    assert runs[0].run.prompt == "Hi, there" and runs[2].run.max_new_tokens == 8
+    with pytest.raises(compare.CompareError, match="did you mean model.window_size"):
+        compare.build_variants(["window"], ["window:model.window_sise=3"])
+    with pytest.raises(compare.CompareError, match="no config labelled 'windw'.*closest: window"):
+        compare.build_variants(["window"], ["windw:model.window_size=3"])
+    with pytest.raises(compare.CompareError, match="appears twice"):
+        compare.build_variants(["gqa", "gqa"], [])
+    with pytest.raises(compare.CompareError, match="window_size='x'; allowed: a value of type int"):
+        compare.build_variants(["window"], ["window:model.window_size=x"])
+
+
+@pytest.mark.slow
+def test_compare_entry_point_on_your_own_text(tmp_path):
+    """Two shrunk random-weight configs on a made-up file (needs the SmolLM2 tokenizer)."""
+    text = tmp_path / "mine.txt"
+    text.write_text("\n\n".join(f"Paragraph {i}: the cache grows with the context. " * 8
+                                for i in range(30)))
+    out = tmp_path / "out"
+    proc = entry("--configs=mha=blog,win=blog_window",
+                 "--override=all:model.num_layers=1,max_new_tokens=4,max_seq_len=64",
+                 "--override=win:model.window_size=16,model.num_sink_tokens=4",
+                 f"--eval.corpus={text}", "--eval.split=all", "--eval.context=32",
+                 "--eval.chunk=16", "--eval.num_tokens=128", "--repeats=2",
+                 f"--out_dir={out}", f"--json_out={tmp_path / 'c.json'}",
+                 module="experiments.compare", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "c.json").read_text())
+    rows = {r["label"]: r for r in result["rows"]}
+    assert rows["win"]["variant"] == "blog GQA K=2 W=16+4 sinks fp32"
+    # 1 layer x K x (64 + 64) x 4 bytes per token; the window holds 16 slots of 32.
+    assert rows["mha"]["kv_bytes_per_token"] == 8 * 128 * 4
+    assert rows["mha"]["kv_cache_bytes_per_sequence"] == 8 * 128 * 4 * 32
+    assert rows["win"]["kv_cache_bytes_per_sequence"] == 2 * 128 * 4 * 16
+    assert all(r["tokens_scored"] == 4 * 31 and r["ppl"] > 1 and r["step_ms"] > 0
+               for r in rows.values())
+    assert result["settings"]["split"] == "all"
+    for f in ("compare.txt", "compare.csv", "compare.png"):
+        assert (out / f).stat().st_size > 0
+    assert "W=16+4 sinks" in (out / "compare.txt").read_text()
+
+
+def test_blog_table_in_one_call_llama2_70b_on_h100_at_128k():
+    from kvjax.analysis import sizing
+    assert sizing.parse_context("128K") == 131_072 and sizing.parse_context(128_000) == 128_000
+    with pytest.raises(ValueError, match="K = 1,024 tokens"):
+        sizing.parse_context("128 thousand")
+    t = sizing.blog_table("Llama2-70B", chip="H100-80GB", context="128K")
+    # 80 layers x 8 KV heads x (128 + 128) x 2 bytes = 327,680 B per token.
+    assert t.kv_bytes_per_token == 327_680
+    assert t.kv_cache_bytes_per_sequence == 327_680 * 131_072
+    assert t.max_batch == 0 and t.weight_bytes > 80e9
+    text = str(t)
+    assert "0: the weights (138 GB) exceed the 80 GB" in text
+    # 138 GB of weights + 43 GB of cache need 3 x 80 GB; int4 weights (34 GB) fit one.
+    assert t.devices_needed == 3 and "int4 weights (34 GB) on one (1 sequence)" in text
+    assert sizing.blog_table("blog", "A100", 4096).max_batch == 793
+    with pytest.raises(ValueError, match="preset 'llama3-70b': unknown.*closest: llama2-70b"):
+        sizing.blog_table("llama3-70b", "H100")
+
+
+def test_long_prompts_are_shortened_on_screen():
+    from kvjax.naming import shorten
+    assert shorten("short") == "'short'"
+    long = "a" * 3000 + "END"
+    s = shorten(long)
+    assert len(s) < 250 and "3,003 in all" in s and s.endswith("'aEND'") is False
+    assert "END" in s and "2,843 characters omitted" in s
