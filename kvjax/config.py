@@ -319,7 +319,12 @@ class RunConfig:
         checkpoint that carries a template, as SmolLM2-Instruct does; never for
         'random' weights).
       system_prompt: the system turn with the chat template (None: the template's own
-        default, if any). system_prompt_file: read it from this file instead.
+        default, if any).
+      system_prompt_file: read the system turn from this file instead.
+      backend: (experiment configs only) overrides ``model.backend``: 'cpu', 'gpu' or
+        'tpu', whose choices (layouts, layer stack, dot operands) the model config makes;
+        None: this process's JAX backend.
+      dtype: (experiment configs only) overrides ``model.dtype``.
       ignore_memory_check: skip the check that weights + cache + temporaries fit the
         memory available (``kvjax.inference.memory``), for those who know better.
     """
