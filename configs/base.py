@@ -52,6 +52,9 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     m.scan_layers = config_dict.placeholder(bool)
     # The KV cache's element type (kvjax.config.KV_DTYPES); None = the model dtype.
     m.kv_dtype = config_dict.placeholder(str)
+    # Decode attention formulation: 'auto' (measured on this machine, kvjax.planner),
+    # 'xla', 'xla_cache_left', 'native' (CPU FFI kernel) or 'pallas' (GPU kernel).
+    m.decode_attention = "auto"
     m.update(fields)
     return m
 
