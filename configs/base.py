@@ -55,6 +55,9 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     m.scan_layers = config_dict.placeholder(bool)
     # The KV cache's element type (kvjax.config.KV_DTYPES); None = the model dtype.
     m.kv_dtype = config_dict.placeholder(str)
+    # Decode attention formulation: 'xla' (default), 'auto' (measured on this machine,
+    # kvjax.planner), 'xla_cache_left', 'native' (CPU FFI kernel) or 'pallas' (GPU).
+    m.decode_attention = "xla"
     m.update(fields)
     return m
 

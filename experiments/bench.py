@@ -286,6 +286,11 @@ def main(argv):
     with open(path, "w") as f:
         json.dump(out, f, indent=2)
     print(json.dumps(summary, indent=2))
+    from kvjax import planner  # noqa: PLC0415 (issue 18: which formulation, measured GB/s)
+    for line in planner.report_lines() or [
+            f"decode attention: no measured choice (machine {planner.machine_key()['cpu']}, "
+            f"ISA {', '.join(planner.machine_key()['isa'])})"]:
+        print(line)
     plot(points, os.path.join(_OUT.value, "bench_step_time.png"), out["device"],
          bandwidth=statistics.median(p["roofline_bytes_per_s"] for p in points)
          if points else None)

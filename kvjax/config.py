@@ -38,6 +38,7 @@ class ConfigError(ValueError):
 
 KV_LAYOUTS = ("auto", "BKSH", "BKHS")
 ROPE_POSITIONS = ("absolute", "cache")
+DECODE_ATTENTION = ("auto", "xla", "xla_cache_left", "native", "pallas")
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -115,6 +116,15 @@ class ModelConfig:
       backend: 'cpu', 'gpu' or 'tpu': the backend whose choices (layouts, layer stack,
         dot operands; :mod:`kvjax.backend`) this config makes. None (default): the
         process's JAX backend, resolved once when the config is built.
+      decode_attention: the formulation of a decode step's attention over the cache
+        (MHA/GQA/MQA), one of :data:`DECODE_ATTENTION`: 'xla' (reference einsums),
+        'xla_cache_left', 'native' (CPU FFI kernel, float32 caches), 'pallas' (GPU
+        kernel, dense 'BKSH' caches), or 'auto': the fastest measured on this machine
+        for the step's shape class (:func:`kvjax.planner.decode_attention`, cached per
+        machine, backend and jax version); on GPU 'pallas' where it applies. Same
+        result for all (:mod:`kvjax.models.decode_kernels`). Default 'xla': on the
+        2-core AMD EPYC measured so far no other formulation beat it (README), and
+        'auto' costs ~2 s of measurement per new shape class.
       name: free-form label used in reports.
     """
 
@@ -145,6 +155,7 @@ class ModelConfig:
     dtype: str = "float32"
     kv_dtype: str | None = None
     backend: str | None = None
+    decode_attention: str = "xla"
     name: str = "model"
 
     def __post_init__(self):
@@ -247,6 +258,8 @@ def validate_model_config(c: ModelConfig) -> None:
         if c.attention == "mla" and getattr(c, f) != "auto":
             _fail(f"model.{f}", getattr(c, f),
                   "'auto' for attention='mla' (MLA caches a latent [B, S, C], no heads)")
+    if c.decode_attention not in DECODE_ATTENTION:
+        _fail("model.decode_attention", c.decode_attention, f"one of {list(DECODE_ATTENTION)}")
     if c.attention == "mla":
         for f in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
             v = getattr(c, f)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 7): under five minutes on one H200.
+# The prepared GPU check (issues 7 and 18): under five minutes on one H200.
 # Runs the decode benchmark in bf16 at 4K/32K/128K for the blog model (MHA, GQA g=2, MQA)
 # and SmolLM2's shapes (MHA, GQA K=3, MQA), both layer-stack modes, and prints the
 # achieved fraction of HBM bandwidth (published H200 figure, 4.8 TB/s) and the GQA/MQA
@@ -8,5 +8,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+# Decode attention per layer, XLA einsums vs JAX's Pallas GPU decode-attention kernel
+# (model.decode_attention='xla' / 'pallas'), bf16, t = 32K and 128K: GB/s and fraction of
+# the H200's published HBM bandwidth (issue 18, item 3). ~1 minute.
+for slots in 32768 131072; do
+  PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/decode_attention_bench.py \
+    --slots=$slots --dtype=bfloat16 --rounds=9
+done
 PYTHONUNBUFFERED=1 python3 -m experiments.bench --gpu_check --max_cache_gb=40 \
   --out_dir="${OUT:-results}/gpu_check"

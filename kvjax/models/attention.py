@@ -103,7 +103,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array,
                 k_new: jax.Array, v_new: jax.Array, k_layout: str = "BKSH",
                 v_layout: str = "BKSH", new_visible: jax.Array | None = None,
-                sink_scores: jax.Array | None = None) -> jax.Array:
+                sink_scores: jax.Array | None = None, impl: str = "xla",
+                backend: str | None = None) -> jax.Array:
     """One decode step (T = 1): attention over the cache's old slots plus the new token.
 
     Same math as :func:`attend` over ``concat(k_cache, k_new)`` without materialising the
@@ -122,15 +123,22 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
         do). A row that sees no key at all gets zeros, as in :func:`attend`.
       sink_scores: [B, K, G, s] float32 scaled scores that replace those of slots 0..s-1
         (attention sinks scored at cache positions, :func:`sink_scores`), or None.
+      impl: the formulation (sink_scores use 'xla') of the products over the old slots, one of
+        :data:`kvjax.models.decode_kernels.IMPLS` ('xla': the einsums below; the others:
+        :func:`kvjax.models.decode_kernels.partial_attention`, same result).
+      backend: the config's backend (None: the process's).
     Returns:
       [B, 1, K, G, Hv] in v_cache's dtype; scores and softmax in float32. The
       unnormalised weights exp(s - max) enter the value product in
       :func:`weight_dtype` (float32 on CPU) and the denominator sums them as used.
     Raises:
-      ValueError: an unknown layout.
+      ValueError: an unknown layout or impl.
     """
     scale = q.shape[-1] ** -0.5
     q1 = q[:, 0]  # [B, K, G, H]
+    if impl != "xla" and sink_scores is None:
+        return _attend_step_kernel(q1, k_cache, v_cache, mask, k_new, v_new, k_layout,
+                                   v_layout, new_visible, impl, backend, scale)
     s_old = jnp.einsum(f"BKGH,{_spec(k_layout)}->BKGS", q1, k_cache,
                        preferred_element_type=jnp.float32) * scale
     if sink_scores is not None:  # the first slots are sinks scored with another query
@@ -194,6 +202,20 @@ def _sinks(cfg: ModelConfig, q_sink, key_positions: jax.Array):
     return q_sink, (key_positions >= 0) & (key_positions < cfg.num_sink_tokens)
 
 
+def _attend_step_kernel(q1, k_cache, v_cache, mask, k_new, v_new, k_layout, v_layout,
+                        new_visible, impl, backend, scale):
+    """:func:`attend_step` through a formulation of :mod:`kvjax.models.decode_kernels`."""
+    from kvjax.models import decode_kernels  # noqa: PLC0415
+    o, m, l = decode_kernels.partial_attention(
+        impl, q1, k_cache, v_cache, mask[:, 0], k_layout, v_layout,
+        backend=backend or backend_lib.current())
+    k1 = k_new[:, :, 0] if k_layout == "BKSH" else k_new[..., 0]  # [B, K, H]
+    v1 = v_new[:, :, 0] if v_layout == "BKSH" else v_new[..., 0]  # [B, K, Hv]
+    s_new = jnp.einsum("BKGH,BKH->BKG", q1, k1, preferred_element_type=jnp.float32) * scale
+    out = decode_kernels.merge_new(o, m, l, s_new, v1, new_visible)
+    return out[:, None].astype(v_cache.dtype)
+
+
 class Attention(nn.Module):
     """Grouped-query attention layer with a functional KV cache.
 
@@ -251,9 +273,12 @@ class Attention(nn.Module):
             k_cur, v_cur = cache_lib.read(c, new, "k"), cache_lib.read(c, new, "v")
             mask_old = cache_lib.attention_mask(positions, cached_positions, c)
             if t == 1:
+                from kvjax import planner  # noqa: PLC0415 (measures on first use)
+                impl = planner.decode_attention(c, k_old, v_old)
                 out = attend_step(q, k_old, v_old, mask_old, k_cur, v_cur,
                                   k_layout, v_layout,
-                                  sink_scores=sink_scores(c, q_sink, k_old, k_layout))
+                                  sink_scores=sink_scores(c, q_sink, k_old, k_layout),
+                                  impl=impl, backend=c.backend)
             else:
                 mask_new = cache_lib.attention_mask(positions, positions, c)
                 out = attend(q,

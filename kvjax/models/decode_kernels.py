@@ -1,0 +1,209 @@
+"""Formulations of the decode step's attention over the cache's old slots.
+
+A decode step (T = 1) reads every cached key and value once per KV head while the G query
+heads of its group use them: B·G rows against a [S, H] matrix, a product with few rows
+whose speed on a CPU depends on how it is written (issue 18: XLA:CPU's dot kernels read
+a GQA cache at a third of the machine's streaming bandwidth). Each formulation here
+computes the same partial softmax statistics of the old slots (flash-decoding's split,
+Dao et al. 2023; the online softmax of Milakov & Gimelshein 2018):
+
+    m[b,k,g] = max_s score          over visible slots s (-1e30 if none),
+    l[b,k,g] = sum_s exp(score - m),
+    o[b,k,g] = sum_s exp(score - m) · v[b,k,s],   score = q[b,k,g] · k[b,k,s] / sqrt(H),
+
+and :func:`merge_new` folds in the new token's own key and value, so every formulation
+returns what :func:`kvjax.models.attention.attend_step` returns. The formulation is
+``ModelConfig.decode_attention`` ('auto': chosen by measuring the machine,
+:mod:`kvjax.planner`):
+
+* ``'xla'``: the einsums of :func:`kvjax.models.attention.attend_step` (queries as the
+  left operand: ``BKGH,<keys>->BKGS``, ``BKGS,<values>->BKGV``): the reference.
+* ``'xla_cache_left'``: the cache as the left operand (``<keys>,BKGH->BKSG``,
+  ``<values>,BKSG->BKGV``): a tall [S, H] x [H, G] product XLA:CPU reads faster on
+  some machines (issue 18: 15-17 GB/s against 7-9 for G = 4 on an AMD EPYC).
+* ``'native'``: one XLA FFI custom call (``kvjax/native/decode_attention.cc``, float32
+  caches on CPU): each block of 64 slots is read once while all G heads use it, online
+  softmax, slot chunks over the cores. Built on first use; absent without a compiler.
+* ``'pallas'``: JAX's Pallas GPU decode-attention kernel
+  (``jax.experimental.pallas.ops.gpu.decode_attention``, Triton), for keys and values
+  'BKSH' whose visible slots are a prefix [0, n) of each row (dense caches, no window);
+  on CPU only in Pallas interpret mode (tests).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NEG_INF = -1e30
+IMPLS = ("xla", "xla_cache_left", "native", "pallas")
+
+
+def _spec(layout: str, width: str = "H") -> str:
+    if layout not in ("BKSH", "BKHS"):
+        raise ValueError(f"layout={layout!r}; allowed: 'BKSH' or 'BKHS'")
+    return "BKS" + width if layout == "BKSH" else "BK" + width + "S"
+
+
+def check_impl(impl: str) -> str:
+    """Returns ``impl`` or raises ValueError naming it and :data:`IMPLS`."""
+    if impl not in IMPLS:
+        raise ValueError(f"decode_attention={impl!r}; allowed: one of {list(IMPLS)} or 'auto'")
+    return impl
+
+
+def supports(impl: str, backend: str, cache_dtype, k_layout: str, v_layout: str,
+             prefix_mask: bool, head_dim: int = 64, slots: int = 4096) -> bool:
+    """Whether formulation ``impl`` can run this attention (the 'xla' ones always can).
+
+    'native': CPU, float32 cache, and the library built (:func:`kvjax.native.load`).
+    'pallas': GPU (or interpret mode), both layouts 'BKSH', a prefix mask (dense cache),
+    head_dim a power of two >= 16, and a slot count the kernel splits (:func:`_pallas_splits`).
+    """
+    check_impl(impl)
+    if impl in ("xla", "xla_cache_left"):
+        return True
+    if impl == "native":
+        if backend != "cpu" or jnp.dtype(cache_dtype) != jnp.float32:
+            return False
+        from kvjax import native  # noqa: PLC0415
+        return native.load()
+    return (backend == "gpu" and k_layout == v_layout == "BKSH" and prefix_mask
+            and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+            and _pallas_splits(slots) is not None)
+
+
+def _pallas_splits(slots: int) -> tuple[int, int] | None:
+    """(k_splits, block_k) for the Pallas kernel at ``slots``: S = splits · chunk with
+    chunk a multiple of block_k >= 16; None if S has no such split."""
+    for splits in (16, 8, 4, 2, 1):
+        if slots % splits:
+            continue
+        chunk = slots // splits
+        for block_k in (128, 64, 32, 16):
+            if chunk >= block_k and chunk % block_k == 0:
+                return splits, block_k
+    return None
+
+
+def partial_attention(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                      visible: jax.Array, k_layout: str, v_layout: str,
+                      backend: str = "cpu", interpret: bool = False):
+    """Softmax statistics of the old slots, by formulation ``impl``.
+
+    Args:
+      impl: one of :data:`IMPLS`.
+      q: [B, K, G, H] queries (any float dtype).
+      k_cache: [B, K, S, H] ('BKSH') or [B, K, H, S] ('BKHS').
+      v_cache: [B, K, S, V] ('BKSH') or [B, K, V, S] ('BKHS').
+      visible: [B, S] bool, the old slots each row's query sees ('pallas': must be a
+        prefix of each row; only the count is used).
+      k_layout, v_layout: 'BKSH' or 'BKHS'.
+      backend: the config's backend (2-byte operands are widened on CPU).
+      interpret: 'pallas' only: run the kernel in Pallas interpret mode (CPU tests).
+    Returns:
+      (o [B, K, G, V] float32, m [B, K, G] float32, l [B, K, G] float32), see the module
+      docstring; m = -1e30 (native, XLA) or about -3.4e38 (Pallas) and l = 0 where no slot
+      is visible.
+    Raises:
+      ValueError: an unknown impl or layout; 'pallas' with layouts other than 'BKSH' or a
+      slot count it cannot split; 'native' with a non-float32 cache.
+    """
+    check_impl(impl)
+    scale = q.shape[-1] ** -0.5
+    if impl == "native":
+        return _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale)
+    if impl == "pallas":
+        return _pallas(q, k_cache, v_cache, visible, k_layout, v_layout, scale, interpret)
+    from kvjax.models.attention import dot_operand  # noqa: PLC0415
+    qd, kd, vd = (dot_operand(x, backend) for x in (q, k_cache, v_cache))
+    if impl == "xla":
+        s = jnp.einsum(f"BKGH,{_spec(k_layout)}->BKGS", qd, kd,
+                       preferred_element_type=jnp.float32) * scale
+        vis = visible[:, None, None, :]
+        s = jnp.where(vis, s, NEG_INF)
+        m = jnp.max(s, axis=-1)
+        e = jnp.where(vis, jnp.exp(s - m[..., None]), 0.0)
+        o = jnp.einsum(f"BKGS,{_spec(v_layout, 'V')}->BKGV", e.astype(vd.dtype), vd,
+                       preferred_element_type=jnp.float32)
+        return o, m, jnp.sum(e, axis=-1)
+    s = jnp.einsum(f"{_spec(k_layout)},BKGH->BKSG", kd, qd,
+                   preferred_element_type=jnp.float32) * scale
+    vis = visible[:, None, :, None]
+    s = jnp.where(vis, s, NEG_INF)
+    m = jnp.max(s, axis=2)  # [B, K, G]
+    e = jnp.where(vis, jnp.exp(s - m[:, :, None, :]), 0.0)  # [B, K, S, G]
+    o = jnp.einsum(f"{_spec(v_layout, 'V')},BKSG->BKGV", vd, e.astype(vd.dtype),
+                   preferred_element_type=jnp.float32)
+    return o, m, jnp.sum(e, axis=2)
+
+
+def _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale):
+    from kvjax import native  # noqa: PLC0415
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.dtype != jnp.float32:
+            raise ValueError(f"decode_attention='native': {name} dtype {x.dtype}; "
+                             "allowed: float32 (use 'xla' for other cache dtypes)")
+    _spec(k_layout), _spec(v_layout)
+    if not native.load():
+        raise RuntimeError("decode_attention='native': the native library could not be "
+                           "built or loaded (see the warning); use 'xla'")
+    b, k, g, _ = q.shape
+    width = v_cache.shape[3] if v_layout == "BKSH" else v_cache.shape[2]
+    f32 = jnp.float32
+    out = (jax.ShapeDtypeStruct((b, k, g, width), f32), jax.ShapeDtypeStruct((b, k, g), f32),
+           jax.ShapeDtypeStruct((b, k, g), f32))
+    o, m, l = jax.ffi.ffi_call(native.TARGET, out, vmap_method="sequential")(
+        q.astype(f32), k_cache, v_cache, visible.astype(jnp.bool_),
+        k_bksh=np.int64(k_layout == "BKSH"), v_bksh=np.int64(v_layout == "BKSH"),
+        scale=np.float32(scale), threads=np.int64(native.num_threads()))
+    return o, m, l
+
+
+def _pallas(q, k_cache, v_cache, visible, k_layout, v_layout, scale, interpret):
+    from jax.experimental.pallas.ops.gpu import decode_attention as pda  # noqa: PLC0415
+    if k_layout != "BKSH" or v_layout != "BKSH":
+        raise ValueError(f"decode_attention='pallas': layouts {k_layout!r}/{v_layout!r}; "
+                         "allowed: 'BKSH' for both")
+    b, k, g, h = q.shape
+    s = k_cache.shape[2]
+    split = _pallas_splits(s)
+    if split is None:
+        raise ValueError(f"decode_attention='pallas': {s} slots; allowed: a count the "
+                         "kernel splits into chunks that are multiples of 16")
+    splits, block_k = split
+    lengths = jnp.sum(visible, axis=-1).astype(jnp.int32)  # visible = a prefix [0, n)
+    kernel = lambda qq, kk, vv, n: pda.decode_attn_unbatched(  # noqa: E731
+        qq, kk, vv, None, n, sm_scale=scale, block_h=16, block_k=block_k,
+        k_splits=splits, num_warps=None, num_stages=2, grid=None, interpret=interpret,
+        debug=False, return_residuals=True, normalize_output=False)
+    per_head = jax.vmap(kernel, in_axes=(0, 0, 0, None))
+    o, (l, m) = jax.vmap(per_head, in_axes=(0, 0, 0, 0))(
+        q.astype(k_cache.dtype), k_cache, v_cache, lengths)
+    return o.astype(jnp.float32), m, l
+
+
+def merge_new(o: jax.Array, m: jax.Array, l: jax.Array, s_new: jax.Array,
+              v_new: jax.Array, new_visible: jax.Array | None = None) -> jax.Array:
+    """Folds the new token into the old slots' statistics and normalises.
+
+    Args:
+      o, m, l: from :func:`partial_attention` ([B, K, G, V], [B, K, G], [B, K, G]).
+      s_new: [B, K, G] float32, each query's scaled score of its own new key.
+      v_new: [B, K, V] the new token's value.
+      new_visible: [B] bool, whether each row's query sees its new key (None: all do).
+    Returns:
+      [B, K, G, V] float32: softmax attention over (old slots ++ new token); zeros for a
+      row that sees no key.
+    """
+    if new_visible is not None:
+        s_new = jnp.where(new_visible[:, None, None], s_new, NEG_INF)
+    mm = jnp.maximum(m, s_new)
+    a = jnp.where(l > 0, jnp.exp(m - mm), 0.0)
+    e_new = jnp.exp(s_new - mm)
+    if new_visible is not None:
+        e_new = jnp.where(new_visible[:, None, None], e_new, 0.0)
+    denom = a * l + e_new
+    out = a[..., None] * o + e_new[..., None] * v_new[:, :, None, :].astype(jnp.float32)
+    return out / jnp.where(denom > 0, denom, 1.0)[..., None]

@@ -1,0 +1,117 @@
+"""Native CPU kernels behind ``jax.ffi``, built on first use with the system C++ compiler.
+
+:func:`load` compiles ``decode_attention.cc`` (``g++ -O3 -march=native -fopenmp``)
+into the kvjax cache directory (``$KVJAX_CACHE`` or ``~/.cache/kvjax``, under
+``native/<hash of source, compiler, flags and CPU>``), loads it and registers its XLA FFI
+handler. Without a compiler, or if the build fails, it warns once and returns None, and
+kvjax uses its pure-XLA formulations (``kvjax/models/decode_kernels.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+
+TARGET = "kvjax_decode_attention"
+_SOURCE = pathlib.Path(__file__).with_name("decode_attention.cc")
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-w")
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def cache_root() -> pathlib.Path:
+    """``$KVJAX_CACHE`` or ``~/.cache/kvjax`` (the weights' cache directory)."""
+    return pathlib.Path(os.environ.get("KVJAX_CACHE") or pathlib.Path.home() / ".cache" / "kvjax")
+
+
+def machine_id() -> str:
+    """CPU model name and its flags from /proc/cpuinfo ('' where unreadable)."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                  if ln.startswith("model name")), "")
+    flags = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                  if ln.startswith("flags")), "")
+    return f"{model}|{flags}"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _build(out: pathlib.Path, cxx: str) -> None:
+    import jax.ffi  # noqa: PLC0415
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_so = pathlib.Path(tmp) / out.name
+        cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(tmp_so)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+        os.replace(tmp_so, out)  # atomic: concurrent builders never see half a file
+
+
+def library_path() -> pathlib.Path | None:
+    """Where the built library lives (built if missing), or None without a compiler."""
+    cxx = _compiler()
+    if cxx is None:
+        return None
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\n".join(
+        [_SOURCE.read_text(), cxx, version, " ".join(_FLAGS), machine_id()]).encode()
+    ).hexdigest()[:16]
+    out = cache_root() / "native" / key / "libkvjax_decode_attention.so"
+    if not out.exists():
+        _build(out, cxx)
+    return out
+
+
+def load() -> bool:
+    """Builds (once per machine), loads and registers the FFI target :data:`TARGET` on
+    CPU. Returns True when it is available; False (with one warning naming the cause)
+    when there is no compiler or the build or load failed. Set ``KVJAX_NATIVE=0`` to
+    skip it."""
+    with _lock:
+        if "ok" in _state:
+            return _state["ok"]
+        ok = False
+        if os.environ.get("KVJAX_NATIVE", "1") == "0":
+            _state["ok"] = False
+            return False
+        try:
+            path = library_path()
+            if path is None:
+                warnings.warn("kvjax native kernels: no C++ compiler (g++/c++ or $CXX); "
+                              "using the XLA formulations", stacklevel=2)
+            else:
+                import jax  # noqa: PLC0415
+                lib = ctypes.cdll.LoadLibrary(str(path))
+                jax.ffi.register_ffi_target(
+                    TARGET, jax.ffi.pycapsule(lib.KvjaxDecodeAttention), platform="cpu")
+                _state["lib"] = lib
+                ok = True
+        except Exception as e:  # noqa: BLE001 (any failure -> the XLA fallback)
+            warnings.warn(f"kvjax native kernels unavailable ({e}); using the XLA "
+                          "formulations", stacklevel=2)
+        _state["ok"] = ok
+        return ok
+
+
+def num_threads() -> int:
+    """Threads the kernel uses: ``$KVJAX_NATIVE_THREADS``, else the CPUs this process
+    may run on."""
+    if os.environ.get("KVJAX_NATIVE_THREADS"):
+        return max(1, int(os.environ["KVJAX_NATIVE_THREADS"]))
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

@@ -1,0 +1,234 @@
+"""Chooses the decode-attention formulation by measuring the machine at hand.
+
+``ModelConfig.decode_attention='auto'`` resolves here, when a decode step is traced:
+:func:`decode_attention` times every formulation that applies
+(:mod:`kvjax.models.decode_kernels`: 'xla', 'xla_cache_left', 'native') on the step's
+own shapes (one layer's :func:`kvjax.models.attention.attend_step`, interleaved rounds,
+the median of each; about a second), picks the fastest and caches the choice on disk.
+
+The cache is one JSON file per machine under ``$KVJAX_CACHE/planner`` (default
+``~/.cache/kvjax/planner``), never in git. Its key (:func:`machine_key`): CPU model and
+vector ISA, usable cores, backend, jax and jaxlib versions and the native kernel's
+source hash; inside it, one entry per shape class (:func:`shape_class`: B, K, G, H, V,
+the slot count rounded up to a power of two, cache dtype, layouts). Another machine, a
+new jax or a new kernel looks for another file and re-measures; a file that does not
+parse or whose recorded key differs from this machine's is ignored with a warning and
+rewritten. Every choice made in this process is listed by :func:`report_lines`.
+
+Shapes whose cache is small (one layer below :data:`MIN_MEASURED_BYTES`) take 'xla'
+unmeasured: nothing to gain there that timing on a shared host could see. On GPU 'auto'
+is 'pallas' where the kernel applies (dense 'BKSH' cache), else 'xla'; on TPU, and for a
+config built for a backend other than the process's, 'xla'.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import statistics
+import threading
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import backend as backend_lib
+from kvjax import native
+from kvjax.models import decode_kernels
+
+MIN_MEASURED_BYTES = 256 * 1024
+CANDIDATES = ("xla", "xla_cache_left", "native")
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+             "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "asimd", "sve")
+_lock = threading.RLock()
+_memo: dict[str, dict] = {}
+
+
+def _cpu() -> tuple[str, list[str]]:
+    ident = native.machine_id()
+    model, _, flags = ident.partition("|")
+    have = set(flags.split())
+    return model or "unknown", [f for f in ISA_FLAGS if f in have]
+
+
+def machine_key(backend: str | None = None) -> dict:
+    """What the planner's choices depend on: {'cpu', 'isa', 'cores', 'backend', 'jax',
+    'jaxlib', 'kernel'} (the last: hash of the native kernel's source)."""
+    import jaxlib  # noqa: PLC0415
+    model, isa = _cpu()
+    src = pathlib.Path(native.__file__).with_name("decode_attention.cc").read_bytes()
+    return {"cpu": model, "isa": isa, "cores": native.num_threads(),
+            "backend": backend or backend_lib.current(), "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__, "kernel": hashlib.sha256(src).hexdigest()[:12]}
+
+
+def cache_path(key: dict | None = None) -> pathlib.Path:
+    """The planner cache file for ``key`` (default: this machine's)."""
+    key = key or machine_key()
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return native.cache_root() / "planner" / f"decode_attention-{digest}.json"
+
+
+def load_cache(path: pathlib.Path, key: dict) -> dict:
+    """The entries of the planner cache at ``path`` if it belongs to ``key``; {} (with a
+    warning naming the file and why) if it is corrupt or foreign; {} if absent."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+            raise ValueError("not a planner cache (no 'entries' mapping)")
+        if data.get("machine") != key:
+            raise ValueError(f"recorded for {data.get('machine')!r}, this is {key!r}")
+        entries = data["entries"]
+        for name, e in entries.items():
+            if not isinstance(e, dict) or e.get("choice") not in decode_kernels.IMPLS:
+                raise ValueError(f"entry {name!r} has no valid 'choice'")
+        return entries
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        warnings.warn(f"ignoring planner cache {path}: {e}; re-measuring", stacklevel=3)
+        return {}
+
+
+def _save(path: pathlib.Path, key: dict, entries: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"machine": key, "entries": entries}, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def shape_class(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str,
+                v_layout: str, prefix: bool) -> str:
+    """The cache entry name of one decode attention: the slot count rounded up to a power
+    of two, everything else exact."""
+    s2 = 1 << max(0, int(s - 1).bit_length())
+    return (f"B{b}-K{k}-G{g}-H{h}-V{v}-S{s2}-{jnp.dtype(dtype).name}-{k_layout}-{v_layout}"
+            f"{'' if prefix else '-window'}")
+
+
+def _time(fns: dict, args: tuple, rounds: int, budget_s: float) -> dict[str, float]:
+    """Median seconds of each compiled fn, timed in interleaved rounds after 2 warm-ups."""
+    for _ in range(2):
+        for f in fns.values():
+            jax.block_until_ready(f(*args))
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    start = time.perf_counter()
+    for r in range(rounds):
+        for n, f in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times[n].append(time.perf_counter() - t0)
+        if r >= 2 and time.perf_counter() - start > budget_s:
+            break
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str,
+            v_layout: str, candidates=CANDIDATES, rounds: int = 7,
+            budget_s: float = 2.0, backend: str = "cpu") -> dict:
+    """Times each formulation in ``candidates`` that applies on one layer's decode
+    attention of these shapes (random data, the whole cache visible).
+
+    Returns {'choice': fastest name, 'gbps': {name: GB/s of cache read (K·S·(H+V)·B
+    elements / median seconds / 1e9)}, 'seconds': {name: median s}, 'slots': s}.
+    """
+    from kvjax.models.attention import attend_step  # noqa: PLC0415
+    rng = np.random.default_rng(0)
+    shape_k = (b, k, s, h) if k_layout == "BKSH" else (b, k, h, s)
+    shape_v = (b, k, s, v) if v_layout == "BKSH" else (b, k, v, s)
+    new_k = (b, k, 1, h) if k_layout == "BKSH" else (b, k, h, 1)
+    new_v = (b, k, 1, v) if v_layout == "BKSH" else (b, k, v, 1)
+    with jax.ensure_compile_time_eval():
+        args = tuple(jnp.asarray(rng.standard_normal(sh, dtype=np.float32), dtype)
+                     for sh in ((b, 1, k, g, h), shape_k, shape_v))
+        args = args + (jnp.ones((b, 1, s), bool),) + tuple(
+            jnp.asarray(rng.standard_normal(sh, dtype=np.float32), dtype) for sh in (new_k, new_v))
+        fns = {}
+        for impl in candidates:
+            if not decode_kernels.supports(impl, backend, dtype, k_layout, v_layout, True, h, s):
+                continue
+            fn = jax.jit(lambda *a, impl=impl: attend_step(
+                *a, k_layout=k_layout, v_layout=v_layout, impl=impl, backend=backend))
+            fns[impl] = fn.lower(*args).compile()
+        secs = _time(fns, args, rounds, budget_s)
+    nbytes = b * k * s * (h + v) * jnp.dtype(dtype).itemsize
+    best = min(secs, key=secs.get)
+    if best != "xla" and secs[best] > 0.97 * secs["xla"]:
+        best = "xla"  # within noise of the reference: keep the reference
+    return {"choice": best, "gbps": {n: round(nbytes / t / 1e9, 2) for n, t in secs.items()},
+            "seconds": {n: t for n, t in secs.items()}, "slots": s}
+
+
+def decode_attention(cfg, k_cache, v_cache) -> str:
+    """The formulation for one layer's decode attention of ``cfg`` over caches shaped like
+    ``k_cache``/``v_cache`` (arrays or tracers: only shapes and dtypes are read).
+
+    ``cfg.decode_attention`` other than 'auto' is returned as is, after checking that it
+    applies. 'auto': see the module docstring; on CPU measured once per shape class and
+    machine, then read from the cache.
+
+    Raises:
+      ValueError: a formulation that cannot run this attention (e.g. 'native' with a
+      bfloat16 cache or on GPU, 'pallas' on CPU or with a window), naming it.
+    """
+    k_layout, v_layout = cfg.cache_layout("k"), cfg.cache_layout("v")
+    b, k = k_cache.shape[:2]
+    s = k_cache.shape[2] if k_layout == "BKSH" else k_cache.shape[3]
+    h = k_cache.shape[3] if k_layout == "BKSH" else k_cache.shape[2]
+    v = v_cache.shape[3] if v_layout == "BKSH" else v_cache.shape[2]
+    g, dtype, prefix = cfg.num_groups, k_cache.dtype, cfg.window_size is None
+    if cfg.decode_attention != "auto":
+        impl = cfg.decode_attention
+        if not decode_kernels.supports(impl, cfg.backend, dtype, k_layout, v_layout, prefix, h, s):
+            raise ValueError(
+                f"model.decode_attention={impl!r} cannot run here (backend {cfg.backend}, "
+                f"cache {jnp.dtype(dtype).name} {k_layout}/{v_layout}, {s} slots, "
+                f"window {cfg.window_size}); allowed: 'auto', 'xla', 'xla_cache_left'"
+                + (", 'native' (CPU, float32 cache)" if cfg.backend == "cpu" else "")
+                + (", 'pallas' (GPU, dense BKSH cache)" if cfg.backend == "gpu" else ""))
+        return impl
+    if cfg.backend == "gpu":
+        ok = decode_kernels.supports("pallas", "gpu", dtype, k_layout, v_layout, prefix, h, s)
+        return "pallas" if ok else "xla"
+    if cfg.backend != "cpu" or backend_lib.current() != "cpu":
+        return "xla"
+    if b * k * s * (h + v) * jnp.dtype(dtype).itemsize < MIN_MEASURED_BYTES:
+        return "xla"
+    name = shape_class(b, k, g, h, v, s, dtype, k_layout, v_layout, prefix)
+    with _lock:
+        if name in _memo:
+            return _memo[name]["choice"]
+        key = machine_key("cpu")
+        path = cache_path(key)
+        entries = load_cache(path, key)
+        if name not in entries:
+            entries[name] = measure(b, k, g, h, v, s, dtype, k_layout, v_layout)
+            entries[name]["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+            try:
+                _save(path, key, entries)
+            except OSError as e:
+                warnings.warn(f"planner cache {path} not written: {e}", stacklevel=2)
+        _memo[name] = dict(entries[name], cache=str(path))
+        return entries[name]["choice"]
+
+
+def report_lines() -> list[str]:
+    """One line per decode-attention choice made in this process: the shape class, the
+    formulation and the measured GB/s of each candidate, and the machine."""
+    model, isa = _cpu()
+    lines = [f"decode-attention planner on {model} ({', '.join(isa)}; "
+             f"{native.num_threads()} cores), jax {jax.__version__}:"] if _memo else []
+    for name, e in sorted(_memo.items()):
+        rates = ", ".join(f"{n} {r:.1f}" for n, r in e["gbps"].items())
+        lines.append(f"  {name}: {e['choice']} (GB/s of cache read: {rates})")
+    return lines
+
+
+def clear_memo() -> None:
+    """Forgets this process's choices (the disk cache stays); for tests."""
+    with _lock:
+        _memo.clear()

@@ -1,0 +1,215 @@
+"""Every decode-attention formulation equals the reference; the planner's cache is keyed
+by machine and never trusts a corrupt or foreign file (issue 18)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import native, planner, presets
+from kvjax.config import ConfigError
+from kvjax.models import decode_kernels
+from kvjax.models.attention import attend_step
+
+LAYOUTS = [("BKSH", "BKSH"), ("BKHS", "BKSH"), ("BKSH", "BKHS"), ("BKHS", "BKHS")]
+CPU_IMPLS = [i for i in ("xla_cache_left", "native")]
+
+
+def problem(dtype, kl, vl, b=2, k=2, g=3, h=8, s=70, seed=0, prefix=False):
+    """q [B,1,K,G,H], caches, mask [B,1,S] (random or a prefix), new entries, new_visible."""
+    rng = np.random.default_rng(seed)
+    sk = (b, k, s, h) if kl == "BKSH" else (b, k, h, s)
+    sv = (b, k, s, h) if vl == "BKSH" else (b, k, h, s)
+    nk = (b, k, 1, h) if kl == "BKSH" else (b, k, h, 1)
+    nv = (b, k, 1, h) if vl == "BKSH" else (b, k, h, 1)
+    arr = lambda shape: jnp.asarray(3 * rng.standard_normal(shape, dtype=np.float32), dtype)  # noqa: E731
+    if prefix:
+        n = rng.integers(1, s, size=b)
+        mask = jnp.asarray(np.arange(s)[None, :] < n[:, None])[:, None]
+    else:
+        mask = np.asarray(rng.random((b, 1, s)) < 0.6)
+        mask[-1] = False  # a row that sees no old slot (e.g. a ring just reset)
+        mask = jnp.asarray(mask)
+    return arr((b, 1, k, g, h)), arr(sk), arr(sv), mask, arr(nk), arr(nv)
+
+
+def tol(dtype):
+    return dict(atol=2e-5, rtol=2e-5) if dtype == jnp.float32 else dict(atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("layouts", LAYOUTS)
+@pytest.mark.parametrize("kg", [(4, 1), (2, 3), (1, 4)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_formulation_equals_reference(impl, layouts, kg, dtype):
+    kl, vl = layouts
+    if not decode_kernels.supports(impl, "cpu", dtype, kl, vl, False):
+        assert impl == "native" and (dtype != jnp.float32 or not native.load())
+        return
+    q, kc, vc, mask, kn, vn = problem(dtype, kl, vl, k=kg[0], g=kg[1])
+    new_visible = jnp.array([True, False])  # second row: sees nothing at all
+    for nv in (None, new_visible):
+        ref = attend_step(q, kc, vc, mask, kn, vn, kl, vl, new_visible=nv, backend="cpu")
+        out = attend_step(q, kc, vc, mask, kn, vn, kl, vl, new_visible=nv, impl=impl,
+                          backend="cpu")
+        assert out.shape == ref.shape == (2, 1, kg[0], kg[1], 8) and out.dtype == ref.dtype
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                                   **tol(dtype))
+    assert float(jnp.max(jnp.abs(ref[1].astype(jnp.float32)))) == 0.0  # zeros: no key seen
+
+
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+def test_native_long_rows_split_over_threads():
+    """Enough slots for several chunks per (b, k): the in-kernel merge of chunks."""
+    q, kc, vc, mask, kn, vn = problem(jnp.float32, "BKHS", "BKSH", b=1, k=1, g=4, h=64,
+                                      s=5000, seed=3)
+    mask = mask.at[0, 0, :].set(jnp.arange(5000) % 7 != 0)
+    ref = attend_step(q, kc, vc, mask, kn, vn, "BKHS", "BKSH")
+    out = attend_step(q, kc, vc, mask, kn, vn, "BKHS", "BKSH", impl="native")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_pallas_gpu_kernel_in_interpret_mode(dtype):
+    """JAX's Pallas GPU decode-attention kernel, run by the Pallas interpreter on CPU,
+    equals the XLA statistics (prefix masks: a dense cache's per-row lengths)."""
+    q, kc, vc, mask, _, _ = problem(dtype, "BKSH", "BKSH", h=16, s=64, prefix=True)
+    q1 = q[:, 0]
+    ref = decode_kernels.partial_attention("xla", q1, kc, vc, mask[:, 0], "BKSH", "BKSH")
+    out = decode_kernels.partial_attention("pallas", q1, kc, vc, mask[:, 0], "BKSH", "BKSH",
+                                           interpret=True)
+    for name, r, o in zip("oml", ref, out):
+        np.testing.assert_allclose(np.asarray(o), np.asarray(r), **tol(dtype), err_msg=name)
+
+
+def test_pallas_refuses_slot_major_values_and_cpu():
+    q, kc, vc, mask, _, _ = problem(jnp.float32, "BKSH", "BKHS", h=16, s=64, prefix=True)
+    with pytest.raises(ValueError, match="'BKSH' for both"):
+        decode_kernels.partial_attention("pallas", q[:, 0], kc, vc, mask[:, 0], "BKSH",
+                                         "BKHS", interpret=True)
+    assert not decode_kernels.supports("pallas", "cpu", jnp.float32, "BKSH", "BKSH", True)
+    assert decode_kernels.supports("pallas", "gpu", jnp.float32, "BKSH", "BKSH", True, 64, 4096)
+    assert not decode_kernels.supports("pallas", "gpu", jnp.float32, "BKSH", "BKSH", False)
+
+
+@pytest.mark.parametrize("impl", ["xla_cache_left", "native"])
+def test_model_decode_with_window_matches_reference(impl):
+    """A whole model (GQA + a ring window of 8 slots, wrapped) decodes the same logits
+    with each formulation."""
+    from kvjax.models import model
+    from kvjax import cache as cache_lib
+    base = presets.variant(presets.blog_model("float32", vocab_size=64, num_layers=2,
+                                              d_model=32, num_heads=4, num_kv_heads=4, head_dim=8,
+                                              mlp_dim=64),
+                           num_kv_heads=2, window_size=8)
+    if impl == "native" and not native.load():
+        pytest.skip("native kernel not built")
+    logits = {}
+    for name in ("xla", impl):
+        cfg = base.replace(decode_attention=name)
+        params = model.init_params(cfg, 0)
+        cache = cache_lib.init_cache(cfg, 1, 32)
+        toks = jnp.arange(12, dtype=jnp.int32)[None] % 64
+        out = []
+        for t in range(12):  # 12 single-token steps: the 8-slot ring wraps
+            lg, cache = model.forward(params, cfg, toks[:, t:t + 1],
+                                      jnp.full((1, 1), t, jnp.int32), cache)
+            out.append(lg)
+        logits[name] = np.asarray(jnp.concatenate(out, axis=1))
+    np.testing.assert_allclose(logits[impl], logits["xla"], atol=1e-4, rtol=1e-4)
+
+
+def test_config_names_the_bad_formulation():
+    with pytest.raises(ConfigError, match="decode_attention.*'fast'"):
+        presets.blog_model("float32", decode_attention="fast")
+
+
+def test_explicit_formulation_that_cannot_run_raises():
+    cfg = presets.blog_model("bfloat16", decode_attention="native", backend="cpu")
+    k = jax.ShapeDtypeStruct((1, 8, 64, 4096), jnp.bfloat16)
+    with pytest.raises(ValueError, match="decode_attention='native' cannot run"):
+        planner.decode_attention(cfg, k, k)
+
+
+def _fake_measure(calls):
+    def measure(b, k, g, h, v, s, dtype, kl, vl, **_):
+        calls.append((b, k, g, s))
+        return {"choice": "xla_cache_left", "gbps": {"xla": 1.0, "xla_cache_left": 2.0},
+                "seconds": {"xla": 2.0, "xla_cache_left": 1.0}, "slots": s}
+    return measure
+
+
+def test_planner_measures_once_then_reads_its_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(planner, "measure", _fake_measure(calls))
+    planner.clear_memo()
+    cfg = presets.blog_model("float32", num_kv_heads=2, attention="gqa", backend="cpu",
+                             decode_attention="auto")
+    k = jax.ShapeDtypeStruct((1, 2, 64, 4096), jnp.float32)  # BKHS keys, 2 MiB
+    v = jax.ShapeDtypeStruct((1, 2, 4096, 64), jnp.float32)
+    assert cfg.cache_layout("k") == "BKHS"
+    assert planner.decode_attention(cfg, k, v) == "xla_cache_left"
+    planner.clear_memo()
+    assert planner.decode_attention(cfg, k, v) == "xla_cache_left"
+    assert calls == [(1, 2, 4, 4096)]  # measured once; the second answer came from disk
+    path = planner.cache_path()
+    data = json.loads(path.read_text())
+    assert data["machine"] == planner.machine_key("cpu")
+    assert list(data["entries"]) == ["B1-K2-G4-H64-V64-S4096-float32-BKHS-BKSH"]
+    assert any("xla_cache_left" in ln for ln in planner.report_lines())
+    planner.clear_memo()
+
+
+def test_planner_key_separates_machines(monkeypatch):
+    key = planner.machine_key("cpu")
+    assert {"cpu", "isa", "cores", "backend", "jax", "jaxlib", "kernel"} <= set(key)
+    for field, other in (("cpu", "Other CPU"), ("isa", ["avx2"]), ("jax", "0.0.1"),
+                         ("backend", "gpu")):
+        assert planner.cache_path(dict(key, **{field: other})) != planner.cache_path(key)
+    assert planner.shape_class(1, 2, 4, 64, 64, 3000, jnp.float32, "BKHS", "BKSH", True) == \
+        planner.shape_class(1, 2, 4, 64, 64, 4096, jnp.float32, "BKHS", "BKSH", True)
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"entries": 3}),
+                                     "FOREIGN", json.dumps({"machine": {}, "entries": {
+                                         "x": {"choice": "rm -rf"}}})])
+def test_corrupt_or_foreign_planner_cache_is_ignored(tmp_path, monkeypatch, content):
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
+    key = planner.machine_key("cpu")
+    path = planner.cache_path(key)
+    path.parent.mkdir(parents=True)
+    if content == "FOREIGN":  # a file recorded on another machine, copied here
+        entry = {"choice": "native", "gbps": {}, "seconds": {}, "slots": 4096}
+        content = json.dumps({"machine": dict(key, cpu="Some other CPU"),
+                              "entries": {"B1-K2-G4-H64-V64-S4096-float32-BKHS-BKSH": entry}})
+    path.write_text(content)
+    with pytest.warns(UserWarning, match="ignoring planner cache"):
+        assert planner.load_cache(path, key) == {}
+    calls = []
+    monkeypatch.setattr(planner, "measure", _fake_measure(calls))
+    planner.clear_memo()
+    cfg = presets.blog_model("float32", num_kv_heads=2, attention="gqa", backend="cpu",
+                             decode_attention="auto")
+    k = jax.ShapeDtypeStruct((1, 2, 64, 4096), jnp.float32)
+    v = jax.ShapeDtypeStruct((1, 2, 4096, 64), jnp.float32)
+    with pytest.warns(UserWarning, match="ignoring planner cache"):
+        assert planner.decode_attention(cfg, k, v) == "xla_cache_left"
+    assert len(calls) == 1  # re-measured, and the file rewritten as this machine's
+    assert json.loads(path.read_text())["machine"] == key
+    planner.clear_memo()
+
+
+def test_small_caches_and_other_backends_skip_measuring(monkeypatch):
+    monkeypatch.setattr(planner, "measure", lambda *a, **k: pytest.fail("measured"))
+    cfg = presets.blog_model("float32", num_kv_heads=2, attention="gqa", backend="cpu",
+                             decode_attention="auto")
+    tiny = jax.ShapeDtypeStruct((1, 2, 64, 16), jnp.float32)
+    assert planner.decode_attention(cfg, tiny, tiny.update(shape=(1, 2, 16, 64))) == "xla"
+    gpu = presets.blog_model("float32", num_kv_heads=2, attention="gqa", backend="gpu",
+                             decode_attention="auto")
+    big = jax.ShapeDtypeStruct((1, 2, 4096, 64), jnp.float32)
+    assert planner.decode_attention(gpu, big, big) == "pallas"
+    assert planner.decode_attention(gpu.replace(window_size=512), big, big) == "xla"
