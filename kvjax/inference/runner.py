@@ -289,9 +289,9 @@ class DecodeResult:
     def as_json(self) -> dict:
         g, c = self.generation, self.costs
         s, loop = c.step, c.loop
-        out = {k: v for k, v in dataclasses.asdict(g).items()
-               if k not in ("prefill_compiled", "generate_compiled", "kv_cache_bytes",
-                            "kv_cache_bytes_theory")}
+        out = {f.name: getattr(g, f.name) for f in dataclasses.fields(g)
+               if f.name not in ("prefill_compiled", "generate_compiled", "kv_cache_bytes",
+                                 "kv_cache_bytes_theory")}
         out.update({
             # per batch or per sequence, said in the key (issue 16)
             "batch_size": s.batch,
