@@ -237,9 +237,27 @@ def step_bytes(cfg: ModelConfig, t: int, batch: int = 1, weights: int | None = N
     w = weight_bytes_per_step(cfg, element_bytes) if weights is None else weights
     return StepBytes(
         weights=int(w),
-        kv_read=kv_cache_bytes(cfg, t, batch, element_bytes),
+        kv_read=kv_cache_bytes(cfg, t, batch, element_bytes)
+        + sink_rescore_bytes(cfg, batch, element_bytes),
         kv_write=batch * kv_bytes_per_token(cfg, element_bytes),
     )
+
+
+def _cache_sinks(cfg: ModelConfig) -> int:
+    """Sinks scored a second time per layer (``rope_positions='cache'``), else 0."""
+    return cfg.num_sink_tokens if cfg.rope_positions == "cache" else 0
+
+
+def sink_rescore_bytes(cfg: ModelConfig, batch: int = 1,
+                       element_bytes: int | None = None) -> int:
+    """Extra KV bytes a decode step reads when sinks sit at cache positions
+    (``rope_positions='cache'``, StreamingLLM sec. 3.2): the s sink keys are scored again
+    with the query rotated at its cache position: B·L·s·K·H·b (keys only; 0 with
+    absolute positions). FLOPs: + 2·N·s·H per layer (in :func:`step_flops`' attn)."""
+    if _cache_sinks(cfg) == 0 or cfg.is_mla:
+        return 0
+    return (batch * cfg.num_layers * cfg.num_sink_tokens * cfg.num_kv_heads * cfg.head_dim
+            * _kv_b(cfg, element_bytes))
 
 
 def mla_unfused_extra_bytes(cfg: ModelConfig, t: int, batch: int = 1,
@@ -323,7 +341,7 @@ def step_flops(cfg: ModelConfig, t: int, batch: int = 1,
     if not cfg.is_mla:
         h, k = cfg.head_dim, cfg.num_kv_heads
         proj = 2 * d * (n * h + 2 * k * h) + 2 * n * h * d
-        attn = n * attention_flops_per_head(h, h, keys)
+        attn = n * attention_flops_per_head(h, h, keys) + 2 * n * h * _cache_sinks(cfg)
     else:
         absorbed = cfg.mla_absorb if absorbed is None else absorbed
         c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
