@@ -25,7 +25,7 @@ def attention_label(cfg: ModelConfig) -> str:
 
 def window_label(cfg: ModelConfig) -> str:
     """'' for full attention, else 'W=128' or 'W=128+4 sinks'."""
-    if cfg.window_size is None:
+    if not cfg.window_size:
         return ""
     sinks = f"+{cfg.num_sink_tokens} sinks" if cfg.num_sink_tokens else ""
     return f"W={cfg.window_size}{sinks}"

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import backend as backend_lib
+from kvjax import cache as cache_lib
 from kvjax import native
 from kvjax.models import decode_kernels
 
@@ -180,7 +181,9 @@ def decode_attention(cfg, k_cache, v_cache) -> str:
     s = k_cache.shape[2] if k_layout == "BKSH" else k_cache.shape[3]
     h = k_cache.shape[3] if k_layout == "BKSH" else k_cache.shape[2]
     v = v_cache.shape[3] if v_layout == "BKSH" else v_cache.shape[2]
-    g, dtype, prefix = cfg.num_groups, k_cache.dtype, cfg.window_size is None
+    # a dense cache's visible slots are a prefix (what the Pallas kernel needs); a ring's not
+    prefix = cache_lib.policy_for(cfg).kind == "dense"
+    g, dtype = cfg.num_groups, k_cache.dtype
     if cfg.decode_attention != "auto":
         impl = cfg.decode_attention
         if not decode_kernels.supports(impl, cfg.backend, dtype, k_layout, v_layout, prefix, h, s):

@@ -88,7 +88,8 @@ def check_checkpoint(run: RunConfig, hparams: dict) -> None:
                "a chat template that is not ChatML (the family kvjax renders)")
             + "; allowed: chat_template=False (raw completion)")
     ctx = hparams.get("context_length")
-    if ctx and run.model.window_size is None and run.max_seq_len > ctx:
+    dense = cache_lib.policy_for(run.model).kind == "dense"
+    if ctx and dense and run.max_seq_len > ctx:
         raise ConfigError(
             f"invalid config: max_seq_len={run.max_seq_len} exceeds the checkpoint's "
             f"context_length={ctx} (llama.context_length: positions past it were never "
