@@ -201,7 +201,7 @@ class Attention(nn.Module):
             mask_old = cache_lib.attention_mask(positions, cached_positions, c)
             if t == 1:
                 out = attend_step(q, k_old, v_old, mask_old, k_cur, v_cur,
-                                  k_layout, v_layout)
+                                  k_layout, v_layout, new_visible=positions[:, 0] >= 0)
             else:
                 mask_new = cache_lib.attention_mask(positions, positions, c)
                 out = attend(q,
