@@ -223,8 +223,11 @@ class Engine:
     # ------------------------------------------------------------------ checks
 
     def check(self, req: Request) -> None:
-        """Raises ValueError (naming the request) for an empty prompt, a budget < 1, or a
+        """Raises ValueError (naming the request) for an id < 0, an empty prompt, a budget < 1, or a
         prompt + budget that does not fit a dense cache (CacheOverflowError)."""
+        if not isinstance(req.id, (int, np.integer)) or req.id < 0:
+            raise ValueError(f"request id={req.id!r}; allowed: an integer >= 0 (it seeds the "
+                             "request's sampling key)")
         if not len(req.prompt):
             raise ValueError(f"request {req.id}: empty prompt; allowed: at least one token")
         if int(req.max_new_tokens) < 1:
@@ -250,15 +253,35 @@ class Engine:
         first = ragged.first_tokens(logits, self._key(req.id)[None], self.sampling)
         return int(first[0]), row
 
+    def warmup(self, requests: Sequence[Request]) -> float:
+        """Compiles (by running once) the prefill of every length bucket ``requests``
+        need, the insert and the decode loop, so :meth:`run` times serving, not XLA.
+        Leaves every slot free. Returns the seconds spent."""
+        t0 = time.perf_counter()
+        for bucket in sorted({prefill_bucket(len(r.prompt)) for r in requests}):
+            _, row = self.prefill(Request(0, (0,) * bucket, 1))
+        if requests:
+            self.cache = insert_program(self.cache, row, jnp.int32(0))
+            zeros = jnp.zeros(self.num_slots, jnp.int32)
+            keys = jax.vmap(self._key)(zeros)
+            out = decode_steps_program(
+                self.params, self.cache, zeros, jnp.zeros(self.num_slots, bool), zeros,
+                zeros, keys, jnp.int32(self.eos_id), jnp.asarray(False), cfg=self.cfg,
+                sampling=self.sampling, steps=self.steps_per_sync)
+            self.cache = out[2]
+            jax.block_until_ready(self.cache)
+        return time.perf_counter() - t0
+
     # ------------------------------------------------------------------ the loop
 
     def run(self, requests: Sequence[Request],
-            on_finish: Callable[[Completion], None] | None = None):
+            on_finish: Callable[[Completion], None] | None = None, warmup: bool = True):
         """Serves ``requests`` (all arrive at time 0) and returns
         (completions in request order, :class:`EngineStats`).
 
-        Every request is checked (:meth:`check`) before any work; ``on_finish`` is called
-        as each completes (a progress bar).
+        Every request is checked (:meth:`check`) before any work; then, with ``warmup``,
+        the programs are compiled (:meth:`warmup`) before the clock starts. ``on_finish``
+        is called as each request completes (a progress bar).
         """
         ids = [r.id for r in requests]
         if len(set(ids)) != len(ids):
@@ -266,6 +289,8 @@ class Engine:
             raise ValueError(f"request id {dup} appears more than once; allowed: unique ids")
         for r in requests:
             self.check(r)
+        if warmup:
+            self.warmup(requests)
         ns = self.num_slots
         slot_req: list = [None] * ns
         gen: dict[int, list] = {}
