@@ -1,13 +1,16 @@
 r"""Attention sinks at absolute vs cache positions on a long stream (SmolLM2, real text).
 
-    python scripts/sink_positions.py --window=64 --sinks=4 --offsets=0,2000,8000
+    python scripts/sink_positions.py --window=64 --sinks=4 --offsets=2000,4000,8000
 
-The same 256 tokens of the Django docs (the evaluation corpus) are scored after a
-contiguous filler of n corpus tokens, with a ring of W slots and s sinks (the stream's
-first s tokens). Once the ring holds only text, the text's context is the same at every
-offset but for the query-to-sink distance: with absolute positions it grows with n (past
-SmolLM2's 8,192 training positions for large n); with cache positions (StreamingLLM,
-Xiao et al. 2023, sec. 3.2) it stays below W. Prints the mean NLL (nats/token) of the
+The same 256 tokens of the Django docs (the held-out split) are scored after a contiguous
+filler of n tokens: the corpus's first s tokens (the sinks) and then the n - s tokens
+that precede position ``--filler_end`` (so the tail just before the text is the same at
+every offset), with a ring of W slots and s sinks. A token's hidden state depends on at
+most L·(W - s) tokens back through the ring (1,800 for SmolLM2 with W = 64, s = 4), so
+for n - s above that the text sees the same tokens at every offset; only the query-to-
+sink distance differs: with absolute positions it grows with n (past SmolLM2's 8,192
+training positions for large n); with cache positions (StreamingLLM, Xiao et al. 2023,
+sec. 3.2) it stays below W, and the NLL is the same at every offset. Prints the mean NLL (nats/token) of the
 text's last 256 - W tokens per mode and offset, and a no-sink window for reference.
 """
 
@@ -55,7 +58,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--sinks", type=int, default=4)
-    ap.add_argument("--offsets", default="0,2000,8000")
+    ap.add_argument("--offsets", default="2000,4000,8000")
+    ap.add_argument("--filler_end", type=int, default=8000)
     ap.add_argument("--text_tokens", type=int, default=256)
     args = ap.parse_args()
     base = presets.smollm2_135m("float32", scan_layers=False)
@@ -71,7 +75,8 @@ def main():
             rope_positions=mode if sinks else "absolute")
         params = model.params_for(cfg, loaded.params)
         for n in offsets:
-            stream = np.concatenate([tokens[:n], text]) if n else text
+            end = args.filler_end
+            stream = np.concatenate([tokens[:s], tokens[end - (n - s):end], text])
             start = time.perf_counter()
             # score the text once the ring holds only text (its last n_text - W tokens)
             nll = stream_nll(params, cfg, stream, score_from=n + w)

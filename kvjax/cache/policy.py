@@ -51,8 +51,11 @@ class DenseSlots:
 
     def write_slots(self, chunk_positions: jax.Array, num_slots: int) -> jax.Array:
         """[..., T] int32 slot of each chunk token; ``num_slots`` (out of range: the write
-        drops it) past the end. Never clamped: ``overflows`` poisons such a step."""
-        return jnp.where(chunk_positions < num_slots, chunk_positions, num_slots)
+        drops it) past the end or for a padded token (position -1, see
+        :func:`kvjax.models.model.forward`'s ``num_valid``). Never clamped: ``overflows``
+        poisons such a step."""
+        return jnp.where((chunk_positions >= 0) & (chunk_positions < num_slots),
+                         chunk_positions, num_slots)
 
     def write(self, buf: jax.Array, new: jax.Array, chunk_positions: jax.Array, axis: int,
               layer=None, ragged: bool = False) -> jax.Array:
@@ -125,11 +128,14 @@ class RingSlots:
         """[..., T] int32 ring slot of each chunk token, or ``num_slots`` (dropped) for a
         token that a later token of the same chunk overwrites: only the last S - s ring
         tokens of a chunk survive; sink tokens always do. ``chunk_positions`` are
-        consecutive along the last axis."""
+        consecutive along the last axis, except padded tokens (position -1, after a
+        row's real ones), which are never written: the last real token decides what
+        survives."""
         slots = self.slot_of(chunk_positions, num_slots)
         ring = num_slots - self.num_sink_tokens
-        keep = ((chunk_positions < self.num_sink_tokens)
-                | (chunk_positions > chunk_positions[..., -1:] - ring))
+        last = jnp.max(chunk_positions, axis=-1, keepdims=True)
+        keep = (chunk_positions >= 0) & ((chunk_positions < self.num_sink_tokens)
+                                         | (chunk_positions > last - ring))
         return jnp.where(keep, slots, num_slots)
 
     def write(self, buf: jax.Array, new: jax.Array, chunk_positions: jax.Array, axis: int,

@@ -276,7 +276,7 @@ class Attention(nn.Module):
                 from kvjax import planner  # noqa: PLC0415 (measures on first use)
                 impl = planner.decode_attention(c, k_old, v_old)
                 out = attend_step(q, k_old, v_old, mask_old, k_cur, v_cur,
-                                  k_layout, v_layout,
+                                  k_layout, v_layout, new_visible=positions[:, 0] >= 0,
                                   sink_scores=sink_scores(c, q_sink, k_old, k_layout),
                                   impl=impl, backend=c.backend)
             else:

@@ -266,7 +266,8 @@ class MLAttention(nn.Module):
             mask_old = cache_lib.attention_mask(positions, cached_positions, c)
             if t == 1:
                 out = attend_mla_step(q_main, q_rope, c_old, kr_old, mask_old, c_kv, k_rope,
-                                      w_uk, w_uv, absorb, self.scale)
+                                      w_uk, w_uv, absorb, self.scale,
+                                      new_visible=positions[:, 0] >= 0)
             else:
                 mask_new = cache_lib.attention_mask(positions, positions, c)
                 out = attend_mla(q_main, q_rope,

@@ -78,9 +78,15 @@ class DecoderLM(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens, positions, cache=None):
+    def __call__(self, tokens, positions, cache=None, num_valid=None):
         c = self.cfg
         dt = c.jnp_dtype
+        if num_valid is not None:
+            # Right padding: token j of row b is real iff j < num_valid[b]. A padded token
+            # takes position -1: it sees no key (its attention output is zeros), no query
+            # sees it, and the slot policy never writes it.
+            real = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :] < num_valid[:, None]
+            positions = jnp.where(real, positions, -1)
         embed = nn.Embed(c.vocab_size, c.d_model, param_dtype=dt, dtype=dt, name="embed",
                          embedding_init=nn.initializers.normal(stddev=1.0))
         x = embed(tokens)
@@ -114,12 +120,12 @@ class DecoderLM(nn.Module):
 
         if cache is None:
             return logits, None
-        t = tokens.shape[1]
+        t = tokens.shape[1] if num_valid is None else num_valid
         # Never a silent clamp: a row whose write runs past a dense cache's end gets NaN
         # logits (the host-side entry points in decode.py raise before running).
         over = cache_lib.policy_for(c).overflows(cache.length, t, cache.num_slots)
         logits = jnp.where(over[:, None, None], jnp.nan, logits)
-        return logits, cache_lib.advance(new_cache, positions, c)
+        return logits, cache_lib.advance(new_cache, positions, c, num_new=num_valid)
 
 
 def _init_std(path: tuple, cfg: ModelConfig) -> float | None:
@@ -192,7 +198,7 @@ def params_for(cfg: ModelConfig, params):
 
 
 def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            cache: cache_lib.KVCache | None = None):
+            cache: cache_lib.KVCache | None = None, num_valid: jax.Array | None = None):
     """Runs the LM on a chunk of tokens.
 
     Args:
@@ -203,6 +209,12 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
       positions: [B, T] int32 absolute positions. With a cache each row's must continue
         that row's cache: positions[b] == cache.length[b] + arange(T). Rows may differ.
       cache: a cache from ``cache.init_cache`` or None for a cache-free causal forward.
+      num_valid: [B] int32 real tokens per row of a right-padded chunk (None: all T).
+        Tokens j >= num_valid[b] are padding: they see no key (attention output zeros),
+        no query sees them, they are never written into the cache (a ring keeps its
+        entries) and ``length`` advances by num_valid[b]. 0 leaves a row untouched (a
+        finished row of a ragged decode). Requires a ragged cache
+        (``init_cache(..., ragged=True)``) unless every row has the same count.
     Returns:
       (logits [B, T, V] float32, updated cache or None). A row of a dense cache that
       would overflow yields NaN logits (never a clamped write); ``decode.prefill`` /
@@ -216,7 +228,11 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
     if cache is not None:
         cache_lib.check_layouts(cache, cfg)
         check_positions(positions, cache)
-    return DecoderLM(cfg).apply({"params": params}, tokens, positions, cache)
+        if num_valid is not None and not cache.ragged:
+            raise ValueError(
+                "num_valid (right-padded rows) with a lockstep cache; allowed: a cache from "
+                "init_cache(..., ragged=True), whose rows keep their own lengths")
+    return DecoderLM(cfg).apply({"params": params}, tokens, positions, cache, num_valid)
 
 
 def check_positions(positions: jax.Array, cache: cache_lib.KVCache) -> None:

@@ -1,0 +1,360 @@
+"""A slot-based decode engine: requests prefilled on their own, inserted into free rows
+of one batch cache while the other rows keep decoding.
+
+The pattern of JetStream / MaxText's offline engine ("prefill, then insert into a slot";
+github.com/AI-Hypercomputer/JetStream, ``engine_api.Engine.insert``): the batch cache
+holds ``num_slots`` rows (a ragged cache, :mod:`kvjax.inference.ragged`); a request's
+prompt is prefilled alone into a one-row cache (padded to a power-of-two bucket, so few
+lengths compile), its first token is sampled, and the row is copied into a free slot
+(:func:`insert_program`, one compile for any slot). :func:`decode_steps_program` then
+advances every occupied slot by up to ``steps_per_sync`` tokens in one compiled loop;
+empty slots are fed ``num_valid`` 0 (no write, no advance), so the same program serves
+any occupancy. The loop returns early when a slot frees while requests wait, and the
+host refills it.
+
+A request's tokens do not depend on its batch-mates or its slot: each row attends only
+to its own cache, and its sampling key is ``fold_in(fold_in(seed, request id), j)`` for
+its j-th token (greedy decoding uses no key).
+
+Times are host wall-clock seconds from the start of :meth:`Engine.run` (every request
+arrives at 0: an offline batch): time to first token is when the request's first token
+is on the host (its queueing + prefill), its finish is the end of the decode block that
+produced its last token (resolution ``steps_per_sync`` steps).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as cache_lib
+from kvjax.config import ModelConfig, SamplingConfig
+from kvjax.inference import ragged
+from kvjax.models import model as model_lib
+
+__all__ = ["Request", "Completion", "EngineStats", "Engine", "insert_program",
+           "decode_steps_program", "prefill_bucket"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request: ``prompt`` token ids (non-empty), ``max_new_tokens`` >= 1 tokens to
+    generate (the first one, sampled from the prefill, included); ``id`` names it in
+    errors and seeds its sampling key; ``text`` is informative only."""
+
+    id: int
+    prompt: tuple
+    max_new_tokens: int
+    text: str | None = None
+
+
+@dataclasses.dataclass
+class Completion:
+    """A finished request: its generated ``tokens`` (EOS included when it stopped there),
+    ``stop`` ('eos' or 'budget'), the slot it used (None: finished at its prefill), and
+    seconds since the run started: ``first_token_s``, ``finish_s``."""
+
+    id: int
+    prompt_len: int
+    tokens: list
+    stop: str
+    slot: int | None
+    first_token_s: float
+    finish_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        """Time to first token (s): every request arrives at 0."""
+        return self.first_token_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (s); None with a single token."""
+        n = len(self.tokens)
+        return (self.finish_s - self.first_token_s) / (n - 1) if n > 1 else None
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Totals of one :meth:`Engine.run`: wall seconds, tokens generated, decode steps
+    run, slot-steps occupied (sum over steps of occupied slots), live KV bytes summed
+    over steps (occupied rows' held tokens x bytes per token), allocated KV bytes, slots."""
+
+    wall_s: float = 0.0
+    tokens: int = 0
+    steps: int = 0
+    occupied_slot_steps: int = 0
+    live_kv_byte_steps: float = 0.0
+    allocated_kv_bytes: int = 0
+    num_slots: int = 0
+    prefills: int = 0
+    decode_s: float = 0.0
+
+    @property
+    def throughput(self) -> float:
+        """Generated tokens per second over the whole run."""
+        return self.tokens / self.wall_s if self.wall_s else float("nan")
+
+    @property
+    def mean_occupancy(self) -> float:
+        """Mean fraction of slots occupied per decode step, in [0, 1]."""
+        return self.occupied_slot_steps / (self.steps * self.num_slots) if self.steps else 0.0
+
+    @property
+    def mean_live_kv_bytes(self) -> float:
+        """Mean bytes of KV held by occupied rows per decode step."""
+        return self.live_kv_byte_steps / self.steps if self.steps else 0.0
+
+
+def prefill_bucket(n: int, minimum: int = 16) -> int:
+    """Padded prefill length of an ``n``-token prompt: the next power of two >= n (at
+    least ``minimum``), so prompts of any length compile O(log) prefills."""
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def insert_program(cache, row, slot):
+    """Copies a one-row cache ``row`` into row ``slot`` ([] int32, traced: one compile
+    for every slot) of the batch ``cache`` (donated; updated in place)."""
+
+    def put(dst, src, axis):
+        start = [0] * dst.ndim
+        start[axis] = slot
+        return jax.lax.dynamic_update_slice(dst, src.astype(dst.dtype), start)
+
+    tensors = {}
+    for name, t in cache.tensors.items():
+        if isinstance(t, tuple):
+            tensors[name] = tuple(put(d, s, 0) for d, s in zip(t, row.tensors[name]))
+        else:  # stacked [L, B, ...]
+            tensors[name] = put(t, row.tensors[name], 1)
+    return cache.replace(tensors=tensors, positions=put(cache.positions, row.positions, 0),
+                         length=put(cache.length, row.length, 0))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "steps"),
+                   donate_argnames=("cache",))
+def decode_steps_program(params, cache, last, active, remaining, count, keys, eos_id,
+                         stop_on_free, *, cfg, sampling, steps):
+    """Up to ``steps`` decode steps of every occupied slot, in one ``lax.while_loop``.
+
+    Args:
+      cache: the ragged batch cache [num_slots rows] (donated).
+      last: [B] int32 each slot's last token; active: [B] bool occupied; remaining: [B]
+        int32 tokens still allowed; count: [B] int32 tokens generated so far (the index
+        of the next token's sampling key); keys: [B] per-slot keys; eos_id: [] int32;
+        stop_on_free: [] bool, end the loop once a slot frees (requests are waiting).
+    Returns:
+      (tokens [B, steps] int32, -1 where a slot produced none; steps run [] int32;
+      cache; last; active; remaining; count; occupied slot-steps [] int32; held tokens
+      of occupied rows summed over steps [] int32).
+    """
+    b = last.shape[0]
+    buf = jnp.full((b, steps), -1, jnp.int32)
+    slots = cache.num_slots
+
+    def cond(s):
+        i, active, freed = s[0], s[4], s[7]
+        return (i < steps) & jnp.any(active) & ~(stop_on_free & freed)
+
+    def body(s):
+        i, buf, cache, last, active, remaining, count, freed, occ, held = s
+        occ = occ + jnp.sum(active.astype(jnp.int32))
+        held = held + jnp.sum(jnp.where(active, jnp.minimum(cache.length + 1, slots), 0))
+        logits, cache = model_lib.forward(params, cfg, last[:, None],
+                                          cache.length[:, None], cache,
+                                          num_valid=active.astype(jnp.int32))
+        nxt = ragged.sample_rows(logits[:, 0], keys, count, sampling)
+        nxt = jnp.where(active, nxt, -1)
+        buf = jax.lax.dynamic_update_slice(buf, nxt[:, None], (0, i))
+        step = active.astype(jnp.int32)
+        count, remaining = count + step, remaining - step
+        finished = active & ((nxt == eos_id) | (remaining <= 0))
+        return (i + 1, buf, cache, jnp.where(active, nxt, last), active & ~finished,
+                remaining, count, freed | jnp.any(finished), occ, held)
+
+    zero = jnp.zeros((), jnp.int32)
+    s = (zero, buf, cache, last, active, remaining, count, jnp.zeros((), bool), zero, zero)
+    i, buf, cache, last, active, remaining, count, _, occ, held = jax.lax.while_loop(
+        cond, body, s)
+    return buf, i, cache, last, active, remaining, count, occ, held
+
+
+class Engine:
+    """Serves requests through ``num_slots`` rows of one ragged cache.
+
+    Args:
+      params: parameters in cfg's layout.
+      cfg: the model.
+      num_slots: rows of the batch cache (>= 1).
+      max_seq_len: cache length per row in tokens (prompt + max_new_tokens must fit a
+        dense cache; a window holds W).
+      sampling: SamplingConfig (greedy by default).
+      eos_id: end-of-sequence id (-1: stop at budgets only).
+      steps_per_sync: decode steps per compiled call between host visits (>= 1).
+      seed: base of the per-request sampling keys.
+    Raises:
+      ValueError: a non-positive num_slots, max_seq_len or steps_per_sync.
+    """
+
+    def __init__(self, params, cfg: ModelConfig, num_slots: int, max_seq_len: int,
+                 sampling: SamplingConfig = SamplingConfig(), eos_id: int = -1,
+                 steps_per_sync: int = 8, seed: int = 0):
+        for name, v in (("num_slots", num_slots), ("max_seq_len", max_seq_len),
+                        ("steps_per_sync", steps_per_sync)):
+            if int(v) < 1:
+                raise ValueError(f"{name}={v}; allowed: an integer >= 1")
+        self.params, self.cfg = params, cfg
+        self.num_slots, self.max_seq_len = int(num_slots), int(max_seq_len)
+        self.sampling, self.eos_id = sampling, int(eos_id)
+        self.steps_per_sync, self.seed = int(steps_per_sync), int(seed)
+        self.cache = cache_lib.init_cache(cfg, self.num_slots, self.max_seq_len, ragged=True)
+        self.num_cache_slots = self.cache.num_slots
+        self.bytes_per_token = cache_lib.cache_bytes(self.cache) / (
+            self.num_slots * self.num_cache_slots)
+
+    # ------------------------------------------------------------------ checks
+
+    def check(self, req: Request) -> None:
+        """Raises ValueError (naming the request) for an id < 0, an empty prompt, a budget < 1, or a
+        prompt + budget that does not fit a dense cache (CacheOverflowError)."""
+        if not isinstance(req.id, (int, np.integer)) or req.id < 0:
+            raise ValueError(f"request id={req.id!r}; allowed: an integer >= 0 (it seeds the "
+                             "request's sampling key)")
+        if not len(req.prompt):
+            raise ValueError(f"request {req.id}: empty prompt; allowed: at least one token")
+        if int(req.max_new_tokens) < 1:
+            raise ValueError(f"request {req.id}: max_new_tokens={req.max_new_tokens}; "
+                             "allowed: an integer >= 1")
+        cache_lib.policy_for(self.cfg).check_room(
+            0, len(req.prompt) + int(req.max_new_tokens) - 1, self.num_cache_slots,
+            f"request {req.id} ({len(req.prompt)} prompt tokens + "
+            f"{req.max_new_tokens} new)")
+
+    # ------------------------------------------------------------------ units
+
+    def _key(self, req_id: int) -> jax.Array:
+        return jax.random.fold_in(jax.random.key(self.seed), req_id)
+
+    def prefill(self, req: Request):
+        """(first token id, one-row ragged cache holding the prompt)."""
+        n = len(req.prompt)
+        tokens, lengths = ragged.pad_prompts([req.prompt], length=prefill_bucket(n))
+        row = cache_lib.init_cache(self.cfg, 1, self.max_seq_len, ragged=True)
+        logits, row = ragged.prefill_ragged_program(
+            self.params, jnp.asarray(tokens), jnp.asarray(lengths), row, cfg=self.cfg)
+        first = ragged.first_tokens(logits, self._key(req.id)[None], self.sampling)
+        return int(first[0]), row
+
+    def warmup(self, requests: Sequence[Request]) -> float:
+        """Compiles (by running once) the prefill of every length bucket ``requests``
+        need, the insert and the decode loop, so :meth:`run` times serving, not XLA.
+        Leaves every slot free. Returns the seconds spent."""
+        t0 = time.perf_counter()
+        for bucket in sorted({prefill_bucket(len(r.prompt)) for r in requests}):
+            _, row = self.prefill(Request(0, (0,) * bucket, 1))
+        if requests:
+            self.cache = insert_program(self.cache, row, jnp.int32(0))
+            zeros = jnp.zeros(self.num_slots, jnp.int32)
+            keys = jax.vmap(self._key)(zeros)
+            out = decode_steps_program(
+                self.params, self.cache, zeros, jnp.zeros(self.num_slots, bool), zeros,
+                zeros, keys, jnp.int32(self.eos_id), jnp.asarray(False), cfg=self.cfg,
+                sampling=self.sampling, steps=self.steps_per_sync)
+            self.cache = out[2]
+            jax.block_until_ready(self.cache)
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, requests: Sequence[Request],
+            on_finish: Callable[[Completion], None] | None = None, warmup: bool = True):
+        """Serves ``requests`` (all arrive at time 0) and returns
+        (completions in request order, :class:`EngineStats`).
+
+        Every request is checked (:meth:`check`) before any work; then, with ``warmup``,
+        the programs are compiled (:meth:`warmup`) before the clock starts. ``on_finish``
+        is called as each request completes (a progress bar).
+        """
+        ids = [r.id for r in requests]
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"request id {dup} appears more than once; allowed: unique ids")
+        for r in requests:
+            self.check(r)
+        if warmup:
+            self.warmup(requests)
+        ns = self.num_slots
+        slot_req: list = [None] * ns
+        gen: dict[int, list] = {}
+        first_s: dict[int, float] = {}
+        done: dict[int, Completion] = {}
+        last = np.zeros(ns, np.int32)
+        active = np.zeros(ns, bool)
+        remaining = np.zeros(ns, np.int32)
+        count = np.zeros(ns, np.int32)
+        keys = jax.vmap(lambda i: self._key(i))(jnp.zeros(ns, jnp.int32))
+        stats = EngineStats(allocated_kv_bytes=cache_lib.cache_bytes(self.cache),
+                            num_slots=ns)
+        queue = collections.deque(requests)
+        start = time.perf_counter()
+
+        def finish(req, stop, slot):
+            c = Completion(req.id, len(req.prompt), gen.pop(req.id), stop, slot,
+                           first_s.pop(req.id), time.perf_counter() - start)
+            done[req.id] = c
+            if on_finish is not None:
+                on_finish(c)
+
+        while queue or active.any():
+            for slot in range(ns):
+                if active[slot] or not queue:
+                    continue
+                req = queue.popleft()
+                first, row = self.prefill(req)
+                stats.prefills += 1
+                first_s[req.id], gen[req.id] = time.perf_counter() - start, [first]
+                if first == self.eos_id or req.max_new_tokens == 1:
+                    finish(req, "eos" if first == self.eos_id else "budget", None)
+                    continue
+                self.cache = insert_program(self.cache, row, jnp.int32(slot))
+                slot_req[slot] = req
+                last[slot], active[slot] = first, True
+                remaining[slot], count[slot] = req.max_new_tokens - 1, 1
+                keys = keys.at[slot].set(self._key(req.id))
+            if not active.any():
+                continue
+            t0 = time.perf_counter()
+            out = decode_steps_program(
+                self.params, self.cache, jnp.asarray(last), jnp.asarray(active),
+                jnp.asarray(remaining), jnp.asarray(count), keys, jnp.int32(self.eos_id),
+                jnp.asarray(bool(queue)), cfg=self.cfg, sampling=self.sampling,
+                steps=self.steps_per_sync)
+            buf, n, self.cache, last_d, active_d, rem_d, count_d, occ, held = out
+            buf = np.asarray(buf)
+            stats.decode_s += time.perf_counter() - t0
+            n = int(n)
+            stats.steps += n
+            stats.occupied_slot_steps += int(occ)
+            stats.live_kv_byte_steps += int(held) * self.bytes_per_token
+            new_active = np.asarray(active_d)
+            for slot in np.nonzero(active)[0]:
+                req = slot_req[slot]
+                toks = buf[slot, :n]
+                gen[req.id].extend(int(t) for t in toks[toks >= 0])
+                if not new_active[slot]:
+                    stop = "eos" if gen[req.id][-1] == self.eos_id else "budget"
+                    finish(req, stop, int(slot))
+                    slot_req[slot] = None
+            last, active = np.array(last_d), new_active.copy()
+            remaining, count = np.array(rem_d), np.array(count_d)
+        stats.wall_s = time.perf_counter() - start
+        stats.tokens = sum(len(c.tokens) for c in done.values())
+        return [done[r.id] for r in requests], stats

@@ -1,0 +1,243 @@
+"""Ragged batches: prompts of different lengths in one compiled prefill and one loop.
+
+Padding scheme: **right padding with per-row counts** (as gemma's sampler keeps per-row
+lengths). Row b's prompt fills tokens 0..n_b-1 of a [B, T] chunk at positions
+``cache.length[b] + j``, the rest is padding. ``model.forward(..., num_valid=n)`` gives a
+padded token position -1, so it sees no key (its attention output is zeros), no query
+sees it and the slot policy never writes it (a ring keeps its entries); ``length[b]``
+advances by n_b. Each row then continues its own cache at its own position
+(``init_cache(..., ragged=True)``: per-row scatter writes), so a row's positions, rotary
+angles and masks are exactly those of the prompt run alone.
+
+Why not left padding: with per-row positions, left padding puts a row's padding *before*
+its prompt in the cache, so the pads occupy slots (a ring would spend window slots on
+them) and each row's slots no longer equal its positions; the per-row bookkeeping of the
+cache (``positions[b]`` continue ``length[b]``) already expresses right padding with no
+new state.
+
+Generation (:func:`generate_ragged`) runs every row inside one ``lax.while_loop``, each
+with its own budget and EOS. A row that has stopped is fed with ``num_valid`` 0: the
+model writes nothing for it (the scatter drops its slot) and its length stays, so a
+finished row costs no further cache writes; its outputs are -1.
+
+Sampling keys are per row (``row_keys``): token j of a row is drawn with
+``fold_in(row_key, j)`` (j = 0 is the token sampled from the prefill logits), so a row's
+tokens never depend on which other rows share the batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache import KVCache, policy_for
+from kvjax.config import ModelConfig, SamplingConfig
+from kvjax.inference.sampling import sample_logits
+from kvjax.models import model as model_lib
+
+__all__ = ["pad_prompts", "check_ragged_cache", "prefill_ragged_program", "prefill_ragged",
+           "generate_ragged_program", "generate_ragged", "row_keys_for", "sample_rows",
+           "first_tokens"]
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], length: int | None = None,
+                pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads token lists into one chunk.
+
+    Args:
+      prompts: B token-id lists, each non-empty.
+      length: T (default the longest prompt); must be >= the longest.
+      pad_id: id placed in the padding (never seen by the model).
+    Returns:
+      (tokens [B, T] int32, lengths [B] int32).
+    Raises:
+      ValueError: no prompts, an empty prompt (named by its row) or ``length`` too short.
+    """
+    if not len(prompts):
+        raise ValueError("prompts=[]; allowed: at least one non-empty prompt")
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    empty = np.nonzero(lengths == 0)[0]
+    if empty.size:
+        raise ValueError(f"prompt of row {int(empty[0])} is empty; allowed: at least one "
+                         "token per prompt")
+    t = int(lengths.max()) if length is None else int(length)
+    if t < lengths.max():
+        raise ValueError(f"length={t} is shorter than the longest prompt "
+                         f"({int(lengths.max())} tokens, row {int(lengths.argmax())}); "
+                         "allowed: length >= the longest prompt")
+    tokens = np.full((len(prompts), t), pad_id, np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = np.asarray(p, np.int32)
+    return tokens, lengths
+
+
+def check_ragged_cache(cache: KVCache, what: str) -> None:
+    """Raises ValueError unless ``cache`` keeps per-row lengths (``ragged``)."""
+    if not cache.ragged:
+        raise ValueError(f"{what}: a lockstep cache (ragged=False) cannot hold rows of "
+                         "different lengths; allowed: init_cache(cfg, B, S, ragged=True)")
+
+
+def _room(cfg: ModelConfig, cache_lengths, new_tokens, num_slots: int, what: str) -> None:
+    policy = policy_for(cfg)
+    for b, (have, new) in enumerate(zip(np.atleast_1d(cache_lengths), new_tokens)):
+        policy.check_room(int(have), int(new), num_slots, f"{what} (row {b})")
+
+
+def row_keys_for(rng: jax.Array | None, batch: int) -> jax.Array:
+    """[B] PRNG keys, row b's = fold_in(rng, b) (rng default key 0)."""
+    rng = jax.random.key(0) if rng is None else rng
+    return jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(batch, dtype=jnp.int32))
+
+
+def sample_rows(logits: jax.Array, keys: jax.Array, index: jax.Array,
+                sampling: SamplingConfig) -> jax.Array:
+    """[B] int32: row b's token sampled from logits [B, V] with key
+    fold_in(keys[b], index[b]) (greedy: the argmax, keys unused)."""
+    if sampling.greedy:
+        return sample_logits(logits, keys, sampling)
+
+    def one(row, key, i):
+        return sample_logits(row[None], jax.random.fold_in(key, i), sampling)[0]
+
+    return jax.vmap(one)(logits, keys, index)
+
+
+def first_tokens(logits: jax.Array, row_keys: jax.Array,
+                 sampling: SamplingConfig = SamplingConfig()) -> jax.Array:
+    """[B] int32 token 0 of each row, from the prefill's last logits [B, V]."""
+    return sample_rows(logits, row_keys, jnp.zeros(logits.shape[:1], jnp.int32), sampling)
+
+
+def _positions(cache: KVCache, t: int) -> jax.Array:
+    return cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def prefill_ragged_program(params, tokens, lengths, cache, *, cfg):
+    """Compile unit of :func:`prefill_ragged` (no host checks): tokens [B, T] int32
+    right-padded, lengths [B] int32 -> (logits [B, V] float32 at each row's last real
+    token, cache)."""
+    logits, cache = model_lib.forward(params, cfg, tokens, _positions(cache, tokens.shape[1]),
+                                      cache, num_valid=lengths)
+    last = jnp.clip(lengths - 1, 0, tokens.shape[1] - 1)
+    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], cache
+
+
+def prefill_ragged(params, cfg: ModelConfig, tokens, lengths, cache: KVCache):
+    """Prefills right-padded prompts of different lengths in one pass.
+
+    Args:
+      params: parameters in cfg's layout.
+      tokens: [B, T] int32 (:func:`pad_prompts`).
+      lengths: [B] int32 real tokens per row, 1..T.
+      cache: a ragged cache (``init_cache(..., ragged=True)``), donated; rows may already
+        hold tokens (each row continues its own).
+    Returns:
+      (logits [B, V] float32 of each row's last prompt token, updated cache).
+    Raises:
+      ValueError: a lockstep cache, shapes that disagree, or a length outside 1..T
+        (named by its row).
+      CacheOverflowError: a row's prompt does not fit its cache (named by its row).
+    """
+    check_ragged_cache(cache, "prefill_ragged")
+    tokens = np.asarray(tokens)
+    lengths = np.asarray(lengths)
+    if tokens.ndim != 2 or lengths.shape != (tokens.shape[0],) or \
+            tokens.shape[0] != cache.batch_size:
+        raise ValueError(f"tokens of shape {tokens.shape}, lengths of shape {lengths.shape} "
+                         f"for a cache of {cache.batch_size} rows; allowed: [B, T] and [B] "
+                         f"with B = {cache.batch_size}")
+    bad = np.nonzero((lengths < 1) | (lengths > tokens.shape[1]))[0]
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"lengths[{b}]={int(lengths[b])}; allowed: 1..{tokens.shape[1]} "
+                         "(an empty prompt cannot be prefilled)")
+    _room(cfg, jax.device_get(cache.length), lengths, cache.num_slots, "prefill")
+    return prefill_ragged_program(params, jnp.asarray(tokens, jnp.int32),
+                                  jnp.asarray(lengths, jnp.int32), cache, cfg=cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "buf_len"),
+                   donate_argnames=("cache",))
+def generate_ragged_program(params, first_token, cache, budgets, row_keys, eos_id, *, cfg,
+                            sampling, buf_len):
+    """Compile unit of :func:`generate_ragged` (no host checks).
+
+    first_token [B] int32, ragged cache, budgets [B] int32 (tokens to generate after
+    first_token), row_keys [B] keys, eos_id [] int32 -> (tokens [B, buf_len] int32, -1
+    after a row's last token; counts [B] int32 tokens generated per row; cache).
+    """
+    batch = first_token.shape[0]
+    buf = jnp.full((batch, buf_len), -1, jnp.int32)
+
+    def cond(state):
+        i, _, _, _, done, _ = state
+        return (i < buf_len) & ~jnp.all(done)
+
+    def body(state):
+        i, buf, cache, last, done, count = state
+        active = ~done
+        logits, cache = model_lib.forward(params, cfg, last[:, None], _positions(cache, 1),
+                                          cache, num_valid=active.astype(jnp.int32))
+        nxt = sample_rows(logits[:, 0], row_keys, count + 1, sampling)
+        nxt = jnp.where(active, nxt, -1)
+        buf = jax.lax.dynamic_update_slice(buf, nxt[:, None], (0, i))
+        count = count + active.astype(jnp.int32)
+        done = done | (nxt == eos_id) | (count >= budgets)
+        return i + 1, buf, cache, jnp.where(active, nxt, last), done, count
+
+    done0 = (first_token == eos_id) | (budgets <= 0)
+    count0 = jnp.zeros((batch,), jnp.int32)
+    state = (jnp.zeros((), jnp.int32), buf, cache, first_token, done0, count0)
+    _, buf, cache, _, _, count = jax.lax.while_loop(cond, body, state)
+    return buf, count, cache
+
+
+def generate_ragged(params, cfg: ModelConfig, first_token, cache: KVCache, budgets,
+                    rng: jax.Array | None = None,
+                    sampling: SamplingConfig = SamplingConfig(), eos_id: int = -1,
+                    row_keys: jax.Array | None = None):
+    """Generates up to ``budgets[b]`` tokens after ``first_token[b]`` per row, in one loop.
+
+    Each row continues its own cache at its own position and stops at ``eos_id`` (the EOS
+    token is kept) or its budget; stopped rows are neither written nor advanced. The loop
+    ends when every row has stopped.
+
+    Args:
+      params: parameters in cfg's layout.
+      first_token: [B] int32 (e.g. :func:`first_tokens` of the prefill logits).
+      cache: the prefilled ragged cache (donated).
+      budgets: [B] ints >= 0.
+      rng: base key of the default ``row_keys`` (:func:`row_keys_for`).
+      sampling: SamplingConfig (static).
+      eos_id: end-of-sequence id (-1: never stop early).
+      row_keys: [B] per-row keys (overrides ``rng``).
+    Returns:
+      (tokens [B, max budget] int32 numpy, -1 after each row's last token; counts [B]
+      numpy ints; cache).
+    Raises:
+      ValueError: a lockstep cache, a negative budget or shapes that disagree (the row is
+        named).
+      CacheOverflowError: a row's budget runs past its dense cache (named by its row).
+    """
+    check_ragged_cache(cache, "generate_ragged")
+    budgets = np.asarray(budgets).reshape(-1)
+    if budgets.shape != (cache.batch_size,):
+        raise ValueError(f"budgets of shape {budgets.shape} for a cache of "
+                         f"{cache.batch_size} rows; allowed: one budget per row")
+    bad = np.nonzero(budgets < 0)[0]
+    if bad.size:
+        raise ValueError(f"budgets[{int(bad[0])}]={int(budgets[bad[0]])}; allowed: >= 0")
+    _room(cfg, jax.device_get(cache.length), budgets, cache.num_slots, "generate")
+    most = int(budgets.max()) if budgets.size else 0
+    row_keys = row_keys_for(rng, cache.batch_size) if row_keys is None else row_keys
+    buf, count, cache = generate_ragged_program(
+        params, jnp.asarray(first_token, jnp.int32), cache, jnp.asarray(budgets, jnp.int32),
+        row_keys, jnp.int32(eos_id), cfg=cfg, sampling=sampling,
+        buf_len=max(1, policy_for(cfg).buffer_len(cache.num_slots, most)))
+    return np.asarray(buf)[:, :most], np.asarray(count), cache
