@@ -50,6 +50,11 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     # Layer stack as one scan (True) or unrolled (False); None = by backend: unrolled on
     # CPU (XLA copies each layer's slice out of stacked arrays there), scan elsewhere.
     m.scan_layers = config_dict.placeholder(bool)
+    # Prompt (T > 1) attention: 'tiled' (online softmax over blocks, kvjax.models.flash)
+    # or 'dense' (all scores materialised); and the tiled path's block sizes.
+    m.prefill_impl = "tiled"
+    m.prefill_block_q = 256
+    m.prefill_block_k = 256
     m.update(fields)
     return m
 
@@ -76,5 +81,7 @@ def run_dict(model: config_dict.ConfigDict, **fields) -> config_dict.ConfigDict:
     # Context at which the cost report compiles the step (None: max_seq_len, the run's).
     c.cost_context = config_dict.placeholder(int)
     c.measure_repeats = 5
+    # Prefill the prompt N tokens at a time (None: in one pass).
+    c.prefill_chunk = config_dict.placeholder(int)
     c.update(fields)
     return c

@@ -32,6 +32,7 @@ class ConfigError(ValueError):
 
 
 KV_LAYOUTS = ("auto", "BKSH", "BKHS")
+PREFILL_IMPLS = ("tiled", "dense")
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -85,6 +86,13 @@ class ModelConfig:
         per-layer arrays. On CPU the unrolled stack decodes faster: inside the scan XLA
         copies each layer's cache slice out of the stacked buffer before its dot
         (measured in README "Results").
+      prefill_impl: attention of chunks of T > 1 tokens (the prompt): 'tiled' (an
+        online softmax over blocks of queries and keys, :mod:`kvjax.models.flash`; no
+        more than one [block_q, block_k] tile of scores per head exists, blocks above the
+        causal diagonal or outside the window skipped) or 'dense' (all [T, S] scores
+        materialised and masked). Same function; decode steps (T = 1) are unaffected.
+      prefill_block_q, prefill_block_k: the tiled path's block sizes, in queries and in
+        key slots.
       dtype: parameter, activation and KV-cache dtype name.
       name: free-form label used in reports.
     """
@@ -112,6 +120,9 @@ class ModelConfig:
     key_layout: str = "auto"
     value_layout: str = "auto"
     scan_layers: bool = True
+    prefill_impl: str = "tiled"
+    prefill_block_q: int = 256
+    prefill_block_k: int = 256
     dtype: str = "float32"
     name: str = "model"
 
@@ -185,6 +196,10 @@ def validate_model_config(c: ModelConfig) -> None:
         if c.attention == "mla" and getattr(c, f) != "auto":
             _fail(f"model.{f}", getattr(c, f),
                   "'auto' for attention='mla' (MLA caches a latent [B, S, C], no heads)")
+    if c.prefill_impl not in PREFILL_IMPLS:
+        _fail("model.prefill_impl", c.prefill_impl, f"one of {list(PREFILL_IMPLS)}")
+    _positive("model.prefill_block_q", c.prefill_block_q)
+    _positive("model.prefill_block_k", c.prefill_block_k)
     if c.attention == "mla":
         for f in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
             v = getattr(c, f)
@@ -237,6 +252,9 @@ class RunConfig:
       cost_context: context length t at which the cost report compiles the decode step
         (None: the prompt length).
       measure_repeats: repeats of the timed decode step for the measured column.
+      prefill_chunk: None to prefill the prompt in one pass; N to feed it N tokens at a
+        time (one compiled program for every full chunk, one for the remainder): less
+        peak memory, more passes over the weights.
     """
 
     model: ModelConfig
@@ -251,6 +269,7 @@ class RunConfig:
     stop_at_eos: bool = True
     cost_context: int | None = None
     measure_repeats: int = 5
+    prefill_chunk: int | None = None
 
     def __post_init__(self):
         if self.weights not in WEIGHTS:
@@ -261,6 +280,8 @@ class RunConfig:
         _positive("measure_repeats", self.measure_repeats)
         if self.cost_context is not None:
             _positive("cost_context", self.cost_context)
+        if self.prefill_chunk is not None:
+            _positive("prefill_chunk", self.prefill_chunk)
         if not isinstance(self.prompt, str) or not self.prompt:
             _fail("prompt", self.prompt, "a non-empty string")
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from kvjax import cache as cache_lib
 from kvjax.config import ModelConfig
+from kvjax.models import flash
 from kvjax.models.layers import Einsum, apply_rope
 
 NEG_INF = -1e30
@@ -146,9 +147,16 @@ class Attention(nn.Module):
         vv = jnp.swapaxes(vv, 1, 2)
 
         k_layout, v_layout = c.cache_layout("k"), c.cache_layout("v")
+        tiled = dict(window_size=c.window_size, num_sink_tokens=c.num_sink_tokens,
+                     block_q=c.prefill_block_q, block_k=c.prefill_block_k)
         if cached is None:
-            out = attend(q, kk, vv, cache_lib.attention_mask(positions, positions, c))
-            kk, vv = cache_lib.to_layout(kk, c, "k"), cache_lib.to_layout(vv, c, "v")
+            if c.prefill_impl == "tiled":
+                kk, vv = cache_lib.to_layout(kk, c, "k"), cache_lib.to_layout(vv, c, "v")
+                out = flash.attend_chunk(q, kk, vv, positions, k_layout=k_layout,
+                                         v_layout=v_layout, **tiled)
+            else:
+                out = attend(q, kk, vv, cache_lib.attention_mask(positions, positions, c))
+                kk, vv = cache_lib.to_layout(kk, c, "k"), cache_lib.to_layout(vv, c, "v")
         else:
             # Attend over (old slots ++ this chunk); the caller writes afterwards. Reading
             # before writing keeps the in-place update copy-free, and in a ring buffer the
@@ -159,6 +167,10 @@ class Attention(nn.Module):
             mask_old = cache_lib.attention_mask(positions, cached_positions, c)
             if t == 1:
                 out = attend_step(q, k_old, v_old, mask_old, kk, vv, k_layout, v_layout)
+            elif c.prefill_impl == "tiled":
+                out = flash.attend_chunk(q, kk, vv, positions, k_old=k_old, v_old=v_old,
+                                         old_positions=cached_positions,
+                                         k_layout=k_layout, v_layout=v_layout, **tiled)
             else:
                 mask_new = cache_lib.attention_mask(positions, positions, c)
                 out = attend(q,

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 
 from kvjax import cache as cache_lib
 from kvjax.config import ModelConfig
+from kvjax.models import flash
 from kvjax.models.layers import Einsum, RMSNorm, apply_rope
 
 NEG_INF = -1e30
@@ -225,7 +226,12 @@ class MLAttention(nn.Module):
         q_main = self._query_main(q_nope)
         w_uk, w_uv = self.w_uk(), self.w_uv()
 
-        if cached is None:
+        tiled = dict(w_uk=w_uk, w_uv=w_uv, absorb=absorb, scale=self.scale,
+                     window_size=c.window_size, num_sink_tokens=c.num_sink_tokens,
+                     block_q=c.prefill_block_q, block_k=c.prefill_block_k)
+        if cached is None and c.prefill_impl == "tiled":
+            out = flash.attend_mla_chunk(q_main, q_rope, c_kv, k_rope, positions, **tiled)
+        elif cached is None:
             out = attend_mla(q_main, q_rope, c_kv, k_rope,
                              cache_lib.attention_mask(positions, positions, c),
                              w_uk, w_uv, absorb, self.scale)
@@ -238,6 +244,10 @@ class MLAttention(nn.Module):
             if t == 1:
                 out = attend_mla_step(q_main, q_rope, c_old, kr_old, mask_old, c_kv, k_rope,
                                       w_uk, w_uv, absorb, self.scale)
+            elif c.prefill_impl == "tiled":
+                out = flash.attend_mla_chunk(q_main, q_rope, c_kv, k_rope, positions,
+                                             c_old=c_old, kr_old=kr_old,
+                                             old_positions=cached_positions, **tiled)
             else:
                 mask_new = cache_lib.attention_mask(positions, positions, c)
                 out = attend_mla(q_main, q_rope,

@@ -13,6 +13,8 @@ write and copies the whole cache, measured 5x the bytes).
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -55,10 +57,11 @@ class Block(nn.Module):
         return x, new
 
 
-def _scan_body(block: Block, carry, positions):
+def _scan_body(block: Block, carry, positions, fresh: bool = False):
     x, cache, layer = carry
-    cached = None if cache is None else cache.layer(layer)
-    cached_positions = None if cache is None else cache.positions
+    # fresh: the cache holds nothing yet, so the chunk attends to itself only
+    cached = None if cache is None or fresh else cache.layer(layer)
+    cached_positions = None if cache is None or fresh else cache.positions
     x, new = block(x, positions, cached, cached_positions)
     if cache is not None:
         cache = cache.replace(tensors={
@@ -80,7 +83,8 @@ class DecoderLM(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens, positions, cache=None):
+    def __call__(self, tokens, positions, cache=None, fresh: bool = False,
+                 last_only: bool = False):
         c = self.cfg
         dt = c.jnp_dtype
         embed = nn.Embed(c.vocab_size, c.d_model, param_dtype=dt, dtype=dt, name="embed",
@@ -88,7 +92,8 @@ class DecoderLM(nn.Module):
         x = embed(tokens)
 
         if c.scan_layers:
-            stack = nn.scan(_scan_body, variable_axes={"params": 0},
+            stack = nn.scan(functools.partial(_scan_body, fresh=fresh),
+                            variable_axes={"params": 0},
                             split_rngs={"params": True}, in_axes=nn.broadcast,
                             length=c.num_layers)
             (x, new_cache, _), _ = stack(Block(c, name="layers"),
@@ -96,9 +101,10 @@ class DecoderLM(nn.Module):
         else:
             tensors = {n: list(t) for n, t in cache.tensors.items()} if cache else None
             for i in range(c.num_layers):
-                cached = None if cache is None else cache.layer(i)
+                read = cache is not None and not fresh
                 x, new = Block(c, name=f"layers_{i}")(
-                    x, positions, cached, None if cache is None else cache.positions)
+                    x, positions, cache.layer(i) if read else None,
+                    cache.positions if read else None)
                 if cache is not None:
                     for n in tensors:
                         tensors[n][i] = cache_lib.write(
@@ -107,6 +113,8 @@ class DecoderLM(nn.Module):
             new_cache = None if cache is None else cache.replace(
                 tensors={n: tuple(t) for n, t in tensors.items()})
 
+        if last_only:  # the LM head for the last position only (a prefill's first token)
+            x = x[:, -1:]
         x = RMSNorm(c.norm_eps, dt, name="final_norm")(x)
         if c.tie_embeddings:
             logits = jnp.einsum("BTD,VD->BTV", x, embed.embedding)
@@ -197,7 +205,8 @@ def params_for(cfg: ModelConfig, params):
 
 
 def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            cache: cache_lib.KVCache | None = None):
+            cache: cache_lib.KVCache | None = None, *, fresh: bool = False,
+            last_only: bool = False):
     """Runs the LM on a chunk of tokens.
 
     Args:
@@ -208,8 +217,13 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
       positions: [B, T] int32 absolute positions. With a cache they must continue it:
         positions[:, 0] == cache.length, consecutive, identical across rows.
       cache: a cache from ``cache.init_cache`` or None for a cache-free causal forward.
+      fresh: (static) the caller guarantees the cache holds no token yet (length 0):
+        attention then reads none of its slots (the chunk attends to itself) and only
+        writes. Wrong results if the cache is not empty.
+      last_only: (static) compute the logits of the last position only ([B, 1, V]):
+        a prefill needs no other (the LM head is ~17% of SmolLM2's prompt FLOPs).
     Returns:
-      (logits [B, T, V] float32, updated cache or None). A dense cache that would overflow
+      (logits [B, T, V] float32 ([B, 1, V] with last_only), updated cache or None). A dense cache that would overflow
       yields NaN logits (never a clamped write); ``decode.prefill``/``generate`` check
       lengths on the host and raise before running.
     Raises:
@@ -217,4 +231,5 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
     """
     if cache is not None:
         cache_lib.check_layouts(cache, cfg)
-    return DecoderLM(cfg).apply({"params": params}, tokens, positions, cache)
+    return DecoderLM(cfg).apply({"params": params}, tokens, positions, cache, fresh,
+                                last_only)
