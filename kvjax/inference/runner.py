@@ -14,7 +14,7 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import checkpoints
-from kvjax.analysis import costs, theory
+from kvjax.analysis import costs, hlo_cost, theory
 from kvjax.inference import decode
 from kvjax.models import convert, model
 from kvjax.config import ConfigError, ModelConfig, RunConfig
@@ -88,6 +88,7 @@ class DecodeResult:
     step: costs.StepCost
     step_seconds_median: float
     prefill_cost: costs.StepCost
+    prefill_chunk_temp_bytes: list = dataclasses.field(default_factory=list)
 
     def as_json(self) -> dict:
         s = self.step
@@ -112,6 +113,10 @@ class DecodeResult:
             "prefill_xla_bytes": self.prefill_cost.xla.bytes,
             "prefill_theory_flops": self.prefill_cost.theory_flops,
             "prefill_theory_bytes": self.prefill_cost.theory_bytes,
+            "prefill_theory_bytes_parts": self.prefill_cost.theory_parts["bytes"],
+            "prefill_impl": s.cfg.prefill_impl,
+            "prefill_temp_bytes": self.prefill_cost.memory.get("temp_bytes"),
+            "prefill_chunk_temp_bytes": self.prefill_chunk_temp_bytes,
         }
 
 
@@ -130,7 +135,7 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
 
     start = time.perf_counter()
     cache = cache_lib.init_cache(cfg, b, run.max_seq_len)
-    prefill_c = decode._prefill.lower(params, tokens, cache, cfg=cfg).compile()
+    prefill_c, chunk_cs = compile_prefill(run, params, tokens, cache)
     steps = run.max_new_tokens - 1
     gen_c = decode._generate.lower(
         params, tokens[:, 0], cache, jnp.int32(0), jax.random.key(0), jnp.int32(eos),
@@ -141,7 +146,7 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
     rng = jax.random.key(run.sampling.seed)
     rng, key = jax.random.split(rng)
     start = time.perf_counter()
-    logits, cache = prefill_c(params, tokens, cache)
+    logits, cache = run_prefill(prefill_c, chunk_cs, run, params, tokens, cache)
     logits.block_until_ready()
     prefill_s = time.perf_counter() - start
     first = decode.sample_logits(logits, key, run.sampling)
@@ -177,4 +182,31 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
             cfg, cache_lib.num_slots(cfg, run.max_seq_len), b),
         step=step, step_seconds_median=statistics.median(times),
         prefill_cost=costs.analyze_prefill(cfg, len(ids), run.max_seq_len, b,
-                                           compiled=prefill_c))
+                                           compiled=prefill_c),
+        prefill_chunk_temp_bytes=[hlo_cost.memory_stats(c).get("temp_bytes")
+                                  for c in chunk_cs.values()])
+
+
+def compile_prefill(run: RunConfig, params, tokens: jax.Array, cache: cache_lib.KVCache):
+    """Compiles the prefill ``run`` asks for: (the one-pass program for an empty cache,
+    {chunk length: program} for ``run.prefill_chunk``, empty without it). The one-pass
+    program is compiled either way (the cost report analyses it)."""
+    cfg = run.model
+    one = decode._prefill.lower(params, tokens, cache, cfg=cfg, fresh=True).compile()
+    chunks = {}
+    if run.prefill_chunk:
+        for n in sorted(set(decode.chunk_lengths(tokens.shape[1], run.prefill_chunk))):
+            chunks[n] = decode._prefill.lower(params, tokens[:, :n], cache, cfg=cfg).compile()
+    return one, chunks
+
+
+def run_prefill(one, chunks: dict, run: RunConfig, params, tokens, cache):
+    """Runs the programs of :func:`compile_prefill`: one pass, or ``run.prefill_chunk``
+    tokens at a time (``decode.prefill_chunked``'s order). Returns (last logits, cache)."""
+    if not chunks:
+        return one(params, tokens, cache)
+    start, logits = 0, None
+    for n in decode.chunk_lengths(tokens.shape[1], run.prefill_chunk):
+        logits, cache = chunks[n](params, tokens[:, start:start + n], cache)
+        start += n
+    return logits, cache

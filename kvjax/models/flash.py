@@ -235,7 +235,8 @@ def tiled_attention(queries: Sequence[jax.Array], q_positions: jax.Array, chunk:
         the values' dtype, as the dense ``attention.attend``); the product accumulates in
         float32.
     Returns:
-      float32 [B, Kv, Gv, T, Hv]. A query with no visible key gets 0 (never NaN).
+      float32 [B, Kv, Gv, T, Hv]. Never NaN, also for tiles whose every score is
+      masked (with valid positions every query sees at least itself).
     Raises:
       ValueError: a bad block size, window/sink, layout or shape (before any work).
     """
@@ -247,6 +248,9 @@ def tiled_attention(queries: Sequence[jax.Array], q_positions: jax.Array, chunk:
     probs_dtype = chunk.values.dtype if probs_dtype is None else probs_dtype
     bq = min(block_q, t)
     q_positions = q_positions.astype(jnp.int32)
+    # Scale the queries once (T·H elements) rather than every tile of scores (one pass
+    # less over each tile); exact when the scale is a power of two (H = 64: 1/8).
+    queries = tuple((q.astype(jnp.float32) * scale).astype(q.dtype) for q in queries)
     state = (jnp.full((b, kv, gv, t), NEG_INF, jnp.float32),
              jnp.zeros((b, kv, gv, t), jnp.float32),
              jnp.zeros((b, kv, gv, t, hv), jnp.float32))
@@ -260,7 +264,7 @@ def tiled_attention(queries: Sequence[jax.Array], q_positions: jax.Array, chunk:
             k0 = jnp.minimum(j * bk, s - bk)
             qt = [jax.lax.dynamic_slice_in_dim(q, q0, bq, 3) for q in queries]
             sc = sum(_score_part(q, _slots(k, lay, k0, bk), lay)
-                     for q, k, lay in zip(qt, src.keys, src.key_layouts)) * scale
+                     for q, k, lay in zip(qt, src.keys, src.key_layouts))
             if masked:
                 qp = jax.lax.dynamic_slice_in_dim(q_positions, q0, bq, 1)
                 kp = jax.lax.dynamic_slice_in_dim(src.positions, k0, bk, 1)
