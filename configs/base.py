@@ -58,6 +58,11 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     # Decode attention formulation: 'xla' (default), 'auto' (measured on this machine,
     # kvjax.planner), 'xla_cache_left', 'native' (CPU FFI kernel) or 'pallas' (GPU).
     m.decode_attention = "xla"
+    # Prompt (T > 1) attention: 'tiled' (online softmax over blocks, kvjax.models.flash)
+    # or 'dense' (all scores materialised); and the tiled path's block sizes.
+    m.prefill_impl = "tiled"
+    m.prefill_block_q = 256
+    m.prefill_block_k = 256
     m.update(fields)
     return m
 
@@ -99,5 +104,7 @@ def run_dict(model: config_dict.ConfigDict, **fields) -> config_dict.ConfigDict:
     # Refuse (before allocating) a run whose weights + cache + temporaries exceed the
     # memory available; True skips the check (kvjax/inference/memory.py).
     c.ignore_memory_check = False
+    # Prefill the prompt N tokens at a time (None: in one pass).
+    c.prefill_chunk = config_dict.placeholder(int)
     c.update(fields)
     return c

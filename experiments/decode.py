@@ -85,10 +85,17 @@ def report(result: runner.DecodeResult) -> str:
         report_lib.cost_table(s, c.step_seconds_median),
         _why_they_differ(c),
         "",
-        f"the prefill of {result.prompt_tokens} tokens (matrix-matrix; theory counts causal "
-        "attention, kvjax attends over all cache slots, masked):",
+        f"the prefill of {result.prompt_tokens} tokens, attention {cfg.prefill_impl!r} "
+        "(matrix-matrix; theory: causal attention FLOP, the LM head for the last token; "
+        "bytes = weights + KV written + attention IO):",
         report_lib.cost_table(c.prefill, result.prefill_seconds),
+        prefill_theory_line(result.prefill_cost),
     ]
+    if result.prefill_chunk_temp_bytes:
+        lines.append("prefill in chunks of --config.prefill_chunk tokens: temp bytes per "
+                     "chunk program " + ", ".join(
+                         f"{x:,}" for x in result.prefill_chunk_temp_bytes)
+                     + f" (one pass: {result.prefill_cost.memory.get('temp_bytes'):,})")
     return "\n".join(lines)
 
 
@@ -117,6 +124,15 @@ def _why_they_differ(c) -> str:
                        "(its own compiled program, dispatched from Python every step)")
     return ("loop vs single step: " + "; ".join(reasons)) if reasons else \
         "loop vs single step: same bytes (within 2%) and time (within 10%)"
+
+
+def prefill_theory_line(step) -> str:
+    """The prefill's theory bytes by part, and XLA's temp (peak scratch) bytes."""
+    p = step.theory_parts["bytes"]
+    return (f"theory bytes: weights {p['weights']:,} + KV written {p['kv_write']:,} + "
+            f"attention IO {p['attn_io']:,} (standard Θ(T·d + T²): "
+            f"{p['attn_io_standard']:,}; tiled: {p['attn_io_tiled']:,}); XLA temp bytes "
+            f"{step.memory.get('temp_bytes', float('nan')):,}")
 
 
 def main(argv):

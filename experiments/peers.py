@@ -238,3 +238,33 @@ def llamacpp_step_bytes(gguf_path: str, cfg: ModelConfig, context: int,
 
 def median(xs) -> float:
     return float(np.median(xs))
+
+
+def llamacpp_prompt_seconds(gguf_path: str, prompt_len: int, repeats: int = 3,
+                            threads: int = 2, kv_type: str = "f32") -> list[float]:
+    """Seconds llama.cpp (``llama-cpp-python``) takes to evaluate a ``prompt_len``-token
+    prompt into an empty cache (its prompt processing; logits of the last token only),
+    ``repeats`` times after one warm-up, with ``threads`` threads. Use the float32 copy
+    (:func:`dense_gguf`) and kv_type 'f32' for kvjax's dtype.
+
+    Raises:
+      ImportError: llama-cpp-python is not installed.
+      ValueError: kv_type not 'f16' or 'f32'.
+    """
+    import llama_cpp  # noqa: PLC0415 (optional peer)
+
+    types = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}
+    if kv_type not in types:
+        raise ValueError(f"kv_type={kv_type!r}; allowed: one of {list(types)}")
+    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=prompt_len + 1, n_batch=prompt_len,
+                          n_threads=threads, n_threads_batch=threads, verbose=False,
+                          type_k=types[kv_type], type_v=types[kv_type])
+    tokens = [1 + i % 1000 for i in range(prompt_len)]
+    times = []
+    for i in range(repeats + 1):
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(tokens)
+        if i:
+            times.append(time.perf_counter() - start)
+    return times

@@ -39,6 +39,7 @@ class ConfigError(ValueError):
 KV_LAYOUTS = ("auto", "BKSH", "BKHS")
 ROPE_POSITIONS = ("absolute", "cache")
 DECODE_ATTENTION = ("auto", "xla", "xla_cache_left", "native", "pallas")
+PREFILL_IMPLS = ("tiled", "dense")
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -110,6 +111,13 @@ class ModelConfig:
         copies each layer's cache slice out of the stacked buffer before its dot
         (measured in README "Results"). None: the backend's default
         (:func:`kvjax.backend.scan_layers`), resolved when the config is built.
+      prefill_impl: attention of chunks of T > 1 tokens (the prompt): 'tiled' (an
+        online softmax over blocks of queries and keys, :mod:`kvjax.models.flash`; no
+        more than one [block_q, block_k] tile of scores per head exists, blocks above the
+        causal diagonal or outside the window skipped) or 'dense' (all [T, S] scores
+        materialised and masked). Same function; decode steps (T = 1) are unaffected.
+      prefill_block_q, prefill_block_k: the tiled path's block sizes, in queries and in
+        key slots.
       dtype: parameter and activation dtype name.
       kv_dtype: the KV cache's element type, one of :data:`KV_DTYPES`; None (default):
         ``dtype``. The cache's bytes per element (the blog's "bytes" factor) follow it.
@@ -152,6 +160,9 @@ class ModelConfig:
     key_layout: str = "auto"
     value_layout: str = "auto"
     scan_layers: bool | None = True
+    prefill_impl: str = "tiled"
+    prefill_block_q: int = 256
+    prefill_block_k: int = 256
     dtype: str = "float32"
     kv_dtype: str | None = None
     backend: str | None = None
@@ -260,6 +271,10 @@ def validate_model_config(c: ModelConfig) -> None:
                   "'auto' for attention='mla' (MLA caches a latent [B, S, C], no heads)")
     if c.decode_attention not in DECODE_ATTENTION:
         _fail("model.decode_attention", c.decode_attention, f"one of {list(DECODE_ATTENTION)}")
+    if c.prefill_impl not in PREFILL_IMPLS:
+        _fail("model.prefill_impl", c.prefill_impl, f"one of {list(PREFILL_IMPLS)}")
+    _positive("model.prefill_block_q", c.prefill_block_q)
+    _positive("model.prefill_block_k", c.prefill_block_k)
     if c.attention == "mla":
         for f in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
             v = getattr(c, f)
@@ -340,6 +355,9 @@ class RunConfig:
       dtype: (experiment configs only) overrides ``model.dtype``.
       ignore_memory_check: skip the check that weights + cache + temporaries fit the
         memory available (``kvjax.inference.memory``), for those who know better.
+      prefill_chunk: None to prefill the prompt in one pass; N to feed it N tokens at a
+        time (one compiled program for every full chunk, one for the remainder): less
+        peak memory, more passes over the weights.
     """
 
     model: ModelConfig
@@ -358,6 +376,7 @@ class RunConfig:
     system_prompt: str | None = None
     system_prompt_file: str | None = None
     ignore_memory_check: bool = False
+    prefill_chunk: int | None = None
 
     def __post_init__(self):
         if self.weights not in WEIGHTS:
@@ -368,6 +387,8 @@ class RunConfig:
         _positive("measure_repeats", self.measure_repeats)
         if self.cost_context is not None:
             _positive("cost_context", self.cost_context)
+        if self.prefill_chunk is not None:
+            _positive("prefill_chunk", self.prefill_chunk)
         if not isinstance(self.prompt, str) or not self.prompt:
             _fail("prompt", self.prompt, "a non-empty string")
         if self.chat_template not in (None, True, False):

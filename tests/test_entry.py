@@ -118,3 +118,21 @@ def test_bench_crossover_fit_is_robust_to_one_outlier():
     assert fit_crossover([1, 2], [2.0, 1.0]) == float("inf")  # slope <= 0: no crossover
     with pytest.raises(ValueError, match="contexts=\\[5, 5\\]"):
         fit_crossover([5, 5], [1.0, 2.0])
+
+
+@pytest.mark.slow
+def test_decode_entry_point_chunked_prefill_same_text(tmp_path):
+    """--config.prefill_chunk feeds the prompt 4 tokens at a time: same continuation as
+    the one-pass prefill, and the report gives each chunk program's temp bytes."""
+    args = ["--config=configs/gqa.py", "--config.max_new_tokens=3",
+            "--config.max_seq_len=32", "--config.measure_repeats=1"]
+    one, out_one = run_entry(tmp_path, *args)
+    assert one.returncode == 0, one.stderr[-3000:]
+    (tmp_path / "chunked").mkdir()
+    chunked, out_chunked = run_entry(tmp_path / "chunked", *args, "--config.prefill_chunk=4")
+    assert chunked.returncode == 0, chunked.stderr[-3000:]
+    assert "prefill in chunks of --config.prefill_chunk tokens" in chunked.stdout
+    a, b = json.loads(out_one.read_text()), json.loads(out_chunked.read_text())
+    assert b["generated_ids"] == a["generated_ids"]
+    assert " Paris" in b["generated_text"]
+    assert len(b["prefill_chunk_temp_bytes"]) == 2   # chunks of 4 and the remainder

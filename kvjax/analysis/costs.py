@@ -33,7 +33,7 @@ from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
 from kvjax.analysis import hlo_cost, roofline, theory
 from kvjax.inference import decode, memory
-from kvjax.models import model
+from kvjax.models import flash, model
 from kvjax.config import ModelConfig, SamplingConfig
 
 
@@ -163,11 +163,13 @@ def compile_decode_step(cfg: ModelConfig, batch: int, context: int,
 
 
 def compile_prefill(cfg: ModelConfig, batch: int, prompt_len: int, max_seq_len: int,
-                    compiler_options: dict | None = None):
-    """Compiles the prefill of ``prompt_len`` tokens into a cache of ``max_seq_len`` slots."""
+                    compiler_options: dict | None = None, fresh: bool = True):
+    """Compiles the prefill of ``prompt_len`` tokens into a cache of ``max_seq_len`` slots
+    (``fresh``: an empty one, as ``decode.prefill`` compiles for it; False: a cache
+    that may hold earlier tokens, e.g. a chunk of ``decode.prefill_chunked``)."""
     params, cache = _specs(cfg, batch, max_seq_len)
     tokens = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
-    return decode.prefill_program.lower(params, tokens, cache, cfg=cfg).compile(
+    return decode.prefill_program.lower(params, tokens, cache, cfg=cfg, fresh=fresh).compile(
         compiler_options=compiler_options)
 
 
@@ -362,21 +364,45 @@ def measure_loop_seconds(cfg: ModelConfig, params, context: int, batch: int = 1,
             "call_overhead_s": float(t1 - n1 * per)}
 
 
+def prefill_theory_bytes(cfg: ModelConfig, prompt_len: int, batch: int = 1) -> dict:
+    """Theory bytes of a one-pass prefill into an empty cache, by part: 'weights' (all
+    read once), 'kv_write' (the prompt's K/V), 'attn_io_standard' and 'attn_io_tiled'
+    (:func:`kvjax.analysis.theory.attention_io_standard` / ``attention_io_tiled`` at the
+    config's block sizes), 'attn_io' (the one of ``cfg.prefill_impl``) and 'total'
+    (weights + kv_write + attn_io)."""
+    t = prompt_len
+    bq, bk = min(cfg.prefill_block_q, t), min(cfg.prefill_block_k, t)
+    pairs = flash.num_chunk_pairs(t, bq, bk, cfg.window_size, cfg.num_sink_tokens)
+    parts = {"weights": theory.weight_bytes(cfg),
+             "kv_write": batch * t * theory.kv_bytes_per_token(cfg),
+             "attn_io_standard": theory.attention_io_standard(cfg, t, batch),
+             "attn_io_tiled": theory.attention_io_tiled(cfg, t, pairs, bk, batch)}
+    parts["attn_io"] = parts["attn_io_tiled" if cfg.prefill_impl == "tiled"
+                             else "attn_io_standard"]
+    parts["total"] = parts["weights"] + parts["kv_write"] + parts["attn_io"]
+    return parts
+
+
 def analyze_prefill(cfg: ModelConfig, prompt_len: int, max_seq_len: int,
                     batch: int = 1, compiled=None) -> StepCost:
-    """Theory and loop-corrected XLA cost of the prefill. Theory bytes: all weights once,
-    plus the prompt's KV written."""
+    """Theory and loop-corrected XLA cost of a one-pass prefill into an empty cache.
+
+    Theory bytes (:func:`prefill_theory_bytes`): all weights once, the prompt's KV
+    written, and the attention's own traffic for ``cfg.prefill_impl`` (standard
+    Θ(T·d + T²) or tiled). Theory FLOP: causal attention, the LM head for the last
+    position only (:func:`kvjax.analysis.theory.prefill_flops`), as ``decode.prefill``
+    computes.
+    """
     compiled = compiled or compile_prefill(cfg, batch, prompt_len, max_seq_len,
                                            analysis_compiler_options())
-    kv_write = batch * prompt_len * theory.kv_bytes_per_token(cfg)
-    w = theory.weight_bytes(cfg)
+    tb = prefill_theory_bytes(cfg, prompt_len, batch)
     _, cache = _specs(cfg, batch, max_seq_len)
     return StepCost(
         name="prefill", cfg=cfg, batch=batch, context=prompt_len,
         xla=hlo_cost.loop_aware_cost(compiled), memory=hlo_cost.memory_stats(compiled),
-        theory_flops=float(theory_prefill_flops(cfg, prompt_len, batch)),
-        theory_bytes=float(w + kv_write),
-        theory_parts={"bytes": {"weights": w, "kv_write": kv_write}},
+        theory_flops=float(theory.prefill_flops(cfg, prompt_len, batch)),
+        theory_bytes=float(tb["total"]),
+        theory_parts={"bytes": tb},
         cache_bytes=cache_lib.cache_bytes(cache))
 
 

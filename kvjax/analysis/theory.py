@@ -365,6 +365,73 @@ def step_flops(cfg: ModelConfig, t: int, batch: int = 1,
     )
 
 
+# --------------------------------------------------------------------------- prefill
+
+
+def _attention_dims(cfg: ModelConfig) -> tuple[int, int, int, int]:
+    """(score dims, value dims, query heads, key/value heads) of the prompt attention:
+    MHA/GQA/MQA (H, H, N, K); absorbed MLA (C + R, C, N, 1: the latent is the one shared
+    key and value); naive MLA (nope + R, v, N, N: rebuilt per-head keys and values)."""
+    n = cfg.num_heads
+    if not cfg.is_mla:
+        return cfg.head_dim, cfg.head_dim, n, cfg.num_kv_heads
+    c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    if cfg.mla_absorb:
+        return c + r, c, n, 1
+    return cfg.qk_nope_head_dim + r, cfg.v_head_dim, n, n
+
+
+def prefill_flops(cfg: ModelConfig, t: int, batch: int = 1, lm_head_positions: int = 1,
+                  element_bytes: int | None = None) -> int:
+    """FLOP of a causal prefill of ``t`` tokens: the decode-step FLOP summed over the
+    prompt positions p = 1..t (position p attends to min(p, W) keys, blog "Phase 3";
+    step FLOP is affine in p below W), with the LM head counted for
+    ``lm_head_positions`` positions (kvjax's prefill computes the last one only).
+    ``element_bytes`` is unused (FLOP do not depend on it); kept for a uniform call."""
+    del element_bytes
+    if t <= 0:
+        raise ValueError(f"t={t}; allowed: an integer >= 1")
+    if not 0 <= lm_head_positions <= t:
+        raise ValueError(f"lm_head_positions={lm_head_positions}; allowed: 0..t={t}")
+    w = t if cfg.window_size is None else min(t, cfg.window_size)
+    f1 = step_flops(cfg, 1, batch)
+    slope = step_flops(cfg, 2, batch).total - f1.total
+    no_head = f1.total - f1.lm_head
+    # positions 1..w: affine in p; positions w+1..t: the step at w keys
+    total = w * (no_head - slope) + slope * w * (w + 1) // 2
+    total += (t - w) * (step_flops(cfg, w, batch).total - f1.lm_head)
+    return int(total + lm_head_positions * f1.lm_head)
+
+
+def attention_io_standard(cfg: ModelConfig, t: int, batch: int = 1,
+                          element_bytes: int | None = None, score_bytes: int = 4) -> int:
+    """Memory traffic (bytes) of standard attention over a ``t``-token prompt, all layers:
+    FlashAttention (Dao et al. 2022) Algorithm 0, per layer and query head: read Q, K
+    (2·t·d), write S = QK^T (t²), read S and write P = softmax(S) (2·t²), read P and V
+    (t² + t·d), write O (t·d): 4·t·d + 4·t² elements, Θ(t·d + t²) (the blog's FlashAttention
+    section). Scores in ``score_bytes`` (kvjax computes them in float32), the rest in b."""
+    sd, vd, n, _ = _attention_dims(cfg)
+    b = _b(cfg, element_bytes)
+    per_head = (2 * t * sd + 2 * t * vd) * b + 4 * t * t * score_bytes
+    return batch * cfg.num_layers * n * per_head
+
+
+def attention_io_tiled(cfg: ModelConfig, t: int, num_pairs: int, block_k: int,
+                       batch: int = 1, element_bytes: int | None = None) -> int:
+    """Memory traffic (bytes) of tiled attention over a ``t``-token prompt, all layers,
+    when no tile of scores leaves fast memory (FlashAttention, Dao et al. 2022,
+    Algorithm 1, with the query loop outside as in its FlashAttention-2 form): per layer
+    every query block is read and its output written once, t·N·(d_k + d_v) elements, and
+    each of the ``num_pairs`` (query block, key block) tiles computed reads its key and
+    value block once per KV head, num_pairs·block_k·K·(d_k + d_v). With block sizes ~
+    M/d for a fast memory of M elements and causal skipping (num_pairs ~ (t/block)²/2),
+    this is Θ(t²·d²/M) (Theorem 2). ``num_pairs``: ``flash.num_chunk_pairs``."""
+    sd, vd, n, kv = _attention_dims(cfg)
+    b = _b(cfg, element_bytes)
+    per_layer = t * n * (sd + vd) + num_pairs * block_k * kv * (sd + vd)
+    return batch * cfg.num_layers * per_layer * b
+
+
 # --------------------------------------------------------------------------- roofline
 
 

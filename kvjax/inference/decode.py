@@ -1,6 +1,7 @@
 """Prefill and generation: one compiled prefill, one compiled decode loop, cache donated.
 
-* :func:`prefill` runs the whole prompt in one pass (matrix-matrix: compute-bound).
+* :func:`prefill` runs the whole prompt in one pass (matrix-matrix: compute-bound);
+  :func:`prefill_chunked` feeds it a fixed number of tokens at a time.
 * :func:`generate` runs the new tokens inside one ``lax.while_loop`` (matrix-vector:
   memory-bound, the blog's regime). The step count is a traced argument and the token
   buffer's length comes from the cache's slot policy (:func:`token_buffer_len`), so one
@@ -48,12 +49,14 @@ def _positions(cache: KVCache, t: int) -> jax.Array:
     return cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def prefill_program(params, tokens, cache, *, cfg):
+@functools.partial(jax.jit, static_argnames=("cfg", "fresh"), donate_argnames=("cache",))
+def prefill_program(params, tokens, cache, *, cfg, fresh=False):
     """Compile unit of :func:`prefill` (no host checks): tokens [B, T] int32 ->
-    (logits [B, V] float32 of the last token, cache)."""
+    (logits [B, V] float32 of the last token, cache). ``fresh``: the cache is empty
+    (see ``model.forward``: attention reads none of its slots)."""
     logits, cache = model_lib.forward(params, cfg, tokens,
-                                      _positions(cache, tokens.shape[1]), cache)
+                                      _positions(cache, tokens.shape[1]), cache,
+                                      fresh=fresh, last_only=True)
     return logits[:, -1], cache
 
 
@@ -70,7 +73,50 @@ def prefill(params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache):
       CacheOverflowError: the prompt does not fit in the cache.
     """
     check_room(cfg, cache, tokens.shape[1], "prefill")
-    return prefill_program(params, tokens, cache, cfg=cfg)
+    return prefill_program(params, tokens, cache, cfg=cfg, fresh=is_empty(cache))
+
+
+def is_empty(cache: KVCache) -> bool:
+    """True when no token was written to ``cache`` yet (reads its length on the host)."""
+    return not bool(jnp.any(cache.length))
+
+
+def chunk_lengths(prompt_len: int, chunk: int) -> list[int]:
+    """Lengths of the chunks :func:`prefill_chunked` feeds: ``chunk`` repeated, then the
+    remainder (if any). Raises ValueError unless both are positive integers."""
+    for name, v in (("prompt_len", prompt_len), ("chunk", chunk)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name}={v!r}; allowed: a positive integer")
+    return [chunk] * (prompt_len // chunk) + ([prompt_len % chunk] if prompt_len % chunk
+                                              else [])
+
+
+def prefill_chunked(params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
+                    chunk: int):
+    """:func:`prefill` ``chunk`` tokens at a time: each chunk attends to the cache's
+    slots so far and to itself, then is written.
+
+    Every full chunk runs the same compiled program (``prefill_program`` at T = chunk, whatever
+    the prompt length and the chunk's place); a last partial chunk of T mod chunk tokens
+    runs a second one. Peak memory is that of a chunk-long prefill; the weights are read
+    once per chunk. Same logits and cache as :func:`prefill` (to float32 rounding).
+
+    Args:
+      params, cfg, tokens [B, T] int32, cache (donated): as :func:`prefill`.
+      chunk: tokens per chunk (> 0; >= T is one chunk).
+    Returns:
+      (logits [B, V] float32 of the last prompt token, updated cache).
+    Raises:
+      ValueError: chunk not a positive integer.
+      CacheOverflowError: the prompt does not fit in the cache.
+    """
+    lengths = chunk_lengths(tokens.shape[1], chunk)
+    check_room(cfg, cache, tokens.shape[1], "prefill")
+    start, logits = 0, None
+    for n in lengths:
+        logits, cache = prefill_program(params, tokens[:, start:start + n], cache, cfg=cfg)
+        start += n
+    return logits, cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))

@@ -16,7 +16,7 @@ import numpy as np
 from kvjax import cache as cache_lib
 from kvjax import checkpoints
 from kvjax.checkpoints.tokenizer import is_chatml
-from kvjax.analysis import costs, theory
+from kvjax.analysis import costs, hlo_cost, theory
 from kvjax.inference import decode, memory
 from kvjax.models import convert, model
 from kvjax.config import ConfigError, ModelConfig, RunConfig
@@ -150,6 +150,7 @@ class Generation:
     kv_cache_bytes_theory: int
     chat_template: bool = False
     warnings: list = dataclasses.field(default_factory=list)
+    prefill_chunk_temp_bytes: list = dataclasses.field(default_factory=list)
     prefill_compiled: object = dataclasses.field(default=None, repr=False)
     generate_compiled: object = dataclasses.field(default=None, repr=False)
 
@@ -196,7 +197,7 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
     memory.check_run(run, weights_loaded=True, prompt_tokens=len(ids))
     start = time.perf_counter()
     cache = cache_lib.init_cache(cfg, b, run.max_seq_len)
-    prefill_c = decode.prefill_program.lower(params, tokens, cache, cfg=cfg).compile()
+    prefill_c, chunk_cs = compile_prefill(run, params, tokens, cache)
     steps = run.max_new_tokens - 1
     gen_c = decode.generate_program.lower(
         params, tokens[:, 0], cache, jnp.int32(0), jax.random.key(0), jnp.int32(eos),
@@ -207,7 +208,7 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
     rng = jax.random.key(run.sampling.seed)
     rng, key = jax.random.split(rng)
     start = time.perf_counter()
-    logits, cache = prefill_c(params, tokens, cache)
+    logits, cache = run_prefill(prefill_c, chunk_cs, run, params, tokens, cache)
     logits.block_until_ready()
     prefill_s = time.perf_counter() - start
     first = decode.sample_logits(logits, key, run.sampling)
@@ -244,7 +245,8 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
         kv_cache_bytes_theory=theory.kv_cache_bytes(
             cfg, cache_lib.num_slots(cfg, run.max_seq_len), b),
         prefill_compiled=prefill_c, generate_compiled=gen_c, chat_template=chat,
-        warnings=notes)
+        warnings=notes, prefill_chunk_temp_bytes=[hlo_cost.memory_stats(c).get("temp_bytes")
+                                                  for c in chunk_cs.values()])
 
 
 def cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> CostReport:
@@ -318,6 +320,9 @@ class DecodeResult:
             "prefill_xla_bytes": c.prefill.xla.bytes,
             "prefill_theory_flops": c.prefill.theory_flops,
             "prefill_theory_bytes": c.prefill.theory_bytes,
+            "prefill_theory_bytes_parts": c.prefill.theory_parts["bytes"],
+            "prefill_impl": s.cfg.prefill_impl,
+            "prefill_temp_bytes": c.prefill.memory.get("temp_bytes"),
             "loop": loop.as_dict(c.loop_seconds_per_token),
             "step": s.as_dict(c.step_seconds_median),
             "prefill": c.prefill.as_dict(g.prefill_seconds),
@@ -333,3 +338,28 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
     """
     gen = decode_prompt(run, loaded)
     return DecodeResult(gen, cost_report(run, loaded, gen))
+
+
+def compile_prefill(run: RunConfig, params, tokens: jax.Array, cache: cache_lib.KVCache):
+    """Compiles the prefill ``run`` asks for: (the one-pass program for an empty cache,
+    {chunk length: program} for ``run.prefill_chunk``, empty without it). The one-pass
+    program is compiled either way (the cost report analyses it)."""
+    cfg = run.model
+    one = decode.prefill_program.lower(params, tokens, cache, cfg=cfg, fresh=True).compile()
+    chunks = {}
+    if run.prefill_chunk:
+        for n in sorted(set(decode.chunk_lengths(tokens.shape[1], run.prefill_chunk))):
+            chunks[n] = decode.prefill_program.lower(params, tokens[:, :n], cache, cfg=cfg).compile()
+    return one, chunks
+
+
+def run_prefill(one, chunks: dict, run: RunConfig, params, tokens, cache):
+    """Runs the programs of :func:`compile_prefill`: one pass, or ``run.prefill_chunk``
+    tokens at a time (``decode.prefill_chunked``'s order). Returns (last logits, cache)."""
+    if not chunks:
+        return one(params, tokens, cache)
+    start, logits = 0, None
+    for n in decode.chunk_lengths(tokens.shape[1], run.prefill_chunk):
+        logits, cache = chunks[n](params, tokens[:, start:start + n], cache)
+        start += n
+    return logits, cache

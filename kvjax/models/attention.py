@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
 from kvjax.config import ModelConfig
+from kvjax.models import flash
 from kvjax.models.layers import Einsum, apply_rope
 
 NEG_INF = -1e30
@@ -195,6 +196,12 @@ def sink_scores(cfg: ModelConfig, q_sink: jax.Array | None, k_old: jax.Array,
                       preferred_element_type=jnp.float32) * q_sink.shape[-1] ** -0.5
 
 
+def _zero_padded(positions: jax.Array, out: jax.Array) -> jax.Array:
+    """Zeros for padded query rows (position -1, right-padded ragged chunks), whose
+    output the tiled path does not mask (it skips masks inside full tiles)."""
+    return jnp.where((positions >= 0)[:, :, None, None, None], out, 0).astype(out.dtype)
+
+
 def _sinks(cfg: ModelConfig, q_sink, key_positions: jax.Array):
     """(q_sink, is_sink [B, S]) for :func:`attend`, or None."""
     if q_sink is None:
@@ -261,16 +268,28 @@ class Attention(nn.Module):
         k_layout, v_layout = c.cache_layout("k"), c.cache_layout("v")
         new = cache_lib.encode(c, {"k": cache_lib.to_layout(kk, c, "k"),
                                    "v": cache_lib.to_layout(vv, c, "v")})
-        if cached is None:
-            out = attend(q, kk, vv, cache_lib.attention_mask(positions, positions, c),
-                         backend=c.backend, sinks=_sinks(c, q_sink, positions))
+        tiled = dict(window_size=c.window_size, num_sink_tokens=c.num_sink_tokens,
+                     block_q=c.prefill_block_q, block_k=c.prefill_block_k)
+        # The tiled path scores every key with one query; sinks at cache positions need
+        # a second one for the sink keys, which the dense path does.
+        use_tiled = c.prefill_impl == "tiled" and q_sink is None
+        # The chunk attends to its own entries as the cache will hold them.
+        k_cur, v_cur = cache_lib.read(c, new, "k"), cache_lib.read(c, new, "v")
+        if cached is None:  # no cache, or an empty one (a fresh prefill)
+            if use_tiled:
+                out = _zero_padded(positions, flash.attend_chunk(
+                    q, k_cur, v_cur, positions, k_layout=k_layout, v_layout=v_layout,
+                    **tiled))
+            else:
+                out = attend(q, k_cur, v_cur,
+                             cache_lib.attention_mask(positions, positions, c),
+                             k_layout, v_layout, backend=c.backend,
+                             sinks=_sinks(c, q_sink, positions))
         else:
             # Attend over (old slots ++ this chunk); the caller writes afterwards. Reading
             # before writing keeps the in-place update copy-free, and in a ring buffer the
-            # chunk's writes may evict keys that its earlier queries still see. The chunk
-            # attends to its own entries as the cache will hold them.
+            # chunk's writes may evict keys that its earlier queries still see.
             k_old, v_old = cache_lib.read(c, cached, "k"), cache_lib.read(c, cached, "v")
-            k_cur, v_cur = cache_lib.read(c, new, "k"), cache_lib.read(c, new, "v")
             mask_old = cache_lib.attention_mask(positions, cached_positions, c)
             if t == 1:
                 from kvjax import planner  # noqa: PLC0415 (measures on first use)
@@ -279,6 +298,11 @@ class Attention(nn.Module):
                                   k_layout, v_layout, new_visible=positions[:, 0] >= 0,
                                   sink_scores=sink_scores(c, q_sink, k_old, k_layout),
                                   impl=impl, backend=c.backend)
+            elif use_tiled:
+                out = _zero_padded(positions, flash.attend_chunk(
+                    q, k_cur, v_cur, positions, k_old=k_old, v_old=v_old,
+                    old_positions=cached_positions, k_layout=k_layout, v_layout=v_layout,
+                    **tiled))
             else:
                 mask_new = cache_lib.attention_mask(positions, positions, c)
                 out = attend(q,

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from kvjax import cache as cache_lib
 from kvjax.config import ModelConfig
 from kvjax.models.attention import weight_dtype
+from kvjax.models import flash
 from kvjax.models.layers import Einsum, RMSNorm, apply_rope
 
 NEG_INF = -1e30
@@ -254,7 +255,14 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self.w_uk(), self.w_uv()
         new = cache_lib.encode(c, {"c_kv": c_kv, "k_rope": k_rope})
 
-        if cached is None:
+        tiled = dict(w_uk=w_uk, w_uv=w_uv, absorb=absorb, scale=self.scale,
+                     window_size=c.window_size, num_sink_tokens=c.num_sink_tokens,
+                     block_q=c.prefill_block_q, block_k=c.prefill_block_k)
+        if cached is None:  # no cache, or an empty one: attend as the cache will hold it
+            c_kv, k_rope = cache_lib.read(c, new, "c_kv"), cache_lib.read(c, new, "k_rope")
+        if cached is None and c.prefill_impl == "tiled":
+            out = flash.attend_mla_chunk(q_main, q_rope, c_kv, k_rope, positions, **tiled)
+        elif cached is None:
             out = attend_mla(q_main, q_rope, c_kv, k_rope,
                              cache_lib.attention_mask(positions, positions, c),
                              w_uk, w_uv, absorb, self.scale)
@@ -268,6 +276,10 @@ class MLAttention(nn.Module):
                 out = attend_mla_step(q_main, q_rope, c_old, kr_old, mask_old, c_kv, k_rope,
                                       w_uk, w_uv, absorb, self.scale,
                                       new_visible=positions[:, 0] >= 0)
+            elif c.prefill_impl == "tiled":
+                out = flash.attend_mla_chunk(q_main, q_rope, c_kv, k_rope, positions,
+                                             c_old=c_old, kr_old=kr_old,
+                                             old_positions=cached_positions, **tiled)
             else:
                 mask_new = cache_lib.attention_mask(positions, positions, c)
                 out = attend_mla(q_main, q_rope,
@@ -276,7 +288,8 @@ class MLAttention(nn.Module):
                                  jnp.concatenate([mask_old, mask_new], axis=2),
                                  w_uk, w_uv, absorb, self.scale)
 
-        out = out.astype(c.jnp_dtype)
+        # padded query rows (position -1) output zeros, on every path
+        out = jnp.where((positions >= 0)[:, :, None, None], out, 0).astype(c.jnp_dtype)
         if absorb:  # latent output [B, T, N, C] -> per-head values [B, T, N, V]
             out = jnp.einsum("BTNC,NCV->BTNV", out, w_uv)
         return self.wo(out), new
