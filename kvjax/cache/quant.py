@@ -113,9 +113,11 @@ def _converts_on(backend: str, dtype_name: str) -> bool:
     try:
         dt = FORMATS[dtype_name].storage
         dev = jax.devices(backend)[0]
-        x = jax.device_put(np.array([1.5, -3.0], np.float32), dev)
-        y = jax.jit(lambda a: a.astype(dt).astype(jnp.float32))(x)
-        return bool(np.allclose(np.asarray(y), [1.5, -3.0]))
+        # concrete even when first asked while tracing (encode runs at trace time)
+        with jax.ensure_compile_time_eval():
+            x = jax.device_put(np.array([1.5, -3.0], np.float32), dev)
+            y = jax.jit(lambda a: a.astype(dt).astype(jnp.float32))(x)
+            return bool(np.allclose(np.asarray(y), [1.5, -3.0]))
     except Exception:  # noqa: BLE001 (any failure means: not available here)
         return False
 
