@@ -66,6 +66,8 @@ def report(result: runner.DecodeResult) -> str:
         f"({result.kv_cache_bytes // s.batch:,} per sequence; theory "
         f"{result.kv_cache_bytes_theory:,} = {per_token:,} B/token x "
         f"{result.kv_cache_bytes_theory // per_token:,} slots)",
+        "KV cache tensors as allocated: " + ", ".join(
+            f"{n} {dt} {nb:,} B" for n, (dt, nb) in result.kv_cache_tensors.items()),
         "",
         f"the generate loop, per generated token, at context {s.context} (cache of "
         f"{cache_lib.num_slots(cfg, s.context)} slots"

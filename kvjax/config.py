@@ -28,8 +28,13 @@ DTYPES = {
 ATTENTION_TYPES = ("mha", "gqa", "mqa", "mla")
 MLP_TYPES = ("swiglu", "gelu")
 WEIGHTS = ("smollm2", "random")
-# Element types a KV cache can hold today (kvjax.cache.encode converts into them).
-KV_DTYPES = ("float32", "bfloat16", "float16")
+# Element types a KV cache can hold (kvjax.cache.encode converts into them). The
+# quantized ones carry float32 scale tensors (kvjax.cache.quant: formats and scales).
+KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int8",
+             "int4")
+# Storage element type of each quantized kv_dtype's codes (int4: two codes per uint8).
+KV_STORAGE = {"float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2,
+              "int8": jnp.int8, "int4": jnp.uint8}
 
 
 class ConfigError(ValueError):
@@ -121,6 +126,9 @@ class ModelConfig:
       dtype: parameter and activation dtype name.
       kv_dtype: the KV cache's element type, one of :data:`KV_DTYPES`; None (default):
         ``dtype``. The cache's bytes per element (the blog's "bytes" factor) follow it.
+        'int8', 'float8_e4m3fn', 'float8_e5m2' and 'int4' are quantized formats with
+        float32 scale tensors (:mod:`kvjax.cache.quant`); int4 needs even head_dim (MLA:
+        even kv_lora_rank and qk_rope_head_dim), two codes per byte.
       backend: 'cpu', 'gpu' or 'tpu': the backend whose choices (layouts, layer stack,
         dot operands; :mod:`kvjax.backend`) this config makes. None (default): the
         process's JAX backend, resolved once when the config is built.
@@ -192,12 +200,22 @@ class ModelConfig:
 
     @property
     def cache_dtype(self):
-        """The KV cache's element type (``kv_dtype``, default ``dtype``)."""
-        return DTYPES[self.kv_dtype or self.dtype]
+        """The KV cache's storage element type (``kv_dtype``, default ``dtype``; a
+        quantized format's code type, :data:`KV_STORAGE`: int4 -> uint8)."""
+        name = self.kv_dtype or self.dtype
+        return KV_STORAGE[name] if name in KV_STORAGE else DTYPES[name]
 
     @property
-    def kv_dtype_bytes(self) -> int:
-        """Bytes per cached element."""
+    def kv_quantized(self) -> bool:
+        """True when the cache holds quantized codes plus scale tensors."""
+        return (self.kv_dtype or self.dtype) in KV_STORAGE
+
+    @property
+    def kv_dtype_bytes(self) -> int | float:
+        """Bytes per cached element, without scales (int4: 0.5; the scale bytes are
+        :func:`kvjax.analysis.theory.kv_bytes_per_token`'s business)."""
+        if self.kv_dtype == "int4":
+            return 0.5
         return int(np.dtype(self.cache_dtype).itemsize)
 
     @property
@@ -227,6 +245,15 @@ def validate_model_config(c: ModelConfig) -> None:
         _fail("model.dtype", c.dtype, f"one of {sorted(DTYPES)}")
     if c.kv_dtype is not None and c.kv_dtype not in KV_DTYPES:
         _fail("model.kv_dtype", c.kv_dtype, f"None (= model.dtype) or one of {list(KV_DTYPES)}")
+    if c.kv_dtype == "int4":  # two codes per byte along each cached row
+        widths = ({"kv_lora_rank": c.kv_lora_rank, "qk_rope_head_dim": c.qk_rope_head_dim}
+                  if c.attention == "mla" else {"head_dim": c.head_dim})
+        for f, w in widths.items():
+            if _is_int(w) and w % 2:
+                raise ConfigError(
+                    f"invalid config: model.kv_dtype='int4' with model.{f}={w}; allowed: "
+                    f"an even {f} (int4 packs two values per byte), or another kv_dtype "
+                    f"of {list(KV_DTYPES)}")
     if not isinstance(c.scan_layers, bool):
         _fail("model.scan_layers", c.scan_layers, "True, False or None (backend default)")
     if c.attention not in ATTENTION_TYPES:

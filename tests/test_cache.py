@@ -151,8 +151,8 @@ def test_kv_dtype_is_the_cache_element_type_after_prefill_and_steps():
 
 
 def test_no_float_is_ever_cast_into_an_integer_cache():
-    with pytest.raises(ConfigError, match="model.kv_dtype='int8'"):
-        tiny(kv_dtype="int8")
+    with pytest.raises(ConfigError, match="model.kv_dtype='int16'"):
+        tiny(kv_dtype="int16")
     # encode, the one way into a cache, refuses a non-float representation outright
     int8_cache = types.SimpleNamespace(cache_dtype=jnp.int8)
     with pytest.raises(TypeError, match="int8 has no float representation"):

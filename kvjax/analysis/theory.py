@@ -29,6 +29,7 @@ from typing import Any
 
 from kvjax.config import ModelConfig
 from kvjax.analysis.hardware import Chip
+from kvjax.cache import quant
 
 
 def _b(cfg: ModelConfig, element_bytes: int | None) -> int:
@@ -55,12 +56,44 @@ def kv_elements_per_token_per_layer(cfg: ModelConfig) -> int:
     return 2 * cfg.num_kv_heads * cfg.head_dim
 
 
+def kv_rows_per_token_per_layer(cfg: ModelConfig) -> list:
+    """Widths of the rows one token caches per layer, each quantized on its own:
+    MHA/GQA/MQA 2·K rows of H (a key and a value per KV head), MLA [C, R]."""
+    if cfg.is_mla:
+        return [cfg.kv_lora_rank, cfg.qk_rope_head_dim]
+    return [cfg.head_dim] * (2 * cfg.num_kv_heads)
+
+
+def kv_scale_bytes_per_token(cfg: ModelConfig) -> int:
+    """Bytes of the quantization scales per token over all layers (0 for a float cache).
+
+    One float32 scale (4 B) per row and group (:mod:`kvjax.cache.quant`): int8 / fp8 one
+    per row (per token per KV head), int4 one per gcd(width, 32) values. SmolLM2-135M
+    (L=30, K=3, H=64), int8: 30·2·3·4 = 720 B; int4: 30·2·3·2·4 = 1,440 B.
+    """
+    fmt = quant.format_for(cfg) if cfg.kv_quantized else None
+    if fmt is None:
+        return 0
+    groups = 0
+    for w in kv_rows_per_token_per_layer(cfg):
+        groups += w // (math.gcd(w, quant.INT4_GROUP) if fmt.bits == 4 else w)
+    return cfg.num_layers * groups * 4
+
+
 def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int | None = None) -> int:
-    """KV-cache bytes per token over all layers: L·K·(d_k+d_v)·b, or L·(C+R)·b for MLA.
+    """KV-cache bytes per token over all layers: L·K·(d_k+d_v)·b, or L·(C+R)·b for MLA,
+    plus the scale bytes of a quantized kv_dtype (:func:`kv_scale_bytes_per_token`;
+    int8 on GQA: L·2·K·(H + 4), int4 with 32-value groups: L·2·K·(H/2 + 4·H/32)).
+    ``element_bytes`` overrides b and drops the scales.
 
     Blog model (L=12, K=N=8, H=64, fp16): 12·8·128·2 = 24,576 B ("24 KB per token").
     """
-    return cfg.num_layers * kv_elements_per_token_per_layer(cfg) * _kv_b(cfg, element_bytes)
+    if element_bytes is None and cfg.kv_quantized:
+        codes = cfg.num_layers * kv_elements_per_token_per_layer(cfg) * quant.format_for(
+            cfg).bits // 8
+        return codes + kv_scale_bytes_per_token(cfg)
+    return int(cfg.num_layers * kv_elements_per_token_per_layer(cfg)
+               * _kv_b(cfg, element_bytes))
 
 
 def kv_bytes_per_token_blog(num_layers: int, d_model: int, element_bytes: int = 2) -> int:

@@ -28,12 +28,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache import quant
 from kvjax.cache.policy import CacheOverflowError, DenseSlots, RingSlots, policy_for
 from kvjax.config import ModelConfig
 
 __all__ = ["KVCache", "TensorSpec", "tensor_specs", "slot_axis", "to_layout", "layouts",
            "check_layouts", "layer_shapes", "num_slots", "init_cache", "cache_spec",
-           "cache_bytes", "total_bytes", "encode", "read", "write", "chunk_slots",
+           "cache_bytes", "total_bytes", "encode", "read", "channel_axis", "write", "chunk_slots",
            "advance", "ring_slots", "next_positions", "slot_of", "attention_mask",
            "policy_for", "DenseSlots", "RingSlots", "CacheOverflowError"]
 
@@ -96,7 +97,9 @@ class TensorSpec:
 
 
 def slot_axis(cfg: ModelConfig, name: str) -> int:
-    """-1 if cached tensor ``name`` keeps its slot axis last ('BKHS'), else -2."""
+    """-1 if cached tensor ``name`` keeps its slot axis last ('BKHS'), else -2. A scale
+    tensor ('k_scale') has the slot axis of the tensor it scales."""
+    name = quant.base_name(name)
     if not cfg.is_mla and cfg.cache_layout(name) == "BKHS":
         return -1
     return -2
@@ -108,7 +111,13 @@ def tensor_specs(cfg: ModelConfig, batch_size: int, num_slots_: int) -> dict:
     MHA/GQA/MQA: 'k' and 'v', [B, K, S, H] ('BKSH') or [B, K, H, S] ('BKHS'); MLA:
     'c_kv' [B, S, C] and 'k_rope' [B, S, R] (DeepSeek-V2, Liu et al. 2024, sec. 2.1: no
     head axis). dtype: ``cfg.cache_dtype`` (``model.kv_dtype``, default the model dtype).
+    A quantized kv_dtype (:mod:`kvjax.cache.quant`) stores codes under these names (int4:
+    the channel axis halved, uint8) plus float32 'name_scale' tensors with the channel
+    axis replaced by the scales per row (1; int4: width / group), same slot axis.
     """
+    if cfg.kv_quantized:
+        return _quantized_specs(cfg, tensor_specs(cfg.replace(kv_dtype="float32"),
+                                                  batch_size, num_slots_))
     dt = cfg.cache_dtype
     if cfg.is_mla:
         return {"c_kv": TensorSpec("c_kv", (batch_size, num_slots_, cfg.kv_lora_rank), dt, -2),
@@ -122,6 +131,28 @@ def tensor_specs(cfg: ModelConfig, batch_size: int, num_slots_: int) -> dict:
             shape[2], shape[3] = shape[3], shape[2]
         specs[name] = TensorSpec(name, tuple(shape), dt, axis)
     return specs
+
+
+def channel_axis(cfg: ModelConfig, name: str) -> int:
+    """The axis of cached tensor ``name`` holding one token's values (H, C or R): -1,
+    or -2 when the slot axis is last ('BKHS'). Quantized formats group along it."""
+    return -2 if slot_axis(cfg, name) == -1 else -1
+
+
+def _quantized_specs(cfg: ModelConfig, specs: dict) -> dict:
+    """Float specs -> codes and float32 scales (:mod:`kvjax.cache.quant`): the channel
+    axis X becomes ``code_width(X)`` for the codes, ``scale_width(X)`` for 'name_scale'."""
+    fmt = quant.format_for(cfg)
+    out = {}
+    for name, spec in specs.items():
+        axis = channel_axis(cfg, name)
+        shape, width = list(spec.shape), spec.shape[axis]
+        shape[axis] = fmt.code_width(width)
+        out[name] = TensorSpec(name, tuple(shape), fmt.storage, spec.slot_axis)
+        shape[axis] = fmt.scale_width(width)
+        sn = quant.scale_name(name)
+        out[sn] = TensorSpec(sn, tuple(shape), quant.SCALE_DTYPE, spec.slot_axis)
+    return out
 
 
 def layer_shapes(cfg: ModelConfig, batch_size: int, num_slots_: int) -> dict:
@@ -168,6 +199,7 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int,
     if batch_size <= 0 or max_seq_len <= 0:
         raise ValueError(
             f"batch_size={batch_size} and max_seq_len={max_seq_len} must be positive")
+    quant.check_supported(cfg)
     s = num_slots(cfg, max_seq_len)
     tensors = {}
     for name, spec in tensor_specs(cfg, batch_size, s).items():
@@ -207,12 +239,22 @@ def encode(cfg: ModelConfig, new: dict) -> dict:
       new: name -> float tensor laid out like one layer's cached tensor with T in place
         of S (e.g. 'k': [B, K, T, H] for 'BKSH').
     Returns:
-      name -> tensor in ``cfg.cache_dtype``. Attention must use :func:`read` of this
-      result for the chunk's own keys, so the chunk sees what later steps will read.
+      name -> tensor in ``cfg.cache_dtype``; a quantized kv_dtype gives codes under each
+      name plus float32 'name_scale' tensors (:func:`kvjax.cache.quant.quantize`, along
+      :func:`channel_axis`). Attention must use :func:`read` of this result for the
+      chunk's own keys, so the chunk sees what later steps will read.
     Raises:
-      TypeError: the cache dtype is not a float type (no representation converts floats
-        into it; a plain cast would truncate).
+      TypeError: the cache dtype is not a float type and no quantized format converts
+        into it (a plain cast would truncate).
+      ValueError: an fp8 kv_dtype the backend cannot convert.
     """
+    fmt = quant.format_for(cfg) if getattr(cfg, "kv_quantized", False) else None
+    if fmt is not None:
+        quant.check_supported(cfg)
+        out = {}
+        for n, x in new.items():
+            out[n], out[quant.scale_name(n)] = quant.quantize(x, fmt, channel_axis(cfg, n))
+        return out
     dt = jnp.dtype(cfg.cache_dtype)
     if not jnp.issubdtype(dt, jnp.floating):
         raise TypeError(
@@ -223,9 +265,13 @@ def encode(cfg: ModelConfig, new: dict) -> dict:
 
 def read(cfg: ModelConfig, tensors: dict, name: str) -> jax.Array:
     """Tensor ``name`` of one layer's cache (or of :func:`encode`'s output) as attention
-    consumes it; for float caches the stored tensor itself."""
-    del cfg
-    return tensors[name]
+    consumes it: for float caches the stored tensor itself; for a quantized one the codes
+    times their scales (:func:`kvjax.cache.quant.dequantize`) in the model dtype, in the
+    stored layout."""
+    if not cfg.kv_quantized:
+        return tensors[name]
+    return quant.dequantize(tensors[name], tensors[quant.scale_name(name)],
+                            quant.format_for(cfg), channel_axis(cfg, name), cfg.jnp_dtype)
 
 
 def chunk_slots(cache: KVCache, chunk_positions: jax.Array, cfg: ModelConfig) -> jax.Array:

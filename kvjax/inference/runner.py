@@ -149,6 +149,8 @@ class Generation:
     kv_cache_bytes: int
     kv_cache_bytes_theory: int
     chat_template: bool = False
+    # name -> (dtype name, bytes) of the cache tensors after the run (scales included)
+    kv_cache_tensors: dict = dataclasses.field(default_factory=dict)
     warnings: list = dataclasses.field(default_factory=list)
     prefill_chunk_temp_bytes: list = dataclasses.field(default_factory=list)
     prefill_compiled: object = dataclasses.field(default=None, repr=False)
@@ -245,6 +247,8 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
         kv_cache_bytes_theory=theory.kv_cache_bytes(
             cfg, cache_lib.num_slots(cfg, run.max_seq_len), b),
         prefill_compiled=prefill_c, generate_compiled=gen_c, chat_template=chat,
+        kv_cache_tensors={n: (jax.tree.leaves(t)[0].dtype.name, cache_lib.total_bytes(t))
+                          for n, t in cache.tensors.items()},
         warnings=notes, prefill_chunk_temp_bytes=[hlo_cost.memory_stats(c).get("temp_bytes")
                                                   for c in chunk_cs.values()])
 
