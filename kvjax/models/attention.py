@@ -20,6 +20,7 @@ from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
 from kvjax.config import ModelConfig
 from kvjax.models.layers import Einsum, apply_rope
+from kvjax.parallel import seq_attention
 
 NEG_INF = -1e30
 
@@ -250,7 +251,12 @@ class Attention(nn.Module):
             k_old, v_old = cache_lib.read(c, cached, "k"), cache_lib.read(c, cached, "v")
             k_cur, v_cur = cache_lib.read(c, new, "k"), cache_lib.read(c, new, "v")
             mask_old = cache_lib.attention_mask(positions, cached_positions, c)
-            if t == 1:
+            if seq_attention.seq_shards() > 1:  # cache split over a mesh's 'seq' axis
+                out = seq_attention.attend_cached(
+                    q, k_old, v_old, mask_old, k_cur, v_cur,
+                    cache_lib.attention_mask(positions, positions, c), k_layout, v_layout,
+                    backend=c.backend)
+            elif t == 1:
                 out = attend_step(q, k_old, v_old, mask_old, k_cur, v_cur,
                                   k_layout, v_layout,
                                   sink_scores=sink_scores(c, q_sink, k_old, k_layout))
