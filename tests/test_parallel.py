@@ -144,3 +144,31 @@ def test_replica_group_formats():
     g = collectives.replica_groups(
         "replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=2] {'axis_0'}, x", 8)
     assert collectives.mesh_axes(g, M) == ("data",)
+
+
+def test_two_processes_on_loopback_match_single_process():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = ROOT
+    script = os.path.join(ROOT, "tests", "multiprocess_worker.py")
+    procs = [subprocess.Popen([sys.executable, script, str(port), str(i)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=300))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    get = lambda text, tag: json.loads(next(
+        l for l in text.splitlines() if l.startswith(tag + " "))[len(tag) + 1:])
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    ref = get(outs[0][0], "REF")
+    assert get(outs[0][0], "TOKENS") == ref
+    assert get(outs[1][0], "TOKENS") == ref
