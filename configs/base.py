@@ -106,5 +106,14 @@ def run_dict(model: config_dict.ConfigDict, **fields) -> config_dict.ConfigDict:
     c.ignore_memory_check = False
     # Prefill the prompt N tokens at a time (None: in one pass).
     c.prefill_chunk = config_dict.placeholder(int)
+    # Device mesh (kvjax/parallel): batch over 'data', heads/FFN/vocab over 'model', cache
+    # slots over 'seq'; data * model * seq must equal the device count. kv_fallback:
+    # 'none' (error when model does not divide the KV heads) or 'replicate'.
+    c.mesh = config_dict.ConfigDict(dict(data=1, model=1, seq=1, kv_fallback="none"))
+    # jax.distributed over several processes (one host or many): coordinator 'host:port',
+    # process count and id; local_devices sets the CPU device count per process.
+    c.distributed = config_dict.ConfigDict(dict(
+        coordinator_address=config_dict.placeholder(str), num_processes=1, process_id=0,
+        local_devices=config_dict.placeholder(int)))
     c.update(fields)
     return c

@@ -349,6 +349,87 @@ class SamplingConfig:
         return self.temperature == 0
 
 
+MESH_AXES = ("data", "model", "seq")
+KV_FALLBACKS = ("none", "replicate")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """A device mesh for one run (``kvjax.parallel``): sizes of its three named axes.
+
+    Attributes:
+      data: devices that split the batch B (each holds B / data rows of the cache).
+      model: tensor parallelism (Megatron): query heads N, KV heads K, FFN width F and
+        the vocabulary V are split over it.
+      seq: devices that split the cache's slot axis S (one long request's cache spans
+        them; decode attention combines partial softmax statistics across them).
+      kv_fallback: what to do when ``model`` does not divide the KV heads K (GQA with
+        K < model, MQA): 'none' (an error before any compile) or 'replicate' (every
+        model shard holds all K KV heads and their cache; query heads stay split).
+    The mesh holds data * model * seq devices, which must equal the device count.
+    """
+
+    data: int = 1
+    model: int = 1
+    seq: int = 1
+    kv_fallback: str = "none"
+
+    def __post_init__(self):
+        for f in MESH_AXES:
+            _positive(f"mesh.{f}", getattr(self, f))
+        if self.kv_fallback not in KV_FALLBACKS:
+            _fail("mesh.kv_fallback", self.kv_fallback, f"one of {list(KV_FALLBACKS)}")
+
+    @property
+    def shape(self) -> tuple:
+        """(data, model, seq)."""
+        return (self.data, self.model, self.seq)
+
+    @property
+    def size(self) -> int:
+        """Devices in the mesh."""
+        return self.data * self.model * self.seq
+
+    @property
+    def trivial(self) -> bool:
+        """One device: the single-device path, no shardings."""
+        return self.size == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """``jax.distributed`` settings for a run over several processes (None: one process).
+
+    Attributes:
+      coordinator_address: 'host:port' of process 0's coordinator, or None (one process).
+      num_processes: processes taking part (>= 1).
+      process_id: this process's index, 0 <= process_id < num_processes.
+      local_devices: CPU devices per process (sets
+        ``--xla_force_host_platform_device_count`` before JAX starts); None: as is.
+    """
+
+    coordinator_address: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
+    local_devices: int | None = None
+
+    def __post_init__(self):
+        _positive("distributed.num_processes", self.num_processes)
+        if not _is_int(self.process_id) or not 0 <= self.process_id < self.num_processes:
+            _fail("distributed.process_id", self.process_id,
+                  f"an integer in [0, {self.num_processes}) (distributed.num_processes="
+                  f"{self.num_processes})")
+        if self.num_processes > 1 and not self.coordinator_address:
+            _fail("distributed.coordinator_address", self.coordinator_address,
+                  "'host:port' when distributed.num_processes > 1")
+        if self.local_devices is not None:
+            _positive("distributed.local_devices", self.local_devices)
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_processes > 1
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """One decode run: model, weights, prompt and budget.
@@ -385,6 +466,8 @@ class RunConfig:
       prefill_chunk: None to prefill the prompt in one pass; N to feed it N tokens at a
         time (one compiled program for every full chunk, one for the remainder): less
         peak memory, more passes over the weights.
+      mesh: MeshConfig, the device mesh (default one device).
+      distributed: DistributedConfig, ``jax.distributed`` settings (default one process).
     """
 
     model: ModelConfig
@@ -404,6 +487,8 @@ class RunConfig:
     system_prompt_file: str | None = None
     ignore_memory_check: bool = False
     prefill_chunk: int | None = None
+    mesh: MeshConfig = MeshConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     def __post_init__(self):
         if self.weights not in WEIGHTS:
@@ -494,8 +579,21 @@ def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
             model[key] = d[key]
         d.pop(key, None)
     sampling = SamplingConfig(**_plain(d.pop("sampling", {})))
+    mesh = _sub_config(MeshConfig, "mesh", d.pop("mesh", {}))
+    distributed = _sub_config(DistributedConfig, "distributed", d.pop("distributed", {}))
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     unknown = sorted(set(d) - fields)
     if unknown:
         _fail(unknown[0], d[unknown[0]], f"fields among {sorted(fields)}")
-    return RunConfig(model=model_config_from_dict(model), sampling=sampling, **d)
+    return RunConfig(model=model_config_from_dict(model), sampling=sampling, mesh=mesh,
+                     distributed=distributed, **d)
+
+
+def _sub_config(cls, prefix: str, d: Mapping[str, Any]):
+    """``cls(**d)``, refusing unknown keys with a message naming ``prefix.key``."""
+    d = _plain(d)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+        _fail(f"{prefix}.{unknown[0]}", d[unknown[0]], f"fields among {sorted(fields)}")
+    return cls(**d)

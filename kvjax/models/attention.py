@@ -21,6 +21,7 @@ from kvjax import cache as cache_lib
 from kvjax.config import ModelConfig
 from kvjax.models import flash
 from kvjax.models.layers import Einsum, apply_rope
+from kvjax.parallel import seq_attention
 
 NEG_INF = -1e30
 
@@ -291,7 +292,12 @@ class Attention(nn.Module):
             # chunk's writes may evict keys that its earlier queries still see.
             k_old, v_old = cache_lib.read(c, cached, "k"), cache_lib.read(c, cached, "v")
             mask_old = cache_lib.attention_mask(positions, cached_positions, c)
-            if t == 1:
+            if seq_attention.seq_shards() > 1:  # cache split over a mesh's 'seq' axis
+                out = seq_attention.attend_cached(
+                    q, k_old, v_old, mask_old, k_cur, v_cur,
+                    cache_lib.attention_mask(positions, positions, c), k_layout, v_layout,
+                    backend=c.backend)
+            elif t == 1:
                 from kvjax import planner  # noqa: PLC0415 (measures on first use)
                 impl = planner.decode_attention(c, k_old, v_old)
                 out = attend_step(q, k_old, v_old, mask_old, k_cur, v_cur,

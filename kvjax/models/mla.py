@@ -49,6 +49,7 @@ from kvjax.config import ModelConfig
 from kvjax.models.attention import weight_dtype
 from kvjax.models import flash
 from kvjax.models.layers import Einsum, RMSNorm, apply_rope
+from kvjax.parallel import seq_attention
 
 NEG_INF = -1e30
 
@@ -272,7 +273,12 @@ class MLAttention(nn.Module):
             c_old, kr_old = cache_lib.read(c, cached, "c_kv"), cache_lib.read(c, cached, "k_rope")
             c_kv, k_rope = cache_lib.read(c, new, "c_kv"), cache_lib.read(c, new, "k_rope")
             mask_old = cache_lib.attention_mask(positions, cached_positions, c)
-            if t == 1:
+            if seq_attention.seq_shards() > 1:  # cache split over a mesh's 'seq' axis
+                out = seq_attention.attend_mla_cached(
+                    q_main, q_rope, c_old, kr_old, mask_old, c_kv, k_rope,
+                    cache_lib.attention_mask(positions, positions, c), w_uk, w_uv, absorb,
+                    self.scale)
+            elif t == 1:
                 out = attend_mla_step(q_main, q_rope, c_old, kr_old, mask_old, c_kv, k_rope,
                                       w_uk, w_uv, absorb, self.scale,
                                       new_visible=positions[:, 0] >= 0)

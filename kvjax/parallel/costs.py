@@ -1,0 +1,199 @@
+"""Per-device cost of one sharded decode step: theory, XLA, collectives, jaxpr roofline.
+
+On a mesh every figure is per device:
+
+* theory: weights / (devices that split each weight) + KV / (devices that split the
+  cache) + collective bytes, where the first two are computed from the partition specs
+  (:mod:`kvjax.parallel.specs`; replicated weights such as norms count whole) and the
+  collective bytes are the payloads read from the compiled HLO
+  (:mod:`kvjax.parallel.collectives`). The blog's form: weights / TP + KV / shards.
+* XLA: ``cost_analysis()`` of the compiled SPMD program, which is per device and has no
+  communication entry.
+* collectives: kind, count, payload and link bytes per mesh axis.
+* jaxpr roofline (``jax.experimental.roofline`` with the mesh): its ``ici_bytes`` counts
+  the collectives written by hand (the 'seq' combine's shard_map); the all-reduces GSPMD
+  inserts for 'model' are not in the jaxpr, so this view sees only the 'seq' traffic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from kvjax import cache as cache_lib
+from kvjax.analysis import hlo_cost, theory
+from kvjax.config import MeshConfig, ModelConfig
+from kvjax.parallel import collectives as coll_lib
+from kvjax.parallel import programs
+
+
+def _shards(spec: P, mesh) -> int:
+    n = 1
+    for a in spec:
+        for name in (a if isinstance(a, tuple) else (a,)):
+            if name is not None:
+                n *= mesh.shape[name]
+    return n
+
+
+def per_device_bytes(tree, specs, mesh) -> int:
+    """Bytes one device holds of ``tree`` (arrays / ShapeDtypeStructs) laid out by
+    ``specs`` (PartitionSpecs): each leaf's bytes over the devices that split it."""
+    leaves = jax.tree.leaves(tree)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    return int(sum(x.size * jnp.dtype(x.dtype).itemsize // _shards(s, mesh)
+                   for x, s in zip(leaves, spec_leaves)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedStepCost:
+    """One decode step at ``context`` on a mesh, per device (bytes, FLOP).
+
+    Attributes:
+      mesh: (data, model, seq). context: t (cache slots S = t). batch: B.
+      weight_bytes, kv_bytes: whole-model weights and cache (all devices together).
+      weight_bytes_dev, kv_bytes_dev: what one device holds (= reads per step).
+      collective_bytes: payload bytes of the step's collectives per device.
+      collective_link_bytes: what one device sends (ring estimates).
+      theory_bytes_dev: weight_bytes_dev + kv_bytes_dev + collective_bytes.
+      xla_bytes, xla_flops: ``cost_analysis()`` of the SPMD program (per device).
+      inventory: (kind, axes) -> count / bytes / link_bytes.
+      per_axis: mesh axis -> link bytes per device.
+      cache_gathers: names of all-gathers/all-to-alls that move a cache tensor (must be
+        empty).
+      roofline_ici_bytes: jax.experimental.roofline's inter-device bytes (None: failed,
+        see roofline_error).
+    """
+
+    cfg: ModelConfig
+    mesh: tuple
+    context: int
+    batch: int
+    weight_bytes: int
+    kv_bytes: int
+    weight_bytes_dev: int
+    kv_bytes_dev: int
+    collective_bytes: float
+    collective_link_bytes: float
+    xla_bytes: float
+    xla_flops: float
+    inventory: dict
+    per_axis: dict
+    cache_gathers: tuple
+    roofline_ici_bytes: float | None = None
+    roofline_error: str | None = None
+
+    @property
+    def theory_bytes_dev(self) -> float:
+        return self.weight_bytes_dev + self.kv_bytes_dev + self.collective_bytes
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("cfg", "inventory")}
+        d["inventory"] = {f"{k}@{'+'.join(a) or '-'}": v for (k, a), v in self.inventory.items()}
+        d["theory_bytes_dev"] = self.theory_bytes_dev
+        d["model"] = self.cfg.name
+        return d
+
+
+def analyze_sharded_step(cfg: ModelConfig, mcfg: MeshConfig, context: int, batch: int = 1,
+                         devices=None, roofline: bool = True) -> ShardedStepCost:
+    """Compiles one sharded decode step against a ``context``-slot cache (shapes only,
+    nothing allocated) and returns its per-device costs.
+
+    Raises:
+      ConfigError: the mesh does not fit the devices or the model
+        (:func:`kvjax.parallel.programs.build`), before compiling.
+    """
+    mm = programs.build(cfg, mcfg, batch, context, devices=devices)
+    params, cache = mm.param_shapes(), mm.cache_shapes()
+    token = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=mm.sharding(P("data")))
+    compiled = mm.decode_step().lower(params, token, cache).compile()
+    xla = hlo_cost.loop_aware_cost(compiled)
+    colls = coll_lib.collectives(compiled, mm.mesh)
+    shapes = []
+    for name, spec in cache_lib.tensor_specs(cfg, batch, cache_lib.num_slots(cfg, context)).items():
+        local = list(spec.shape)
+        for i, a in enumerate(specs_axes(cfg, mcfg, name)):
+            if a is not None:
+                local[i] //= mm.mesh.shape[a]
+        shapes += [spec.shape, tuple(local)]
+    bad = coll_lib.cache_collectives(colls, shapes)
+    ici, err = None, None
+    if roofline:
+        ici, err = _roofline_ici(mm, params, token, cache)
+    return ShardedStepCost(
+        cfg=cfg, mesh=mcfg.shape, context=context, batch=batch,
+        weight_bytes=cache_lib.total_bytes(params),
+        kv_bytes=cache_lib.total_bytes(cache.tensors),
+        weight_bytes_dev=per_device_bytes(params, mm.param_specs, mm.mesh),
+        kv_bytes_dev=per_device_bytes(cache.tensors, mm.cache_specs.tensors, mm.mesh),
+        collective_bytes=sum(c.bytes for c in colls),
+        collective_link_bytes=sum(c.link_bytes for c in colls),
+        xla_bytes=xla.bytes, xla_flops=xla.flops, inventory=coll_lib.inventory(colls),
+        per_axis=coll_lib.bytes_per_axis(colls), cache_gathers=tuple(c.name for c in bad),
+        roofline_ici_bytes=ici, roofline_error=err)
+
+
+def specs_axes(cfg, mcfg, name) -> tuple:
+    from kvjax.parallel.specs import cache_tensor_spec  # noqa: PLC0415
+    return tuple(cache_tensor_spec(cfg, mcfg, name))
+
+
+def _roofline_ici(mm, params, token, cache):
+    """(ici_bytes, None) from jax.experimental.roofline over the mesh, or (None, error)."""
+    from jax.experimental import roofline as jroof  # noqa: PLC0415
+    from kvjax.inference import decode  # noqa: PLC0415
+    try:
+        fn = functools.partial(decode.decode_step.__wrapped__, cfg=mm.cfg)
+        with jax.set_mesh(mm.mesh):
+            _, res = jroof.roofline(fn, mm.mesh, in_specs=(mm.param_specs, P("data"),
+                                                           mm.cache_specs),
+                                    out_specs=(P("data"), mm.cache_specs))(
+                params, token, cache)
+        return float(sum(res.ici_bytes.values())), None
+    except Exception as e:  # noqa: BLE001 (a view, not the measurement)
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+
+def theory_per_device(cfg: ModelConfig, mcfg: MeshConfig, t: int, batch: int = 1) -> dict:
+    """The blog's per-device step bytes: weights / TP + KV / (devices that split it).
+
+    TP = mesh.model; the cache is split by data (its rows), seq (its slots) and model
+    when the KV heads split. Bytes at context t, ``cfg``'s dtypes.
+    """
+    from kvjax.parallel.mesh import kv_heads_sharded  # noqa: PLC0415
+    kv_split = mcfg.data * mcfg.seq * (mcfg.model if kv_heads_sharded(cfg, mcfg) else 1)
+    w = theory.weight_bytes_per_step(cfg)
+    kv = theory.kv_cache_bytes(cfg, t, batch)
+    return {"weights_dev": w / mcfg.model, "kv_dev": kv / kv_split,
+            "total_dev": w / mcfg.model + kv / kv_split}
+
+
+def format_report(c: ShardedStepCost) -> str:
+    """A per-device cost table for one sharded step."""
+    mb = lambda x: f"{x / 1e6:,.3f} MB" if x is not None else "-"
+    lines = [
+        f"per-device decode step: {c.cfg.name}, mesh (data, model, seq) = {c.mesh}, "
+        f"t = {c.context}, B = {c.batch}",
+        f"  weights  {mb(c.weight_bytes)} total, {mb(c.weight_bytes_dev)} per device",
+        f"  KV cache {mb(c.kv_bytes)} total, {mb(c.kv_bytes_dev)} per device "
+        f"(1/{c.kv_bytes / max(c.kv_bytes_dev, 1):.0f})",
+        f"  collectives {mb(c.collective_bytes)} payload, {mb(c.collective_link_bytes)} "
+        "sent per device (ring)",
+        f"  theory per device (weights + KV + collectives): {mb(c.theory_bytes_dev)}",
+        f"  XLA per device (cost_analysis bytes accessed):  {mb(c.xla_bytes)} "
+        f"({c.xla_bytes / max(c.theory_bytes_dev, 1):.2f}x theory), "
+        f"{c.xla_flops / 1e6:,.2f} MFLOP",
+        f"  jaxpr roofline ici bytes (hand-written collectives only): "
+        f"{mb(c.roofline_ici_bytes) if c.roofline_ici_bytes is not None else c.roofline_error}",
+        "  collective inventory (kind @ axes: count, payload, sent):"]
+    for (kind, axes), v in sorted(c.inventory.items()):
+        lines.append(f"    {kind:>16} @ {'+'.join(axes) or '-':<10} x{v['count']:<3} "
+                     f"{mb(v['bytes'])}  {mb(v['link_bytes'])}")
+    lines.append(f"  cache tensors all-gathered / all-to-all'd: {list(c.cache_gathers) or 'none'}")
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""Sequence-sharded attention over a cache split along 'seq' (flash-decoding across devices).
+
+When the context mesh (``jax.set_mesh``) has a 'seq' axis of size > 1, the cache's slot
+axis S is split over it. Each device scores its own S / seq slots and keeps the partial
+softmax statistics of its slots, per query: m (max score), l (sum of exp(s - m)) and
+o (sum of exp(s - m)·v, unnormalised). They are combined across 'seq' by
+
+    M = pmax(m);  l' = psum(l·exp(m - M));  o' = psum(o·exp(m - M))
+
+(two all-reduces of [B, T, N, 1] and one of [B, T, N, Hv] per layer: the cache itself
+never moves), then merged with the chunk's own keys (replicated over 'seq') the same way
+and normalised, out = o / l. The combine is written with ``jax.shard_map`` manual over
+'seq' only; 'data' and 'model' stay automatic (GSPMD). Without such a mesh the callers
+use their single-device paths unchanged.
+
+Scores, statistics and the value product are float32, as in ``attention.attend``; a
+query that sees no key gets zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+SEQ = "seq"
+NEG_INF = -1e30
+
+
+def seq_shards() -> int:
+    """Size of the context mesh's 'seq' axis (1 when no mesh is set or it has none)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or SEQ not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[SEQ])
+
+
+def _stats(scores: jax.Array, visible: jax.Array):
+    """(m, e, l): max [.., 1], masked exp(s - m) [.., S], sum [.., 1] of float32 scores."""
+    s = jnp.where(visible, scores, NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    e = jnp.where(visible, jnp.exp(s - m), 0.0)
+    return m, e, jnp.sum(e, axis=-1, keepdims=True)
+
+
+def merge(a: tuple, b: tuple) -> tuple:
+    """Merges two partial softmax states (m, l, o) over disjoint key sets."""
+    (ma, la, oa), (mb, lb, ob) = a, b
+    m = jnp.maximum(ma, mb)
+    ca, cb = jnp.exp(ma - m), jnp.exp(mb - m)
+    return m, la * ca + lb * cb, oa * ca + ob * cb
+
+
+def finish(state: tuple) -> jax.Array:
+    """o / l, zeros where no key was visible (l = 0)."""
+    _, l, o = state
+    return o / jnp.where(l > 0, l, 1.0)
+
+
+def over_seq(local_stats, sharded: tuple, replicated: tuple) -> tuple:
+    """Partial softmax state over the slots of every 'seq' shard, combined across 'seq'.
+
+    Args:
+      local_stats: fn(*sharded_local, *replicated) -> (m, l, o), the state of one
+        shard's slots (m, l broadcastable against o).
+      sharded: ((array, slot_axis), ...) arrays split along their slot axis over 'seq'.
+      replicated: arrays every shard sees whole.
+    Returns:
+      (m, l, o), replicated over 'seq'.
+    """
+    def spec(x, axis):
+        axes = [None] * x.ndim
+        axes[axis % x.ndim] = SEQ
+        return P(*axes)
+
+    in_specs = tuple(spec(x, a) for x, a in sharded) + tuple(P() for _ in replicated)
+
+    def body(*args):
+        m, l, o = local_stats(*args)
+        mg = jax.lax.pmax(m, SEQ)
+        c = jnp.exp(m - mg)
+        return mg, jax.lax.psum(l * c, SEQ), jax.lax.psum(o * c, SEQ)
+
+    fn = jax.shard_map(body, in_specs=in_specs, out_specs=(P(), P(), P()),
+                       axis_names=frozenset({SEQ}))
+    return fn(*[x for x, _ in sharded], *replicated)
+
+
+def attend_cached(q, k_old, v_old, mask_old, k_new, v_new, mask_new, k_layout: str,
+                  v_layout: str, backend: str | None = None) -> jax.Array:
+    """GQA attention of a chunk over (sequence-sharded old slots ++ its own entries).
+
+    Args:
+      q: [B, T, K, G, H] rotated queries (T = 1 in decode, the prompt in prefill).
+      k_old, v_old: one layer's cache before the write, slot axis split over 'seq'
+        ([B, K, S, H] 'BKSH' or [B, K, H, S] 'BKHS').
+      mask_old: [B, T, S] bool, visible old slots (split over 'seq' like S).
+      k_new, v_new: the chunk's entries [B, K, T, H] in the same layouts.
+      mask_new: [B, T, T] bool, visible chunk keys.
+    Returns:
+      [B, T, K, G, Hv] in v_old's dtype, equal to ``attention.attend`` over the
+      concatenation (float32 statistics; up to summation order).
+    """
+    from kvjax.models.attention import _spec, dot_operand  # noqa: PLC0415 (cycle)
+
+    scale = q.shape[-1] ** -0.5
+
+    def local(k, v, mask, q):
+        s = jnp.einsum(f"BTKGH,{_spec(k_layout)}->BKGTS", dot_operand(q, backend),
+                       dot_operand(k, backend), preferred_element_type=jnp.float32) * scale
+        m, e, l = _stats(s, mask[:, None, None, :, :])
+        o = jnp.einsum(f"BKGTS,{_spec(v_layout, 'V')}->BTKGV", e, dot_operand(v, backend),
+                       preferred_element_type=jnp.float32)
+        to_o = lambda x: jnp.transpose(x, (0, 3, 1, 2, 4))  # [B,K,G,T,1] -> [B,T,K,G,1]
+        return to_o(m), to_o(l), o
+
+    ax = lambda layout: -1 if layout == "BKHS" else -2
+    old = over_seq(local, ((k_old, ax(k_layout)), (v_old, ax(v_layout)), (mask_old, -1)),
+                   (q,))
+    new = local(k_new, v_new, mask_new, q)
+    return finish(merge(old, new)).astype(v_old.dtype)
+
+
+def attend_mla_cached(q_main, q_rope, c_old, kr_old, mask_old, c_new, kr_new, mask_new,
+                      w_uk, w_uv, absorb: bool, scale: float) -> jax.Array:
+    """MLA attention of a chunk over (sequence-sharded latent slots ++ its own latents).
+
+    Args: as ``mla.attend_mla`` with the cache split: c_old [B, S, C] and kr_old [B, S, R]
+      split over 'seq' along S, mask_old [B, T, S]; c_new [B, T, C], kr_new [B, T, R],
+      mask_new [B, T, T].
+    Returns:
+      float32 [B, T, N, C] (absorbed) or [B, T, N, V] (naive), as ``mla.attend_mla``.
+    """
+    from kvjax.models.mla import _mix, _scores  # noqa: PLC0415 (cycle)
+
+    def local(c, kr, mask, q_main, q_rope, w_uk, w_uv):
+        s = _scores(q_main, q_rope, c, kr, w_uk, absorb) * scale  # [B, N, T, S]
+        m, e, l = _stats(s, mask[:, None])
+        o = _mix(e, c, w_uv, absorb)  # [B, T, N, X]
+        to_o = lambda x: jnp.swapaxes(x, 1, 2)  # [B, N, T, 1] -> [B, T, N, 1]
+        return to_o(m), to_o(l), o
+
+    rep = (q_main, q_rope, w_uk, w_uv)
+    old = over_seq(local, ((c_old, -2), (kr_old, -2), (mask_old, -1)), rep)
+    new = local(c_new, kr_new, mask_new, *rep)
+    return finish(merge(old, new))

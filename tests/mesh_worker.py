@@ -1,0 +1,87 @@
+"""Run in a subprocess by tests/test_parallel.py: sharded decode on 8 virtual CPU devices.
+
+``python tests/mesh_worker.py VARIANT`` prints one JSON object: for each mesh, the max
+|sharded - single-device| of the prefill and decode-step logits, the cache bytes per
+device, the collective inventory and any cache all-gathers. XLA_FLAGS is set here,
+before JAX starts (the pytest process keeps its single device).
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kvjax import cache as cache_lib  # noqa: E402
+from kvjax.config import MeshConfig, ModelConfig  # noqa: E402
+from kvjax.inference import decode  # noqa: E402
+from kvjax.models import model as model_lib  # noqa: E402
+from kvjax.parallel import collectives, programs  # noqa: E402
+
+MESHES = [(8, 1, 1), (2, 4, 1), (1, 2, 4), (1, 1, 8)]
+BASE = dict(vocab_size=256, num_layers=2, d_model=64, num_heads=8, head_dim=16,
+            mlp_dim=128, scan_layers=False)
+VARIANTS = {
+    "mha": dict(attention="mha", num_kv_heads=8),
+    "gqa": dict(attention="gqa", num_kv_heads=4),
+    "mqa": dict(attention="mqa", num_kv_heads=1),
+    "mla": dict(attention="mla", num_kv_heads=8, kv_lora_rank=32, qk_rope_head_dim=8,
+                qk_nope_head_dim=16, v_head_dim=16),
+    "window": dict(attention="gqa", num_kv_heads=4, window_size=16),
+    "scan": dict(attention="gqa", num_kv_heads=4, scan_layers=True),
+}
+B, S, T, STEPS = 8, 32, 5, 3
+
+
+def main(variant: str, meshes=MESHES) -> dict:
+    cfg = ModelConfig(**{**BASE, **VARIANTS[variant]}, name=variant)
+    params = model_lib.params_for(cfg, model_lib.init_params(cfg, 0))
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size, jnp.int32)
+    # single device reference: prefill, then STEPS greedy decode steps
+    ref, cache = decode.prefill_program(params, tokens, cache_lib.init_cache(cfg, B, S),
+                                        cfg=cfg)
+    refs, nxt = [ref], []
+    tok = jnp.argmax(ref, -1).astype(jnp.int32)[:, None]
+    for _ in range(STEPS):
+        nxt.append(tok)
+        lg, cache = decode.decode_step(params, tok, cache, cfg=cfg)
+        refs.append(lg)
+        tok = jnp.argmax(lg, -1).astype(jnp.int32)[:, None]
+    out = {"logit_scale": float(jnp.max(jnp.abs(ref)))}
+    for shape in meshes:
+        mm = programs.build(cfg, MeshConfig(*shape, kv_fallback="replicate"), B, S)
+        p, c = mm.shard_params(params), mm.init_cache()
+        lg, c = mm.prefill()(p, tokens, c)
+        errs = [float(jnp.max(jnp.abs(lg - refs[0])))]
+        step = mm.decode_step()
+        for i in range(STEPS):
+            lg, c = step(p, nxt[i], c)
+            errs.append(float(jnp.max(jnp.abs(lg - refs[i + 1]))))
+        k0 = jax.tree.leaves(c.tensors)[0]
+        total = cache_lib.cache_bytes(c)
+        per_dev = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(c.tensors))
+        colls = collectives.collectives(step.lower(p, nxt[0], c).compile(), mm.mesh)
+        shapes = [tuple(x.shape) for x in jax.tree.leaves(c.tensors)]
+        shapes += [tuple(x.addressable_shards[0].data.shape) for x in jax.tree.leaves(c.tensors)]
+        out[str(shape)] = {
+            "errors": errs, "cache_total": total, "cache_per_device": per_dev,
+            "spec": str(k0.sharding.spec),
+            "cache_in_place": all(np.all(np.asarray(x.sharding.spec == y.sharding.spec))
+                                  for x, y in zip(jax.tree.leaves(c.tensors),
+                                                  jax.tree.leaves(c.tensors))),
+            "collectives": [dict(kind=x.kind, axes=list(x.axes), bytes=x.bytes,
+                                 op=x.op_name.split("/")[-2:]) for x in colls],
+            "cache_gathers": [x.name for x in collectives.cache_collectives(colls, shapes)],
+        }
+    return out
+
+
+if __name__ == "__main__":
+    meshes = [tuple(json.loads(m)) for m in sys.argv[2:]] or MESHES
+    print("RESULT " + json.dumps(main(sys.argv[1], meshes)))
