@@ -11,21 +11,12 @@ import pytest
 from kvjax import cache as cache_lib
 from kvjax.analysis import costs, theory
 from kvjax.models import model
-from kvjax.config import ConfigError, ModelConfig, run_config_from_dict
+from kvjax.config import ConfigError, run_config_from_dict
 from kvjax.models.mla import MLAttention
 from tests import reference
+from tests.conftest import positions, tiny_mla_config
 
-SMALL = dict(vocab_size=97, num_layers=2, d_model=64, num_heads=4, num_kv_heads=4,
-             head_dim=24, mlp_dim=96, attention="mla", kv_lora_rank=16,
-             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
-
-
-def small(**kw):
-    return ModelConfig(**{**SMALL, **kw})
-
-
-def positions(start, t, batch=1):
-    return jnp.broadcast_to(jnp.arange(start, start + t, dtype=jnp.int32), (batch, t))
+small = tiny_mla_config
 
 
 forward = jax.jit(model.forward, static_argnums=1)  # (params, cfg, tokens, positions, cache)

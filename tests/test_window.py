@@ -20,19 +20,14 @@ from kvjax.models import model
 from kvjax.models.attention import Attention
 from kvjax.config import ConfigError, ModelConfig, run_config_from_dict
 from tests import reference
+from tests.conftest import tiny_ring_config
 
 W = 6  # window of the tiny models: small, so a few steps wrap the ring
 
 
 def tiny(window=W, sinks=0, scan=True, **kw) -> ModelConfig:
-    """L=2, D=32, N=4 query heads sharing K=2 KV heads (GQA), H=8, float32, untied head
-    (a tied random head makes greedy decoding repeat its input token)."""
-    fields = dict(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
-                  head_dim=8, mlp_dim=48, mlp_type="swiglu", attention="gqa",
-                  tie_embeddings=False, window_size=window, num_sink_tokens=sinks,
-                  scan_layers=scan, dtype="float32", name="tiny")
-    fields.update(kw)
-    return ModelConfig(**fields)
+    """conftest's tiny ring model (GQA, untied head, float32) with W=6 slots by default."""
+    return tiny_ring_config(window, sinks, scan_layers=scan, name="tiny", **kw)
 
 
 @functools.lru_cache(maxsize=None)
