@@ -1,7 +1,10 @@
 """Shared fixtures: strict JAX, tiny random models, and the real SmolLM2 checkpoint."""
 
 import jax
+import jax.numpy as jnp
 import pytest
+
+from kvjax.config import ModelConfig
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -33,13 +36,11 @@ TINY_MLA = dict(TINY, d_model=64, num_kv_heads=4, head_dim=24, mlp_dim=96, atten
 
 def tiny_config(**overrides):
     """ModelConfig of :data:`TINY` with ``overrides`` replacing fields."""
-    from kvjax.config import ModelConfig
     return ModelConfig(**{**TINY, **overrides})
 
 
 def tiny_mla_config(**overrides):
     """ModelConfig of :data:`TINY_MLA` with ``overrides`` replacing fields."""
-    from kvjax.config import ModelConfig
     return ModelConfig(**{**TINY_MLA, **overrides})
 
 
@@ -52,5 +53,4 @@ def tiny_ring_config(window, sinks=0, **overrides):
 
 def positions(start, t, batch=1):
     """[batch, t] int32 positions start..start+t-1, the same in every row."""
-    import jax.numpy as jnp
     return jnp.broadcast_to(jnp.arange(start, start + t, dtype=jnp.int32), (batch, t))
