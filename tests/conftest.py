@@ -1,7 +1,10 @@
 """Shared fixtures: strict JAX, tiny random models, and the real SmolLM2 checkpoint."""
 
 import jax
+import jax.numpy as jnp
 import pytest
+
+from kvjax.config import ModelConfig
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -15,3 +18,59 @@ def smollm2():
 
     run = run_config_from_dict(gqa.get_config())
     return runner.load(run, progress=False), run
+
+
+# ------------------------------------------------------------------ shared tiny models
+# Random-weight models small enough to compile in seconds on a CPU. A test file narrows
+# one of these with overrides (its own factory only fixes the fields it varies); the
+# values a test uses decide its shapes, so change none of them without its assertions.
+
+TINY = dict(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
+            head_dim=8, mlp_dim=48)
+"""L=2, D=32, N=4 query heads over K=2 KV heads (GQA, G=2), H=8, F=48, V=97."""
+
+TINY_MLA = dict(TINY, d_model=64, num_kv_heads=4, head_dim=24, mlp_dim=96, attention="mla",
+                kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+"""TINY with MLA attention: C=16 latent, R=8 rotary key, nope=16, V=16 per head, D=64."""
+
+
+def tiny_config(**overrides):
+    """ModelConfig of :data:`TINY` with ``overrides`` replacing fields."""
+    return ModelConfig(**{**TINY, **overrides})
+
+
+def tiny_mla_config(**overrides):
+    """ModelConfig of :data:`TINY_MLA` with ``overrides`` replacing fields."""
+    return ModelConfig(**{**TINY_MLA, **overrides})
+
+
+def tiny_ring_config(window, sinks=0, **overrides):
+    """TINY with an untied head (a tied random head makes greedy decoding repeat its input
+    token) and a ring cache of ``window`` slots, ``sinks`` of them attention sinks."""
+    return tiny_config(tie_embeddings=False, window_size=window, num_sink_tokens=sinks,
+                       **overrides)
+
+
+def positions(start, t, batch=1):
+    """[batch, t] int32 positions start..start+t-1, the same in every row."""
+    return jnp.broadcast_to(jnp.arange(start, start + t, dtype=jnp.int32), (batch, t))
+
+
+def import_entry_point(name: str):
+    """Imports ``experiments.<name>`` for its functions and unregisters the absl flags it
+    defined, so several entry points that define flags of the same names (``json_out``,
+    ``repeats``, ...) can be imported in one test process. Tests call the functions and
+    never read those flags; the entry points themselves run in subprocesses."""
+    import importlib  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from absl import flags  # noqa: PLC0415
+
+    module = f"experiments.{name}"
+    if module in sys.modules:
+        return sys.modules[module]
+    before = set(flags.FLAGS)
+    mod = importlib.import_module(module)
+    for flag in set(flags.FLAGS) - before:
+        delattr(flags.FLAGS, flag)
+    return mod

@@ -1,78 +1,170 @@
-"""An independent numpy reference of the decoder LM, written from the formulas (no Flax, no
-kvjax attention code): RMSNorm, half-split rotary, grouped-query causal attention with an
-optional band (window + sinks), SwiGLU/GELU MLP, tied or untied LM head.
+"""The one independent numpy reference of the decoder LM: float64, written from the
+formulas, no Flax and no kvjax model code (nothing from ``kvjax.models``).
 
-It reads the stacked parameter pytree of ``kvjax.model`` (``scan_layers=True`` layout).
+RMSNorm, half-split rotary, causal attention over plain ``[T, K, H]`` arrays (MHA/GQA/MQA:
+query head n reads KV head n // G) with an optional band (window + sinks) computed from
+absolute positions, MLA by the naive math (keys and values rebuilt from the latent),
+SwiGLU/GELU MLP, tied or untied LM head.
+
+Cache layouts never change the math, so the reference has none: the tests convert kvjax's
+parameters (:func:`logits`, the stacked ``scan_layers=True`` pytree) or a GGUF checkpoint
+(:func:`llama_logits`, HF orientation) into plain per-layer arrays.
 """
 
 import math
+import types
 
 import numpy as np
 
 
 def rms_norm(x, scale, eps):
-    x = x.astype(np.float64)
+    x = np.asarray(x, np.float64)
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
 
 
 def rotary(x, positions, theta):
-    """x [T, n, H]; pairs i and i + H/2."""
+    """x [T, n, H] rotated at ``positions`` [T]; pairs i and i + H/2."""
     h = x.shape[-1]
     inv = theta ** (-np.arange(0, h, 2) / h)
-    ang = positions[:, None, None] * inv  # [T, 1, H/2]
+    ang = np.asarray(positions, np.float64)[:, None, None] * inv  # [T, 1, H/2]
     x1, x2 = x[..., : h // 2], x[..., h // 2:]
     return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang),
                            x2 * np.cos(ang) + x1 * np.sin(ang)], axis=-1)
 
 
-def band_mask(t, window=None, sinks=0):
-    """[T, T] bool: causal, and with a window the last W - s keys plus s sinks."""
-    q = np.arange(t)[:, None]
-    k = np.arange(t)[None, :]
+def band_mask(q_pos, k_pos, window=None, sinks=0):
+    """[Tq, Tk] bool visibility from absolute positions: causal, and with a window the
+    last W - s positions (the query's own included) or one of the s sinks (positions
+    0..s-1)."""
+    q = np.asarray(q_pos)[:, None]
+    k = np.asarray(k_pos)[None, :]
     mask = k <= q
     if window is not None:
         mask &= (q - k < window - sinks) | (k < sinks)
     return mask
 
 
-def logits(params, cfg, tokens):
-    """Reference logits [T, V] (float64) for one sequence of token ids [T]."""
-    p = _np(params)
+def attend(q, k, v, mask, scale=None):
+    """Softmax attention of q [T, N, H] over k [S, K, H], v [S, K, Hv] under mask [T, S];
+    query head n reads KV head n // G (G = N / K). Returns [T, N, Hv]."""
+    n, kh = q.shape[1], k.shape[1]
+    g = n // kh
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = np.zeros((q.shape[0], n, v.shape[-1]))
+    for head in range(n):
+        kv = head // g
+        s = np.where(mask, q[:, head] @ k[:, kv].T * scale, -np.inf)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        out[:, head] = (w / w.sum(-1, keepdims=True)) @ v[:, kv]
+    return out
+
+
+def mlp(y, lay, mlp_type="swiglu"):
+    up = y @ lay["up"]
+    if mlp_type == "swiglu":
+        gate = y @ lay["gate"]
+        hidden = gate / (1 + np.exp(-gate)) * up
+    else:
+        hidden = 0.5 * up * (1 + np.tanh(math.sqrt(2 / math.pi) * (up + 0.044715 * up**3)))
+    return hidden @ lay["down"]
+
+
+def gqa_attention(y, lay, cfg, pos, mask):
+    """One MHA/GQA/MQA layer's attention: lay has q [D, N, H], k, v [D, K, H], o [N, H, D]."""
+    q = rotary(np.einsum("td,dnh->tnh", y, lay["q"]), pos, cfg.rope_theta)
+    k = rotary(np.einsum("td,dkh->tkh", y, lay["k"]), pos, cfg.rope_theta)
+    v = np.einsum("td,dkh->tkh", y, lay["v"])
+    return np.einsum("tnh,nhd->td", attend(q, k, v, mask), lay["o"])
+
+
+def mla_attention(y, lay, cfg, pos, mask):
+    """One MLA layer by the naive math: per-head keys [c·W_UK[n] ; k_rope] and values
+    c·W_UV[n] rebuilt from the latent c = RMSNorm(y·W_DKV), scale 1/sqrt(nope + R)."""
+    nope = cfg.qk_nope_head_dim
+    if "w_q" in lay:
+        q = np.einsum("td,dnh->tnh", y, lay["w_q"])
+    else:
+        q = np.einsum("tq,qnh->tnh", rms_norm(y @ lay["w_dq"], lay["q_norm"], cfg.norm_eps),
+                      lay["w_uq"])
+    q = np.concatenate([q[..., :nope], rotary(q[..., nope:], pos, cfg.rope_theta)], -1)
+    c = rms_norm(y @ lay["w_dkv"], lay["kv_norm"], cfg.norm_eps)  # [T, C]
+    k_rope = rotary((y @ lay["w_kr"])[:, None, :], pos, cfg.rope_theta)  # [T, 1, R]
+    k_nope = np.einsum("tc,ncp->tnp", c, lay["w_uk"])
+    n = k_nope.shape[1]
+    k = np.concatenate([k_nope, np.repeat(k_rope, n, axis=1)], -1)
+    v = np.einsum("tc,ncv->tnv", c, lay["w_uv"])
+    out = attend(q, k, v, mask, scale=1 / math.sqrt(nope + cfg.qk_rope_head_dim))
+    return np.einsum("tnv,nvd->td", out, lay["wo"])
+
+
+def decoder_logits(cfg, embed, layers, final_norm, head, tokens):
+    """Logits [T, V] (float64) of one sequence ``tokens`` [T] at positions 0..T-1.
+
+    Args:
+      cfg: anything with num_layers, rope_theta, norm_eps, window_size, num_sink_tokens,
+        mlp_type, attention (and MLA's qk_nope_head_dim, qk_rope_head_dim).
+      embed [V, D]; head [D, V]; final_norm [D].
+      layers: iterable of per-layer dicts: attn_norm, mlp_norm, attn (see
+        :func:`gqa_attention` / :func:`mla_attention`), mlp {gate, up, down} as [in, out].
+    """
     t = len(tokens)
-    pos = np.arange(t, dtype=np.float64)
-    x = p["embed"]["embedding"][np.asarray(tokens)]
+    pos = np.arange(t)
+    mask = band_mask(pos, pos, cfg.window_size, cfg.num_sink_tokens)
+    attention = mla_attention if cfg.attention == "mla" else gqa_attention
+    x = np.asarray(embed[np.asarray(tokens)], np.float64)
+    for lay in layers:
+        x = x + attention(rms_norm(x, lay["attn_norm"], cfg.norm_eps), lay["attn"], cfg,
+                          pos, mask)
+        x = x + mlp(rms_norm(x, lay["mlp_norm"], cfg.norm_eps), lay["mlp"], cfg.mlp_type)
+    return rms_norm(x, final_norm, cfg.norm_eps) @ head
+
+
+# ------------------------------------------------------------------ adapters
+
+
+def logits(params, cfg, tokens):
+    """Reference logits [T, V] (float64) of kvjax's stacked parameter pytree
+    (``scan_layers=True`` layout) for one sequence of token ids [T]."""
+    p = _np(params)
     lay = p["layers"]
-    n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    g = n // k
-    mask = band_mask(t, cfg.window_size, cfg.num_sink_tokens)
-    for i in range(cfg.num_layers):
-        y = rms_norm(x, lay["attn_norm"]["scale"][i], cfg.norm_eps)
-        a = lay["attn"]
-        q = rotary(np.einsum("td,dnh->tnh", y, a["q_proj"]["kernel"][i]), pos, cfg.rope_theta)
-        kk = rotary(np.einsum("td,dkh->tkh", y, a["k_proj"]["kernel"][i]), pos, cfg.rope_theta)
-        vv = np.einsum("td,dkh->tkh", y, a["v_proj"]["kernel"][i])
-        out = np.zeros((t, n, h))
-        for head in range(n):
-            kv = head // g  # query head n reads KV head n // G
-            s = q[:, head] @ kk[:, kv].T / math.sqrt(h)
-            s = np.where(mask, s, -np.inf)
-            w = np.exp(s - s.max(-1, keepdims=True))
-            w /= w.sum(-1, keepdims=True)
-            out[:, head] = w @ vv[:, kv]
-        x = x + np.einsum("tnh,nhd->td", out, a["o_proj"]["kernel"][i])
-        y = rms_norm(x, lay["mlp_norm"]["scale"][i], cfg.norm_eps)
-        m = lay["mlp"]
-        up = y @ m["up"]["kernel"][i]
-        if cfg.mlp_type == "swiglu":
-            gate = y @ m["gate"]["kernel"][i]
-            hidden = gate / (1 + np.exp(-gate)) * up
+
+    def kernels(tree, i):
+        return {name: (w["kernel"] if "kernel" in w else w["scale"])[i]
+                for name, w in tree.items()}
+
+    def layer(i):
+        if cfg.attention == "mla":
+            attn = kernels(lay["attn"], i)
         else:
-            hidden = 0.5 * up * (1 + np.tanh(math.sqrt(2 / math.pi) * (up + 0.044715 * up**3)))
-        x = x + hidden @ m["down"]["kernel"][i]
-    x = rms_norm(x, p["final_norm"]["scale"], cfg.norm_eps)
-    if cfg.tie_embeddings:
-        return x @ p["embed"]["embedding"].T
-    return x @ p["lm_head"]["kernel"]
+            a = lay["attn"]
+            attn = {x: a[f"{x}_proj"]["kernel"][i] for x in "qkvo"}
+        return {"attn_norm": lay["attn_norm"]["scale"][i],
+                "mlp_norm": lay["mlp_norm"]["scale"][i],
+                "attn": attn, "mlp": kernels(lay["mlp"], i)}
+
+    embed = p["embed"]["embedding"]
+    head = embed.T if cfg.tie_embeddings else p["lm_head"]["kernel"]
+    return decoder_logits(cfg, embed, (layer(i) for i in range(cfg.num_layers)),
+                          p["final_norm"]["scale"], head, tokens)
+
+
+def llama_logits(ckpt, ids):
+    """Reference logits [T, V] (float64) of a full causal forward of a llama GGUF
+    checkpoint (``kvjax.checkpoints.LlamaGGUF``: HF orientation, Q/K rows un-permuted)."""
+    hp, t = ckpt.hparams, ckpt.tensors
+    n, k, h, d = hp["num_heads"], hp["num_kv_heads"], hp["head_dim"], hp["d_model"]
+    cfg = types.SimpleNamespace(rope_theta=hp["rope_theta"], norm_eps=hp["norm_eps"],
+                                window_size=None, num_sink_tokens=0, mlp_type="swiglu",
+                                attention="gqa")
+
+    def layer(i):  # rows [out, in] -> [in, out], lazily: one layer's weights at a time
+        return {"attn_norm": t["attn_norm"][i], "mlp_norm": t["mlp_norm"][i],
+                "attn": {"q": t["wq"][i].T.reshape(d, n, h), "k": t["wk"][i].T.reshape(d, k, h),
+                         "v": t["wv"][i].T.reshape(d, k, h), "o": t["wo"][i].T.reshape(n, h, d)},
+                "mlp": {"gate": t["w_gate"][i].T, "up": t["w_up"][i].T, "down": t["w_down"][i].T}}
+
+    return decoder_logits(cfg, t["embed"], (layer(i) for i in range(hp["num_layers"])),
+                          t["final_norm"], t.get("lm_head", t["embed"]).T, ids)
 
 
 def _np(tree):

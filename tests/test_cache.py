@@ -15,14 +15,12 @@ from kvjax.cache import policy as policy_lib
 from kvjax.config import ConfigError, ModelConfig, run_config_from_dict
 from kvjax.inference import decode
 from kvjax.models import model
+from tests.conftest import tiny_config
 
 
 def tiny(**kw) -> ModelConfig:
-    fields = dict(vocab_size=61, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
-                  head_dim=8, mlp_dim=48, tie_embeddings=False, scan_layers=False,
-                  name="tiny")
-    fields.update(kw)
-    return ModelConfig(**fields)
+    return tiny_config(**{**dict(vocab_size=61, tie_embeddings=False, scan_layers=False,
+                                 name="tiny"), **kw})
 
 
 # ------------------------------------------------------------------ slot policies

@@ -26,6 +26,7 @@ from kvjax.checkpoints import (
 )
 from kvjax.checkpoints import fetch
 from kvjax.checkpoints.gguf_reader import llama_cpp_permute, undo_llama_cpp_permute
+from tests import reference
 
 
 # ---------------------------------------------------------------------------
@@ -372,49 +373,8 @@ def test_real_chat_template(tok):
 
 
 # ---------------------------------------------------------------------------
-# Independent numpy reference forward: checks layouts and the Q/K un-permutation
-
-
-def _rms_norm(x, w, eps):
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def _rotary(x, positions, theta):
-    """HF half-split rotary. x: [T, heads, H]."""
-    H = x.shape[-1]
-    inv_freq = 1.0 / theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
-    ang = positions[:, None] * inv_freq[None, :]  # [T, H/2]
-    cos = np.cos(np.concatenate([ang, ang], -1))[:, None, :].astype(np.float32)
-    sin = np.sin(np.concatenate([ang, ang], -1))[:, None, :].astype(np.float32)
-    x1, x2 = x[..., : H // 2], x[..., H // 2:]
-    return x * cos + np.concatenate([-x2, x1], -1) * sin
-
-
-def numpy_llama_logits(ckpt: LlamaGGUF, ids) -> np.ndarray:
-    """Logits [T, V] (float32) of a full causal forward over ``ids`` [T], no cache."""
-    hp, t = ckpt.hparams, ckpt.tensors
-    N, K, H, eps = hp["num_heads"], hp["num_kv_heads"], hp["head_dim"], hp["norm_eps"]
-    G = N // K
-    T = len(ids)
-    pos = np.arange(T, dtype=np.float64)
-    x = t["embed"][np.asarray(ids)]  # [T, D]
-    mask = np.triu(np.full((T, T), -np.inf, np.float32), 1)
-    for i in range(hp["num_layers"]):
-        h = _rms_norm(x, t["attn_norm"][i], eps)
-        q = _rotary((h @ t["wq"][i].T).reshape(T, N, H), pos, hp["rope_theta"])
-        k = _rotary((h @ t["wk"][i].T).reshape(T, K, H), pos, hp["rope_theta"])
-        v = (h @ t["wv"][i].T).reshape(T, K, H)
-        k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)  # query head n -> kv head n // G
-        s = np.einsum("tnh,snh->nts", q, k) / np.sqrt(H) + mask
-        p = np.exp(s - s.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
-        o = np.einsum("nts,snh->tnh", p, v).reshape(T, N * H)
-        x = x + o @ t["wo"][i].T
-        h = _rms_norm(x, t["mlp_norm"][i], eps)
-        g = h @ t["w_gate"][i].T
-        x = x + ((g / (1 + np.exp(-g))) * (h @ t["w_up"][i].T)) @ t["w_down"][i].T
-    x = _rms_norm(x, t["final_norm"], eps)
-    return x @ t.get("lm_head", t["embed"]).T
+# The independent numpy reference (tests/reference.py) on the real weights: checks layouts
+# and the Q/K un-permutation
 
 
 @pytest.mark.slow
@@ -422,14 +382,14 @@ def test_numpy_reference_says_paris(real, tok):
     ids = tok.encode("The capital of France is")
     out = []
     for _ in range(3):
-        nxt = int(np.argmax(numpy_llama_logits(real, ids + out)[-1]))
+        nxt = int(np.argmax(reference.llama_logits(real, ids + out)[-1]))
         out.append(nxt)
     text = tok.decode(out)
     assert text.startswith(" Paris"), text
 
 
 def _mean_nll(ckpt, ids):
-    logits = numpy_llama_logits(ckpt, ids)[:-1].astype(np.float64)
+    logits = reference.llama_logits(ckpt, ids)[:-1].astype(np.float64)
     m = logits.max(-1)
     lse = np.log(np.exp(logits - m[:, None]).sum(-1)) + m
     return float(np.mean(lse - logits[np.arange(len(ids) - 1), ids[1:]]))

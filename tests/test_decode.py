@@ -9,12 +9,13 @@ import pytest
 from kvjax import cache as cache_lib
 from kvjax.inference import decode
 from kvjax.models import model
-from kvjax.config import ModelConfig, SamplingConfig
+from kvjax.config import SamplingConfig
+from tests.conftest import tiny_config
 
 
 def tiny(**kw):
-    return ModelConfig(vocab_size=61, num_layers=2, d_model=16, num_heads=2, num_kv_heads=1,
-                       head_dim=8, mlp_dim=32, attention="gqa", **kw)
+    return tiny_config(vocab_size=61, d_model=16, num_heads=2, num_kv_heads=1, mlp_dim=32,
+                       **kw)
 
 
 @pytest.fixture(scope="module")

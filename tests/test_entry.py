@@ -1,11 +1,21 @@
-"""Smoke test of the real entry point with a shrunk config, and its JSON keys."""
+"""Every entry point (``python -m experiments.*``) run as a subprocess, with shrunk configs:
+decode (its JSON keys, fast failures, the memory check), bench, costs, ppl's flags,
+compare, ablate and uptrain. Tests marked ``slow`` need the SmolLM2 weights or tokenizer."""
 
 import json
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from configs import blog
+from kvjax import fields
+from kvjax.config import run_config_from_dict
+from kvjax.inference import memory
+from kvjax.training import evaluate
+from tests.conftest import import_entry_point
 
 REQUIRED = ["generated_text", "prompt_tokens", "new_tokens", "prefill_tokens_per_s",
             "decode_tokens_per_s", "kv_cache_bytes_per_batch", "kv_cache_bytes_per_sequence",
@@ -106,7 +116,7 @@ def test_bench_entry_point_smoke(tmp_path):
 
 
 def test_bench_crossover_fit_is_robust_to_one_outlier():
-    from experiments.bench import fit_crossover
+    fit_crossover = import_entry_point("bench").fit_crossover
     t = [1024, 4096, 16384, 32768, 65536]
     a, b = 0.012, 3e-6  # weights 12 ms, KV 3 us/token: t* = 4,000
     clean = [a + b * x for x in t]
@@ -136,3 +146,193 @@ def test_decode_entry_point_chunked_prefill_same_text(tmp_path):
     assert b["generated_ids"] == a["generated_ids"]
     assert " Paris" in b["generated_text"]
     assert len(b["prefill_chunk_temp_bytes"]) == 2   # chunks of 4 and the remainder
+
+
+# ------------------------------------------------------------------ the memory check
+
+
+def decode_entry(*args):
+    return subprocess.run([sys.executable, "-m", "experiments.decode", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_entry_point_refuses_before_allocating():
+    """13 TB of cache (B = 4,096, S = 65,536): exit 2 with the message, on any machine."""
+    proc = decode_entry("--config=configs/blog.py", "--config.batch_size=4096",
+                        "--config.max_seq_len=65536")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: memory check (decode): this run needs ~" in proc.stderr
+    assert re.search(r"what fits: .*batch_size <= \d+ at max_seq_len=65,536", proc.stderr)
+
+
+def test_the_issue_command_is_refused_where_it_cannot_fit():
+    """The issue's command: a 51.5 GB float32 cache (used to be killed, exit 137)."""
+    c = blog.get_config()
+    c.batch_size, c.max_seq_len = 16, 65536
+    run = run_config_from_dict(c)
+    # KV 51,539,607,552 B + per-row bookkeeping (positions 4·B·S, lengths 4·B)
+    assert memory.plan(run.model, 16, 65536).cache == 51_539_607_552 + 4 * 16 * 65536 + 4 * 16
+    need = memory.plan(run.model, 16, 65536, weights_bytes=10**9).total
+    if memory.available_bytes()[0] > need:
+        pytest.skip("this machine has room for the 51.5 GB cache")
+    proc = decode_entry("--config=configs/blog.py", "--config.batch_size=16",
+                        "--config.max_seq_len=65536")
+    assert proc.returncode == 2 and "memory check (decode)" in proc.stderr, proc.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ experiments.costs
+
+
+def test_cost_sweep_entry_point_shrunk(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.costs", "--variants=mqa,gqa-window",
+         "--contexts=512,1024", "--dtypes=float32", "--measure_contexts=512", "--repeats=2",
+         "--table_contexts=512", "--plot_context=512", f"--out_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "costs.json").read_text())["rows"]
+    assert [(r["variant"], r["context"]) for r in rows] == [
+        ("mqa", 512), ("mqa", 1024), ("gqa-window", 512), ("gqa-window", 1024)]
+    assert rows[0]["measured_s"] > 0 and np.isnan(rows[1]["measured_s"])
+    win = rows[2:]  # one program (W = 512 slots) for both contexts
+    assert win[0]["xla_bytes"] == win[1]["xla_bytes"]
+    for r in rows:
+        assert 0.9 <= r["bytes_ratio"] <= 1.3
+        assert r["xla_kv_read"] == pytest.approx(r["theory_kv_read"], rel=0.01)
+    table = (tmp_path / "table.txt").read_text()
+    assert "gqa-window" in table and "1,024" not in table
+    for name in ("costs.csv", "attribution_float32_t512.png", "kv_to_weights.png",
+                 "roofline_float32.png", "step_bytes_float32.png"):
+        assert (tmp_path / name).stat().st_size > 1000, name
+
+
+# ------------------------------------------------------------------ flags, fields, compare
+
+
+def entry(*args, module="experiments.ppl", timeout=120):
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("--config.model.window_sise=128",
+     "unknown field --config.model.window_sise; did you mean --config.model.window_size?"),
+    ("--config.eval.corpus=x.txt",
+     "unknown field --config.eval.corpus; did you mean --eval.corpus?"),
+    ("--eval.num_token=3", "unknown field --eval.num_token; did you mean --eval.num_tokens?"),
+    ("--config=gqq", "config 'gqq': no such file; shipped configs: blog, blog_window,"),
+    ("--eval.split=some", "eval.split='some'; allowed: 'heldout' or 'all'"),
+    ("--eval.corpus=/nonexistent/t.txt", "eval.corpus='/nonexistent/t.txt': no such file"),
+])
+def test_bad_flags_fail_in_one_line_without_traceback(arg, expected):
+    proc = entry("--config=configs/gqa.py", arg)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    first = proc.stderr.strip().splitlines()[0]
+    assert first.startswith("error: ") and expected in first, proc.stderr
+
+
+def test_list_fields_prints_every_field_with_type_default_and_description():
+    proc = entry("--config=mla", "--list_fields")
+    assert proc.returncode == 0, proc.stderr
+    lines = {ln.split()[0]: ln for ln in proc.stdout.splitlines() if ln.startswith("  --")}
+    assert "int  " in lines["--config.model.kv_lora_rank"]
+    assert "512" in lines["--config.model.kv_lora_rank"]  # configs/mla.py's value
+    assert "'heldout'" in lines["--eval.split"] and "'all'" in lines["--eval.split"]
+    assert len(lines) == len(fields.config_fields("eval", evaluate.eval_config_dict())) + len(
+        [ln for ln in lines if ln.startswith("--config.")])
+
+
+@pytest.mark.slow
+def test_compare_entry_point_on_your_own_text(tmp_path):
+    """Two shrunk random-weight configs on a made-up file (needs the SmolLM2 tokenizer)."""
+    text = tmp_path / "mine.txt"
+    text.write_text("\n\n".join(f"Paragraph {i}: the cache grows with the context. " * 8
+                                for i in range(30)))
+    out = tmp_path / "out"
+    proc = entry("--configs=mha=blog,win=blog_window",
+                 "--override=all:model.num_layers=1,max_new_tokens=4,max_seq_len=64",
+                 "--override=win:model.window_size=16,model.num_sink_tokens=4",
+                 f"--eval.corpus={text}", "--eval.split=all", "--eval.context=32",
+                 "--eval.chunk=16", "--eval.num_tokens=128", "--repeats=2",
+                 f"--out_dir={out}", f"--json_out={tmp_path / 'c.json'}",
+                 module="experiments.compare", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "c.json").read_text())
+    rows = {r["label"]: r for r in result["rows"]}
+    assert rows["win"]["variant"] == "blog GQA K=2 W=16+4 sinks fp32"
+    # 1 layer x K x (64 + 64) x 4 bytes per token; the window holds 16 slots of 32.
+    assert rows["mha"]["kv_bytes_per_token"] == 8 * 128 * 4
+    assert rows["mha"]["kv_cache_bytes_per_sequence"] == 8 * 128 * 4 * 32
+    assert rows["win"]["kv_cache_bytes_per_sequence"] == 2 * 128 * 4 * 16
+    assert all(r["tokens_scored"] == 4 * 31 and r["ppl"] > 1 and r["step_ms"] > 0
+               for r in rows.values())
+    assert result["settings"]["split"] == "all"
+    for f in ("compare.txt", "compare.csv", "compare.png"):
+        assert (out / f).stat().st_size > 0
+    assert "W=16+4 sinks" in (out / "compare.txt").read_text()
+
+
+# ------------------------------------------------------------------ ablate and uptrain
+
+
+TINY_FLAGS = ["--config=configs/gqa.py", "--config.weights=random",
+              "--config.model.num_layers=1", "--config.model.d_model=48",
+              "--config.model.num_heads=6", "--config.model.head_dim=8",
+              "--config.model.mlp_dim=32"]
+
+
+def tiny_corpus(tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    words = ["cache", "key", "value", "token", "head", "layer", "the", "a", "reads", "of"]
+    for i in range(30):
+        (folder / f"d{i}.txt").write_text(" ".join(rng.choice(words, 300)))
+    return folder
+
+
+@pytest.mark.slow
+def test_ablate_entry_point_writes_table_and_plots(tmp_path):
+    """The real entry point on a shrunk random model and a made-up corpus (needs the
+    SmolLM2 tokenizer, hence slow)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "experiments.ablate", *TINY_FLAGS,
+           f"--eval.corpus={tiny_corpus(tmp_path)}", "--eval.heldout_fraction=0.3",
+           "--eval.context=16", "--eval.chunk=8", "--eval.num_tokens=64",
+           "--kv_heads=6,3,1", "--windows=8,16", "--sinks=2", "--mla_ranks=8",
+           "--uptrain_kv_heads=1", "--train.steps=2", "--train.warmup_steps=1",
+           "--train.seq_len=16", "--calib_tokens=256", f"--out_dir={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((out / "ablate.json").read_text())["rows"]
+    names = [r["name"] for r in rows]
+    assert names == ["MHA K=6 (duplicated)", "GQA K=3 (original)", "MQA K=1 (mean-pooled)",
+                     "W=8", "W=16", "W=8+2 sinks", "W=16+2 sinks", "MLA C=8",
+                     "MQA K=1 + uptrain 2 steps"]
+    by = {r["name"]: r for r in rows}
+    assert by["MHA K=6 (duplicated)"]["ppl"] == pytest.approx(by["GQA K=3 (original)"]["ppl"],
+                                                               rel=1e-5)
+    assert by["W=16"]["same_as"] == "GQA K=3 (original)"
+    for r in rows:
+        assert r["kv_bytes_measured"] == r["kv_bytes_theory"] or r["window"] == 16
+        assert r["check_rel_diff"] is None or r["check_rel_diff"] < 1e-4
+    assert (out / "pareto.png").stat().st_size > 0 and (out / "uptrain_loss.png").is_file()
+    assert "Pareto front" in proc.stdout
+
+
+@pytest.mark.slow
+def test_uptrain_entry_point_trains_and_scores(tmp_path):
+    """experiments.uptrain on a shrunk random model (needs the SmolLM2 tokenizer)."""
+    corpus = tiny_corpus(tmp_path)
+    cmd = [sys.executable, "-m", "experiments.uptrain", *TINY_FLAGS,
+           "--config.model.num_kv_heads=1", "--config.model.attention=mqa",
+           f"--eval.corpus={corpus}", "--eval.heldout_fraction=0.3", "--eval.context=16",
+           "--eval.chunk=8", "--eval.num_tokens=32", "--train.steps=3",
+           "--train.warmup_steps=1", "--train.seq_len=16", "--train.checkpoint_every=1",
+           f"--workdir={tmp_path / 'w'}"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "after 3 steps: perplexity" in first.stdout
+    assert (tmp_path / "w" / "loss_curve.png").is_file()
+    assert (tmp_path / "w" / "checkpoints" / "3").is_dir()  # resuming: see the test above

@@ -1,8 +1,5 @@
-"""Field documentation (--list_fields), one-line errors for bad flags, the compare entry point."""
-
-import json
-import subprocess
-import sys
+"""Field documentation, closest-name suggestions, variant names and compare's parsing (the
+entry points themselves, --list_fields and one-line flag errors: tests/test_entry.py)."""
 
 import pytest
 
@@ -10,11 +7,7 @@ from kvjax import fields, naming
 from kvjax.analysis import hardware
 from kvjax.config import ModelConfig
 from kvjax.training import data, evaluate
-
-
-def entry(*args, module="experiments.ppl", timeout=120):
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
-                          text=True, timeout=timeout)
+from tests.conftest import import_entry_point
 
 
 def test_attribute_docs_parse_groups_and_continuations():
@@ -34,8 +27,8 @@ def test_attribute_docs_parse_groups_and_continuations():
 
 @pytest.mark.parametrize("config", ["gqa", "window", "mla", "blog_window"])
 def test_every_config_and_eval_field_is_documented(config):
-    from experiments.compare import load_config_file
-    from experiments.cli import resolve_config_path
+    load_config_file = import_entry_point("compare").load_config_file
+    resolve_config_path = import_entry_point("cli").resolve_config_path
     listed = (fields.config_fields("config", load_config_file(resolve_config_path(config)))
               + fields.config_fields("eval", evaluate.eval_config_dict()))
     undocumented = [f.path for f in listed if not f.description]
@@ -56,35 +49,6 @@ def test_closest_prefers_the_same_tail_then_spelling():
     assert fields.closest("eval.num_token", paths) == ["eval.num_tokens"]
     assert fields.closest("config.model.num_kv_head", paths)[0] == "config.model.num_kv_heads"
     assert fields.closest("zzz.qqq", paths) == []
-
-
-@pytest.mark.parametrize("arg, expected", [
-    ("--config.model.window_sise=128",
-     "unknown field --config.model.window_sise; did you mean --config.model.window_size?"),
-    ("--config.eval.corpus=x.txt",
-     "unknown field --config.eval.corpus; did you mean --eval.corpus?"),
-    ("--eval.num_token=3", "unknown field --eval.num_token; did you mean --eval.num_tokens?"),
-    ("--config=gqq", "config 'gqq': no such file; shipped configs: blog, blog_window,"),
-    ("--eval.split=some", "eval.split='some'; allowed: 'heldout' or 'all'"),
-    ("--eval.corpus=/nonexistent/t.txt", "eval.corpus='/nonexistent/t.txt': no such file"),
-])
-def test_bad_flags_fail_in_one_line_without_traceback(arg, expected):
-    proc = entry("--config=configs/gqa.py", arg)
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    first = proc.stderr.strip().splitlines()[0]
-    assert first.startswith("error: ") and expected in first, proc.stderr
-
-
-def test_list_fields_prints_every_field_with_type_default_and_description():
-    proc = entry("--config=mla", "--list_fields")
-    assert proc.returncode == 0, proc.stderr
-    lines = {ln.split()[0]: ln for ln in proc.stdout.splitlines() if ln.startswith("  --")}
-    assert "int  " in lines["--config.model.kv_lora_rank"]
-    assert "512" in lines["--config.model.kv_lora_rank"]  # configs/mla.py's value
-    assert "'heldout'" in lines["--eval.split"] and "'all'" in lines["--eval.split"]
-    assert len(lines) == len(fields.config_fields("eval", evaluate.eval_config_dict())) + len(
-        [ln for ln in lines if ln.startswith("--config.")])
 
 
 def test_split_error_suggests_a_fraction_that_works(tmp_path):
@@ -137,7 +101,7 @@ def test_chip_aliases_and_readable_device_name():
 
 
 def test_compare_parses_labels_and_overrides():
-    from experiments import compare
+    compare = import_entry_point("compare")
     runs = compare.build_variants(
         ["gqa", "w64=window", "w128=window"],
         ["w64:model.window_size=64,model.num_sink_tokens=4", "all:max_new_tokens=8,prompt=Hi, there",
@@ -154,36 +118,6 @@ def test_compare_parses_labels_and_overrides():
         compare.build_variants(["gqa", "gqa"], [])
     with pytest.raises(compare.CompareError, match="window_size='x'; allowed: a value of type int"):
         compare.build_variants(["window"], ["window:model.window_size=x"])
-
-
-@pytest.mark.slow
-def test_compare_entry_point_on_your_own_text(tmp_path):
-    """Two shrunk random-weight configs on a made-up file (needs the SmolLM2 tokenizer)."""
-    text = tmp_path / "mine.txt"
-    text.write_text("\n\n".join(f"Paragraph {i}: the cache grows with the context. " * 8
-                                for i in range(30)))
-    out = tmp_path / "out"
-    proc = entry("--configs=mha=blog,win=blog_window",
-                 "--override=all:model.num_layers=1,max_new_tokens=4,max_seq_len=64",
-                 "--override=win:model.window_size=16,model.num_sink_tokens=4",
-                 f"--eval.corpus={text}", "--eval.split=all", "--eval.context=32",
-                 "--eval.chunk=16", "--eval.num_tokens=128", "--repeats=2",
-                 f"--out_dir={out}", f"--json_out={tmp_path / 'c.json'}",
-                 module="experiments.compare", timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads((tmp_path / "c.json").read_text())
-    rows = {r["label"]: r for r in result["rows"]}
-    assert rows["win"]["variant"] == "blog GQA K=2 W=16+4 sinks fp32"
-    # 1 layer x K x (64 + 64) x 4 bytes per token; the window holds 16 slots of 32.
-    assert rows["mha"]["kv_bytes_per_token"] == 8 * 128 * 4
-    assert rows["mha"]["kv_cache_bytes_per_sequence"] == 8 * 128 * 4 * 32
-    assert rows["win"]["kv_cache_bytes_per_sequence"] == 2 * 128 * 4 * 16
-    assert all(r["tokens_scored"] == 4 * 31 and r["ppl"] > 1 and r["step_ms"] > 0
-               for r in rows.values())
-    assert result["settings"]["split"] == "all"
-    for f in ("compare.txt", "compare.csv", "compare.png"):
-        assert (out / f).stat().st_size > 0
-    assert "W=16+4 sinks" in (out / "compare.txt").read_text()
 
 
 def test_blog_table_in_one_call_llama2_70b_on_h100_at_128k():

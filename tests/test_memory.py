@@ -2,22 +2,20 @@
 asked for, the bytes available and what would fit."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 
 from configs import blog
 from kvjax import cache as cache_lib
-from kvjax.config import ConfigError, ModelConfig, run_config_from_dict
+from kvjax.config import ConfigError, run_config_from_dict
 from kvjax.inference import memory
+from tests.conftest import tiny_config
 
 GiB = 2**30
 
 
 def small(**kw):
-    return ModelConfig(vocab_size=64, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
-                       head_dim=8, mlp_dim=64, scan_layers=False, **kw)
+    return tiny_config(vocab_size=64, mlp_dim=64, scan_layers=False, **kw)
 
 
 def test_plan_adds_weights_cache_temporaries_and_margin():
@@ -73,32 +71,3 @@ def test_override_skips_the_check():
         memory.check_run(run_config_from_dict(c), weights_loaded=False)
     c.ignore_memory_check = True
     memory.check_run(run_config_from_dict(c), weights_loaded=False)
-
-
-def decode_entry(*args):
-    return subprocess.run([sys.executable, "-m", "experiments.decode", *args],
-                          capture_output=True, text=True, timeout=300)
-
-
-def test_entry_point_refuses_before_allocating():
-    """13 TB of cache (B = 4,096, S = 65,536): exit 2 with the message, on any machine."""
-    proc = decode_entry("--config=configs/blog.py", "--config.batch_size=4096",
-                        "--config.max_seq_len=65536")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "error: memory check (decode): this run needs ~" in proc.stderr
-    assert re.search(r"what fits: .*batch_size <= \d+ at max_seq_len=65,536", proc.stderr)
-
-
-def test_the_issue_command_is_refused_where_it_cannot_fit():
-    """The issue's command: a 51.5 GB float32 cache (used to be killed, exit 137)."""
-    c = blog.get_config()
-    c.batch_size, c.max_seq_len = 16, 65536
-    run = run_config_from_dict(c)
-    # KV 51,539,607,552 B + per-row bookkeeping (positions 4·B·S, lengths 4·B)
-    assert memory.plan(run.model, 16, 65536).cache == 51_539_607_552 + 4 * 16 * 65536 + 4 * 16
-    need = memory.plan(run.model, 16, 65536, weights_bytes=10**9).total
-    if memory.available_bytes()[0] > need:
-        pytest.skip("this machine has room for the 51.5 GB cache")
-    proc = decode_entry("--config=configs/blog.py", "--config.batch_size=16",
-                        "--config.max_seq_len=65536")
-    assert proc.returncode == 2 and "memory check (decode)" in proc.stderr, proc.stderr[-2000:]

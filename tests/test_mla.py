@@ -11,20 +11,12 @@ import pytest
 from kvjax import cache as cache_lib
 from kvjax.analysis import costs, theory
 from kvjax.models import model
-from kvjax.config import ConfigError, ModelConfig, run_config_from_dict
+from kvjax.config import ConfigError, run_config_from_dict
 from kvjax.models.mla import MLAttention
+from tests import reference
+from tests.conftest import positions, tiny_mla_config
 
-SMALL = dict(vocab_size=97, num_layers=2, d_model=64, num_heads=4, num_kv_heads=4,
-             head_dim=24, mlp_dim=96, attention="mla", kv_lora_rank=16,
-             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
-
-
-def small(**kw):
-    return ModelConfig(**{**SMALL, **kw})
-
-
-def positions(start, t, batch=1):
-    return jnp.broadcast_to(jnp.arange(start, start + t, dtype=jnp.int32), (batch, t))
+small = tiny_mla_config
 
 
 forward = jax.jit(model.forward, static_argnums=1)  # (params, cfg, tokens, positions, cache)
@@ -95,6 +87,20 @@ def test_cached_decode_equals_full_forward(absorb, scan_layers):
     assert c.length.tolist() == [11] * 2
     layer0 = c.layer(0) if scan_layers else {n: t[0] for n, t in c.tensors.items()}
     assert layer0["c_kv"].shape == (2, 16, 16) and layer0["k_rope"].shape == (2, 16, 8)
+
+
+@pytest.mark.parametrize("absorb", [True, False])
+@pytest.mark.parametrize("q_lora_rank, window, sinks", [(None, None, 0), (12, 5, 2)])
+def test_forward_equals_the_numpy_reference(absorb, q_lora_rank, window, sinks):
+    """Both decode paths against the naive float64 math of tests/reference.py (keys and
+    values rebuilt from the latent), with and without a query low-rank, window and sinks."""
+    cfg = small(mla_absorb=absorb, q_lora_rank=q_lora_rank, window_size=window,
+                num_sink_tokens=sinks, scan_layers=True)
+    params = model.init_params(cfg, jax.random.key(7))
+    tokens = jax.random.randint(jax.random.key(8), (1, 13), 0, cfg.vocab_size)
+    full, _ = forward(params, cfg, tokens, positions(0, 13))
+    ref = reference.logits(params, cfg, np.asarray(tokens[0]))
+    np.testing.assert_allclose(np.asarray(full[0]), ref, atol=1e-4, rtol=0)
 
 
 def test_windowed_latent_cache_equals_windowed_forward():

@@ -9,23 +9,18 @@ import pytest
 from kvjax import cache as cache_lib
 from kvjax.models import convert, model
 from kvjax.models.attention import attend, attend_step
-from kvjax.config import ModelConfig
 from tests import reference
+from tests.conftest import positions, tiny_config
 
 VARIANTS = {"mha": (4, "mha"), "gqa": (2, "gqa"), "mqa": (1, "mqa")}
 
 
 def tiny(num_kv_heads=2, attention="gqa", scan_layers=True, **kw):
-    return ModelConfig(vocab_size=97, num_layers=3, d_model=32, num_heads=4,
-                       num_kv_heads=num_kv_heads, head_dim=8, mlp_dim=48,
-                       attention=attention, scan_layers=scan_layers, **kw)
+    return tiny_config(num_layers=3, num_kv_heads=num_kv_heads, attention=attention,
+                       scan_layers=scan_layers, **kw)
 
 
 fwd = jax.jit(model.forward, static_argnums=1)
-
-
-def positions(start, t, batch=1):
-    return jnp.broadcast_to(jnp.arange(start, start + t, dtype=jnp.int32), (batch, t))
 
 
 def cached_logits(params, cfg, tokens, prefill_len, max_seq_len=24):

@@ -11,15 +11,16 @@ from kvjax import cache as cache_lib
 from kvjax.models import convert, model
 from kvjax.training import data, evaluate
 from kvjax.config import ModelConfig
+from tests.conftest import tiny_config
 
 V = 97
 ECFG = evaluate.EvalConfig(context=16, num_tokens=48, batch_size=2, chunk=4)
 
 
 def tiny(num_kv_heads=3, attention="gqa", **kw):
-    return ModelConfig(vocab_size=V, num_layers=1, d_model=24, num_heads=6,
-                       num_kv_heads=num_kv_heads, head_dim=8, mlp_dim=32,
-                       attention=attention, scan_layers=False, **kw)
+    return tiny_config(vocab_size=V, num_layers=1, d_model=24, num_heads=6,
+                       num_kv_heads=num_kv_heads, mlp_dim=32, attention=attention,
+                       scan_layers=False, **kw)
 
 
 def windows(seed=0, m=3, t=16):
@@ -127,55 +128,6 @@ def test_eval_config_validates():
     with pytest.raises(ValueError, match="eval.context=1"):
         evaluate.EvalConfig(context=1, chunk=1)
     assert data.eval_windows(np.arange(64, dtype=np.int32), 16, 48).shape == (3, 16)
-
-
-TINY_FLAGS = ["--config=configs/gqa.py", "--config.weights=random",
-              "--config.model.num_layers=1", "--config.model.d_model=48",
-              "--config.model.num_heads=6", "--config.model.head_dim=8",
-              "--config.model.mlp_dim=32"]
-
-
-def tiny_corpus(tmp_path):
-    folder = tmp_path / "corpus"
-    folder.mkdir()
-    rng = np.random.default_rng(0)
-    words = ["cache", "key", "value", "token", "head", "layer", "the", "a", "reads", "of"]
-    for i in range(30):
-        (folder / f"d{i}.txt").write_text(" ".join(rng.choice(words, 300)))
-    return folder
-
-
-@pytest.mark.slow
-def test_ablate_entry_point_writes_table_and_plots(tmp_path):
-    """The real entry point on a shrunk random model and a made-up corpus (needs the
-    SmolLM2 tokenizer, hence slow)."""
-    import subprocess
-    import sys
-
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "experiments.ablate", *TINY_FLAGS,
-           f"--eval.corpus={tiny_corpus(tmp_path)}", "--eval.heldout_fraction=0.3",
-           "--eval.context=16", "--eval.chunk=8", "--eval.num_tokens=64",
-           "--kv_heads=6,3,1", "--windows=8,16", "--sinks=2", "--mla_ranks=8",
-           "--uptrain_kv_heads=1", "--train.steps=2", "--train.warmup_steps=1",
-           "--train.seq_len=16", "--calib_tokens=256", f"--out_dir={out}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-    rows = json.loads((out / "ablate.json").read_text())["rows"]
-    names = [r["name"] for r in rows]
-    assert names == ["MHA K=6 (duplicated)", "GQA K=3 (original)", "MQA K=1 (mean-pooled)",
-                     "W=8", "W=16", "W=8+2 sinks", "W=16+2 sinks", "MLA C=8",
-                     "MQA K=1 + uptrain 2 steps"]
-    by = {r["name"]: r for r in rows}
-    assert by["MHA K=6 (duplicated)"]["ppl"] == pytest.approx(by["GQA K=3 (original)"]["ppl"],
-                                                               rel=1e-5)
-    assert by["W=16"]["same_as"] == "GQA K=3 (original)"
-    for r in rows:
-        assert r["kv_bytes_measured"] == r["kv_bytes_theory"] or r["window"] == 16
-        assert r["check_rel_diff"] is None or r["check_rel_diff"] < 1e-4
-    assert (out / "pareto.png").stat().st_size > 0 and (out / "uptrain_loss.png").is_file()
-    assert "Pareto front" in proc.stdout
 
 
 def test_separator_is_not_text_two_documents(tmp_path):

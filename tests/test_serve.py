@@ -5,7 +5,9 @@ import json
 
 import pytest
 
-from experiments import serve
+from tests.conftest import import_entry_point
+
+serve = import_entry_point("serve")
 from kvjax.config import ModelConfig
 from kvjax.inference import engine
 from tests.test_ragged import VARIANTS, params_of

@@ -10,15 +10,14 @@ from kvjax import cache as cache_lib
 from kvjax.config import ConfigError, ModelConfig
 from kvjax.inference import decode
 from kvjax.models import model
+from tests.conftest import tiny_ring_config
 
 W, S = 6, 2  # window slots, of which sinks
 
 
 def tiny(layers=1, rope_positions="cache", window=W, sinks=S) -> ModelConfig:
-    return ModelConfig(vocab_size=53, num_layers=layers, d_model=32, num_heads=4,
-                       num_kv_heads=2, head_dim=8, mlp_dim=48, tie_embeddings=False,
-                       window_size=window, num_sink_tokens=sinks,
-                       rope_positions=rope_positions, scan_layers=False, rope_theta=100.0)
+    return tiny_ring_config(window, sinks, vocab_size=53, num_layers=layers,
+                            rope_positions=rope_positions, scan_layers=False, rope_theta=100.0)
 
 
 def stream_logits(cfg, params, tokens, chunk):

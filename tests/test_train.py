@@ -9,10 +9,10 @@ import pytest
 
 from kvjax.models import model
 from kvjax.training import train as train_lib
-from kvjax.config import ModelConfig
+from tests.conftest import tiny_config
 
-CFG = ModelConfig(vocab_size=61, num_layers=2, d_model=16, num_heads=4, num_kv_heads=1,
-                  head_dim=4, mlp_dim=24, attention="mqa", scan_layers=False)
+CFG = tiny_config(vocab_size=61, d_model=16, num_kv_heads=1, head_dim=4, mlp_dim=24,
+                  attention="mqa", scan_layers=False)
 TCFG = train_lib.TrainConfig(steps=4, batch_size=2, seq_len=8, peak_lr=1e-2,
                              warmup_steps=1, checkpoint_every=2)
 
@@ -91,25 +91,3 @@ def test_schedule_and_config_validation(tmp_path):
     hist = [{"step": i, "loss": 5.0 - 0.1 * i} for i in range(20)]
     train_lib.plot_history({"a": hist, "b": hist[:5]}, tmp_path / "loss.png")
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
-
-
-@pytest.mark.slow
-def test_uptrain_entry_point_trains_and_scores(tmp_path):
-    """experiments.uptrain on a shrunk random model (needs the SmolLM2 tokenizer)."""
-    import subprocess
-    import sys
-
-    from tests.test_ppl import TINY_FLAGS, tiny_corpus
-
-    corpus = tiny_corpus(tmp_path)
-    cmd = [sys.executable, "-m", "experiments.uptrain", *TINY_FLAGS,
-           "--config.model.num_kv_heads=1", "--config.model.attention=mqa",
-           f"--eval.corpus={corpus}", "--eval.heldout_fraction=0.3", "--eval.context=16",
-           "--eval.chunk=8", "--eval.num_tokens=32", "--train.steps=3",
-           "--train.warmup_steps=1", "--train.seq_len=16", "--train.checkpoint_every=1",
-           f"--workdir={tmp_path / 'w'}"]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "after 3 steps: perplexity" in first.stdout
-    assert (tmp_path / "w" / "loss_curve.png").is_file()
-    assert (tmp_path / "w" / "checkpoints" / "3").is_dir()  # resuming: see the test above

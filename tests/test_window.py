@@ -1,13 +1,12 @@
 """Sliding-window attention (blog "Lever 3"): the W-slot ring-buffer cache, attention
 sinks (Xiao et al. 2023), their masks, memory, cost and configs.
 
-The decode path is checked against an independent float64 numpy model with an explicit
-banded causal mask (written here from the formulas, no kvjax attention code), and against
+The decode path is checked against the independent float64 numpy model of
+tests/reference.py (an explicit banded causal mask from absolute positions), and against
 hand-computable uniform attention. Tiny random models, float32, CPU.
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -20,19 +19,15 @@ from kvjax.inference import decode
 from kvjax.models import model
 from kvjax.models.attention import Attention
 from kvjax.config import ConfigError, ModelConfig, run_config_from_dict
+from tests import reference
+from tests.conftest import tiny_ring_config
 
 W = 6  # window of the tiny models: small, so a few steps wrap the ring
 
 
 def tiny(window=W, sinks=0, scan=True, **kw) -> ModelConfig:
-    """L=2, D=32, N=4 query heads sharing K=2 KV heads (GQA), H=8, float32, untied head
-    (a tied random head makes greedy decoding repeat its input token)."""
-    fields = dict(vocab_size=97, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
-                  head_dim=8, mlp_dim=48, mlp_type="swiglu", attention="gqa",
-                  tie_embeddings=False, window_size=window, num_sink_tokens=sinks,
-                  scan_layers=scan, dtype="float32", name="tiny")
-    fields.update(kw)
-    return ModelConfig(**fields)
+    """conftest's tiny ring model (GQA, untied head, float32) with W=6 slots by default."""
+    return tiny_ring_config(window, sinks, scan_layers=scan, name="tiny", **kw)
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,58 +48,9 @@ def run_chunk(params, tokens, cache, *, cfg):
     return model.forward(params, cfg, tokens, pos, cache)
 
 
-# ------------------------------------------------------------------ independent reference
-
-
-def band(t, window=None, sinks=0):
-    """[T, T] 0/1 visibility of keys 0..T-1 from queries 0..T-1: causal, and with a window
-    the last W - s positions (the query's own included) or one of the s sinks."""
-    q = np.arange(t)[:, None]
-    k = np.arange(t)[None, :]
-    m = k <= q
-    if window is not None:
-        m = m & ((q - k <= window - sinks - 1) | (k < sinks))
-    return m
-
-
 def ref_logits(cfg: ModelConfig, tokens) -> np.ndarray:
-    """float64 numpy decoder with an explicit band mask: [T, V] logits of one sequence."""
-    p = jax.tree.map(lambda a: np.asarray(a, np.float64), _stacked_params())
-    lay = p["layers"]
-    t = len(tokens)
-    n, kh, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    pos = np.arange(t, dtype=np.float64)
-    inv = cfg.rope_theta ** (-np.arange(0, h, 2) / h)
-    ang = pos[:, None, None] * inv
-
-    def rope(x):  # half-split rotary: pairs i, i + H/2
-        a, b = x[..., : h // 2], x[..., h // 2:]
-        return np.concatenate([a * np.cos(ang) - b * np.sin(ang),
-                               b * np.cos(ang) + a * np.sin(ang)], -1)
-
-    def norm(x, scale):
-        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * scale
-
-    mask = band(t, cfg.window_size, cfg.num_sink_tokens)
-    x = p["embed"]["embedding"][np.asarray(tokens)]
-    for i in range(cfg.num_layers):
-        a, m = lay["attn"], lay["mlp"]
-        y = norm(x, lay["attn_norm"]["scale"][i])
-        q = rope(np.einsum("td,dnh->tnh", y, a["q_proj"]["kernel"][i]))
-        k = rope(np.einsum("td,dkh->tkh", y, a["k_proj"]["kernel"][i]))
-        v = np.einsum("td,dkh->tkh", y, a["v_proj"]["kernel"][i])
-        out = np.empty((t, n, h))
-        for head in range(n):
-            kv = head // (n // kh)
-            s = np.where(mask, q[:, head] @ k[:, kv].T / math.sqrt(h), -np.inf)
-            w = np.exp(s - s.max(-1, keepdims=True))
-            out[:, head] = (w / w.sum(-1, keepdims=True)) @ v[:, kv]
-        x = x + np.einsum("tnh,nhd->td", out, a["o_proj"]["kernel"][i])
-        y = norm(x, lay["mlp_norm"]["scale"][i])
-        g = y @ m["gate"]["kernel"][i]
-        x = x + (g / (1 + np.exp(-g)) * (y @ m["up"]["kernel"][i])) @ m["down"]["kernel"][i]
-    x = norm(x, p["final_norm"]["scale"])
-    return x @ p["lm_head"]["kernel"]
+    """[T, V] logits of one sequence from the independent numpy reference."""
+    return reference.logits(_stacked_params(), cfg, tokens)
 
 
 def expected_positions(cfg: ModelConfig, length: int) -> np.ndarray:
@@ -448,7 +394,7 @@ def test_mask_literal_without_sinks():
             [0, 0, 1, 1, 1, 0],
             [0, 0, 0, 1, 1, 1]]
     np.testing.assert_array_equal(got, np.array(want, bool))
-    np.testing.assert_array_equal(want, band(6, 3))
+    np.testing.assert_array_equal(want, reference.band_mask(np.arange(6), np.arange(6), 3))
 
 
 def test_mask_literal_with_sinks():
@@ -462,7 +408,7 @@ def test_mask_literal_with_sinks():
             [1, 1, 0, 0, 1, 1, 0],
             [1, 1, 0, 0, 0, 1, 1]]
     np.testing.assert_array_equal(got, np.array(want, bool))
-    np.testing.assert_array_equal(want, band(7, 4, 2))
+    np.testing.assert_array_equal(want, reference.band_mask(np.arange(7), np.arange(7), 4, 2))
 
 
 def test_mask_over_a_wrapped_ring_uses_stored_positions():
