@@ -306,6 +306,7 @@ def analyze_loop(cfg: ModelConfig, context: int, batch: int = 1, compiled=None,
         # The loop reads float32 copies of the weights, converted once before the loop
         # (loop-invariant): the blog's bytes with 4-byte weights.
         widened = dict(sb.as_dict(), weights=sb.weights * 4 // cfg.dtype_bytes)
+        widened["read"] = sb.read + widened["weights"] - sb.weights
         widened["total"] = sb.total + widened["weights"] - sb.weights
         parts["bytes_widened"] = widened
     _, cache = _specs(cfg, batch, context)
