@@ -9,6 +9,14 @@ from kvjax.config import ModelConfig
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops JAX's compiled programs after each test module: the suite compiles thousands
+    of programs in one process, and none is shared across files."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(LoadedModel for configs/gqa.py in float32, RunConfig). Fetches weights once."""
