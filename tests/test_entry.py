@@ -135,7 +135,8 @@ def test_decode_entry_point_chunked_prefill_same_text(tmp_path):
     """--config.prefill_chunk feeds the prompt 4 tokens at a time: same continuation as
     the one-pass prefill, and the report gives each chunk program's temp bytes."""
     args = ["--config=configs/gqa.py", "--config.max_new_tokens=3",
-            "--config.max_seq_len=32", "--config.measure_repeats=1"]
+            "--config.max_seq_len=32", "--config.measure_repeats=1",
+            "--config.chat_template=False", "--config.prompt=The capital of France is"]
     one, out_one = run_entry(tmp_path, *args)
     assert one.returncode == 0, one.stderr[-3000:]
     (tmp_path / "chunked").mkdir()
