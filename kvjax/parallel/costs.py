@@ -68,6 +68,8 @@ class ShardedStepCost:
         empty).
       roofline_ici_bytes: jax.experimental.roofline's inter-device bytes (None: failed,
         see roofline_error).
+      compiled: the compiled SPMD step (params, token [B, 1] int32, cache) -> (logits,
+        cache), arguments in the specs' shardings; for timing it.
     """
 
     cfg: ModelConfig
@@ -87,13 +89,15 @@ class ShardedStepCost:
     cache_gathers: tuple
     roofline_ici_bytes: float | None = None
     roofline_error: str | None = None
+    compiled: object = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def theory_bytes_dev(self) -> float:
         return self.weight_bytes_dev + self.kv_bytes_dev + self.collective_bytes
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("cfg", "inventory")}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name not in ("cfg", "inventory", "compiled")}
         d["inventory"] = {f"{k}@{'+'.join(a) or '-'}": v for (k, a), v in self.inventory.items()}
         d["theory_bytes_dev"] = self.theory_bytes_dev
         d["model"] = self.cfg.name
@@ -136,7 +140,44 @@ def analyze_sharded_step(cfg: ModelConfig, mcfg: MeshConfig, context: int, batch
         collective_link_bytes=sum(c.link_bytes for c in colls),
         xla_bytes=xla.bytes, xla_flops=xla.flops, inventory=coll_lib.inventory(colls),
         per_axis=coll_lib.bytes_per_axis(colls), cache_gathers=tuple(c.name for c in bad),
-        roofline_ici_bytes=ici, roofline_error=err)
+        roofline_ici_bytes=ici, roofline_error=err, compiled=compiled)
+
+
+def measure_sharded_step(cfg: ModelConfig, mcfg: MeshConfig, params, context: int,
+                         batch: int = 1, repeats: int = 5, compiled=None,
+                         devices=None) -> list[float]:
+    """Wall times (s) of ``repeats`` sharded decode steps at ``context``, after one
+    warm-up: ``params`` (host or single-device arrays) placed by their specs, a full
+    cache (``kvjax.analysis.costs.full_cache``) created directly in its shardings, the
+    cache donated to each call and its length reset, so every step sees the same
+    context. ``compiled``: :attr:`ShardedStepCost.compiled` (else compiled here).
+    Report the median.
+
+    Raises:
+      ConfigError: the mesh does not fit the devices or the model, before compiling.
+    """
+    import time  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from kvjax.analysis import costs as single  # noqa: PLC0415
+    from kvjax.parallel import specs as specs_lib  # noqa: PLC0415
+    mm = programs.build(cfg, mcfg, batch, context, devices=devices)
+    cshard = specs_lib.shardings(mm.mesh, mm.cache_specs)
+    cache = jax.jit(functools.partial(single.full_cache, cfg, batch, context),
+                    out_shardings=cshard)()
+    params = mm.shard_params(params)
+    token = jax.device_put(np.zeros((batch, 1), np.int32), mm.sharding(P("data")))
+    length = np.asarray(cache.length)
+    if compiled is None:
+        compiled = mm.decode_step().lower(params, token, cache).compile()
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        logits, cache = compiled(params, token, cache)
+        logits.block_until_ready()
+        if i:
+            times.append(time.perf_counter() - start)
+        cache = cache.replace(length=jax.device_put(length, cshard.length))
+    return times
 
 
 def specs_axes(cfg, mcfg, name) -> tuple:
