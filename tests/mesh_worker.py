@@ -90,6 +90,19 @@ def main(variant: str, meshes=MESHES) -> dict:
     return out
 
 
+def roofline() -> dict:
+    """jax.experimental.roofline's ici bytes per axis beside the HLO collectives' link
+    bytes per axis (kvjax.parallel.costs), per mesh."""
+    from kvjax.parallel import costs  # noqa: PLC0415
+    cfg = ModelConfig(**{**BASE, **VARIANTS["gqa"]}, name="roofline")
+    out = {}
+    for shape in [(1, 1, 8), (2, 1, 4), (2, 4, 1)]:
+        c = costs.analyze_sharded_step(cfg, MeshConfig(*shape), S, batch=shape[0])
+        out[str(shape)] = {"roofline": c.roofline_per_axis, "hlo": c.per_axis,
+                           "error": c.roofline_error}
+    return out
+
+
 def ragged(meshes=RAGGED_MESHES) -> dict:
     """Ragged batch (rows of different prompt lengths, per-row cache lengths): prefill
     logits and greedy tokens on each mesh vs one device."""
@@ -137,6 +150,7 @@ if __name__ == "__main__":
         res = {name: main(name, meshes) for name, meshes in CASES.items()}
         res["ragged"] = ragged()
         res["meshes"] = {**CASES, "ragged": RAGGED_MESHES}
+        res["roofline"] = roofline()
         print("RESULT " + json.dumps(res))
     else:
         meshes = [tuple(json.loads(m)) for m in sys.argv[2:]] or MESHES

@@ -92,6 +92,14 @@ def test_quantized_and_ragged_caches_on_meshes():
         assert m["tokens"] == g["ref_tokens"] and m["length"] == g["ref_length"], shape
         assert m["length_spec"] == "P('data',)" and m["positions_spec"] == "P('data', 'seq')"
         assert m["cache_gathers"] == [], (shape, m["cache_gathers"])
+    # the fourth view: jax.experimental.roofline's 'seq' traffic (the hand-written
+    # softmax-statistics combine) within 10% of the HLO all-reduces' ring link bytes
+    for shape in ("(1, 1, 8)", "(2, 1, 4)"):
+        v = r["roofline"][shape]
+        assert v["error"] is None, v
+        assert abs(v["roofline"]["seq"] / v["hlo"]["seq"] - 1) < 0.1, (shape, v)
+    v = r["roofline"]["(2, 4, 1)"]
+    assert v["roofline"] is None and "mesh.model > 1" in v["error"] and v["hlo"]["model"] > 0
 
 
 def test_param_specs_megatron():
