@@ -93,13 +93,17 @@ def main(variant: str, meshes=MESHES) -> dict:
 def roofline() -> dict:
     """jax.experimental.roofline's ici bytes per axis beside the HLO collectives' link
     bytes per axis (kvjax.parallel.costs), per mesh."""
+    from kvjax.analysis import hlo_cost  # noqa: PLC0415
     from kvjax.parallel import costs  # noqa: PLC0415
-    cfg = ModelConfig(**{**BASE, **VARIANTS["gqa"]}, name="roofline")
+    cfg = ModelConfig(**{**BASE, **VARIANTS["gqa"]}, key_layout="BKHS", value_layout="BKSH",
+                      name="roofline")
     out = {}
     for shape in [(1, 1, 8), (2, 1, 4), (2, 4, 1)]:
         c = costs.analyze_sharded_step(cfg, MeshConfig(*shape), S, batch=shape[0])
+        parts = hlo_cost.attribute(hlo_cost.op_costs(c.compiled)).bytes
         out[str(shape)] = {"roofline": c.roofline_per_axis, "hlo": c.per_axis,
-                           "error": c.roofline_error}
+                           "error": c.roofline_error, "kv_copies": parts["kv_copies"],
+                           "kv_read": parts["kv_read"], "kv_dev": c.kv_bytes_dev}
     return out
 
 
@@ -152,6 +156,8 @@ if __name__ == "__main__":
         res["meshes"] = {**CASES, "ragged": RAGGED_MESHES}
         res["roofline"] = roofline()
         print("RESULT " + json.dumps(res))
+    elif sys.argv[1] == "roofline":
+        print("RESULT " + json.dumps(roofline()))
     else:
         meshes = [tuple(json.loads(m)) for m in sys.argv[2:]] or MESHES
         print("RESULT " + json.dumps(main(sys.argv[1], meshes)))

@@ -100,6 +100,10 @@ def test_quantized_and_ragged_caches_on_meshes():
         assert abs(v["roofline"]["seq"] / v["hlo"]["seq"] - 1) < 0.1, (shape, v)
     v = r["roofline"]["(2, 4, 1)"]
     assert v["roofline"] is None and "mesh.model > 1" in v["error"] and v["hlo"]["model"] > 0
+    # the step reads each device's KV shard once and copies none of it (the 'seq' score
+    # einsum with a T axis made XLA transpose every 'BKHS' key shard: kv_copies = 2x)
+    for shape, v in r["roofline"].items():
+        assert v["kv_copies"] == 0 and v["kv_read"] == v["kv_dev"], (shape, v)
 
 
 def test_param_specs_megatron():
