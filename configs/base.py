@@ -107,7 +107,8 @@ def run_dict(model: config_dict.ConfigDict, **fields) -> config_dict.ConfigDict:
     # Prefill the prompt N tokens at a time (None: in one pass).
     c.prefill_chunk = config_dict.placeholder(int)
     # Device mesh (kvjax/parallel): batch over 'data', heads/FFN/vocab over 'model', cache
-    # slots over 'seq'; data * model * seq must equal the device count. kv_fallback:
+    # slots over 'seq'; data * model * seq <= the device count (a smaller mesh uses the
+    # first devices, a note says so; several processes: equal). kv_fallback:
     # 'none' (error when model does not divide the KV heads) or 'replicate'.
     c.mesh = config_dict.ConfigDict(dict(data=1, model=1, seq=1, kv_fallback="none"))
     # jax.distributed over several processes (one host or many): coordinator 'host:port',

@@ -6,6 +6,14 @@ r"""Decode real text with a real model and print what a decode step costs.
     python -m experiments.decode --config=configs/mqa.py --config.prompt="Once upon a time"
     python -m experiments.decode --config=configs/blog.py --config.dtype=float16 \
         --json_out=/tmp/blog.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+        python -m experiments.decode --config=configs/gqa.py --config.mesh.model=3
+
+With a mesh (``--config.mesh.data/model/seq``; at most the device count, a smaller one
+uses the first devices and says so) the parameters and the cache are laid out on it
+(kvjax/parallel) and the report is per device: theory | XLA | measured for one sharded
+step and the collectives by kind, bytes and mesh axis. ``--config.distributed.*`` joins
+``jax.distributed`` first (several processes).
 
 Prints the generated text, prefill and decode speed, the KV cache's bytes beside theory,
 and the cost table (theory | XLA compiled, loop-corrected | measured) of one decode step.
@@ -25,7 +33,8 @@ from kvjax.analysis import report as report_lib
 from kvjax.analysis import theory
 from kvjax.inference import memory, runner
 from kvjax.checkpoints import WeightsError
-from kvjax.config import ConfigError, run_config_from_dict
+from kvjax.config import ConfigError, distributed_config, run_config_from_dict
+from kvjax.parallel import distributed
 
 _CONFIG = cli.DEFINE_config_file(
     "config", "configs/gqa.py", cli.config_help("Experiment config file (get_config())."), lock_config=True)
@@ -38,36 +47,13 @@ def report(result: runner.DecodeResult) -> str:
     """The human-readable report of one run: the generate loop's figures first (the
     program that decodes), the single step second, then the prefill."""
     c = result.costs
+    if isinstance(c, runner.MeshCostReport):
+        return mesh_report(result)
     loop, s = c.loop, c.step
     cfg = s.cfg
-    per_token = theory.kv_bytes_per_token(cfg) * s.batch
     policy = cache_lib.policy_for(cfg)
     lines = [
-        f"model: {naming.variant_name(cfg)}  attention={cfg.attention}  N={cfg.num_heads} "
-        f"K={cfg.num_kv_heads}  L={cfg.num_layers}  D={cfg.d_model}  dtype={cfg.dtype}  "
-        f"kv_dtype={cfg.kv_dtype or cfg.dtype}  window={cfg.window_size}  "
-        f"scan_layers={cfg.scan_layers}  backend={cfg.backend}" + (
-            "" if cfg.is_mla else
-            f"  cache layout: k {cfg.cache_layout('k')}, v {cfg.cache_layout('v')}"),
-        "",
-        f"prompt: {naming.shorten(result.prompt)}"
-        + ("  (the checkpoint's chat template; --config.chat_template=False for raw "
-           "completion)" if result.chat_template else ""),
-        f"generated: {result.generated_text!r}",
-        *(f"warning: {w}" for w in result.warnings),
-        "",
-        f"prompt tokens {result.prompt_tokens}, new tokens {result.new_tokens}; "
-        f"compile {result.compile_seconds:.2f} s",
-        f"prefill {result.prefill_tokens_per_s:,.1f} tokens/s; time to first token "
-        f"{result.time_to_first_token_s * 1e3:.1f} ms; decode "
-        f"{result.decode_tokens_per_s:,.2f} tokens/s (one call of the compiled loop, "
-        f"{result.loop_steps} steps x B={s.batch})",
-        f"KV cache: {result.kv_cache_bytes:,} bytes allocated for the batch of {s.batch} "
-        f"({result.kv_cache_bytes // s.batch:,} per sequence; theory "
-        f"{result.kv_cache_bytes_theory:,} = {per_token:,} B/token x "
-        f"{result.kv_cache_bytes_theory // per_token:,} slots)",
-        "KV cache tensors as allocated: " + ", ".join(
-            f"{n} {dt} {nb:,} B" for n, (dt, nb) in result.kv_cache_tensors.items()),
+        *_generation_lines(result, cfg, s.batch),
         "",
         f"the generate loop, per generated token, at context {s.context} (cache of "
         f"{cache_lib.num_slots(cfg, s.context)} slots"
@@ -98,6 +84,67 @@ def report(result: runner.DecodeResult) -> str:
                      "chunk program " + ", ".join(
                          f"{x:,}" for x in result.prefill_chunk_temp_bytes)
                      + f" (one pass: {result.prefill_cost.memory.get('temp_bytes'):,})")
+    return "\n".join(lines)
+
+
+def _generation_lines(result: runner.DecodeResult, cfg, batch: int) -> list:
+    """The model, the prompt, the text and the speeds of a run."""
+    per_token = theory.kv_bytes_per_token(cfg) * batch
+    return [
+        f"model: {naming.variant_name(cfg)}  attention={cfg.attention}  N={cfg.num_heads} "
+        f"K={cfg.num_kv_heads}  L={cfg.num_layers}  D={cfg.d_model}  dtype={cfg.dtype}  "
+        f"kv_dtype={cfg.kv_dtype or cfg.dtype}  window={cfg.window_size}  "
+        f"scan_layers={cfg.scan_layers}  backend={cfg.backend}" + (
+            "" if cfg.is_mla else
+            f"  cache layout: k {cfg.cache_layout('k')}, v {cfg.cache_layout('v')}"),
+        "",
+        f"prompt: {naming.shorten(result.prompt)}"
+        + ("  (the checkpoint's chat template; --config.chat_template=False for raw "
+           "completion)" if result.chat_template else ""),
+        f"generated: {result.generated_text!r}",
+        *(f"warning: {w}" for w in result.warnings),
+        "",
+        f"prompt tokens {result.prompt_tokens}, new tokens {result.new_tokens}; "
+        f"compile {result.compile_seconds:.2f} s",
+        f"prefill {result.prefill_tokens_per_s:,.1f} tokens/s; time to first token "
+        f"{result.time_to_first_token_s * 1e3:.1f} ms; decode "
+        f"{result.decode_tokens_per_s:,.2f} tokens/s (one call of the compiled loop, "
+        f"{result.loop_steps} steps x B={batch})",
+        f"KV cache: {result.kv_cache_bytes:,} bytes allocated for the batch of {batch} "
+        f"({result.kv_cache_bytes // batch:,} per sequence; theory "
+        f"{result.kv_cache_bytes_theory:,} = {per_token:,} B/token x "
+        f"{result.kv_cache_bytes_theory // per_token:,} slots)",
+        "KV cache tensors as allocated: " + ", ".join(
+            f"{n} {dt} {nb:,} B" for n, (dt, nb) in result.kv_cache_tensors.items()),
+    ]
+
+
+def mesh_report(result: runner.DecodeResult) -> str:
+    """The report of a run on a mesh: the generation, then the per-device cost of one
+    sharded decode step (theory | XLA per device | measured) with its collectives, and
+    the collectives of the prefill and generate programs the run used."""
+    from kvjax.parallel import costs as pcosts  # noqa: PLC0415
+    c, g = result.costs, result.generation
+    st = c.step
+    lines = [*_generation_lines(result, st.cfg, st.batch)]
+    if g.mesh_note:
+        lines.insert(0, g.mesh_note)
+    lines += [
+        f"KV cache per device: {g.kv_cache_bytes_per_device:,} bytes of "
+        f"{g.kv_cache_bytes:,} (1/{g.kv_cache_bytes / max(g.kv_cache_bytes_per_device, 1):.0f})",
+        "",
+        pcosts.format_report(st),
+        f"  measured per device: {c.step_seconds_median * 1e3:.2f} ms per step (median of "
+        f"the sharded step on a full cache); theory bytes / time = "
+        f"{st.theory_bytes_dev / c.step_seconds_median / 1e9:.2f} GB/s per device",
+        "",
+        "the programs the run decoded with (collectives kind @ mesh axes: count, payload):",
+    ]
+    for name, prog in c.programs.items():
+        inv = ", ".join(f"{k} x{v['count']} {v['bytes'] / 1e3:,.1f} KB"
+                        for k, v in sorted(prog["inventory"].items())) or "none"
+        lines.append(f"  {name}: {inv}; cache tensors all-gathered / all-to-all'd: "
+                     f"{prog['cache_gathers'] or 'none'}")
     return "\n".join(lines)
 
 
@@ -141,8 +188,11 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     try:
+        # jax.distributed (and the CPU device count) before anything starts a backend
+        distributed.initialize(distributed_config(_CONFIG.value))
         run = run_config_from_dict(_CONFIG.value)
         memory.check_run(run, weights_loaded=False)
+        runner.check_mesh(run)
         cli.check_output_file(_JSON_OUT.value, "json_out")
         loaded = runner.load(run)
         result = runner.run_decode(run, loaded)

@@ -7,6 +7,12 @@ Compiles one sharded decode step per (model, mesh) from shapes only (nothing all
 on the host's virtual CPU devices and writes ``shard.md`` (table + the capacity planner
 for LLaMA-7B / Llama-2-70B at 128K on H100 / H200) and ``shard.png`` (per-device bytes
 per mesh). The device count is set from --devices when JAX has not started yet.
+
+Columns: collectives/step = payload bytes of the step's collectives from the compiled
+HLO; HLO sent/axis = what one device sends per mesh axis (ring estimates,
+kvjax.parallel.collectives); roofline ici/axis = jax.experimental.roofline's
+inter-device bytes per axis (the fourth view: only collectives written in the jaxpr, the
+'seq' combine; n/a with model > 1, see kvjax.parallel.costs._roofline_ici).
 """
 
 from __future__ import annotations
@@ -39,8 +45,11 @@ def main(argv):
     os.makedirs(_OUT.value, exist_ok=True)
     t = _CONTEXT.value
     rows = ["| model | mesh (data,model,seq) | KV/device MB | collectives/step KB | "
+            "HLO sent/axis KB | roofline ici/axis KB | "
             "XLA bytes/device MB | theory bytes/device MB | XLA/theory | cache gathers |",
-            "|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    per_axis = lambda d, scale: ", ".join(f"{a} {v * scale / 1e3:,.1f}"
+                                          for a, v in sorted(d.items())) or "0"
     plot = {}
     for name in _MODELS.value:
         full = sizing.model_config(name, dtype="float32")
@@ -50,16 +59,18 @@ def main(argv):
         for shape in MESHES:
             mc = MeshConfig(*shape, kv_fallback="replicate")
             try:
-                c = costs.analyze_sharded_step(cfg, mc, t, batch=max(shape[0], 1),
-                                               roofline=False)
+                c = costs.analyze_sharded_step(cfg, mc, t, batch=max(shape[0], 1))
             except ConfigError as e:
-                rows.append(f"| {name} | {shape} | - | - | - | - | - | {e} |")
+                rows.append(f"| {name} | {shape} | - | - | - | - | - | - | - | {e} |")
                 continue
             # the embedding/LM head do not scale with L: scale layer terms only roughly
             rows.append(
                 f"| {name} (L={full.num_layers}, B={shape[0]}) | {shape} | "
                 f"{c.kv_bytes_dev * scale / 1e6:,.1f} | "
-                f"{c.collective_bytes * scale / 1e3:,.1f} | {c.xla_bytes * scale / 1e6:,.1f} | "
+                f"{c.collective_bytes * scale / 1e3:,.1f} | {per_axis(c.per_axis, scale)} | "
+                + (per_axis(c.roofline_per_axis, scale) if c.roofline_per_axis is not None
+                   else "n/a (model > 1)") + " | "
+                f"{c.xla_bytes * scale / 1e6:,.1f} | "
                 f"{c.theory_bytes_dev * scale / 1e6:,.1f} | "
                 f"{c.xla_bytes / c.theory_bytes_dev:.2f} | {len(c.cache_gathers)} |")
             plot.setdefault(name, []).append((str(shape), c.kv_bytes_dev * scale,

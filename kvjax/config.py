@@ -366,7 +366,9 @@ class MeshConfig:
       kv_fallback: what to do when ``model`` does not divide the KV heads K (GQA with
         K < model, MQA): 'none' (an error before any compile) or 'replicate' (every
         model shard holds all K KV heads and their cache; query heads stay split).
-    The mesh holds data * model * seq devices, which must equal the device count.
+    The mesh holds data * model * seq devices: at most the device count (a smaller mesh
+    uses the first ones, :func:`kvjax.parallel.mesh.mesh_devices`; with several processes
+    exactly the device count).
     """
 
     data: int = 1
@@ -587,6 +589,17 @@ def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
         _fail(unknown[0], d[unknown[0]], f"fields among {sorted(fields)}")
     return RunConfig(model=model_config_from_dict(model), sampling=sampling, mesh=mesh,
                      distributed=distributed, **d)
+
+
+def distributed_config(d: Mapping[str, Any]) -> DistributedConfig:
+    """The ``distributed`` part of a run's config dict, validated on its own (no JAX
+    backend touched), so an entry point can join ``jax.distributed`` before building the
+    rest (:func:`run_config_from_dict` resolves the backend).
+
+    Raises:
+      ConfigError: unknown keys or invalid values (e.g. a process id out of range).
+    """
+    return _sub_config(DistributedConfig, "distributed", _plain(d).get("distributed", {}))
 
 
 def _sub_config(cls, prefix: str, d: Mapping[str, Any]):

@@ -19,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kvjax import cache as cache_lib  # noqa: E402
-from kvjax.config import MeshConfig, ModelConfig  # noqa: E402
+from kvjax.config import MeshConfig, ModelConfig, SamplingConfig  # noqa: E402
 from kvjax.inference import decode  # noqa: E402
 from kvjax.models import model as model_lib  # noqa: E402
 from kvjax.parallel import collectives, programs  # noqa: E402
@@ -35,7 +35,15 @@ VARIANTS = {
                 qk_nope_head_dim=16, v_head_dim=16),
     "window": dict(attention="gqa", num_kv_heads=4, window_size=16),
     "scan": dict(attention="gqa", num_kv_heads=4, scan_layers=True),
+    # quantized caches: codes + float32 'name_scale' tensors, sharded alike
+    "gqa_int8": dict(attention="gqa", num_kv_heads=4, kv_dtype="int8"),
+    "gqa_int4": dict(attention="gqa", num_kv_heads=4, kv_dtype="int4"),
+    "mla_fp8": dict(attention="mla", num_kv_heads=8, kv_lora_rank=32, qk_rope_head_dim=8,
+                    qk_nope_head_dim=16, v_head_dim=16, kv_dtype="float8_e4m3fn"),
 }
+# `python tests/mesh_worker.py cases`: quantized and ragged caches in one process
+CASES = {"gqa_int8": [(2, 4, 1), (1, 1, 8)], "gqa_int4": [(1, 2, 4)], "mla_fp8": [(1, 2, 4)]}
+RAGGED_MESHES = [(8, 1, 1), (1, 2, 4)]
 B, S, T, STEPS = 8, 32, 5, 3
 
 
@@ -82,6 +90,74 @@ def main(variant: str, meshes=MESHES) -> dict:
     return out
 
 
+def roofline() -> dict:
+    """jax.experimental.roofline's ici bytes per axis beside the HLO collectives' link
+    bytes per axis (kvjax.parallel.costs), per mesh."""
+    from kvjax.analysis import hlo_cost  # noqa: PLC0415
+    from kvjax.parallel import costs  # noqa: PLC0415
+    cfg = ModelConfig(**{**BASE, **VARIANTS["gqa"]}, key_layout="BKHS", value_layout="BKSH",
+                      name="roofline")
+    out = {}
+    for shape in [(1, 1, 8), (2, 1, 4), (2, 4, 1)]:
+        c = costs.analyze_sharded_step(cfg, MeshConfig(*shape), S, batch=shape[0])
+        parts = hlo_cost.attribute(hlo_cost.op_costs(c.compiled)).bytes
+        out[str(shape)] = {"roofline": c.roofline_per_axis, "hlo": c.per_axis,
+                           "error": c.roofline_error, "kv_copies": parts["kv_copies"],
+                           "kv_read": parts["kv_read"], "kv_dev": c.kv_bytes_dev}
+    return out
+
+
+def ragged(meshes=RAGGED_MESHES) -> dict:
+    """Ragged batch (rows of different prompt lengths, per-row cache lengths): prefill
+    logits and greedy tokens on each mesh vs one device."""
+    from kvjax.inference import ragged as ragged_lib  # noqa: PLC0415
+    cfg = ModelConfig(**{**BASE, **VARIANTS["gqa"]}, name="ragged")
+    params = model_lib.params_for(cfg, model_lib.init_params(cfg, 0))
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in (5, 2, 7, 1, 3, 6, 4, 2)]
+    tokens, lengths = ragged_lib.pad_prompts(prompts)
+    budgets = np.array([3, 6, 1, 5, 4, 2, 6, 3], np.int32)
+    keys = ragged_lib.row_keys_for(None, B)
+    ref, cache = ragged_lib.prefill_ragged_program(
+        params, jnp.asarray(tokens), jnp.asarray(lengths),
+        cache_lib.init_cache(cfg, B, S, ragged=True), cfg=cfg)
+    first = jnp.argmax(ref, -1).astype(jnp.int32)
+    buf, counts, cache = ragged_lib.generate_ragged_program(
+        params, first, cache, jnp.asarray(budgets), keys, jnp.int32(-1), cfg=cfg,
+        sampling=SamplingConfig(), buf_len=S)
+    out = {"logit_scale": float(jnp.max(jnp.abs(ref))), "ref_tokens": np.asarray(buf).tolist(),
+           "ref_length": np.asarray(cache.length).tolist()}
+    for shape in meshes:
+        mm = programs.build(cfg, MeshConfig(*shape), B, S, ragged=True)
+        p = mm.shard_params(params)
+        lg, c = mm.prefill_ragged()(p, jnp.asarray(tokens), jnp.asarray(lengths),
+                                    mm.init_cache())
+        f = jnp.argmax(lg, -1).astype(jnp.int32)
+        gen = mm.generate_ragged(SamplingConfig(), S)
+        b, n, c = gen(p, f, c, jnp.asarray(budgets), keys, jnp.int32(-1))
+        colls = collectives.collectives(gen.lower(p, f, c, jnp.asarray(budgets), keys,
+                                                  jnp.int32(-1)).compile(), mm.mesh)
+        shapes = [tuple(x.shape) for x in jax.tree.leaves(c.tensors)]
+        shapes += [tuple(x.addressable_shards[0].data.shape) for x in jax.tree.leaves(c.tensors)]
+        out[str(shape)] = {
+            "prefill_error": float(jnp.max(jnp.abs(lg - ref))),
+            "tokens": np.asarray(b).tolist(), "counts": np.asarray(n).tolist(),
+            "length": np.asarray(c.length).tolist(),
+            "length_spec": str(c.length.sharding.spec),
+            "positions_spec": str(c.positions.sharding.spec),
+            "cache_gathers": [x.name for x in collectives.cache_collectives(colls, shapes)]}
+    return out
+
+
 if __name__ == "__main__":
-    meshes = [tuple(json.loads(m)) for m in sys.argv[2:]] or MESHES
-    print("RESULT " + json.dumps(main(sys.argv[1], meshes)))
+    if sys.argv[1] == "cases":
+        res = {name: main(name, meshes) for name, meshes in CASES.items()}
+        res["ragged"] = ragged()
+        res["meshes"] = {**CASES, "ragged": RAGGED_MESHES}
+        res["roofline"] = roofline()
+        print("RESULT " + json.dumps(res))
+    elif sys.argv[1] == "roofline":
+        print("RESULT " + json.dumps(roofline()))
+    else:
+        meshes = [tuple(json.loads(m)) for m in sys.argv[2:]] or MESHES
+        print("RESULT " + json.dumps(main(sys.argv[1], meshes)))

@@ -152,6 +152,53 @@ def test_decode_entry_point_chunked_prefill_same_text(tmp_path):
     assert len(b["prefill_chunk_temp_bytes"]) == 2   # chunks of 4 and the remainder
 
 
+@pytest.mark.slow
+def test_decode_entry_point_on_a_mesh_same_tokens(tmp_path):
+    """The issue's command, shrunk: SmolLM2 on a (1, 3, 1) mesh of 8 virtual CPU devices
+    (N=9, K=3 split by 3) decodes the tokens of the one-device run and prints the
+    per-device cost report with the collectives, and no cache tensor is gathered."""
+    import os  # noqa: PLC0415
+    from kvjax.inference import runner  # noqa: PLC0415
+    args = ["--config=configs/gqa.py", "--config.max_new_tokens=4",
+            "--config.max_seq_len=32", "--config.measure_repeats=1",
+            "--config.chat_template=False", "--config.prompt=The capital of France is"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "experiments.decode", *args,
+                           "--config.mesh.model=3", f"--json_out={out}"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "note: mesh (data, model, seq) = (1, 3, 1) uses 3 of the 8 cpu devices" in proc.stdout
+    assert "mesh (data, model, seq) = (1, 3, 1)" in proc.stdout
+    assert "all-reduce @ model" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["kv_cache_bytes_per_device"] * 3 == result["kv_cache_bytes"]
+    assert result["mesh"]["cache_gathers"] == []
+    assert all(p["cache_gathers"] == [] for p in result["programs"].values())
+    # 30 layers x (o_proj + down) all-reduces over 'model' in the step (+1: embedding)
+    assert result["mesh"]["inventory"]["all-reduce@model"]["count"] >= 60
+    # the one-device run of the same config, in this (single-device) process
+    from configs import gqa  # noqa: PLC0415
+    c = gqa.get_config()
+    c.update(dict(max_new_tokens=4, max_seq_len=32, chat_template=False,
+                  prompt="The capital of France is"))
+    run = run_config_from_dict(c)
+    gen = runner.decode_prompt(run, runner.load(run, progress=False))
+    assert result["generated_ids"] == gen.generated_ids
+
+
+def test_decode_entry_point_refuses_a_mesh_larger_than_the_devices():
+    """9 devices asked of 8: refused before any weight is loaded (fast, no tokenizer)."""
+    import os  # noqa: PLC0415
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([sys.executable, "-m", "experiments.decode", *TINY_FLAGS,
+                           "--config.mesh.model=3", "--config.mesh.seq=3"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "mesh data*model*seq = 1*3*3 = 9; allowed: at most the device count, 8" \
+        in proc.stderr
+
+
 # ------------------------------------------------------------------ the memory check
 
 

@@ -66,6 +66,46 @@ def test_sharded_decode_equals_single_device(variant):
             assert not seq
 
 
+def test_quantized_and_ragged_caches_on_meshes():
+    """One subprocess: int8 / int4 GQA and fp8 MLA caches (codes + float32 scales, both
+    sharded like the cache) and a ragged batch (per-row positions [B, S] and lengths [B])
+    give the single-device logits and tokens on data / model / seq meshes."""
+    r = _worker("cases")
+    cases = {k: [tuple(m) for m in v] for k, v in r["meshes"].items()}
+    assert {"gqa_int8", "gqa_int4", "mla_fp8", "ragged"} <= set(cases)
+    for variant in ("gqa_int8", "gqa_int4", "mla_fp8"):
+        meshes = cases[variant]
+        tol = 2e-6 * r[variant]["logit_scale"] + 1e-5
+        for shape in meshes:
+            m = r[variant][str(shape)]
+            assert max(m["errors"]) < tol, (variant, shape, m["errors"])
+            kv_split = variant.startswith("gqa") and shape[1] > 1
+            shards = shape[0] * shape[2] * (shape[1] if kv_split else 1)
+            assert m["cache_per_device"] * shards == m["cache_total"], (variant, shape, m)
+            assert m["cache_gathers"] == [], (variant, shape, m["cache_gathers"])
+    g = r["ragged"]
+    assert len(set(g["ref_length"])) > 1  # rows really are at different lengths
+    assert (8, 1, 1) in cases["ragged"]  # the data mesh
+    for shape in cases["ragged"]:
+        m = g[str(shape)]
+        assert m["prefill_error"] < 2e-6 * g["logit_scale"] + 1e-5, (shape, m["prefill_error"])
+        assert m["tokens"] == g["ref_tokens"] and m["length"] == g["ref_length"], shape
+        assert m["length_spec"] == "P('data',)" and m["positions_spec"] == "P('data', 'seq')"
+        assert m["cache_gathers"] == [], (shape, m["cache_gathers"])
+    # the fourth view: jax.experimental.roofline's 'seq' traffic (the hand-written
+    # softmax-statistics combine) within 10% of the HLO all-reduces' ring link bytes
+    for shape in ("(1, 1, 8)", "(2, 1, 4)"):
+        v = r["roofline"][shape]
+        assert v["error"] is None, v
+        assert abs(v["roofline"]["seq"] / v["hlo"]["seq"] - 1) < 0.1, (shape, v)
+    v = r["roofline"]["(2, 4, 1)"]
+    assert v["roofline"] is None and "mesh.model > 1" in v["error"] and v["hlo"]["model"] > 0
+    # the step reads each device's KV shard once and copies none of it (the 'seq' score
+    # einsum with a T axis made XLA transpose every 'BKHS' key shard: kv_copies = 2x)
+    for shape, v in r["roofline"].items():
+        assert v["kv_copies"] == 0 and v["kv_read"] == v["kv_dev"], (shape, v)
+
+
 def test_param_specs_megatron():
     cfg = ModelConfig(**TINY, attention="gqa", num_kv_heads=4)
     ps = specs.param_specs(cfg, MeshConfig(1, 4, 1), model_lib.param_shapes(cfg))
@@ -116,6 +156,24 @@ def test_bad_input_raises_before_compile():
         DistributedConfig(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=2)
     with pytest.raises(ConfigError, match="mesh.kv_fallback"):
         MeshConfig(kv_fallback="gather")
+
+
+def test_mesh_smaller_than_the_devices_uses_the_first_and_says_so():
+    """The rule (kvjax.parallel.mesh.mesh_devices): larger than the device count is an
+    error, smaller uses the first prod(axes) devices with a note, except with several
+    processes (then equal)."""
+    import types
+    dev = lambda i, proc=0: types.SimpleNamespace(id=i, process_index=proc, platform="cpu")
+    eight = [dev(i) for i in range(8)]
+    used, note = mesh_lib.mesh_devices(MeshConfig(1, 3, 1), eight)
+    assert [d.id for d in used] == [0, 1, 2]
+    assert "(1, 3, 1) uses 3 of the 8 cpu devices" in note
+    assert mesh_lib.mesh_devices(MeshConfig(2, 2, 2), eight) == (eight, None)
+    with pytest.raises(ConfigError, match=r"1\*3\*3 = 9; allowed: at most the device count, 8"):
+        mesh_lib.mesh_devices(MeshConfig(1, 3, 3), eight)
+    two_procs = [dev(i, i // 4) for i in range(8)]
+    with pytest.raises(ConfigError, match="= 3; allowed: the device count, 8.*several processes"):
+        mesh_lib.mesh_devices(MeshConfig(1, 3, 1), two_procs)
 
 
 def test_mesh_from_command_line_config():

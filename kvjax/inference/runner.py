@@ -12,6 +12,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from kvjax import cache as cache_lib
 from kvjax import checkpoints
@@ -155,6 +156,10 @@ class Generation:
     prefill_chunk_temp_bytes: list = dataclasses.field(default_factory=list)
     prefill_compiled: object = dataclasses.field(default=None, repr=False)
     generate_compiled: object = dataclasses.field(default=None, repr=False)
+    # on a mesh (run.mesh): the note when it uses fewer devices than there are, and the
+    # cache bytes one device holds (= kv_cache_bytes on one device)
+    mesh_note: str | None = None
+    kv_cache_bytes_per_device: int = 0
 
 
 @dataclasses.dataclass
@@ -198,13 +203,25 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
 
     memory.check_run(run, weights_loaded=True, prompt_tokens=len(ids))
     start = time.perf_counter()
-    cache = cache_lib.init_cache(cfg, b, run.max_seq_len)
-    prefill_c, chunk_cs = compile_prefill(run, params, tokens, cache)
     steps = run.max_new_tokens - 1
-    gen_c = decode.generate_program.lower(
-        params, tokens[:, 0], cache, jnp.int32(0), jax.random.key(0), jnp.int32(eos),
-        cfg=cfg, sampling=run.sampling,
-        buf_len=decode.token_buffer_len(cfg, cache.num_slots, steps)).compile()
+    mm = None
+    if run.mesh.trivial:  # one device: the single-device programs, unchanged
+        cache = cache_lib.init_cache(cfg, b, run.max_seq_len)
+        prefill_c, chunk_cs = compile_prefill(run, params, tokens, cache)
+        gen_c = decode.generate_program.lower(
+            params, tokens[:, 0], cache, jnp.int32(0), jax.random.key(0), jnp.int32(eos),
+            cfg=cfg, sampling=run.sampling,
+            buf_len=decode.token_buffer_len(cfg, cache.num_slots, steps)).compile()
+    else:  # parameters, tokens and cache laid out on the mesh; the cache stays sharded
+        mm = meshed(run)
+        params = mm.shard_params(params)
+        tokens = jax.device_put(tokens, mm.sharding(P("data")))
+        cache = mm.init_cache()
+        prefill_c, chunk_cs = compile_prefill(run, params, tokens, cache, mm)
+        gen_c = mm.generate(run.sampling, decode.token_buffer_len(
+            cfg, cache.num_slots, steps)).lower(
+            params, tokens[:, 0], cache, jnp.int32(0), jax.random.key(0),
+            jnp.int32(eos)).compile()
     compile_s = time.perf_counter() - start
 
     rng = jax.random.key(run.sampling.seed)
@@ -250,7 +267,10 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
         kv_cache_tensors={n: (jax.tree.leaves(t)[0].dtype.name, cache_lib.total_bytes(t))
                           for n, t in cache.tensors.items()},
         warnings=notes, prefill_chunk_temp_bytes=[hlo_cost.memory_stats(c).get("temp_bytes")
-                                                  for c in chunk_cs.values()])
+                                                  for c in chunk_cs.values()],
+        mesh_note=mm.note if mm is not None else None,
+        kv_cache_bytes_per_device=sum(x.addressable_shards[0].data.nbytes
+                                      for x in jax.tree.leaves(cache.tensors)))
 
 
 def cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> CostReport:
@@ -275,6 +295,53 @@ def cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> CostRep
 
 
 @dataclasses.dataclass
+class MeshCostReport:
+    """The cost hook on a mesh (``run.mesh``), every figure per device.
+
+    step: one sharded decode step at ``run.cost_context`` compiled from shapes
+      (:func:`kvjax.parallel.costs.analyze_sharded_step`): theory (weights / TP + KV /
+      shards + collective bytes), XLA's per-device ``cost_analysis``, the collectives by
+      kind / bytes / mesh axis, and cache all-gathers (must be none).
+    step_seconds_median: the median wall time of that step on the mesh (real weights,
+      a full cache; :func:`kvjax.parallel.costs.measure_sharded_step`).
+    programs: 'prefill' / 'generate' -> {'inventory': {'kind@axes': {count, bytes,
+      link_bytes}}, 'cache_gathers': [names]} of the programs the run decoded with.
+    """
+
+    step: object
+    step_seconds_median: float
+    programs: dict
+
+
+def mesh_cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> MeshCostReport:
+    """The per-device cost hook for a run on ``run.mesh`` (see :class:`MeshCostReport`)."""
+    from kvjax.parallel import collectives as coll_lib  # noqa: PLC0415
+    from kvjax.parallel import costs as pcosts  # noqa: PLC0415
+    cfg, b = loaded.cfg, run.batch_size
+    context = run.cost_context or run.max_seq_len
+    step = pcosts.analyze_sharded_step(cfg, run.mesh, context, b)
+    times = pcosts.measure_sharded_step(cfg, run.mesh, loaded.params, context, b,
+                                        run.measure_repeats, compiled=step.compiled)
+    mm = meshed(run)
+    shapes = []
+    for name, spec in cache_lib.tensor_specs(cfg, b, cache_lib.num_slots(cfg, run.max_seq_len)).items():
+        local = list(spec.shape)
+        for i, a in enumerate(pcosts.specs_axes(cfg, run.mesh, name)):
+            if a is not None:
+                local[i] //= mm.mesh.shape[a]
+        shapes += [spec.shape, tuple(local)]
+    progs = {}
+    for name, compiled in (("prefill", gen.prefill_compiled), ("generate", gen.generate_compiled)):
+        colls = coll_lib.collectives(compiled, mm.mesh)
+        progs[name] = {
+            "inventory": {f"{k}@{'+'.join(a) or '-'}": v
+                          for (k, a), v in coll_lib.inventory(colls).items()},
+            "cache_gathers": [c.name for c in coll_lib.cache_collectives(colls, shapes)]}
+    return MeshCostReport(step=step, step_seconds_median=statistics.median(times),
+                          programs=progs)
+
+
+@dataclasses.dataclass
 class DecodeResult:
     """One run of the main job: the generation and its cost report."""
 
@@ -295,6 +362,14 @@ class DecodeResult:
 
     def as_json(self) -> dict:
         g, c = self.generation, self.costs
+        if isinstance(c, MeshCostReport):  # a run on a mesh: per-device figures
+            out = {f.name: getattr(g, f.name) for f in dataclasses.fields(g)
+                   if f.name not in ("prefill_compiled", "generate_compiled")}
+            out.update({"mesh": c.step.as_dict(), "step_seconds_median": c.step_seconds_median,
+                        "achieved_bytes_per_s_per_device":
+                            c.step.theory_bytes_dev / c.step_seconds_median,
+                        "programs": c.programs})
+            return out
         s, loop = c.step, c.loop
         out = {f.name: getattr(g, f.name) for f in dataclasses.fields(g)
                if f.name not in ("prefill_compiled", "generate_compiled", "kv_cache_bytes",
@@ -335,26 +410,61 @@ class DecodeResult:
 
 
 def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
-    """Decodes ``run.prompt`` (:func:`decode_prompt`) and costs it (:func:`cost_report`).
+    """Decodes ``run.prompt`` (:func:`decode_prompt`) and costs it (:func:`cost_report`;
+    on a mesh, :func:`mesh_cost_report`, per device).
 
     Raises:
       ConfigError: prompt + max_new_tokens do not fit in max_seq_len (before compiling).
     """
     gen = decode_prompt(run, loaded)
+    if not run.mesh.trivial:
+        return DecodeResult(gen, mesh_cost_report(run, loaded, gen))
     return DecodeResult(gen, cost_report(run, loaded, gen))
 
 
-def compile_prefill(run: RunConfig, params, tokens: jax.Array, cache: cache_lib.KVCache):
+def compile_prefill(run: RunConfig, params, tokens: jax.Array, cache: cache_lib.KVCache,
+                    mm=None):
     """Compiles the prefill ``run`` asks for: (the one-pass program for an empty cache,
     {chunk length: program} for ``run.prefill_chunk``, empty without it). The one-pass
-    program is compiled either way (the cost report analyses it)."""
+    program is compiled either way (the cost report analyses it). ``mm``: a
+    :class:`kvjax.parallel.programs.MeshedModel` to compile the sharded programs of
+    (params, tokens and cache already placed on its mesh)."""
     cfg = run.model
-    one = decode.prefill_program.lower(params, tokens, cache, cfg=cfg, fresh=True).compile()
+    if mm is None:
+        lower = lambda t, fresh: decode.prefill_program.lower(params, t, cache, cfg=cfg,
+                                                              fresh=fresh)
+    else:
+        lower = lambda t, fresh: mm.prefill(fresh).lower(params, t, cache)
+    one = lower(tokens, True).compile()
     chunks = {}
     if run.prefill_chunk:
         for n in sorted(set(decode.chunk_lengths(tokens.shape[1], run.prefill_chunk))):
-            chunks[n] = decode.prefill_program.lower(params, tokens[:, :n], cache, cfg=cfg).compile()
+            chunks[n] = lower(tokens[:, :n], False).compile()
     return one, chunks
+
+
+def check_mesh(run: RunConfig) -> None:
+    """Raises ConfigError unless ``run.mesh`` fits the devices and the model (before
+    weights are loaded or anything compiled): :func:`kvjax.parallel.mesh.check` and
+    :func:`kvjax.parallel.mesh.mesh_devices`. A one-device mesh passes."""
+    if run.mesh.trivial:
+        return
+    from kvjax.parallel import mesh as mesh_lib  # noqa: PLC0415
+    mesh_lib.mesh_devices(run.mesh)
+    mesh_lib.check(run.model, run.mesh, run.batch_size,
+                   cache_lib.num_slots(run.model, run.max_seq_len))
+
+
+def meshed(run: RunConfig):
+    """The :class:`kvjax.parallel.programs.MeshedModel` of ``run`` (``run.mesh``, batch
+    ``run.batch_size``, cache of ``run.max_seq_len``).
+
+    Raises:
+      ConfigError: the mesh does not fit the devices or the model
+        (:func:`kvjax.parallel.programs.build`), before anything is compiled.
+    """
+    from kvjax.parallel import programs  # noqa: PLC0415
+    return programs.build(run.model, run.mesh, run.batch_size, run.max_seq_len)
 
 
 def run_prefill(one, chunks: dict, run: RunConfig, params, tokens, cache):

@@ -10,9 +10,9 @@ On a mesh every figure is per device:
 * XLA: ``cost_analysis()`` of the compiled SPMD program, which is per device and has no
   communication entry.
 * collectives: kind, count, payload and link bytes per mesh axis.
-* jaxpr roofline (``jax.experimental.roofline`` with the mesh): its ``ici_bytes`` counts
-  the collectives written by hand (the 'seq' combine's shard_map); the all-reduces GSPMD
-  inserts for 'model' are not in the jaxpr, so this view sees only the 'seq' traffic.
+* jaxpr roofline (``jax.experimental.roofline`` with the mesh): its ``ici_bytes`` per
+  axis counts the collectives written by hand (the 'seq' combine); available on 'data' /
+  'seq' meshes only (:func:`_roofline_ici` says why not with 'model').
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ class ShardedStepCost:
       cache_gathers: names of all-gathers/all-to-alls that move a cache tensor (must be
         empty).
       roofline_ici_bytes: jax.experimental.roofline's inter-device bytes (None: failed,
-        see roofline_error).
+        see roofline_error); roofline_per_axis: the same per mesh axis.
+      compiled: the compiled SPMD step (params, token [B, 1] int32, cache) -> (logits,
+        cache), arguments in the specs' shardings; for timing it.
     """
 
     cfg: ModelConfig
@@ -87,13 +89,16 @@ class ShardedStepCost:
     cache_gathers: tuple
     roofline_ici_bytes: float | None = None
     roofline_error: str | None = None
+    roofline_per_axis: dict | None = None
+    compiled: object = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def theory_bytes_dev(self) -> float:
         return self.weight_bytes_dev + self.kv_bytes_dev + self.collective_bytes
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("cfg", "inventory")}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name not in ("cfg", "inventory", "compiled")}
         d["inventory"] = {f"{k}@{'+'.join(a) or '-'}": v for (k, a), v in self.inventory.items()}
         d["theory_bytes_dev"] = self.theory_bytes_dev
         d["model"] = self.cfg.name
@@ -123,9 +128,10 @@ def analyze_sharded_step(cfg: ModelConfig, mcfg: MeshConfig, context: int, batch
                 local[i] //= mm.mesh.shape[a]
         shapes += [spec.shape, tuple(local)]
     bad = coll_lib.cache_collectives(colls, shapes)
-    ici, err = None, None
+    ici, ici_axes, err = None, None, None
     if roofline:
-        ici, err = _roofline_ici(mm, params, token, cache)
+        ici_axes, err = _roofline_ici(mm, params, token, cache)
+        ici = None if ici_axes is None else sum(ici_axes.values())
     return ShardedStepCost(
         cfg=cfg, mesh=mcfg.shape, context=context, batch=batch,
         weight_bytes=cache_lib.total_bytes(params),
@@ -136,7 +142,45 @@ def analyze_sharded_step(cfg: ModelConfig, mcfg: MeshConfig, context: int, batch
         collective_link_bytes=sum(c.link_bytes for c in colls),
         xla_bytes=xla.bytes, xla_flops=xla.flops, inventory=coll_lib.inventory(colls),
         per_axis=coll_lib.bytes_per_axis(colls), cache_gathers=tuple(c.name for c in bad),
-        roofline_ici_bytes=ici, roofline_error=err)
+        roofline_ici_bytes=ici, roofline_per_axis=ici_axes, roofline_error=err,
+        compiled=compiled)
+
+
+def measure_sharded_step(cfg: ModelConfig, mcfg: MeshConfig, params, context: int,
+                         batch: int = 1, repeats: int = 5, compiled=None,
+                         devices=None) -> list[float]:
+    """Wall times (s) of ``repeats`` sharded decode steps at ``context``, after one
+    warm-up: ``params`` (host or single-device arrays) placed by their specs, a full
+    cache (``kvjax.analysis.costs.full_cache``) created directly in its shardings, the
+    cache donated to each call and its length reset, so every step sees the same
+    context. ``compiled``: :attr:`ShardedStepCost.compiled` (else compiled here).
+    Report the median.
+
+    Raises:
+      ConfigError: the mesh does not fit the devices or the model, before compiling.
+    """
+    import time  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from kvjax.analysis import costs as single  # noqa: PLC0415
+    from kvjax.parallel import specs as specs_lib  # noqa: PLC0415
+    mm = programs.build(cfg, mcfg, batch, context, devices=devices)
+    cshard = specs_lib.shardings(mm.mesh, mm.cache_specs)
+    cache = jax.jit(functools.partial(single.full_cache, cfg, batch, context),
+                    out_shardings=cshard)()
+    params = mm.shard_params(params)
+    token = jax.device_put(np.zeros((batch, 1), np.int32), mm.sharding(P("data")))
+    length = np.asarray(cache.length)
+    if compiled is None:
+        compiled = mm.decode_step().lower(params, token, cache).compile()
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        logits, cache = compiled(params, token, cache)
+        logits.block_until_ready()
+        if i:
+            times.append(time.perf_counter() - start)
+        cache = cache.replace(length=jax.device_put(length, cshard.length))
+    return times
 
 
 def specs_axes(cfg, mcfg, name) -> tuple:
@@ -145,17 +189,42 @@ def specs_axes(cfg, mcfg, name) -> tuple:
 
 
 def _roofline_ici(mm, params, token, cache):
-    """(ici_bytes, None) from jax.experimental.roofline over the mesh, or (None, error)."""
+    """(ici bytes per mesh axis, None) from ``jax.experimental.roofline`` over the mesh,
+    or (None, why not).
+
+    roofline traces the step inside ``shard_map(mesh, in_specs, out_specs)``: the body
+    sees one device's shards and only collectives written in it count. kvjax's model is
+    written in the global view and GSPMD partitions it when compiling, so:
+
+    * 'model' > 1: refused here. The body would get the 'model'-split parameters (e.g.
+      the embedding [V/model, D]), which Flax refuses (``ScopeParamShapeError``: the
+      module declares [V, D]); and the all-reduces GSPMD inserts for 'model' are made
+      after the jaxpr, so the jaxpr has no 'model' collective to count anyway.
+    * 'data' / 'seq' meshes: parameters are replicated, so Flax sees their full shapes;
+      the 'seq' combine (:func:`kvjax.parallel.seq_attention.over_seq`) runs its body
+      directly when 'seq' is already manual, so its pmax / psums are counted per axis.
+    """
     from jax.experimental import roofline as jroof  # noqa: PLC0415
     from kvjax.inference import decode  # noqa: PLC0415
+    if mm.mcfg.model > 1:
+        return None, ("n/a with mesh.model > 1: jax.experimental.roofline traces the "
+                      "per-device shard_map body; Flax refuses the 'model'-split "
+                      "parameters there (ScopeParamShapeError) and GSPMD's 'model' "
+                      "all-reduces are not in the jaxpr")
+    # axes of size 1 dropped from the specs: shard_map would otherwise take e.g. the
+    # embedding's P('model', None) as varying over a 1-device 'model' axis and refuse
+    # the replicated outputs (check_vma)
+    live = lambda tree: jax.tree.map(
+        lambda s: P(*[a if a is None or mm.mesh.shape[a] > 1 else None for a in s]), tree,
+        is_leaf=lambda x: isinstance(x, P))
     try:
         fn = functools.partial(decode.decode_step.__wrapped__, cfg=mm.cfg)
         with jax.set_mesh(mm.mesh):
-            _, res = jroof.roofline(fn, mm.mesh, in_specs=(mm.param_specs, P("data"),
-                                                           mm.cache_specs),
-                                    out_specs=(P("data"), mm.cache_specs))(
+            _, res = jroof.roofline(fn, mm.mesh, in_specs=live((mm.param_specs, P("data"),
+                                                                mm.cache_specs)),
+                                    out_specs=live((P("data"), mm.cache_specs)))(
                 params, token, cache)
-        return float(sum(res.ici_bytes.values())), None
+        return {k: float(v) for k, v in res.ici_bytes.items()}, None
     except Exception as e:  # noqa: BLE001 (a view, not the measurement)
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
 
@@ -189,8 +258,11 @@ def format_report(c: ShardedStepCost) -> str:
         f"  XLA per device (cost_analysis bytes accessed):  {mb(c.xla_bytes)} "
         f"({c.xla_bytes / max(c.theory_bytes_dev, 1):.2f}x theory), "
         f"{c.xla_flops / 1e6:,.2f} MFLOP",
-        f"  jaxpr roofline ici bytes (hand-written collectives only): "
-        f"{mb(c.roofline_ici_bytes) if c.roofline_ici_bytes is not None else c.roofline_error}",
+        f"  jax.experimental.roofline ici bytes per axis (hand-written collectives only): "
+        + (", ".join(f"{a} {mb(v)}" for a, v in sorted(c.roofline_per_axis.items()))
+           if c.roofline_per_axis is not None else str(c.roofline_error)),
+        "  HLO collectives sent per axis (ring): " + (", ".join(
+            f"{a} {mb(v)}" for a, v in sorted(c.per_axis.items())) or "none"),
         "  collective inventory (kind @ axes: count, payload, sent):"]
     for (kind, axes), v in sorted(c.inventory.items()):
         lines.append(f"    {kind:>16} @ {'+'.join(axes) or '-':<10} x{v['count']:<3} "

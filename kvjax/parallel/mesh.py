@@ -15,26 +15,63 @@ from jax.sharding import Mesh
 from kvjax.config import MESH_AXES, ConfigError, MeshConfig, ModelConfig
 
 
+def mesh_devices(mcfg: MeshConfig, devices=None) -> tuple[list, str | None]:
+    """The devices a mesh of ``mcfg``'s size runs on, and a one-line note when that is
+    not all of them.
+
+    Rule: a mesh larger than the device count is an error; one of the same size uses
+    every device; a smaller one uses the first ``data*model*seq`` devices in
+    ``jax.devices()`` order (e.g. ``--config.mesh.model=3`` on 8 virtual CPU devices)
+    and returns a note saying so, except with several processes (``jax.distributed``),
+    where a subset could leave a process without devices, so the size must equal the
+    device count.
+
+    Args:
+      mcfg: the mesh sizes.
+      devices: the devices available (None: ``jax.devices()``).
+    Returns:
+      (the devices to use, a note or None).
+    Raises:
+      ConfigError: the mesh is larger than the device count, or smaller with several
+        processes.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    multi = len({d.process_index for d in devices}) > 1
+    if mcfg.size > n or (multi and mcfg.size != n):
+        allowed = (f"the device count, {n}" if multi else
+                   f"at most the device count, {n} (a smaller mesh uses the first "
+                   f"{mcfg.size} devices)")
+        raise ConfigError(
+            f"invalid config: mesh data*model*seq = {mcfg.data}*{mcfg.model}*{mcfg.seq} = "
+            f"{mcfg.size}; allowed: {allowed} ({devices[0].platform}"
+            + ("; with several processes every device is in the mesh" if multi else
+               f"; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={mcfg.size}"
+               " before JAX starts") + ")")
+    if mcfg.size == n:
+        return devices, None
+    return devices[:mcfg.size], (
+        f"note: mesh (data, model, seq) = {mcfg.shape} uses {mcfg.size} of the {n} "
+        f"{devices[0].platform} devices (the first {mcfg.size}); the other {n - mcfg.size} "
+        "stay idle")
+
+
 def make_mesh(mcfg: MeshConfig, devices=None) -> Mesh:
     """A ``jax.sharding.Mesh`` of shape (data, model, seq) over ``devices``.
 
     Args:
       mcfg: the mesh sizes.
-      devices: the devices to use (None: ``jax.devices()``, every process's devices when
-        ``jax.distributed`` is initialised). Their count must equal the mesh size.
+      devices: the devices available (None: ``jax.devices()``, every process's devices
+        when ``jax.distributed`` is initialised). The mesh takes all of them, or the
+        first ``mcfg.size`` when it is smaller (:func:`mesh_devices`).
     Returns:
       A Mesh with axis names ('data', 'model', 'seq'); devices in ``jax.devices()`` order
       (process-major), so with several processes the leading axes span processes.
     Raises:
-      ConfigError: the mesh size differs from the number of devices.
+      ConfigError: the mesh is larger than the device count (or smaller with several
+        processes), before anything is compiled.
     """
-    devices = list(jax.devices() if devices is None else devices)
-    if mcfg.size != len(devices):
-        raise ConfigError(
-            f"invalid config: mesh data*model*seq = {mcfg.data}*{mcfg.model}*{mcfg.seq} = "
-            f"{mcfg.size}; allowed: the device count, {len(devices)} "
-            f"({devices[0].platform}; on CPU set XLA_FLAGS="
-            f"--xla_force_host_platform_device_count={mcfg.size} before JAX starts)")
+    devices, _ = mesh_devices(mcfg, devices)
     return Mesh(np.asarray(devices, dtype=object).reshape(mcfg.shape), MESH_AXES)
 
 

@@ -47,6 +47,10 @@ class MeshedModel:
       batch_size: B. max_seq_len: the cache length the units are built for.
       param_specs: PartitionSpec pytree of the parameters.
       cache_specs: KVCache of PartitionSpecs.
+      ragged: the cache keeps per-row lengths (``init_cache(..., ragged=True)``: rows of
+        different lengths, :mod:`kvjax.inference.ragged`).
+      note: a one-line note when the mesh uses fewer devices than there are (None when
+        it uses them all; :func:`kvjax.parallel.mesh.mesh_devices`).
     """
 
     cfg: ModelConfig
@@ -56,6 +60,8 @@ class MeshedModel:
     max_seq_len: int
     param_specs: object
     cache_specs: object
+    note: str | None = None
+    ragged: bool = False
 
     def sharding(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
@@ -67,13 +73,13 @@ class MeshedModel:
     def init_cache(self):
         """An empty cache created directly in its shardings (never whole on one device)."""
         fn = jax.jit(functools.partial(cache_lib.init_cache, self.cfg, self.batch_size,
-                                       self.max_seq_len),
+                                       self.max_seq_len, ragged=self.ragged),
                      out_shardings=specs_lib.shardings(self.mesh, self.cache_specs))
         return fn()
 
     def cache_shapes(self):
         """The cache as ShapeDtypeStructs carrying their shardings (for lowering)."""
-        spec = cache_lib.cache_spec(self.cfg, self.batch_size, self.max_seq_len)
+        spec = _cache_spec(self.cfg, self.batch_size, self.max_seq_len, self.ragged)
         shard = specs_lib.shardings(self.mesh, self.cache_specs)
         return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
                             spec, shard)
@@ -93,9 +99,11 @@ class MeshedModel:
     def _p(self):
         return specs_lib.shardings(self.mesh, self.param_specs)
 
-    def prefill(self):
-        """(params, tokens [B, T] int32, cache) -> (logits [B, V] float32, cache)."""
-        fn = jax.jit(functools.partial(decode.prefill_program.__wrapped__, cfg=self.cfg),
+    def prefill(self, fresh: bool = False):
+        """(params, tokens [B, T] int32, cache) -> (logits [B, V] float32, cache).
+        ``fresh``: the cache is empty (``decode.prefill_program``'s flag)."""
+        fn = jax.jit(functools.partial(decode.prefill_program.__wrapped__, cfg=self.cfg,
+                                       fresh=fresh),
                      in_shardings=(self._p, self.sharding(P("data")), self._c),
                      out_shardings=(self.sharding(P("data")), self._c), donate_argnums=2)
         return _OnMesh(fn, self.mesh)
@@ -119,18 +127,52 @@ class MeshedModel:
         return _OnMesh(fn, self.mesh)
 
 
+    def prefill_ragged(self):
+        """(params, tokens [B, T] int32 right-padded, lengths [B] int32, ragged cache) ->
+        (logits [B, V] float32 at each row's last real token, cache)
+        (``kvjax.inference.ragged.prefill_ragged_program``; no host checks)."""
+        from kvjax.inference import ragged  # noqa: PLC0415
+        d = self.sharding(P("data"))
+        fn = jax.jit(functools.partial(ragged.prefill_ragged_program.__wrapped__,
+                                       cfg=self.cfg),
+                     in_shardings=(self._p, d, d, self._c), out_shardings=(d, self._c),
+                     donate_argnums=3)
+        return _OnMesh(fn, self.mesh)
+
+    def generate_ragged(self, sampling: SamplingConfig = SamplingConfig(), buf_len=None):
+        """(params, first_token [B], ragged cache, budgets [B], row_keys [B], eos_id []) ->
+        (tokens [B, buf_len] int32, counts [B] int32, cache)
+        (``kvjax.inference.ragged.generate_ragged_program``)."""
+        from kvjax.inference import ragged  # noqa: PLC0415
+        d = self.sharding(P("data"))
+        fn = jax.jit(functools.partial(ragged.generate_ragged_program.__wrapped__,
+                                       cfg=self.cfg, sampling=sampling,
+                                       buf_len=buf_len or self.max_seq_len),
+                     in_shardings=(self._p, d, self._c, d, d, None),
+                     out_shardings=(d, d, self._c), donate_argnums=2)
+        return _OnMesh(fn, self.mesh)
+
+
+def _cache_spec(cfg, batch_size, max_seq_len, ragged):
+    return jax.eval_shape(lambda: cache_lib.init_cache(cfg, batch_size, max_seq_len,
+                                                       ragged=ragged))
+
+
 def build(cfg: ModelConfig, mcfg: MeshConfig, batch_size: int, max_seq_len: int,
-          devices=None, params=None) -> MeshedModel:
+          devices=None, params=None, ragged: bool = False) -> MeshedModel:
     """Checks ``cfg`` against the mesh and builds the mesh, the specs and the units.
+    ``ragged``: the cache keeps per-row lengths (:mod:`kvjax.inference.ragged`).
 
     Raises:
-      ConfigError: mesh size != device count, an axis that does not divide what it
+      ConfigError: a mesh larger than the device count
+        (:func:`kvjax.parallel.mesh.mesh_devices`), an axis that does not divide what it
         splits (:func:`kvjax.parallel.mesh.check`); before anything is compiled.
     """
     mesh_lib.check(cfg, mcfg, batch_size, cache_lib.num_slots(cfg, max_seq_len))
+    devices, note = mesh_lib.mesh_devices(mcfg, devices)
     mesh = mesh_lib.make_mesh(mcfg, devices)
     params = model_lib.param_shapes(cfg) if params is None else params
-    cache = cache_lib.cache_spec(cfg, batch_size, max_seq_len)
+    cache = _cache_spec(cfg, batch_size, max_seq_len, ragged)
     return MeshedModel(cfg, mcfg, mesh, batch_size, max_seq_len,
                        specs_lib.param_specs(cfg, mcfg, params),
-                       specs_lib.cache_specs(cfg, mcfg, cache))
+                       specs_lib.cache_specs(cfg, mcfg, cache), note, ragged)

@@ -81,9 +81,14 @@ def over_seq(local_stats, sharded: tuple, replicated: tuple) -> tuple:
         c = jnp.exp(m - mg)
         return mg, jax.lax.psum(l * c, SEQ), jax.lax.psum(o * c, SEQ)
 
+    args = [x for x, _ in sharded] + list(replicated)
+    if SEQ in jax.sharding.get_abstract_mesh().manual_axes:
+        # already inside a shard_map manual over 'seq' (e.g. jax.experimental.roofline's
+        # per-device trace): the arrays are this device's shards
+        return body(*args)
     fn = jax.shard_map(body, in_specs=in_specs, out_specs=(P(), P(), P()),
                        axis_names=frozenset({SEQ}))
-    return fn(*[x for x, _ in sharded], *replicated)
+    return fn(*args)
 
 
 def attend_cached(q, k_old, v_old, mask_old, k_new, v_new, mask_new, k_layout: str,
@@ -106,11 +111,24 @@ def attend_cached(q, k_old, v_old, mask_old, k_new, v_new, mask_new, k_layout: s
     scale = q.shape[-1] ** -0.5
 
     def local(k, v, mask, q):
-        s = jnp.einsum(f"BTKGH,{_spec(k_layout)}->BKGTS", dot_operand(q, backend),
-                       dot_operand(k, backend), preferred_element_type=jnp.float32) * scale
+        qo, ko, vo = (dot_operand(x, backend) for x in (q, k, v))
+        if q.shape[1] == 1:
+            # decode (T = 1): the single-device step's products (attention.attend_step)
+            # without the T axis. With it ('BTKGH,BKHS->BKGTS'), XLA on CPU transposed
+            # each 'BKHS' key shard into a copy before the dot: the shard read, written
+            # and read again (a seq-sharded step read 1.3-1.8x theory per device).
+            s = jnp.einsum(f"BKGH,{_spec(k_layout)}->BKGS", qo[:, 0], ko,
+                           preferred_element_type=jnp.float32)[:, :, :, None, :] * scale
+        else:
+            s = jnp.einsum(f"BTKGH,{_spec(k_layout)}->BKGTS", qo, ko,
+                           preferred_element_type=jnp.float32) * scale
         m, e, l = _stats(s, mask[:, None, None, :, :])
-        o = jnp.einsum(f"BKGTS,{_spec(v_layout, 'V')}->BTKGV", e, dot_operand(v, backend),
-                       preferred_element_type=jnp.float32)
+        if q.shape[1] == 1:
+            o = jnp.einsum(f"BKGS,{_spec(v_layout, 'V')}->BKGV", e[:, :, :, 0], vo,
+                           preferred_element_type=jnp.float32)[:, None]
+        else:
+            o = jnp.einsum(f"BKGTS,{_spec(v_layout, 'V')}->BTKGV", e, vo,
+                           preferred_element_type=jnp.float32)
         to_o = lambda x: jnp.transpose(x, (0, 3, 1, 2, 4))  # [B,K,G,T,1] -> [B,T,K,G,1]
         return to_o(m), to_o(l), o
 
