@@ -219,3 +219,46 @@ def test_bad_kv_dtypes_name_the_value_and_what_is_allowed(monkeypatch):
                                          r"backend 'cpu'.*allowed here"):
         cache_lib.init_cache(cfg, 1, 8)
     cache_lib.init_cache(tiny(kv_dtype="int8"), 1, 8)  # integer formats need no probe
+
+
+# ------------------------------------------------------------------ the cost report
+
+
+@pytest.mark.parametrize("name,scan", [("int8", True), ("int4", False)])
+def test_attribution_names_the_scale_bytes_and_they_equal_theory(name, scan):
+    """The XLA attribution of a decode step over a full cache splits KV bytes by cache
+    tensor: the scale tensors are rows of their own ('k_scale', 'v_scale'), and their read
+    and write bytes equal theory's (B·t·scale bytes per token; B·scale bytes per token)."""
+    from kvjax.analysis import costs  # noqa: PLC0415
+
+    cfg = tiny(kv_dtype=name, scan_layers=scan)
+    batch, t = 2, 64
+    step = costs.analyze_decode_step(cfg, t, batch=batch, jaxpr=False)
+    kv = step.attribution.kv_tensors
+    assert set(kv) == {"k", "v", "k_scale", "v_scale"}
+    per_token = theory.kv_tensor_bytes_per_token(cfg)
+    # int8: L·K·1·4 = 16 B per token per scale tensor; int4 (H=8: one group): the same
+    assert per_token["k_scale"] == per_token["v_scale"] == 2 * 2 * 4
+    for n in ("k_scale", "v_scale"):
+        assert kv[n]["read"] == batch * t * per_token[n]
+        assert kv[n]["write"] == batch * per_token[n]
+    # the per-tensor rows add up to the kv_read / kv_write parts
+    assert sum(v["read"] for v in kv.values()) == step.attribution.bytes["kv_read"]
+    assert sum(v["write"] for v in kv.values()) == step.attribution.bytes["kv_write"]
+    text = costs.attribution_table(step)
+    rows = {line.split()[0]: line.split() for line in text.splitlines()
+            if line.strip().startswith(("k_scale", "v_scale"))}
+    assert set(rows) == {"k_scale", "v_scale"}
+    assert rows["k_scale"][1] == rows["k_scale"][2] == f"{batch * t * per_token['k_scale']:,}"
+
+
+def test_tensor_bytes_per_token_sum_to_kv_bytes_per_token():
+    for kd in (None,) + config_lib.KV_DTYPES:
+        for cfg in (tiny(kv_dtype=kd), tiny_mla(kv_dtype=kd)):
+            per = theory.kv_tensor_bytes_per_token(cfg)
+            assert sum(per.values()) == theory.kv_bytes_per_token(cfg), (kd, per)
+            # and equal the allocated cache's tensors, name by name
+            cache = cache_lib.init_cache(cfg, 1, 4)
+            for n, x in cache.tensors.items():
+                leaves = x if isinstance(x, tuple) else (x,)
+                assert sum(a.nbytes for a in leaves) == 4 * per[n], (kd, n)
