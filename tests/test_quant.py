@@ -240,8 +240,13 @@ def test_attribution_names_the_scale_bytes_and_they_equal_theory(name, scan):
     # int8: L·K·1·4 = 16 B per token per scale tensor; int4 (H=8: one group): the same
     assert per_token["k_scale"] == per_token["v_scale"] == 2 * 2 * 4
     for n in ("k_scale", "v_scale"):
-        assert kv[n]["read"] == batch * t * per_token[n]
         assert kv[n]["write"] == batch * per_token[n]
+    assert kv["v_scale"]["read"] == batch * t * per_token["v_scale"]
+    if name == "int4":  # dequantized before the dots: each scale read once
+        assert kv["k_scale"]["read"] == batch * t * per_token["k_scale"]
+    else:  # scales outside the dots: XLA fuses scores · k_scale into the max and exp passes
+        assert kv["k_scale"]["read"] in (batch * t * per_token["k_scale"],
+                                         2 * batch * t * per_token["k_scale"])
     # the per-tensor rows add up to the kv_read / kv_write parts
     assert sum(v["read"] for v in kv.values()) == step.attribution.bytes["kv_read"]
     assert sum(v["write"] for v in kv.values()) == step.attribution.bytes["kv_write"]
@@ -249,7 +254,7 @@ def test_attribution_names_the_scale_bytes_and_they_equal_theory(name, scan):
     rows = {line.split()[0]: line.split() for line in text.splitlines()
             if line.strip().startswith(("k_scale", "v_scale"))}
     assert set(rows) == {"k_scale", "v_scale"}
-    assert rows["k_scale"][1] == rows["k_scale"][2] == f"{batch * t * per_token['k_scale']:,}"
+    assert rows["v_scale"][1] == rows["v_scale"][2] == f"{batch * t * per_token['v_scale']:,}"
 
 
 def test_tensor_bytes_per_token_sum_to_kv_bytes_per_token():
@@ -262,3 +267,37 @@ def test_tensor_bytes_per_token_sum_to_kv_bytes_per_token():
             for n, x in cache.tensors.items():
                 leaves = x if isinstance(x, tuple) else (x,)
                 assert sum(a.nbytes for a in leaves) == 4 * per[n], (kd, n)
+
+
+@pytest.mark.parametrize("name", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("k_layout,v_layout", [("BKSH", "BKSH"), ("BKHS", "BKSH")])
+def test_scales_outside_the_dots_equal_attention_over_dequantized_values(
+        name, k_layout, v_layout):
+    """attend_step over codes with per-slot scales applied outside the H contraction
+    equals attend_step over the dequantized cache up to float32 rounding (1e-6)."""
+    from kvjax.models import attention  # noqa: PLC0415
+
+    fmt = quant.FORMATS[name]
+    rng = np.random.default_rng(0)
+    b, k, g, h, s = 2, 2, 3, 16, 40
+    q = jnp.asarray(rng.standard_normal((b, 1, k, g, h)), jnp.float32)
+    kf = jnp.asarray(3 * rng.standard_normal((b, k, s, h)), jnp.float32)
+    vf = jnp.asarray(rng.standard_normal((b, k, s, h)), jnp.float32)
+    if k_layout == "BKHS":
+        kf = jnp.swapaxes(kf, -1, -2)
+    k_axis = -2 if k_layout == "BKHS" else -1
+    kq, ks = quant.quantize(kf, fmt, k_axis)
+    vq, vs = quant.quantize(vf, fmt, -1)
+    k_deq = quant.dequantize(kq, ks, fmt, k_axis)
+    v_deq = quant.dequantize(vq, vs, fmt, -1)
+    mask = jnp.asarray(rng.random((b, 1, s)) < 0.7)
+    k_new = jnp.asarray(rng.standard_normal(
+        (b, k, h, 1) if k_layout == "BKHS" else (b, k, 1, h)), jnp.float32)
+    v_new = jnp.asarray(rng.standard_normal((b, k, 1, h)), jnp.float32)
+    want = attention.attend_step(q, k_deq, v_deq, mask, k_new, v_new, k_layout, v_layout)
+    got = attention.attend_step(q, kq, vq, mask, k_new, v_new, k_layout, v_layout,
+                                k_scale=jnp.squeeze(ks, k_axis), v_scale=vs[..., 0])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="impl='xla'"):
+        attention.attend_step(q, kq, vq, mask, k_new, v_new, k_layout, v_layout,
+                              impl="native", k_scale=ks, v_scale=vs)
