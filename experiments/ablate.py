@@ -15,11 +15,17 @@ of the blog's three levers and scored on the held-out split of the Django docs
 * MLA by low-rank factorisation (``convert.gqa_to_mla``) with a latent rank sweep;
 * uptraining (``kvjax.train``) of the K = 1 model on the training split, and of the
   original K = 3 model with the same budget as a control (training on the corpus alone
-  lowers perplexity by adapting to its domain; recovery is the difference).
+  lowers perplexity by adapting to its domain; recovery is the difference);
+* lever 4, a quantized KV cache (``kvjax.cache.quant``): each of ``--kv_dtypes`` as the
+  cache element type of the original GQA model and of the best-scoring window-with-sinks
+  row, and each of ``--mla_kv_dtypes`` on the best-scoring MLA conversion (rows named
+  e.g. "GQA K=3 (original) int8", lever 'quantized', column ``ppl_vs_float32`` against
+  the same variant with a float32 cache). Their KV bytes include the float32 scales.
 
 Defaults (stated in README "Ablations"): context 512, 16,352 scored tokens (32 windows),
 windows {64, 128, 256, 512, 1024} x sinks {0, 4}, MLA ranks {64, 128, 320}, uptraining
-50 steps of 4 x 128 tokens. A window with W >= context never masks a key, so it computes
+50 steps of 4 x 128 tokens, kv_dtypes {bfloat16, float16, float8_e4m3fn, float8_e5m2,
+int8, int4} (MLA: {int8, float8_e4m3fn}). A window with W >= context never masks a key, so it computes
 the full-attention function: its perplexity is the GQA row's (marked ``same_as``), its
 cache bytes are measured on an allocated cache.
 
@@ -50,7 +56,7 @@ from kvjax.models import convert, model
 from kvjax.training import data, evaluate
 from kvjax.training import train as train_lib
 from kvjax.checkpoints import WeightsError
-from kvjax.config import ConfigError, run_config_from_dict
+from kvjax.config import KV_DTYPES, ConfigError, run_config_from_dict
 
 _CONFIG = cli.DEFINE_config_file(
     "config", "configs/gqa.py", cli.config_help("The base model (GQA SmolLM2)."), lock_config=True)
@@ -65,15 +71,22 @@ _SINKS = flags.DEFINE_integer("sinks", 4, "Attention sinks of the '+sinks' windo
 _MLA = flags.DEFINE_list("mla_ranks", ["64", "128", "320"], "MLA latent ranks C.")
 _UPTRAIN = flags.DEFINE_list("uptrain_kv_heads", ["1", "3"],
                              "KV-head variants to uptrain (3 = the control).")
+_KV_DTYPES = flags.DEFINE_list(
+    "kv_dtypes", ["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int8", "int4"],
+    "Cache element types (model.kv_dtype) scored on the original GQA model and on the "
+    "best window-with-sinks row; empty: none.")
+_MLA_KV_DTYPES = flags.DEFINE_list(
+    "mla_kv_dtypes", ["int8", "float8_e4m3fn"],
+    "Cache element types scored on the best MLA conversion; empty: none.")
 _CALIB = flags.DEFINE_integer("calib_tokens", 1024, "Training tokens for MLA calibration.")
 _RESUME = flags.DEFINE_bool("resume", False, "Reuse rows already in out_dir/ablate.json.")
 _PLOT_ONLY = flags.DEFINE_bool("plot_only", False,
                                "Only redraw pareto.png and print the table from ablate.json.")
 
-FIELDS = ["name", "lever", "kv_heads", "window", "sinks", "mla_rank", "uptrain_steps",
-          "kv_bytes_per_token", "tokens_held", "kv_bytes_theory", "kv_bytes_measured",
+FIELDS = ["name", "lever", "kv_heads", "window", "sinks", "mla_rank", "kv_dtype",
+          "uptrain_steps", "kv_bytes_per_token", "kv_scale_bytes_per_token", "tokens_held", "kv_bytes_theory", "kv_bytes_measured",
           "cache_slots", "ppl", "bits_per_byte", "ppl_vs_gqa", "tokens_scored",
-          "check_rel_diff", "same_as", "seconds"]
+          "ppl_vs_float32", "check_rel_diff", "same_as", "seconds"]
 # --help lists the config flags (defined through cli) with this module's own.
 flags.adopt_module_key_flags(cli)
 
@@ -82,13 +95,23 @@ def kv_label(k: int, n: int) -> str:
     return "MHA" if k == n else ("MQA" if k == 1 else "GQA")
 
 
+def check_kv_dtypes(names: list, flag: str) -> list:
+    """``names`` if each is a cache element type (``config.KV_DTYPES``); else ValueError
+    naming the flag, the bad value and what is allowed."""
+    for n in names:
+        if n not in KV_DTYPES:
+            raise ValueError(f"--{flag}: unknown kv_dtype {n!r}; allowed: {list(KV_DTYPES)}")
+    return list(names)
+
+
 def row_for(name, lever, cfg, ctx, res=None, **extra) -> dict:
     """A result row: the theory columns from cfg, the measured ones from ``res``."""
     row = dict(
         name=name, lever=lever, kv_heads=None if cfg.is_mla else cfg.num_kv_heads,
         window=cfg.window_size, sinks=cfg.num_sink_tokens,
-        mla_rank=cfg.kv_lora_rank, uptrain_steps=0,
+        mla_rank=cfg.kv_lora_rank, kv_dtype=cfg.kv_dtype or cfg.dtype, uptrain_steps=0,
         kv_bytes_per_token=theory.kv_bytes_per_token(cfg),
+        kv_scale_bytes_per_token=theory.kv_scale_bytes_per_token(cfg),
         tokens_held=theory.tokens_held(cfg, ctx),
         kv_bytes_theory=theory.kv_cache_bytes(cfg, ctx), same_as=None)
     if res is not None:
@@ -119,7 +142,7 @@ def plot_pareto(rows: list, path: pathlib.Path, ctx: int, title: str) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     style = {"kv heads": ("o", "C0"), "window": ("s", "C1"), "window+sinks": ("^", "C2"),
-             "mla": ("D", "C3"), "uptrained": ("*", "C4")}
+             "mla": ("D", "C3"), "uptrained": ("*", "C4"), "quantized": ("P", "C5")}
     fig, ax = plt.subplots(figsize=(9, 6))
     for lever, (marker, color) in style.items():
         rs = [r for r in rows if r["lever"] == lever]
@@ -145,8 +168,8 @@ def plot_pareto(rows: list, path: pathlib.Path, ctx: int, title: str) -> None:
     ax.set_yscale("log")
     from matplotlib.ticker import FuncFormatter  # noqa: PLC0415
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.set_xlabel(f"KV cache per sequence at context {ctx} (MiB, float32; theory = measured "
-                  "except W > context)")
+    ax.set_xlabel(f"KV cache per sequence at context {ctx} (MiB: KV bytes per token incl. "
+                  "quantization scales x tokens held; theory = measured except W > context)")
     ax.set_ylabel("perplexity on held-out Django docs")
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
@@ -164,9 +187,13 @@ def plot_pareto(rows: list, path: pathlib.Path, ctx: int, title: str) -> None:
 def write_outputs(out: pathlib.Path, rows: list, settings: dict) -> None:
     base = next((r for r in rows if r["name"].startswith("GQA K=3") and r["lever"] == "kv heads"),
                 None)
+    by_name = {r["name"]: r for r in rows}
     for r in rows:
         if base is not None and r.get("ppl") is not None:
             r["ppl_vs_gqa"] = r["ppl"] / base["ppl"]
+        src = by_name.get(r.get("quantized_from"))
+        if src is not None and r.get("ppl") is not None:
+            r["ppl_vs_float32"] = r["ppl"] / src["ppl"]
     with open(out / "ablate.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
         w.writeheader()
@@ -177,14 +204,18 @@ def write_outputs(out: pathlib.Path, rows: list, settings: dict) -> None:
 
 
 def markdown_table(rows: list) -> str:
-    lines = ["| variant | KV B/token | tokens held | KV bytes/seq (theory) | measured | "
-             "ppl | bits/byte | ppl / GQA |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| variant | KV B/token (scales) | tokens held | KV bytes/seq (theory) | measured | "
+             "ppl | bits/byte | ppl / GQA | ppl / float32 cache |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         note = f" (= {r['same_as']})" if r.get("same_as") else ""
+        scales = r.get("kv_scale_bytes_per_token") or 0
+        vs32 = f"{r['ppl_vs_float32']:.4f}" if r.get("ppl_vs_float32") else ""
         lines.append(
-            f"| {r['name']} | {r['kv_bytes_per_token']:,} | {r['tokens_held']} | "
-            f"{r['kv_bytes_theory']:,} | {r['kv_bytes_measured']:,} | {r['ppl']:.3f}{note} | "
-            f"{r['bits_per_byte']:.4f} | {r.get('ppl_vs_gqa', float('nan')):.3f} |")
+            f"| {r['name']} | {r['kv_bytes_per_token']:,}"
+            f"{f' ({scales:,})' if scales else ''} | {r['tokens_held']} | "
+            f"{r['kv_bytes_theory']:,} | {r['kv_bytes_measured']:,} | {r['ppl']:.4f}{note} | "
+            f"{r['bits_per_byte']:.4f} | {r.get('ppl_vs_gqa', float('nan')):.3f} | {vs32} |")
     return "\n".join(lines)
 
 
@@ -239,6 +270,8 @@ def main(argv):
         windows = [int(w) for w in _WINDOWS.value]
         ranks = [int(c) for c in _MLA.value]
         uptrain = [int(k) for k in _UPTRAIN.value]
+        kv_dtypes = check_kv_dtypes(_KV_DTYPES.value, "kv_dtypes")
+        mla_kv_dtypes = check_kv_dtypes(_MLA_KV_DTYPES.value, "mla_kv_dtypes")
         loaded = runner.load(run)
         corpus = data.tokenized_corpus(loaded.tokenizer, _EVAL.value.corpus,
                                        _EVAL.value.heldout_fraction, run.cache_dir,
@@ -270,7 +303,10 @@ def main(argv):
         return jax.tree.map(lambda x: jnp.asarray(x, cfg.jnp_dtype),
                             model.params_for(cfg, stacked))
 
+    sources = {}  # row name -> (cfg, stacked_fn): what a quantized row re-scores
+
     def score(name, lever, cfg, stacked_fn, **extra):
+        sources[name] = (cfg, stacked_fn)
         if name in done:
             rows.append(done[name])
             print(f"{name}: reused from {out / 'ablate.json'}")
@@ -326,6 +362,24 @@ def main(argv):
             mcfg, mparams = convert.gqa_to_mla(base, base_cfg, c, x)
             mcfg = mcfg.replace(name=f"MLA C={c}")
             score(mcfg.name, "mla", mcfg, lambda mparams=mparams: mparams)
+
+    # Lever 4: the cache's element type on the original GQA model, the best window with
+    # sinks and the best MLA conversion (the same weights; only the cache changes).
+    def best(lever):
+        rs = [r for r in rows if r["lever"] == lever and r.get("ppl") is not None
+              and not r.get("same_as") and r["name"] in sources]
+        return min(rs, key=lambda r: r["ppl"]) if rs else None
+
+    for src, names in ((gqa_row, kv_dtypes), (best("window+sinks"), kv_dtypes),
+                       (best("mla"), mla_kv_dtypes)):
+        if src is None:
+            continue
+        cfg, stacked_fn = sources[src["name"]]
+        for kd in names:
+            if kd == (cfg.kv_dtype or cfg.dtype):
+                continue  # the source row itself
+            qcfg = cfg.replace(kv_dtype=kd, name=f"{src['name']} {kd}")
+            score(qcfg.name, "quantized", qcfg, stacked_fn, quantized_from=src["name"])
 
     # Uptraining: the converted K = 1 model, and the original K = 3 as a control.
     histories = {}

@@ -1,14 +1,23 @@
 """Decode step time per kv_dtype against the roofline's predicted speedup, in one run.
 
-    python scripts/kv_quant_bench.py --contexts 4096,32768 --kv_dtypes float32,int8
+    python scripts/kv_quant_bench.py --models smollm2,blog --contexts 4096,32768,65536 \
+        --kv_dtypes float32,int8,int8:dequant,float8_e4m3fn,int4
 
-SmolLM2-135M shapes (GQA K=3, H=64, L=30; float32 weights, random: speed only), batch 1,
-one jitted single-token step (``model.forward``, cache donated) at a cache of t slots
-holding t - 1 tokens. The kv_dtypes are timed interleaved (round robin, ``--reps`` rounds)
-and the median reported with the ratio to float32 and the theory's ratio of step bytes
-(weights + KV read + KV write, scales included: ``theory.step_bytes``). It also reports
-whether XLA fused the dequantisation into the attention dots: the compiled step is
-searched for a materialised float32 (or model-dtype) tensor of the cache's full shape.
+Models (float32 weights, random: speed only): ``smollm2`` (SmolLM2-135M shapes: GQA K=3,
+H=64, L=30) and ``blog`` (the blog's model: MHA K=8, H=64, L=12). Batch 1, one jitted
+single-token step (``model.forward``, cache donated) at a cache of t slots holding t - 1
+tokens. All (kv_dtype) variants of one model and context are timed interleaved (round
+robin, ``--reps`` rounds); the median is reported with the ratio to the first kv_dtype
+(float32) and the theory's ratio of step bytes (weights + KV read + KV write, scales
+included: ``theory.step_bytes``), i.e. the speedup a bandwidth-bound step would get.
+
+``int8:dequant`` / ``float8_e4m3fn:dequant``: the same cache with the scales applied
+before the dots (``kvjax.models.attention.SCALE_OUTSIDE_DOTS = False``: the codes are
+dequantized, then attended), the formulation the default replaced; the plain names use
+the default (scales outside the dots: only a convert of the codes stays on the dot
+operands). Per variant the compiled step is searched for materialised float32 tensors of
+one layer's full K or V cache shape (``f32 copies of the cache``: 0 means XLA streamed
+the 1-byte cache into the dots).
 """
 
 from __future__ import annotations
@@ -23,65 +32,98 @@ import jax.numpy as jnp
 
 from kvjax import cache as cache_lib
 from kvjax import presets
-from kvjax.analysis import theory
-from kvjax.models import model
+from kvjax.analysis import hlo_cost, theory
+from kvjax.models import attention, model
+
+MODELS = {"smollm2": presets.smollm2_135m, "blog": presets.blog_model}
+
+
+def f32_cache_copies(hlo: str, cfg, t: int) -> int:
+    """Materialised float32 arrays of one layer's K or V cache shape ([K, t, H] or
+    [K, H, t], with or without leading unit axes) in compiled HLO text: instructions
+    of the computations that are not fused into another (a convert inside a fusion whose
+    root is a dot is streamed, not materialised; parameters are not copies)."""
+    k, h = cfg.num_kv_heads, cfg.head_dim
+    pat = re.compile(rf"=\s*f32\[(1,)*{k},({t},{h}|{h},{t})\]\S*\s+(?!parameter)")
+    comps, _ = hlo_cost._split_computations(hlo)
+    fused = set()
+    for lines in comps.values():
+        for line in lines:
+            if " fusion(" in line:
+                fused.update(re.findall(r"calls=%?([\w.\-]+)", line))
+    return sum(len(pat.findall(line)) for name, lines in comps.items() if name not in fused
+               for line in lines[1:])
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="smollm2",
+                    help=f"comma-separated, of {sorted(MODELS)}")
     ap.add_argument("--contexts", default="4096,32768")
-    ap.add_argument("--kv_dtypes", default="float32,int8")
+    ap.add_argument("--kv_dtypes", default="float32,int8,int8:dequant",
+                    help="comma-separated kv_dtypes; 'NAME:dequant' dequantizes before the dots")
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     names = args.kv_dtypes.split(",")
-    base = presets.smollm2_135m(dtype="float32", scan_layers=False)
-    raw = model.init_params(base, 0)
+    for m in args.models.split(","):
+        if m not in MODELS:
+            ap.error(f"--models: unknown model {m!r}; allowed: {sorted(MODELS)}")
     fwd = jax.jit(model.forward, static_argnums=1, donate_argnums=4)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    for t in contexts:
-        steps, caches, cfgs, fused = {}, {}, {}, {}
-        for n in names:
-            cfg = base.replace(kv_dtype=n, name=f"smollm2-{n}")
-            cfgs[n] = cfg
-            params = model.params_for(cfg, raw)
-            cache = cache_lib.init_cache(cfg, 1, t)
-            cache = cache.replace(positions=jnp.where(jnp.arange(t) < t - 1,
-                                                      jnp.arange(t), -1)[None].astype(jnp.int32),
-                                  length=jnp.full((1,), t - 1, jnp.int32))
-            tok = jnp.zeros((1, 1), jnp.int32)
-            pos = jnp.full((1, 1), t - 1, jnp.int32)
+    for mname in args.models.split(","):
+        base = MODELS[mname](dtype="float32", scan_layers=False)
+        raw = model.init_params(base, 0)
+        for t in contexts:
+            run_context(fwd, base, raw, mname, t, names, args.reps)
+
+
+def run_context(fwd, base, raw, mname, t, names, reps):
+    steps, caches, cfgs, copies = {}, {}, {}, {}
+    for n in names:
+        kd, _, how = n.partition(":")
+        cfg = base.replace(kv_dtype=kd, name=f"{mname}-{n}")
+        cfgs[n] = cfg
+        params = model.params_for(cfg, raw)
+        cache = cache_lib.init_cache(cfg, 1, t)
+        cache = cache.replace(positions=jnp.where(jnp.arange(t) < t - 1, jnp.arange(t),
+                                                  -1)[None].astype(jnp.int32),
+                              length=jnp.full((1,), t - 1, jnp.int32))
+        tok = jnp.zeros((1, 1), jnp.int32)
+        pos = jnp.full((1, 1), t - 1, jnp.int32)
+        attention.SCALE_OUTSIDE_DOTS = how != "dequant"
+        try:
             hlo = fwd.lower(params, cfg, tok, pos, cache).compile().as_text()
-            # a materialised full-cache float tensor: f32[1,3,t,64] / f32[1,3,64,t]
-            pat = rf"f32\[1,3,({t},64|64,{t})\]"
-            fused[n] = "n/a" if not cfg.kv_quantized else (
-                "no (f32 copy of the cache)" if re.search(r"=\s*" + pat, hlo) else "yes")
+            copies[n] = f32_cache_copies(hlo, cfg, t) if cfg.kv_quantized else None
             steps[n] = (params, tok, pos)
-            caches[n] = cache
-            out, caches[n] = fwd(params, cfg, tok, pos, caches[n])  # compile + warm
+            out, caches[n] = fwd(params, cfg, tok, pos, cache)  # trace, compile, warm
             out.block_until_ready()
-        times = {n: [] for n in names}
-        for _ in range(args.reps):
-            for n in names:
-                params, tok, pos = steps[n]
-                t0 = time.perf_counter()
-                out, new = fwd(params, cfgs[n], tok, pos, caches[n])
-                out.block_until_ready()
-                times[n].append(time.perf_counter() - t0)
-                # rewind: the step wrote slot t-1; keep holding t - 1 tokens
-                caches[n] = new.replace(positions=new.positions.at[:, t - 1].set(-1),
-                                        length=new.length - 1)
-        ref = statistics.median(times[names[0]])
-        ref_bytes = theory.step_bytes(cfgs[names[0]], t).total
-        print(f"\nt = {t:,}  (median of {args.reps}, interleaved)")
-        print("| kv_dtype | KV B/token | step bytes (theory) | step ms | speedup measured "
-              "| speedup roofline | dequant fused into the dots |")
-        print("|---|---:|---:|---:|---:|---:|---|")
+        finally:
+            attention.SCALE_OUTSIDE_DOTS = True
+    times = {n: [] for n in names}
+    for _ in range(reps):
         for n in names:
-            med = statistics.median(times[n])
-            sb = theory.step_bytes(cfgs[n], t).total
-            print(f"| {n} | {theory.kv_bytes_per_token(cfgs[n]):,} | {sb:,} | {med*1e3:.2f} "
-                  f"| {ref/med:.2f}x | {ref_bytes/sb:.2f}x | {fused[n]} |")
+            params, tok, pos = steps[n]
+            t0 = time.perf_counter()
+            out, new = fwd(params, cfgs[n], tok, pos, caches[n])
+            out.block_until_ready()
+            times[n].append(time.perf_counter() - t0)
+            # rewind: the step wrote slot t-1; keep holding t - 1 tokens
+            caches[n] = new.replace(positions=new.positions.at[:, t - 1].set(-1),
+                                    length=new.length - 1)
+    ref = statistics.median(times[names[0]])
+    ref_bytes = theory.step_bytes(cfgs[names[0]], t).total
+    print(f"\n{mname}, t = {t:,}  (median of {reps}, interleaved; ratios to {names[0]})")
+    print("| kv_dtype | KV B/token | step bytes (theory) | step ms | speedup measured "
+          "| speedup roofline | f32 copies of the cache |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for n in names:
+        med = statistics.median(times[n])
+        sb = theory.step_bytes(cfgs[n], t).total
+        c = "n/a" if copies[n] is None else copies[n]
+        print(f"| {n} | {theory.kv_bytes_per_token(cfgs[n]):,} | {sb:,} | {med*1e3:.2f} "
+              f"| {ref/med:.2f}x | {ref_bytes/sb:.2f}x | {c} |", flush=True)
+    del caches
 
 
 if __name__ == "__main__":

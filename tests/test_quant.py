@@ -219,3 +219,85 @@ def test_bad_kv_dtypes_name_the_value_and_what_is_allowed(monkeypatch):
                                          r"backend 'cpu'.*allowed here"):
         cache_lib.init_cache(cfg, 1, 8)
     cache_lib.init_cache(tiny(kv_dtype="int8"), 1, 8)  # integer formats need no probe
+
+
+# ------------------------------------------------------------------ the cost report
+
+
+@pytest.mark.parametrize("name,scan", [("int8", True), ("int4", False)])
+def test_attribution_names_the_scale_bytes_and_they_equal_theory(name, scan):
+    """The XLA attribution of a decode step over a full cache splits KV bytes by cache
+    tensor: the scale tensors are rows of their own ('k_scale', 'v_scale'), and their read
+    and write bytes equal theory's (B·t·scale bytes per token; B·scale bytes per token)."""
+    from kvjax.analysis import costs  # noqa: PLC0415
+
+    cfg = tiny(kv_dtype=name, scan_layers=scan)
+    batch, t = 2, 64
+    step = costs.analyze_decode_step(cfg, t, batch=batch, jaxpr=False)
+    kv = step.attribution.kv_tensors
+    assert set(kv) == {"k", "v", "k_scale", "v_scale"}
+    per_token = theory.kv_tensor_bytes_per_token(cfg)
+    # int8: L·K·1·4 = 16 B per token per scale tensor; int4 (H=8: one group): the same
+    assert per_token["k_scale"] == per_token["v_scale"] == 2 * 2 * 4
+    for n in ("k_scale", "v_scale"):
+        assert kv[n]["write"] == batch * per_token[n]
+    assert kv["v_scale"]["read"] == batch * t * per_token["v_scale"]
+    if name == "int4":  # dequantized before the dots: each scale read once
+        assert kv["k_scale"]["read"] == batch * t * per_token["k_scale"]
+    else:  # scales outside the dots: XLA fuses scores · k_scale into the max and exp passes
+        assert kv["k_scale"]["read"] in (batch * t * per_token["k_scale"],
+                                         2 * batch * t * per_token["k_scale"])
+    # the per-tensor rows add up to the kv_read / kv_write parts
+    assert sum(v["read"] for v in kv.values()) == step.attribution.bytes["kv_read"]
+    assert sum(v["write"] for v in kv.values()) == step.attribution.bytes["kv_write"]
+    text = costs.attribution_table(step)
+    rows = {line.split()[0]: line.split() for line in text.splitlines()
+            if line.strip().startswith(("k_scale", "v_scale"))}
+    assert set(rows) == {"k_scale", "v_scale"}
+    assert rows["v_scale"][1] == rows["v_scale"][2] == f"{batch * t * per_token['v_scale']:,}"
+
+
+def test_tensor_bytes_per_token_sum_to_kv_bytes_per_token():
+    for kd in (None,) + config_lib.KV_DTYPES:
+        for cfg in (tiny(kv_dtype=kd), tiny_mla(kv_dtype=kd)):
+            per = theory.kv_tensor_bytes_per_token(cfg)
+            assert sum(per.values()) == theory.kv_bytes_per_token(cfg), (kd, per)
+            # and equal the allocated cache's tensors, name by name
+            cache = cache_lib.init_cache(cfg, 1, 4)
+            for n, x in cache.tensors.items():
+                leaves = x if isinstance(x, tuple) else (x,)
+                assert sum(a.nbytes for a in leaves) == 4 * per[n], (kd, n)
+
+
+@pytest.mark.parametrize("name", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("k_layout,v_layout", [("BKSH", "BKSH"), ("BKHS", "BKSH")])
+def test_scales_outside_the_dots_equal_attention_over_dequantized_values(
+        name, k_layout, v_layout):
+    """attend_step over codes with per-slot scales applied outside the H contraction
+    equals attend_step over the dequantized cache up to float32 rounding (1e-6)."""
+    from kvjax.models import attention  # noqa: PLC0415
+
+    fmt = quant.FORMATS[name]
+    rng = np.random.default_rng(0)
+    b, k, g, h, s = 2, 2, 3, 16, 40
+    q = jnp.asarray(rng.standard_normal((b, 1, k, g, h)), jnp.float32)
+    kf = jnp.asarray(3 * rng.standard_normal((b, k, s, h)), jnp.float32)
+    vf = jnp.asarray(rng.standard_normal((b, k, s, h)), jnp.float32)
+    if k_layout == "BKHS":
+        kf = jnp.swapaxes(kf, -1, -2)
+    k_axis = -2 if k_layout == "BKHS" else -1
+    kq, ks = quant.quantize(kf, fmt, k_axis)
+    vq, vs = quant.quantize(vf, fmt, -1)
+    k_deq = quant.dequantize(kq, ks, fmt, k_axis)
+    v_deq = quant.dequantize(vq, vs, fmt, -1)
+    mask = jnp.asarray(rng.random((b, 1, s)) < 0.7)
+    k_new = jnp.asarray(rng.standard_normal(
+        (b, k, h, 1) if k_layout == "BKHS" else (b, k, 1, h)), jnp.float32)
+    v_new = jnp.asarray(rng.standard_normal((b, k, 1, h)), jnp.float32)
+    want = attention.attend_step(q, k_deq, v_deq, mask, k_new, v_new, k_layout, v_layout)
+    got = attention.attend_step(q, kq, vq, mask, k_new, v_new, k_layout, v_layout,
+                                k_scale=jnp.squeeze(ks, k_axis), v_scale=vs[..., 0])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="impl='xla'"):
+        attention.attend_step(q, kq, vq, mask, k_new, v_new, k_layout, v_layout,
+                              impl="native", k_scale=ks, v_scale=vs)

@@ -298,7 +298,9 @@ def analyze_loop(cfg: ModelConfig, context: int, batch: int = 1, compiled=None,
             total_bytes=(att_b.total_bytes - att_a.total_bytes) / n,
             total_flops=(att_b.total_flops - att_a.total_flops) / n,
             uncosted_bytes=(att_b.uncosted_bytes - att_a.uncosted_bytes) / n,
-            uncosted={k: (att_b.uncosted[k] - att_a.uncosted[k]) / n for k in att_a.uncosted})
+            uncosted={k: (att_b.uncosted[k] - att_a.uncosted[k]) / n for k in att_a.uncosted},
+            kv_tensors={name: {k: (att_b.kv_tensors[name][k] - rw[k]) / n for k in rw}
+                        for name, rw in att_a.kv_tensors.items() if name in att_b.kv_tensors})
     sb = theory.step_bytes(cfg, context, batch)
     sf = theory.step_flops(cfg, context, batch)
     parts = {"bytes": sb.as_dict(), "flops": sf.as_dict()}
@@ -483,4 +485,4 @@ def views(step: StepCost, seconds: float | None = None) -> dict:
 
 # Formatting moved to kvjax.analysis.report; the old names stay importable from here.
 from kvjax.analysis.report import (  # noqa: E402,F401
-    attribution_rows, attribution_table, cost_table, format_table)
+    attribution_rows, attribution_table, cost_table, format_table, kv_tensor_rows)

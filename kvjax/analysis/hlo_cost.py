@@ -407,15 +407,38 @@ _UPDATE_OPS = {"dynamic-update-slice", "scatter"}
 _FREE_OPS = {"parameter", "while", "call"}
 
 
+class Tagged(str):
+    """A value class (equal to and hashing as the plain class string, e.g. KV) that also
+    names the cache tensor it comes from (``tensor``: 'k', 'v', 'k_scale', ...), so the
+    attribution can split KV bytes by cache tensor."""
+
+    tensor: str
+
+    def __new__(cls, value: str, tensor: str):
+        obj = super().__new__(cls, value)
+        obj.tensor = tensor
+        return obj
+
+
+_CACHE_TENSOR = re.compile(r"cache\.tensors\[\\?['\"]([^'\"\\]+)\\?['\"]\]")
+
+
+def tensor_of(value) -> str | None:
+    """The cache tensor name a value class carries (:class:`Tagged`), else None."""
+    return getattr(value, "tensor", None)
+
+
 def default_classify(arg_path: str) -> str:
     """Class of an entry parameter from its argument path (JAX puts the pytree path of
     each argument in the parameter's op_name: "cache.tensors['k'][0]", "params[...]").
 
-    'cache.tensors...' -> KV; 'params...' -> WEIGHTS; anything else (token ids, the
-    cache's positions and length, RNG state) -> OTHER.
+    'cache.tensors...' -> KV (a :class:`Tagged` KV naming the cache tensor, e.g.
+    'k_scale', when the path names one); 'params...' -> WEIGHTS; anything else (token
+    ids, the cache's positions and length, RNG state) -> OTHER.
     """
     if arg_path.startswith("cache.tensors"):
-        return KV
+        m = _CACHE_TENSOR.match(arg_path)
+        return Tagged(KV, m.group(1)) if m else KV
     if arg_path.startswith("params"):
         return WEIGHTS
     return OTHER
@@ -492,7 +515,7 @@ def _fused_kind(fused: list[Instruction], operand_classes: list) -> Any:
         if ins.opcode in _UPDATE_OPS:
             p = source_param(by_name[ins.operands[0]])
             if p is not None and _class_of(operand_classes[p]) in (KV, KV_NEW):
-                return KV_NEW
+                return _kv_new(operand_classes[p])
         return None
 
     if root.opcode == "tuple":
@@ -579,9 +602,16 @@ def op_costs(compiled, trip_counts: Mapping[str, int] | None = None,
     return out
 
 
+def _kv_new(source) -> str:
+    """KV_NEW, tagged with the cache tensor of ``source`` (the updated buffer's class)."""
+    name = tensor_of(_class_of(source))
+    return Tagged(KV_NEW, name) if name else KV_NEW
+
+
 def _output_class(ins: Instruction, ops_cls: list, parsed) -> Any:
     if ins.opcode in _UPDATE_OPS:
-        return KV_NEW if ops_cls and _class_of(ops_cls[0]) in (KV, KV_NEW) else OTHER
+        return _kv_new(ops_cls[0]) if ops_cls and _class_of(ops_cls[0]) in (KV, KV_NEW) \
+            else OTHER
     if ins.opcode == "fusion":
         callee = ins.attrs.split("calls=", 1)[1].split(",")[0].strip().lstrip("%")
         return _fused_kind(parsed[callee], ops_cls)
@@ -651,6 +681,11 @@ class Attribution:
       XLA cannot cost (custom calls), not included in the parts; ``uncosted`` splits
       those bytes into the same parts.
     top: the largest ops by bytes x count: name, opcode, op_name, bytes, FLOP, parts.
+    kv_tensors: cache tensor name ('k', 'v', 'k_scale', 'v_scale'; MLA 'c_kv', 'k_rope',
+      ...) -> {'read': bytes, 'write': bytes}: kv_read and kv_write split by the cache
+      tensor each byte touches (costed ops; the names come from the argument paths, so a
+      quantized cache's scale tensors are KV bytes of their own rows). Their sums equal
+      ``bytes['kv_read']`` and ``bytes['kv_write']`` when every cache argument is named.
     """
 
     bytes: dict
@@ -661,6 +696,7 @@ class Attribution:
     num_uncosted_ops: int
     top: tuple
     uncosted: dict = dataclasses.field(default_factory=dict)
+    kv_tensors: dict = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -682,6 +718,27 @@ def _split_bytes(op: OpCost, total: float) -> dict:
     return split
 
 
+def _tensor_split(op: OpCost) -> dict:
+    """Cache tensor name -> {'read', 'write'} bytes of one execution of ``op``, split as
+    :func:`_split_bytes` splits kv_read and kv_write."""
+    out: dict = {}
+
+    def add(name, key, nb):
+        if name and nb:
+            d = out.setdefault(name, {"read": 0.0, "write": 0.0})
+            d[key] += nb
+
+    for c, nb in zip(op.operand_classes, op.operand_bytes):
+        update = c in (KV, KV_NEW) and op.output_class == KV_NEW
+        if update:
+            add(tensor_of(c), "write", nb)
+        elif c == KV:
+            add(tensor_of(c), "read", nb)
+    if op.output_class == KV_NEW:
+        add(tensor_of(op.output_class), "write", op.output_bytes)
+    return out
+
+
 def attribute(ops: list[OpCost], top: int = 12) -> Attribution:
     """Splits per-op costs (:func:`op_costs`) into the :class:`Attribution` parts.
 
@@ -699,6 +756,7 @@ def attribute(ops: list[OpCost], top: int = 12) -> Attribution:
     total_b = total_f = 0.0
     n_uncosted = 0
     rows = []
+    kv_t: dict = {}
     for op in ops:
         if not op.costed:
             n_uncosted += op.count
@@ -709,6 +767,10 @@ def attribute(ops: list[OpCost], top: int = 12) -> Attribution:
         split = _split_bytes(op, op.bytes)
         for k, v in split.items():
             b[k] += op.count * v
+        for name, rw in _tensor_split(op).items():
+            d = kv_t.setdefault(name, {"read": 0.0, "write": 0.0})
+            for k, v in rw.items():
+                d[k] += op.count * v
         cls = set(op.operand_classes)
         fpart = "kv" if cls & {KV, KV_NEW, KV_COPY} else "weights" if cls & {
             WEIGHTS, WEIGHTS_COPY} else "other"
@@ -724,4 +786,4 @@ def attribute(ops: list[OpCost], top: int = 12) -> Attribution:
         for nb, op, split in rows[:top])
     return Attribution(bytes=b, flops=f, total_bytes=total_b, total_flops=total_f,
                        uncosted_bytes=sum(ub.values()), num_uncosted_ops=n_uncosted,
-                       top=top_rows, uncosted=ub)
+                       top=top_rows, uncosted=ub, kv_tensors=kv_t)

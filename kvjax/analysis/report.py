@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvjax.analysis import theory
+
 
 def format_table(rows: list[tuple], headers: tuple) -> str:
     """Plain-text table with right-aligned numeric columns."""
@@ -75,6 +77,25 @@ def attribution_rows(step: StepCost) -> list[tuple[str, float, float]]:
     return rows
 
 
+def kv_tensor_rows(step: StepCost) -> list[tuple[str, float, float, float, float]]:
+    """(cache tensor, theory read, XLA read, theory write, XLA write) bytes per step, one
+    row per cache tensor ('k', 'v' and a quantized cache's 'k_scale', 'v_scale'; MLA
+    'c_kv', 'k_rope', ...): the attribution's kv_read / kv_write split by tensor
+    (:attr:`kvjax.analysis.hlo_cost.Attribution.kv_tensors`) beside theory's
+    B·tokens_held(t)·(the tensor's bytes per token) read and B·(bytes per token) written
+    (:func:`kvjax.analysis.theory.kv_tensor_bytes_per_token`; sinks re-scored at cache
+    positions add key reads that theory keeps in kv_read only)."""
+    if step.attribution is None:
+        raise ValueError("analyze the step with attribute=True")
+    per_token = theory.kv_tensor_bytes_per_token(step.cfg)
+    held = theory.tokens_held(step.cfg, step.context)
+    xla = step.attribution.kv_tensors
+    names = list(per_token) + [n for n in xla if n not in per_token]
+    return [(n, float(step.batch * held * per_token.get(n, 0)),
+             xla.get(n, {}).get("read", 0.0), float(step.batch * per_token.get(n, 0)),
+             xla.get(n, {}).get("write", 0.0)) for n in names]
+
+
 def attribution_table(step: StepCost) -> str:
     """Compiled bytes of a step split by what they touch, each beside its theory term.
 
@@ -91,6 +112,11 @@ def attribution_table(step: StepCost) -> str:
         rows = [r + (u,) for r, u in zip(rows, unc)]
         headers += ("uncosted (>=)",)
     text = format_table(rows, headers)
+    if a.kv_tensors:
+        text += "\n\n" + format_table(
+            [r + (r[2] / r[1] if r[1] else float("nan"),) for r in kv_tensor_rows(step)],
+            ("KV bytes by cache tensor", "theory read", "XLA read", "theory write",
+             "XLA write", "read XLA/theory"))
     f = step.theory_parts["flops"]
     text += ("\nFLOP: XLA on the cache (attention) "
              f"{a.flops['kv']:,.0f} vs theory attn {f.get('attn', 0) + f.get('kv_rebuild', 0):,}; "

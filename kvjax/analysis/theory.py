@@ -27,6 +27,8 @@ import dataclasses
 import math
 from typing import Any
 
+import numpy as np
+
 from kvjax.config import ModelConfig
 from kvjax.analysis.hardware import Chip
 from kvjax.cache import quant
@@ -94,6 +96,29 @@ def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int | None = None) -> in
         return codes + kv_scale_bytes_per_token(cfg)
     return int(cfg.num_layers * kv_elements_per_token_per_layer(cfg)
                * _kv_b(cfg, element_bytes))
+
+
+def kv_tensor_bytes_per_token(cfg: ModelConfig) -> dict:
+    """Cache tensor name -> its bytes per token over all layers; the values sum to
+    :func:`kv_bytes_per_token`.
+
+    MHA/GQA/MQA: 'k' and 'v' L·K·H·b each; MLA: 'c_kv' L·C·b and 'k_rope' L·R·b. A
+    quantized kv_dtype (:mod:`kvjax.cache.quant`) stores codes under these names
+    (int4: half a byte per value) and adds 'name_scale': L·(rows per token)·(scales per
+    row)·4 B, e.g. SmolLM2-135M int8 'k' 30·3·64 = 5,760 B, 'k_scale' 30·3·4 = 360 B.
+    """
+    widths = ({"c_kv": [cfg.kv_lora_rank], "k_rope": [cfg.qk_rope_head_dim]} if cfg.is_mla
+              else {n: [cfg.head_dim] * cfg.num_kv_heads for n in ("k", "v")})
+    fmt = quant.format_for(cfg) if cfg.kv_quantized else None
+    out = {}
+    for name, ws in widths.items():
+        if fmt is None:
+            out[name] = int(cfg.num_layers * sum(ws) * _kv_b(cfg, None))
+            continue
+        out[name] = cfg.num_layers * sum(w * fmt.bits // 8 for w in ws)
+        out[quant.scale_name(name)] = cfg.num_layers * sum(
+            fmt.scale_width(w) * np.dtype(quant.SCALE_DTYPE).itemsize for w in ws)
+    return out
 
 
 def kv_bytes_per_token_blog(num_layers: int, d_model: int, element_bytes: int = 2) -> int:

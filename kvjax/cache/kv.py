@@ -34,7 +34,8 @@ from kvjax.config import ModelConfig
 
 __all__ = ["KVCache", "TensorSpec", "tensor_specs", "slot_axis", "to_layout", "layouts",
            "check_layouts", "layer_shapes", "num_slots", "init_cache", "cache_spec",
-           "cache_bytes", "total_bytes", "encode", "read", "channel_axis", "write", "chunk_slots",
+           "cache_bytes", "total_bytes", "encode", "read", "row_scales", "channel_axis",
+           "write", "chunk_slots",
            "advance", "ring_slots", "next_positions", "slot_of", "attention_mask",
            "policy_for", "DenseSlots", "RingSlots", "CacheOverflowError"]
 
@@ -272,6 +273,21 @@ def read(cfg: ModelConfig, tensors: dict, name: str) -> jax.Array:
         return tensors[name]
     return quant.dequantize(tensors[name], tensors[quant.scale_name(name)],
                             quant.format_for(cfg), channel_axis(cfg, name), cfg.jnp_dtype)
+
+
+def row_scales(cfg: ModelConfig, tensors: dict):
+    """(k_scale, v_scale) as [B, K, S] float32 when one layer's cache (MHA/GQA/MQA)
+    stores 1-byte codes with one scale per token per KV head (int8, fp8), so attention
+    can apply the scales outside its dots (:func:`kvjax.models.attention.attend_step`);
+    else None (float caches, int4's groups, MLA)."""
+    fmt = quant.format_for(cfg) if cfg.kv_quantized else None
+    if fmt is None or fmt.bits != 8 or cfg.is_mla:
+        return None
+    out = []
+    for n in ("k", "v"):
+        sc = tensors[quant.scale_name(n)]  # width 1 along the channel axis
+        out.append(jnp.squeeze(sc, axis=channel_axis(cfg, n)))
+    return tuple(out)
 
 
 def chunk_slots(cache: KVCache, chunk_positions: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -24,6 +24,11 @@ from kvjax.models.layers import Einsum, apply_rope
 from kvjax.parallel import seq_attention
 
 NEG_INF = -1e30
+# A decode step over an int8 / fp8 cache (one scale per token per KV head) applies the
+# scales outside the dots (:func:`attend_step` with k_scale/v_scale) so that XLA:CPU fuses
+# the codes' convert into the dots; False: dequantize first (kvjax.cache.read), which
+# XLA materialises as a float32 copy of the cache. Measured in scripts/kv_quant_bench.py.
+SCALE_OUTSIDE_DOTS = True
 
 
 def _spec(layout: str, width: str = "H") -> str:
@@ -106,7 +111,8 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
                 k_new: jax.Array, v_new: jax.Array, k_layout: str = "BKSH",
                 v_layout: str = "BKSH", new_visible: jax.Array | None = None,
                 sink_scores: jax.Array | None = None, impl: str = "xla",
-                backend: str | None = None) -> jax.Array:
+                backend: str | None = None, k_scale: jax.Array | None = None,
+                v_scale: jax.Array | None = None) -> jax.Array:
     """One decode step (T = 1): attention over the cache's old slots plus the new token.
 
     Same math as :func:`attend` over ``concat(k_cache, k_new)`` without materialising the
@@ -129,8 +135,18 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
         :data:`kvjax.models.decode_kernels.IMPLS` ('xla': the einsums below; the others:
         :func:`kvjax.models.decode_kernels.partial_attention`, same result).
       backend: the config's backend (None: the process's).
+      k_scale, v_scale: None, or the float32 scales of a cache quantized with one scale
+        per token per KV head (int8, fp8: :mod:`kvjax.cache.quant`), [B, K, S] each;
+        ``k_cache``/``v_cache`` are then the codes and the scales are applied outside
+        the contractions over H: scores = (q · codes_k[s]) · k_scale[s] and
+        out = sum_s (e_s · v_scale[s]) · codes_v[s], equal to attention over the
+        dequantized values up to float32 rounding (the products are reassociated). Only
+        a convert of the codes stays on the dot operands, which XLA:CPU fuses into the
+        dots, so the 1-byte cache is streamed instead of copied to float32 first.
+        Needs ``impl='xla'`` and no ``sink_scores``.
     Returns:
-      [B, 1, K, G, Hv] in v_cache's dtype; scores and softmax in float32. The
+      [B, 1, K, G, Hv] in v_cache's dtype (float32 with scales); scores and softmax in
+      float32. The
       unnormalised weights exp(s - max) enter the value product in
       :func:`weight_dtype` (float32 on CPU) and the denominator sums them as used.
     Raises:
@@ -138,6 +154,13 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
     """
     scale = q.shape[-1] ** -0.5
     q1 = q[:, 0]  # [B, K, G, H]
+    scaled = k_scale is not None
+    if scaled and (impl != "xla" or sink_scores is not None or v_scale is None):
+        raise ValueError(f"k_scale/v_scale need impl='xla' (got {impl!r}), no sink_scores "
+                         "and both scales")
+    if scaled:
+        return _attend_step_scaled(q1, k_cache, k_scale, v_cache, v_scale, mask, k_new,
+                                   v_new, k_layout, v_layout, new_visible, scale)
     if impl != "xla" and sink_scores is None:
         return _attend_step_kernel(q1, k_cache, v_cache, mask, k_new, v_new, k_layout,
                                    v_layout, new_visible, impl, backend, scale)
@@ -169,6 +192,33 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
     out = out + e_new * v1[:, :, None, :].astype(jnp.float32)
     out = out / jnp.where(denom > 0, denom, 1.0)  # [B, K, G, Hv]
     return out[:, None].astype(v_cache.dtype)
+
+
+def _attend_step_scaled(q1, k_codes, k_scale, v_codes, v_scale, mask, k_new, v_new,
+                        k_layout, v_layout, new_visible, scale):
+    """:func:`attend_step` over 1-byte codes with per-slot scales ([B, K, S] float32)."""
+    s_old = jnp.einsum(f"BKGH,{_spec(k_layout)}->BKGS", q1.astype(jnp.float32),
+                       k_codes.astype(jnp.float32), preferred_element_type=jnp.float32)
+    s_old = s_old * (k_scale[:, :, None, :] * scale)
+    visible = mask[:, :, None, :]  # [B, 1, 1, S]
+    s_old = jnp.where(visible, s_old, NEG_INF)
+    k1 = k_new[:, :, 0] if k_layout == "BKSH" else k_new[..., 0]  # [B, K, H]
+    v1 = v_new[:, :, 0] if v_layout == "BKSH" else v_new[..., 0]  # [B, K, Hv]
+    s_new = jnp.einsum("BKGH,BKH->BKG", q1, k1,
+                       preferred_element_type=jnp.float32)[..., None] * scale
+    if new_visible is not None:
+        s_new = jnp.where(new_visible[:, None, None, None], s_new, NEG_INF)
+    m = jnp.maximum(jnp.max(s_old, axis=-1, keepdims=True), s_new)  # [B, K, G, 1]
+    e_old = jnp.where(visible, jnp.exp(s_old - m), 0.0)  # [B, K, G, S] float32
+    e_new = jnp.exp(s_new - m)
+    if new_visible is not None:
+        e_new = jnp.where(new_visible[:, None, None, None], e_new, 0.0)
+    denom = jnp.sum(e_old, axis=-1, keepdims=True) + e_new
+    out = jnp.einsum(f"BKGS,{_spec(v_layout, 'V')}->BKGV", e_old * v_scale[:, :, None, :],
+                     v_codes.astype(jnp.float32), preferred_element_type=jnp.float32)
+    out = out + e_new * v1[:, :, None, :].astype(jnp.float32)
+    out = out / jnp.where(denom > 0, denom, 1.0)  # [B, K, G, Hv]
+    return out[:, None]
 
 
 def sink_query_positions(cfg: ModelConfig, positions: jax.Array) -> jax.Array | None:
@@ -300,10 +350,18 @@ class Attention(nn.Module):
             elif t == 1:
                 from kvjax import planner  # noqa: PLC0415 (measures on first use)
                 impl = planner.decode_attention(c, k_old, v_old)
-                out = attend_step(q, k_old, v_old, mask_old, k_cur, v_cur,
-                                  k_layout, v_layout, new_visible=positions[:, 0] >= 0,
-                                  sink_scores=sink_scores(c, q_sink, k_old, k_layout),
-                                  impl=impl, backend=c.backend)
+                sink_s = sink_scores(c, q_sink, k_old, k_layout)
+                scales = cache_lib.row_scales(c, cached)
+                if (SCALE_OUTSIDE_DOTS and scales is not None and impl == "xla"
+                        and sink_s is None):
+                    # 1-byte codes with a scale per slot: the scales leave the dots
+                    out = attend_step(q, cached["k"], cached["v"], mask_old, k_cur, v_cur,
+                                      k_layout, v_layout, new_visible=positions[:, 0] >= 0,
+                                      k_scale=scales[0], v_scale=scales[1]).astype(dt)
+                else:
+                    out = attend_step(q, k_old, v_old, mask_old, k_cur, v_cur,
+                                      k_layout, v_layout, new_visible=positions[:, 0] >= 0,
+                                      sink_scores=sink_s, impl=impl, backend=c.backend)
             elif use_tiled:
                 out = _zero_padded(positions, flash.attend_chunk(
                     q, k_cur, v_cur, positions, k_old=k_old, v_old=v_old,
