@@ -437,3 +437,24 @@ def attend_mla_chunk(q_main: jax.Array, q_rope: jax.Array, c_kv: jax.Array,
                           block_k=block_k, probs_dtype=c_kv.dtype)
     out = out[:, 0] if absorb else out[:, :, 0]                      # [B, N, T, X]
     return jnp.moveaxis(out, 1, 2)
+
+
+def prefill_path(cfg, sinks_at_cache_positions: bool = False) -> str:
+    """The prompt-attention path a config runs: 'dense', 'tiled' or 'native'.
+
+    ``cfg.prefill_impl`` 'native' and 'auto' give 'native' for MHA/GQA/MQA on the CPU
+    backend when :func:`kvjax.native.prefill.load` succeeds ('native' then warns once if
+    it does not; 'auto' may also warn once), else 'tiled'; MLA always runs 'tiled' there
+    (no native MLA kernel). Sinks at cache positions (``rope_positions='cache'``) need a
+    second query rotation that only the dense path implements: 'dense'.
+    """
+    impl = cfg.prefill_impl
+    if impl == "dense":
+        return "dense"
+    if sinks_at_cache_positions:
+        return "dense"
+    if impl in ("native", "auto") and not cfg.is_mla and cfg.backend == "cpu":
+        from kvjax.native import prefill as native_prefill  # noqa: PLC0415
+        if native_prefill.load():
+            return "native"
+    return "tiled"
