@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvjax import cache as cache_lib
+from kvjax.analysis import costs, theory
 from kvjax.config import ConfigError, ModelConfig
 from kvjax.inference import decode
 from kvjax.models import flash
@@ -198,3 +199,39 @@ def test_bad_input_and_config_raise_naming_the_value():
         ModelConfig(**CASES["gqa"], prefill_impl="native", backend="gpu")
     with pytest.raises(ConfigError, match="'flash'.*'native', 'auto'"):
         ModelConfig(**CASES["gqa"], prefill_impl="flash")
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_attention_flops_theory_is_the_sum_of_step_attention(window):
+    """theory.prefill_attention_flops = the decode steps' attention FLOP summed over the
+    prompt's positions (position p reads min(p, W) keys)."""
+    cfg = ModelConfig(**CASES["gqa"], window_size=window)
+    t = 20
+    want = sum(theory.step_flops(cfg, p).attn for p in range(1, t + 1))
+    assert theory.prefill_attention_flops(cfg, t) == want > 0
+
+
+def test_prefill_cost_counts_the_custom_call():
+    """XLA cannot cost the kernel: the analysis marks it incomplete and records the
+    custom call's operand + result bytes (from its shapes, every layer) and its causal
+    FLOP by theory; prefill_with_kernel adds them to XLA's figures."""
+    cfg = ModelConfig(**CASES["gqa"], scan_layers=False, prefill_impl="native")
+    t, s, b = 12, 16, 1
+    step = costs.analyze_prefill(cfg, t, s, b)
+    cc = step.theory_parts["custom_call"]
+    assert cc["targets"] == [native_prefill.TARGET] and not step.xla.complete
+    n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    per_layer = 4 * (b * t * n * h * 2          # q in, o out
+                     + 2 * b * k * t * h        # the chunk's keys and values
+                     + b * t                    # q positions
+                     + 2 * b * k * 1 * h + b)   # the empty cache's dummy slot
+    assert cc["operand_result_bytes"] == cfg.num_layers * per_layer
+    assert cc["flops_theory"] == theory.prefill_attention_flops(cfg, t, b)
+    flops, nbytes = costs.prefill_with_kernel(step)
+    assert flops == step.xla.flops + cc["flops_theory"]
+    assert nbytes == step.xla.bytes + cc["operand_result_bytes"]
+    parts = step.theory_parts["bytes"]
+    assert parts["attn_io"] == parts["attn_io_native"] < parts["attn_io_standard"]
+    tiled = costs.analyze_prefill(cfg.replace(prefill_impl="tiled"), t, s, b)
+    assert "custom_call" not in tiled.theory_parts and tiled.xla.complete
+    assert costs.prefill_with_kernel(tiled) == (tiled.xla.flops, tiled.xla.bytes)
