@@ -262,8 +262,12 @@ static void Block(const Problem& p, const Source& src, int64_t b, int64_t kh, in
     const int32_t qp = w.qpos[r];
     float bmax = kNegInf;
     if (full) {
-#pragma omp simd reduction(max : bmax)
-      for (int64_t j = 0; j < kBlock; ++j) bmax = std::max(bmax, sr[j]);
+      vf mv = load(sr);
+      for (int64_t c = 1; c < kBlock / kVec; ++c) {
+        const vf x = load(sr + c * kVec);
+        mv = mv > x ? mv : x;
+      }
+      for (int64_t i = 0; i < kVec; ++i) bmax = mv[i] > bmax ? mv[i] : bmax;
     } else {
       const int32_t* kp = kpos + s0;
       const int32_t win = p.window > 0 ? (int32_t)(p.window - p.sinks) : INT32_MAX;
@@ -272,8 +276,9 @@ static void Block(const Problem& p, const Source& src, int64_t b, int64_t kh, in
       for (int64_t j = 0; j < kBlock; ++j) {
         const int32_t k = j < n ? kp[j] : -1;
         const bool vis = (k >= 0) & (k <= qp) & ((qp - k < win) | (k < sinks));
-        sr[j] = vis ? sr[j] : kNegInf;
-        bmax = std::max(bmax, sr[j]);
+        const float x = vis ? sr[j] : kNegInf;
+        sr[j] = x;
+        bmax = x > bmax ? x : bmax;
       }
     }
     if (!(bmax > 0.5f * kNegInf)) {  // no key of the block visible to this row
