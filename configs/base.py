@@ -60,7 +60,8 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     m.decode_attention = "xla"
     # Prompt (T > 1) attention: 'tiled' (online softmax over blocks, kvjax.models.flash),
     # 'dense' (all scores materialised), 'native' (CPU fused FFI kernel,
-    # kvjax.native.prefill) or 'auto' (native where it builds, else tiled); and the tiled
+    # kvjax.native.prefill), 'auto' (native where it builds, else tiled) or 'cudnn' (GPU,
+    # jax.nn.dot_product_attention); and the tiled
     # path's block sizes.
     m.prefill_impl = "tiled"
     m.prefill_block_q = 256

@@ -44,7 +44,7 @@ class ConfigError(ValueError):
 KV_LAYOUTS = ("auto", "BKSH", "BKHS")
 ROPE_POSITIONS = ("absolute", "cache")
 DECODE_ATTENTION = ("auto", "xla", "xla_cache_left", "native", "pallas")
-PREFILL_IMPLS = ("tiled", "dense", "native", "auto")
+PREFILL_IMPLS = ("tiled", "dense", "native", "auto", "cudnn")
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -124,7 +124,9 @@ class ModelConfig:
         :mod:`kvjax.native.prefill`, built on first use; if it cannot be built, one
         warning and the 'tiled' path) or 'auto' ('native' on CPU where it builds, else
         'tiled'). MLA and sinks at cache positions have no native path ('tiled' resp.
-        'dense' is used). Same function; decode steps (T = 1) are unaffected.
+        'dense' is used). 'cudnn' (GPU, bfloat16/float16): a chunk into an empty cache
+        through ``jax.nn.dot_product_attention(implementation='cudnn')``, later chunks,
+        MLA and sinks 'tiled'. Same function; decode steps (T = 1) are unaffected.
       prefill_block_q, prefill_block_k: the tiled path's block sizes, in queries and in
         key slots.
       dtype: parameter and activation dtype name.
@@ -308,6 +310,12 @@ def validate_model_config(c: ModelConfig) -> None:
         _fail("model.prefill_impl", c.prefill_impl,
               f"'tiled', 'dense' or 'auto' on backend {c.backend!r} ('native' is a CPU "
               "kernel)")
+    if c.prefill_impl == "cudnn" and (c.backend != "gpu"
+                                      or c.dtype not in ("bfloat16", "float16")):
+        _fail("model.prefill_impl", c.prefill_impl,
+              f"'tiled', 'dense', 'native' (CPU) or 'auto' with backend {c.backend!r} and "
+              f"dtype {c.dtype!r} ('cudnn' needs backend 'gpu' and dtype bfloat16 or "
+              "float16)")
     _positive("model.prefill_block_q", c.prefill_block_q)
     _positive("model.prefill_block_k", c.prefill_block_k)
     if c.attention == "mla":

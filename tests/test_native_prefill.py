@@ -235,3 +235,41 @@ def test_prefill_cost_counts_the_custom_call():
     tiled = costs.analyze_prefill(cfg.replace(prefill_impl="tiled"), t, s, b)
     assert "custom_call" not in tiled.theory_parts and tiled.xla.complete
     assert costs.prefill_with_kernel(tiled) == (tiled.xla.flops, tiled.xla.bytes)
+
+
+# ------------------------------------------------- prefill_impl='cudnn' (GPU), on CPU
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("layouts", [("BKSH", "BKSH"), ("BKHS", "BKSH")])
+def test_sdpa_path_with_xla_equals_reference(window, layouts):
+    """The cudnn path's code with implementation='xla': the reference attention for GQA,
+    a window, and a right-padded row (zeros)."""
+    k_layout, v_layout = layouts
+    t = 13
+    q, kk, vv, _, _ = random_qkv(2, t, 2, 3, 8, seed=4)
+    pos = np.array(positions(0, t, 2))
+    pos[1, 9:] = -1
+    pos = jnp.asarray(pos)
+    got = flash.attend_chunk_sdpa(q, swap(k_layout)(kk), swap(v_layout)(vv), pos,
+                                  k_layout=k_layout, v_layout=v_layout, window_size=window,
+                                  implementation="xla")
+    want = ref_attention(q, kk, vv, ref_mask(pos, pos, window))
+    assert np.abs(want[0]).max() > 0.1 and np.abs(want[1, 9:]).max() == 0
+    np.testing.assert_allclose(np.asarray(got), want, atol=ATOL, rtol=0)
+
+
+def test_cudnn_on_cpu_raises_naming_the_backend():
+    q, kk, vv, _, _ = random_qkv(1, 4, 1, 2, 8)
+    with pytest.raises(ValueError, match="implementation='cudnn'.*backend 'cpu'.*'gpu'"):
+        flash.attend_chunk_sdpa(q, kk, vv, positions(0, 4))
+    with pytest.raises(ValueError, match="implementation='pallas'"):
+        flash.attend_chunk_sdpa(q, kk, vv, positions(0, 4), implementation="pallas")
+    with pytest.raises(ConfigError, match="prefill_impl.*'cudnn'.*backend 'cpu'"):
+        ModelConfig(**CASES["gqa"], prefill_impl="cudnn", backend="cpu")
+    with pytest.raises(ConfigError, match="dtype 'float32'"):
+        ModelConfig(**CASES["gqa"], prefill_impl="cudnn", backend="gpu")
+    gpu = ModelConfig(**{**CASES["gqa"], "dtype": "bfloat16"}, prefill_impl="cudnn",
+                      backend="gpu")
+    assert flash.prefill_path(gpu) == "cudnn"
+    assert flash.prefill_path(gpu.replace(window_size=6, num_sink_tokens=2)) == "tiled"

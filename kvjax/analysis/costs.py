@@ -387,7 +387,8 @@ def prefill_theory_bytes(cfg: ModelConfig, prompt_len: int, batch: int = 1) -> d
     npairs = flash.num_chunk_pairs(t, nbq, nbk, cfg.window_size, cfg.num_sink_tokens)
     parts["attn_io_native"] = theory.attention_io_tiled(cfg, t, npairs, nbk, batch)
     parts["attn_io"] = parts[{"tiled": "attn_io_tiled", "native": "attn_io_native",
-                              "dense": "attn_io_standard"}[flash.prefill_path(cfg)]]
+                              "dense": "attn_io_standard",
+                              "cudnn": "attn_io_tiled"}[flash.prefill_path(cfg)]]
     parts["total"] = parts["weights"] + parts["kv_write"] + parts["attn_io"]
     return parts
 

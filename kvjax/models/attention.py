@@ -274,7 +274,7 @@ class Attention(nn.Module):
         # The tiled path scores every key with one query; sinks at cache positions need
         # a second one for the sink keys, which the dense path does.
         path = flash.prefill_path(c, q_sink is not None)
-        use_tiled = path == "tiled"
+        use_tiled = path in ("tiled", "cudnn")   # cudnn: chunks after the first run tiled
         if path == "native":
             from kvjax.native import prefill as native_prefill  # noqa: PLC0415
         native = dict(window_size=c.window_size, num_sink_tokens=c.num_sink_tokens,
@@ -282,7 +282,10 @@ class Attention(nn.Module):
         # The chunk attends to its own entries as the cache will hold them.
         k_cur, v_cur = cache_lib.read(c, new, "k"), cache_lib.read(c, new, "v")
         if cached is None:  # no cache, or an empty one (a fresh prefill)
-            if path == "native":
+            if path == "cudnn":
+                out = flash.attend_chunk_sdpa(q, k_cur, v_cur, positions, k_layout=k_layout,
+                                              v_layout=v_layout, window_size=c.window_size)
+            elif path == "native":
                 out = native_prefill.attend_chunk(q, k_cur, v_cur, positions, **native)
             elif use_tiled:
                 out = _zero_padded(positions, flash.attend_chunk(
