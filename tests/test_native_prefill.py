@@ -21,6 +21,7 @@ from kvjax.config import ConfigError, ModelConfig
 from kvjax.inference import decode
 from kvjax.models import flash
 from kvjax.native import prefill as native_prefill
+from tests.conftest import import_entry_point
 from tests.test_flash import (CASES, logits_by_chunks, params_of, positions, random_qkv,
                               ref_attention, ref_mask)
 
@@ -273,3 +274,23 @@ def test_cudnn_on_cpu_raises_naming_the_backend():
                       backend="gpu")
     assert flash.prefill_path(gpu) == "cudnn"
     assert flash.prefill_path(gpu.replace(window_size=6, num_sink_tokens=2)) == "tiled"
+
+
+def test_prefill_sweep_rows_and_interleaved_timing():
+    """experiments.prefill's functions on a tiny model: the native row adds the custom
+    call to XLA's figures, the tiled row has none; one timed round per path."""
+    prefill = import_entry_point("prefill")
+    native = ModelConfig(**CASES["gqa"], scan_layers=False, prefill_impl="native")
+    tiled = native.replace(prefill_impl="tiled")
+    rn, rt = prefill.point(native, 20, 24), prefill.point(tiled, 20, 24)
+    cc = rn["custom_call"]
+    assert rn["path"] == "native" and rt["path"] == "tiled" and rt["custom_call"] is None
+    assert rn["xla_kernel_flops"] == rn["xla_flops"] + cc["flops_theory"] > rn["xla_flops"]
+    assert rn["xla_kernel_bytes"] == rn["xla_bytes"] + cc["operand_result_bytes"]
+    assert rt["xla_kernel_bytes"] == rt["xla_bytes"]
+    assert rn["flops_ratio_kernel"] == pytest.approx(rn["xla_kernel_flops"] /
+                                                     rn["theory_flops"])
+    times = prefill.time_interleaved([native, tiled], 20, 24, repeats=1)
+    assert sorted(times) == ["native", "tiled"]
+    assert all(len(v) == 1 and v[0] > 0 for v in times.values())
+    assert "native" in prefill.table([rn, rt])
