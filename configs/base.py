@@ -58,8 +58,11 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     # Decode attention formulation: 'xla' (default), 'auto' (measured on this machine,
     # kvjax.planner), 'xla_cache_left', 'native' (CPU FFI kernel) or 'pallas' (GPU).
     m.decode_attention = "xla"
-    # Prompt (T > 1) attention: 'tiled' (online softmax over blocks, kvjax.models.flash)
-    # or 'dense' (all scores materialised); and the tiled path's block sizes.
+    # Prompt (T > 1) attention: 'tiled' (online softmax over blocks, kvjax.models.flash),
+    # 'dense' (all scores materialised), 'native' (CPU fused FFI kernel,
+    # kvjax.native.prefill), 'auto' (native where it builds, else tiled) or 'cudnn' (GPU,
+    # jax.nn.dot_product_attention); and the tiled
+    # path's block sizes.
     m.prefill_impl = "tiled"
     m.prefill_block_q = 256
     m.prefill_block_k = 256

@@ -30,8 +30,9 @@ from experiments import cli
 from kvjax import cache as cache_lib
 from kvjax import naming
 from kvjax.analysis import report as report_lib
-from kvjax.analysis import theory
+from kvjax.analysis import costs, theory
 from kvjax.inference import memory, runner
+from kvjax.models import flash
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, distributed_config, run_config_from_dict
 from kvjax.parallel import distributed
@@ -74,6 +75,7 @@ def report(result: runner.DecodeResult) -> str:
         _why_they_differ(c),
         "",
         f"the prefill of {result.prompt_tokens} tokens, attention {cfg.prefill_impl!r} "
+        f"(runs {flash.prefill_path(cfg)!r}) "
         "(matrix-matrix; theory: causal attention FLOP, the LM head for the last token; "
         "bytes = weights + KV written + attention IO):",
         report_lib.cost_table(c.prefill, result.prefill_seconds),
@@ -181,7 +183,21 @@ def prefill_theory_line(step) -> str:
     return (f"theory bytes: weights {p['weights']:,} + KV written {p['kv_write']:,} + "
             f"attention IO {p['attn_io']:,} (standard Θ(T·d + T²): "
             f"{p['attn_io_standard']:,}; tiled: {p['attn_io_tiled']:,}); XLA temp bytes "
-            f"{step.memory.get('temp_bytes', float('nan')):,}")
+            f"{step.memory.get('temp_bytes', float('nan')):,}" + _custom_call_line(step))
+
+
+def _custom_call_line(step) -> str:
+    """For a prefill with a custom call (the native prompt attention, which XLA's cost
+    analysis cannot see): the figures with the kernel counted, labelled as such."""
+    cc = step.theory_parts.get("custom_call")
+    if not cc:
+        return ""
+    flops, nbytes = costs.prefill_with_kernel(step)
+    return (f"\ncustom call {', '.join(cc['targets'])} (not costed by XLA): + its operand "
+            f"and result bytes {cc['operand_result_bytes']:,.0f} and its causal FLOP by "
+            f"theory {cc['flops_theory']:,.0f} -> FLOP {flops:,.0f} "
+            f"({flops / step.theory_flops:.2f}x theory), bytes {nbytes:,.0f} "
+            f"({nbytes / step.theory_bytes:.2f}x theory)")
 
 
 def main(argv):

@@ -1,5 +1,6 @@
 r"""The prefill sweep: prompt length T against time, tokens/s, compiled bytes and FLOPs
-beside theory, and peak scratch memory, for the tiled and the dense prompt attention.
+beside theory, and peak scratch memory, for the native, the tiled and the dense prompt
+attention.
 
     python -m experiments.prefill                                  # T = 128 ... 8K
     python -m experiments.prefill --contexts=1571 --max_seq_len=2048 --repeats=3
@@ -13,8 +14,10 @@ SmolLM2-135M shapes (``configs/gqa.py``: GQA N = 9, K = 3), float32, random weig
 theory (``costs.analyze_prefill``: causal FLOP with the LM head for the last token;
 bytes = weights + KV written + the implementation's attention IO, standard Θ(T·d + T²)
 or tiled), XLA's temp bytes (``memory_analysis``: the program's peak scratch), and the
-median of ``--repeats`` timed prefills (after one warm-up) as time to first token and
-prompt tokens/s. ``--dense_max`` caps the T at which the dense path is timed (its
+median of ``--repeats`` timed prefills (after one warm-up; the implementations of one T
+run in turn, interleaved) as time to first token and prompt tokens/s. The native path's
+attention is a custom call XLA cannot cost: its columns add the kernel's operand + result
+bytes and its causal FLOP by theory (``costs.prefill_with_kernel``; 'XLA(+kernel)'). ``--dense_max`` caps the T at which the dense path is timed (its
 [N, T, S] scores: 2.4 GB a layer at 8K). llama.cpp (optional, ``pip install
 llama-cpp-python``) runs the float32 copy of the SmolLM2 GGUF, 2 threads, f32 KV.
 Writes ``<out_dir>/prefill.json``.
@@ -38,11 +41,12 @@ from kvjax import checkpoints
 from kvjax.analysis import costs
 from kvjax.config import run_config_from_dict
 from kvjax.inference import decode
-from kvjax.models import model
+from kvjax.models import flash, model
 
 _CONTEXTS = flags.DEFINE_list("contexts", ["128", "512", "1024", "2048", "4096", "8192"],
                               "Prompt lengths T (tokens).")
-_IMPLS = flags.DEFINE_list("impls", ["tiled", "dense"], "Prompt attention paths.")
+_IMPLS = flags.DEFINE_list("impls", ["native", "tiled", "dense"],
+                           "Prompt attention paths (model.prefill_impl values).")
 _MAX_SEQ_LEN = flags.DEFINE_integer("max_seq_len", None, "Cache slots (default: T).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed prefills per point (median).")
 _TIME = flags.DEFINE_bool("time", True, "Time the prefills (else compiled figures only).")
@@ -51,45 +55,53 @@ _PEERS = flags.DEFINE_list("peers", [], "llamacpp: llama.cpp's prompt speed (opt
 _OUT = flags.DEFINE_string("out_dir", "results/prefill", "Where prefill.json goes.")
 
 
-def point(cfg, t: int, max_seq_len: int, repeats: int, timed: bool) -> dict:
-    """Compiled figures and (if ``timed``) the median prefill time of one T."""
+def point(cfg, t: int, max_seq_len: int) -> dict:
+    """Compiled figures of one T (theory, XLA, and XLA with the custom call counted)."""
     step = costs.analyze_prefill(cfg, t, max_seq_len)
     parts = step.theory_parts["bytes"]
-    row = {"impl": cfg.prefill_impl, "T": t, "max_seq_len": max_seq_len,
-           "theory_flops": step.theory_flops, "xla_flops": step.xla.flops,
-           "flops_ratio": step.flops_ratio, "theory_bytes": step.theory_bytes,
-           "xla_bytes": step.xla.bytes, "bytes_ratio": step.bytes_ratio,
-           "bytes_ratio_weights_kv": step.xla.bytes / (parts["weights"] + parts["kv_write"]),
-           "theory_parts": parts, "temp_bytes": step.memory.get("temp_bytes"),
-           "xla_complete": step.xla.complete}
-    if not timed:
-        return row
-    params = model.init_params(cfg, 0)
+    flops_k, bytes_k = costs.prefill_with_kernel(step)
+    return {"impl": cfg.prefill_impl, "path": flash.prefill_path(cfg), "T": t,
+            "max_seq_len": max_seq_len, "theory_flops": step.theory_flops,
+            "xla_flops": step.xla.flops, "flops_ratio": step.flops_ratio,
+            "theory_bytes": step.theory_bytes, "xla_bytes": step.xla.bytes,
+            "bytes_ratio": step.bytes_ratio,
+            "bytes_ratio_weights_kv": step.xla.bytes / (parts["weights"] + parts["kv_write"]),
+            "custom_call": step.theory_parts.get("custom_call"),
+            "xla_kernel_flops": flops_k, "flops_ratio_kernel": flops_k / step.theory_flops,
+            "xla_kernel_bytes": bytes_k, "bytes_ratio_kernel": bytes_k / step.theory_bytes,
+            "theory_parts": parts, "temp_bytes": step.memory.get("temp_bytes"),
+            "xla_complete": step.xla.complete}
+
+
+def time_interleaved(cfgs, t: int, max_seq_len: int, repeats: int) -> dict:
+    """{prefill_impl: [seconds]}: one warm-up each, then ``repeats`` rounds that run
+    every config's compiled prefill once in turn (so machine noise hits all alike)."""
+    params = model.init_params(cfgs[0], 0)
     tokens = jnp.ones((1, t), jnp.int32)
-    cache = cache_lib.init_cache(cfg, 1, max_seq_len)
-    prog = decode._prefill.lower(params, tokens, cache, cfg=cfg, fresh=True).compile()
-    times = []
+    progs = {c.prefill_impl: (c, decode._prefill.lower(
+        params, tokens, cache_lib.init_cache(c, 1, max_seq_len), cfg=c,
+        fresh=True).compile()) for c in cfgs}
+    times = {impl: [] for impl in progs}
     for i in range(repeats + 1):
-        cache = cache_lib.init_cache(cfg, 1, max_seq_len)
-        jax.block_until_ready(cache)
-        start = time.perf_counter()
-        logits, cache = prog(params, tokens, cache)
-        logits.block_until_ready()
-        if i:
-            times.append(time.perf_counter() - start)
-    sec = statistics.median(times)
-    row.update(seconds=sec, seconds_all=times, tokens_per_s=t / sec)
-    return row
+        for impl, (c, prog) in progs.items():
+            cache = cache_lib.init_cache(c, 1, max_seq_len)
+            jax.block_until_ready(cache)
+            start = time.perf_counter()
+            logits, cache = prog(params, tokens, cache)
+            logits.block_until_ready()
+            if i:
+                times[impl].append(time.perf_counter() - start)
+    return times
 
 
 def table(rows) -> str:
     out = [(r["impl"], r["T"], r.get("seconds", float("nan")),
-            r.get("tokens_per_s", float("nan")), r["xla_flops"], r["flops_ratio"],
-            r["xla_bytes"], r["bytes_ratio"], r["bytes_ratio_weights_kv"],
-            r["temp_bytes"]) for r in rows]
-    return costs.format_table(out, ("impl", "T", "s (median)", "tokens/s", "XLA FLOP",
-                                    "/theory", "XLA bytes", "/theory", "/(weights+KV)",
-                                    "temp bytes"))
+            r.get("tokens_per_s", float("nan")), r["xla_kernel_flops"],
+            r["flops_ratio_kernel"], r["xla_kernel_bytes"], r["bytes_ratio_kernel"],
+            r["bytes_ratio_weights_kv"], r["temp_bytes"]) for r in rows]
+    return costs.format_table(out, ("impl", "T", "s (median)", "tokens/s", "XLA(+kernel) FLOP",
+                                    "/theory", "XLA(+kernel) bytes", "/theory",
+                                    "XLA/(weights+KV)", "temp bytes"))
 
 
 def main(argv):
@@ -98,11 +110,18 @@ def main(argv):
     base = run_config_from_dict(gqa.get_config()).model
     rows = []
     for t in (int(x) for x in _CONTEXTS.value):
-        for impl in _IMPLS.value:
-            cfg = base.replace(prefill_impl=impl)
-            timed = _TIME.value and (impl != "dense" or t <= _DENSE_MAX.value)
-            rows.append(point(cfg, t, _MAX_SEQ_LEN.value or t, _REPEATS.value, timed))
-            print(table(rows[-1:]), flush=True)
+        msl = _MAX_SEQ_LEN.value or t
+        cfgs = [base.replace(prefill_impl=impl) for impl in _IMPLS.value]
+        new = [point(cfg, t, msl) for cfg in cfgs]
+        timed = [c for c in cfgs if _TIME.value and (c.prefill_impl != "dense"
+                                                     or t <= _DENSE_MAX.value)]
+        times = time_interleaved(timed, t, msl, _REPEATS.value) if timed else {}
+        for row in new:
+            if row["impl"] in times:
+                sec = statistics.median(times[row["impl"]])
+                row.update(seconds=sec, seconds_all=times[row["impl"]], tokens_per_s=t / sec)
+        rows += new
+        print(table(new), flush=True)
     if "llamacpp" in _PEERS.value:
         path = peers.dense_gguf(checkpoints.weights_path(None, progress=False))
         for t in (int(x) for x in _CONTEXTS.value):

@@ -44,7 +44,7 @@ class ConfigError(ValueError):
 KV_LAYOUTS = ("auto", "BKSH", "BKHS")
 ROPE_POSITIONS = ("absolute", "cache")
 DECODE_ATTENTION = ("auto", "xla", "xla_cache_left", "native", "pallas")
-PREFILL_IMPLS = ("tiled", "dense")
+PREFILL_IMPLS = ("tiled", "dense", "native", "auto", "cudnn")
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -120,7 +120,13 @@ class ModelConfig:
         online softmax over blocks of queries and keys, :mod:`kvjax.models.flash`; no
         more than one [block_q, block_k] tile of scores per head exists, blocks above the
         causal diagonal or outside the window skipped) or 'dense' (all [T, S] scores
-        materialised and masked). Same function; decode steps (T = 1) are unaffected.
+        materialised and masked), 'native' (CPU: one fused FlashAttention-2 custom call,
+        :mod:`kvjax.native.prefill`, built on first use; if it cannot be built, one
+        warning and the 'tiled' path) or 'auto' ('native' on CPU where it builds, else
+        'tiled'). MLA and sinks at cache positions have no native path ('tiled' resp.
+        'dense' is used). 'cudnn' (GPU, bfloat16/float16): a chunk into an empty cache
+        through ``jax.nn.dot_product_attention(implementation='cudnn')``, later chunks,
+        MLA and sinks 'tiled'. Same function; decode steps (T = 1) are unaffected.
       prefill_block_q, prefill_block_k: the tiled path's block sizes, in queries and in
         key slots.
       dtype: parameter and activation dtype name.
@@ -300,6 +306,16 @@ def validate_model_config(c: ModelConfig) -> None:
         _fail("model.decode_attention", c.decode_attention, f"one of {list(DECODE_ATTENTION)}")
     if c.prefill_impl not in PREFILL_IMPLS:
         _fail("model.prefill_impl", c.prefill_impl, f"one of {list(PREFILL_IMPLS)}")
+    if c.prefill_impl == "native" and c.backend != "cpu":
+        _fail("model.prefill_impl", c.prefill_impl,
+              f"'tiled', 'dense' or 'auto' on backend {c.backend!r} ('native' is a CPU "
+              "kernel)")
+    if c.prefill_impl == "cudnn" and (c.backend != "gpu"
+                                      or c.dtype not in ("bfloat16", "float16")):
+        _fail("model.prefill_impl", c.prefill_impl,
+              f"'tiled', 'dense', 'native' (CPU) or 'auto' with backend {c.backend!r} and "
+              f"dtype {c.dtype!r} ('cudnn' needs backend 'gpu' and dtype bfloat16 or "
+              "float16)")
     _positive("model.prefill_block_q", c.prefill_block_q)
     _positive("model.prefill_block_k", c.prefill_block_k)
     if c.attention == "mla":

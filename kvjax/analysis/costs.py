@@ -369,10 +369,12 @@ def measure_loop_seconds(cfg: ModelConfig, params, context: int, batch: int = 1,
 
 def prefill_theory_bytes(cfg: ModelConfig, prompt_len: int, batch: int = 1) -> dict:
     """Theory bytes of a one-pass prefill into an empty cache, by part: 'weights' (all
-    read once), 'kv_write' (the prompt's K/V), 'attn_io_standard' and 'attn_io_tiled'
-    (:func:`kvjax.analysis.theory.attention_io_standard` / ``attention_io_tiled`` at the
-    config's block sizes), 'attn_io' (the one of ``cfg.prefill_impl``) and 'total'
-    (weights + kv_write + attn_io)."""
+    read once), 'kv_write' (the prompt's K/V), 'attn_io_standard', 'attn_io_tiled' and
+    'attn_io_native' (:func:`kvjax.analysis.theory.attention_io_standard` /
+    ``attention_io_tiled`` at the config's block sizes, resp. the native kernel's 64-slot
+    blocks and 64 // G-token query tiles), 'attn_io' (the one of the path the config runs,
+    :func:`kvjax.models.flash.prefill_path`) and 'total' (weights + kv_write +
+    attn_io)."""
     t = prompt_len
     bq, bk = min(cfg.prefill_block_q, t), min(cfg.prefill_block_k, t)
     pairs = flash.num_chunk_pairs(t, bq, bk, cfg.window_size, cfg.num_sink_tokens)
@@ -380,8 +382,15 @@ def prefill_theory_bytes(cfg: ModelConfig, prompt_len: int, batch: int = 1) -> d
              "kv_write": batch * t * theory.kv_bytes_per_token(cfg),
              "attn_io_standard": theory.attention_io_standard(cfg, t, batch),
              "attn_io_tiled": theory.attention_io_tiled(cfg, t, pairs, bk, batch)}
-    parts["attn_io"] = parts["attn_io_tiled" if cfg.prefill_impl == "tiled"
-                             else "attn_io_standard"]
+    # the native kernel's tiles: 64 key slots, 64 // G queries (its rows are G heads each)
+    from kvjax.native import prefill as native_prefill  # noqa: PLC0415
+    nbk = min(native_prefill.BLOCK_K, t)
+    nbq = min(max(1, native_prefill.TILE_ROWS // max(1, cfg.num_groups)), t)
+    npairs = flash.num_chunk_pairs(t, nbq, nbk, cfg.window_size, cfg.num_sink_tokens)
+    parts["attn_io_native"] = theory.attention_io_tiled(cfg, t, npairs, nbk, batch)
+    parts["attn_io"] = parts[{"tiled": "attn_io_tiled", "native": "attn_io_native",
+                              "dense": "attn_io_standard",
+                              "cudnn": "attn_io_tiled"}[flash.prefill_path(cfg)]]
     parts["total"] = parts["weights"] + parts["kv_write"] + parts["attn_io"]
     return parts
 
@@ -395,18 +404,48 @@ def analyze_prefill(cfg: ModelConfig, prompt_len: int, max_seq_len: int,
     Θ(T·d + T²) or tiled). Theory FLOP: causal attention, the LM head for the last
     position only (:func:`kvjax.analysis.theory.prefill_flops`), as ``decode.prefill``
     computes.
+
+    A custom call (the native prompt attention) is opaque to XLA's cost analysis (-1 FLOP
+    and bytes, removed; ``xla.complete`` False): ``theory_parts['custom_call']`` then
+    holds its targets, its operand + result bytes (``xla.uncosted_bytes``) and its FLOP
+    by theory (:func:`kvjax.analysis.theory.prefill_attention_flops`), to add to XLA's
+    figures: see :func:`prefill_with_kernel`.
     """
     compiled = compiled or compile_prefill(cfg, batch, prompt_len, max_seq_len,
                                            analysis_compiler_options())
     tb = prefill_theory_bytes(cfg, prompt_len, batch)
     _, cache = _specs(cfg, batch, max_seq_len)
+    xla = hlo_cost.loop_aware_cost(compiled)
+    parts = {"bytes": tb}
+    if xla.custom_calls:
+        # XLA reports a custom call as -1 FLOP / -1 byte (removed by loop_aware_cost):
+        # its operand + result bytes (XLA's shapes, loop-corrected) and, for the native
+        # prompt attention, its causal FLOP from theory stand in, labelled as such.
+        native = flash.prefill_path(cfg) == "native"
+        parts["custom_call"] = {
+            "targets": list(xla.custom_calls),
+            "operand_result_bytes": xla.uncosted_bytes,
+            "flops_theory": float(theory.prefill_attention_flops(cfg, prompt_len, batch))
+            if native else 0.0}
     return StepCost(
         name="prefill", cfg=cfg, batch=batch, context=prompt_len,
-        xla=hlo_cost.loop_aware_cost(compiled), memory=hlo_cost.memory_stats(compiled),
+        xla=xla, memory=hlo_cost.memory_stats(compiled),
         theory_flops=float(theory.prefill_flops(cfg, prompt_len, batch)),
         theory_bytes=float(tb["total"]),
-        theory_parts={"bytes": tb},
+        theory_parts=parts,
         cache_bytes=cache_lib.cache_bytes(cache))
+
+
+def prefill_with_kernel(step: StepCost) -> tuple[float, float]:
+    """(FLOP, bytes) of a prefill program with its custom call counted: XLA's
+    loop-corrected figures plus ``theory_parts['custom_call']`` (the kernel's FLOP by
+    theory, its operand + result bytes as XLA's shapes give them). XLA's own figures when
+    the program has no custom call."""
+    cc = step.theory_parts.get("custom_call")
+    if not cc:
+        return step.xla.flops, step.xla.bytes
+    return (step.xla.flops + cc["flops_theory"],
+            step.xla.bytes + cc["operand_result_bytes"])
 
 
 def measure_step_seconds(cfg: ModelConfig, params, cache: cache_lib.KVCache, batch: int = 1,

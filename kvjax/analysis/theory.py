@@ -461,6 +461,19 @@ def prefill_flops(cfg: ModelConfig, t: int, batch: int = 1, lm_head_positions: i
     return int(total + lm_head_positions * f1.lm_head)
 
 
+def prefill_attention_flops(cfg: ModelConfig, t: int, batch: int = 1) -> int:
+    """FLOP of a causal prefill's attention alone (scores, softmax, values; no
+    projections), all layers: position p = 1..t attends to min(p, W) keys, each query head
+    :func:`attention_flops_per_head`. What a fused kernel XLA cannot cost (a custom call,
+    ``prefill_impl='native'``) computes, by this theory."""
+    if t <= 0:
+        raise ValueError(f"t={t}; allowed: an integer >= 1")
+    sd, vd, n, _ = _attention_dims(cfg)
+    w = t if cfg.window_size is None else min(t, cfg.window_size)
+    keys = w * (w + 1) // 2 + (t - w) * w
+    return batch * cfg.num_layers * n * attention_flops_per_head(sd, vd, keys)
+
+
 def attention_io_standard(cfg: ModelConfig, t: int, batch: int = 1,
                           element_bytes: int | None = None, score_bytes: int = 4) -> int:
     """Memory traffic (bytes) of standard attention over a ``t``-token prompt, all layers:

@@ -323,11 +323,21 @@ class Attention(nn.Module):
                      block_q=c.prefill_block_q, block_k=c.prefill_block_k)
         # The tiled path scores every key with one query; sinks at cache positions need
         # a second one for the sink keys, which the dense path does.
-        use_tiled = c.prefill_impl == "tiled" and q_sink is None
+        path = flash.prefill_path(c, q_sink is not None)
+        use_tiled = path in ("tiled", "cudnn")   # cudnn: chunks after the first run tiled
+        if path == "native":
+            from kvjax.native import prefill as native_prefill  # noqa: PLC0415
+        native = dict(window_size=c.window_size, num_sink_tokens=c.num_sink_tokens,
+                      k_layout=k_layout, v_layout=v_layout)
         # The chunk attends to its own entries as the cache will hold them.
         k_cur, v_cur = cache_lib.read(c, new, "k"), cache_lib.read(c, new, "v")
         if cached is None:  # no cache, or an empty one (a fresh prefill)
-            if use_tiled:
+            if path == "cudnn":
+                out = flash.attend_chunk_sdpa(q, k_cur, v_cur, positions, k_layout=k_layout,
+                                              v_layout=v_layout, window_size=c.window_size)
+            elif path == "native":
+                out = native_prefill.attend_chunk(q, k_cur, v_cur, positions, **native)
+            elif use_tiled:
                 out = _zero_padded(positions, flash.attend_chunk(
                     q, k_cur, v_cur, positions, k_layout=k_layout, v_layout=v_layout,
                     **tiled))
@@ -362,6 +372,10 @@ class Attention(nn.Module):
                     out = attend_step(q, k_old, v_old, mask_old, k_cur, v_cur,
                                       k_layout, v_layout, new_visible=positions[:, 0] >= 0,
                                       sink_scores=sink_s, impl=impl, backend=c.backend)
+            elif path == "native":
+                out = native_prefill.attend_chunk(
+                    q, k_cur, v_cur, positions, k_old=k_old, v_old=v_old,
+                    old_positions=cached_positions, **native)
             elif use_tiled:
                 out = _zero_padded(positions, flash.attend_chunk(
                     q, k_cur, v_cur, positions, k_old=k_old, v_old=v_old,

@@ -437,3 +437,81 @@ def attend_mla_chunk(q_main: jax.Array, q_rope: jax.Array, c_kv: jax.Array,
                           block_k=block_k, probs_dtype=c_kv.dtype)
     out = out[:, 0] if absorb else out[:, :, 0]                      # [B, N, T, X]
     return jnp.moveaxis(out, 1, 2)
+
+
+def prefill_path(cfg, sinks_at_cache_positions: bool = False) -> str:
+    """The prompt-attention path a config runs: 'dense', 'tiled' or 'native'.
+
+    ``cfg.prefill_impl`` 'native' and 'auto' give 'native' for MHA/GQA/MQA on the CPU
+    backend when :func:`kvjax.native.prefill.load` succeeds ('native' then warns once if
+    it does not; 'auto' may also warn once), else 'tiled'; MLA always runs 'tiled' there
+    (no native MLA kernel). 'cudnn' gives 'cudnn' (a chunk into an empty cache; later
+    chunks run 'tiled') except for MLA and attention sinks ('tiled'). Sinks at cache
+    positions (``rope_positions='cache'``) need a second query rotation that only the
+    dense path implements: 'dense'.
+    """
+    impl = cfg.prefill_impl
+    if impl == "dense":
+        return "dense"
+    if sinks_at_cache_positions:
+        return "dense"
+    if impl == "cudnn":
+        return "tiled" if cfg.is_mla or cfg.num_sink_tokens else "cudnn"
+    if impl in ("native", "auto") and not cfg.is_mla and cfg.backend == "cpu":
+        from kvjax.native import prefill as native_prefill  # noqa: PLC0415
+        if native_prefill.load():
+            return "native"
+    return "tiled"
+
+
+SDPA_IMPLEMENTATIONS = ("cudnn", "xla")
+
+
+def attend_chunk_sdpa(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
+                      k_layout: str = "BKSH", v_layout: str = "BKSH",
+                      window_size: int | None = None,
+                      implementation: str = "cudnn") -> jax.Array:
+    """Causal attention of a chunk over itself (an empty cache) through
+    ``jax.nn.dot_product_attention``: with ``implementation='cudnn'`` cuDNN's fused flash
+    attention on GPU (causal blocks skipped, ``local_window_size`` for a window), with
+    'xla' JAX's reference formulation of the same call (for checking it on CPU).
+
+    Args:
+      q: [B, T, K, G, H] rotated queries.
+      k, v: [B, K, T, H] ('BKSH') or [B, K, H, T] ('BKHS') the chunk's keys and values.
+      positions: [B, T] int32, consecutive in each row from the row's first position,
+        right padding -1 (its rows get 0; the valid length goes to cuDNN as
+        ``query_seq_lengths``/``key_value_seq_lengths``).
+      k_layout, v_layout: 'BKSH' or 'BKHS'.
+      window_size: W (no sinks; None: full causal): a query sees the W - 1 keys before it.
+      implementation: 'cudnn' (GPU, bfloat16/float16 inputs, as cuDNN requires) or 'xla'.
+    Returns:
+      [B, T, K, G, H] in v's dtype.
+    Raises:
+      ValueError: an implementation not in :data:`SDPA_IMPLEMENTATIONS`, 'cudnn' on a
+        backend other than 'gpu' (naming it), a bad layout or window.
+    """
+    if implementation not in SDPA_IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}; allowed: "
+                         f"{SDPA_IMPLEMENTATIONS}")
+    backend = jax.default_backend()
+    if implementation == "cudnn" and backend != "gpu":
+        raise ValueError(f"implementation='cudnn' (prefill_impl='cudnn') on backend "
+                         f"{backend!r}; allowed: the 'gpu' backend (cuDNN), else "
+                         "prefill_impl 'tiled', 'dense', 'native' (CPU) or 'auto'")
+    for name, lay in (("k_layout", k_layout), ("v_layout", v_layout)):
+        if lay not in LAYOUTS:
+            raise ValueError(f"{name}={lay!r}; allowed: {LAYOUTS}")
+    if window_size is not None and (isinstance(window_size, bool) or window_size <= 0):
+        raise ValueError(f"window_size={window_size!r}; allowed: None or a positive integer")
+    b, t, kh, g, h = q.shape
+    to_btkh = lambda x, lay: jnp.swapaxes(x, 1, 2) if lay == "BKSH" else \
+        jnp.transpose(x, (0, 3, 1, 2))  # noqa: E731
+    lengths = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
+    out = jax.nn.dot_product_attention(
+        q.reshape(b, t, kh * g, h), to_btkh(k, k_layout), to_btkh(v, v_layout),
+        is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+        local_window_size=None if window_size is None else (window_size - 1, 0),
+        implementation=implementation)
+    out = out.reshape(b, t, kh, g, -1)
+    return jnp.where((positions >= 0)[:, :, None, None, None], out, 0).astype(v.dtype)

@@ -261,7 +261,7 @@ class MLAttention(nn.Module):
                      block_q=c.prefill_block_q, block_k=c.prefill_block_k)
         if cached is None:  # no cache, or an empty one: attend as the cache will hold it
             c_kv, k_rope = cache_lib.read(c, new, "c_kv"), cache_lib.read(c, new, "k_rope")
-        if cached is None and c.prefill_impl == "tiled":
+        if cached is None and flash.prefill_path(c) == "tiled":
             out = flash.attend_mla_chunk(q_main, q_rope, c_kv, k_rope, positions, **tiled)
         elif cached is None:
             out = attend_mla(q_main, q_rope, c_kv, k_rope,
@@ -282,7 +282,7 @@ class MLAttention(nn.Module):
                 out = attend_mla_step(q_main, q_rope, c_old, kr_old, mask_old, c_kv, k_rope,
                                       w_uk, w_uv, absorb, self.scale,
                                       new_visible=positions[:, 0] >= 0)
-            elif c.prefill_impl == "tiled":
+            elif flash.prefill_path(c) == "tiled":
                 out = flash.attend_mla_chunk(q_main, q_rope, c_kv, k_rope, positions,
                                              c_old=c_old, kr_old=kr_old,
                                              old_positions=cached_positions, **tiled)

@@ -1,0 +1,169 @@
+"""The native CPU prompt attention (``prefill_attention.cc``) behind ``jax.ffi``.
+
+A fused FlashAttention-2 forward (Dao 2023, Algorithm 1) for a chunk of T prompt tokens
+over (old cache slots ++ the chunk): per tile of queries (the G query heads of each token
+of one KV head), key/value blocks of 64 slots are streamed with an online softmax whose
+scores stay in registers/L1; blocks no query of the tile can see (above the causal
+diagonal, outside the window unless they hold a sink, empty) are skipped; OpenMP over
+(batch row, KV head, query tile). float32 (other float inputs are widened first).
+
+Built on first use exactly as the decode kernel (:mod:`kvjax.native`: ``g++ -O3
+-march=native -fopenmp``, into ``<cache_root>/native/<hash of source, compiler, flags,
+CPU>/``); :func:`load` returns False with one warning when it cannot be built, and the
+model then uses the XLA tiled path (:mod:`kvjax.models.flash`). ``KVJAX_NATIVE=0`` skips
+it; ``KVJAX_NATIVE_THREADS`` sets its threads.
+
+XLA's cost analysis sees a custom call as an opaque op: :func:`custom_call_costs` gives
+what the analysis of a compiled program containing one should add (the kernel's operand
+and result bytes, its causal FLOP), see ``kvjax.analysis.costs.analyze_prefill``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import subprocess
+import tempfile
+import threading
+import warnings
+
+import numpy as np
+
+from kvjax import native as _native
+from kvjax.native import cache_root, machine_id, num_threads
+
+TARGET = "kvjax_prefill_attention"
+SOURCE = pathlib.Path(__file__).with_name("prefill_attention.cc")
+BLOCK_K = 64   # key slots per block (prefill_attention.cc's kBlock)
+TILE_ROWS = 64  # query rows (tokens x G) per work item (kTileRows)
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def library_path() -> pathlib.Path | None:
+    """Where the built library lives (built if missing; raises RuntimeError naming the
+    compiler's command and its errors when the build fails), or None without a
+    compiler."""
+    cxx = _native._compiler()
+    if cxx is None:
+        return None
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\n".join(
+        [SOURCE.read_text(), cxx, version, " ".join(_native._FLAGS), machine_id()]).encode()
+    ).hexdigest()[:16]
+    out = cache_root() / "native" / key / "libkvjax_prefill_attention.so"
+    if not out.exists():
+        import jax.ffi  # noqa: PLC0415
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_so = pathlib.Path(tmp) / out.name
+            cmd = [cxx, *_native._FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
+                   str(tmp_so)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if proc.returncode:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+            os.replace(tmp_so, out)  # atomic: concurrent builders never see half a file
+    return out
+
+
+def load() -> bool:
+    """Builds (once per machine), loads and registers :data:`TARGET` on CPU. True when
+    it is available; False, with one warning naming the cause, when there is no
+    compiler, the build or load failed, or ``KVJAX_NATIVE=0``."""
+    with _lock:
+        if "ok" in _state:
+            return _state["ok"]
+        ok = False
+        if os.environ.get("KVJAX_NATIVE", "1") == "0":
+            _state["ok"] = False
+            return False
+        try:
+            path = library_path()
+            if path is None:
+                warnings.warn("kvjax native prefill attention: no C++ compiler (g++/c++ or "
+                              "$CXX); using the XLA tiled path", stacklevel=2)
+            else:
+                import jax  # noqa: PLC0415
+                lib = ctypes.cdll.LoadLibrary(str(path))
+                jax.ffi.register_ffi_target(
+                    TARGET, jax.ffi.pycapsule(lib.KvjaxPrefillAttention), platform="cpu")
+                _state["lib"] = lib
+                ok = True
+        except Exception as e:  # noqa: BLE001 (any failure -> the XLA tiled path)
+            warnings.warn(f"kvjax native prefill attention unavailable ({e}); using the "
+                          "XLA tiled path", stacklevel=2)
+        _state["ok"] = ok
+        return ok
+
+
+def attend_chunk(q, k, v, positions, *, k_old=None, v_old=None, old_positions=None,
+                 k_layout: str = "BKSH", v_layout: str = "BKSH",
+                 window_size: int | None = None, num_sink_tokens: int = 0):
+    """Grouped-query attention (MHA/GQA/MQA) of a chunk over (old slots ++ itself) in one
+    fused custom call; the same function as :func:`kvjax.models.flash.attend_chunk`.
+
+    Args:
+      q: [B, T, K, G, H] rotated queries (any float dtype; computed in float32).
+      k: [B, K, T, H] the chunk's keys ('BKSH'), or [B, K, H, T] with k_layout 'BKHS'.
+      v: [B, K, T, Hv] the chunk's values, or [B, K, Hv, T] with v_layout 'BKHS'.
+      positions: [B, T] int32 absolute positions of the chunk (-1: a padded row, whose
+        output is 0). Any order is accepted (blocks are skipped by their min/max).
+      k_old, v_old: the layer's cache before the chunk, S slots in the same layouts;
+        None (with old_positions None) for an empty cache.
+      old_positions: [S] or [B, S] int32 slot positions (-1: empty).
+      k_layout, v_layout: 'BKSH' or 'BKHS'.
+      window_size, num_sink_tokens: W and s of a sliding window with sinks (None, 0:
+        full causal attention); visibility is ``kvjax.cache.attention_mask``'s rule.
+    Returns:
+      [B, T, K, G, Hv] in v's dtype (float32 softmax and accumulation; 1/sqrt(H) scale).
+    Raises:
+      ValueError: a bad layout, window or sink count, rank, or old tensors given partly.
+      RuntimeError: the library could not be built or loaded (:func:`load`), or the
+        backend is not CPU.
+    """
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    if (k_old is None) != (v_old is None) or (k_old is None) != (old_positions is None):
+        raise ValueError("k_old, v_old and old_positions: give all three or none (got "
+                         f"{[x is not None for x in (k_old, v_old, old_positions)]})")
+    for name, lay in (("k_layout", k_layout), ("v_layout", v_layout)):
+        if lay not in ("BKSH", "BKHS"):
+            raise ValueError(f"{name}={lay!r}; allowed: ('BKSH', 'BKHS')")
+    if window_size is not None and (isinstance(window_size, bool) or window_size <= 0):
+        raise ValueError(f"window_size={window_size!r}; allowed: None or a positive integer")
+    if num_sink_tokens < 0 or (num_sink_tokens and window_size is None) or (
+            window_size is not None and num_sink_tokens >= window_size):
+        raise ValueError(f"num_sink_tokens={num_sink_tokens!r}; allowed: 0 without a "
+                         "window, else an integer in [0, window_size)")
+    if q.ndim != 5 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}; allowed: q [B, T, K, G, "
+                         "H], k and v rank 4")
+    if jax.default_backend() != "cpu":
+        raise RuntimeError(f"prefill_impl='native' on backend {jax.default_backend()!r}; "
+                           "allowed: 'cpu' (use 'tiled' elsewhere)")
+    if not load():
+        raise RuntimeError("prefill_impl='native': the native library could not be built "
+                           "or loaded (see the warning above); use 'tiled'")
+    b, t, kh, g, h = q.shape
+    hv = v.shape[-1] if v_layout == "BKSH" else v.shape[-2]
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    if k_old is None:   # one empty dummy slot (position -1); the kernel skips it
+        shape_k = (b, kh, 1, h) if k_layout == "BKSH" else (b, kh, h, 1)
+        shape_v = (b, kh, 1, hv) if v_layout == "BKSH" else (b, kh, hv, 1)
+        k_old, v_old = jnp.zeros(shape_k, jnp.float32), jnp.zeros(shape_v, jnp.float32)
+        old_positions, has_old = jnp.full((b, 1), -1, jnp.int32), 0
+    else:
+        has_old = 1
+        if old_positions.ndim == 1:
+            old_positions = jnp.broadcast_to(old_positions, (b, old_positions.shape[0]))
+    out_type = jax.ShapeDtypeStruct((b, t, kh, g, hv), jnp.float32)
+    out = jax.ffi.ffi_call(TARGET, out_type, vmap_method="sequential")(
+        f32(q), f32(k), f32(v), positions.astype(jnp.int32), f32(k_old), f32(v_old),
+        old_positions.astype(jnp.int32),
+        k_bksh=np.int64(k_layout == "BKSH"), v_bksh=np.int64(v_layout == "BKSH"),
+        scale=np.float32(h ** -0.5), window=np.int64(window_size or 0),
+        sinks=np.int64(num_sink_tokens), has_old=np.int64(has_old),
+        threads=np.int64(num_threads()))
+    return out.astype(v.dtype)
