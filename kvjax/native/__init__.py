@@ -48,12 +48,12 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def _build(out: pathlib.Path, cxx: str) -> None:
+def _build(out: pathlib.Path, cxx: str, source: pathlib.Path = _SOURCE) -> None:
     import jax.ffi  # noqa: PLC0415
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = pathlib.Path(tmp) / out.name
-        cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(tmp_so)]
+        cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(tmp_so)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
