@@ -236,10 +236,15 @@ def report_lines() -> list[str]:
     if _wmemo:
         lines.append(f"weight-product planner on {model} ({', '.join(isa)}; "
                      f"{native.num_threads()} cores), jax {jax.__version__}:")
+    configured = sorted(n for n, e in _wmemo.items() if "gbps" not in e)
+    if configured:
+        lines.append(f"  native as configured (model.weight_matmul='native') for "
+                     f"{len(configured)} shape classes: {', '.join(configured[:4])}"
+                     + (", ..." if len(configured) > 4 else ""))
     for name, e in sorted(_wmemo.items()):
-        rates = ", ".join(f"{n} {r:.1f}" for n, r in e.get("gbps", {}).items())
-        lines.append(f"  {name}: {e['choice']}"
-                     + (f" (GB/s of weight read: {rates})" if rates else " (as configured)"))
+        if "gbps" in e:
+            rates = ", ".join(f"{n} {r:.1f}" for n, r in e["gbps"].items())
+            lines.append(f"  {name}: {e['choice']} (GB/s of weight read: {rates})")
     return lines
 
 

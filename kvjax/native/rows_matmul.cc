@@ -44,7 +44,10 @@ constexpr int NRT = 4;
 #endif
 constexpr int NV = 4;             // vectors per column panel
 constexpr int NB = VW * NV;       // columns per panel (w_nk = 0)
-constexpr int kPrefetchRows = 8;  // rows of a panel prefetched ahead
+#ifndef KROWS
+#define KROWS 16
+#endif
+constexpr int64_t kRowBlock = KROWS;  // weight rows per block (w_nk = 0)
 
 #if defined(__AVX512F__)
 typedef __m512 vf;
@@ -82,35 +85,32 @@ static inline float hsum(vf v) {
 }
 #endif
 
-// y[r, n0:n0+NB] for r < MR, w stored [K, N].
-template <int MR>
+// y[r, n0:n0+NVR*VW] (+)= sum over k in [k0, k1) of x[r, k] w[k, n0:...] for r < MR,
+// w stored [K, N]: the accumulators stay in registers over the block of k rows.
+template <int MR, int NVR>
 static void TileKN(const float* x, int64_t K, const float* w, int64_t N, int64_t n0,
-                   float* y) {
-  vf acc[MR][NV];
+                   float* y, int64_t k0, int64_t k1) {
+  vf acc[MR][NVR];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) acc[r][j] = zero();
-  const float* wp = w + n0;
-  for (int64_t k = 0; k < K; ++k, wp += N) {
-    if (k + kPrefetchRows < K) {
-      const float* pf = wp + kPrefetchRows * N;
-      for (int j = 0; j < NB; j += 16) __builtin_prefetch(pf + j, 0, 0);
-    }
-    vf b[NV];
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) b[j] = load(wp + j * VW);
+#pragma GCC unroll 8
+    for (int j = 0; j < NVR; ++j) acc[r][j] = k0 ? load(y + r * N + n0 + j * VW) : zero();
+  const float* wp = w + k0 * N + n0;
+  for (int64_t k = k0; k < k1; ++k, wp += N) {
+    vf b[NVR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NVR; ++j) b[j] = load(wp + j * VW);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const vf a = splat(x[r * K + k]);
-#pragma GCC unroll 4
-      for (int j = 0; j < NV; ++j) acc[r][j] = fma(a, b[j], acc[r][j]);
+#pragma GCC unroll 8
+      for (int j = 0; j < NVR; ++j) acc[r][j] = fma(a, b[j], acc[r][j]);
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) store(y + r * N + n0 + j * VW, acc[r][j]);
+#pragma GCC unroll 8
+    for (int j = 0; j < NVR; ++j) store(y + r * N + n0 + j * VW, acc[r][j]);
 }
 
 // y[r, n] for r < MR, n in [n0, n0 + NRT), w stored [N, K]; K % VW handled as a tail.
@@ -146,16 +146,16 @@ template <int MAXR, template <int> class F>
 struct Dispatch;
 
 template <int R>
-struct KN {
+struct KN {  // one NB-column chunk
   static void Run(const float* x, int64_t K, const float* w, int64_t N, int64_t n0,
-                  float* y) {
-    TileKN<R>(x, K, w, N, n0, y);
+                  float* y, int64_t k0, int64_t k1) {
+    TileKN<R, NV>(x, K, w, N, n0, y, k0, k1);
   }
 };
 template <int R>
 struct NK {
   static void Run(const float* x, int64_t K, const float* w, int64_t N, int64_t n0,
-                  float* y) {
+                  float* y, int64_t, int64_t) {
     TileNK<R>(x, K, w, N, n0, y);
   }
 };
@@ -163,22 +163,34 @@ struct NK {
 // Calls F<r>::Run for a tile of r rows, 1 <= r <= MAXR.
 template <template <int> class F, int R>
 static inline void RunRows(int r, const float* x, int64_t K, const float* w, int64_t N,
-                           int64_t n0, float* y) {
+                           int64_t n0, float* y, int64_t k0 = 0, int64_t k1 = 0) {
   if constexpr (R >= 1) {
-    if (r == R) return F<R>::Run(x, K, w, N, n0, y);
-    RunRows<F, R - 1>(r, x, K, w, N, n0, y);
+    if (r == R) return F<R>::Run(x, K, w, N, n0, y, k0, k1);
+    RunRows<F, R - 1>(r, x, K, w, N, n0, y, k0, k1);
   }
 }
 
-// Columns [c0, c1) of y (w_nk = 0: c0, c1 multiples of NB except the last panel).
+// Columns [c0, c1) of y (w_nk = 0: c0 a multiple of NB). The weight is read in blocks
+// of kRowBlock rows, each row's segment [c0, c1) contiguous (a few sequential streams,
+// which the hardware prefetchers follow; a panel walk down all K rows was 2-3x slower
+// from DRAM), chunk by chunk of NB columns; every row tile re-reads the chunk from L1.
 static void RangeKN(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
                     int64_t c0, int64_t c1, float* y) {
-  int64_t n = c0;
-  for (; n + NB <= c1; n += NB)
-    for (int64_t m = 0; m < M; m += MB) {
-      const int r = static_cast<int>(std::min<int64_t>(MB, M - m));
-      RunRows<KN, MB>(r, x + m * K, K, w, N, n, y + m * N);
-    }
+  // Row tiles of MB rows, or balanced ones when they all keep >= MB - 1 rows (16 rows:
+  // 6, 5, 5 rather than 6, 6, 4: tiles of few rows run at about half the FMA rate).
+  const int64_t tiles = (M + MB - 1) / MB;
+  const bool balanced = M / tiles >= MB - 1;
+  const int64_t full = c0 + (c1 - c0) / NB * NB;
+  for (int64_t k0 = 0; k0 < K; k0 += kRowBlock) {
+    const int64_t k1 = std::min(K, k0 + kRowBlock);
+    for (int64_t n = c0; n < full; n += NB)
+      for (int64_t t = 0, m = 0; m < M; ++t) {
+        const int64_t r = balanced ? M * (t + 1) / tiles - m : std::min<int64_t>(MB, M - m);
+        RunRows<KN, MB>(static_cast<int>(r), x + m * K, K, w, N, n, y + m * N, k0, k1);
+        m += r;
+      }
+  }
+  int64_t n = full;
   if (n < c1) {  // a last partial panel: plain loops
     for (int64_t m = 0; m < M; ++m)
       for (int64_t c = n; c < c1; ++c) y[m * N + c] = 0.0f;
