@@ -62,7 +62,7 @@ def machine_key(backend: str | None = None, kernel: str = "decode_attention.cc")
     kvjax/native: 'decode_attention.cc' or 'rows_matmul.cc')."""
     import jaxlib  # noqa: PLC0415
     model, isa = _cpu()
-    src = pathlib.Path(native.__file__).with_name(kernel).read_bytes()
+    src = pathlib.Path(native.__file__).with_name(kernel).read_bytes() + native.headers().encode()
     return {"cpu": model, "isa": isa, "cores": native.num_threads(),
             "backend": backend or backend_lib.current(), "jax": jax.__version__,
             "jaxlib": jaxlib.__version__, "kernel": hashlib.sha256(src).hexdigest()[:12]}

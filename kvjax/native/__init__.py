@@ -48,6 +48,11 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
+def headers() -> str:
+    """The text of the shared headers (``*.h``) beside the kernels: part of every build key."""
+    return "\n".join(p.read_text() for p in sorted(_SOURCE.parent.glob("*.h")))
+
+
 def _build(out: pathlib.Path, cxx: str, source: pathlib.Path = _SOURCE) -> None:
     import jax.ffi  # noqa: PLC0415
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -67,7 +72,7 @@ def library_path() -> pathlib.Path | None:
         return None
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\n".join(
-        [_SOURCE.read_text(), cxx, version, " ".join(_FLAGS), machine_id()]).encode()
+        [_SOURCE.read_text(), headers(), cxx, version, " ".join(_FLAGS), machine_id()]).encode()
     ).hexdigest()[:16]
     out = cache_root() / "native" / key / "libkvjax_decode_attention.so"
     if not out.exists():

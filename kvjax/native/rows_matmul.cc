@@ -10,9 +10,9 @@
 // the same panel from L2), so the step costs max(weight bytes / bandwidth, 2·M·K·N /
 // FLOP peak) (the roofline, Williams et al. 2009) instead of one pass per row.
 //
-// The column panels (w_nk = 0) or output rows (w_nk = 1) are split into contiguous
-// ranges over XLA's own intra-op thread pool (no second thread pool spinning beside
-// XLA's); the caller thread takes one range and waits for the others.
+// The columns (w_nk = 0) or output rows (w_nk = 1) are split into contiguous ranges
+// over XLA's own intra-op thread pool (pool.h: no second thread pool spinning beside
+// XLA's).
 //
 // Vectors: GCC vector extensions, 16 floats with AVX-512F, else 8 (AVX2 / others);
 // built with -march=native by kvjax/native/rows_matmul.py.
@@ -25,6 +25,7 @@
 
 #include <immintrin.h>
 
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -244,37 +245,14 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   // Below ~256 KB of weight the call is too short to be worth waking other threads.
   const int64_t want = (K * N >= 64 * 1024) ? std::max<int64_t>(1, threads) : 1;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(want, units));
-  auto run = [=](int64_t p) {
+  kvjax_native::ParallelFor(pool, parts, [=](int64_t p) {
     const int64_t u0 = units * p / parts, u1 = units * (p + 1) / parts;
     const int64_t c0 = u0 * unit, c1 = std::min(N, u1 * unit);
     if (w_nk)
       RangeNK(xp, M, K, wp, N, c0, c1, yp);
     else
       RangeKN(xp, M, K, wp, N, c0, c1, yp);
-  };
-  if (parts == 1) {
-    run(0);
-    return ffi::Error::Success();
-  }
-  // Parts are claimed from a shared counter by the caller and by the pool's tasks alike:
-  // the caller never waits for a part nobody has started (no deadlock when the pool is
-  // busy or the caller is its only thread); a task that starts late finds nothing left.
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto st = std::make_shared<State>();
-  auto work = [st, run, parts] {
-    for (int64_t p; (p = st->next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
-      run(p);
-      st->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t p = 1; p < parts; ++p) pool.Schedule(decltype(work)(work));
-  work();
-  int spins = 0;
-  while (st->done.load(std::memory_order_acquire) < parts) {
-    if (++spins > 1000) std::this_thread::yield();
-  }
+  });
   return ffi::Error::Success();
 }
 

@@ -38,7 +38,8 @@ def library_path() -> pathlib.Path | None:
         return None
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\n".join(
-        [SOURCE.read_text(), cxx, version, " ".join(native._FLAGS), native.machine_id()]  # noqa: SLF001
+        [SOURCE.read_text(), native.headers(), cxx, version, " ".join(native._FLAGS),  # noqa: SLF001
+         native.machine_id()]
     ).encode()).hexdigest()[:16]
     out = native.cache_root() / "native" / key / "libkvjax_rows_matmul.so"
     if not out.exists():
