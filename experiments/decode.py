@@ -20,7 +20,7 @@ from absl import app, flags
 from experiments import cli
 
 from kvjax import cache as cache_lib
-from kvjax import naming
+from kvjax import naming, planner
 from kvjax.analysis import report as report_lib
 from kvjax.analysis import theory
 from kvjax.inference import memory, runner
@@ -49,6 +49,9 @@ def report(result: runner.DecodeResult) -> str:
         f"scan_layers={cfg.scan_layers}  backend={cfg.backend}" + (
             "" if cfg.is_mla else
             f"  cache layout: k {cfg.cache_layout('k')}, v {cfg.cache_layout('v')}"),
+        f"formulations: decode_attention={cfg.decode_attention!r}  "
+        f"weight_matmul={cfg.weight_matmul!r}",
+        *planner.report_lines(),
         "",
         f"prompt: {naming.shorten(result.prompt)}"
         + ("  (the checkpoint's chat template; --config.chat_template=False for raw "
