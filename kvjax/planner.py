@@ -275,9 +275,10 @@ def _weight_native_ok(m: int) -> bool:
 def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
                           candidates=WEIGHT_CANDIDATES, rounds: int = 7,
                           budget_s: float = 1.0) -> dict:
-    """Times each formulation of an [M, K] x weight product, float32, on enough copies of
-    the weight (a scan over them) to read :data:`WEIGHT_STREAM_BYTES` from memory per
-    call, as a decode step reads its layers' weights.
+    """Times each formulation of an [M, K] x weight product, float32, on enough separate
+    weights of that shape (one product each, unrolled) to read
+    :data:`WEIGHT_STREAM_BYTES` from memory per call, as a decode step reads its layers'
+    weights.
 
     Returns {'choice': fastest name, 'gbps': {name: GB/s of weight read}, 'gflops':
     {name: GFLOP/s (2·M·K·N per copy)}, 'seconds': {name: median s per call}, 'copies'}.
@@ -285,9 +286,13 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
     from kvjax.native import rows_matmul as rm  # noqa: PLC0415
     copies = max(1, -(-WEIGHT_STREAM_BYTES // (4 * k * n)))
     rng = np.random.default_rng(0)
-    wshape = (copies, k, n) if layout == "kn" else (copies, n, k)
+    wshape = (k, n) if layout == "kn" else (n, k)
     with jax.ensure_compile_time_eval():
-        w = jnp.asarray(rng.standard_normal(wshape, dtype=np.float32))
+        # separate arrays, not slices of one stacked array: a custom call's operand sliced
+        # out of a stack is copied first (XLA's dot fuses the slice), which would charge
+        # the native kernel a copy of every weight; a decode step's weights are separate
+        w = tuple(jnp.asarray(rng.standard_normal(wshape, dtype=np.float32))
+                  for _ in range(copies))
         x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
         prods = {"xla": (lambda a, b: a @ b) if layout == "kn" else (lambda a, b: a @ b.T),
                  "native": lambda a, b: rm.rows_matmul(a, b, layout)}
@@ -295,12 +300,12 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
         for name in candidates:
             if name == "native" and not _weight_native_ok(m):
                 continue
-            prod = prods[name]
 
-            def run(x, w, prod=prod):
-                def body(acc, wi):
-                    return acc + prod(x, wi), None
-                return jax.lax.scan(body, jnp.zeros((m, n), jnp.float32), w)[0]
+            def run(x, w, prod=prods[name]):
+                acc = jnp.zeros((m, n), jnp.float32)
+                for wi in w:  # unrolled: one product per weight, as in a decode step
+                    acc = acc + prod(x, wi)
+                return acc
             fns[name] = jax.jit(run).lower(x, w).compile()
         secs = _time(fns, (x, w), rounds, budget_s)
     nbytes = 4 * k * n * copies

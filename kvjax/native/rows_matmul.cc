@@ -49,6 +49,9 @@ constexpr int NB = VW * NV;       // columns per panel (w_nk = 0)
 #define KROWS 16
 #endif
 constexpr int64_t kRowBlock = KROWS;  // weight rows per block (w_nk = 0)
+// Weights below this many elements (256 KiB of float32) are read by the calling thread
+// alone: too short a call to be worth waking a pool thread.
+constexpr int64_t kMinSplit = 64 * 1024;
 
 #if defined(__AVX512F__)
 typedef __m512 vf;
@@ -114,29 +117,29 @@ static void TileKN(const float* x, int64_t K, const float* w, int64_t N, int64_t
     for (int j = 0; j < NVR; ++j) store(y + r * N + n0 + j * VW, acc[r][j]);
 }
 
-// y[r, n] for r < MR, n in [n0, n0 + NRT), w stored [N, K]; K % VW handled as a tail.
-template <int MR>
+// y[r, n] for r < MR, n in [n0, n0 + NR), w stored [N, K]; K % VW handled as a tail.
+template <int MR, int NR>
 static void TileNK(const float* x, int64_t K, const float* w, int64_t N, int64_t n0,
                    float* y) {
-  vf acc[MR][NRT];
+  vf acc[MR][NR];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < NRT; ++j) acc[r][j] = zero();
+    for (int j = 0; j < NR; ++j) acc[r][j] = zero();
   const int64_t kv = K / VW * VW;
   for (int64_t k = 0; k < kv; k += VW) {
-    vf b[NRT];
+    vf b[NR];
 #pragma GCC unroll 4
-    for (int j = 0; j < NRT; ++j) b[j] = load(w + (n0 + j) * K + k);
+    for (int j = 0; j < NR; ++j) b[j] = load(w + (n0 + j) * K + k);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const vf a = load(x + r * K + k);
 #pragma GCC unroll 4
-      for (int j = 0; j < NRT; ++j) acc[r][j] = fma(a, b[j], acc[r][j]);
+      for (int j = 0; j < NR; ++j) acc[r][j] = fma(a, b[j], acc[r][j]);
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NRT; ++j) {
+    for (int j = 0; j < NR; ++j) {
       float s = hsum(acc[r][j]);
       for (int64_t k = kv; k < K; ++k) s += x[r * K + k] * w[(n0 + j) * K + k];
       y[r * N + n0 + j] = s;
@@ -157,7 +160,7 @@ template <int R>
 struct NK {
   static void Run(const float* x, int64_t K, const float* w, int64_t N, int64_t n0,
                   float* y, int64_t, int64_t) {
-    TileNK<R>(x, K, w, N, n0, y);
+    TileNK<R, NRT>(x, K, w, N, n0, y);
   }
 };
 
@@ -203,10 +206,25 @@ static void RangeKN(const float* x, int64_t M, int64_t K, const float* w, int64_
   }
 }
 
-// Output columns [c0, c1) of y, w stored [N, K].
+// Output columns [c0, c1) of y, w stored [N, K]. A single row reads each weight row
+// start to end (tiles of NRT rows read the tied LM head at half XLA's GB/s for M = 1).
 static void RangeNK(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
                     int64_t c0, int64_t c1, float* y) {
   int64_t n = c0;
+  if (M == 1 && K % (4 * VW) == 0) {  // one row: each weight row read start to end
+    for (; n < c1; ++n) {
+      const float* wr = w + n * K;
+      vf a0 = zero(), a1 = zero(), a2 = zero(), a3 = zero();
+      for (int64_t k = 0; k < K; k += 4 * VW) {
+        a0 = fma(load(x + k), load(wr + k), a0);
+        a1 = fma(load(x + k + VW), load(wr + k + VW), a1);
+        a2 = fma(load(x + k + 2 * VW), load(wr + k + 2 * VW), a2);
+        a3 = fma(load(x + k + 3 * VW), load(wr + k + 3 * VW), a3);
+      }
+      y[n] = hsum((a0 + a1) + (a2 + a3));
+    }
+    return;
+  }
   for (; n + NRT <= c1; n += NRT)
     for (int64_t m = 0; m < M; m += MBT) {
       const int r = static_cast<int>(std::min<int64_t>(MBT, M - m));
@@ -242,8 +260,7 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   // Units of work: column panels (w_nk = 0) or groups of NRT weight rows (w_nk = 1).
   const int64_t unit = w_nk ? NRT : NB;
   const int64_t units = (N + unit - 1) / unit;
-  // Below ~256 KB of weight the call is too short to be worth waking other threads.
-  const int64_t want = (K * N >= 64 * 1024) ? std::max<int64_t>(1, threads) : 1;
+  const int64_t want = (K * N >= kMinSplit) ? std::max<int64_t>(1, threads) : 1;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(want, units));
   kvjax_native::ParallelFor(pool, parts, [=](int64_t p) {
     const int64_t u0 = units * p / parts, u1 = units * (p + 1) / parts;
