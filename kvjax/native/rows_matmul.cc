@@ -49,6 +49,13 @@ constexpr int NB = VW * NV;       // columns per panel (w_nk = 0)
 #define KROWS 16
 #endif
 constexpr int64_t kRowBlock = KROWS;  // weight rows per block (w_nk = 0)
+#ifndef KN_PREFETCH
+#define KN_PREFETCH 1
+#endif
+#ifndef PF_CHUNKS
+#define PF_CHUNKS 2
+#endif
+constexpr int64_t kPrefetchChunks = PF_CHUNKS;  // column chunks prefetched ahead
 // Weights below this many elements (256 KiB of float32) are read by the calling thread
 // alone: too short a call to be worth waking a pool thread.
 constexpr int64_t kMinSplit = 64 * 1024;
@@ -187,12 +194,22 @@ static void RangeKN(const float* x, int64_t M, int64_t K, const float* w, int64_
   const int64_t full = c0 + (c1 - c0) / NB * NB;
   for (int64_t k0 = 0; k0 < K; k0 += kRowBlock) {
     const int64_t k1 = std::min(K, k0 + kRowBlock);
-    for (int64_t n = c0; n < full; n += NB)
+    for (int64_t n = c0; n < full; n += NB) {
+#if KN_PREFETCH
+      // the chunk kPrefetchChunks ahead, every row of the block, into L2: 16 row
+      // segments at once are more streams than the hardware prefetchers follow (one
+      // thread from DRAM, interleaved A/B: 0.73x the time at M = 4, 0.8-0.9x at 8)
+      if (M > 1 && n + kPrefetchChunks * NB < full)  // (one row: no gain measured)
+        for (int64_t k = k0; k < k1; ++k)
+          for (int j = 0; j < NB; j += 16)
+            __builtin_prefetch(w + k * N + n + kPrefetchChunks * NB + j, 0, 2);
+#endif
       for (int64_t t = 0, m = 0; m < M; ++t) {
         const int64_t r = balanced ? M * (t + 1) / tiles - m : std::min<int64_t>(MB, M - m);
         RunRows<KN, MB>(static_cast<int>(r), x + m * K, K, w, N, n, y + m * N, k0, k1);
         m += r;
       }
+    }
   }
   int64_t n = full;
   if (n < c1) {  // a last partial panel: plain loops
