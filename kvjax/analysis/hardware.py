@@ -313,8 +313,9 @@ def measure_fma_flops(repeats: int = 5) -> float | None:
     split over the cores), 32 products per call (2·48·512·512 FLOP each), so memory
     is out of the picture: the fused multiply-add rate this CPU sustains in a register
     tiled loop (48 rows in tiles of 6), the compute ceiling of the roofline (Williams
-    et al. 2009) for the products of a decode step. XLA's own matmul (:func:`measure_matmul_flops`) reaches
-    less on small CPUs (44-92 GFLOP/s against ~230 on the 2-core AMD EPYC, issue 18).
+    et al. 2009) for the products of a decode step. On the shared 2-core AMD EPYC
+    (issue 18) it read 45-69 GFLOP/s and XLA's 1024^3 matmul (:func:`measure_matmul_flops`)
+    45-200, depending on the load from other jobs: :func:`local_chip` takes the faster.
 
     Returns None where the native kernel is unavailable (no compiler, not a CPU)."""
     from kvjax.native import rows_matmul as rm  # noqa: PLC0415
