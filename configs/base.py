@@ -58,6 +58,9 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     # Decode attention formulation: 'xla' (default), 'auto' (measured on this machine,
     # kvjax.planner), 'xla_cache_left', 'native' (CPU FFI kernel) or 'pallas' (GPU).
     m.decode_attention = "xla"
+    # Few-row weight products (float32, M <= 256 rows): 'xla' (default), 'native' (CPU FFI
+    # kernel kvjax/native/rows_matmul.cc) or 'auto' (the faster measured, kvjax.planner).
+    m.weight_matmul = "xla"
     # Prompt (T > 1) attention: 'tiled' (online softmax over blocks, kvjax.models.flash),
     # 'dense' (all scores materialised), 'native' (CPU fused FFI kernel,
     # kvjax.native.prefill), 'auto' (native where it builds, else tiled) or 'cudnn' (GPU,

@@ -28,7 +28,7 @@ from absl import app, flags
 from experiments import cli
 
 from kvjax import cache as cache_lib
-from kvjax import naming
+from kvjax import naming, planner
 from kvjax.analysis import report as report_lib
 from kvjax.analysis import costs, theory
 from kvjax.inference import memory, runner
@@ -99,6 +99,9 @@ def _generation_lines(result: runner.DecodeResult, cfg, batch: int) -> list:
         f"scan_layers={cfg.scan_layers}  backend={cfg.backend}" + (
             "" if cfg.is_mla else
             f"  cache layout: k {cfg.cache_layout('k')}, v {cfg.cache_layout('v')}"),
+        f"formulations: decode_attention={cfg.decode_attention!r}  "
+        f"weight_matmul={cfg.weight_matmul!r}",
+        *planner.report_lines(),
         "",
         f"prompt: {naming.shorten(result.prompt)}"
         + ("  (the checkpoint's chat template; --config.chat_template=False for raw "

@@ -44,6 +44,7 @@ class ConfigError(ValueError):
 KV_LAYOUTS = ("auto", "BKSH", "BKHS")
 ROPE_POSITIONS = ("absolute", "cache")
 DECODE_ATTENTION = ("auto", "xla", "xla_cache_left", "native", "pallas")
+WEIGHT_MATMUL = ("xla", "native", "auto")
 PREFILL_IMPLS = ("tiled", "dense", "native", "auto", "cudnn")
 
 
@@ -147,6 +148,13 @@ class ModelConfig:
         result for all (:mod:`kvjax.models.decode_kernels`). Default 'xla': on the
         2-core AMD EPYC measured so far no other formulation beat it (README), and
         'auto' costs ~2 s of measurement per new shape class.
+      weight_matmul: the formulation of the products of a decode step's few rows (M =
+        B·T <= 256) with float32 weight matrices (projections, MLP, LM head), one of
+        :data:`WEIGHT_MATMUL`: 'xla' (``jnp.einsum``), 'native' (CPU FFI kernel
+        ``kvjax/native/rows_matmul.cc``: each weight streamed once for all M rows) or
+        'auto': the faster measured on this machine per (M, K, N, layout) class
+        (:func:`kvjax.planner.weight_matmul`, cached like decode_attention). Products
+        with more rows, other dtypes or other backends use 'xla' whatever this says.
       name: free-form label used in reports.
     """
 
@@ -181,6 +189,7 @@ class ModelConfig:
     kv_dtype: str | None = None
     backend: str | None = None
     decode_attention: str = "xla"
+    weight_matmul: str = "xla"
     name: str = "model"
 
     def __post_init__(self):
@@ -304,6 +313,8 @@ def validate_model_config(c: ModelConfig) -> None:
                   "'auto' for attention='mla' (MLA caches a latent [B, S, C], no heads)")
     if c.decode_attention not in DECODE_ATTENTION:
         _fail("model.decode_attention", c.decode_attention, f"one of {list(DECODE_ATTENTION)}")
+    if c.weight_matmul not in WEIGHT_MATMUL:
+        _fail("model.weight_matmul", c.weight_matmul, f"one of {list(WEIGHT_MATMUL)}")
     if c.prefill_impl not in PREFILL_IMPLS:
         _fail("model.prefill_impl", c.prefill_impl, f"one of {list(PREFILL_IMPLS)}")
     if c.prefill_impl == "native" and c.backend != "cpu":

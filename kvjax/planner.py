@@ -56,27 +56,31 @@ def _cpu() -> tuple[str, list[str]]:
     return model or "unknown", [f for f in ISA_FLAGS if f in have]
 
 
-def machine_key(backend: str | None = None) -> dict:
+def machine_key(backend: str | None = None, kernel: str = "decode_attention.cc") -> dict:
     """What the planner's choices depend on: {'cpu', 'isa', 'cores', 'backend', 'jax',
-    'jaxlib', 'kernel'} (the last: hash of the native kernel's source)."""
+    'jaxlib', 'kernel'} (the last: hash of the native kernel's source, ``kernel`` under
+    kvjax/native: 'decode_attention.cc' or 'rows_matmul.cc')."""
     import jaxlib  # noqa: PLC0415
     model, isa = _cpu()
-    src = pathlib.Path(native.__file__).with_name("decode_attention.cc").read_bytes()
+    src = pathlib.Path(native.__file__).with_name(kernel).read_bytes() + native.headers().encode()
     return {"cpu": model, "isa": isa, "cores": native.num_threads(),
             "backend": backend or backend_lib.current(), "jax": jax.__version__,
             "jaxlib": jaxlib.__version__, "kernel": hashlib.sha256(src).hexdigest()[:12]}
 
 
-def cache_path(key: dict | None = None) -> pathlib.Path:
-    """The planner cache file for ``key`` (default: this machine's)."""
+def cache_path(key: dict | None = None, kind: str = "decode_attention") -> pathlib.Path:
+    """The planner cache file for ``key`` (default: this machine's) and ``kind``
+    ('decode_attention' or 'weight_matmul')."""
     key = key or machine_key()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return native.cache_root() / "planner" / f"decode_attention-{digest}.json"
+    return native.cache_root() / "planner" / f"{kind}-{digest}.json"
 
 
-def load_cache(path: pathlib.Path, key: dict) -> dict:
+def load_cache(path: pathlib.Path, key: dict, allowed=None) -> dict:
     """The entries of the planner cache at ``path`` if it belongs to ``key``; {} (with a
-    warning naming the file and why) if it is corrupt or foreign; {} if absent."""
+    warning naming the file and why) if it is corrupt or foreign; {} if absent.
+    ``allowed``: the valid choices (default: the decode-attention formulations)."""
+    allowed = decode_kernels.IMPLS if allowed is None else allowed
     if not path.exists():
         return {}
     try:
@@ -87,7 +91,7 @@ def load_cache(path: pathlib.Path, key: dict) -> dict:
             raise ValueError(f"recorded for {data.get('machine')!r}, this is {key!r}")
         entries = data["entries"]
         for name, e in entries.items():
-            if not isinstance(e, dict) or e.get("choice") not in decode_kernels.IMPLS:
+            if not isinstance(e, dict) or e.get("choice") not in allowed:
                 raise ValueError(f"entry {name!r} has no valid 'choice'")
         return entries
     except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
@@ -220,14 +224,27 @@ def decode_attention(cfg, k_cache, v_cache) -> str:
 
 
 def report_lines() -> list[str]:
-    """One line per decode-attention choice made in this process: the shape class, the
-    formulation and the measured GB/s of each candidate, and the machine."""
+    """One line per decode-attention and weight-product choice made in this process: the
+    shape class, the formulation and the measured GB/s of each candidate, and the
+    machine."""
     model, isa = _cpu()
     lines = [f"decode-attention planner on {model} ({', '.join(isa)}; "
              f"{native.num_threads()} cores), jax {jax.__version__}:"] if _memo else []
     for name, e in sorted(_memo.items()):
         rates = ", ".join(f"{n} {r:.1f}" for n, r in e["gbps"].items())
         lines.append(f"  {name}: {e['choice']} (GB/s of cache read: {rates})")
+    if _wmemo:
+        lines.append(f"weight-product planner on {model} ({', '.join(isa)}; "
+                     f"{native.num_threads()} cores), jax {jax.__version__}:")
+    configured = sorted(n for n, e in _wmemo.items() if "gbps" not in e)
+    if configured:
+        lines.append(f"  native as configured (model.weight_matmul='native') for "
+                     f"{len(configured)} shape classes: {', '.join(configured[:4])}"
+                     + (", ..." if len(configured) > 4 else ""))
+    for name, e in sorted(_wmemo.items()):
+        if "gbps" in e:
+            rates = ", ".join(f"{n} {r:.1f}" for n, r in e["gbps"].items())
+            lines.append(f"  {name}: {e['choice']} (GB/s of weight read: {rates})")
     return lines
 
 
@@ -235,3 +252,110 @@ def clear_memo() -> None:
     """Forgets this process's choices (the disk cache stays); for tests."""
     with _lock:
         _memo.clear()
+        _wmemo.clear()
+
+
+# ------------------------------------------------------------------ weight products
+
+WEIGHT_CANDIDATES = ("xla", "native")
+WEIGHT_STREAM_BYTES = 48 * 2**20  # weights timed per call: above a 32 MB L3
+_wmemo: dict[str, dict] = {}
+
+
+def weight_class(m: int, k: int, n: int, layout: str) -> str:
+    """The cache entry name of one weight product: M rows (exact), K, N, layout."""
+    return f"M{m}-K{k}-N{n}-{layout}-float32"
+
+
+def _weight_native_ok(m: int) -> bool:
+    from kvjax.native import rows_matmul as rm  # noqa: PLC0415
+    return backend_lib.current() == "cpu" and 0 < m <= rm.MAX_ROWS and rm.load()
+
+
+def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
+                          candidates=WEIGHT_CANDIDATES, rounds: int = 7,
+                          budget_s: float = 1.0) -> dict:
+    """Times each formulation of an [M, K] x weight product, float32, on enough separate
+    weights of that shape (one product each, unrolled) to read
+    :data:`WEIGHT_STREAM_BYTES` from memory per call, as a decode step reads its layers'
+    weights.
+
+    Returns {'choice': fastest name, 'gbps': {name: GB/s of weight read}, 'gflops':
+    {name: GFLOP/s (2·M·K·N per copy)}, 'seconds': {name: median s per call}, 'copies'}.
+    """
+    from kvjax.native import rows_matmul as rm  # noqa: PLC0415
+    copies = max(1, -(-WEIGHT_STREAM_BYTES // (4 * k * n)))
+    rng = np.random.default_rng(0)
+    wshape = (k, n) if layout == "kn" else (n, k)
+    with jax.ensure_compile_time_eval():
+        # separate arrays, not slices of one stacked array: a custom call's operand sliced
+        # out of a stack is copied first (XLA's dot fuses the slice), which would charge
+        # the native kernel a copy of every weight; a decode step's weights are separate
+        w = tuple(jnp.asarray(rng.standard_normal(wshape, dtype=np.float32))
+                  for _ in range(copies))
+        x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
+        prods = {"xla": (lambda a, b: a @ b) if layout == "kn" else (lambda a, b: a @ b.T),
+                 "native": lambda a, b: rm.rows_matmul(a, b, layout)}
+        fns = {}
+        for name in candidates:
+            if name == "native" and not _weight_native_ok(m):
+                continue
+
+            def run(x, w, prod=prods[name]):
+                acc = jnp.zeros((m, n), jnp.float32)
+                for wi in w:  # unrolled: one product per weight, as in a decode step
+                    acc = acc + prod(x, wi)
+                return acc
+            fns[name] = jax.jit(run).lower(x, w).compile()
+        secs = _time(fns, (x, w), rounds, budget_s)
+    nbytes = 4 * k * n * copies
+    best = min(secs, key=secs.get)
+    if best != "xla" and secs[best] > 0.97 * secs["xla"]:
+        best = "xla"  # within noise of the reference: keep the reference
+    return {"choice": best, "gbps": {n_: round(nbytes / t / 1e9, 2) for n_, t in secs.items()},
+            "gflops": {n_: round(2 * m * nbytes / 4 / t / 1e9, 2) for n_, t in secs.items()},
+            "seconds": dict(secs), "copies": copies}
+
+
+def weight_matmul(impl: str, m: int, k: int, n: int, layout: str = "kn") -> str:
+    """The formulation ('xla' or 'native') of one float32 product of M rows with a
+    weight of K x N (``layout`` 'kn': stored [K, N]; 'nk': [N, K]) for
+    ``model.weight_matmul=impl``.
+
+    'xla' -> 'xla'. 'native' -> 'native' where the kernel runs (CPU process, M <=
+    MAX_ROWS, library built), else 'xla'. 'auto' -> 'xla' where 'native' cannot run or
+    the weight is below :data:`MIN_MEASURED_BYTES`; otherwise the faster measured for
+    this class (:func:`measure_weight_matmul`), once per machine (cached on disk like
+    :func:`decode_attention`, keyed with the hash of rows_matmul.cc).
+
+    Raises:
+      ValueError: an unknown impl or layout, naming it.
+    """
+    from kvjax.models import weight_matmul as wm  # noqa: PLC0415
+    wm.check_impl(impl)
+    if layout not in ("kn", "nk"):
+        raise ValueError(f"layout={layout!r}; allowed: 'kn' or 'nk'")
+    if impl == "xla" or not _weight_native_ok(m):
+        return "xla"
+    name = weight_class(m, k, n, layout)
+    if impl == "native":
+        with _lock:
+            _wmemo.setdefault(name, {"choice": "native"})
+        return "native"
+    if 4 * k * n < MIN_MEASURED_BYTES:
+        return "xla"
+    with _lock:
+        if name in _wmemo and "gbps" in _wmemo[name]:
+            return _wmemo[name]["choice"]
+        key = machine_key("cpu", "rows_matmul.cc")
+        path = cache_path(key, "weight_matmul")
+        entries = load_cache(path, key, WEIGHT_CANDIDATES)
+        if name not in entries:
+            entries[name] = measure_weight_matmul(m, k, n, layout)
+            entries[name]["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+            try:
+                _save(path, key, entries)
+            except OSError as e:
+                warnings.warn(f"planner cache {path} not written: {e}", stacklevel=2)
+        _wmemo[name] = dict(entries[name], cache=str(path))
+        return entries[name]["choice"]

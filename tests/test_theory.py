@@ -375,3 +375,28 @@ def test_local_chip_on_cpu_is_measured_and_names_its_fastest_read_kernel():
     probe = hardware.ReadProbe(chip.read_kernel, num_bytes=MiB)
     assert probe.num_bytes == MiB and probe.once() > 1e8
     assert hardware.H200.read_kernel is None  # published figures: nothing to probe
+
+
+def test_batched_steps_bandwidth_and_roofline():
+    """Issue 18's theory: SmolLM2 float32 at t = 256, B = 16 over B = 1 is 1.32x by
+    bandwidth alone (weights read once); with a float32 peak the step is the roofline's
+    max(bytes / BW, FLOP / peak), compute-bound at B = 16 for 100 GFLOP/s and 25 GB/s."""
+    from kvjax.analysis import theory as th
+    cfg = presets.smollm2_135m("float32")
+    r = th.batched_steps(cfg, 256, [1, 16], 25e9, 100e9)
+    b1, b16 = r[1], r[16]
+    assert b16["bandwidth_ratio"] == pytest.approx(1.32, abs=0.005)
+    assert b16["bandwidth_tokens_ratio"] == pytest.approx(16 / b16["bandwidth_ratio"])
+    assert b1["bytes"] == th.step_bytes(cfg, 256, 1).total
+    assert b16["flops"] == th.step_flops(cfg, 256, 16).total
+    # B = 1 is memory-bound, B = 16 compute-bound here: the ratio follows the FLOPs
+    assert b1["roofline_s"] == pytest.approx(b1["bytes"] / 25e9)
+    assert b16["roofline_s"] == pytest.approx(b16["flops"] / 100e9)
+    assert b16["roofline_ratio"] == pytest.approx(
+        (b16["flops"] / 100e9) / (b1["bytes"] / 25e9))
+    assert b16["roofline_ratio"] > 2.0
+    # no peak: the roofline is the bandwidth theory
+    assert th.batched_steps(cfg, 256, [1, 16], 25e9)[16]["roofline_ratio"] == \
+        pytest.approx(b16["bandwidth_ratio"])
+    with pytest.raises(ValueError, match="batches=\\[0\\]"):
+        th.batched_steps(cfg, 256, [0], 25e9)

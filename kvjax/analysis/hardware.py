@@ -307,6 +307,33 @@ def measure_matmul_flops(n: int = 1024, repeats: int = 5, dtype: Any = jnp.float
     return float(2 * n**3 / statistics.median(seconds))
 
 
+def measure_fma_flops(repeats: int = 5) -> float | None:
+    """Median FLOP/s of the native few-row kernel (:mod:`kvjax.native.rows_matmul`) on a
+    weight that stays in the cores' L2 caches: 48 rows x [512, 512] float32 (1 MiB,
+    split over the cores), 32 products per call (2·48·512·512 FLOP each), so memory
+    is out of the picture: the fused multiply-add rate this CPU sustains in a register
+    tiled loop (48 rows in tiles of 6), the compute ceiling of the roofline (Williams
+    et al. 2009) for the products of a decode step. On the shared 2-core AMD EPYC
+    (issue 18) it read 45-69 GFLOP/s and XLA's 1024^3 matmul (:func:`measure_matmul_flops`)
+    45-200, depending on the load from other jobs: :func:`local_chip` takes the faster.
+
+    Returns None where the native kernel is unavailable (no compiler, not a CPU)."""
+    from kvjax.native import rows_matmul as rm  # noqa: PLC0415
+    if jax.devices()[0].platform != "cpu" or not rm.load():
+        return None
+    m, k, n, reps = 48, 512, 512, 32
+    x = jnp.ones((m, k), jnp.float32)
+    w = jnp.full((k, n), 1e-3, jnp.float32)
+
+    @jax.jit
+    def run(x):
+        def body(acc, _):
+            return acc + rm.rows_matmul(x + acc[:, :1], w), None
+        return jax.lax.scan(body, jnp.zeros((m, n), jnp.float32), None, length=reps)[0]
+    seconds = _median_seconds(run, x, repeats)
+    return float(2 * m * k * n * reps / statistics.median(seconds))
+
+
 def match_chip(device_kind: str) -> Chip | None:
     """The :data:`CHIPS` entry for a JAX ``device_kind`` string (e.g. 'NVIDIA H200'), or None."""
     kind = device_kind.upper()
@@ -331,15 +358,21 @@ def local_chip(measure_flops: bool = False) -> Chip:
 
     A GPU found in :data:`CHIPS` returns its published figures (docs/DESIGN.md: GPUs are compared
     with the published roofline). Anything else (the CPU here) gets the bandwidth measured
-    by :func:`measure_read_bandwidth`; its float32 peak is measured with
-    :func:`measure_matmul_flops` when ``measure_flops`` is set, else left unknown.
+    by :func:`measure_read_bandwidth`; its float32 peak is measured when
+    ``measure_flops`` is set (the faster of :func:`measure_matmul_flops` and
+    :func:`measure_fma_flops`), else left unknown.
     """
     device = jax.devices()[0]
     known = match_chip(getattr(device, "device_kind", "")) if device.platform == "gpu" else None
     if known is not None:
         return known
     probe = measure_read_bandwidth()
-    peaks = {"float32": measure_matmul_flops()} if measure_flops else {}
+    peaks, how = {}, ""
+    if measure_flops:  # the faster of XLA's matmul and the native FMA loop
+        xla_rate, fma_rate = measure_matmul_flops(), measure_fma_flops()
+        peaks = {"float32": max(xla_rate, fma_rate or 0.0)}
+        how = (", float32 peak: native FMA loop" if (fma_rate or 0.0) > xla_rate
+               else ", float32 peak: XLA matmul")
     capacity = None
     try:
         stats = device.memory_stats() or {}
@@ -352,7 +385,6 @@ def local_chip(measure_flops: bool = False) -> Chip:
         hbm_bytes_per_s=probe.bytes_per_s,
         hbm_capacity_bytes=float(capacity) if capacity else _host_memory_bytes(),
         sram_bytes=None,
-        source=("measured (fastest of sum / row sum / vector-matrix reads"
-                + (", matmul FLOP/s)" if peaks else ")")),
+        source=("measured (fastest of sum / row sum / vector-matrix reads" + how + ")"),
         read_kernel=max(probe.kernels, key=probe.kernels.get),
     )

@@ -533,6 +533,46 @@ def step_time(num_bytes: float, flops: float, chip: Chip, dtype: Any = "float16"
     return mem if comp is None else max(mem, comp)
 
 
+def batched_steps(cfg: ModelConfig, t: int, batches, bytes_per_s: float,
+                  flops_per_s: float | None = None) -> dict[int, dict]:
+    """Predicted decode steps at context ``t`` for each batch size in ``batches``, by two
+    theories, and their ratios to the first batch size.
+
+    * bandwidth only (the blog's "batching amortises the weights"): step = bytes /
+      ``bytes_per_s`` with bytes = weights (read once) + B·KV (:func:`step_bytes`);
+    * the roofline (Williams et al. 2009): step = max(bytes / ``bytes_per_s``, FLOP /
+      ``flops_per_s``) with FLOP = :func:`step_flops` (2 per weight per row, plus
+      attention): on a CPU whose float32 peak is ~100-200 GFLOP/s the weight products
+      become compute-bound near B = peak / (bandwidth · 0.5 FLOP/byte), 8-16 rows.
+
+    Returns {B: {'bytes', 'flops', 'bandwidth_s', 'roofline_s', 'bandwidth_ratio',
+    'roofline_ratio', 'bandwidth_tokens_ratio', 'roofline_tokens_ratio'}} (seconds;
+    ratios of step time and of tokens/s = B / step to the first B). Without
+    ``flops_per_s`` the roofline equals the bandwidth theory.
+
+    Raises:
+      ValueError: an empty ``batches``, a batch size < 1 or a non-positive rate.
+    """
+    batches = list(batches)
+    if not batches or min(batches) < 1:
+        raise ValueError(f"batches={batches}; allowed: a non-empty list of integers >= 1")
+    if not bytes_per_s > 0 or (flops_per_s is not None and not flops_per_s > 0):
+        raise ValueError(f"bytes_per_s={bytes_per_s}, flops_per_s={flops_per_s}; "
+                         "allowed: positive rates (flops_per_s may be None)")
+    out = {}
+    for b in batches:
+        nbytes, flops = step_bytes(cfg, t, b).total, step_flops(cfg, t, b).total
+        mem = nbytes / bytes_per_s
+        roof = mem if flops_per_s is None else max(mem, flops / flops_per_s)
+        out[b] = {"bytes": nbytes, "flops": flops, "bandwidth_s": mem, "roofline_s": roof}
+    first = out[batches[0]]
+    for b, row in out.items():
+        for name in ("bandwidth", "roofline"):
+            row[f"{name}_ratio"] = row[f"{name}_s"] / first[f"{name}_s"]
+            row[f"{name}_tokens_ratio"] = b / batches[0] / row[f"{name}_ratio"]
+    return out
+
+
 def crossover_context(cfg: ModelConfig, weights: int | None = None,
                       element_bytes: int | None = None) -> float:
     """t* (tokens) where KV bytes read per step equal the weight bytes per step.

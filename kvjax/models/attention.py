@@ -304,9 +304,9 @@ class Attention(nn.Module):
         dt = c.jnp_dtype
         b, t, _ = x.shape
         n, k, h, g = c.num_heads, c.num_kv_heads, c.head_dim, c.num_groups
-        q = Einsum((c.d_model, n, h), "BTD,DNH->BTNH", dt, name="q_proj")(x)
-        kk = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="k_proj")(x)
-        vv = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="v_proj")(x)
+        q = Einsum((c.d_model, n, h), "BTD,DNH->BTNH", dt, name="q_proj", impl=c.weight_matmul)(x)
+        kk = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="k_proj", impl=c.weight_matmul)(x)
+        vv = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="v_proj", impl=c.weight_matmul)(x)
         # Sinks at cache positions (StreamingLLM): sink keys are scored with the queries
         # rotated at their cache positions instead of their absolute ones.
         sink_q = sink_query_positions(c, positions)
@@ -391,6 +391,7 @@ class Attention(nn.Module):
                              sinks=_sinks(c, q_sink, jnp.concatenate(
                                  [cached_positions, positions], axis=1)))
 
-        out = Einsum((n, h, c.d_model), "BTF,FD->BTD", dt, merge_in=2, name="o_proj")(
+        out = Einsum((n, h, c.d_model), "BTF,FD->BTD", dt, merge_in=2, name="o_proj",
+                     impl=c.weight_matmul)(
             out.astype(dt).reshape(b, t, n, h))
         return out, new

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.models import weight_matmul
+
 
 class Einsum(nn.Module):
     """A projection ``y = einsum(eqn, x, kernel)`` with a named 'kernel' parameter.
@@ -17,12 +19,15 @@ class Einsum(nn.Module):
       shape: kernel shape, e.g. (D, N, H).
       eqn: einsum equation with the input first, e.g. 'BTD,DNH->BTNH'.
       dtype: parameter and output dtype.
+      impl: the product's formulation, ``model.weight_matmul`` ('xla', 'native' or
+        'auto'; :mod:`kvjax.models.weight_matmul`).
     """
 
     shape: Sequence[int]
     eqn: str
     dtype: jnp.dtype = jnp.float32
     merge_in: int = 0
+    impl: str = "xla"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -44,7 +49,7 @@ class Einsum(nn.Module):
         if self.merge_in:
             kernel = kernel.reshape(shape)
             x = x.reshape(x.shape[: x.ndim - self.merge_in] + (shape[0],))
-        return jnp.einsum(self.eqn, x.astype(self.dtype), kernel)
+        return weight_matmul.einsum(self.eqn, x.astype(self.dtype), kernel, self.impl)
 
 
 class RMSNorm(nn.Module):
@@ -100,14 +105,15 @@ class MLP(nn.Module):
     mlp_dim: int
     mlp_type: str = "swiglu"
     dtype: jnp.dtype = jnp.float32
+    weight_matmul: str = "xla"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        d, f = self.d_model, self.mlp_dim
-        up = Einsum((d, f), "BTD,DF->BTF", self.dtype, name="up")(x)
+        d, f, wm = self.d_model, self.mlp_dim, self.weight_matmul
+        up = Einsum((d, f), "BTD,DF->BTF", self.dtype, name="up", impl=wm)(x)
         if self.mlp_type == "swiglu":
-            gate = Einsum((d, f), "BTD,DF->BTF", self.dtype, name="gate")(x)
+            gate = Einsum((d, f), "BTD,DF->BTF", self.dtype, name="gate", impl=wm)(x)
             hidden = jax.nn.silu(gate) * up
         else:
             hidden = jax.nn.gelu(up)
-        return Einsum((f, d), "BTF,FD->BTD", self.dtype, name="down")(hidden)
+        return Einsum((f, d), "BTF,FD->BTD", self.dtype, name="down", impl=wm)(hidden)

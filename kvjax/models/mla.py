@@ -178,23 +178,24 @@ class MLAttention(nn.Module):
 
     def setup(self):
         c = self.cfg
+        wm = c.weight_matmul
         dt = c.jnp_dtype
         d, n = c.d_model, c.num_heads
         cl, r = c.kv_lora_rank, c.qk_rope_head_dim
         nope, v = c.qk_nope_head_dim, c.v_head_dim
         if c.q_lora_rank is None:
-            self.w_q = Einsum((d, n, nope + r), "BTD,DNH->BTNH", dt)
+            self.w_q = Einsum((d, n, nope + r), "BTD,DNH->BTNH", dt, impl=wm)
         else:
             q = c.q_lora_rank
-            self.w_dq = Einsum((d, q), "BTD,DQ->BTQ", dt)
+            self.w_dq = Einsum((d, q), "BTD,DQ->BTQ", dt, impl=wm)
             self.q_norm = RMSNorm(c.norm_eps, dt)
-            self.w_uq = Einsum((q, n, nope + r), "BTQ,QNH->BTNH", dt)
-        self.w_dkv = Einsum((d, cl), "BTD,DC->BTC", dt)
+            self.w_uq = Einsum((q, n, nope + r), "BTQ,QNH->BTNH", dt, impl=wm)
+        self.w_dkv = Einsum((d, cl), "BTD,DC->BTC", dt, impl=wm)
         self.kv_norm = RMSNorm(c.norm_eps, dt)
-        self.w_kr = Einsum((d, r), "BTD,DR->BTR", dt)
+        self.w_kr = Einsum((d, r), "BTD,DR->BTR", dt, impl=wm)
         self.w_uk = Kernel((n, cl, nope), cl, dt)
         self.w_uv = Kernel((n, cl, v), cl, dt)
-        self.wo = Einsum((n, v, d), "BTNV,NVD->BTD", dt)
+        self.wo = Einsum((n, v, d), "BTNV,NVD->BTD", dt, impl=wm)
 
     @property
     def scale(self) -> float:

@@ -23,6 +23,7 @@ import numpy as np
 from kvjax import cache as cache_lib
 from kvjax.models.attention import Attention
 from kvjax.config import ModelConfig
+from kvjax.models import weight_matmul
 from kvjax.models.layers import MLP, Einsum, RMSNorm
 from kvjax.models.mla import MLAttention
 
@@ -47,7 +48,8 @@ class Block(nn.Module):
         h, new = _attention_cls(c)(c, name="attn")(h, positions, cached, cached_positions)
         x = x + h
         h = RMSNorm(c.norm_eps, dt, name="mlp_norm")(x)
-        x = x + MLP(c.d_model, c.mlp_dim, c.mlp_type, dt, name="mlp")(h)
+        x = x + MLP(c.d_model, c.mlp_dim, c.mlp_type, dt, name="mlp",
+                    weight_matmul=c.weight_matmul)(h)
         # The write must follow this layer's read of the cache: tie it to the output.
         # min(|x|, 0) is 0 for any finite or infinite x; XLA does not fold it away.
         dep = jnp.minimum(jnp.abs(x[0, 0, 0]), 0)
@@ -122,9 +124,10 @@ class DecoderLM(nn.Module):
                 x, jnp.maximum(num_valid - 1, 0)[:, None, None], axis=1)
         x = RMSNorm(c.norm_eps, dt, name="final_norm")(x)
         if c.tie_embeddings:
-            logits = jnp.einsum("BTD,VD->BTV", x, embed.embedding)
+            logits = weight_matmul.einsum("BTD,VD->BTV", x, embed.embedding, c.weight_matmul)
         else:
-            logits = Einsum((c.d_model, c.vocab_size), "BTD,DV->BTV", dt, name="lm_head")(x)
+            logits = Einsum((c.d_model, c.vocab_size), "BTD,DV->BTV", dt, name="lm_head",
+                            impl=c.weight_matmul)(x)
         logits = logits.astype(jnp.float32)
 
         if cache is None:

@@ -48,31 +48,45 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def _build(out: pathlib.Path, cxx: str) -> None:
+def headers() -> str:
+    """The text of the shared headers (``*.h``) beside the kernels: part of every build key."""
+    return "\n".join(p.read_text() for p in sorted(_SOURCE.parent.glob("*.h")))
+
+
+def _build(out: pathlib.Path, cxx: str, source: pathlib.Path = _SOURCE) -> None:
     import jax.ffi  # noqa: PLC0415
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = pathlib.Path(tmp) / out.name
-        cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(tmp_so)]
+        cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(tmp_so)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
         os.replace(tmp_so, out)  # atomic: concurrent builders never see half a file
 
 
-def library_path() -> pathlib.Path | None:
-    """Where the built library lives (built if missing), or None without a compiler."""
+def build_library(source: pathlib.Path, name: str) -> pathlib.Path | None:
+    """The shared library ``lib<name>.so`` built from ``source`` (built if missing, under
+    ``<cache_root>/native/<hash of source, shared headers, compiler and its version,
+    flags, CPU>/``), or None without a compiler. Raises RuntimeError naming the compiler's
+    command and its errors when the build fails."""
     cxx = _compiler()
     if cxx is None:
         return None
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\n".join(
-        [_SOURCE.read_text(), cxx, version, " ".join(_FLAGS), machine_id()]).encode()
+        [source.read_text(), headers(), cxx, version, " ".join(_FLAGS), machine_id()]).encode()
     ).hexdigest()[:16]
-    out = cache_root() / "native" / key / "libkvjax_decode_attention.so"
+    out = cache_root() / "native" / key / f"lib{name}.so"
     if not out.exists():
-        _build(out, cxx)
+        _build(out, cxx, source)
     return out
+
+
+def library_path() -> pathlib.Path | None:
+    """Where the decode-attention library lives (built if missing), or None without a
+    compiler."""
+    return build_library(_SOURCE, "kvjax_decode_attention")
 
 
 def load() -> bool:

@@ -4,7 +4,8 @@
 // and value row once (a block of slots stays in L1 while all G heads use it), with an
 // online softmax (Milakov & Gimelshein 2018; flash-decoding's split of the slot axis,
 // Dao et al. 2023) so the cache is streamed exactly once. Work items (b, k, slot chunk)
-// are spread over OpenMP threads; the partial results of a (b, k) are merged at the end.
+// are spread over XLA's intra-op threads (pool.h); the partial results of a (b, k) are
+// merged at the end.
 //
 // Inputs:  q [B, K, G, H] f32; keys [B, K, S, H] (k_bksh=1) or [B, K, H, S] (k_bksh=0)
 //          f32; values [B, K, S, V] (v_bksh=1) or [B, K, V, S] f32; visible [B, S] pred.
@@ -18,6 +19,7 @@
 #include <cstring>
 #include <vector>
 
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -148,7 +150,7 @@ static void Item(const Shape& sh, const float* q, const float* kc, const float* 
   }
 }
 
-ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc,
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc,
                                ffi::Buffer<ffi::F32> vc, ffi::Buffer<ffi::PRED> vis,
                                ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
                                ffi::ResultBuffer<ffi::F32> l, int64_t k_bksh, int64_t v_bksh,
@@ -180,13 +182,17 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc
   const bool* visp = vis.typed_data();
   const bool parallel = nthreads > 1 && items > 1 &&
                         sh.S * sh.H * heads >= (int64_t{1} << 16);
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (parallel)
-  for (int64_t it = 0; it < items; ++it) {
-    const int64_t bk = it / chunks, c = it % chunks;
-    const int64_t s0 = c * chunk, s1 = std::min(sh.S, s0 + chunk);
-    Item(sh, qp, kp, vp, visp, bk / sh.K, bk % sh.K, s0, s1, &pm[it * G], &pl[it * G],
-         &po[it * G * V]);
-  }
+  // Items in contiguous ranges over XLA's intra-op pool (pool.h; an OpenMP team would
+  // spin on the cores XLA's own threads need between calls).
+  const int64_t parts = parallel ? std::min(nthreads, items) : 1;
+  kvjax_native::ParallelFor(pool, parts, [&](int64_t p) {
+    for (int64_t it = items * p / parts; it < items * (p + 1) / parts; ++it) {
+      const int64_t bk = it / chunks, c = it % chunks;
+      const int64_t s0 = c * chunk, s1 = std::min(sh.S, s0 + chunk);
+      Item(sh, qp, kp, vp, visp, bk / sh.K, bk % sh.K, s0, s1, &pm[it * G], &pl[it * G],
+           &po[it * G * V]);
+    }
+  });
   float* om = m->typed_data();
   float* ol = l->typed_data();
   float* oo = o->typed_data();
@@ -216,6 +222,7 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxDecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

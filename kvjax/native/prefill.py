@@ -21,18 +21,15 @@ and result bytes, its causal FLOP), see ``kvjax.analysis.costs.analyze_prefill``
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import pathlib
-import subprocess
-import tempfile
 import threading
 import warnings
 
 import numpy as np
 
 from kvjax import native as _native
-from kvjax.native import cache_root, machine_id, num_threads
+from kvjax.native import num_threads
 
 TARGET = "kvjax_prefill_attention"
 SOURCE = pathlib.Path(__file__).with_name("prefill_attention.cc")
@@ -46,26 +43,7 @@ def library_path() -> pathlib.Path | None:
     """Where the built library lives (built if missing; raises RuntimeError naming the
     compiler's command and its errors when the build fails), or None without a
     compiler."""
-    cxx = _native._compiler()
-    if cxx is None:
-        return None
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\n".join(
-        [SOURCE.read_text(), cxx, version, " ".join(_native._FLAGS), machine_id()]).encode()
-    ).hexdigest()[:16]
-    out = cache_root() / "native" / key / "libkvjax_prefill_attention.so"
-    if not out.exists():
-        import jax.ffi  # noqa: PLC0415
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            tmp_so = pathlib.Path(tmp) / out.name
-            cmd = [cxx, *_native._FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
-                   str(tmp_so)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if proc.returncode:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-            os.replace(tmp_so, out)  # atomic: concurrent builders never see half a file
-    return out
+    return _native.build_library(SOURCE, "kvjax_prefill_attention")
 
 
 def load() -> bool:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -258,7 +257,7 @@ def format_report(c: ShardedStepCost) -> str:
         f"  XLA per device (cost_analysis bytes accessed):  {mb(c.xla_bytes)} "
         f"({c.xla_bytes / max(c.theory_bytes_dev, 1):.2f}x theory), "
         f"{c.xla_flops / 1e6:,.2f} MFLOP",
-        f"  jax.experimental.roofline ici bytes per axis (hand-written collectives only): "
+        "  jax.experimental.roofline ici bytes per axis (hand-written collectives only): "
         + (", ".join(f"{a} {mb(v)}" for a, v in sorted(c.roofline_per_axis.items()))
            if c.roofline_per_axis is not None else str(c.roofline_error)),
         "  HLO collectives sent per axis (ring): " + (", ".join(

@@ -1,0 +1,95 @@
+"""Products of activations with weight matrices, by formulation (``model.weight_matmul``).
+
+A decode step multiplies M = B·T rows (T = 1: the batch) by every weight matrix once.
+With few rows the product should cost the weight's bytes over the memory bandwidth,
+whatever M (the weight is read once for all rows), until M is large enough for the
+FLOPs to dominate: step time = max(bytes / bandwidth, FLOPs / peak), the roofline of
+Williams et al. 2009 (:func:`kvjax.analysis.theory.step_time`). XLA:CPU's dot kernels
+re-read the weight as M grows (issue 18: SmolLM2's weight dots at B = 16 took 2.4x B = 1
+on a 2-core AMD EPYC). Formulations:
+
+* ``'xla'``: ``jnp.einsum`` (the reference).
+* ``'native'``: :func:`kvjax.native.rows_matmul.rows_matmul`, a register-blocked FMA
+  kernel (AVX-512F or AVX2) that streams each weight once for all M rows, split over
+  XLA's intra-op threads; float32, CPU, M <= :data:`kvjax.native.rows_matmul.MAX_ROWS`.
+* ``'auto'``: the faster of the two, measured per shape class on this machine
+  (:func:`kvjax.planner.weight_matmul`).
+
+:func:`einsum` takes the equation of a projection written as ``<rows><contracted>,
+<contracted><out>-><rows><out>`` (weights stored [in, out]: every :class:`Einsum`
+kernel) or ``<rows><contracted>,<out><contracted>-><rows><out>`` (stored [out, in]: the
+tied LM head, the embedding [V, D]); anything else, and every case the native kernel
+does not take, is ``jnp.einsum``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("xla", "native", "auto")
+
+
+def check_impl(impl: str) -> str:
+    """Returns ``impl`` or raises ValueError naming it and :data:`IMPLS`."""
+    if impl not in IMPLS:
+        raise ValueError(f"weight_matmul={impl!r}; allowed: one of {list(IMPLS)}")
+    return impl
+
+
+def split_eqn(eqn: str, x_ndim: int, w_ndim: int) -> tuple[int, int, str] | None:
+    """(rows axes, contracted axes, 'kn' or 'nk') if ``eqn`` is a rows-by-weight product
+    this module can run as one [M, K] x [K, N] (or [N, K]) matrix product, else None.
+
+    E.g. 'BTD,DNH->BTNH' -> (2, 1, 'kn'); 'BTD,VD->BTV' -> (2, 1, 'nk')."""
+    try:
+        ins, out = eqn.replace(" ", "").split("->")
+        lhs, rhs = ins.split(",")
+    except ValueError:
+        return None
+    if (len(lhs) != x_ndim or len(rhs) != w_ndim or len(set(lhs)) != len(lhs)
+            or len(set(rhs)) != len(rhs)):
+        return None
+    c = "".join(ch for ch in lhs if ch in rhs)
+    rows = lhs[: len(lhs) - len(c)]
+    if not c or lhs != rows + c or any(ch in rhs for ch in rows):
+        return None
+    if rhs.startswith(c) and out == rows + rhs[len(c):]:
+        return len(rows), len(c), "kn"
+    if rhs.endswith(c) and out == rows + rhs[: len(rhs) - len(c)]:
+        return len(rows), len(c), "nk"
+    return None
+
+
+def einsum(eqn: str, x: jax.Array, w: jax.Array, impl: str = "xla") -> jax.Array:
+    """``jnp.einsum(eqn, x, w)`` by formulation ``impl`` (see the module docstring).
+
+    Args:
+      eqn: a projection's equation, e.g. 'BTD,DF->BTF' (w [D, F]) or 'BTD,VD->BTV'.
+      x: [rows..., contracted...] activations.
+      w: the weight, [contracted..., out...] or [out..., contracted...].
+      impl: one of :data:`IMPLS`.
+    Returns:
+      The einsum's result in ``x``'s dtype promoted with ``w``'s (as ``jnp.einsum``).
+    Raises:
+      ValueError: an unknown impl.
+    """
+    check_impl(impl)
+    if impl == "xla" or x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        return jnp.einsum(eqn, x, w)
+    split = split_eqn(eqn, x.ndim, w.ndim)
+    if split is None:
+        return jnp.einsum(eqn, x, w)
+    nr, nc, layout = split
+    rows_shape, c_shape = x.shape[:nr], x.shape[nr:]
+    m, k = math.prod(rows_shape), math.prod(c_shape)
+    out_shape = w.shape[nc:] if layout == "kn" else w.shape[: w.ndim - nc]
+    n = math.prod(out_shape)
+    from kvjax import planner  # noqa: PLC0415 (planner imports the models)
+    if planner.weight_matmul(impl, m, k, n, layout) != "native":
+        return jnp.einsum(eqn, x, w)
+    from kvjax.native import rows_matmul as rm  # noqa: PLC0415
+    w2 = w.reshape((k, n) if layout == "kn" else (n, k))
+    return rm.rows_matmul(x.reshape(m, k), w2, layout).reshape(rows_shape + out_shape)

@@ -1,0 +1,302 @@
+// Products of a few rows with a weight matrix, one XLA FFI custom call (CPU, float32).
+//
+//   y[M, N] = x[M, K] @ w[K, N]    (w_nk = 0: the weight stored [in, out], Flax's kernels)
+//   y[M, N] = x[M, K] @ w[N, K]^T  (w_nk = 1: stored [out, in], the tied LM head)
+//
+// A decode step multiplies M = B (batch rows) activations by every weight matrix once.
+// For few rows the product is a stream of the weight through the cores: the weight is
+// read from memory exactly once for all M rows (a register tile of up to MB rows by
+// NB columns accumulates while a column panel of w passes; the next row tiles re-read
+// the same panel from L2), so the step costs max(weight bytes / bandwidth, 2·M·K·N /
+// FLOP peak) (the roofline, Williams et al. 2009) instead of one pass per row.
+//
+// The columns (w_nk = 0) or output rows (w_nk = 1) are split into contiguous ranges
+// over XLA's own intra-op thread pool (pool.h: no second thread pool spinning beside
+// XLA's).
+//
+// Vectors: GCC vector extensions, 16 floats with AVX-512F, else 8 (AVX2 / others);
+// built with -march=native by kvjax/native/rows_matmul.py.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include <immintrin.h>
+
+#include "pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int VW = 16;  // floats per vector register
+constexpr int MB = 6;   // rows per register tile (w_nk = 0): 6 x 4 accumulators
+constexpr int MBT = 4;  // rows per register tile (w_nk = 1)
+constexpr int NRT = 4;  // weight rows per register tile (w_nk = 1)
+#else
+constexpr int VW = 8;
+constexpr int MB = 3;
+constexpr int MBT = 2;
+constexpr int NRT = 4;
+#endif
+constexpr int NV = 4;             // vectors per column panel
+constexpr int NB = VW * NV;       // columns per panel (w_nk = 0)
+#ifndef KROWS
+#define KROWS 16
+#endif
+constexpr int64_t kRowBlock = KROWS;  // weight rows per block (w_nk = 0)
+#ifndef KN_PREFETCH
+#define KN_PREFETCH 1
+#endif
+#ifndef PF_CHUNKS
+#define PF_CHUNKS 2
+#endif
+constexpr int64_t kPrefetchChunks = PF_CHUNKS;  // column chunks prefetched ahead
+// Weights below this many elements (256 KiB of float32) are read by the calling thread
+// alone: too short a call to be worth waking a pool thread.
+constexpr int64_t kMinSplit = 64 * 1024;
+
+#if defined(__AVX512F__)
+typedef __m512 vf;
+static inline vf load(const float* p) { return _mm512_loadu_ps(p); }
+static inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf splat(float a) { return _mm512_set1_ps(a); }
+static inline vf zero() { return _mm512_setzero_ps(); }
+static inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 vf;
+static inline vf load(const float* p) { return _mm256_loadu_ps(p); }
+static inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf splat(float a) { return _mm256_set1_ps(a); }
+static inline vf zero() { return _mm256_setzero_ps(); }
+static inline vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float hsum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
+#else  // portable: GCC vector extensions
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
+static inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+static inline void store(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
+static inline vf splat(float a) { return vf{} + a; }
+static inline vf zero() { return vf{}; }
+static inline vf fma(vf a, vf b, vf c) { return a * b + c; }
+static inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < VW; ++i) s += v[i];
+  return s;
+}
+#endif
+
+// y[r, n0:n0+NVR*VW] (+)= sum over k in [k0, k1) of x[r, k] w[k, n0:...] for r < MR,
+// w stored [K, N]: the accumulators stay in registers over the block of k rows.
+template <int MR, int NVR>
+static void TileKN(const float* x, int64_t K, const float* w, int64_t N, int64_t n0,
+                   float* y, int64_t k0, int64_t k1) {
+  vf acc[MR][NVR];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < NVR; ++j) acc[r][j] = k0 ? load(y + r * N + n0 + j * VW) : zero();
+  const float* wp = w + k0 * N + n0;
+  for (int64_t k = k0; k < k1; ++k, wp += N) {
+    vf b[NVR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NVR; ++j) b[j] = load(wp + j * VW);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const vf a = splat(x[r * K + k]);
+#pragma GCC unroll 8
+      for (int j = 0; j < NVR; ++j) acc[r][j] = fma(a, b[j], acc[r][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < NVR; ++j) store(y + r * N + n0 + j * VW, acc[r][j]);
+}
+
+// y[r, n] for r < MR, n in [n0, n0 + NR), w stored [N, K]; K % VW handled as a tail.
+template <int MR, int NR>
+static void TileNK(const float* x, int64_t K, const float* w, int64_t N, int64_t n0,
+                   float* y) {
+  vf acc[MR][NR];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[r][j] = zero();
+  const int64_t kv = K / VW * VW;
+  for (int64_t k = 0; k < kv; k += VW) {
+    vf b[NR];
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) b[j] = load(w + (n0 + j) * K + k);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const vf a = load(x + r * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) acc[r][j] = fma(a, b[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) {
+      float s = hsum(acc[r][j]);
+      for (int64_t k = kv; k < K; ++k) s += x[r * K + k] * w[(n0 + j) * K + k];
+      y[r * N + n0 + j] = s;
+    }
+}
+
+template <int MAXR, template <int> class F>
+struct Dispatch;
+
+template <int R>
+struct KN {  // one NB-column chunk
+  static void Run(const float* x, int64_t K, const float* w, int64_t N, int64_t n0,
+                  float* y, int64_t k0, int64_t k1) {
+    TileKN<R, NV>(x, K, w, N, n0, y, k0, k1);
+  }
+};
+template <int R>
+struct NK {
+  static void Run(const float* x, int64_t K, const float* w, int64_t N, int64_t n0,
+                  float* y, int64_t, int64_t) {
+    TileNK<R, NRT>(x, K, w, N, n0, y);
+  }
+};
+
+// Calls F<r>::Run for a tile of r rows, 1 <= r <= MAXR.
+template <template <int> class F, int R>
+static inline void RunRows(int r, const float* x, int64_t K, const float* w, int64_t N,
+                           int64_t n0, float* y, int64_t k0 = 0, int64_t k1 = 0) {
+  if constexpr (R >= 1) {
+    if (r == R) return F<R>::Run(x, K, w, N, n0, y, k0, k1);
+    RunRows<F, R - 1>(r, x, K, w, N, n0, y, k0, k1);
+  }
+}
+
+// Columns [c0, c1) of y (w_nk = 0: c0 a multiple of NB). The weight is read in blocks
+// of kRowBlock rows, each row's segment [c0, c1) contiguous (a few sequential streams,
+// which the hardware prefetchers follow; a panel walk down all K rows was 2-3x slower
+// from DRAM), chunk by chunk of NB columns; every row tile re-reads the chunk from L1.
+static void RangeKN(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
+                    int64_t c0, int64_t c1, float* y) {
+  // Row tiles of MB rows, or balanced ones when they all keep >= MB - 1 rows (16 rows:
+  // 6, 5, 5 rather than 6, 6, 4: tiles of few rows run at about half the FMA rate).
+  const int64_t tiles = (M + MB - 1) / MB;
+  const bool balanced = M / tiles >= MB - 1;
+  const int64_t full = c0 + (c1 - c0) / NB * NB;
+  for (int64_t k0 = 0; k0 < K; k0 += kRowBlock) {
+    const int64_t k1 = std::min(K, k0 + kRowBlock);
+    for (int64_t n = c0; n < full; n += NB) {
+#if KN_PREFETCH
+      // the chunk kPrefetchChunks ahead, every row of the block, into L2: 16 row
+      // segments at once are more streams than the hardware prefetchers follow (one
+      // thread from DRAM, interleaved A/B: 0.73x the time at M = 4, 0.8-0.9x at 8)
+      if (M > 1 && n + kPrefetchChunks * NB < full)  // (one row: no gain measured)
+        for (int64_t k = k0; k < k1; ++k)
+          for (int j = 0; j < NB; j += 16)
+            __builtin_prefetch(w + k * N + n + kPrefetchChunks * NB + j, 0, 2);
+#endif
+      for (int64_t t = 0, m = 0; m < M; ++t) {
+        const int64_t r = balanced ? M * (t + 1) / tiles - m : std::min<int64_t>(MB, M - m);
+        RunRows<KN, MB>(static_cast<int>(r), x + m * K, K, w, N, n, y + m * N, k0, k1);
+        m += r;
+      }
+    }
+  }
+  int64_t n = full;
+  if (n < c1) {  // a last partial panel: plain loops
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = n; c < c1; ++c) y[m * N + c] = 0.0f;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t m = 0; m < M; ++m) {
+        const float a = x[m * K + k];
+        for (int64_t c = n; c < c1; ++c) y[m * N + c] += a * w[k * N + c];
+      }
+  }
+}
+
+// Output columns [c0, c1) of y, w stored [N, K]. A single row reads each weight row
+// start to end (tiles of NRT rows read the tied LM head at half XLA's GB/s for M = 1).
+static void RangeNK(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
+                    int64_t c0, int64_t c1, float* y) {
+  int64_t n = c0;
+  if (M == 1 && K % (4 * VW) == 0) {  // one row: each weight row read start to end
+    for (; n < c1; ++n) {
+      const float* wr = w + n * K;
+      vf a0 = zero(), a1 = zero(), a2 = zero(), a3 = zero();
+      for (int64_t k = 0; k < K; k += 4 * VW) {
+        a0 = fma(load(x + k), load(wr + k), a0);
+        a1 = fma(load(x + k + VW), load(wr + k + VW), a1);
+        a2 = fma(load(x + k + 2 * VW), load(wr + k + 2 * VW), a2);
+        a3 = fma(load(x + k + 3 * VW), load(wr + k + 3 * VW), a3);
+      }
+      y[n] = hsum((a0 + a1) + (a2 + a3));
+    }
+    return;
+  }
+  for (; n + NRT <= c1; n += NRT)
+    for (int64_t m = 0; m < M; m += MBT) {
+      const int r = static_cast<int>(std::min<int64_t>(MBT, M - m));
+      RunRows<NK, MBT>(r, x + m * K, K, w, N, n, y + m * N);
+    }
+  for (; n < c1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * w[n * K + k];
+      y[m * N + n] = s;
+    }
+}
+
+ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                          ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,
+                          int64_t w_nk, int64_t threads) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2)
+    return ffi::Error::InvalidArgument("kvjax_rows_matmul: x and w must be rank 2");
+  const int64_t M = xd[0], K = xd[1];
+  const int64_t N = w_nk ? wd[0] : wd[1];
+  if ((w_nk ? wd[1] : wd[0]) != K || y->dimensions()[0] != M || y->dimensions()[1] != N)
+    return ffi::Error::InvalidArgument("kvjax_rows_matmul: inconsistent shapes");
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(yp, yp + M * N, 0.0f);
+    return ffi::Error::Success();
+  }
+  // Units of work: column panels (w_nk = 0) or groups of NRT weight rows (w_nk = 1).
+  const int64_t unit = w_nk ? NRT : NB;
+  const int64_t units = (N + unit - 1) / unit;
+  const int64_t want = (K * N >= kMinSplit) ? std::max<int64_t>(1, threads) : 1;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(want, units));
+  kvjax_native::ParallelFor(pool, parts, [=](int64_t p) {
+    const int64_t u0 = units * p / parts, u1 = units * (p + 1) / parts;
+    const int64_t c0 = u0 * unit, c1 = std::min(N, u1 * unit);
+    if (w_nk)
+      RangeNK(xp, M, K, wp, N, c0, c1, yp);
+    else
+      RangeKN(xp, M, K, wp, N, c0, c1, yp);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxRowsMatmul, RowsMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("w_nk")
+                                  .Attr<int64_t>("threads"));

@@ -1,0 +1,94 @@
+"""The native few-row weight product (``rows_matmul.cc``) behind ``jax.ffi``.
+
+:func:`load` builds ``rows_matmul.cc`` with the same compiler, flags and cache directory
+as the decode-attention kernel (:mod:`kvjax.native`: ``g++ -O3 -march=native``, under
+``$KVJAX_CACHE/native/<hash>``), loads it and registers the XLA FFI target
+:data:`TARGET` on CPU. Without a compiler, or if the build fails, it warns once and
+returns False; :func:`rows_matmul` callers then use ``jnp.dot`` (the pure-XLA path).
+``KVJAX_NATIVE=0`` skips it, as for the other native kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pathlib
+import threading
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import native
+
+TARGET = "kvjax_rows_matmul"
+SOURCE = pathlib.Path(__file__).with_name("rows_matmul.cc")
+MAX_ROWS = 256  # rows above which XLA's GEMM is used (the kernel targets decode's few rows)
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def library_path() -> pathlib.Path | None:
+    """The built library (built if missing), or None without a compiler."""
+    return native.build_library(SOURCE, "kvjax_rows_matmul")
+
+
+def load() -> bool:
+    """Builds (once per machine), loads and registers :data:`TARGET`. True when available;
+    False with one warning naming the cause otherwise."""
+    with _lock:
+        if "ok" in _state:
+            return _state["ok"]
+        ok = False
+        if os.environ.get("KVJAX_NATIVE", "1") != "0":
+            try:
+                path = library_path()
+                if path is None:
+                    warnings.warn("kvjax rows_matmul: no C++ compiler (g++/c++ or $CXX); "
+                                  "weight products use XLA", stacklevel=2)
+                else:
+                    lib = ctypes.cdll.LoadLibrary(str(path))
+                    jax.ffi.register_ffi_target(
+                        TARGET, jax.ffi.pycapsule(lib.KvjaxRowsMatmul), platform="cpu")
+                    _state["lib"] = lib
+                    ok = True
+            except Exception as e:  # noqa: BLE001 (any failure -> the XLA fallback)
+                warnings.warn(f"kvjax rows_matmul unavailable ({e}); weight products use "
+                              "XLA", stacklevel=2)
+        _state["ok"] = ok
+        return ok
+
+
+def rows_matmul(x: jax.Array, w: jax.Array, w_layout: str = "kn") -> jax.Array:
+    """``x @ w`` (``w_layout='kn'``, w [K, N]) or ``x @ w.T`` (``'nk'``, w [N, K]) by the
+    native kernel: the weight streamed once for all M rows.
+
+    Args:
+      x: [M, K] float32 (M rows, e.g. the batch of a decode step).
+      w: [K, N] or [N, K] float32.
+      w_layout: 'kn' or 'nk'.
+    Returns:
+      [M, N] float32 (sums in a different order from XLA's: equal to ~1e-6 relative).
+    Raises:
+      ValueError: a non-float32 operand, ranks other than 2, mismatched K, or a bad
+        w_layout, naming the value.
+      RuntimeError: the library could not be built or loaded (see the warning).
+    """
+    if w_layout not in ("kn", "nk"):
+        raise ValueError(f"w_layout={w_layout!r}; allowed: 'kn' (w [K, N]) or 'nk' (w [N, K])")
+    for name, a in (("x", x), ("w", w)):
+        if a.ndim != 2 or a.dtype != jnp.float32:
+            raise ValueError(f"rows_matmul: {name} is {a.dtype}{list(a.shape)}; "
+                             "allowed: a float32 matrix")
+    k = w.shape[0] if w_layout == "kn" else w.shape[1]
+    if x.shape[1] != k:
+        raise ValueError(f"rows_matmul: x {list(x.shape)} and w {list(w.shape)} "
+                         f"({w_layout}) do not share K")
+    if not load():
+        raise RuntimeError("rows_matmul: the native library could not be built or loaded "
+                           "(see the warning); use model.weight_matmul='xla'")
+    n = w.shape[1] if w_layout == "kn" else w.shape[0]
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
+        x, w, w_nk=np.int64(w_layout == "nk"), threads=np.int64(native.num_threads()))

@@ -1,0 +1,178 @@
+"""Few-row weight products (issue 18): the native kernel equals a float64 product for
+both weight layouts and any row count; a whole model decodes the same logits with
+``model.weight_matmul`` 'xla' and 'native'; the planner's weight cache is keyed per
+machine and kernel, and never trusts a corrupt or foreign file."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import cache as cache_lib
+from kvjax import planner, presets
+from kvjax.config import ConfigError
+from kvjax.models import model, weight_matmul
+from kvjax.native import rows_matmul as rm
+from tests.conftest import tiny_config, tiny_mla_config
+
+needs_native = pytest.mark.skipif(not rm.load(), reason="native kernel not built (no compiler)")
+
+
+@needs_native
+@pytest.mark.parametrize("m", [1, 4, 6, 7, 16])
+@pytest.mark.parametrize("k,n", [(576, 192), (37, 70), (1, 200)])
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_native_equals_float64_product(m, k, n, layout):
+    """Row tiles of every size the kernel dispatches (1..6 and tails), column panels with
+    a ragged last panel (200, 70), K not a multiple of the vector width (37, 1)."""
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    wl = w if layout == "kn" else np.ascontiguousarray(w.T)
+    y = np.asarray(jax.jit(lambda a, b: rm.rows_matmul(a, b, layout))(x, wl))
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    assert y.shape == (m, n) and y.dtype == np.float32
+    np.testing.assert_allclose(y, ref, atol=2e-5 * np.sqrt(k) * np.abs(ref).max(), rtol=0)
+
+
+@needs_native
+def test_native_splits_large_weights_over_threads(monkeypatch):
+    """A weight above the threading threshold (K·N >= 64K) split into parts."""
+    monkeypatch.setenv("KVJAX_NATIVE_THREADS", "3")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 300), dtype=np.float32)
+    w = rng.standard_normal((300, 1000), dtype=np.float32)
+    for layout, wl in (("kn", w), ("nk", np.ascontiguousarray(w.T))):
+        y = np.asarray(jax.jit(lambda a, b, lay=layout: rm.rows_matmul(a, b, lay))(x, wl))
+        np.testing.assert_allclose(y, x.astype(np.float64) @ w, atol=1e-3, rtol=1e-4)
+
+
+def test_bad_input_is_named():
+    x = jnp.ones((2, 8), jnp.float32)
+    with pytest.raises(ValueError, match="w_layout='kk'"):
+        rm.rows_matmul(x, x.T, "kk")
+    with pytest.raises(ValueError, match="bfloat16"):
+        rm.rows_matmul(x.astype(jnp.bfloat16), x.T)
+    with pytest.raises(ValueError, match="do not share K"):
+        rm.rows_matmul(x, jnp.ones((7, 3), jnp.float32))
+    with pytest.raises(ValueError, match="weight_matmul='fast'"):
+        weight_matmul.einsum("BTD,DF->BTF", x[None], x.T, "fast")
+    with pytest.raises(ConfigError, match="weight_matmul.*'fast'"):
+        presets.blog_model("float32", weight_matmul="fast")
+
+
+@pytest.mark.parametrize("eqn,xs,ws,want", [
+    ("BTD,DNH->BTNH", 3, 3, (2, 1, "kn")),
+    ("BTF,FD->BTD", 3, 2, (2, 1, "kn")),
+    ("BTNV,NVD->BTD", 4, 3, (2, 2, "kn")),
+    ("BTD,VD->BTV", 3, 2, (2, 1, "nk")),
+    ("BTD,DB->BTB", 3, 2, None),  # a row letter in the weight
+    ("BTD,TD->BD", 3, 2, None),
+    ("BKGH,BKSH->BKGS", 4, 4, None),  # attention, not a weight product
+])
+def test_split_eqn(eqn, xs, ws, want):
+    assert weight_matmul.split_eqn(eqn, xs, ws) == want
+
+
+@needs_native
+@pytest.mark.parametrize("make,batch", [
+    (lambda: tiny_config(), 3), (lambda: tiny_mla_config(tie_embeddings=False), 2)],
+    ids=["gqa-tied-b3", "mla-untied-b2"])
+def test_model_decodes_the_same_with_native_weight_products(make, batch):
+    """Prefill (M = B·T rows) and decode steps (M = B) through the native kernel give
+    the reference's logits, and the kernel is in the compiled step."""
+    base = make()
+    params = model.init_params(base, 0)
+    logits = {}
+    for impl in ("xla", "native"):
+        cfg = base.replace(weight_matmul=impl)
+        cache = cache_lib.init_cache(cfg, batch, 16)
+        toks = (jnp.arange(batch * 7, dtype=jnp.int32).reshape(batch, 7) * 7) % cfg.vocab_size
+        pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (batch, 5))
+        lg, cache = model.forward(params, cfg, toks[:, :5], pos, cache)
+        out = [lg]
+        for t in range(5, 7):
+            lg, cache = model.forward(params, cfg, toks[:, t:t + 1],
+                                      jnp.full((batch, 1), t, jnp.int32), cache)
+            out.append(lg)
+        logits[impl] = np.asarray(jnp.concatenate(out, axis=1))
+        hlo = jax.jit(lambda p, c, tk, ps, cfg=cfg: model.forward(p, cfg, tk, ps, c)).lower(
+            params, cache, toks[:, :1], jnp.full((batch, 1), 7, jnp.int32)).as_text()
+        assert (rm.TARGET in hlo) == (impl == "native")
+    np.testing.assert_allclose(logits["native"], logits["xla"], atol=2e-5, rtol=2e-5)
+
+
+def test_bfloat16_and_many_rows_take_xla(monkeypatch):
+    """The kernel is float32 and few-row only: other products fall back, unmeasured."""
+    monkeypatch.setattr(planner, "measure_weight_matmul",
+                        lambda *a, **k: pytest.fail("measured"))
+    x = jnp.ones((1, 2, 8), jnp.bfloat16)
+    hlo = jax.jit(lambda a, b: weight_matmul.einsum("BTD,DF->BTF", a, b, "native")).lower(
+        x, jnp.ones((8, 4), jnp.bfloat16)).as_text()
+    assert rm.TARGET not in hlo
+    assert planner.weight_matmul("native", rm.MAX_ROWS + 1, 64, 64) == "xla"
+    assert planner.weight_matmul("auto", 1, 8, 8) == "xla"  # below MIN_MEASURED_BYTES
+
+
+def _fake(calls):
+    def measure(m, k, n, layout="kn", **_):
+        calls.append((m, k, n, layout))
+        return {"choice": "native", "gbps": {"xla": 10.0, "native": 20.0},
+                "gflops": {"xla": 1.0, "native": 2.0}, "seconds": {"xla": 2.0, "native": 1.0},
+                "copies": 3}
+    return measure
+
+
+@needs_native
+def test_planner_measures_weights_once_then_reads_its_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(planner, "measure_weight_matmul", _fake(calls))
+    planner.clear_memo()
+    assert planner.weight_matmul("auto", 4, 576, 1536, "kn") == "native"
+    planner.clear_memo()
+    assert planner.weight_matmul("auto", 4, 576, 1536, "kn") == "native"  # from disk
+    assert calls == [(4, 576, 1536, "kn")]
+    key = planner.machine_key("cpu", "rows_matmul.cc")
+    path = planner.cache_path(key, "weight_matmul")
+    data = json.loads(path.read_text())
+    assert data["machine"] == key and "M4-K576-N1536-kn-float32" in data["entries"]
+    assert key["kernel"] != planner.machine_key("cpu")["kernel"]  # its own source hash
+    assert path != planner.cache_path(planner.machine_key("cpu"))
+    assert any("M4-K576-N1536-kn-float32: native (GB/s" in ln for ln in planner.report_lines())
+    assert planner.weight_matmul("auto", 8, 576, 1536, "kn") == "native"  # new class
+    assert len(calls) == 2
+    planner.clear_memo()
+
+
+@needs_native
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"machine": {"cpu": "other"},
+                                                               "entries": {}}),
+                                     "FOREIGN_CHOICE"])
+def test_corrupt_or_foreign_weight_cache_is_ignored(tmp_path, monkeypatch, content):
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
+    key = planner.machine_key("cpu", "rows_matmul.cc")
+    path = planner.cache_path(key, "weight_matmul")
+    path.parent.mkdir(parents=True)
+    if content == "FOREIGN_CHOICE":  # this machine's key, but a choice no formulation has
+        content = json.dumps({"machine": key, "entries": {
+            "M2-K576-N576-kn-float32": {"choice": "xla_cache_left"}}})
+    path.write_text(content)
+    calls = []
+    monkeypatch.setattr(planner, "measure_weight_matmul", _fake(calls))
+    planner.clear_memo()
+    with pytest.warns(UserWarning, match="ignoring planner cache"):
+        assert planner.weight_matmul("auto", 2, 576, 576) == "native"
+    assert len(calls) == 1
+    assert json.loads(path.read_text())["machine"] == key  # rewritten for this machine
+    planner.clear_memo()
+
+
+@needs_native
+def test_measure_weight_matmul_times_both_on_a_streamed_weight():
+    r = planner.measure_weight_matmul(2, 256, 256, "nk", rounds=3, budget_s=0.2)
+    assert set(r["gbps"]) == {"xla", "native"} and r["choice"] in ("xla", "native")
+    assert r["copies"] * 256 * 256 * 4 >= planner.WEIGHT_STREAM_BYTES
+    assert all(v > 0 for v in r["gbps"].values())
