@@ -170,12 +170,7 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
         s_old = s_old.at[..., :sink_scores.shape[-1]].set(sink_scores)
     visible = mask[:, :, None, :]  # [B, 1, 1, S]
     s_old = jnp.where(visible, s_old, NEG_INF)
-    k1 = k_new[:, :, 0] if k_layout == "BKSH" else k_new[..., 0]  # [B, K, H]
-    v1 = v_new[:, :, 0] if v_layout == "BKSH" else v_new[..., 0]  # [B, K, Hv]
-    s_new = jnp.einsum("BKGH,BKH->BKG", q1, k1,
-                       preferred_element_type=jnp.float32)[..., None] * scale
-    if new_visible is not None:
-        s_new = jnp.where(new_visible[:, None, None, None], s_new, NEG_INF)
+    s_new, v1 = _new_token_scores(q1, k_new, v_new, k_layout, v_layout, new_visible, scale)
     m = jnp.maximum(jnp.max(s_old, axis=-1, keepdims=True), s_new)  # [B, K, G, 1]
     # Unnormalised weights; the softmax denominator divides the [.., Hv] output instead
     # of the [.., S] weights (one pass less over the scores). Masked keys weigh 0 even
@@ -194,6 +189,19 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
     return out[:, None].astype(v_cache.dtype)
 
 
+def _new_token_scores(q1, k_new, v_new, k_layout, v_layout, new_visible, scale):
+    """The decode step's own token: its scaled score [B, K, G, 1] float32 against
+    ``q1`` [B, K, G, H] (NEG_INF where ``new_visible`` [B] is False) and its value
+    [B, K, Hv], from ``k_new``/``v_new`` ([B, K, 1, H] in BKSH, [B, K, H, 1] in BKHS)."""
+    k1 = k_new[:, :, 0] if k_layout == "BKSH" else k_new[..., 0]  # [B, K, H]
+    v1 = v_new[:, :, 0] if v_layout == "BKSH" else v_new[..., 0]  # [B, K, Hv]
+    s_new = jnp.einsum("BKGH,BKH->BKG", q1, k1,
+                       preferred_element_type=jnp.float32)[..., None] * scale
+    if new_visible is not None:
+        s_new = jnp.where(new_visible[:, None, None, None], s_new, NEG_INF)
+    return s_new, v1
+
+
 def _attend_step_scaled(q1, k_codes, k_scale, v_codes, v_scale, mask, k_new, v_new,
                         k_layout, v_layout, new_visible, scale):
     """:func:`attend_step` over 1-byte codes with per-slot scales ([B, K, S] float32)."""
@@ -202,12 +210,7 @@ def _attend_step_scaled(q1, k_codes, k_scale, v_codes, v_scale, mask, k_new, v_n
     s_old = s_old * (k_scale[:, :, None, :] * scale)
     visible = mask[:, :, None, :]  # [B, 1, 1, S]
     s_old = jnp.where(visible, s_old, NEG_INF)
-    k1 = k_new[:, :, 0] if k_layout == "BKSH" else k_new[..., 0]  # [B, K, H]
-    v1 = v_new[:, :, 0] if v_layout == "BKSH" else v_new[..., 0]  # [B, K, Hv]
-    s_new = jnp.einsum("BKGH,BKH->BKG", q1, k1,
-                       preferred_element_type=jnp.float32)[..., None] * scale
-    if new_visible is not None:
-        s_new = jnp.where(new_visible[:, None, None, None], s_new, NEG_INF)
+    s_new, v1 = _new_token_scores(q1, k_new, v_new, k_layout, v_layout, new_visible, scale)
     m = jnp.maximum(jnp.max(s_old, axis=-1, keepdims=True), s_new)  # [B, K, G, 1]
     e_old = jnp.where(visible, jnp.exp(s_old - m), 0.0)  # [B, K, G, S] float32
     e_new = jnp.exp(s_new - m)

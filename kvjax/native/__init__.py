@@ -89,35 +89,44 @@ def library_path() -> pathlib.Path | None:
     return build_library(_SOURCE, "kvjax_decode_attention")
 
 
+def register(state: dict, lock: threading.Lock, build, target: str, symbol: str,
+             what: str, fallback: str) -> bool:
+    """Builds (``build()``: a library path, or None without a compiler), loads and
+    registers the FFI target ``target`` (the library's handler ``symbol``) on CPU, once
+    per process (the answer is kept in ``state['ok']``). Returns True when it is
+    available; False, with one warning naming ``what`` and the cause and saying
+    ``fallback``, when there is no compiler, the build or load failed, or
+    ``KVJAX_NATIVE=0``. Never raises."""
+    with lock:
+        if "ok" in state:
+            return state["ok"]
+        ok = False
+        if os.environ.get("KVJAX_NATIVE", "1") != "0":
+            try:
+                path = build()
+                if path is None:
+                    warnings.warn(f"{what}: no C++ compiler (g++/c++ or $CXX); {fallback}",
+                                  stacklevel=3)
+                else:
+                    import jax  # noqa: PLC0415
+                    lib = ctypes.cdll.LoadLibrary(str(path))
+                    jax.ffi.register_ffi_target(
+                        target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                    state["lib"] = lib
+                    ok = True
+            except Exception as e:  # noqa: BLE001 (any failure -> the XLA fallback)
+                warnings.warn(f"{what} unavailable ({e}); {fallback}", stacklevel=3)
+        state["ok"] = ok
+        return ok
+
+
 def load() -> bool:
     """Builds (once per machine), loads and registers the FFI target :data:`TARGET` on
     CPU. Returns True when it is available; False (with one warning naming the cause)
     when there is no compiler or the build or load failed. Set ``KVJAX_NATIVE=0`` to
     skip it."""
-    with _lock:
-        if "ok" in _state:
-            return _state["ok"]
-        ok = False
-        if os.environ.get("KVJAX_NATIVE", "1") == "0":
-            _state["ok"] = False
-            return False
-        try:
-            path = library_path()
-            if path is None:
-                warnings.warn("kvjax native kernels: no C++ compiler (g++/c++ or $CXX); "
-                              "using the XLA formulations", stacklevel=2)
-            else:
-                import jax  # noqa: PLC0415
-                lib = ctypes.cdll.LoadLibrary(str(path))
-                jax.ffi.register_ffi_target(
-                    TARGET, jax.ffi.pycapsule(lib.KvjaxDecodeAttention), platform="cpu")
-                _state["lib"] = lib
-                ok = True
-        except Exception as e:  # noqa: BLE001 (any failure -> the XLA fallback)
-            warnings.warn(f"kvjax native kernels unavailable ({e}); using the XLA "
-                          "formulations", stacklevel=2)
-        _state["ok"] = ok
-        return ok
+    return register(_state, _lock, library_path, TARGET, "KvjaxDecodeAttention",
+                    "kvjax native kernels", "using the XLA formulations")
 
 
 def num_threads() -> int:

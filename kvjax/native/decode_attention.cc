@@ -21,6 +21,7 @@
 
 #include "pool.h"
 #include "xla/ffi/api/ffi.h"
+#include "fast_math.h"
 
 namespace ffi = xla::ffi;
 
@@ -29,27 +30,6 @@ namespace {
 constexpr float kNegInf = -1e30f;
 constexpr int64_t kBlock = 64;  // slots per block (scores of a block stay in L1)
 
-// exp(x) for x <= 0 (scores minus their running max), vectorisable: Cody-Waite range
-// reduction and a degree-6 polynomial; relative error ~2e-7. Inputs below -87 give 0.
-#pragma omp declare simd
-static inline float fast_exp(float x) {
-  x = std::max(x, -87.0f);
-  const float log2e = 1.44269504088896341f;
-  float n = std::nearbyint(x * log2e);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 struct Shape {
   int64_t B, K, G, H, V, S;

@@ -20,11 +20,8 @@ and result bytes, its causal FLOP), see ``kvjax.analysis.costs.analyze_prefill``
 
 from __future__ import annotations
 
-import ctypes
-import os
 import pathlib
 import threading
-import warnings
 
 import numpy as np
 
@@ -50,30 +47,8 @@ def load() -> bool:
     """Builds (once per machine), loads and registers :data:`TARGET` on CPU. True when
     it is available; False, with one warning naming the cause, when there is no
     compiler, the build or load failed, or ``KVJAX_NATIVE=0``."""
-    with _lock:
-        if "ok" in _state:
-            return _state["ok"]
-        ok = False
-        if os.environ.get("KVJAX_NATIVE", "1") == "0":
-            _state["ok"] = False
-            return False
-        try:
-            path = library_path()
-            if path is None:
-                warnings.warn("kvjax native prefill attention: no C++ compiler (g++/c++ or "
-                              "$CXX); using the XLA tiled path", stacklevel=2)
-            else:
-                import jax  # noqa: PLC0415
-                lib = ctypes.cdll.LoadLibrary(str(path))
-                jax.ffi.register_ffi_target(
-                    TARGET, jax.ffi.pycapsule(lib.KvjaxPrefillAttention), platform="cpu")
-                _state["lib"] = lib
-                ok = True
-        except Exception as e:  # noqa: BLE001 (any failure -> the XLA tiled path)
-            warnings.warn(f"kvjax native prefill attention unavailable ({e}); using the "
-                          "XLA tiled path", stacklevel=2)
-        _state["ok"] = ok
-        return ok
+    return _native.register(_state, _lock, library_path, TARGET, "KvjaxPrefillAttention",
+                            "kvjax native prefill attention", "using the XLA tiled path")
 
 
 def attend_chunk(q, k, v, positions, *, k_old=None, v_old=None, old_positions=None,

@@ -10,11 +10,8 @@ returns False; :func:`rows_matmul` callers then use ``jnp.dot`` (the pure-XLA pa
 
 from __future__ import annotations
 
-import ctypes
-import os
 import pathlib
 import threading
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -37,27 +34,8 @@ def library_path() -> pathlib.Path | None:
 def load() -> bool:
     """Builds (once per machine), loads and registers :data:`TARGET`. True when available;
     False with one warning naming the cause otherwise."""
-    with _lock:
-        if "ok" in _state:
-            return _state["ok"]
-        ok = False
-        if os.environ.get("KVJAX_NATIVE", "1") != "0":
-            try:
-                path = library_path()
-                if path is None:
-                    warnings.warn("kvjax rows_matmul: no C++ compiler (g++/c++ or $CXX); "
-                                  "weight products use XLA", stacklevel=2)
-                else:
-                    lib = ctypes.cdll.LoadLibrary(str(path))
-                    jax.ffi.register_ffi_target(
-                        TARGET, jax.ffi.pycapsule(lib.KvjaxRowsMatmul), platform="cpu")
-                    _state["lib"] = lib
-                    ok = True
-            except Exception as e:  # noqa: BLE001 (any failure -> the XLA fallback)
-                warnings.warn(f"kvjax rows_matmul unavailable ({e}); weight products use "
-                              "XLA", stacklevel=2)
-        _state["ok"] = ok
-        return ok
+    return native.register(_state, _lock, library_path, TARGET, "KvjaxRowsMatmul",
+                           "kvjax rows_matmul", "weight products use XLA")
 
 
 def rows_matmul(x: jax.Array, w: jax.Array, w_layout: str = "kn") -> jax.Array:
