@@ -148,6 +148,9 @@ def test_bad_input_raises_before_compile():
     mesh_lib.check(cfg, MeshConfig(1, 2, 1, kv_fallback="replicate"))
     with pytest.raises(ConfigError, match="mesh.model=3.*num_heads=8"):
         mesh_lib.check(cfg, MeshConfig(1, 3, 1))
+    with pytest.raises(ConfigError, match="model.weight_matmul='native'.*'xla' on a mesh"):
+        mesh_lib.check(cfg.replace(weight_matmul="native"), MeshConfig(2, 1, 1))
+    mesh_lib.check(cfg.replace(weight_matmul="native"), MeshConfig(1, 1, 1))  # no mesh
     with pytest.raises(ConfigError, match="batch_size=3.*mesh.data=2"):
         mesh_lib.check(cfg, MeshConfig(2, 1, 1), batch_size=3)
     with pytest.raises(ConfigError, match="mesh.seq=3.*S=32"):

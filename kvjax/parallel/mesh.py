@@ -41,7 +41,7 @@ def mesh_devices(mcfg: MeshConfig, devices=None) -> tuple[list, str | None]:
     if mcfg.size > n or (multi and mcfg.size != n):
         allowed = (f"the device count, {n}" if multi else
                    f"at most the device count, {n} (a smaller mesh uses the first "
-                   f"{mcfg.size} devices)")
+                   f"data*model*seq devices)")
         raise ConfigError(
             f"invalid config: mesh data*model*seq = {mcfg.data}*{mcfg.model}*{mcfg.seq} = "
             f"{mcfg.size}; allowed: {allowed} ({devices[0].platform}"
@@ -89,12 +89,18 @@ def check(cfg: ModelConfig, mcfg: MeshConfig, batch_size: int | None = None,
     Rules: ``data`` divides B; ``model`` divides the query heads N, the FFN width F and
     the vocabulary V; ``model`` divides the KV heads K unless ``mesh.kv_fallback`` is
     'replicate'; ``seq`` divides the cache slots S; sinks at cache positions
-    (``rope_positions='cache'``) are not sequence-sharded.
+    (``rope_positions='cache'``) are not sequence-sharded; ``model.weight_matmul`` is
+    'xla' (the native kernel is a custom call XLA cannot partition).
     """
     def fail(field, value, allowed):
         raise ConfigError(f"invalid config: {field}={value!r}; allowed: {allowed}")
 
     m = mcfg.model
+    if not mcfg.trivial and cfg.weight_matmul != "xla":
+        # the native few-row kernel is a custom call XLA cannot partition: it would
+        # all-gather every weight each step, silently undoing the tensor parallelism
+        fail("model.weight_matmul", cfg.weight_matmul,
+             "'xla' on a mesh (the native kernel is single-device)")
     if batch_size is not None and batch_size % mcfg.data:
         fail("batch_size", batch_size, f"a multiple of mesh.data={mcfg.data}")
     if m > 1:
