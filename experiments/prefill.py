@@ -39,7 +39,7 @@ from experiments import peers
 from kvjax import cache as cache_lib
 from kvjax import checkpoints
 from kvjax.analysis import costs
-from kvjax.config import run_config_from_dict
+from kvjax.config import ConfigError, run_config_from_dict
 from kvjax.inference import decode
 from kvjax.models import flash, model
 
@@ -104,14 +104,38 @@ def table(rows) -> str:
                                     "XLA/(weights+KV)", "temp bytes"))
 
 
+def checked_args(base, contexts: list, max_seq_len: int | None, impls: list):
+    """The prompt lengths (ints) and one model config per prefill implementation, or
+    app.UsageError naming the bad flag value and what is allowed, before any compile:
+    lengths must be positive integers, ``--max_seq_len`` (when given) at least the
+    largest of them, and every ``--impls`` value a valid ``model.prefill_impl``."""
+    try:
+        ts = [int(x) for x in contexts]
+    except ValueError:
+        raise app.UsageError(f"--contexts={','.join(contexts)}; allowed: positive "
+                             "integers (prompt tokens)") from None
+    if not ts or min(ts) < 1:
+        raise app.UsageError(f"--contexts={','.join(contexts)}; allowed: positive "
+                             "integers (prompt tokens)")
+    if max_seq_len is not None and max_seq_len < max(ts):
+        raise app.UsageError(f"--max_seq_len={max_seq_len}; allowed: at least the largest "
+                             f"--contexts value, {max(ts)} (the prompt must fit the cache)")
+    try:
+        cfgs = [base.replace(prefill_impl=impl) for impl in impls]
+    except ConfigError as e:
+        raise app.UsageError(f"--impls: {e}") from None
+    return ts, cfgs
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     base = run_config_from_dict(gqa.get_config()).model
+    contexts, impl_cfgs = checked_args(base, _CONTEXTS.value, _MAX_SEQ_LEN.value, _IMPLS.value)
     rows = []
-    for t in (int(x) for x in _CONTEXTS.value):
+    for t in contexts:
         msl = _MAX_SEQ_LEN.value or t
-        cfgs = [base.replace(prefill_impl=impl) for impl in _IMPLS.value]
+        cfgs = impl_cfgs
         new = [point(cfg, t, msl) for cfg in cfgs]
         timed = [c for c in cfgs if _TIME.value and (c.prefill_impl != "dense"
                                                      or t <= _DENSE_MAX.value)]

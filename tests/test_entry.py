@@ -399,3 +399,17 @@ def test_uptrain_entry_point_trains_and_scores(tmp_path):
     assert "after 3 steps: perplexity" in first.stdout
     assert (tmp_path / "w" / "loss_curve.png").is_file()
     assert (tmp_path / "w" / "checkpoints" / "3").is_dir()  # resuming: see the test above
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--contexts=4096", "--max_seq_len=128"],
+     "--max_seq_len=128; allowed: at least the largest --contexts value, 4096"),
+    (["--contexts=0"], "--contexts=0; allowed: positive integers"),
+    (["--impls=bogus"], "--impls: invalid config: model.prefill_impl='bogus'"),
+])
+def test_prefill_sweep_refuses_bad_flags_before_compiling(args, message):
+    proc = subprocess.run([sys.executable, "-m", "experiments.prefill", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
