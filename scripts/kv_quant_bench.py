@@ -30,6 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from kvjax.config import ConfigError
 from kvjax import cache as cache_lib
 from kvjax import presets
 from kvjax.analysis import hlo_cost, theory
@@ -64,11 +65,25 @@ def main():
                     help="comma-separated kv_dtypes; 'NAME:dequant' dequantizes before the dots")
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
-    contexts = [int(c) for c in args.contexts.split(",")]
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    except ValueError:
+        ap.error(f"--contexts={args.contexts}; allowed: comma-separated positive integers")
+    if min(contexts) < 2:
+        ap.error(f"--contexts={args.contexts}; allowed: integers >= 2 (cache slots)")
     names = args.kv_dtypes.split(",")
     for m in args.models.split(","):
         if m not in MODELS:
             ap.error(f"--models: unknown model {m!r}; allowed: {sorted(MODELS)}")
+    probe = MODELS[args.models.split(",")[0]](dtype="float32", scan_layers=False)
+    for n in names:  # every name checked before anything compiles
+        kd, sep, how = n.partition(":")
+        if sep and how != "dequant":
+            ap.error(f"--kv_dtypes: {n!r}; allowed: a kv_dtype, optionally with ':dequant'")
+        try:
+            probe.replace(kv_dtype=kd)
+        except ConfigError as e:
+            ap.error(f"--kv_dtypes: {e}")
     fwd = jax.jit(model.forward, static_argnums=1, donate_argnums=4)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     for mname in args.models.split(","):
