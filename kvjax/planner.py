@@ -168,6 +168,21 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
             "seconds": {n: t for n, t in secs.items()}, "slots": s}
 
 
+def _cached_choice(memo: dict, name: str, key: dict, path, entries: dict, measure_fn) -> str:
+    """The choice for shape class ``name``: read from ``entries`` (the planner cache at
+    ``path``), else measured by ``measure_fn()`` (a dict with 'choice') and written back
+    (a write failure only warns). Remembered in ``memo`` for this process."""
+    if name not in entries:
+        entries[name] = measure_fn()
+        entries[name]["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        try:
+            _save(path, key, entries)
+        except OSError as e:
+            warnings.warn(f"planner cache {path} not written: {e}", stacklevel=3)
+    memo[name] = dict(entries[name], cache=str(path))
+    return entries[name]["choice"]
+
+
 def decode_attention(cfg, k_cache, v_cache) -> str:
     """The formulation for one layer's decode attention of ``cfg`` over caches shaped like
     ``k_cache``/``v_cache`` (arrays or tracers: only shapes and dtypes are read).
@@ -211,16 +226,8 @@ def decode_attention(cfg, k_cache, v_cache) -> str:
             return _memo[name]["choice"]
         key = machine_key("cpu")
         path = cache_path(key)
-        entries = load_cache(path, key)
-        if name not in entries:
-            entries[name] = measure(b, k, g, h, v, s, dtype, k_layout, v_layout)
-            entries[name]["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
-            try:
-                _save(path, key, entries)
-            except OSError as e:
-                warnings.warn(f"planner cache {path} not written: {e}", stacklevel=2)
-        _memo[name] = dict(entries[name], cache=str(path))
-        return entries[name]["choice"]
+        return _cached_choice(_memo, name, key, path, load_cache(path, key),
+                              lambda: measure(b, k, g, h, v, s, dtype, k_layout, v_layout))
 
 
 def report_lines() -> list[str]:
@@ -349,13 +356,6 @@ def weight_matmul(impl: str, m: int, k: int, n: int, layout: str = "kn") -> str:
             return _wmemo[name]["choice"]
         key = machine_key("cpu", "rows_matmul.cc")
         path = cache_path(key, "weight_matmul")
-        entries = load_cache(path, key, WEIGHT_CANDIDATES)
-        if name not in entries:
-            entries[name] = measure_weight_matmul(m, k, n, layout)
-            entries[name]["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
-            try:
-                _save(path, key, entries)
-            except OSError as e:
-                warnings.warn(f"planner cache {path} not written: {e}", stacklevel=2)
-        _wmemo[name] = dict(entries[name], cache=str(path))
-        return entries[name]["choice"]
+        return _cached_choice(_wmemo, name, key, path,
+                              load_cache(path, key, WEIGHT_CANDIDATES),
+                              lambda: measure_weight_matmul(m, k, n, layout))

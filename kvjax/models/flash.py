@@ -165,17 +165,23 @@ def _old_pairs(q_pos, old_pos, bq: int, bk: int, window_size, num_sink_tokens):
     return pairs.reshape(-1, 2).astype(np.int32), jnp.any(ok, axis=0).reshape(-1)
 
 
-def _validate(queries, q_positions, chunk: KVSource, old: KVSource | None, window_size,
-              num_sink_tokens, block_q, block_k) -> None:
-    for name, v in (("block_q", block_q), ("block_k", block_k)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-            raise ValueError(f"{name}={v!r}; allowed: a positive integer")
+def check_window(window_size, num_sink_tokens) -> None:
+    """Raises ValueError unless ``window_size`` is None or a positive integer and
+    ``num_sink_tokens`` is 0 without a window, else in [0, window_size)."""
     if window_size is not None and (isinstance(window_size, bool) or window_size <= 0):
         raise ValueError(f"window_size={window_size!r}; allowed: None or a positive integer")
     if num_sink_tokens < 0 or (num_sink_tokens and window_size is None) or (
             window_size is not None and num_sink_tokens >= window_size):
         raise ValueError(f"num_sink_tokens={num_sink_tokens!r}; allowed: 0 without a "
                          "window, else an integer in [0, window_size)")
+
+
+def _validate(queries, q_positions, chunk: KVSource, old: KVSource | None, window_size,
+              num_sink_tokens, block_q, block_k) -> None:
+    for name, v in (("block_q", block_q), ("block_k", block_k)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+            raise ValueError(f"{name}={v!r}; allowed: a positive integer")
+    check_window(window_size, num_sink_tokens)
     if not queries:
         raise ValueError("queries=(); allowed: one or more [B, Kv, Gv, T, H] parts")
     b, kv, gv, t = queries[0].shape[:4]

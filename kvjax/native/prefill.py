@@ -26,6 +26,7 @@ import threading
 import numpy as np
 
 from kvjax import native as _native
+from kvjax.models import flash
 from kvjax.native import num_threads
 
 TARGET = "kvjax_prefill_attention"
@@ -84,12 +85,7 @@ def attend_chunk(q, k, v, positions, *, k_old=None, v_old=None, old_positions=No
     for name, lay in (("k_layout", k_layout), ("v_layout", v_layout)):
         if lay not in ("BKSH", "BKHS"):
             raise ValueError(f"{name}={lay!r}; allowed: ('BKSH', 'BKHS')")
-    if window_size is not None and (isinstance(window_size, bool) or window_size <= 0):
-        raise ValueError(f"window_size={window_size!r}; allowed: None or a positive integer")
-    if num_sink_tokens < 0 or (num_sink_tokens and window_size is None) or (
-            window_size is not None and num_sink_tokens >= window_size):
-        raise ValueError(f"num_sink_tokens={num_sink_tokens!r}; allowed: 0 without a "
-                         "window, else an integer in [0, window_size)")
+    flash.check_window(window_size, num_sink_tokens)
     if q.ndim != 5 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}; allowed: q [B, T, K, G, "
                          "H], k and v rank 4")
