@@ -61,12 +61,19 @@ _GPU_CHECK = flags.DEFINE_bool(
     "gpu_check", False, "The prepared GPU check: bf16, blog model MHA/GQA/MQA and SmolLM2 "
     "GQA at 4K/32K/128K, both layer-stack modes, no peers.")
 _MAX_CACHE_BYTES = flags.DEFINE_float("max_cache_gb", 8.0, "Skip points whose cache exceeds this.")
+_DECODE_ATTENTION = flags.DEFINE_enum(
+    "decode_attention", "auto", ["auto", "xla", "xla_cache_left", "native", "pallas"],
+    "model.decode_attention of every point: 'auto' (default) measures the formulations on "
+    "this machine once per shape class (kvjax.planner) and keeps the fastest; the picks "
+    "and their GB/s are printed at the end.")
 
 
 def variant_cfg(model_name: str, variant: str, dtype: str, scan_layers: bool) -> ModelConfig:
     """The config for one benchmark point."""
     base = (presets.blog_model(dtype=dtype, vocab_size=49152) if model_name == "blog"
             else presets.smollm2_135m(dtype=dtype)).replace(scan_layers=scan_layers)
+    if flags.FLAGS.is_parsed():  # the flag (tests may call this without parsing)
+        base = base.replace(decode_attention=_DECODE_ATTENTION.value)
     k = {"mha": base.num_heads, "gqa": 2 if model_name == "blog" else 3, "mqa": 1,
          "window": 2 if model_name == "blog" else 3}[variant]
     return presets.variant(base, num_kv_heads=k,

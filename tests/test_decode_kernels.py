@@ -71,6 +71,32 @@ def test_native_long_rows_split_over_threads():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+@pytest.mark.parametrize("vl", ["BKSH", "BKHS"])
+@pytest.mark.parametrize("kg,v", [((1, 1), 64), ((2, 4), 64), ((1, 8), 64), ((1, 9), 32)],
+                         ids=["mha", "gqa", "mqa8", "mqa9-v32"])
+def test_native_fast_path_spans_equal_xla(kg, v, vl):
+    """The register-blocked path (keys [H, S], H = 64): several 4,096-slot spans, a span
+    no query sees, a ragged last span (S not a multiple of the vector width), head groups
+    larger than the registers hold (G = 8, 9) and V = 32: (o, m, l) equal XLA's."""
+    k, g = kg
+    s, h = 9000, 64
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((2, k, g, h)), jnp.float32)
+    kc = jnp.asarray(3 * rng.standard_normal((2, k, h, s)), jnp.float32)
+    vshape = (2, k, s, v) if vl == "BKSH" else (2, k, v, s)
+    vc = jnp.asarray(rng.standard_normal(vshape), jnp.float32)
+    vis = rng.random((2, s)) < 0.7
+    vis[0, 4096:8192] = False  # row 0: its whole second span is invisible
+    vis[1, :8990] = False  # row 1: only slots in the ragged end are visible
+    vis = jnp.asarray(vis)
+    ref = decode_kernels.partial_attention("xla", q, kc, vc, vis, "BKHS", vl)
+    out = decode_kernels.partial_attention("native", q, kc, vc, vis, "BKHS", vl)
+    for name, r, o in zip("oml", ref, out):
+        np.testing.assert_allclose(np.asarray(o), np.asarray(r), atol=3e-5, rtol=3e-5,
+                                   err_msg=name)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_pallas_gpu_kernel_in_interpret_mode(dtype):
     """JAX's Pallas GPU decode-attention kernel, run by the Pallas interpreter on CPU,
