@@ -55,9 +55,11 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     m.scan_layers = config_dict.placeholder(bool)
     # The KV cache's element type (kvjax.config.KV_DTYPES); None = the model dtype.
     m.kv_dtype = config_dict.placeholder(str)
-    # Decode attention formulation: 'xla' (default), 'auto' (measured on this machine,
-    # kvjax.planner), 'xla_cache_left', 'native' (CPU FFI kernel) or 'pallas' (GPU).
-    m.decode_attention = "xla"
+    # Decode attention formulation: 'auto' (default here: the fastest measured on this
+    # machine per shape class, kvjax.planner, cached; caches under 256 KiB skip the
+    # measurement and use 'xla'), 'xla', 'xla_cache_left', 'native' (CPU FFI kernel) or
+    # 'pallas' (GPU). ModelConfig's own default stays 'xla' (library calls, tests).
+    m.decode_attention = "auto"
     # Few-row weight products (float32, M <= 256 rows): 'xla' (default), 'native' (CPU FFI
     # kernel kvjax/native/rows_matmul.cc) or 'auto' (the faster measured, kvjax.planner).
     m.weight_matmul = "xla"

@@ -145,9 +145,11 @@ class ModelConfig:
         kernel, dense 'BKSH' caches), or 'auto': the fastest measured on this machine
         for the step's shape class (:func:`kvjax.planner.decode_attention`, cached per
         machine, backend and jax version); on GPU 'pallas' where it applies. Same
-        result for all (:mod:`kvjax.models.decode_kernels`). Default 'xla': on the
-        2-core AMD EPYC measured so far no other formulation beat it (README), and
-        'auto' costs ~2 s of measurement per new shape class.
+        result for all (:mod:`kvjax.models.decode_kernels`). Default 'xla' here, so a
+        library call compiles a pure-XLA program whose costs XLA can analyse; the
+        experiment configs (``configs/base.py``) and ``experiments.bench`` default to
+        'auto' (~1 s of measurement per new shape class; on a 2-core AMD EPYC it picks
+        'native' for G >= 2 and 'xla' for G = 1, README).
       weight_matmul: the formulation of the products of a decode step's few rows (M =
         B·T <= 256) with float32 weight matrices (projections, MLP, LM head), one of
         :data:`WEIGHT_MATMUL`: 'xla' (``jnp.einsum``), 'native' (CPU FFI kernel

@@ -18,7 +18,10 @@ rewritten. Every choice made in this process is listed by :func:`report_lines`.
 Shapes whose cache is small (one layer below :data:`MIN_MEASURED_BYTES`) take 'xla'
 unmeasured: nothing to gain there that timing on a shared host could see. On GPU 'auto'
 is 'pallas' where the kernel applies (dense 'BKSH' cache), else 'xla'; on TPU, and for a
-config built for a backend other than the process's, 'xla'.
+config built for a backend other than the process's, 'xla'. Inside a program traced
+under a device mesh of more than one device (``jax.set_mesh``, :mod:`kvjax.parallel`),
+'xla': a native kernel is a custom call the SPMD partitioner cannot split, so XLA would
+gather the sharded cache around it.
 """
 
 from __future__ import annotations
@@ -217,6 +220,10 @@ def decode_attention(cfg, k_cache, v_cache) -> str:
         ok = decode_kernels.supports("pallas", "gpu", dtype, k_layout, v_layout, prefix, h, s)
         return "pallas" if ok else "xla"
     if cfg.backend != "cpu" or backend_lib.current() != "cpu":
+        return "xla"
+    if jax.sharding.get_abstract_mesh().size > 1:
+        # on a device mesh the native kernel is a custom call XLA cannot partition (it
+        # would gather the cache around it): the partitioned XLA einsums
         return "xla"
     if b * k * s * (h + v) * jnp.dtype(dtype).itemsize < MIN_MEASURED_BYTES:
         return "xla"

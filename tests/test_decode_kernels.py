@@ -239,3 +239,22 @@ def test_small_caches_and_other_backends_skip_measuring(monkeypatch):
     big = jax.ShapeDtypeStruct((1, 2, 4096, 64), jnp.float32)
     assert planner.decode_attention(gpu, big, big) == "pallas"
     assert planner.decode_attention(gpu.replace(window_size=512), big, big) == "xla"
+
+
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+def test_cost_table_counts_the_kernels_buffers():
+    """With decode_attention='native' XLA cannot cost the attention (a custom call): the
+    step's table adds a 'bytes (+kernels)' row = XLA's bytes + the custom calls' operand
+    and result bytes, which covers the cache the kernel reads."""
+    from kvjax.analysis import costs, report
+    from tests.conftest import tiny_config
+    cfg = tiny_config(decode_attention="native", key_layout="BKHS", value_layout="BKSH")
+    step = costs.analyze_decode_step(cfg, 64, attribute=False, jaxpr=False)
+    assert step.xla.custom_calls and step.xla.uncosted_bytes >= step.cache_bytes
+    row = next(ln for ln in report.cost_table(step).splitlines() if "(+kernels)" in ln)
+    plus = step.xla.bytes + step.xla.uncosted_bytes
+    assert f"{plus:,.0f}" in row
+    plain = costs.analyze_decode_step(cfg.replace(decode_attention="xla"), 64,
+                                      attribute=False, jaxpr=False)
+    assert "(+kernels)" not in report.cost_table(plain)
+    assert plus >= 0.9 * plain.xla.bytes  # the kernel's reads put back what XLA left out

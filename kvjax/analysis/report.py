@@ -45,6 +45,14 @@ def cost_table(step: StepCost, measured_seconds: float | None = None) -> str:
         ("bytes", step.theory_bytes, jb, step.xla.bytes, step.xla.raw_bytes,
          step.bytes_ratio),
     ]
+    if step.xla.custom_calls and step.xla.uncosted_bytes:
+        # A custom call (a native kernel) is -1 to XLA's cost analysis: its operand +
+        # result bytes (the buffers it reads and writes, as XLA's shapes give them) are
+        # added here so the ratio is not read against a figure that leaves the kernel out.
+        plus = step.xla.bytes + step.xla.uncosted_bytes
+        rows.append(("bytes (+kernels)", step.theory_bytes, float("nan"), plus,
+                     step.xla.raw_bytes + step.xla.uncosted_bytes,
+                     plus / step.theory_bytes if step.theory_bytes else float("nan")))
     text = format_table(rows, ("per " + step.name, "theory", "jaxpr (dots)",
                                "XLA (loop-corrected)", "XLA raw", "XLA/theory"))
     if measured_seconds:
