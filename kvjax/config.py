@@ -315,6 +315,14 @@ def validate_model_config(c: ModelConfig) -> None:
                   "'auto' for attention='mla' (MLA caches a latent [B, S, C], no heads)")
     if c.decode_attention not in DECODE_ATTENTION:
         _fail("model.decode_attention", c.decode_attention, f"one of {list(DECODE_ATTENTION)}")
+    if c.decode_attention == "pallas" and c.backend != "gpu":
+        _fail("model.decode_attention", c.decode_attention,
+              f"'auto', 'xla', 'xla_cache_left' or 'native' on backend {c.backend!r} "
+              "('pallas' is JAX's GPU decode-attention kernel)")
+    if c.decode_attention == "native" and c.backend != "cpu":
+        _fail("model.decode_attention", c.decode_attention,
+              f"'auto', 'xla', 'xla_cache_left' or 'pallas' on backend {c.backend!r} "
+              "('native' is a CPU kernel)")
     if c.weight_matmul not in WEIGHT_MATMUL:
         _fail("model.weight_matmul", c.weight_matmul, f"one of {list(WEIGHT_MATMUL)}")
     if c.prefill_impl not in PREFILL_IMPLS:

@@ -150,6 +150,13 @@ def test_model_decode_with_window_matches_reference(impl):
 def test_config_names_the_bad_formulation():
     with pytest.raises(ConfigError, match="decode_attention.*'fast'"):
         presets.blog_model("float32", decode_attention="fast")
+    # a kernel for another backend is refused when the config is built, not after the
+    # weights load (a tester's int8 run on CPU with 'pallas' failed late, misnamed)
+    with pytest.raises(ConfigError, match="decode_attention='pallas'.*backend 'cpu'"):
+        presets.blog_model("float32", decode_attention="pallas", backend="cpu",
+                           kv_dtype="int8")
+    with pytest.raises(ConfigError, match="decode_attention='native'.*backend 'gpu'"):
+        presets.blog_model("float32", decode_attention="native", backend="gpu")
 
 
 def test_explicit_formulation_that_cannot_run_raises():
@@ -239,6 +246,10 @@ def test_small_caches_and_other_backends_skip_measuring(monkeypatch):
     big = jax.ShapeDtypeStruct((1, 2, 4096, 64), jnp.float32)
     assert planner.decode_attention(gpu, big, big) == "pallas"
     assert planner.decode_attention(gpu.replace(window_size=512), big, big) == "xla"
+    # under a multi-device mesh: the partitioned einsums, never the unsplittable kernel
+    big_k = jax.ShapeDtypeStruct((1, 2, 64, 4096), jnp.float32)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("seq",))):
+        assert planner.decode_attention(cfg, big_k, big) == "xla"
 
 
 @pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
