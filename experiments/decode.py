@@ -44,6 +44,18 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results as JSON her
 flags.adopt_module_key_flags(cli)
 
 
+def _loop_timing_line(timing: dict) -> str:
+    """How the loop's per-token time was measured. The fixed cost is estimated as
+    t(n1) - n1 x per-token time, a difference of two noisy medians: when it comes out
+    negative it is below the timing noise, and is printed as such, not as a cost."""
+    n1, n2 = timing["steps"]
+    fixed = timing["call_overhead_s"]
+    cost = (f"{fixed * 1e3:.1f} ms" if fixed >= 0 else
+            f"below the timing noise (estimate {fixed * 1e3:.1f} ms)")
+    return (f"(measured inside the loop: {n2} minus {n1} steps, so the call's fixed cost "
+            f"of {cost} cancels)")
+
+
 def report(result: runner.DecodeResult) -> str:
     """The human-readable report of one run: the generate loop's figures first (the
     program that decodes), the single step second, then the prefill."""
@@ -62,9 +74,7 @@ def report(result: runner.DecodeResult) -> str:
            f": a ring of W={cfg.window_size}, {cfg.num_sink_tokens} sinks, reading "
            f"{theory.tokens_held(cfg, s.context)} keys") + "):",
         report_lib.cost_table(loop, c.loop_seconds_per_token),
-        f"(measured inside the loop: {c.loop_timing['steps'][1]} minus "
-        f"{c.loop_timing['steps'][0]} steps, so the call's fixed cost of "
-        f"{c.loop_timing['call_overhead_s'] * 1e3:.1f} ms cancels)",
+        _loop_timing_line(c.loop_timing),
         _loop_memory(loop),
         "",
         "where the loop's compiled bytes per token go:",

@@ -413,3 +413,12 @@ def test_prefill_sweep_refuses_bad_flags_before_compiling(args, message):
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_decode_report_never_prints_a_negative_fixed_cost():
+    """The loop's fixed cost is t(n1) - n1 x per-token, two noisy medians apart: a
+    negative estimate (a tester's int4 run printed -32.7 ms) is reported as noise."""
+    line = import_entry_point("decode")._loop_timing_line
+    assert "fixed cost of 1.4 ms cancels" in line({"steps": (4, 20), "call_overhead_s": 0.0014})
+    neg = line({"steps": (4, 20), "call_overhead_s": -0.0327})
+    assert "below the timing noise (estimate -32.7 ms)" in neg and "of -32.7 ms" not in neg
