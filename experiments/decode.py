@@ -196,7 +196,12 @@ def prefill_theory_line(step) -> str:
     return (f"theory bytes: weights {p['weights']:,} + KV written {p['kv_write']:,} + "
             f"attention IO {p['attn_io']:,} (standard Θ(T·d + T²): "
             f"{p['attn_io_standard']:,}; tiled: {p['attn_io_tiled']:,}); XLA temp bytes "
-            f"{step.memory.get('temp_bytes', float('nan')):,}" + _custom_call_line(step))
+            f"{step.memory.get('temp_bytes', float('nan')):,}" + _custom_call_line(step)
+            + ("" if not p.get("activations_unfused") else
+               f"\nnot in theory: activations of an unfused layer stack (every product's "
+               f"input and output rows once, theory.prefill_activation_bytes) "
+               f"{p['activations_unfused']:,}; XLA(+kernel) / (weights + KV written + that) "
+               f"= {costs.prefill_with_kernel(step)[1] / (p['weights'] + p['kv_write'] + p['activations_unfused']):.2f}"))
 
 
 def _custom_call_line(step) -> str:

@@ -66,6 +66,11 @@ def point(cfg, t: int, max_seq_len: int) -> dict:
             "theory_bytes": step.theory_bytes, "xla_bytes": step.xla.bytes,
             "bytes_ratio": step.bytes_ratio,
             "bytes_ratio_weights_kv": step.xla.bytes / (parts["weights"] + parts["kv_write"]),
+            # XLA(+kernel) bytes over weights + KV + the activations an unfused layer
+            # stack moves (theory.prefill_activation_bytes; nan for MLA)
+            "bytes_ratio_with_activations": (
+                bytes_k / (parts["weights"] + parts["kv_write"] + parts["activations_unfused"])
+                if parts["activations_unfused"] else float("nan")),
             "custom_call": step.theory_parts.get("custom_call"),
             "xla_kernel_flops": flops_k, "flops_ratio_kernel": flops_k / step.theory_flops,
             "xla_kernel_bytes": bytes_k, "bytes_ratio_kernel": bytes_k / step.theory_bytes,
@@ -98,10 +103,11 @@ def table(rows) -> str:
     out = [(r["impl"], r["T"], r.get("seconds", float("nan")),
             r.get("tokens_per_s", float("nan")), r["xla_kernel_flops"],
             r["flops_ratio_kernel"], r["xla_kernel_bytes"], r["bytes_ratio_kernel"],
-            r["bytes_ratio_weights_kv"], r["temp_bytes"]) for r in rows]
+            r["bytes_ratio_weights_kv"], r["bytes_ratio_with_activations"],
+            r["temp_bytes"]) for r in rows]
     return costs.format_table(out, ("impl", "T", "s (median)", "tokens/s", "XLA(+kernel) FLOP",
                                     "/theory", "XLA(+kernel) bytes", "/theory",
-                                    "XLA/(weights+KV)", "temp bytes"))
+                                    "XLA/(weights+KV)", "/(w+KV+act.)", "temp bytes"))
 
 
 def checked_args(base, contexts: list, max_seq_len: int | None, impls: list):

@@ -400,3 +400,17 @@ def test_batched_steps_bandwidth_and_roofline():
         pytest.approx(b16["bandwidth_ratio"])
     with pytest.raises(ValueError, match="batches=\\[0\\]"):
         th.batched_steps(cfg, 256, [0], 25e9)
+
+
+def test_prefill_activation_bytes_counts_an_unfused_layer():
+    """SmolLM2 (D = 576, N·H = 576, K·H = 192, F = 1536, SwiGLU, L = 30), float32: per
+    token and layer 2D + (3D + N·H + 2·K·H) + 2(N·H + K·H) + (N·H + D) + 3D + 2D
+    + (2(D + F) + 3F + F + D) + 3D = 22,080 elements, plus the embedding row (D)."""
+    from kvjax import presets
+    cfg = presets.smollm2_135m("float32")
+    per_token = 30 * 22_080 + 576
+    assert theory.prefill_activation_bytes(cfg, 1571) == 1571 * per_token * 4
+    assert theory.prefill_activation_bytes(cfg, 10, batch=3) == 3 * 10 * per_token * 4
+    assert theory.prefill_activation_bytes(cfg.replace(dtype="bfloat16"), 10) == 10 * per_token * 2
+    mla = presets.variant(presets.blog_model("float32"), kv_lora_rank=64)
+    assert theory.prefill_activation_bytes(mla, 10) is None

@@ -373,8 +373,9 @@ def prefill_theory_bytes(cfg: ModelConfig, prompt_len: int, batch: int = 1) -> d
     'attn_io_native' (:func:`kvjax.analysis.theory.attention_io_standard` /
     ``attention_io_tiled`` at the config's block sizes, resp. the native kernel's 64-slot
     blocks and 64 // G-token query tiles), 'attn_io' (the one of the path the config runs,
-    :func:`kvjax.models.flash.prefill_path`) and 'total' (weights + kv_write +
-    attn_io)."""
+    :func:`kvjax.models.flash.prefill_path`), 'total' (weights + kv_write + attn_io) and,
+    outside the total, 'activations_unfused' (:func:`kvjax.analysis.theory.
+    prefill_activation_bytes`, None for MLA)."""
     t = prompt_len
     bq, bk = min(cfg.prefill_block_q, t), min(cfg.prefill_block_k, t)
     pairs = flash.num_chunk_pairs(t, bq, bk, cfg.window_size, cfg.num_sink_tokens)
@@ -392,6 +393,9 @@ def prefill_theory_bytes(cfg: ModelConfig, prompt_len: int, batch: int = 1) -> d
                               "dense": "attn_io_standard",
                               "cudnn": "attn_io_tiled"}[flash.prefill_path(cfg)]]
     parts["total"] = parts["weights"] + parts["kv_write"] + parts["attn_io"]
+    # not in the total: the unfused layer stack's activation traffic (a lower bound for
+    # XLA:CPU, whose dots fuse nothing), shown beside it; None for MLA
+    parts["activations_unfused"] = theory.prefill_activation_bytes(cfg, prompt_len, batch)
     return parts
 
 

@@ -503,6 +503,30 @@ def attention_io_tiled(cfg: ModelConfig, t: int, num_pairs: int, block_k: int,
     return batch * cfg.num_layers * per_layer * b
 
 
+def prefill_activation_bytes(cfg: ModelConfig, t: int, batch: int = 1,
+                             element_bytes: int | None = None) -> int | None:
+    """Activation traffic (bytes) of a ``t``-token prefill through an UNFUSED layer stack,
+    all layers, outside the attention's own IO (:func:`attention_io_tiled` counts Q, K, V
+    and O): every matrix product reads its input rows and writes its output rows once,
+    every elementwise op reads its operands and writes its result once. Per token and
+    layer, in elements (D = d_model, N·H query width, K·H key width, F = mlp_dim):
+    RMSNorm 2D; q, k, v projections 3D read + N·H + 2·K·H written; RoPE 2·(N·H + K·H);
+    output projection N·H + D; residual 3D; RMSNorm 2D; SwiGLU MLP gate and up D + F each,
+    silu·mul 3F, down F + D (a GELU MLP: up D + F, activation 2F, down F + D); residual
+    3D. Plus the embedding rows written, t·D. What a stack that fuses nothing into its
+    matrix products (XLA:CPU's dots, up to the elementwise ops it merges) moves beyond
+    the 'weights + KV' theory: Θ(t·d), and at t in the thousands more than the weights.
+    None for MLA (its projections differ; not modelled)."""
+    if cfg.is_mla:
+        return None
+    d, f, nh, kh = cfg.d_model, cfg.mlp_dim, cfg.num_heads * cfg.head_dim, \
+        cfg.num_kv_heads * cfg.head_dim
+    mlp = (2 * (d + f) + 3 * f + f + d) if cfg.mlp_type == "swiglu" else (d + f + 2 * f + f + d)
+    per_layer = (2 * d + 3 * d + nh + 2 * kh + 2 * (nh + kh) + nh + d + 3 * d + 2 * d + mlp
+                 + 3 * d)
+    return batch * t * (cfg.num_layers * per_layer + d) * _b(cfg, element_bytes)
+
+
 # --------------------------------------------------------------------------- roofline
 
 
