@@ -4,7 +4,7 @@ A fused FlashAttention-2 forward (Dao 2023, Algorithm 1) for a chunk of T prompt
 over (old cache slots ++ the chunk): per tile of queries (the G query heads of each token
 of one KV head), key/value blocks of 64 slots are streamed with an online softmax whose
 scores stay in registers/L1; blocks no query of the tile can see (above the causal
-diagonal, outside the window unless they hold a sink, empty) are skipped; OpenMP over
+diagonal, outside the window unless they hold a sink, empty) are skipped; XLA's intra-op thread pool over
 (batch row, KV head, query tile). float32 (other float inputs are widened first).
 
 Built on first use exactly as the decode kernel (:mod:`kvjax.native`: ``g++ -O3

@@ -8,8 +8,8 @@
 //   acc' = e^(m - m') acc + p V;   out = acc / l.
 // GQA/MQA/MHA: a work item is (batch row b, KV head k, tile of kTileRows / G queries);
 // its rows are the G query heads of each of its tokens, so every key and value row read
-// serves all G heads. Work items are spread over OpenMP threads (dynamic schedule: under
-// the causal mask later tiles have more keys).
+// serves all G heads. Work items are spread over XLA's intra-op threads (pool.h; dynamic
+// schedule: under the causal mask later tiles have more keys).
 //
 // Keys come from two sources, attended in this order: `old` (slots already in the cache,
 // any order, -1 = empty) and the chunk itself. Visibility is the rule of
@@ -24,11 +24,13 @@
 //          old slots (S = S_old); q_pos [B, T] and old_pos [B, S_old] int32.
 // Output:  o [B, T, K, G, V] f32 (rows that see no key: 0).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 #include "fast_math.h"
 
@@ -355,7 +357,7 @@ static void Item(const Problem& p, const float* q, const int32_t* qpos_all, cons
     }
 }
 
-ffi::Error PrefillAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc,
+ffi::Error PrefillAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc,
                                 ffi::Buffer<ffi::F32> vc, ffi::Buffer<ffi::S32> qpos,
                                 ffi::Buffer<ffi::F32> ko, ffi::Buffer<ffi::F32> vo,
                                 ffi::Buffer<ffi::S32> opos, ffi::ResultBuffer<ffi::F32> o,
@@ -398,8 +400,13 @@ ffi::Error PrefillAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
   const int32_t* qposp = qpos.typed_data();
   float* out = o->typed_data();
   const bool parallel = nthreads > 1 && items > 1 && p.T * p.T * p.H * p.B * p.K >= (1 << 16);
-#pragma omp parallel num_threads(nthreads) if (parallel)
-  {
+  // Parts over XLA's intra-op pool (pool.h; an OpenMP team would spin on the cores XLA's
+  // own threads need between calls), each with its scratch, claiming items from a shared
+  // counter one at a time (a dynamic schedule: under the causal mask later tiles have
+  // more keys).
+  std::atomic<int64_t> next{0};
+  const int64_t parts = parallel ? std::min(nthreads, items) : 1;
+  kvjax_native::ParallelFor(pool, parts, [&](int64_t) {
     Scratch w;
     w.qs.resize(rows * p.H);
     w.acc.resize(rows * p.V);
@@ -410,15 +417,14 @@ ffi::Error PrefillAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
     w.sc.resize(rows * kBlock);
     w.kt.resize(p.H * kBlock);
     w.vb.resize(kBlock * p.V);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; ++it) {
+    for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       // Last tiles first: under the causal mask they see the most keys.
       const int64_t tix = tiles - 1 - it % tiles;
       const int64_t bk = it / tiles;
       const int64_t t0 = tix * tile, t1 = std::min(p.T, t0 + tile);
       Item(p, qp, qposp, srcs, nsrc, bk / p.K, bk % p.K, t0, t1, out, w);
     }
-  }
+  });
   return ffi::Error::Success();
 }
 
@@ -426,6 +432,7 @@ ffi::Error PrefillAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPrefillAttention, PrefillAttentionImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
                                   .Arg<ffi::Buffer<ffi::F32>>()   // chunk keys
                                   .Arg<ffi::Buffer<ffi::F32>>()   // chunk values
