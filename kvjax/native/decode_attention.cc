@@ -188,13 +188,7 @@ static inline vf vexp(vf x) {
   vf n = (x * 1.44269504088896341f + magic) - magic;
   vf r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  vf p = bc(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const vf p = fast_exp_poly(r);
   vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
   vf scale;
   std::memcpy(&scale, &bits, sizeof(scale));
