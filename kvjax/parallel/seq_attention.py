@@ -162,3 +162,66 @@ def attend_mla_cached(q_main, q_rope, c_old, kr_old, mask_old, c_new, kr_new, ma
     old = over_seq(local, ((c_old, -2), (kr_old, -2), (mask_old, -1)), rep)
     new = local(c_new, kr_new, mask_new, *rep)
     return finish(merge(old, new))
+
+
+def write(policy, buf: jax.Array, new: jax.Array, chunk_positions: jax.Array, axis: int,
+          layer=None, ragged: bool = False) -> jax.Array:
+    """A chunk written into a cache tensor whose slot axis is split over 'seq', by the
+    devices that own the slots: no cache shard moves.
+
+    Each 'seq' shard holds slots [i·S/n, (i+1)·S/n) of the S slots. Inside a
+    ``jax.shard_map`` manual over 'seq' (so 'data' and 'model' stay automatic), device i
+    takes the chunk's global slots from ``policy.write_slots`` (a ring's or a dense
+    cache's; S where the write drops a token), keeps those in its own range as local
+    indices and scatters them into its shard with ``mode='drop'``; the others go to the
+    out-of-range index S/n and are dropped. A global write (``dynamic_update_slice`` or
+    scatter on the whole [.., S, ..] array) made GSPMD all-gather every cache tensor of a
+    seq-sharded prefill (a ``[B, K, S, H]`` gather per layer and tensor).
+
+    Args:
+      policy: the slot policy (:func:`kvjax.cache.policy.policy_for`).
+      buf: one layer's tensor [B, ..., S, X] (``axis`` -2) or [B, ..., X, S] (``axis``
+        -1), with a leading L axis when ``layer`` is given; any dtype (codes, float32
+        scales, int32 positions).
+      new: the chunk, laid out like one layer of ``buf`` with T in place of S
+        (replicated over 'seq').
+      chunk_positions: [B, T] int32 absolute positions (-1: padded, never written).
+      axis: the slot axis, -2 or -1.
+      layer: [] int32 layer index into a stacked ``buf``, or None.
+      ragged: rows at their own positions (a per-row scatter); False: every row writes at
+        row 0's slots.
+    Returns:
+      ``buf`` updated, with its sharding; equal to ``policy.write`` on one device.
+    """
+    from kvjax.cache import policy as policy_lib  # noqa: PLC0415 (cycle)
+
+    slot_axis = buf.ndim + axis
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = SEQ in mesh.manual_axes  # e.g. jax.experimental.roofline's per-device trace
+    num_slots = buf.shape[slot_axis] * (mesh.shape[SEQ] if manual else 1)  # global S
+
+    def body(buf, new, chunk_positions, layer):
+        local_s = buf.shape[slot_axis]
+        first = jax.lax.axis_index(SEQ) * local_s
+        slots = policy.write_slots(chunk_positions, num_slots) - first
+        slots = jnp.where((slots >= 0) & (slots < local_s), slots, local_s)
+        layer = None if layer_is_none else layer
+        if ragged:
+            return policy_lib.write_rows(buf, new, slots, axis, layer, "drop")
+        slots, new = slots[0], new.astype(buf.dtype)
+        if layer is None:  # one advanced index: its axis stays in place
+            return buf.at[(slice(None),) * slot_axis + (slots,)].set(new, mode="drop")
+        # (layer, slots) split by slices: numpy puts their broadcast axis first
+        index = (layer,) + (slice(None),) * (slot_axis - 1) + (slots,)
+        return buf.at[index].set(jnp.moveaxis(new, new.ndim + axis, 0), mode="drop")
+
+    layer_is_none = layer is None
+    layer_arg = jnp.zeros((), jnp.int32) if layer is None else layer
+    args = (buf, new, chunk_positions, layer_arg)
+    if manual:  # already inside a shard_map manual over 'seq': ``buf`` is the shard
+        return body(*args)
+    axes = [None] * buf.ndim
+    axes[slot_axis] = SEQ
+    fn = jax.shard_map(body, in_specs=(P(*axes), P(), P(), P()), out_specs=P(*axes),
+                       axis_names=frozenset({SEQ}))
+    return fn(*args)
