@@ -42,7 +42,8 @@ VARIANTS = {
                     qk_nope_head_dim=16, v_head_dim=16, kv_dtype="float8_e4m3fn"),
 }
 # `python tests/mesh_worker.py cases`: quantized and ragged caches in one process
-CASES = {"gqa_int8": [(2, 4, 1), (1, 1, 8)], "gqa_int4": [(1, 2, 4)], "mla_fp8": [(1, 2, 4)]}
+CASES = {"gqa_int8": [(2, 4, 1), (1, 1, 8)], "gqa_int4": [(1, 2, 4)], "mla_fp8": [(1, 2, 4)],
+         "scan": [(1, 2, 4)]}  # scan: the layer scan (stacked cache, dynamic layer index)
 RAGGED_MESHES = [(8, 1, 1), (1, 2, 4)]
 B, S, T, STEPS = 8, 32, 5, 3
 
@@ -77,7 +78,16 @@ def main(variant: str, meshes=MESHES) -> dict:
         colls = collectives.collectives(step.lower(p, nxt[0], c).compile(), mm.mesh)
         shapes = [tuple(x.shape) for x in jax.tree.leaves(c.tensors)]
         shapes += [tuple(x.addressable_shards[0].data.shape) for x in jax.tree.leaves(c.tensors)]
+        # the prefill writes the cache too (fresh: into an empty cache, as the entry
+        # points do; else a later chunk attending over the sharded cache)
+        prefill_gathers = {}
+        for fresh in (True, False):
+            pc = collectives.collectives(mm.prefill(fresh).lower(p, tokens, c).compile(),
+                                         mm.mesh)
+            prefill_gathers["fresh" if fresh else "chunk"] = [
+                x.name for x in collectives.cache_collectives(pc, shapes)]
         out[str(shape)] = {
+            "prefill_gathers": prefill_gathers,
             "errors": errs, "cache_total": total, "cache_per_device": per_dev,
             "spec": str(k0.sharding.spec),
             "cache_in_place": all(np.all(np.asarray(x.sharding.spec == y.sharding.spec))
@@ -137,6 +147,8 @@ def ragged(meshes=RAGGED_MESHES) -> dict:
         b, n, c = gen(p, f, c, jnp.asarray(budgets), keys, jnp.int32(-1))
         colls = collectives.collectives(gen.lower(p, f, c, jnp.asarray(budgets), keys,
                                                   jnp.int32(-1)).compile(), mm.mesh)
+        colls += collectives.collectives(mm.prefill_ragged().lower(
+            p, jnp.asarray(tokens), jnp.asarray(lengths), c).compile(), mm.mesh)
         shapes = [tuple(x.shape) for x in jax.tree.leaves(c.tensors)]
         shapes += [tuple(x.addressable_shards[0].data.shape) for x in jax.tree.leaves(c.tensors)]
         out[str(shape)] = {

@@ -413,3 +413,16 @@ def test_prefill_sweep_refuses_bad_flags_before_compiling(args, message):
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layers=-1"], "--layers=-1; allowed: 0 (all layers) or a positive number"),
+    (["--models=blog,foo"], "--models=blog,foo: preset 'foo': unknown; allowed: ["),
+    (["--devices=0"], "--devices=0; allowed: at least 8"),
+])
+def test_shard_sweep_refuses_bad_flags_before_compiling(args, message):
+    proc = subprocess.run([sys.executable, "-m", "experiments.shard", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -301,11 +301,13 @@ class MeshCostReport:
     step: one sharded decode step at ``run.cost_context`` compiled from shapes
       (:func:`kvjax.parallel.costs.analyze_sharded_step`): theory (weights / TP + KV /
       shards + collective bytes), XLA's per-device ``cost_analysis``, the collectives by
-      kind / bytes / mesh axis, and cache all-gathers (must be none).
+      kind / bytes / mesh axis, and cache all-gathers (none: any raises
+      :class:`kvjax.parallel.collectives.CacheGatherError`).
     step_seconds_median: the median wall time of that step on the mesh (real weights,
       a full cache; :func:`kvjax.parallel.costs.measure_sharded_step`).
     programs: 'prefill' / 'generate' -> {'inventory': {'kind@axes': {count, bytes,
-      link_bytes}}, 'cache_gathers': [names]} of the programs the run decoded with.
+      link_bytes}}, 'cache_gathers': [names]} of the programs the run decoded with
+      ('cache_gathers' is always empty: a gather raises instead).
     """
 
     step: object
@@ -314,29 +316,30 @@ class MeshCostReport:
 
 
 def mesh_cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> MeshCostReport:
-    """The per-device cost hook for a run on ``run.mesh`` (see :class:`MeshCostReport`)."""
+    """The per-device cost hook for a run on ``run.mesh`` (see :class:`MeshCostReport`).
+
+    Raises:
+      kvjax.parallel.collectives.CacheGatherError: the prefill, the generate loop or the
+        sharded step all-gathers or all-to-alls a cache tensor (checked on the run's
+        programs first, before the step is compiled and timed).
+    """
     from kvjax.parallel import collectives as coll_lib  # noqa: PLC0415
     from kvjax.parallel import costs as pcosts  # noqa: PLC0415
     cfg, b = loaded.cfg, run.batch_size
     context = run.cost_context or run.max_seq_len
-    step = pcosts.analyze_sharded_step(cfg, run.mesh, context, b)
-    times = pcosts.measure_sharded_step(cfg, run.mesh, loaded.params, context, b,
-                                        run.measure_repeats, compiled=step.compiled)
     mm = meshed(run)
-    shapes = []
-    for name, spec in cache_lib.tensor_specs(cfg, b, cache_lib.num_slots(cfg, run.max_seq_len)).items():
-        local = list(spec.shape)
-        for i, a in enumerate(pcosts.specs_axes(cfg, run.mesh, name)):
-            if a is not None:
-                local[i] //= mm.mesh.shape[a]
-        shapes += [spec.shape, tuple(local)]
-    progs = {}
+    shapes = pcosts.cache_shapes(cfg, run.mesh, b, cache_lib.num_slots(cfg, run.max_seq_len))
+    progs, all_colls = {}, {}
     for name, compiled in (("prefill", gen.prefill_compiled), ("generate", gen.generate_compiled)):
-        colls = coll_lib.collectives(compiled, mm.mesh)
+        colls = all_colls[name] = coll_lib.collectives(compiled, mm.mesh)
         progs[name] = {
             "inventory": {f"{k}@{'+'.join(a) or '-'}": v
                           for (k, a), v in coll_lib.inventory(colls).items()},
             "cache_gathers": [c.name for c in coll_lib.cache_collectives(colls, shapes)]}
+    coll_lib.check_cache_stays(all_colls, shapes)
+    step = pcosts.analyze_sharded_step(cfg, run.mesh, context, b)
+    times = pcosts.measure_sharded_step(cfg, run.mesh, loaded.params, context, b,
+                                        run.measure_repeats, compiled=step.compiled)
     return MeshCostReport(step=step, step_seconds_median=statistics.median(times),
                           programs=progs)
 
