@@ -161,12 +161,42 @@ def ragged(meshes=RAGGED_MESHES) -> dict:
     return out
 
 
+def native(meshes=((2, 4, 1), (1, 2, 4))) -> dict:
+    """prefill_impl='native' (a custom call) on meshes: prefill logits into an empty cache
+    ('fresh') and over it ('chunk') vs one device, and the prefill's all-gathers."""
+    from kvjax.native import prefill as native_prefill  # noqa: PLC0415
+    if not native_prefill.load():
+        return {"skipped": "the native prefill kernel did not build"}
+    cfg = ModelConfig(**{**BASE, **VARIANTS["gqa"]}, prefill_impl="native", name="native")
+    params = model_lib.params_for(cfg, model_lib.init_params(cfg, 0))
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size, jnp.int32)
+    ref, cache = decode.prefill_program(params, tokens, cache_lib.init_cache(cfg, B, S),
+                                        cfg=cfg, fresh=True)
+    ref2, _ = decode.prefill_program(params, tokens, cache, cfg=cfg)
+    out = {"logit_scale": float(jnp.max(jnp.abs(ref)))}
+    for shape in meshes:
+        mm = programs.build(cfg, MeshConfig(*shape), B, S)
+        p, c = mm.shard_params(params), mm.init_cache()
+        out[str(shape)] = {}
+        for fresh, want in ((True, ref), (False, ref2)):
+            pf = mm.prefill(fresh)
+            compiled = pf.lower(p, tokens, c).compile()
+            lg, c = pf(p, tokens, c)
+            out[str(shape)]["fresh" if fresh else "chunk"] = {
+                "error": float(jnp.max(jnp.abs(lg - want))),
+                "custom_call": "custom-call" in compiled.as_text(),
+                "all_gathers": [list(x.axes) for x in collectives.collectives(compiled, mm.mesh)
+                                if x.kind == "all-gather"]}
+    return out
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "cases":
         res = {name: main(name, meshes) for name, meshes in CASES.items()}
         res["ragged"] = ragged()
         res["meshes"] = {**CASES, "ragged": RAGGED_MESHES}
         res["roofline"] = roofline()
+        res["native"] = native()
         print("RESULT " + json.dumps(res))
     elif sys.argv[1] == "roofline":
         print("RESULT " + json.dumps(roofline()))

@@ -109,6 +109,16 @@ def test_quantized_and_ragged_caches_on_meshes():
     # einsum with a T axis made XLA transpose every 'BKHS' key shard: kv_copies = 2x)
     for shape, v in r["roofline"].items():
         assert v["kv_copies"] == 0 and v["kv_read"] == v["kv_dev"], (shape, v)
+    # prefill_impl='native' on model / seq meshes: the kernel runs on each device's rows
+    # and KV heads (q/k/v were all-gathered around the custom call): one-device logits,
+    # and the only all-gather left is the logits' [B / data, V] over 'model'
+    n = r["native"]
+    for shape in () if "skipped" in n else ("(2, 4, 1)", "(1, 2, 4)"):
+        for kind in ("fresh", "chunk"):
+            v = n[shape][kind]
+            assert v["error"] < 2e-6 * n["logit_scale"] + 1e-5, (shape, kind, v)
+            assert v["all_gathers"] == [["model"]], (shape, kind, v)
+        assert n[shape]["fresh"]["custom_call"]  # the kernel really ran
 
 
 def test_param_specs_megatron():
@@ -156,6 +166,11 @@ def test_bad_input_raises_before_compile():
     with pytest.raises(ConfigError, match="model.weight_matmul='native'.*'xla' on a mesh"):
         mesh_lib.check(cfg.replace(weight_matmul="native"), MeshConfig(2, 1, 1))
     mesh_lib.check(cfg.replace(weight_matmul="native"), MeshConfig(1, 1, 1))  # no mesh
+    # the native prompt kernel runs per device on whole KV heads: K = 1 on model = 2 no
+    with pytest.raises(ConfigError, match="model.prefill_impl='native'.*mesh.model=2"):
+        mesh_lib.check(cfg.replace(prefill_impl="native"),
+                       MeshConfig(1, 2, 1, kv_fallback="replicate"))
+    mesh_lib.check(cfg.replace(prefill_impl="auto"), MeshConfig(1, 2, 1, kv_fallback="replicate"))
     with pytest.raises(ConfigError, match="batch_size=3.*mesh.data=2"):
         mesh_lib.check(cfg, MeshConfig(2, 1, 1), batch_size=3)
     with pytest.raises(ConfigError, match="mesh.seq=3.*S=32"):
