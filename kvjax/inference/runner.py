@@ -156,6 +156,8 @@ class Generation:
     prefill_chunk_temp_bytes: list = dataclasses.field(default_factory=list)
     prefill_compiled: object = dataclasses.field(default=None, repr=False)
     generate_compiled: object = dataclasses.field(default=None, repr=False)
+    # {chunk length: compiled program} of ``run.prefill_chunk`` (empty without it)
+    prefill_chunk_compiled: dict = dataclasses.field(default_factory=dict, repr=False)
     # on a mesh (run.mesh): the note when it uses fewer devices than there are, and the
     # cache bytes one device holds (= kv_cache_bytes on one device)
     mesh_note: str | None = None
@@ -264,6 +266,7 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
         kv_cache_bytes_theory=theory.kv_cache_bytes(
             cfg, cache_lib.num_slots(cfg, run.max_seq_len), b),
         prefill_compiled=prefill_c, generate_compiled=gen_c, chat_template=chat,
+        prefill_chunk_compiled=chunk_cs,
         kv_cache_tensors={n: (jax.tree.leaves(t)[0].dtype.name, cache_lib.total_bytes(t))
                           for n, t in cache.tensors.items()},
         warnings=notes, prefill_chunk_temp_bytes=[hlo_cost.memory_stats(c).get("temp_bytes")
@@ -305,7 +308,8 @@ class MeshCostReport:
       :class:`kvjax.parallel.collectives.CacheGatherError`).
     step_seconds_median: the median wall time of that step on the mesh (real weights,
       a full cache; :func:`kvjax.parallel.costs.measure_sharded_step`).
-    programs: 'prefill' / 'generate' -> {'inventory': {'kind@axes': {count, bytes,
+    programs: 'prefill' / 'prefill chunk of N' (``run.prefill_chunk``) / 'generate' ->
+      {'inventory': {'kind@axes': {count, bytes,
       link_bytes}}, 'cache_gathers': [names]} of the programs the run decoded with
       ('cache_gathers' is always empty: a gather raises instead).
     """
@@ -330,7 +334,10 @@ def mesh_cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> Me
     mm = meshed(run)
     shapes = pcosts.cache_shapes(cfg, run.mesh, b, cache_lib.num_slots(cfg, run.max_seq_len))
     progs, all_colls = {}, {}
-    for name, compiled in (("prefill", gen.prefill_compiled), ("generate", gen.generate_compiled)):
+    compiled_programs = [("prefill", gen.prefill_compiled)] + [
+        (f"prefill chunk of {n}", c) for n, c in sorted(gen.prefill_chunk_compiled.items())
+    ] + [("generate", gen.generate_compiled)]
+    for name, compiled in compiled_programs:
         colls = all_colls[name] = coll_lib.collectives(compiled, mm.mesh)
         progs[name] = {
             "inventory": {f"{k}@{'+'.join(a) or '-'}": v
@@ -367,7 +374,8 @@ class DecodeResult:
         g, c = self.generation, self.costs
         if isinstance(c, MeshCostReport):  # a run on a mesh: per-device figures
             out = {f.name: getattr(g, f.name) for f in dataclasses.fields(g)
-                   if f.name not in ("prefill_compiled", "generate_compiled")}
+                   if f.name not in ("prefill_compiled", "generate_compiled",
+                                     "prefill_chunk_compiled")}
             out.update({"mesh": c.step.as_dict(), "step_seconds_median": c.step_seconds_median,
                         "achieved_bytes_per_s_per_device":
                             c.step.theory_bytes_dev / c.step_seconds_median,
@@ -375,7 +383,8 @@ class DecodeResult:
             return out
         s, loop = c.step, c.loop
         out = {f.name: getattr(g, f.name) for f in dataclasses.fields(g)
-               if f.name not in ("prefill_compiled", "generate_compiled", "kv_cache_bytes",
+               if f.name not in ("prefill_compiled", "generate_compiled",
+                                 "prefill_chunk_compiled", "kv_cache_bytes",
                                  "kv_cache_bytes_theory")}
         out.update({
             # per batch or per sequence, said in the key (issue 16)
