@@ -200,30 +200,23 @@ def write(policy, buf: jax.Array, new: jax.Array, chunk_positions: jax.Array, ax
     manual = SEQ in mesh.manual_axes  # e.g. jax.experimental.roofline's per-device trace
     num_slots = buf.shape[slot_axis] * (mesh.shape[SEQ] if manual else 1)  # global S
 
-    def body(buf, new, chunk_positions, layer):
+    def body(buf, new, chunk_positions, *layer):
+        layer = layer[0] if layer else None
         local_s = buf.shape[slot_axis]
         first = jax.lax.axis_index(SEQ) * local_s
         slots = policy.write_slots(chunk_positions, num_slots) - first
         slots = jnp.where((slots >= 0) & (slots < local_s), slots, local_s)
-        layer = None if layer_is_none else layer
         if ragged:
             return policy_lib.write_rows(buf, new, slots, axis, layer, "drop")
-        slots, new = slots[0], new.astype(buf.dtype)
-        if layer is None:  # one advanced index: its axis stays in place
-            return buf.at[(slice(None),) * slot_axis + (slots,)].set(new, mode="drop")
-        # (layer, slots) split by slices: numpy puts their broadcast axis first
-        index = (layer,) + (slice(None),) * (slot_axis - 1) + (slots,)
-        return buf.at[index].set(jnp.moveaxis(new, new.ndim + axis, 0), mode="drop")
+        return policy_lib.write_shared(buf, new, slots[0], axis, layer)
 
-    layer_is_none = layer is None
-    layer_arg = jnp.zeros((), jnp.int32) if layer is None else layer
-    args = (buf, new, chunk_positions, layer_arg)
+    args = (buf, new, chunk_positions) + (() if layer is None else (layer,))
     if manual:  # already inside a shard_map manual over 'seq': ``buf`` is the shard
         return body(*args)
     axes = [None] * buf.ndim
     axes[slot_axis] = SEQ
-    fn = jax.shard_map(body, in_specs=(P(*axes), P(), P(), P()), out_specs=P(*axes),
-                       axis_names=frozenset({SEQ}))
+    fn = jax.shard_map(body, in_specs=(P(*axes),) + (P(),) * (len(args) - 1),
+                       out_specs=P(*axes), axis_names=frozenset({SEQ}))
     return fn(*args)
 
 
