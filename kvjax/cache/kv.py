@@ -317,7 +317,9 @@ def write(buf: jax.Array, new: jax.Array, chunk_positions: jax.Array, cfg: Model
       :meth:`kvjax.cache.policy.RingSlots.write`): a ring drops tokens a later token of
       the same chunk overwrites; a dense cache writes in place and never clamps silently,
       because a row that would write past its end has its logits poisoned with NaN (and
-      the host-side entry points raise before running).
+      the host-side entry points raise before running). Under a mesh whose 'seq' axis
+      splits the slots, each device writes the slots it owns
+      (:func:`kvjax.parallel.seq_attention.write`); the cache is never gathered.
     Raises:
       ValueError: ``axis`` not -2 or -1.
     """
