@@ -35,7 +35,7 @@ MESHES = [(8, 1, 1), (1, 8, 1), (2, 4, 1), (1, 4, 2), (1, 2, 4), (1, 1, 8)]
 
 def check_flags(devices: int, context: int, layers: int, models: list) -> None:
     """Raises app.UsageError naming the bad flag, its value and what is allowed, before
-    JAX starts or anything compiles."""
+    anything compiles."""
     need = max(d * m * s for d, m, s in MESHES)
     if devices < need:
         raise app.UsageError(f"--devices={devices}; allowed: at least {need} (the largest "
@@ -58,9 +58,10 @@ def check_flags(devices: int, context: int, layers: int, models: list) -> None:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    check_flags(_DEVICES.value, _CONTEXT.value, _LAYERS.value, _MODELS.value)
     from kvjax.parallel import distributed  # noqa: PLC0415
+    # the device count first: checking --models builds preset configs, which starts JAX
     distributed.set_local_devices(_DEVICES.value)
+    check_flags(_DEVICES.value, _CONTEXT.value, _LAYERS.value, _MODELS.value)
     import jax  # noqa: PLC0415
     from kvjax.analysis import sizing  # noqa: PLC0415
     from kvjax.config import ConfigError, MeshConfig  # noqa: PLC0415
@@ -114,6 +115,9 @@ def main(argv):
     with open(os.path.join(_OUT.value, "shard.md"), "w") as f:
         f.write(text)
     print("\n" + planner.table(plans))
+    if not plot:
+        print("no mesh fitted: no plot (the table says why)", file=sys.stderr)
+        return 1
     try:
         import matplotlib  # noqa: PLC0415
         matplotlib.use("Agg")
