@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.parallel import seq_attention
+
 NEG_INF = -1e30
 LAYOUTS = ("BKSH", "BKHS")
 DEFAULT_BLOCK_Q = 256
@@ -466,17 +468,11 @@ def prefill_path(cfg, sinks_at_cache_positions: bool = False) -> str:
     if impl == "cudnn":
         return "tiled" if cfg.is_mla or cfg.num_sink_tokens else "cudnn"
     if (impl in ("native", "auto") and not cfg.is_mla and cfg.backend == "cpu"
-            and cfg.num_kv_heads % _mesh_size("model") == 0):
+            and cfg.num_kv_heads % seq_attention.axis_size("model") == 0):
         from kvjax.native import prefill as native_prefill  # noqa: PLC0415
         if native_prefill.load():
             return "native"
     return "tiled"
-
-
-def _mesh_size(axis: str) -> int:
-    """Size of ``axis`` in the context mesh (``jax.set_mesh``; 1 without one)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty or axis not in mesh.axis_names else int(mesh.shape[axis])
 
 
 SDPA_IMPLEMENTATIONS = ("cudnn", "xla")

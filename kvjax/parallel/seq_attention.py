@@ -27,12 +27,18 @@ SEQ = "seq"
 NEG_INF = -1e30
 
 
+def axis_size(name: str) -> int:
+    """Size of the context mesh's axis ``name`` (``jax.set_mesh``; 1 when no mesh is set
+    or it has no such axis)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or name not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[name])
+
+
 def seq_shards() -> int:
     """Size of the context mesh's 'seq' axis (1 when no mesh is set or it has none)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or SEQ not in mesh.axis_names:
-        return 1
-    return int(mesh.shape[SEQ])
+    return axis_size(SEQ)
 
 
 def _stats(scores: jax.Array, visible: jax.Array):
