@@ -35,6 +35,7 @@ from kvjax.inference import memory, runner
 from kvjax.models import flash
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, distributed_config, run_config_from_dict
+from kvjax.parallel.collectives import CacheGatherError
 from kvjax.parallel import distributed
 
 _CONFIG = cli.DEFINE_config_file(
@@ -233,6 +234,9 @@ def main(argv):
     except (ConfigError, WeightsError, cli.UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except CacheGatherError as e:  # the mesh programs moved the cache: a defect, loudly
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     print(report(result))
     for w in result.warnings:
         print(f"warning: {w}", file=sys.stderr)

@@ -33,14 +33,40 @@ _OUT = flags.DEFINE_string("out", "/tmp/kvjax_shard", "output folder")
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 4, 1), (1, 4, 2), (1, 2, 4), (1, 1, 8)]
 
 
+def check_flags(devices: int, context: int, layers: int, models: list) -> None:
+    """Raises app.UsageError naming the bad flag, its value and what is allowed, before
+    anything compiles."""
+    need = max(d * m * s for d, m, s in MESHES)
+    if devices < need:
+        raise app.UsageError(f"--devices={devices}; allowed: at least {need} (the largest "
+                             f"swept mesh, data*model*seq)")
+    if context < 1:
+        raise app.UsageError(f"--context={context}; allowed: a positive number of tokens")
+    if layers < 0:
+        raise app.UsageError(f"--layers={layers}; allowed: 0 (all layers) or a positive "
+                             "number of layers")
+    if not models:
+        raise app.UsageError("--models=''; allowed: a comma-separated list of presets")
+    from kvjax.analysis import sizing  # noqa: PLC0415 (no backend started)
+    for name in models:
+        try:
+            sizing.model_config(name)
+        except ValueError as e:
+            raise app.UsageError(f"--models={','.join(models)}: {e}") from None
+
+
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from kvjax.parallel import distributed  # noqa: PLC0415
+    # the device count first: checking --models builds preset configs, which starts JAX
     distributed.set_local_devices(_DEVICES.value)
+    check_flags(_DEVICES.value, _CONTEXT.value, _LAYERS.value, _MODELS.value)
     import jax  # noqa: PLC0415
     from kvjax.analysis import sizing  # noqa: PLC0415
     from kvjax.config import ConfigError, MeshConfig  # noqa: PLC0415
     from kvjax.parallel import costs, planner  # noqa: PLC0415
+    from kvjax.parallel.collectives import CacheGatherError  # noqa: PLC0415
 
     os.makedirs(_OUT.value, exist_ok=True)
     t = _CONTEXT.value
@@ -63,6 +89,9 @@ def main(argv):
             except ConfigError as e:
                 rows.append(f"| {name} | {shape} | - | - | - | - | - | - | - | {e} |")
                 continue
+            except CacheGatherError as e:  # a defect: the table would be wrong
+                print(f"error: {name} on mesh {shape}: {e}", file=sys.stderr)
+                return 3
             # the embedding/LM head do not scale with L: scale layer terms only roughly
             rows.append(
                 f"| {name} (L={full.num_layers}, B={shape[0]}) | {shape} | "
@@ -86,6 +115,9 @@ def main(argv):
     with open(os.path.join(_OUT.value, "shard.md"), "w") as f:
         f.write(text)
     print("\n" + planner.table(plans))
+    if not plot:
+        print("no mesh fitted: no plot (the table says why)", file=sys.stderr)
+        return 1
     try:
         import matplotlib  # noqa: PLC0415
         matplotlib.use("Agg")

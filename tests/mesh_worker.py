@@ -42,7 +42,8 @@ VARIANTS = {
                     qk_nope_head_dim=16, v_head_dim=16, kv_dtype="float8_e4m3fn"),
 }
 # `python tests/mesh_worker.py cases`: quantized and ragged caches in one process
-CASES = {"gqa_int8": [(2, 4, 1), (1, 1, 8)], "gqa_int4": [(1, 2, 4)], "mla_fp8": [(1, 2, 4)]}
+CASES = {"gqa_int8": [(2, 4, 1), (1, 1, 8)], "gqa_int4": [(1, 2, 4)], "mla_fp8": [(1, 2, 4)],
+         "scan": [(1, 2, 4)]}  # scan: the layer scan (stacked cache, dynamic layer index)
 RAGGED_MESHES = [(8, 1, 1), (1, 2, 4)]
 B, S, T, STEPS = 8, 32, 5, 3
 
@@ -65,7 +66,14 @@ def main(variant: str, meshes=MESHES) -> dict:
     for shape in meshes:
         mm = programs.build(cfg, MeshConfig(*shape, kv_fallback="replicate"), B, S)
         p, c = mm.shard_params(params), mm.init_cache()
-        lg, c = mm.prefill()(p, tokens, c)
+        # compiled once: run, and its collectives read (a later chunk's prefill, attending
+        # over the sharded cache)
+        prefill = mm.prefill().lower(p, tokens, c).compile()
+        prefill_colls = {"chunk": collectives.collectives(prefill, mm.mesh)}
+        if shape[2] > 1:  # and into an empty cache (as the entry points do), on 'seq'
+            prefill_colls["fresh"] = collectives.collectives(
+                mm.prefill(True).lower(p, tokens, c).compile(), mm.mesh)
+        lg, c = prefill(p, tokens, c)
         errs = [float(jnp.max(jnp.abs(lg - refs[0])))]
         step = mm.decode_step()
         for i in range(STEPS):
@@ -77,7 +85,10 @@ def main(variant: str, meshes=MESHES) -> dict:
         colls = collectives.collectives(step.lower(p, nxt[0], c).compile(), mm.mesh)
         shapes = [tuple(x.shape) for x in jax.tree.leaves(c.tensors)]
         shapes += [tuple(x.addressable_shards[0].data.shape) for x in jax.tree.leaves(c.tensors)]
+        prefill_gathers = {k: [x.name for x in collectives.cache_collectives(v, shapes)]
+                           for k, v in prefill_colls.items()}
         out[str(shape)] = {
+            "prefill_gathers": prefill_gathers,
             "errors": errs, "cache_total": total, "cache_per_device": per_dev,
             "spec": str(k0.sharding.spec),
             "cache_in_place": all(np.all(np.asarray(x.sharding.spec == y.sharding.spec))
@@ -137,6 +148,8 @@ def ragged(meshes=RAGGED_MESHES) -> dict:
         b, n, c = gen(p, f, c, jnp.asarray(budgets), keys, jnp.int32(-1))
         colls = collectives.collectives(gen.lower(p, f, c, jnp.asarray(budgets), keys,
                                                   jnp.int32(-1)).compile(), mm.mesh)
+        colls += collectives.collectives(mm.prefill_ragged().lower(
+            p, jnp.asarray(tokens), jnp.asarray(lengths), c).compile(), mm.mesh)
         shapes = [tuple(x.shape) for x in jax.tree.leaves(c.tensors)]
         shapes += [tuple(x.addressable_shards[0].data.shape) for x in jax.tree.leaves(c.tensors)]
         out[str(shape)] = {
@@ -149,12 +162,41 @@ def ragged(meshes=RAGGED_MESHES) -> dict:
     return out
 
 
+def native(meshes=((2, 4, 1), (1, 2, 4))) -> dict:
+    """prefill_impl='native' (a custom call) on meshes: prefill logits into an empty cache
+    ('fresh') and over it ('chunk') vs one device, and the prefill's all-gathers."""
+    from kvjax.native import prefill as native_prefill  # noqa: PLC0415
+    if not native_prefill.load():
+        return {"skipped": "the native prefill kernel did not build"}
+    cfg = ModelConfig(**{**BASE, **VARIANTS["gqa"]}, prefill_impl="native", name="native")
+    params = model_lib.params_for(cfg, model_lib.init_params(cfg, 0))
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size, jnp.int32)
+    ref, cache = decode.prefill_program(params, tokens, cache_lib.init_cache(cfg, B, S),
+                                        cfg=cfg, fresh=True)
+    ref2, _ = decode.prefill_program(params, tokens, cache, cfg=cfg)
+    out = {"logit_scale": float(jnp.max(jnp.abs(ref)))}
+    for shape in meshes:
+        mm = programs.build(cfg, MeshConfig(*shape), B, S)
+        p, c = mm.shard_params(params), mm.init_cache()
+        out[str(shape)] = {}
+        for fresh, want in ((True, ref), (False, ref2)):
+            compiled = mm.prefill(fresh).lower(p, tokens, c).compile()
+            lg, c = compiled(p, tokens, c)
+            out[str(shape)]["fresh" if fresh else "chunk"] = {
+                "error": float(jnp.max(jnp.abs(lg - want))),
+                "custom_call": "custom-call" in compiled.as_text(),
+                "all_gathers": [list(x.axes) for x in collectives.collectives(compiled, mm.mesh)
+                                if x.kind == "all-gather"]}
+    return out
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "cases":
         res = {name: main(name, meshes) for name, meshes in CASES.items()}
         res["ragged"] = ragged()
         res["meshes"] = {**CASES, "ragged": RAGGED_MESHES}
         res["roofline"] = roofline()
+        res["native"] = native()
         print("RESULT " + json.dumps(res))
     elif sys.argv[1] == "roofline":
         print("RESULT " + json.dumps(roofline()))

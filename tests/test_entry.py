@@ -422,3 +422,16 @@ def test_decode_report_never_prints_a_negative_fixed_cost():
     assert "fixed cost of 1.4 ms cancels" in line({"steps": (4, 20), "call_overhead_s": 0.0014})
     neg = line({"steps": (4, 20), "call_overhead_s": -0.0327})
     assert "below the timing noise (estimate -32.7 ms)" in neg and "of -32.7 ms" not in neg
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layers=-1"], "--layers=-1; allowed: 0 (all layers) or a positive number"),
+    (["--models=blog,foo"], "--models=blog,foo: preset 'foo': unknown; allowed: ["),
+    (["--devices=0"], "--devices=0; allowed: at least 8"),
+])
+def test_shard_sweep_refuses_bad_flags_before_compiling(args, message):
+    proc = subprocess.run([sys.executable, "-m", "experiments.shard", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

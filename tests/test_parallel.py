@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from kvjax.config import (ConfigError, DistributedConfig, MeshConfig, ModelConfig,
                           run_config_from_dict)
 from kvjax.models import model as model_lib
-from kvjax.parallel import collectives, mesh as mesh_lib, specs
+from kvjax.parallel import collectives, costs, mesh as mesh_lib, specs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(vocab_size=256, num_layers=2, d_model=64, num_heads=8, head_dim=16,
@@ -45,6 +45,10 @@ def test_sharded_decode_equals_single_device(variant):
         shards = shape[0] * shape[2] * (shape[1] if kv_split else 1)
         assert m["cache_per_device"] * shards == m["cache_total"], (mesh, m)
         assert m["cache_gathers"] == [], (mesh, m["cache_gathers"])
+        # the prefill writes its chunk into the sharded cache without gathering it (a
+        # global write made GSPMD all-gather every cache tensor on a 'seq' mesh)
+        want = {"fresh": [], "chunk": []} if shape[2] > 1 else {"chunk": []}
+        assert m["prefill_gathers"] == want, (mesh, m["prefill_gathers"])
         kinds = {c["kind"] for c in m["collectives"]}
         assert kinds <= {"all-reduce", "all-gather"}, kinds
         # The only all-gather is of the [B, V/model] logits over 'model'.
@@ -68,21 +72,24 @@ def test_sharded_decode_equals_single_device(variant):
 
 def test_quantized_and_ragged_caches_on_meshes():
     """One subprocess: int8 / int4 GQA and fp8 MLA caches (codes + float32 scales, both
-    sharded like the cache) and a ragged batch (per-row positions [B, S] and lengths [B])
-    give the single-device logits and tokens on data / model / seq meshes."""
+    sharded like the cache), the layer scan (stacked cache) and a ragged batch (per-row
+    positions [B, S] and lengths [B]) give the single-device logits and tokens on data /
+    model / seq meshes, and no program (prefill, step, loop) gathers the cache."""
     r = _worker("cases")
     cases = {k: [tuple(m) for m in v] for k, v in r["meshes"].items()}
-    assert {"gqa_int8", "gqa_int4", "mla_fp8", "ragged"} <= set(cases)
-    for variant in ("gqa_int8", "gqa_int4", "mla_fp8"):
+    assert {"gqa_int8", "gqa_int4", "mla_fp8", "scan", "ragged"} <= set(cases)
+    for variant in ("gqa_int8", "gqa_int4", "mla_fp8", "scan"):
         meshes = cases[variant]
         tol = 2e-6 * r[variant]["logit_scale"] + 1e-5
         for shape in meshes:
             m = r[variant][str(shape)]
             assert max(m["errors"]) < tol, (variant, shape, m["errors"])
-            kv_split = variant.startswith("gqa") and shape[1] > 1
+            kv_split = variant != "mla_fp8" and shape[1] > 1
             shards = shape[0] * shape[2] * (shape[1] if kv_split else 1)
             assert m["cache_per_device"] * shards == m["cache_total"], (variant, shape, m)
             assert m["cache_gathers"] == [], (variant, shape, m["cache_gathers"])
+            want = {"fresh": [], "chunk": []} if shape[2] > 1 else {"chunk": []}
+            assert m["prefill_gathers"] == want, (variant, shape, m)
     g = r["ragged"]
     assert len(set(g["ref_length"])) > 1  # rows really are at different lengths
     assert (8, 1, 1) in cases["ragged"]  # the data mesh
@@ -104,6 +111,16 @@ def test_quantized_and_ragged_caches_on_meshes():
     # einsum with a T axis made XLA transpose every 'BKHS' key shard: kv_copies = 2x)
     for shape, v in r["roofline"].items():
         assert v["kv_copies"] == 0 and v["kv_read"] == v["kv_dev"], (shape, v)
+    # prefill_impl='native' on model / seq meshes: the kernel runs on each device's rows
+    # and KV heads (q/k/v were all-gathered around the custom call): one-device logits,
+    # and the only all-gather left is the logits' [B / data, V] over 'model'
+    n = r["native"]
+    for shape in () if "skipped" in n else ("(2, 4, 1)", "(1, 2, 4)"):
+        for kind in ("fresh", "chunk"):
+            v = n[shape][kind]
+            assert v["error"] < 2e-6 * n["logit_scale"] + 1e-5, (shape, kind, v)
+            assert v["all_gathers"] == [["model"]], (shape, kind, v)
+        assert n[shape]["fresh"]["custom_call"]  # the kernel really ran
 
 
 def test_param_specs_megatron():
@@ -151,6 +168,11 @@ def test_bad_input_raises_before_compile():
     with pytest.raises(ConfigError, match="model.weight_matmul='native'.*'xla' on a mesh"):
         mesh_lib.check(cfg.replace(weight_matmul="native"), MeshConfig(2, 1, 1))
     mesh_lib.check(cfg.replace(weight_matmul="native"), MeshConfig(1, 1, 1))  # no mesh
+    # the native prompt kernel runs per device on whole KV heads: K = 1 on model = 2 no
+    with pytest.raises(ConfigError, match="model.prefill_impl='native'.*mesh.model=2"):
+        mesh_lib.check(cfg.replace(prefill_impl="native"),
+                       MeshConfig(1, 2, 1, kv_fallback="replicate"))
+    mesh_lib.check(cfg.replace(prefill_impl="auto"), MeshConfig(1, 2, 1, kv_fallback="replicate"))
     with pytest.raises(ConfigError, match="batch_size=3.*mesh.data=2"):
         mesh_lib.check(cfg, MeshConfig(2, 1, 1), batch_size=3)
     with pytest.raises(ConfigError, match="mesh.seq=3.*S=32"):
@@ -233,3 +255,31 @@ def test_two_processes_on_loopback_match_single_process():
     ref = get(outs[0][0], "REF")
     assert get(outs[0][0], "TOKENS") == ref
     assert get(outs[1][0], "TOKENS") == ref
+
+
+def test_a_cache_gather_fails_loudly():
+    """A program that all-gathers a cache shard raises CacheGatherError naming the
+    program and the shapes (the seq-sharded prefill once did, 61 times, quietly); the
+    logits gather over 'model' does not."""
+    import numpy as np
+
+    class M:  # a (data, model, seq) = (1, 2, 4) mesh's shape and names
+        devices = np.zeros((1, 2, 4))
+        axis_names = ("data", "model", "seq")
+
+    cfg = ModelConfig(**TINY, attention="gqa", num_kv_heads=4)
+    mc = MeshConfig(1, 2, 4)
+    shapes = costs.cache_shapes(cfg, mc, 8, 32)
+    assert (8, 4, 32, 16) in shapes and (8, 2, 8, 16) in shapes  # global, per device
+    hlo = ("  %param.1 = f32[8,2,8,16]{3,2,1,0} parameter(1)\n"
+           "  %ag = f32[8,2,32,16]{3,2,1,0} all-gather(f32[8,2,8,16]{3,2,1,0} %param.1), "
+           "channel_id=1, replica_groups=[2,4]<=[8], dimensions={2}\n"
+           "  %param.2 = f32[8,128]{1,0} parameter(2)\n"
+           "  %ag.1 = f32[8,256]{1,0} all-gather(f32[8,128]{1,0} %param.2), channel_id=2, "
+           "replica_groups=[4,2]<=[2,4]T(1,0), dimensions={1}\n")
+    colls = collectives.collectives(hlo, M)
+    assert [c.axes for c in colls] == [("seq",), ("model",)]
+    collectives.check_cache_stays({"generate": colls[1:]}, shapes)  # logits only: fine
+    with pytest.raises(collectives.CacheGatherError,
+                       match=r"prefill: 1 x all-gather .*over seq.*\[8, 2, 8, 16\]"):
+        collectives.check_cache_stays({"generate": colls[1:], "prefill": colls}, shapes)

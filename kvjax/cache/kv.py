@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from kvjax.cache import quant
 from kvjax.cache.policy import CacheOverflowError, DenseSlots, RingSlots, policy_for
 from kvjax.config import ModelConfig
+from kvjax.parallel import seq_attention
 
 __all__ = ["KVCache", "TensorSpec", "tensor_specs", "slot_axis", "to_layout", "layouts",
            "check_layouts", "layer_shapes", "num_slots", "init_cache", "cache_spec",
@@ -316,7 +317,9 @@ def write(buf: jax.Array, new: jax.Array, chunk_positions: jax.Array, cfg: Model
       :meth:`kvjax.cache.policy.RingSlots.write`): a ring drops tokens a later token of
       the same chunk overwrites; a dense cache writes in place and never clamps silently,
       because a row that would write past its end has its logits poisoned with NaN (and
-      the host-side entry points raise before running).
+      the host-side entry points raise before running). Under a mesh whose 'seq' axis
+      splits the slots, each device writes the slots it owns
+      (:func:`kvjax.parallel.seq_attention.write`); the cache is never gathered.
     Raises:
       ValueError: ``axis`` not -2 or -1.
     """
@@ -325,7 +328,16 @@ def write(buf: jax.Array, new: jax.Array, chunk_positions: jax.Array, cfg: Model
     if chunk_positions.ndim == 1:
         chunk_positions = jnp.broadcast_to(chunk_positions,
                                            (new.shape[0],) + chunk_positions.shape)
-    return policy_for(cfg).write(buf, new, chunk_positions, axis, layer, ragged)
+    return _write(policy_for(cfg), buf, new, chunk_positions, axis, layer, ragged)
+
+
+def _write(policy, buf, new, chunk_positions, axis, layer=None, ragged=False):
+    """``policy.write``, or on a mesh whose 'seq' axis splits the slot axis, the write by
+    the devices owning the slots (:func:`kvjax.parallel.seq_attention.write`: the cache
+    is never gathered)."""
+    if seq_attention.seq_shards() > 1:
+        return seq_attention.write(policy, buf, new, chunk_positions, axis, layer, ragged)
+    return policy.write(buf, new, chunk_positions, axis, layer, ragged)
 
 
 def advance(cache: KVCache, chunk_positions: jax.Array, cfg: ModelConfig,
@@ -347,8 +359,8 @@ def next_positions(cache: KVCache, chunk_positions: jax.Array, cfg: ModelConfig)
     if chunk_positions.ndim == 1:
         chunk_positions = jnp.broadcast_to(chunk_positions, (b,) + chunk_positions.shape)
     policy = policy_for(cfg)
-    return policy.write(cache.positions, chunk_positions, chunk_positions, -1,
-                        ragged=cache.ragged)
+    return _write(policy, cache.positions, chunk_positions, chunk_positions, -1,
+                  ragged=cache.ragged)
 
 
 def ring_slots(chunk_positions: jax.Array, cfg: ModelConfig, num_slots_: int) -> jax.Array:

@@ -146,13 +146,7 @@ class RingSlots:
         slots = self.write_slots(chunk_positions, buf.shape[axis])
         if ragged:
             return write_rows(buf, new, slots, axis, layer, self.write_mode)
-        slots, new = slots[0], new.astype(buf.dtype)
-        buf_axis = buf.ndim + axis
-        if layer is None:  # one advanced index: its axis stays in place
-            return buf.at[(slice(None),) * buf_axis + (slots,)].set(new, mode="drop")
-        # Two advanced indices (layer, slots) split by slices: numpy puts their axis first.
-        index = (layer,) + (slice(None),) * (buf_axis - 1) + (slots,)
-        return buf.at[index].set(jnp.moveaxis(new, new.ndim + axis, 0), mode="drop")
+        return write_shared(buf, new, slots[0], axis, layer)
 
     def overflows(self, length: jax.Array, new_tokens: int, num_slots: int) -> jax.Array:
         """A ring never fills."""
@@ -172,6 +166,21 @@ class RingSlots:
         """A ring never fills, so the generate loop's buffer must hold the steps: the next
         power of two >= ``num_steps`` (at least ``num_slots``), so few lengths compile."""
         return max(num_slots, 1 << max(0, int(num_steps) - 1).bit_length())
+
+
+def write_shared(buf: jax.Array, new: jax.Array, slots: jax.Array, axis: int,
+                 layer=None) -> jax.Array:
+    """Scatters every row's chunk to the same slots (lockstep rows), dropping slot S.
+
+    Args: ``buf`` and ``new`` as :func:`write_rows`; slots: [T] int32 slot per token.
+    """
+    new = new.astype(buf.dtype)
+    buf_axis = buf.ndim + axis
+    if layer is None:  # one advanced index: its axis stays in place
+        return buf.at[(slice(None),) * buf_axis + (slots,)].set(new, mode="drop")
+    # Two advanced indices (layer, slots) split by slices: numpy puts their axis first.
+    index = (layer,) + (slice(None),) * (buf_axis - 1) + (slots,)
+    return buf.at[index].set(jnp.moveaxis(new, new.ndim + axis, 0), mode="drop")
 
 
 def write_rows(buf: jax.Array, new: jax.Array, slots: jax.Array, axis: int, layer=None,

@@ -156,6 +156,8 @@ class Generation:
     prefill_chunk_temp_bytes: list = dataclasses.field(default_factory=list)
     prefill_compiled: object = dataclasses.field(default=None, repr=False)
     generate_compiled: object = dataclasses.field(default=None, repr=False)
+    # {chunk length: compiled program} of ``run.prefill_chunk`` (empty without it)
+    prefill_chunk_compiled: dict = dataclasses.field(default_factory=dict, repr=False)
     # on a mesh (run.mesh): the note when it uses fewer devices than there are, and the
     # cache bytes one device holds (= kv_cache_bytes on one device)
     mesh_note: str | None = None
@@ -264,6 +266,7 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
         kv_cache_bytes_theory=theory.kv_cache_bytes(
             cfg, cache_lib.num_slots(cfg, run.max_seq_len), b),
         prefill_compiled=prefill_c, generate_compiled=gen_c, chat_template=chat,
+        prefill_chunk_compiled=chunk_cs,
         kv_cache_tensors={n: (jax.tree.leaves(t)[0].dtype.name, cache_lib.total_bytes(t))
                           for n, t in cache.tensors.items()},
         warnings=notes, prefill_chunk_temp_bytes=[hlo_cost.memory_stats(c).get("temp_bytes")
@@ -301,11 +304,14 @@ class MeshCostReport:
     step: one sharded decode step at ``run.cost_context`` compiled from shapes
       (:func:`kvjax.parallel.costs.analyze_sharded_step`): theory (weights / TP + KV /
       shards + collective bytes), XLA's per-device ``cost_analysis``, the collectives by
-      kind / bytes / mesh axis, and cache all-gathers (must be none).
+      kind / bytes / mesh axis, and cache all-gathers (none: any raises
+      :class:`kvjax.parallel.collectives.CacheGatherError`).
     step_seconds_median: the median wall time of that step on the mesh (real weights,
       a full cache; :func:`kvjax.parallel.costs.measure_sharded_step`).
-    programs: 'prefill' / 'generate' -> {'inventory': {'kind@axes': {count, bytes,
-      link_bytes}}, 'cache_gathers': [names]} of the programs the run decoded with.
+    programs: 'prefill' / 'prefill chunk of N' (``run.prefill_chunk``) / 'generate' ->
+      {'inventory': {'kind@axes': {count, bytes,
+      link_bytes}}, 'cache_gathers': [names]} of the programs the run decoded with
+      ('cache_gathers' is always empty: a gather raises instead).
     """
 
     step: object
@@ -314,29 +320,33 @@ class MeshCostReport:
 
 
 def mesh_cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> MeshCostReport:
-    """The per-device cost hook for a run on ``run.mesh`` (see :class:`MeshCostReport`)."""
+    """The per-device cost hook for a run on ``run.mesh`` (see :class:`MeshCostReport`).
+
+    Raises:
+      kvjax.parallel.collectives.CacheGatherError: the prefill, the generate loop or the
+        sharded step all-gathers or all-to-alls a cache tensor (checked on the run's
+        programs first, before the step is compiled and timed).
+    """
     from kvjax.parallel import collectives as coll_lib  # noqa: PLC0415
     from kvjax.parallel import costs as pcosts  # noqa: PLC0415
     cfg, b = loaded.cfg, run.batch_size
     context = run.cost_context or run.max_seq_len
-    step = pcosts.analyze_sharded_step(cfg, run.mesh, context, b)
-    times = pcosts.measure_sharded_step(cfg, run.mesh, loaded.params, context, b,
-                                        run.measure_repeats, compiled=step.compiled)
     mm = meshed(run)
-    shapes = []
-    for name, spec in cache_lib.tensor_specs(cfg, b, cache_lib.num_slots(cfg, run.max_seq_len)).items():
-        local = list(spec.shape)
-        for i, a in enumerate(pcosts.specs_axes(cfg, run.mesh, name)):
-            if a is not None:
-                local[i] //= mm.mesh.shape[a]
-        shapes += [spec.shape, tuple(local)]
-    progs = {}
-    for name, compiled in (("prefill", gen.prefill_compiled), ("generate", gen.generate_compiled)):
-        colls = coll_lib.collectives(compiled, mm.mesh)
+    shapes = pcosts.cache_shapes(cfg, run.mesh, b, cache_lib.num_slots(cfg, run.max_seq_len))
+    progs, all_colls = {}, {}
+    compiled_programs = [("prefill", gen.prefill_compiled)] + [
+        (f"prefill chunk of {n}", c) for n, c in sorted(gen.prefill_chunk_compiled.items())
+    ] + [("generate", gen.generate_compiled)]
+    for name, compiled in compiled_programs:
+        colls = all_colls[name] = coll_lib.collectives(compiled, mm.mesh)
         progs[name] = {
             "inventory": {f"{k}@{'+'.join(a) or '-'}": v
                           for (k, a), v in coll_lib.inventory(colls).items()},
             "cache_gathers": [c.name for c in coll_lib.cache_collectives(colls, shapes)]}
+    coll_lib.check_cache_stays(all_colls, shapes)
+    step = pcosts.analyze_sharded_step(cfg, run.mesh, context, b)
+    times = pcosts.measure_sharded_step(cfg, run.mesh, loaded.params, context, b,
+                                        run.measure_repeats, compiled=step.compiled)
     return MeshCostReport(step=step, step_seconds_median=statistics.median(times),
                           programs=progs)
 
@@ -364,7 +374,8 @@ class DecodeResult:
         g, c = self.generation, self.costs
         if isinstance(c, MeshCostReport):  # a run on a mesh: per-device figures
             out = {f.name: getattr(g, f.name) for f in dataclasses.fields(g)
-                   if f.name not in ("prefill_compiled", "generate_compiled")}
+                   if f.name not in ("prefill_compiled", "generate_compiled",
+                                     "prefill_chunk_compiled")}
             out.update({"mesh": c.step.as_dict(), "step_seconds_median": c.step_seconds_median,
                         "achieved_bytes_per_s_per_device":
                             c.step.theory_bytes_dev / c.step_seconds_median,
@@ -372,7 +383,8 @@ class DecodeResult:
             return out
         s, loop = c.step, c.loop
         out = {f.name: getattr(g, f.name) for f in dataclasses.fields(g)
-               if f.name not in ("prefill_compiled", "generate_compiled", "kv_cache_bytes",
+               if f.name not in ("prefill_compiled", "generate_compiled",
+                                 "prefill_chunk_compiled", "kv_cache_bytes",
                                  "kv_cache_bytes_theory")}
         out.update({
             # per batch or per sequence, said in the key (issue 16)

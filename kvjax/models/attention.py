@@ -277,6 +277,18 @@ def _attend_step_kernel(q1, k_cache, v_cache, mask, k_new, v_new, k_layout, v_la
     return out[:, None].astype(v_cache.dtype)
 
 
+def _native_chunk(native_prefill, q, k, v, positions, k_old=None, v_old=None,
+                  old_positions=None, **kw):
+    """``native_prefill.attend_chunk`` on each device's own rows and KV heads when a mesh
+    splits them (:func:`kvjax.parallel.seq_attention.per_device`): the custom call is
+    per row and KV head, and GSPMD would gather q/k/v whole to every device around it."""
+    def fn(q, k, v, positions, k_old, v_old, old_positions):
+        return native_prefill.attend_chunk(q, k, v, positions, k_old=k_old, v_old=v_old,
+                                           old_positions=old_positions, **kw)
+    return seq_attention.per_device(fn, q, k, v, positions, k_old, v_old, old_positions,
+                                    head_axes=(2, 1, 1, None, 1, 1, None), out_head_axis=2)
+
+
 class Attention(nn.Module):
     """Grouped-query attention layer with a functional KV cache.
 
@@ -339,7 +351,7 @@ class Attention(nn.Module):
                 out = flash.attend_chunk_sdpa(q, k_cur, v_cur, positions, k_layout=k_layout,
                                               v_layout=v_layout, window_size=c.window_size)
             elif path == "native":
-                out = native_prefill.attend_chunk(q, k_cur, v_cur, positions, **native)
+                out = _native_chunk(native_prefill, q, k_cur, v_cur, positions, **native)
             elif use_tiled:
                 out = _zero_padded(positions, flash.attend_chunk(
                     q, k_cur, v_cur, positions, k_layout=k_layout, v_layout=v_layout,
@@ -376,9 +388,8 @@ class Attention(nn.Module):
                                       k_layout, v_layout, new_visible=positions[:, 0] >= 0,
                                       sink_scores=sink_s, impl=impl, backend=c.backend)
             elif path == "native":
-                out = native_prefill.attend_chunk(
-                    q, k_cur, v_cur, positions, k_old=k_old, v_old=v_old,
-                    old_positions=cached_positions, **native)
+                out = _native_chunk(native_prefill, q, k_cur, v_cur, positions, k_old=k_old,
+                                    v_old=v_old, old_positions=cached_positions, **native)
             elif use_tiled:
                 out = _zero_padded(positions, flash.attend_chunk(
                     q, k_cur, v_cur, positions, k_old=k_old, v_old=v_old,

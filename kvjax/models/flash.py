@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.parallel import seq_attention
+
 NEG_INF = -1e30
 LAYOUTS = ("BKSH", "BKHS")
 DEFAULT_BLOCK_Q = 256
@@ -451,7 +453,9 @@ def prefill_path(cfg, sinks_at_cache_positions: bool = False) -> str:
     ``cfg.prefill_impl`` 'native' and 'auto' give 'native' for MHA/GQA/MQA on the CPU
     backend when :func:`kvjax.native.prefill.load` succeeds ('native' then warns once if
     it does not; 'auto' may also warn once), else 'tiled'; MLA always runs 'tiled' there
-    (no native MLA kernel). 'cudnn' gives 'cudnn' (a chunk into an empty cache; later
+    (no native MLA kernel), and so does a mesh whose 'model' axis does not divide the KV
+    heads (the kernel runs per device on whole KV heads; ``kvjax.parallel.mesh.check``
+    refuses 'native' there). 'cudnn' gives 'cudnn' (a chunk into an empty cache; later
     chunks run 'tiled') except for MLA and attention sinks ('tiled'). Sinks at cache
     positions (``rope_positions='cache'``) need a second query rotation that only the
     dense path implements: 'dense'.
@@ -463,7 +467,8 @@ def prefill_path(cfg, sinks_at_cache_positions: bool = False) -> str:
         return "dense"
     if impl == "cudnn":
         return "tiled" if cfg.is_mla or cfg.num_sink_tokens else "cudnn"
-    if impl in ("native", "auto") and not cfg.is_mla and cfg.backend == "cpu":
+    if (impl in ("native", "auto") and not cfg.is_mla and cfg.backend == "cpu"
+            and cfg.num_kv_heads % seq_attention.axis_size("model") == 0):
         from kvjax.native import prefill as native_prefill  # noqa: PLC0415
         if native_prefill.load():
             return "native"

@@ -160,3 +160,36 @@ def cache_collectives(colls: list[Collective], shapes: list[tuple]) -> list[Coll
     shapes = {tuple(s) for s in shapes}
     return [c for c in colls if c.kind in ("all-gather", "all-to-all")
             and (shapes & set(c.operand_shapes) or shapes & set(c.result_shapes))]
+
+
+class CacheGatherError(RuntimeError):
+    """A compiled program on a mesh all-gathers or all-to-alls a cache tensor: the cache
+    was to stay sharded (docs/DESIGN.md, "Meshes"), so the per-device figures are wrong."""
+
+
+def check_cache_stays(programs: dict, shapes: list[tuple]) -> None:
+    """Raises :class:`CacheGatherError` when any program moves a cache tensor.
+
+    Args:
+      programs: program name (e.g. 'prefill', 'generate', 'step') -> its collectives
+        (:func:`collectives`).
+      shapes: the cache tensors' global and per-device shapes (:func:`cache_collectives`).
+    Raises:
+      CacheGatherError: naming each offending program, the count, kind, payload bytes
+        and the first offending instruction's operand and result shapes.
+    """
+    bad = []
+    for name, colls in programs.items():
+        found = cache_collectives(colls, shapes)
+        if found:
+            kinds = sorted({c.kind for c in found})
+            c = found[0]
+            bad.append(f"{name}: {len(found)} x {'/'.join(kinds)} of cache tensors, "
+                       f"{sum(x.bytes for x in found) / 1e3:,.1f} KB per device (e.g. "
+                       f"{c.name} over {'+'.join(c.axes) or '?'}: operand "
+                       f"{', '.join(str(list(x)) for x in c.operand_shapes)} -> result "
+                       f"{', '.join(str(list(x)) for x in c.result_shapes)})")
+    if bad:
+        raise CacheGatherError(
+            "the cache was gathered on the mesh (it must stay sharded: each device reads "
+            "and writes only its own slots / heads): " + "; ".join(bad))

@@ -112,6 +112,8 @@ def analyze_sharded_step(cfg: ModelConfig, mcfg: MeshConfig, context: int, batch
     Raises:
       ConfigError: the mesh does not fit the devices or the model
         (:func:`kvjax.parallel.programs.build`), before compiling.
+      CacheGatherError: the compiled step all-gathers or all-to-alls a cache tensor
+        (:func:`kvjax.parallel.collectives.check_cache_stays`).
     """
     mm = programs.build(cfg, mcfg, batch, context, devices=devices)
     params, cache = mm.param_shapes(), mm.cache_shapes()
@@ -119,14 +121,9 @@ def analyze_sharded_step(cfg: ModelConfig, mcfg: MeshConfig, context: int, batch
     compiled = mm.decode_step().lower(params, token, cache).compile()
     xla = hlo_cost.loop_aware_cost(compiled)
     colls = coll_lib.collectives(compiled, mm.mesh)
-    shapes = []
-    for name, spec in cache_lib.tensor_specs(cfg, batch, cache_lib.num_slots(cfg, context)).items():
-        local = list(spec.shape)
-        for i, a in enumerate(specs_axes(cfg, mcfg, name)):
-            if a is not None:
-                local[i] //= mm.mesh.shape[a]
-        shapes += [spec.shape, tuple(local)]
+    shapes = cache_shapes(cfg, mcfg, batch, cache_lib.num_slots(cfg, context))
     bad = coll_lib.cache_collectives(colls, shapes)
+    coll_lib.check_cache_stays({"decode step": colls}, shapes)
     ici, ici_axes, err = None, None, None
     if roofline:
         ici_axes, err = _roofline_ici(mm, params, token, cache)
@@ -182,6 +179,20 @@ def measure_sharded_step(cfg: ModelConfig, mcfg: MeshConfig, params, context: in
     return times
 
 
+def cache_shapes(cfg: ModelConfig, mcfg: MeshConfig, batch: int, num_slots: int) -> list:
+    """Global and per-device shapes of one layer's cache tensors on ``mcfg``'s mesh (what
+    :func:`kvjax.parallel.collectives.cache_collectives` looks for)."""
+    sizes = dict(zip(("data", "model", "seq"), mcfg.shape))
+    shapes = []
+    for name, spec in cache_lib.tensor_specs(cfg, batch, num_slots).items():
+        local = list(spec.shape)
+        for i, a in enumerate(specs_axes(cfg, mcfg, name)):
+            if a is not None:
+                local[i] //= sizes[a]
+        shapes += [tuple(spec.shape), tuple(local)]
+    return shapes
+
+
 def specs_axes(cfg, mcfg, name) -> tuple:
     from kvjax.parallel.specs import cache_tensor_spec  # noqa: PLC0415
     return tuple(cache_tensor_spec(cfg, mcfg, name))
@@ -204,7 +215,11 @@ def _roofline_ici(mm, params, token, cache):
       directly when 'seq' is already manual, so its pmax / psums are counted per axis.
     """
     from jax.experimental import roofline as jroof  # noqa: PLC0415
+    from jax._src.lax import parallel as lax_parallel  # noqa: PLC0415
     from kvjax.inference import decode  # noqa: PLC0415
+    # the seq-sharded cache write (seq_attention.write) asks for its shard's index: a
+    # scalar, no traffic; without a rule roofline logs ~10 lines per layer about it
+    jroof.register_standard_roofline(lax_parallel.axis_index_p)
     if mm.mcfg.model > 1:
         return None, ("n/a with mesh.model > 1: jax.experimental.roofline traces the "
                       "per-device shard_map body; Flax refuses the 'model'-split "

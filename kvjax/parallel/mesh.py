@@ -90,7 +90,9 @@ def check(cfg: ModelConfig, mcfg: MeshConfig, batch_size: int | None = None,
     the vocabulary V; ``model`` divides the KV heads K unless ``mesh.kv_fallback`` is
     'replicate'; ``seq`` divides the cache slots S; sinks at cache positions
     (``rope_positions='cache'``) are not sequence-sharded; ``model.weight_matmul`` is
-    'xla' (the native kernel is a custom call XLA cannot partition).
+    'xla' (the native kernel is a custom call XLA cannot partition); ``model.prefill_impl``
+    is not 'native' when ``model`` does not divide K (the native prompt kernel runs per
+    device on whole KV heads, :func:`kvjax.parallel.seq_attention.per_device`).
     """
     def fail(field, value, allowed):
         raise ConfigError(f"invalid config: {field}={value!r}; allowed: {allowed}")
@@ -110,6 +112,12 @@ def check(cfg: ModelConfig, mcfg: MeshConfig, batch_size: int | None = None,
             fail("mesh.model", m, f"a divisor of model.mlp_dim={cfg.mlp_dim}")
         if cfg.vocab_size % m:
             fail("mesh.model", m, f"a divisor of model.vocab_size={cfg.vocab_size}")
+        if not cfg.is_mla and cfg.num_kv_heads % m and cfg.prefill_impl == "native":
+            # the kernel runs per device on whole KV heads (seq_attention.per_device)
+            fail("model.prefill_impl", cfg.prefill_impl,
+                 f"'tiled', 'dense' or 'auto' when mesh.model={m} does not divide "
+                 f"model.num_kv_heads={cfg.num_kv_heads} (the native kernel runs on each "
+                 "device's whole KV heads)")
         if not cfg.is_mla and cfg.num_kv_heads % m and mcfg.kv_fallback == "none":
             fail("mesh.model", m,
                  f"a divisor of model.num_kv_heads={cfg.num_kv_heads}, or set "

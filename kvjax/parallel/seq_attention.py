@@ -27,12 +27,18 @@ SEQ = "seq"
 NEG_INF = -1e30
 
 
+def axis_size(name: str) -> int:
+    """Size of the context mesh's axis ``name`` (``jax.set_mesh``; 1 when no mesh is set
+    or it has no such axis)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or name not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[name])
+
+
 def seq_shards() -> int:
     """Size of the context mesh's 'seq' axis (1 when no mesh is set or it has none)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or SEQ not in mesh.axis_names:
-        return 1
-    return int(mesh.shape[SEQ])
+    return axis_size(SEQ)
 
 
 def _stats(scores: jax.Array, visible: jax.Array):
@@ -162,3 +168,112 @@ def attend_mla_cached(q_main, q_rope, c_old, kr_old, mask_old, c_new, kr_new, ma
     old = over_seq(local, ((c_old, -2), (kr_old, -2), (mask_old, -1)), rep)
     new = local(c_new, kr_new, mask_new, *rep)
     return finish(merge(old, new))
+
+
+def write(policy, buf: jax.Array, new: jax.Array, chunk_positions: jax.Array, axis: int,
+          layer=None, ragged: bool = False) -> jax.Array:
+    """A chunk written into a cache tensor whose slot axis is split over 'seq', by the
+    devices that own the slots: no cache shard moves.
+
+    Each 'seq' shard holds slots [i·S/n, (i+1)·S/n) of the S slots. Inside a
+    ``jax.shard_map`` manual over 'seq' (so 'data' and 'model' stay automatic), device i
+    takes the chunk's global slots from ``policy.write_slots`` (a ring's or a dense
+    cache's; S where the write drops a token), keeps those in its own range as local
+    indices and scatters them into its shard with ``mode='drop'``; the others go to the
+    out-of-range index S/n and are dropped. A global write (``dynamic_update_slice`` or
+    scatter on the whole [.., S, ..] array) made GSPMD all-gather every cache tensor of a
+    seq-sharded prefill (a ``[B, K, S, H]`` gather per layer and tensor).
+
+    Args:
+      policy: the slot policy (:func:`kvjax.cache.policy.policy_for`).
+      buf: one layer's tensor [B, ..., S, X] (``axis`` -2) or [B, ..., X, S] (``axis``
+        -1), with a leading L axis when ``layer`` is given; any dtype (codes, float32
+        scales, int32 positions).
+      new: the chunk, laid out like one layer of ``buf`` with T in place of S
+        (replicated over 'seq').
+      chunk_positions: [B, T] int32 absolute positions (-1: padded, never written).
+      axis: the slot axis, -2 or -1.
+      layer: [] int32 layer index into a stacked ``buf``, or None.
+      ragged: rows at their own positions (a per-row scatter); False: every row writes at
+        row 0's slots.
+    Returns:
+      ``buf`` updated, with its sharding; equal to ``policy.write`` on one device.
+    """
+    from kvjax.cache import policy as policy_lib  # noqa: PLC0415 (cycle)
+
+    slot_axis = buf.ndim + axis
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = SEQ in mesh.manual_axes  # e.g. jax.experimental.roofline's per-device trace
+    num_slots = buf.shape[slot_axis] * (mesh.shape[SEQ] if manual else 1)  # global S
+
+    def body(buf, new, chunk_positions, *layer):
+        layer = layer[0] if layer else None
+        local_s = buf.shape[slot_axis]
+        first = jax.lax.axis_index(SEQ) * local_s
+        slots = policy.write_slots(chunk_positions, num_slots) - first
+        slots = jnp.where((slots >= 0) & (slots < local_s), slots, local_s)
+        if ragged:
+            return policy_lib.write_rows(buf, new, slots, axis, layer, "drop")
+        return policy_lib.write_shared(buf, new, slots[0], axis, layer)
+
+    args = (buf, new, chunk_positions) + (() if layer is None else (layer,))
+    if manual:  # already inside a shard_map manual over 'seq': ``buf`` is the shard
+        return body(*args)
+    axes = [None] * buf.ndim
+    axes[slot_axis] = SEQ
+    fn = jax.shard_map(body, in_specs=(P(*axes),) + (P(),) * (len(args) - 1),
+                       out_specs=P(*axes), axis_names=frozenset({SEQ}))
+    return fn(*args)
+
+
+def per_device(fn, *args, head_axes: tuple, out_head_axis: int):
+    """``fn(*args)`` run on each device's own batch rows and KV heads, inside a
+    ``jax.shard_map`` manual over the context mesh's 'data' and 'model' axes (those of
+    size > 1; 'seq' stays automatic).
+
+    For a function XLA cannot partition (a custom call such as the native prompt-attention
+    kernel, which is independent per batch row and KV head): left to GSPMD, it
+    all-gathers its operands to every device first (q/k/v whole on every device, 91
+    all-gathers and 4.5 MB per SmolLM2 prefill on a 3-way 'model' mesh).
+
+    Args:
+      fn: the function; its output has the first arg's rank, its batch axis is 0 and
+        its KV-head axis is ``out_head_axis``.
+      args: arrays with the batch axis 0, or None (passed through).
+      head_axes: per arg, the KV-head axis or None (no head axis: split by batch only).
+      out_head_axis: the KV-head axis of ``fn``'s output.
+    Returns:
+      ``fn(*args)`` with the output split as the inputs were. Without a mesh (or with
+      'data' and 'model' of size 1), ``fn(*args)`` as is.
+
+    The caller guarantees 'model' divides the KV heads (:func:`kvjax.parallel.mesh.check`
+    refuses the native prefill when it does not).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = [a for a in ("data", "model") if not mesh.empty and a in mesh.axis_names
+              and mesh.shape[a] > 1 and a not in mesh.manual_axes]
+    if not manual:
+        return fn(*args)
+    d = "data" if "data" in manual else None
+    m = "model" if "model" in manual else None
+
+    def spec(x, head):
+        axes = [None] * x.ndim
+        axes[0] = d
+        if head is not None:
+            axes[head] = m
+        return P(*axes)
+
+    live = [i for i, x in enumerate(args) if x is not None]
+    in_specs = tuple(spec(args[i], head_axes[i]) for i in live)
+    out_axes = [None] * args[0].ndim
+    out_axes[0], out_axes[out_head_axis] = d, m
+
+    def body(*xs):
+        full = list(args)
+        for i, x in zip(live, xs):
+            full[i] = x
+        return fn(*full)
+
+    return jax.shard_map(body, in_specs=in_specs, out_specs=P(*out_axes),
+                         axis_names=frozenset(manual))(*(args[i] for i in live))
