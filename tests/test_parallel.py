@@ -168,6 +168,9 @@ def test_bad_input_raises_before_compile():
     with pytest.raises(ConfigError, match="model.weight_matmul='native'.*'xla' on a mesh"):
         mesh_lib.check(cfg.replace(weight_matmul="native"), MeshConfig(2, 1, 1))
     mesh_lib.check(cfg.replace(weight_matmul="native"), MeshConfig(1, 1, 1))  # no mesh
+    with pytest.raises(ConfigError, match="model.decode_attention='native'.*on a mesh"):
+        mesh_lib.check(cfg.replace(decode_attention="native"), MeshConfig(1, 1, 2))
+    mesh_lib.check(cfg.replace(decode_attention="auto"), MeshConfig(1, 1, 2))
     # the native prompt kernel runs per device on whole KV heads: K = 1 on model = 2 no
     with pytest.raises(ConfigError, match="model.prefill_impl='native'.*mesh.model=2"):
         mesh_lib.check(cfg.replace(prefill_impl="native"),

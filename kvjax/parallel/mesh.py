@@ -103,6 +103,12 @@ def check(cfg: ModelConfig, mcfg: MeshConfig, batch_size: int | None = None,
         # all-gather every weight each step, silently undoing the tensor parallelism
         fail("model.weight_matmul", cfg.weight_matmul,
              "'xla' on a mesh (the native kernel is single-device)")
+    if not mcfg.trivial and cfg.decode_attention == "native":
+        # the same for the decode-attention kernel: XLA would gather the sharded cache
+        # around the custom call ('auto' resolves to 'xla' under a mesh, kvjax.planner)
+        fail("model.decode_attention", cfg.decode_attention,
+             "'auto', 'xla' or 'xla_cache_left' on a mesh (the native kernel is "
+             "single-device)")
     if batch_size is not None and batch_size % mcfg.data:
         fail("batch_size", batch_size, f"a multiple of mesh.data={mcfg.data}")
     if m > 1:
