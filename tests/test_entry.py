@@ -401,14 +401,19 @@ def test_uptrain_entry_point_trains_and_scores(tmp_path):
     assert (tmp_path / "w" / "checkpoints" / "3").is_dir()  # resuming: see the test above
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--contexts=4096", "--max_seq_len=128"],
+@pytest.mark.parametrize("module, args, message", [
+    ("prefill", ["--contexts=4096", "--max_seq_len=128"],
      "--max_seq_len=128; allowed: at least the largest --contexts value, 4096"),
-    (["--contexts=0"], "--contexts=0; allowed: positive integers"),
-    (["--impls=bogus"], "--impls: invalid config: model.prefill_impl='bogus'"),
+    ("prefill", ["--contexts=0"], "--contexts=0; allowed: positive integers"),
+    ("prefill", ["--impls=bogus"], "--impls: invalid config: model.prefill_impl='bogus'"),
+    ("shard", ["--layers=-1"], "--layers=-1; allowed: 0 (all layers) or a positive number"),
+    ("shard", ["--models=blog,foo"], "--models=blog,foo: preset 'foo': unknown; allowed: ["),
+    ("shard", ["--devices=0"], "--devices=0; allowed: at least 8"),
 ])
-def test_prefill_sweep_refuses_bad_flags_before_compiling(args, message):
-    proc = subprocess.run([sys.executable, "-m", "experiments.prefill", *args],
+def test_sweeps_refuse_bad_flags_before_compiling(module, args, message):
+    """experiments.prefill and experiments.shard: a bad flag ends the run before any
+    compile, with the flag, its value and what is allowed, and no traceback."""
+    proc = subprocess.run([sys.executable, "-m", f"experiments.{module}", *args],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]
@@ -422,16 +427,3 @@ def test_decode_report_never_prints_a_negative_fixed_cost():
     assert "fixed cost of 1.4 ms cancels" in line({"steps": (4, 20), "call_overhead_s": 0.0014})
     neg = line({"steps": (4, 20), "call_overhead_s": -0.0327})
     assert "below the timing noise (estimate -32.7 ms)" in neg and "of -32.7 ms" not in neg
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--layers=-1"], "--layers=-1; allowed: 0 (all layers) or a positive number"),
-    (["--models=blog,foo"], "--models=blog,foo: preset 'foo': unknown; allowed: ["),
-    (["--devices=0"], "--devices=0; allowed: at least 8"),
-])
-def test_shard_sweep_refuses_bad_flags_before_compiling(args, message):
-    proc = subprocess.run([sys.executable, "-m", "experiments.shard", *args],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert message in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
