@@ -179,7 +179,8 @@ PRESETS: dict[str, Callable[..., ModelConfig]] = {
 
 # Fields that say how a model runs rather than what it is: left out of architecture().
 _RUN_FIELDS = ("dtype", "kv_dtype", "backend", "scan_layers", "key_layout", "value_layout",
-               "mla_absorb")
+               "mla_absorb", "decode_attention", "weight_matmul", "prefill_impl",
+               "prefill_block_q", "prefill_block_k")
 
 
 def architecture(preset: ModelConfig | Callable[..., ModelConfig], **overrides: Any) -> dict:
