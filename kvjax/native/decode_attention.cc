@@ -41,20 +41,38 @@ struct Shape {
   float scale;
 };
 
+// What every (b, k) work item starts from: its slices of the keys, values and
+// visibility, its G query rows pre-multiplied by the scale, and the statistics reset
+// (m = -1e30, l = 0, o = 0).
+struct ItemStart {
+  const float* kb;
+  const float* vb;
+  const bool* visb;
+  std::vector<float> qs;
+};
+static ItemStart StartItem(const Shape& sh, const float* q, const float* kc,
+                           const float* vc, const bool* vis, int64_t b, int64_t k,
+                           float* m, float* l, float* o) {
+  const int64_t G = sh.G, H = sh.H, V = sh.V, S = sh.S, bk = b * sh.K + k;
+  ItemStart st{kc + bk * S * H, vc + bk * S * V, vis + b * S, std::vector<float>(G * H)};
+  const float* qg = q + bk * G * H;
+  for (int64_t i = 0; i < G * H; ++i) st.qs[i] = qg[i] * sh.scale;
+  for (int64_t g = 0; g < G; ++g) { m[g] = kNegInf; l[g] = 0.0f; }
+  std::fill(o, o + G * V, 0.0f);
+  return st;
+}
+
 // One (b, k, [s0, s1)) work item: writes m[G], l[G], o[G*V].
 static void Item(const Shape& sh, const float* q, const float* kc, const float* vc,
                  const bool* vis, int64_t b, int64_t k, int64_t s0, int64_t s1,
                  float* m, float* l, float* o) {
   const int64_t G = sh.G, H = sh.H, V = sh.V, S = sh.S;
-  const float* qg = q + (b * sh.K + k) * G * H;
-  const float* kb = kc + (b * sh.K + k) * S * H;
-  const float* vb = vc + (b * sh.K + k) * S * V;
-  const bool* visb = vis + b * S;
-  std::vector<float> qs(G * H);
-  for (int64_t i = 0; i < G * H; ++i) qs[i] = qg[i] * sh.scale;
+  const ItemStart start = StartItem(sh, q, kc, vc, vis, b, k, m, l, o);
+  const float* kb = start.kb;
+  const float* vb = start.vb;
+  const bool* visb = start.visb;
+  const std::vector<float>& qs = start.qs;
   std::vector<float> sc(G * kBlock);
-  for (int64_t g = 0; g < G; ++g) { m[g] = kNegInf; l[g] = 0.0f; }
-  std::fill(o, o + G * V, 0.0f);
   for (int64_t sb = s0; sb < s1; sb += kBlock) {
     const int64_t n = std::min(kBlock, s1 - sb);
     bool any = false;
@@ -228,16 +246,14 @@ static void SpanScores(const float* qs, int64_t G, int64_t H, const float* kp, i
   }
 }
 
-// o[gi][c0 .. c0 + NV*VL) = alpha[gi] * o[...] + sum_{j < n} p[gi * ld_p + j] * v[j][...]
-// for GB heads; value row j at vp + j * vs. NV*GB <= kAcc accumulators in registers.
+// o[gi][c0 .. c0 + NV*VL) += sum_{j < n} p[gi * ld_p + j] * v[j][...] for GB heads;
+// value row j at vp + j * vs. NV*GB <= kAcc accumulators in registers.
 template <int GB, int NV>
-static void ValuesRows(const float* p, int64_t ld_p, const float* alpha, const float* vp,
-                       int64_t vs, int64_t n, int64_t c0, float* o, int64_t V) {
+static void ValuesRows(const float* p, int64_t ld_p, const float* vp, int64_t vs, int64_t n,
+                       int64_t c0, float* o, int64_t V) {
   vf acc[GB][NV];
-  for (int gi = 0; gi < GB; ++gi) {
-    const vf al = bc(alpha[gi]);
-    for (int c = 0; c < NV; ++c) acc[gi][c] = ld(o + gi * V + c0 + c * VL) * al;
-  }
+  for (int gi = 0; gi < GB; ++gi)
+    for (int c = 0; c < NV; ++c) acc[gi][c] = ld(o + gi * V + c0 + c * VL);
   for (int64_t j = 0; j < n; ++j) {
     vf v[NV];
     for (int c = 0; c < NV; ++c) v[c] = reg(ld(vp + j * vs + c0 + c * VL));
@@ -251,16 +267,15 @@ static void ValuesRows(const float* p, int64_t ld_p, const float* alpha, const f
 }
 
 template <int NV>
-static void ValuesRowsNV(int64_t gb, const float* p, int64_t ld_p, const float* alpha,
-                         const float* vp, int64_t vs, int64_t n, int64_t c0, float* o,
-                         int64_t V) {
+static void ValuesRowsNV(int64_t gb, const float* p, int64_t ld_p, const float* vp,
+                         int64_t vs, int64_t n, int64_t c0, float* o, int64_t V) {
   switch (gb) {
-    case 1: ValuesRows<1, NV>(p, ld_p, alpha, vp, vs, n, c0, o, V); break;
-    case 2: if constexpr (2 * NV <= kAcc) { ValuesRows<2, NV>(p, ld_p, alpha, vp, vs, n, c0, o, V); } break;
-    case 3: if constexpr (3 * NV <= kAcc) { ValuesRows<3, NV>(p, ld_p, alpha, vp, vs, n, c0, o, V); } break;
-    case 4: if constexpr (4 * NV <= kAcc) { ValuesRows<4, NV>(p, ld_p, alpha, vp, vs, n, c0, o, V); } break;
-    case 5: if constexpr (5 * NV <= kAcc) { ValuesRows<5, NV>(p, ld_p, alpha, vp, vs, n, c0, o, V); } break;
-    default: if constexpr (6 * NV <= kAcc) { ValuesRows<6, NV>(p, ld_p, alpha, vp, vs, n, c0, o, V); } break;
+    case 1: ValuesRows<1, NV>(p, ld_p, vp, vs, n, c0, o, V); break;
+    case 2: if constexpr (2 * NV <= kAcc) { ValuesRows<2, NV>(p, ld_p, vp, vs, n, c0, o, V); } break;
+    case 3: if constexpr (3 * NV <= kAcc) { ValuesRows<3, NV>(p, ld_p, vp, vs, n, c0, o, V); } break;
+    case 4: if constexpr (4 * NV <= kAcc) { ValuesRows<4, NV>(p, ld_p, vp, vs, n, c0, o, V); } break;
+    case 5: if constexpr (5 * NV <= kAcc) { ValuesRows<5, NV>(p, ld_p, vp, vs, n, c0, o, V); } break;
+    default: if constexpr (6 * NV <= kAcc) { ValuesRows<6, NV>(p, ld_p, vp, vs, n, c0, o, V); } break;
   }
 }
 
@@ -277,17 +292,14 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
                      const bool* vis, int64_t b, int64_t k, int64_t s0, int64_t s1,
                      float* m, float* l, float* o) {
   const int64_t G = sh.G, H = sh.H, V = sh.V, S = sh.S;
-  const float* qg = q + (b * sh.K + k) * G * H;
-  const float* kb = kc + (b * sh.K + k) * H * S;
-  const float* vb = vc + (b * sh.K + k) * S * V;
-  const bool* visb = vis + b * S;
+  const ItemStart start = StartItem(sh, q, kc, vc, vis, b, k, m, l, o);
+  const float* kb = start.kb;
+  const float* vb = start.vb;
+  const bool* visb = start.visb;
   // Span length: sc[G][span] <= 256 KiB, a multiple of VL.
   const int64_t span = std::max<int64_t>(VL, std::min<int64_t>(kSpan, 65536 / G) / VL * VL);
-  std::vector<float> qs(G * H), sc(G * span), mask(span), alpha(G);
-  for (int64_t i = 0; i < G * H; ++i) qs[i] = qg[i] * sh.scale;
+  std::vector<float> sc(G * span), mask(span);
   std::vector<float> kpad, vpad;  // a span whose length is not a multiple of VL, padded
-  for (int64_t g = 0; g < G; ++g) { m[g] = kNegInf; l[g] = 0.0f; }
-  std::fill(o, o + G * V, 0.0f);
   // Value columns per pass and heads per group: NV vectors of columns, gmax heads.
   const int64_t nv_all = V / VL;
   const int nv = nv_all % 4 == 0 && kAcc >= 4 ? 4 : (nv_all % 2 == 0 ? 2 : 1);
@@ -322,41 +334,40 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
       }
       vp = vpad.data();
     }
-    SpanScores(qs.data(), G, H, kp, ks, np, sc.data(), span);
-    // Online softmax per head over the span; unnormalised probabilities into sc.
+    SpanScores(start.qs.data(), G, H, kp, ks, np, sc.data(), span);
+    // Online softmax per head over the span; unnormalised probabilities into sc, and o
+    // rescaled to the new running max (Milakov & Gimelshein 2018).
     for (int64_t g = 0; g < G; ++g) {
       float* sr = &sc[g * span];
       vf bm = bc(kNegInf);
       for (int64_t j = 0; j < np; j += VL)
         bm = vmax(bm, ld(&mask[j]) > 0.0f ? ld(sr + j) : bc(kNegInf));
       const float mnew = std::max(m[g], hmax(bm));
-      alpha[g] = fast_exp(m[g] - mnew);  // m = -1e30 before any slot: o and l are 0 then
+      const float alpha = fast_exp(m[g] - mnew);  // m = -1e30 before any slot: o, l are 0
+      for (int64_t c = 0; c < V; ++c) o[g * V + c] *= alpha;
       vf sum = vf{};
       for (int64_t j = 0; j < np; j += VL) {
         const vf e = vexp(ld(sr + j) - mnew) * ld(&mask[j]);
         st(sr + j, e);
         sum += e;
       }
-      l[g] = l[g] * alpha[g] + hsum(sum);
+      l[g] = l[g] * alpha + hsum(sum);
       m[g] = mnew;
     }
     if (sh.v_bksh) {
       // Sub-blocks of kSub slots: the first group reads them from memory, the others
-      // (and other column passes) from L1. alpha is applied once, on the first sub-block.
+      // (and other column passes) from L1.
       for (int64_t j0 = 0; j0 < np; j0 += kSub) {
         const int64_t nj = std::min(kSub, np - j0);
         for (int64_t g0 = 0; g0 < G; g0 += gmax) {
           const int64_t gb = std::min(gmax, G - g0);
-          const float* al = j0 == 0 ? alpha.data() + g0 : nullptr;
-          float ones[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+          const float* pp = sc.data() + g0 * span + j0;
+          const float* vv = vp + j0 * vs;
+          float* oo = o + g0 * V;
           for (int64_t c0 = 0; c0 < V; c0 += nv * VL) {
-            const float* a = al ? al : ones;
-            const float* pp = sc.data() + g0 * span + j0;
-            const float* vv = vp + j0 * vs;
-            float* oo = o + g0 * V;
-            if (nv == 4) ValuesRowsNV<4>(gb, pp, span, a, vv, vs, nj, c0, oo, V);
-            else if (nv == 2) ValuesRowsNV<2>(gb, pp, span, a, vv, vs, nj, c0, oo, V);
-            else ValuesRowsNV<1>(gb, pp, span, a, vv, vs, nj, c0, oo, V);
+            if (nv == 4) ValuesRowsNV<4>(gb, pp, span, vv, vs, nj, c0, oo, V);
+            else if (nv == 2) ValuesRowsNV<2>(gb, pp, span, vv, vs, nj, c0, oo, V);
+            else ValuesRowsNV<1>(gb, pp, span, vv, vs, nj, c0, oo, V);
           }
         }
       }
@@ -376,15 +387,15 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
             a2 += pj * ld(v0 + 2 * vs + j);
             a3 += pj * ld(v0 + 3 * vs + j);
           }
-          og[c] = og[c] * alpha[g] + hsum(a0);
-          og[c + 1] = og[c + 1] * alpha[g] + hsum(a1);
-          og[c + 2] = og[c + 2] * alpha[g] + hsum(a2);
-          og[c + 3] = og[c + 3] * alpha[g] + hsum(a3);
+          og[c] += hsum(a0);
+          og[c + 1] += hsum(a1);
+          og[c + 2] += hsum(a2);
+          og[c + 3] += hsum(a3);
         }
         for (; c < V; ++c) {
           vf a0{};
           for (int64_t j = 0; j < np; j += VL) a0 += ld(p + j) * ld(vp + c * vs + j);
-          og[c] = og[c] * alpha[g] + hsum(a0);
+          og[c] += hsum(a0);
         }
       }
     }
