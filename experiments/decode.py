@@ -202,7 +202,7 @@ def prefill_theory_line(step) -> str:
                f"\nnot in theory: activations of an unfused layer stack (every product's "
                f"input and output rows once, theory.prefill_activation_bytes) "
                f"{p['activations_unfused']:,}; XLA(+kernel) / (weights + KV written + that) "
-               f"= {costs.prefill_with_kernel(step)[1] / (p['weights'] + p['kv_write'] + p['activations_unfused']):.2f}"))
+               f"= {costs.prefill_bytes_over_activations(step):.2f}"))
 
 
 def _custom_call_line(step) -> str:

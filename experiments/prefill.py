@@ -66,11 +66,7 @@ def point(cfg, t: int, max_seq_len: int) -> dict:
             "theory_bytes": step.theory_bytes, "xla_bytes": step.xla.bytes,
             "bytes_ratio": step.bytes_ratio,
             "bytes_ratio_weights_kv": step.xla.bytes / (parts["weights"] + parts["kv_write"]),
-            # XLA(+kernel) bytes over weights + KV + the activations an unfused layer
-            # stack moves (theory.prefill_activation_bytes; nan for MLA)
-            "bytes_ratio_with_activations": (
-                bytes_k / (parts["weights"] + parts["kv_write"] + parts["activations_unfused"])
-                if parts["activations_unfused"] else float("nan")),
+            "bytes_ratio_with_activations": costs.prefill_bytes_over_activations(step),
             "custom_call": step.theory_parts.get("custom_call"),
             "xla_kernel_flops": flops_k, "flops_ratio_kernel": flops_k / step.theory_flops,
             "xla_kernel_bytes": bytes_k, "bytes_ratio_kernel": bytes_k / step.theory_bytes,

@@ -414,3 +414,16 @@ def test_prefill_activation_bytes_counts_an_unfused_layer():
     assert theory.prefill_activation_bytes(cfg.replace(dtype="bfloat16"), 10) == 10 * per_token * 2
     mla = presets.variant(presets.blog_model("float32"), kv_lora_rank=64)
     assert theory.prefill_activation_bytes(mla, 10) is None
+
+
+def test_prefill_bytes_over_activations_uses_the_kernel_bytes_and_the_count():
+    from kvjax.analysis import costs
+    from tests.conftest import tiny_config, tiny_mla_config
+    step = costs.analyze_prefill(tiny_config(), 16, 32)
+    p = step.theory_parts["bytes"]
+    assert p["activations_unfused"] == theory.prefill_activation_bytes(tiny_config(), 16)
+    want = costs.prefill_with_kernel(step)[1] / (
+        p["weights"] + p["kv_write"] + p["activations_unfused"])
+    assert costs.prefill_bytes_over_activations(step) == pytest.approx(want)
+    assert math.isnan(costs.prefill_bytes_over_activations(
+        costs.analyze_prefill(tiny_mla_config(), 16, 32)))

@@ -393,8 +393,8 @@ def prefill_theory_bytes(cfg: ModelConfig, prompt_len: int, batch: int = 1) -> d
                               "dense": "attn_io_standard",
                               "cudnn": "attn_io_tiled"}[flash.prefill_path(cfg)]]
     parts["total"] = parts["weights"] + parts["kv_write"] + parts["attn_io"]
-    # not in the total: the unfused layer stack's activation traffic (a lower bound for
-    # XLA:CPU, whose dots fuse nothing), shown beside it; None for MLA
+    # not in the total: the activation traffic of a layer stack that fuses nothing into
+    # its matrix products (an estimate of what XLA:CPU moves), shown beside it; None for MLA
     parts["activations_unfused"] = theory.prefill_activation_bytes(cfg, prompt_len, batch)
     return parts
 
@@ -450,6 +450,18 @@ def prefill_with_kernel(step: StepCost) -> tuple[float, float]:
         return step.xla.flops, step.xla.bytes
     return (step.xla.flops + cc["flops_theory"],
             step.xla.bytes + cc["operand_result_bytes"])
+
+
+def prefill_bytes_over_activations(step: StepCost) -> float:
+    """XLA(+kernel) bytes of a prefill (:func:`prefill_with_kernel`) over weights + KV
+    written + the unfused activation count (``theory_parts['bytes']
+    ['activations_unfused']``, :func:`kvjax.analysis.theory.prefill_activation_bytes`);
+    nan where that count is not modelled (MLA)."""
+    p = step.theory_parts["bytes"]
+    act = p.get("activations_unfused")
+    if not act:
+        return float("nan")
+    return prefill_with_kernel(step)[1] / (p["weights"] + p["kv_write"] + act)
 
 
 def measure_step_seconds(cfg: ModelConfig, params, cache: cache_lib.KVCache, batch: int = 1,
