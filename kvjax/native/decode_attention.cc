@@ -67,11 +67,7 @@ static void Item(const Shape& sh, const float* q, const float* kc, const float* 
                  const bool* vis, int64_t b, int64_t k, int64_t s0, int64_t s1,
                  float* m, float* l, float* o) {
   const int64_t G = sh.G, H = sh.H, V = sh.V, S = sh.S;
-  const ItemStart start = StartItem(sh, q, kc, vc, vis, b, k, m, l, o);
-  const float* kb = start.kb;
-  const float* vb = start.vb;
-  const bool* visb = start.visb;
-  const std::vector<float>& qs = start.qs;
+  const auto [kb, vb, visb, qs] = StartItem(sh, q, kc, vc, vis, b, k, m, l, o);
   std::vector<float> sc(G * kBlock);
   for (int64_t sb = s0; sb < s1; sb += kBlock) {
     const int64_t n = std::min(kBlock, s1 - sb);
@@ -292,10 +288,7 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
                      const bool* vis, int64_t b, int64_t k, int64_t s0, int64_t s1,
                      float* m, float* l, float* o) {
   const int64_t G = sh.G, H = sh.H, V = sh.V, S = sh.S;
-  const ItemStart start = StartItem(sh, q, kc, vc, vis, b, k, m, l, o);
-  const float* kb = start.kb;
-  const float* vb = start.vb;
-  const bool* visb = start.visb;
+  const auto [kb, vb, visb, qs] = StartItem(sh, q, kc, vc, vis, b, k, m, l, o);
   // Span length: sc[G][span] <= 256 KiB, a multiple of VL.
   const int64_t span = std::max<int64_t>(VL, std::min<int64_t>(kSpan, 65536 / G) / VL * VL);
   std::vector<float> sc(G * span), mask(span);
@@ -334,7 +327,7 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
       }
       vp = vpad.data();
     }
-    SpanScores(start.qs.data(), G, H, kp, ks, np, sc.data(), span);
+    SpanScores(qs.data(), G, H, kp, ks, np, sc.data(), span);
     // Online softmax per head over the span; unnormalised probabilities into sc, and o
     // rescaled to the new running max (Milakov & Gimelshein 2018).
     for (int64_t g = 0; g < G; ++g) {
