@@ -39,6 +39,10 @@ _CONTEXT = flags.DEFINE_integer("context", 256, "Context t of the timed step (to
 _IMPLS = flags.DEFINE_list("impls", ["xla", "native"], "model.weight_matmul values to time.")
 _MODEL = flags.DEFINE_enum("model", "smollm2", ["smollm2", "blog"], "Model shapes.")
 _ROUNDS = flags.DEFINE_integer("rounds", 9, "Interleaved rounds (one step per point each).")
+_DECODE_ATTENTION = flags.DEFINE_enum(
+    "decode_attention", "auto", ["auto", "xla", "xla_cache_left", "native"],
+    "model.decode_attention of every point ('auto', the configs' default, measures the "
+    "formulations once per shape class): at B = 16 the cache is ~26% of the step's bytes.")
 _SCAN = flags.DEFINE_enum("scan_layers", "default", ["default", "true", "false", "both"],
                           "Layer stack: the backend's default (CPU: unrolled), scanned, "
                           "unrolled, or both (interleaved: the scan's weight copies).")
@@ -56,7 +60,7 @@ def main(argv):
     make = presets.smollm2_135m if _MODEL.value == "smollm2" else presets.blog_model
     scans = {"default": [default_scan_layers()], "true": [True], "false": [False],
              "both": [False, True]}[_SCAN.value]
-    base = make("float32", scan_layers=scans[0])
+    base = make("float32", scan_layers=scans[0], decode_attention=_DECODE_ATTENTION.value)
     impls = [(s, i) for s in scans for i in _IMPLS.value]  # (scanned?, weight_matmul)
     label = {(s, i): (i if len(scans) == 1 else f"{i}/{'scan' if s else 'unroll'}")
              for s, i in impls}
@@ -93,8 +97,8 @@ def main(argv):
     b0 = batches[0]
     th = theory.batched_steps(base, t, batches, bw, peak)
     stacks = " and ".join("scanned" if s else "unrolled" for s in scans)
-    print(f"\n{base.name} float32, {stacks} layer stack, "
-          f"t = {t}, step medians of {_ROUNDS.value} interleaved "
+    print(f"\n{base.name} float32, {stacks} layer stack, decode_attention="
+          f"{_DECODE_ATTENTION.value!r}, t = {t}, step medians of {_ROUNDS.value} interleaved "
           f"rounds; ratios over B = {b0}")
     print(f"{'impl':>13} {'B':>3} {'step ms':>8} {'step x':>7} {'tok/s x':>8} "
           f"{'bw theory x':>11} {'roofline x':>10} {'step/bytes@bw':>13} {'GFLOP/s':>8}")

@@ -49,6 +49,22 @@ def test_native_splits_large_weights_over_threads(monkeypatch):
         np.testing.assert_allclose(y, x.astype(np.float64) @ w, atol=1e-3, rtol=1e-4)
 
 
+@needs_native
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+@pytest.mark.parametrize("k,n", [(300, 1000), (200, 70), (64, 4096), (130, 4100)])
+def test_one_row_walk_splits_k_over_threads(monkeypatch, threads, k, n):
+    """One row against a [K, N] weight: K split into one contiguous range of >= 64 rows
+    per thread, partial rows added by the caller (N with a tail under a vector: 70, 1000;
+    N = 4096 the widest walked; 4100 keeps the column panels)."""
+    monkeypatch.setenv("KVJAX_NATIVE_THREADS", threads)
+    rng = np.random.default_rng(k + n)
+    x = rng.standard_normal((1, k), dtype=np.float32)
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    y = np.asarray(jax.jit(lambda a, b: rm.rows_matmul(a, b, "kn"))(x, w))
+    ref = x.astype(np.float64) @ w
+    np.testing.assert_allclose(y, ref, atol=2e-5 * np.sqrt(k) * np.abs(ref).max(), rtol=0)
+
+
 def test_bad_input_is_named():
     x = jnp.ones((2, 8), jnp.float32)
     with pytest.raises(ValueError, match="w_layout='kk'"):
