@@ -60,9 +60,11 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     # measurement and use 'xla'), 'xla', 'xla_cache_left', 'native' (CPU FFI kernel) or
     # 'pallas' (GPU). ModelConfig's own default stays 'xla' (library calls, tests).
     m.decode_attention = "auto"
-    # Few-row weight products (float32, M <= 256 rows): 'xla' (default), 'native' (CPU FFI
-    # kernel kvjax/native/rows_matmul.cc) or 'auto' (the faster measured, kvjax.planner).
-    m.weight_matmul = "xla"
+    # Few-row weight products (float32, M <= 256 rows): 'auto' (default here: the faster
+    # of the two measured on this machine per (M, K, N, layout) class, kvjax.planner,
+    # cached; weights under MIN_MEASURED_BYTES use 'xla'), 'xla' or 'native' (CPU FFI
+    # kernel kvjax/native/rows_matmul.cc). ModelConfig's own default stays 'xla'.
+    m.weight_matmul = "auto"
     # Prompt (T > 1) attention: 'tiled' (online softmax over blocks, kvjax.models.flash),
     # 'dense' (all scores materialised), 'native' (CPU fused FFI kernel,
     # kvjax.native.prefill), 'auto' (native where it builds, else tiled) or 'cudnn' (GPU,

@@ -66,6 +66,10 @@ _DECODE_ATTENTION = flags.DEFINE_enum(
     "model.decode_attention of every point: 'auto' (default) measures the formulations on "
     "this machine once per shape class (kvjax.planner) and keeps the fastest; the picks "
     "and their GB/s are printed at the end.")
+_WEIGHT_MATMUL = flags.DEFINE_enum(
+    "weight_matmul", "auto", ["auto", "xla", "native"],
+    "model.weight_matmul of every point: 'auto' (default, like configs/) measures XLA's dot "
+    "and the native few-row kernel once per product class and keeps the faster.")
 
 
 def variant_cfg(model_name: str, variant: str, dtype: str, scan_layers: bool) -> ModelConfig:
@@ -73,7 +77,8 @@ def variant_cfg(model_name: str, variant: str, dtype: str, scan_layers: bool) ->
     base = (presets.blog_model(dtype=dtype, vocab_size=49152) if model_name == "blog"
             else presets.smollm2_135m(dtype=dtype)).replace(scan_layers=scan_layers)
     if flags.FLAGS.is_parsed():  # the flag (tests may call this without parsing)
-        base = base.replace(decode_attention=_DECODE_ATTENTION.value)
+        base = base.replace(decode_attention=_DECODE_ATTENTION.value,
+                            weight_matmul=_WEIGHT_MATMUL.value)
     k = {"mha": base.num_heads, "gqa": 2 if model_name == "blog" else 3, "mqa": 1,
          "window": 2 if model_name == "blog" else 3}[variant]
     return presets.variant(base, num_kv_heads=k,

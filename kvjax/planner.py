@@ -337,8 +337,9 @@ def weight_matmul(impl: str, m: int, k: int, n: int, layout: str = "kn") -> str:
     ``model.weight_matmul=impl``.
 
     'xla' -> 'xla'. 'native' -> 'native' where the kernel runs (CPU process, M <=
-    MAX_ROWS, library built), else 'xla'. 'auto' -> 'xla' where 'native' cannot run or
-    the weight is below :data:`MIN_MEASURED_BYTES`; otherwise the faster measured for
+    MAX_ROWS, library built), else 'xla'. 'auto' -> 'xla' where 'native' cannot run, the
+    weight is below :data:`MIN_MEASURED_BYTES` or the product is traced under a
+    multi-device mesh (``jax.sharding.get_abstract_mesh()``); otherwise the faster measured for
     this class (:func:`measure_weight_matmul`), once per machine (cached on disk like
     :func:`decode_attention`, keyed with the hash of rows_matmul.cc).
 
@@ -357,6 +358,10 @@ def weight_matmul(impl: str, m: int, k: int, n: int, layout: str = "kn") -> str:
             _wmemo.setdefault(name, {"choice": "native"})
         return "native"
     if 4 * k * n < MIN_MEASURED_BYTES:
+        return "xla"
+    if jax.sharding.get_abstract_mesh().size > 1:
+        # traced under a device mesh: a custom call XLA cannot partition would gather
+        # the sharded weights around it; the partitioned XLA dot
         return "xla"
     with _lock:
         if name in _wmemo and "gbps" in _wmemo[name]:

@@ -165,8 +165,9 @@ def test_bad_input_raises_before_compile():
     mesh_lib.check(cfg, MeshConfig(1, 2, 1, kv_fallback="replicate"))
     with pytest.raises(ConfigError, match="mesh.model=3.*num_heads=8"):
         mesh_lib.check(cfg, MeshConfig(1, 3, 1))
-    with pytest.raises(ConfigError, match="model.weight_matmul='native'.*'xla' on a mesh"):
+    with pytest.raises(ConfigError, match="model.weight_matmul='native'.*'xla' or 'auto' on"):
         mesh_lib.check(cfg.replace(weight_matmul="native"), MeshConfig(2, 1, 1))
+    mesh_lib.check(cfg.replace(weight_matmul="auto"), MeshConfig(2, 1, 1))
     mesh_lib.check(cfg.replace(weight_matmul="native"), MeshConfig(1, 1, 1))  # no mesh
     with pytest.raises(ConfigError, match="model.decode_attention='native'.*on a mesh"):
         mesh_lib.check(cfg.replace(decode_attention="native"), MeshConfig(1, 1, 2))

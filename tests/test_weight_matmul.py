@@ -160,6 +160,11 @@ def test_planner_measures_weights_once_then_reads_its_cache(tmp_path, monkeypatc
     assert any("M4-K576-N1536-kn-float32: native (GB/s" in ln for ln in planner.report_lines())
     assert planner.weight_matmul("auto", 8, 576, 1536, "kn") == "native"  # new class
     assert len(calls) == 2
+    # traced under a multi-device mesh: the partitioned XLA dot, never the kernel XLA
+    # cannot partition (configs/ default to 'auto', and mesh.check lets 'auto' through)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("model",))):
+        assert planner.weight_matmul("auto", 4, 576, 1536, "kn") == "xla"
+    assert len(calls) == 2
     planner.clear_memo()
 
 
