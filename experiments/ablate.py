@@ -150,10 +150,8 @@ def plot_pareto(rows: list, path: pathlib.Path, ctx: int, title: str) -> None:
             ax.scatter([r["kv_bytes_theory"] / 2**20 for r in rs], [r["ppl"] for r in rs],
                        marker=marker, color=color, s=120 if marker == "*" else 50,
                        label=lever, zorder=3)
-    for r in rows:
-        if not r.get("same_as"):  # windows >= context sit on the full-attention point
-            ax.annotate(r["name"], (r["kv_bytes_theory"] / 2**20, r["ppl"]), fontsize=7,
-                        xytext=(4, 3), textcoords="offset points")
+    texts = [ax.text(r["kv_bytes_theory"] / 2**20, r["ppl"], r["name"], fontsize=7)
+             for r in rows if not r.get("same_as")]  # windows >= context: the full point
     by_name = {r["name"]: r for r in rows}
     for r in rows:  # uptraining arrows: before -> after
         src = by_name.get(r.get("uptrained_from"))
@@ -180,6 +178,11 @@ def plot_pareto(rows: list, path: pathlib.Path, ctx: int, title: str) -> None:
                               label="uptraining: before -> after"))
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
               frameon=False)
+    # points of equal KV bytes and close perplexity (a window and its sinks variant, a
+    # quantized cache) stacked their names on each other: adjustText moves the labels
+    # apart, with a thin line back to their point where moved
+    from adjustText import adjust_text  # noqa: PLC0415
+    adjust_text(texts, ax=ax, arrowprops=dict(arrowstyle="-", color="0.5", lw=0.5))
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 

@@ -343,6 +343,31 @@ def tiny_corpus(tmp_path):
     return folder
 
 
+def test_pareto_plot_labels_do_not_overlap(tmp_path, monkeypatch):
+    """Points of equal KV bytes and close perplexity (a window, its sinks variant, a
+    quantized cache) used to stack their names: no two labels' boxes may intersect."""
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    ablate = import_entry_point("ablate")
+    pts = [("kv heads", 5.6, 20.1), ("kv heads", 1.9, 21.0), ("kv heads", 0.63, 30.5),
+           ("window", 2.8, 20.3), ("window", 1.4, 20.6), ("window+sinks", 1.4, 20.5),
+           ("quantized", 1.45, 20.4), ("quantized", 2.9, 20.15), ("mla", 1.0, 25.0)]
+    rows = [{"name": f"{lever} {i}", "lever": lever, "kv_bytes_theory": mib * 2**20,
+             "ppl": ppl} for i, (lever, mib, ppl) in enumerate(pts)]
+    kept = []
+    monkeypatch.setattr(plt, "close", kept.append)  # keep the figure to inspect it
+    ablate.plot_pareto(rows, tmp_path / "p.png", 1024, "labels")
+    fig = kept[0]
+    fig.canvas.draw()
+    boxes = [t.get_window_extent() for t in fig.axes[0].texts if t.get_text()]
+    assert len(boxes) == len(rows)
+    clashes = [(i, j) for i in range(len(boxes)) for j in range(i)
+               if boxes[i].overlaps(boxes[j])]
+    assert not clashes, [(rows[i]["name"], rows[j]["name"]) for i, j in clashes]
+    plt.close(fig)
+
+
 @pytest.mark.slow
 def test_ablate_entry_point_writes_table_and_plots(tmp_path):
     """The real entry point on a shrunk random model and a made-up corpus (needs the
