@@ -155,8 +155,10 @@ class ModelConfig:
         :data:`WEIGHT_MATMUL`: 'xla' (``jnp.einsum``), 'native' (CPU FFI kernel
         ``kvjax/native/rows_matmul.cc``: each weight streamed once for all M rows) or
         'auto': the faster measured on this machine per (M, K, N, layout) class
-        (:func:`kvjax.planner.weight_matmul`, cached like decode_attention). Products
-        with more rows, other dtypes or other backends use 'xla' whatever this says.
+        (:func:`kvjax.planner.weight_matmul`, cached like decode_attention; 'xla'
+        inside a multi-device mesh). Default 'xla' here; ``configs/base.py`` and
+        ``experiments.bench`` default to 'auto'. Products with more rows, other dtypes
+        or other backends use 'xla' whatever this says.
       name: free-form label used in reports.
     """
 
