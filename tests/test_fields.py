@@ -97,7 +97,25 @@ def test_chip_aliases_and_readable_device_name():
     with pytest.raises(ValueError, match="chip 'B300': unknown; allowed"):
         hardware.chip("B300")
     name = hardware.device_name()
-    assert name.startswith("CPU: ") and "cores)" in name and "id 0" not in name
+    assert name.startswith("CPU: ") and "cores" in name and "id 0" not in name
+    assert name.endswith(f"; {hardware.vector_isa()})" if hardware.vector_isa() else "cores)")
+
+
+@pytest.mark.parametrize("flags,want", [
+    ("fpu sse4_2 avx avx2 fma avx512f avx512bw avx512vl avx512_vnni avx512_bf16",
+     "AVX-512 (F, BW, VL, VNNI, BF16), AVX2, FMA"),
+    ("fpu sse4_2 avx avx2 fma f16c", "AVX2, FMA"),  # the issue's AVX2-only EPYC
+    ("fpu sse4_2 avx", "AVX"),
+])
+def test_vector_isa_names_the_widest_first(tmp_path, flags, want):
+    """Every CPU figure names the vector ISA (issue 18): read from cpuinfo's flags."""
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n")
+    assert hardware.vector_isa(str(info)) == want
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd sve\n")
+    assert hardware.vector_isa(str(arm)) == "NEON, SVE"
+    assert hardware.vector_isa(str(tmp_path / "missing")) == ""
 
 
 def test_compare_parses_labels_and_overrides():

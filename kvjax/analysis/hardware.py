@@ -164,10 +164,33 @@ def cpu_model() -> str | None:
     return None
 
 
+def vector_isa(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The host CPU's vector instruction sets that the kernels and XLA:CPU use, widest
+    first, from the flags line of ``cpuinfo``: e.g. 'AVX-512 (F, BW, VL, VNNI, BF16),
+    AVX2, FMA', 'AVX2, FMA', 'NEON' (aarch64 'asimd'), or '' where it cannot be read."""
+    try:
+        with open(cpuinfo, encoding="utf-8") as f:
+            flags = next((set(ln.split(":", 1)[1].split()) for ln in f
+                          if ln.lower().startswith(("flags", "features"))), set())
+    except OSError:
+        return ""
+    parts = []
+    ext = [x for x in ("f", "bw", "vl", "vnni", "bf16")
+           if f"avx512{x}" in flags or f"avx512_{x}" in flags]
+    if "avx512f" in flags:
+        parts.append(f"AVX-512 ({', '.join(e.upper() for e in ext)})")
+    parts += [name for flag, name in (("avx2", "AVX2"), ("fma", "FMA"), ("asimd", "NEON"),
+                                      ("sve", "SVE")) if flag in flags]
+    if not parts and "avx" in flags:
+        parts.append("AVX")
+    return ", ".join(parts)
+
+
 def device_name(device: Any = None) -> str:
     """A readable name of a JAX device for tables and plot titles: 'NVIDIA H200' for an
-    accelerator (its device_kind), 'CPU: AMD EPYC (2 cores)' for the host CPU (the
-    model name of /proc/cpuinfo and the cores this process may use)."""
+    accelerator (its device_kind), 'CPU: AMD EPYC (2 cores; AVX-512 (F, BW, VL, VNNI,
+    BF16), AVX2, FMA)' for the host CPU (the model name of /proc/cpuinfo, the cores this
+    process may use and :func:`vector_isa`)."""
     device = jax.devices()[0] if device is None else device
     if device.platform != "cpu":
         return getattr(device, "device_kind", device.platform)
@@ -175,7 +198,8 @@ def device_name(device: Any = None) -> str:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 0
-    return f"CPU: {cpu_model() or 'unknown model'} ({cores} cores)"
+    isa = vector_isa()
+    return f"CPU: {cpu_model() or 'unknown model'} ({cores} cores{'; ' + isa if isa else ''})"
 
 
 @dataclasses.dataclass(frozen=True)
