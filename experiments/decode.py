@@ -51,10 +51,11 @@ def _loop_timing_line(timing: dict) -> str:
     negative it is below the timing noise, and is printed as such, not as a cost."""
     n1, n2 = timing["steps"]
     fixed = timing["call_overhead_s"]
-    cost = (f"{fixed * 1e3:.1f} ms" if fixed >= 0 else
-            f"below the timing noise (estimate {fixed * 1e3:.1f} ms)")
-    return (f"(measured inside the loop: {n2} minus {n1} steps, so the call's fixed cost "
-            f"of {cost} cancels)")
+    head = f"(measured inside the loop: {n2} minus {n1} steps, so the call's fixed cost"
+    if fixed >= 0:
+        return f"{head}, {fixed * 1e3:.1f} ms, cancels)"
+    return (f"{head} cancels; estimated from the same timings it comes out at "
+            f"{fixed * 1e3:.1f} ms: below the timing noise)")
 
 
 def report(result: runner.DecodeResult) -> str:
@@ -69,7 +70,10 @@ def report(result: runner.DecodeResult) -> str:
     lines = [
         *_generation_lines(result, cfg, s.batch),
         "",
-        f"the generate loop, per generated token, at context {s.context} (cache of "
+        "the generate loop, "
+        + ("per generated token" if s.batch == 1 else
+           f"per step (one token for each of the B = {s.batch} rows)")
+        + f", at context {s.context} (cache of "
         f"{cache_lib.num_slots(cfg, s.context)} slots"
         + ("" if policy.kind == "dense" else
            f": a ring of W={cfg.window_size}, {cfg.num_sink_tokens} sinks, reading "
@@ -78,7 +82,7 @@ def report(result: runner.DecodeResult) -> str:
         _loop_timing_line(c.loop_timing),
         _loop_memory(loop),
         "",
-        "where the loop's compiled bytes per token go:",
+        "where the loop's compiled bytes per " + ("token" if s.batch == 1 else "step") + " go:",
         report_lib.attribution_table(loop),
         "",
         "one decode step compiled on its own and called from Python (second view):",
@@ -143,6 +147,12 @@ def mesh_report(result: runner.DecodeResult) -> str:
     c, g = result.costs, result.generation
     st = c.step
     lines = [*_generation_lines(result, st.cfg, st.batch)]
+    if planner.report_lines():
+        # 'auto' resolves to 'xla' inside the sharded programs (a custom call XLA cannot
+        # partition); picks listed above were made for programs traced off the mesh
+        at = next(i for i, ln in enumerate(lines) if ln.startswith("formulations:"))
+        lines.insert(at + 1, "  (on this mesh the sharded programs use 'xla' for both; "
+                             "planner picks below are those of single-device programs)")
     if g.mesh_note:
         lines.insert(0, g.mesh_note)
     lines += [
@@ -176,13 +186,17 @@ def _why_they_differ(c) -> str:
     """One line on why the loop's and the single step's figures differ, when they do."""
     loop, s = c.loop, c.step
     reasons = []
-    byte_ratio = s.xla.bytes / loop.xla.bytes
+    # with the kernels' operand and result bytes (custom calls XLA does not cost)
+    byte_ratio = ((s.xla.bytes + s.xla.uncosted_bytes)
+                  / (loop.xla.bytes + loop.xla.uncosted_bytes))
     if abs(byte_ratio - 1) > 0.02:
+        widened = s.cfg.dtype != "float32" and s.cfg.backend == "cpu"
         reasons.append(
             f"the single step's compiled bytes are {byte_ratio:.2f}x the loop's per token: "
             f"the loop does {loop.once_per_call['bytes']:,.0f} bytes of loop-invariant work "
-            "once per call (e.g. weights widened to float32 before the loop) that the "
-            "single step repeats every call")
+            "once per call" + (" (the weights widened to float32 before the loop)"
+                               if widened else "") + " that the single step repeats "
+            "every call")
     time_ratio = c.step_seconds_median / c.loop_seconds_per_token
     if abs(time_ratio - 1) > 0.10:
         reasons.append(f"the single step takes {time_ratio:.2f}x the loop's time per token "
@@ -206,15 +220,22 @@ def prefill_theory_line(step) -> str:
 
 
 def _custom_call_line(step) -> str:
-    """For a prefill with a custom call (the native prompt attention, which XLA's cost
-    analysis cannot see): the figures with the kernel counted, labelled as such."""
+    """For a prefill with custom calls (the native prompt attention, the native weight
+    products: XLA's cost analysis cannot see them): the figures with the kernels counted,
+    each part labelled by where it comes from."""
     cc = step.theory_parts.get("custom_call")
     if not cc:
         return ""
     flops, nbytes = costs.prefill_with_kernel(step)
-    return (f"\ncustom call {', '.join(cc['targets'])} (not costed by XLA): + its operand "
-            f"and result bytes {cc['operand_result_bytes']:,.0f} and its causal FLOP by "
-            f"theory {cc['flops_theory']:,.0f} -> FLOP {flops:,.0f} "
+    parts = []
+    if cc.get("flops_kernels"):
+        parts.append(f"the weight products' {cc['flops_kernels']:,.0f} from their shapes")
+    if cc.get("flops_attention_theory"):
+        parts.append(f"the prompt attention's causal {cc['flops_attention_theory']:,.0f} "
+                     "by theory")
+    return (f"\ncustom calls {', '.join(cc['targets'])} (not costed by XLA): + their operand "
+            f"and result bytes {cc['operand_result_bytes']:,.0f} and FLOP "
+            f"({' + '.join(parts) or 'none known'}) -> FLOP {flops:,.0f} "
             f"({flops / step.theory_flops:.2f}x theory), bytes {nbytes:,.0f} "
             f"({nbytes / step.theory_bytes:.2f}x theory)")
 

@@ -31,6 +31,7 @@ import json
 import os
 import pathlib
 import statistics
+import sys
 import threading
 import time
 import warnings
@@ -175,15 +176,33 @@ def _cached_choice(memo: dict, name: str, key: dict, path, entries: dict, measur
     """The choice for shape class ``name``: read from ``entries`` (the planner cache at
     ``path``), else measured by ``measure_fn()`` (a dict with 'choice') and written back
     (a write failure only warns). Remembered in ``memo`` for this process."""
-    if name not in entries:
+    fresh = name not in entries
+    if fresh:
+        print(f"kvjax planner: measuring the formulations of {name} on this machine "
+              f"(once; cached in {path})", file=sys.stderr, flush=True)
         entries[name] = measure_fn()
         entries[name]["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        try:  # other jobs on the cores skew a pick: kept beside it, printed with it
+            entries[name]["load_average"] = round(os.getloadavg()[0], 2)
+        except OSError:
+            pass
         try:
             _save(path, key, entries)
         except OSError as e:
             warnings.warn(f"planner cache {path} not written: {e}", stacklevel=3)
-    memo[name] = dict(entries[name], cache=str(path))
+    memo[name] = dict(entries[name], cache=str(path), fresh=fresh)
     return entries[name]["choice"]
+
+
+def _when(e: dict) -> str:
+    """'measured now' or 'cached <date>', and the load average then: a pick is one
+    measurement, kept until the machine, jax or the kernel changes (noise-level picks,
+    or picks made while other jobs held the cores, stay as they fell: delete the cache
+    file to measure again)."""
+    when = "measured now" if e.get("fresh") else f"cached {e.get('measured_at', '')}".strip()
+    load = e.get("load_average")
+    return when + (f", load average {load:.1f} on {native.num_threads()} cores"
+                   if load is not None else "")
 
 
 def decode_attention(cfg, k_cache, v_cache) -> str:
@@ -239,14 +258,14 @@ def decode_attention(cfg, k_cache, v_cache) -> str:
 
 def report_lines() -> list[str]:
     """One line per decode-attention and weight-product choice made in this process: the
-    shape class, the formulation and the measured GB/s of each candidate, and the
-    machine."""
+    shape class, the formulation, the measured GB/s of each candidate and whether it was
+    measured now or read from the cache (with its date), and the machine."""
     model, isa = _cpu()
     lines = [f"decode-attention planner on {model} ({', '.join(isa)}; "
              f"{native.num_threads()} cores), jax {jax.__version__}:"] if _memo else []
     for name, e in sorted(_memo.items()):
         rates = ", ".join(f"{n} {r:.1f}" for n, r in e["gbps"].items())
-        lines.append(f"  {name}: {e['choice']} (GB/s of cache read: {rates})")
+        lines.append(f"  {name}: {e['choice']} (GB/s of cache read: {rates}; {_when(e)})")
     if _wmemo:
         lines.append(f"weight-product planner on {model} ({', '.join(isa)}; "
                      f"{native.num_threads()} cores), jax {jax.__version__}:")
@@ -258,7 +277,8 @@ def report_lines() -> list[str]:
     for name, e in sorted(_wmemo.items()):
         if "gbps" in e:
             rates = ", ".join(f"{n} {r:.1f}" for n, r in e["gbps"].items())
-            lines.append(f"  {name}: {e['choice']} (GB/s of weight read: {rates})")
+            lines.append(f"  {name}: {e['choice']} (GB/s of weight read: {rates}; "
+                         f"{_when(e)})")
     return lines
 
 

@@ -262,10 +262,44 @@ def test_cost_table_counts_the_kernels_buffers():
     cfg = tiny_config(decode_attention="native", key_layout="BKHS", value_layout="BKSH")
     step = costs.analyze_decode_step(cfg, 64, attribute=False, jaxpr=False)
     assert step.xla.custom_calls and step.xla.uncosted_bytes >= step.cache_bytes
-    row = next(ln for ln in report.cost_table(step).splitlines() if "(+kernels)" in ln)
+    row = next(ln for ln in report.cost_table(step).splitlines() if "bytes (+kernels)" in ln)
     plus = step.xla.bytes + step.xla.uncosted_bytes
     assert f"{plus:,.0f}" in row
     plain = costs.analyze_decode_step(cfg.replace(decode_attention="xla"), 64,
                                       attribute=False, jaxpr=False)
     assert "(+kernels)" not in report.cost_table(plain)
     assert plus >= 0.9 * plain.xla.bytes  # the kernel's reads put back what XLA left out
+
+
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+def test_kernel_flops_put_back_what_xla_leaves_out():
+    """XLA costs a custom call as -1 FLOP: hlo_cost.kernel_flops gives the native kernels'
+    FLOP from their shapes (2·M·K·N per weight product, 2·B·K·G·S·(H+V) per decode
+    attention), so XLA's FLOP + the kernels' equals the all-XLA program's dot FLOP (the
+    exp/max/sum of XLA's softmax aside: XLA counts them, the formula does not) and the
+    table gets a 'FLOP (+kernels)' row."""
+    from kvjax.analysis import costs, hlo_cost, report
+    from kvjax.native import rows_matmul
+    from tests.conftest import tiny_config
+    assert hlo_cost.kernel_flops("kvjax_rows_matmul", ["f32[3,40]{1,0}", "f32[40,7]{1,0}"],
+                                 "f32[3,7]{1,0}") == 2 * 3 * 40 * 7
+    assert hlo_cost.kernel_flops(
+        "kvjax_decode_attention",
+        ["f32[2,3,4,16]{3,2,1,0}", "f32[2,3,16,50]", "f32[2,3,50,8]", "pred[2,50]{1,0}"],
+        "(f32[2,3,4,8]{3,2,1,0}, f32[2,3,4]{2,1,0}, f32[2,3,4]{2,1,0})") == \
+        2 * 50 * (2 * 3 * 4 * 16 + 2 * 3 * 4 * 8)
+    assert hlo_cost.kernel_flops("kvjax_prefill_attention", [], "f32[1]") is None
+    cfg = tiny_config(decode_attention="native", key_layout="BKHS", value_layout="BKSH")
+    if rows_matmul.load():
+        cfg = cfg.replace(weight_matmul="native")
+    step = costs.analyze_decode_step(cfg, 64, attribute=False, jaxpr=False)
+    plain = costs.analyze_decode_step(cfg.replace(decode_attention="xla", weight_matmul="xla"),
+                                      64, attribute=False, jaxpr=False)
+    assert step.xla.uncosted_flops > 0.5 * plain.xla.flops
+    plus = step.xla.flops + step.xla.uncosted_flops
+    # theory counts the products' FLOP: the kernels' formula matches it; the all-XLA
+    # program also counts its softmax's elementwise FLOP (a few % at these tiny shapes)
+    np.testing.assert_allclose(plus, step.theory_flops, rtol=0.03)
+    assert step.theory_flops < plain.xla.flops < 1.15 * plus
+    row = next(ln for ln in report.cost_table(step).splitlines() if "FLOP (+kernels)" in ln)
+    assert f"{plus:,.0f}" in row

@@ -449,6 +449,6 @@ def test_decode_report_never_prints_a_negative_fixed_cost():
     """The loop's fixed cost is t(n1) - n1 x per-token, two noisy medians apart: a
     negative estimate (a tester's int4 run printed -32.7 ms) is reported as noise."""
     line = import_entry_point("decode")._loop_timing_line
-    assert "fixed cost of 1.4 ms cancels" in line({"steps": (4, 20), "call_overhead_s": 0.0014})
+    assert "fixed cost, 1.4 ms, cancels" in line({"steps": (4, 20), "call_overhead_s": 0.0014})
     neg = line({"steps": (4, 20), "call_overhead_s": -0.0327})
-    assert "below the timing noise (estimate -32.7 ms)" in neg and "of -32.7 ms" not in neg
+    assert "comes out at -32.7 ms: below the timing noise" in neg and "cost, -32.7" not in neg

@@ -148,8 +148,10 @@ def test_planner_measures_weights_once_then_reads_its_cache(tmp_path, monkeypatc
     monkeypatch.setattr(planner, "measure_weight_matmul", _fake(calls))
     planner.clear_memo()
     assert planner.weight_matmul("auto", 4, 576, 1536, "kn") == "native"
+    assert any("native (GB/s" in ln and "measured now" in ln for ln in planner.report_lines())
     planner.clear_memo()
     assert planner.weight_matmul("auto", 4, 576, 1536, "kn") == "native"  # from disk
+    assert any("; cached 20" in ln for ln in planner.report_lines())  # with its date
     assert calls == [(4, 576, 1536, "kn")]
     key = planner.machine_key("cpu", "rows_matmul.cc")
     path = planner.cache_path(key, "weight_matmul")

@@ -284,7 +284,8 @@ def analyze_loop(cfg: ModelConfig, context: int, batch: int = 1, compiled=None,
     b = hlo_cost.loop_aware_cost(compiled, default_trip_count=2 * n)
     tok_f, tok_b = (b.flops - a.flops) / n, (b.bytes - a.bytes) / n
     xla = dataclasses.replace(a, flops=tok_f, bytes=tok_b,
-                              uncosted_bytes=(b.uncosted_bytes - a.uncosted_bytes) / n)
+                              uncosted_bytes=(b.uncosted_bytes - a.uncosted_bytes) / n,
+                              uncosted_flops=(b.uncosted_flops - a.uncosted_flops) / n)
     once = {"flops": a.flops - n * tok_f, "bytes": a.bytes - n * tok_b, "parts": {}}
     attribution = None
     if attribute:
@@ -313,7 +314,10 @@ def analyze_loop(cfg: ModelConfig, context: int, batch: int = 1, compiled=None,
         parts["bytes_widened"] = widened
     _, cache = _specs(cfg, batch, context)
     return StepCost(
-        name="generated token", cfg=cfg, batch=batch, context=context, xla=xla,
+        # one step of the loop generates one token per row: with B > 1 rows its figures
+        # are for B tokens, and the tables say so
+        name="generated token" if batch == 1 else f"loop step ({batch} tokens)",
+        cfg=cfg, batch=batch, context=context, xla=xla,
         memory=hlo_cost.memory_stats(compiled), theory_flops=float(sf.total),
         theory_bytes=float(sb.total), theory_parts=parts,
         cache_bytes=cache_lib.cache_bytes(cache), attribution=attribution,
@@ -411,8 +415,10 @@ def analyze_prefill(cfg: ModelConfig, prompt_len: int, max_seq_len: int,
 
     A custom call (the native prompt attention) is opaque to XLA's cost analysis (-1 FLOP
     and bytes, removed; ``xla.complete`` False): ``theory_parts['custom_call']`` then
-    holds its targets, its operand + result bytes (``xla.uncosted_bytes``) and its FLOP
-    by theory (:func:`kvjax.analysis.theory.prefill_attention_flops`), to add to XLA's
+    holds its targets, its operand + result bytes (``xla.uncosted_bytes``) and its FLOP:
+    the native prompt attention's by theory
+    (:func:`kvjax.analysis.theory.prefill_attention_flops`), the native weight products'
+    from their shapes (:func:`kvjax.analysis.hlo_cost.kernel_flops`), to add to XLA's
     figures: see :func:`prefill_with_kernel`.
     """
     compiled = compiled or compile_prefill(cfg, batch, prompt_len, max_seq_len,
@@ -426,11 +432,15 @@ def analyze_prefill(cfg: ModelConfig, prompt_len: int, max_seq_len: int,
         # its operand + result bytes (XLA's shapes, loop-corrected) and, for the native
         # prompt attention, its causal FLOP from theory stand in, labelled as such.
         native = flash.prefill_path(cfg) == "native"
+        attn = float(theory.prefill_attention_flops(cfg, prompt_len, batch)) if native else 0.0
         parts["custom_call"] = {
             "targets": list(xla.custom_calls),
             "operand_result_bytes": xla.uncosted_bytes,
-            "flops_theory": float(theory.prefill_attention_flops(cfg, prompt_len, batch))
-            if native else 0.0}
+            # the native prompt attention's causal FLOP (theory) + the other kernels'
+            # FLOP from their shapes (hlo_cost.kernel_flops: the weight products)
+            "flops_attention_theory": attn,
+            "flops_kernels": xla.uncosted_flops,
+            "flops_theory": attn + xla.uncosted_flops}
     return StepCost(
         name="prefill", cfg=cfg, batch=batch, context=prompt_len,
         xla=xla, memory=hlo_cost.memory_stats(compiled),

@@ -247,22 +247,64 @@ def _custom_calls(lines: list[str]) -> list[Instruction]:
     return out
 
 
-def _raw_cost(name: str, comps: dict[str, list[str]]) -> tuple[float, float, float]:
+def shape_dims(type_text: str) -> list[tuple[int, ...]]:
+    """The dimensions of each array in an HLO type string: 'f32[8,64]{1,0}' ->
+    [(8, 64)]; a tuple '(f32[2]{0}, pred[])' -> [(2,), ()]."""
+    return [tuple(int(d) for d in filter(None, dims.split(",")))
+            for _, dims in _ARRAY.findall(type_text)]
+
+
+def _prod(dims) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+def kernel_flops(target: str, operand_types: list[str], result_type: str) -> float | None:
+    """FLOP of one execution of a kvjax native kernel, from its operand and result shapes
+    (XLA costs a custom call as -1); None for a target without a formula here (e.g.
+    ``kvjax_prefill_attention``, whose causal count depends on positions:
+    :func:`kvjax.analysis.theory.prefill_attention_flops`).
+
+    * ``kvjax_rows_matmul``: x [M, K] times a weight into [M, N]: 2·M·K·N.
+    * ``kvjax_decode_attention``: q [B, K, G, H] against S slots (``visible`` [B, S]) into
+      o [B, K, G, V]: 2·B·K·G·S·(H + V) (the two products; the softmax's exp and sums
+      are not counted, as XLA's dot FLOPs do not count them).
+    """
+    try:
+        if target == "kvjax_rows_matmul":
+            (x,), (y, *_) = shape_dims(operand_types[0]), shape_dims(result_type)
+            return 2.0 * _prod(x) * y[-1]
+        if target == "kvjax_decode_attention":
+            (q,), (vis,) = shape_dims(operand_types[0]), shape_dims(operand_types[3])
+            o = shape_dims(result_type)[0]
+            return 2.0 * vis[-1] * (_prod(q) + _prod(o))
+    except (IndexError, ValueError):
+        return None
+    return None
+
+
+def _raw_cost(name: str, comps: dict[str, list[str]]) -> tuple[float, float, float, float]:
     """XLA's (FLOP, bytes) of a computation and its callees (nested loop bodies once),
-    with each custom call's -1/-1 removed, and the custom calls' operand + output bytes
-    (lower bound of what they move; XLA does not cost them)."""
+    with each custom call's -1/-1 removed, the custom calls' operand + output bytes
+    (lower bound of what they move; XLA does not cost them) and their FLOP where
+    :func:`kernel_flops` has a formula."""
     cost = _xla_cost(_module_text(name, comps))
     flops, nbytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-    uncosted = 0.0
+    uncosted = uncosted_flops = 0.0
     # Custom calls of this computation and of non-loop callees are inside this module.
     for n in _closure([name], comps):
         types = _instruction_types(comps[n])
         for cc in _custom_calls(comps[n][1:]):
             flops += 1.0  # HloCostAnalysis::HandleCustomCall sets flops = -1
             nbytes += 1.0  # ... and bytes accessed = -1
-            uncosted += shape_bytes(cc.type) + sum(shape_bytes(types[o])
-                                                   for o in cc.operands if o in types)
-    return flops, nbytes, uncosted
+            ops = [types[o] for o in cc.operands if o in types]
+            uncosted += shape_bytes(cc.type) + sum(shape_bytes(t) for t in ops)
+            target = _CUSTOM_CALL.search(cc.line)
+            kf = kernel_flops(target.group(1), ops, cc.type) if target else None
+            uncosted_flops += kf or 0.0
+    return flops, nbytes, uncosted, uncosted_flops
 
 
 def _instruction_types(lines: list[str]) -> dict[str, str]:
@@ -303,6 +345,8 @@ class CostReport:
       custom_calls: targets of the custom calls found.
       uncosted_bytes: operand + output bytes of those custom calls (loop-corrected), a
         lower bound of their traffic, not included in ``bytes``.
+      uncosted_flops: FLOP of the custom calls :func:`kernel_flops` has a formula for
+        (loop-corrected), not included in ``flops``.
     """
 
     raw_flops: float
@@ -313,6 +357,7 @@ class CostReport:
     complete: bool
     custom_calls: tuple[str, ...] = ()
     uncosted_bytes: float = 0.0
+    uncosted_flops: float = 0.0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -349,13 +394,13 @@ def loop_aware_cost(compiled, trip_counts: Mapping[str, int] | None = None,
     raw = normalize_cost(compiled.cost_analysis())
     loops: list[LoopCost] = []
     complete = True
-    cache: dict[str, tuple[float, float, float]] = {}
+    cache: dict[str, tuple[float, float, float, float]] = {}
 
-    def corrected(name: str) -> tuple[float, float, float]:
+    def corrected(name: str) -> tuple[float, float, float, float]:
         nonlocal complete
         if name in cache:
             return cache[name]
-        flops, nbytes, unc = _raw_cost(name, comps)
+        flops, nbytes, unc, uncf = _raw_cost(name, comps)
         for line in comps[name][1:]:
             m = _WHILE.search(line)
             if not m:
@@ -363,26 +408,28 @@ def loop_aware_cost(compiled, trip_counts: Mapping[str, int] | None = None,
             cond, body = m.group(1), m.group(2)
             n, source = _trip_count(line, body, trip_counts, default_trip_count)
             complete &= source != "unknown"
-            bf, bb, bu = corrected(body)
-            cf, cb, cu = corrected(cond)
-            rbf, rbb, rbu = _raw_cost(body, comps)
-            rcf, rcb, rcu = _raw_cost(cond, comps)
+            bf, bb, bu, buf = corrected(body)
+            cf, cb, cu, cuf = corrected(cond)
+            rbf, rbb, rbu, rbuf = _raw_cost(body, comps)
+            rcf, rcb, rcu, rcuf = _raw_cost(cond, comps)
             flops += n * (bf + cf) - (rbf + rcf)
             nbytes += n * (bb + cb) - (rbb + rcb)
             unc += n * (bu + cu) - (rbu + rcu)
+            uncf += n * (buf + cuf) - (rbuf + rcuf)
             loops.append(LoopCost(body, n if source != "unknown" else None, source,
                                   bf + cf, bb + cb))
-        cache[name] = (flops, nbytes, unc)
+        cache[name] = (flops, nbytes, unc, uncf)
         return cache[name]
 
-    flops, nbytes, uncosted = corrected(entry)
+    flops, nbytes, uncosted, uncosted_flops = corrected(entry)
     custom = tuple(sorted({m.group(1) for m in _CUSTOM_CALL.finditer(text)}))
     if custom:
         complete = False
     return CostReport(raw_flops=float(raw.get("flops", -1.0)),
                       raw_bytes=float(raw.get("bytes accessed", -1.0)),
                       flops=flops, bytes=nbytes, loops=tuple(reversed(loops)),
-                      complete=complete, custom_calls=custom, uncosted_bytes=uncosted)
+                      complete=complete, custom_calls=custom, uncosted_bytes=uncosted,
+                      uncosted_flops=uncosted_flops)
 
 
 # --------------------------------------------------------------------------- per op

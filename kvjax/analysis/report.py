@@ -45,6 +45,13 @@ def cost_table(step: StepCost, measured_seconds: float | None = None) -> str:
         ("bytes", step.theory_bytes, jb, step.xla.bytes, step.xla.raw_bytes,
          step.bytes_ratio),
     ]
+    if step.xla.custom_calls and step.xla.uncosted_flops:
+        # the kernels' FLOP from their shapes (hlo_cost.kernel_flops: the native weight
+        # products and decode attention), XLA's -1 otherwise
+        plus = step.xla.flops + step.xla.uncosted_flops
+        rows.append(("FLOP (+kernels)", step.theory_flops, float("nan"), plus,
+                     step.xla.raw_flops + step.xla.uncosted_flops,
+                     plus / step.theory_flops if step.theory_flops else float("nan")))
     if step.xla.custom_calls and step.xla.uncosted_bytes:
         # A custom call (a native kernel) is -1 to XLA's cost analysis: its operand +
         # result bytes (the buffers it reads and writes, as XLA's shapes give them) are

@@ -15,6 +15,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
@@ -79,6 +80,8 @@ def build_library(source: pathlib.Path, name: str) -> pathlib.Path | None:
     ).hexdigest()[:16]
     out = cache_root() / "native" / key / f"lib{name}.so"
     if not out.exists():
+        print(f"kvjax: building {source.name} with {os.path.basename(cxx)} (once per "
+              f"machine and source; into {out.parent})", file=sys.stderr, flush=True)
         _build(out, cxx, source)
     return out
 
