@@ -325,8 +325,19 @@ def validate_model_config(c: ModelConfig) -> None:
         _fail("model.decode_attention", c.decode_attention,
               f"'auto', 'xla', 'xla_cache_left' or 'pallas' on backend {c.backend!r} "
               "('native' is a CPU kernel)")
+    cache_dtype = c.kv_dtype or c.dtype
+    if c.decode_attention == "native" and cache_dtype != "float32":
+        # refused here, not after the weights load (the kernel reads a float32 cache)
+        _fail("model.decode_attention", c.decode_attention,
+              f"'auto', 'xla' or 'xla_cache_left' for a {cache_dtype} cache ('native' reads "
+              "float32 caches; 'auto' uses XLA for the others)")
     if c.weight_matmul not in WEIGHT_MATMUL:
         _fail("model.weight_matmul", c.weight_matmul, f"one of {list(WEIGHT_MATMUL)}")
+    if c.weight_matmul == "native" and c.dtype != "float32":
+        # the kernel is float32: 'native' here would silently run XLA's dots
+        _fail("model.weight_matmul", c.weight_matmul,
+              f"'xla' or 'auto' for dtype={c.dtype!r} ('native' multiplies float32 "
+              "weights; 'auto' uses XLA for the others)")
     if c.prefill_impl not in PREFILL_IMPLS:
         _fail("model.prefill_impl", c.prefill_impl, f"one of {list(PREFILL_IMPLS)}")
     if c.prefill_impl == "native" and c.backend != "cpu":

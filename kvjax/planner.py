@@ -98,7 +98,8 @@ def load_cache(path: pathlib.Path, key: dict, allowed=None) -> dict:
             if not isinstance(e, dict) or e.get("choice") not in allowed:
                 raise ValueError(f"entry {name!r} has no valid 'choice'")
         return entries
-    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+    except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError;
+        # RecursionError: a file of deeply nested brackets
         warnings.warn(f"ignoring planner cache {path}: {e}; re-measuring", stacklevel=3)
         return {}
 
@@ -202,7 +203,7 @@ def _when(e: dict) -> str:
     when = "measured now" if e.get("fresh") else f"cached {e.get('measured_at', '')}".strip()
     load = e.get("load_average")
     return when + (f", load average {load:.1f} on {native.num_threads()} cores"
-                   if load is not None else "")
+                   if isinstance(load, (int, float)) else "")
 
 
 def decode_attention(cfg, k_cache, v_cache) -> str:

@@ -160,7 +160,16 @@ def test_config_names_the_bad_formulation():
 
 
 def test_explicit_formulation_that_cannot_run_raises():
-    cfg = presets.blog_model("bfloat16", decode_attention="native", backend="cpu")
+    # a config whose cache the kernel cannot read is refused when it is built (a tester's
+    # bfloat16 run failed after the weights loaded, with a traceback)
+    for kw in ({"dtype": "bfloat16"}, {"dtype": "float32", "kv_dtype": "int8"}):
+        with pytest.raises(ConfigError, match="decode_attention='native'.*cache"):
+            presets.blog_model(decode_attention="native", backend="cpu", **kw)
+    with pytest.raises(ConfigError, match="weight_matmul='native'.*dtype='bfloat16'"):
+        presets.blog_model("bfloat16", weight_matmul="native")
+    presets.blog_model("bfloat16", weight_matmul="auto", decode_attention="auto")
+    # the planner still refuses arrays the kernel cannot read (library calls)
+    cfg = presets.blog_model("float32", decode_attention="native", backend="cpu")
     k = jax.ShapeDtypeStruct((1, 8, 64, 4096), jnp.bfloat16)
     with pytest.raises(ValueError, match="decode_attention='native' cannot run"):
         planner.decode_attention(cfg, k, k)

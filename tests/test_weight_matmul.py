@@ -65,6 +65,26 @@ def test_one_row_walk_splits_k_over_threads(monkeypatch, threads, k, n):
     np.testing.assert_allclose(y, ref, atol=2e-5 * np.sqrt(k) * np.abs(ref).max(), rtol=0)
 
 
+@needs_native
+@pytest.mark.parametrize("eqn,wshape", [("BTD,DF->BTF", (40, 24)), ("BTD,VD->BTV", (24, 40))])
+def test_native_product_is_differentiable(eqn, wshape):
+    """A training step through 'native' products (uptrain with configs' 'auto' and few
+    rows picked the kernel, then failed: an FFI call has no gradient): the kernel's
+    forward, XLA's backward, equal to the all-XLA gradients."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((1, 3, 40), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal(wshape, dtype=np.float32))
+    hlo = jax.jit(lambda a, b: weight_matmul.einsum(eqn, a, b, "native")).lower(x, w).as_text()
+    assert rm.TARGET in hlo  # the kernel really runs the forward
+
+    def loss(a, b, impl):
+        return jnp.sum(jnp.sin(weight_matmul.einsum(eqn, a, b, impl)))
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(x, w, "native")
+    want = jax.grad(loss, argnums=(0, 1))(x, w, "xla")
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
+
+
 def test_bad_input_is_named():
     x = jnp.ones((2, 8), jnp.float32)
     with pytest.raises(ValueError, match="w_layout='kk'"):

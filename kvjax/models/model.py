@@ -176,10 +176,15 @@ def init_params(cfg: ModelConfig, rng: jax.Array | int = 0):
 
 
 def param_shapes(cfg: ModelConfig):
-    """Parameters as ShapeDtypeStructs, without allocating (for cost analysis)."""
+    """Parameters as ShapeDtypeStructs, without allocating (for cost analysis).
+
+    Traced with the 'xla' formulations: they do not change the parameters, and 'auto'
+    would have the planner measure (and report) a one-token product class the run may
+    never execute."""
     tokens = jnp.zeros((1, 1), jnp.int32)
+    plain = cfg.replace(decode_attention="xla", weight_matmul="xla")
     return jax.eval_shape(
-        lambda: DecoderLM(cfg).init(jax.random.key(0), tokens, tokens)["params"])
+        lambda: DecoderLM(plain).init(jax.random.key(0), tokens, tokens)["params"])
 
 
 def unstack_layers(params, num_layers: int):

@@ -10,6 +10,7 @@ returns False; :func:`rows_matmul` callers then use ``jnp.dot`` (the pure-XLA pa
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import threading
 
@@ -66,7 +67,33 @@ def rows_matmul(x: jax.Array, w: jax.Array, w_layout: str = "kn") -> jax.Array:
     if not load():
         raise RuntimeError("rows_matmul: the native library could not be built or loaded "
                            "(see the warning); use model.weight_matmul='xla'")
+    return _product(x, w, w_layout)
+
+
+def _call(x: jax.Array, w: jax.Array, w_layout: str) -> jax.Array:
     n = w.shape[1] if w_layout == "kn" else w.shape[0]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
         x, w, w_nk=np.int64(w_layout == "nk"), threads=np.int64(native.num_threads()))
+
+
+# Differentiable: the kernel computes the forward product; the backward products (a
+# training step's, e.g. experiments.uptrain with configs' weight_matmul='auto' and few
+# rows) are XLA's: dx = g w^T, dw = x^T g (kn) or g^T x (nk).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _product(x, w, w_layout):
+    return _call(x, w, w_layout)
+
+
+def _product_fwd(x, w, w_layout):
+    return _call(x, w, w_layout), (x, w)
+
+
+def _product_bwd(w_layout, res, g):
+    x, w = res
+    if w_layout == "kn":
+        return g @ w.T, x.T @ g
+    return g @ w, g.T @ x
+
+
+_product.defvjp(_product_fwd, _product_bwd)
