@@ -298,13 +298,15 @@ def main(argv):
     with open(path, "w") as f:
         json.dump(out, f, indent=2)
     # the summary (bench.json's 'summary'), one readable line per entry
+    def fmt(v) -> str:
+        if not isinstance(v, (int, float)):
+            return str(v)
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
     print("summary:")
     for key, val in summary.items():
         items = val.items() if isinstance(val, dict) else [("", val)]
-        print(f"  {key}: " + ", ".join(
-            f"{k} {v:,.0f}".strip() if isinstance(v, (int, float)) and abs(v) >= 100 else
-            f"{k} {v:.3g}".strip() if isinstance(v, (int, float)) else f"{k} {v}".strip()
-            for k, v in items))
+        print(f"  {key}: " + ", ".join(f"{k} {fmt(v)}".strip() for k, v in items))
     from kvjax import planner  # noqa: PLC0415 (issue 18: which formulation, measured GB/s)
     for line in planner.report_lines() or [
             f"decode attention: no measured choice (machine {planner.machine_key()['cpu']}, "

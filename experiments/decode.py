@@ -190,7 +190,7 @@ def _why_they_differ(c) -> str:
     byte_ratio = ((s.xla.bytes + s.xla.uncosted_bytes)
                   / (loop.xla.bytes + loop.xla.uncosted_bytes))
     if abs(byte_ratio - 1) > 0.02:
-        widened = s.cfg.dtype != "float32" and s.cfg.backend == "cpu"
+        widened = "bytes_widened" in loop.theory_parts  # costs.analyze_loop decides it
         reasons.append(
             f"the single step's compiled bytes are {byte_ratio:.2f}x the loop's per token: "
             f"the loop does {loop.once_per_call['bytes']:,.0f} bytes of loop-invariant work "

@@ -34,6 +34,7 @@ count the custom calls' operand + output bytes separately as a lower bound
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, Callable, Mapping
 
@@ -88,17 +89,26 @@ def memory_stats(compiled) -> dict:
     return {k.replace("_size_in_bytes", "_bytes"): int(getattr(ma, k, 0)) for k in keys}
 
 
+def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(element type, dimensions) of each array in an HLO type string."""
+    return [(dtype, tuple(int(d) for d in filter(None, dims.split(","))))
+            for dtype, dims in _ARRAY.findall(type_text)]
+
+
 def shape_bytes(type_text: str) -> float:
     """Bytes of an HLO type string, e.g. 'f32[8,64]{1,0}' -> 2048; tuples are summed."""
     total = 0.0
-    for dtype, dims in _ARRAY.findall(type_text):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
+    for dtype, dims in _arrays(type_text):
         if dtype not in _ELEMENT_BYTES:
             raise ValueError(f"unknown HLO element type {dtype!r} in {type_text!r}")
-        total += n * _ELEMENT_BYTES[dtype]
+        total += math.prod(dims) * _ELEMENT_BYTES[dtype]
     return total
+
+
+def shape_dims(type_text: str) -> list[tuple[int, ...]]:
+    """The dimensions of each array in an HLO type string: 'f32[8,64]{1,0}' ->
+    [(8, 64)]; a tuple '(f32[2]{0}, pred[])' -> [(2,), ()]."""
+    return [dims for _, dims in _arrays(type_text)]
 
 
 # --------------------------------------------------------------------------- HLO text
@@ -247,20 +257,6 @@ def _custom_calls(lines: list[str]) -> list[Instruction]:
     return out
 
 
-def shape_dims(type_text: str) -> list[tuple[int, ...]]:
-    """The dimensions of each array in an HLO type string: 'f32[8,64]{1,0}' ->
-    [(8, 64)]; a tuple '(f32[2]{0}, pred[])' -> [(2,), ()]."""
-    return [tuple(int(d) for d in filter(None, dims.split(",")))
-            for _, dims in _ARRAY.findall(type_text)]
-
-
-def _prod(dims) -> int:
-    n = 1
-    for d in dims:
-        n *= d
-    return n
-
-
 def kernel_flops(target: str, operand_types: list[str], result_type: str) -> float | None:
     """FLOP of one execution of a kvjax native kernel, from its operand and result shapes
     (XLA costs a custom call as -1); None for a target without a formula here (e.g.
@@ -275,11 +271,11 @@ def kernel_flops(target: str, operand_types: list[str], result_type: str) -> flo
     try:
         if target == "kvjax_rows_matmul":
             (x,), (y, *_) = shape_dims(operand_types[0]), shape_dims(result_type)
-            return 2.0 * _prod(x) * y[-1]
+            return 2.0 * math.prod(x) * y[-1]
         if target == "kvjax_decode_attention":
             (q,), (vis,) = shape_dims(operand_types[0]), shape_dims(operand_types[3])
             o = shape_dims(result_type)[0]
-            return 2.0 * vis[-1] * (_prod(q) + _prod(o))
+            return 2.0 * vis[-1] * (math.prod(q) + math.prod(o))
     except (IndexError, ValueError):
         return None
     return None
