@@ -270,11 +270,13 @@ def report_lines() -> list[str]:
     if _wmemo:
         lines.append(f"weight-product planner on {model} ({', '.join(isa)}; "
                      f"{native.num_threads()} cores), jax {jax.__version__}:")
-    configured = sorted(n for n, e in _wmemo.items() if "gbps" not in e)
-    if configured:
-        lines.append(f"  native as configured (model.weight_matmul='native') for "
-                     f"{len(configured)} shape classes: {', '.join(configured[:4])}"
-                     + (", ..." if len(configured) > 4 else ""))
+    for impl in ("native", "native_ksplit"):
+        configured = sorted(n for n, e in _wmemo.items()
+                            if "gbps" not in e and e["choice"] == impl)
+        if configured:
+            lines.append(f"  {impl} as configured (model.weight_matmul={impl!r}) for "
+                         f"{len(configured)} shape classes: {', '.join(configured[:4])}"
+                         + (", ..." if len(configured) > 4 else ""))
     for name, e in sorted(_wmemo.items()):
         if "gbps" in e:
             rates = ", ".join(f"{n} {r:.1f}" for n, r in e["gbps"].items())
@@ -292,7 +294,7 @@ def clear_memo() -> None:
 
 # ------------------------------------------------------------------ weight products
 
-WEIGHT_CANDIDATES = ("xla", "native")
+WEIGHT_CANDIDATES = ("xla", "native", "native_ksplit")
 WEIGHT_STREAM_BYTES = 48 * 2**20  # weights timed per call: above a 32 MB L3
 _wmemo: dict[str, dict] = {}
 
@@ -330,11 +332,14 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
                   for _ in range(copies))
         x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
         prods = {"xla": (lambda a, b: a @ b) if layout == "kn" else (lambda a, b: a @ b.T),
-                 "native": lambda a, b: rm.rows_matmul(a, b, layout)}
+                 "native": lambda a, b: rm.rows_matmul(a, b, layout),
+                 "native_ksplit": lambda a, b: rm.rows_matmul(a, b, layout, "k")}
         fns = {}
         for name in candidates:
-            if name == "native" and not _weight_native_ok(m):
+            if name != "xla" and not _weight_native_ok(m):
                 continue
+            if name == "native_ksplit" and (layout != "kn" or m == 1):
+                continue  # the kernel splits these as 'native' does: nothing to choose
 
             def run(x, w, prod=prods[name]):
                 acc = jnp.zeros((m, n), jnp.float32)
@@ -353,15 +358,17 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
 
 
 def weight_matmul(impl: str, m: int, k: int, n: int, layout: str = "kn") -> str:
-    """The formulation ('xla' or 'native') of one float32 product of M rows with a
+    """The formulation ('xla', 'native' or 'native_ksplit') of one float32 product of M rows with a
     weight of K x N (``layout`` 'kn': stored [K, N]; 'nk': [N, K]) for
     ``model.weight_matmul=impl``.
 
-    'xla' -> 'xla'. 'native' -> 'native' where the kernel runs (CPU process, M <=
-    MAX_ROWS, library built), else 'xla'. 'auto' -> 'xla' where 'native' cannot run, the
+    'xla' -> 'xla'. 'native' / 'native_ksplit' -> itself where the kernel runs (CPU
+    process, M <= MAX_ROWS, library built), else 'xla'. 'auto' -> 'xla' where the kernel
+    cannot run, the
     weight is below :data:`MIN_MEASURED_BYTES` or the product is traced under a
     multi-device mesh (``jax.sharding.get_abstract_mesh()``); otherwise the faster measured for
-    this class (:func:`measure_weight_matmul`), once per machine (cached on disk like
+    this class among :data:`WEIGHT_CANDIDATES` (:func:`measure_weight_matmul`; the
+    K split only for M > 1 and 'kn'), once per machine (cached on disk like
     :func:`decode_attention`, keyed with the hash of rows_matmul.cc).
 
     Raises:
@@ -374,10 +381,10 @@ def weight_matmul(impl: str, m: int, k: int, n: int, layout: str = "kn") -> str:
     if impl == "xla" or not _weight_native_ok(m):
         return "xla"
     name = weight_class(m, k, n, layout)
-    if impl == "native":
+    if impl in ("native", "native_ksplit"):
         with _lock:
-            _wmemo.setdefault(name, {"choice": "native"})
-        return "native"
+            _wmemo.setdefault(name, {"choice": impl})
+        return impl
     if 4 * k * n < MIN_MEASURED_BYTES:
         return "xla"
     if jax.sharding.get_abstract_mesh().size > 1:

@@ -2,7 +2,8 @@
 
 Times one compiled decode step of a model (default SmolLM2-135M shapes, GQA, float32,
 random weights, a full cache at ``--context``) at each of ``--batch_sizes`` for each
-``--impls`` (``model.weight_matmul``: 'xla', 'native', 'auto'), interleaved round by
+``--impls`` (``model.weight_matmul``: 'xla', 'native', 'native_ksplit', 'auto'),
+interleaved round by
 round (medians), and prints beside each measured step:
 
 * the step over B = 1 and the tokens/s over B = 1 (same formulation);
@@ -32,7 +33,7 @@ from kvjax import planner, presets
 from kvjax.config import default_scan_layers
 from kvjax.analysis import costs, hardware, theory
 from kvjax.inference import decode
-from kvjax.models import model
+from kvjax.models import model, weight_matmul
 
 _BATCH = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16"], "Batch sizes B.")
 _CONTEXT = flags.DEFINE_integer("context", 256, "Context t of the timed step (tokens).")
@@ -54,8 +55,9 @@ def main(argv):
     if not batches or min(batches) < 1:
         raise app.UsageError(f"--batch_sizes={_BATCH.value}; allowed: integers >= 1")
     for impl in _IMPLS.value:
-        if impl not in ("xla", "native", "auto"):
-            raise app.UsageError(f"--impls contains {impl!r}; allowed: xla, native, auto")
+        if impl not in weight_matmul.IMPLS:
+            raise app.UsageError(f"--impls contains {impl!r}; allowed: "
+                                 f"{', '.join(weight_matmul.IMPLS)}")
     t = _CONTEXT.value
     make = presets.smollm2_135m if _MODEL.value == "smollm2" else presets.blog_model
     scans = {"default": [default_scan_layers()], "true": [True], "false": [False],

@@ -66,6 +66,51 @@ def test_one_row_walk_splits_k_over_threads(monkeypatch, threads, k, n):
 
 
 @needs_native
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+@pytest.mark.parametrize("m,k,n", [(2, 300, 1000), (16, 576, 576), (7, 200, 70),
+                                   (16, 1536, 192), (5, 63, 130), (3, 130, 4100)])
+def test_k_split_equals_float64_product(monkeypatch, threads, m, k, n):
+    """split='k' ('native_ksplit'): several rows against a [K, N] weight, K split into
+    contiguous ranges of >= 64 rows per thread (blocks of 64 rows, a ragged last block:
+    300, 130, 1536 with 3 threads), partial rows added by the caller; row tiles 1..6,
+    ragged column panels (1000, 70, 130, 4100); K < 64 (63) runs as one part."""
+    monkeypatch.setenv("KVJAX_NATIVE_THREADS", threads)
+    rng = np.random.default_rng(m * 7 + k + n)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    y = np.asarray(jax.jit(lambda a, b: rm.rows_matmul(a, b, "kn", "k"))(x, w))
+    ref = x.astype(np.float64) @ w
+    np.testing.assert_allclose(y, ref, atol=2e-5 * np.sqrt(k) * np.abs(ref).max(), rtol=0)
+
+
+@needs_native
+def test_native_ksplit_formulation_reaches_the_kernel_with_its_split():
+    """model.weight_matmul='native_ksplit' compiles the kernel with split=1 for several
+    rows against [K, N]; its decode logits equal the reference's; the config and a mesh
+    treat it like 'native'."""
+    base = tiny_config()
+    params = model.init_params(base, 0)
+    out = {}
+    for impl in ("xla", "native_ksplit"):
+        cfg = base.replace(weight_matmul=impl)
+        cache = cache_lib.init_cache(cfg, 3, 16)
+        toks = (jnp.arange(3 * 5, dtype=jnp.int32).reshape(3, 5) * 5) % cfg.vocab_size
+        pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (3, 5))
+        lg, cache = model.forward(params, cfg, toks, pos, cache)
+        out[impl] = np.asarray(lg)
+        hlo = jax.jit(lambda p, c, tk, ps, cfg=cfg: model.forward(p, cfg, tk, ps, c)).lower(
+            params, cache, toks[:, :1], jnp.full((3, 1), 5, jnp.int32)).as_text()
+        assert (rm.TARGET in hlo) == (impl != "xla")
+        if impl != "xla":
+            assert "split = 1" in hlo
+    np.testing.assert_allclose(out["native_ksplit"], out["xla"], atol=2e-5, rtol=2e-5)
+    with pytest.raises(ConfigError, match="weight_matmul='native_ksplit'.*dtype='bfloat16'"):
+        presets.blog_model("bfloat16", weight_matmul="native_ksplit")
+    with pytest.raises(ValueError, match="split='rows'"):
+        rm.rows_matmul(jnp.ones((2, 8)), jnp.ones((8, 4)), "kn", "rows")
+
+
+@needs_native
 @pytest.mark.parametrize("eqn,wshape", [("BTD,DF->BTF", (40, 24)), ("BTD,VD->BTV", (24, 40))])
 def test_native_product_is_differentiable(eqn, wshape):
     """A training step through 'native' products (uptrain with configs' 'auto' and few
@@ -214,8 +259,13 @@ def test_corrupt_or_foreign_weight_cache_is_ignored(tmp_path, monkeypatch, conte
 
 
 @needs_native
-def test_measure_weight_matmul_times_both_on_a_streamed_weight():
-    r = planner.measure_weight_matmul(2, 256, 256, "nk", rounds=3, budget_s=0.2)
-    assert set(r["gbps"]) == {"xla", "native"} and r["choice"] in ("xla", "native")
+@pytest.mark.parametrize("m,layout,want", [(2, "nk", {"xla", "native"}),
+                                           (1, "kn", {"xla", "native"}),
+                                           (2, "kn", {"xla", "native", "native_ksplit"})])
+def test_measure_weight_matmul_times_each_on_a_streamed_weight(m, layout, want):
+    """The K split is a candidate only where it differs from 'native': several rows
+    against a [K, N] weight."""
+    r = planner.measure_weight_matmul(m, 256, 256, layout, rounds=3, budget_s=0.2)
+    assert set(r["gbps"]) == want and r["choice"] in want
     assert r["copies"] * 256 * 256 * 4 >= planner.WEIGHT_STREAM_BYTES
     assert all(v > 0 for v in r["gbps"].values())

@@ -19,8 +19,8 @@ class Einsum(nn.Module):
       shape: kernel shape, e.g. (D, N, H).
       eqn: einsum equation with the input first, e.g. 'BTD,DNH->BTNH'.
       dtype: parameter and output dtype.
-      impl: the product's formulation, ``model.weight_matmul`` ('xla', 'native' or
-        'auto'; :mod:`kvjax.models.weight_matmul`).
+      impl: the product's formulation, ``model.weight_matmul`` ('xla', 'native',
+        'native_ksplit' or 'auto'; :mod:`kvjax.models.weight_matmul`).
     """
 
     shape: Sequence[int]

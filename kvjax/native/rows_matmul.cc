@@ -13,7 +13,12 @@
 // The columns (w_nk = 0) or output rows (w_nk = 1) are split into contiguous ranges
 // over XLA's own intra-op thread pool (pool.h: no second thread pool spinning beside
 // XLA's); one row against a [K, N] weight (B = 1 decode) splits the K rows instead, so
-// that each thread reads one contiguous stretch of the weight (WalkRowsKN).
+// that each thread reads one contiguous stretch of the weight (WalkRowsKN). With the
+// attribute split = 1, several rows against a [K, N] weight split K too (each part's
+// partial rows added at the end): which split is faster depends on the machine (2-core
+// AMD EPYC: no better than the columns; 2-core Intel Xeon, SmolLM2's chain at M = 16:
+// 0.66-0.71x the columns' time), so model.weight_matmul='auto' measures both
+// ('native', 'native_ksplit'; kvjax/planner.py).
 //
 // Vectors: GCC vector extensions, 16 floats with AVX-512F, else 8 (AVX2 / others);
 // built with -march=native by kvjax/native/rows_matmul.py.
@@ -49,7 +54,16 @@ constexpr int NB = VW * NV;       // columns per panel (w_nk = 0)
 #ifndef KROWS
 #define KROWS 16
 #endif
-constexpr int64_t kRowBlock = KROWS;  // weight rows per block (w_nk = 0)
+constexpr int64_t kRowBlock = KROWS;  // weight rows per block (w_nk = 0, column split)
+// Weight rows per block of the K split (split = 1, w_nk = 0): one interleaved run of
+// SmolLM2's 30-layer chain at M = 16 on a 2-core Intel Xeon (AVX-512, 2 FMA ports):
+// blocks of 4 / 16 / 32 / 48 / 64 / 128 / 288 rows took 1.34 / 1.08 / 0.98 / 0.96 / 1 /
+// 1.32 / 1.46x the time of 64 (32-64 within noise of each other).
+constexpr int64_t kSplitRowBlock = 64;
+// The one-row walk prefetches this many floats (4 KiB) ahead of its stream into L2:
+// SmolLM2's 30-layer chain at B = 1, 2-core Intel Xeon, one interleaved run: 1 / 4 / 8
+// KiB ahead took 0.99 / 0.95 / 0.95x the time without (into L1: 0.96x).
+constexpr int64_t kWalkPrefetch = 1024;
 #ifndef KN_PREFETCH
 #define KN_PREFETCH 1
 #endif
@@ -112,12 +126,12 @@ static inline vf reg(vf v) {
 // w stored [K, N]: the accumulators stay in registers over the block of k rows.
 template <int MR, int NVR>
 static void TileKN(const float* x, int64_t K, const float* w, int64_t N, int64_t n0,
-                   float* y, int64_t k0, int64_t k1) {
+                   float* y, int64_t k0, int64_t k1, int64_t ks) {
   vf acc[MR][NVR];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
-    for (int j = 0; j < NVR; ++j) acc[r][j] = k0 ? load(y + r * N + n0 + j * VW) : zero();
+    for (int j = 0; j < NVR; ++j) acc[r][j] = k0 != ks ? load(y + r * N + n0 + j * VW) : zero();
   const float* wp = w + k0 * N + n0;
   for (int64_t k = k0; k < k1; ++k, wp += N) {
     vf b[NVR];
@@ -171,14 +185,14 @@ struct Dispatch;
 template <int R>
 struct KN {  // one NB-column chunk
   static void Run(const float* x, int64_t K, const float* w, int64_t N, int64_t n0,
-                  float* y, int64_t k0, int64_t k1) {
-    TileKN<R, NV>(x, K, w, N, n0, y, k0, k1);
+                  float* y, int64_t k0, int64_t k1, int64_t ks) {
+    TileKN<R, NV>(x, K, w, N, n0, y, k0, k1, ks);
   }
 };
 template <int R>
 struct NK {
   static void Run(const float* x, int64_t K, const float* w, int64_t N, int64_t n0,
-                  float* y, int64_t, int64_t) {
+                  float* y, int64_t, int64_t, int64_t) {
     TileNK<R, NRT>(x, K, w, N, n0, y);
   }
 };
@@ -186,10 +200,11 @@ struct NK {
 // Calls F<r>::Run for a tile of r rows, 1 <= r <= MAXR.
 template <template <int> class F, int R>
 static inline void RunRows(int r, const float* x, int64_t K, const float* w, int64_t N,
-                           int64_t n0, float* y, int64_t k0 = 0, int64_t k1 = 0) {
+                           int64_t n0, float* y, int64_t k0 = 0, int64_t k1 = 0,
+                           int64_t ks = 0) {
   if constexpr (R >= 1) {
-    if (r == R) return F<R>::Run(x, K, w, N, n0, y, k0, k1);
-    RunRows<F, R - 1>(r, x, K, w, N, n0, y, k0, k1);
+    if (r == R) return F<R>::Run(x, K, w, N, n0, y, k0, k1, ks);
+    RunRows<F, R - 1>(r, x, K, w, N, n0, y, k0, k1, ks);
   }
 }
 
@@ -198,14 +213,15 @@ static inline void RunRows(int r, const float* x, int64_t K, const float* w, int
 // which the hardware prefetchers follow; a panel walk down all K rows was 2-3x slower
 // from DRAM), chunk by chunk of NB columns; every row tile re-reads the chunk from L1.
 static void RangeKN(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
-                    int64_t c0, int64_t c1, float* y) {
+                    int64_t c0, int64_t c1, float* y, int64_t ka, int64_t kb,
+                    int64_t block) {
   // Row tiles of MB rows, or balanced ones when they all keep >= MB - 1 rows (16 rows:
   // 6, 5, 5 rather than 6, 6, 4: tiles of few rows run at about half the FMA rate).
   const int64_t tiles = (M + MB - 1) / MB;
   const bool balanced = M / tiles >= MB - 1;
   const int64_t full = c0 + (c1 - c0) / NB * NB;
-  for (int64_t k0 = 0; k0 < K; k0 += kRowBlock) {
-    const int64_t k1 = std::min(K, k0 + kRowBlock);
+  for (int64_t k0 = ka; k0 < kb; k0 += block) {
+    const int64_t k1 = std::min(kb, k0 + block);
     for (int64_t n = c0; n < full; n += NB) {
 #if KN_PREFETCH
       // the chunk kPrefetchChunks ahead, every row of the block, into L2: 16 row
@@ -218,7 +234,7 @@ static void RangeKN(const float* x, int64_t M, int64_t K, const float* w, int64_
 #endif
       for (int64_t t = 0, m = 0; m < M; ++t) {
         const int64_t r = balanced ? M * (t + 1) / tiles - m : std::min<int64_t>(MB, M - m);
-        RunRows<KN, MB>(static_cast<int>(r), x + m * K, K, w, N, n, y + m * N, k0, k1);
+        RunRows<KN, MB>(static_cast<int>(r), x + m * K, K, w, N, n, y + m * N, k0, k1, ka);
         m += r;
       }
     }
@@ -227,7 +243,7 @@ static void RangeKN(const float* x, int64_t M, int64_t K, const float* w, int64_
   if (n < c1) {  // a last partial panel: plain loops
     for (int64_t m = 0; m < M; ++m)
       for (int64_t c = n; c < c1; ++c) y[m * N + c] = 0.0f;
-    for (int64_t k = 0; k < K; ++k)
+    for (int64_t k = ka; k < kb; ++k)
       for (int64_t m = 0; m < M; ++m) {
         const float a = x[m * K + k];
         for (int64_t c = n; c < c1; ++c) y[m * N + c] += a * w[k * N + c];
@@ -251,6 +267,7 @@ static void WalkRowsKN(const float* x, const float* w, int64_t N, int64_t k0, in
     const float* wr = w + k * N;
     int64_t n = 0;
     for (; n + 4 * VW <= nv; n += 4 * VW) {
+      __builtin_prefetch(wr + n + kWalkPrefetch, 0, 2);
       store(y + n, fma(a, load(wr + n), load(y + n)));
       store(y + n + VW, fma(a, load(wr + n + VW), load(y + n + VW)));
       store(y + n + 2 * VW, fma(a, load(wr + n + 2 * VW), load(y + n + 2 * VW)));
@@ -296,7 +313,7 @@ static void RangeNK(const float* x, int64_t M, int64_t K, const float* w, int64_
 
 ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                           ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,
-                          int64_t w_nk, int64_t threads) {
+                          int64_t w_nk, int64_t threads, int64_t split) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2)
@@ -328,6 +345,21 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       for (int64_t n = 0; n < N; ++n) yp[n] += pp[(p - 1) * N + n];
     return ffi::Error::Success();
   }
+  if (split && !w_nk) {
+    // The K split for several rows: each part runs rows [ka, kb) of the weight, every
+    // column, into its own partial y (M x N floats), which the caller adds; each thread
+    // reads one contiguous stretch of the weight, as the one-row walk does.
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(want, K / 64));
+    std::unique_ptr<float[]> partial(parts > 1 ? new float[(parts - 1) * M * N] : nullptr);
+    float* pp = partial.get();
+    kvjax_native::ParallelFor(pool, parts, [=](int64_t p) {
+      RangeKN(xp, M, K, wp, N, 0, N, p ? pp + (p - 1) * M * N : yp, K * p / parts,
+              K * (p + 1) / parts, kSplitRowBlock);
+    });
+    for (int64_t p = 1; p < parts; ++p)
+      for (int64_t i = 0; i < M * N; ++i) yp[i] += pp[(p - 1) * M * N + i];
+    return ffi::Error::Success();
+  }
   // Units of work: column panels (w_nk = 0) or groups of NRT weight rows (w_nk = 1).
   const int64_t unit = w_nk ? NRT : NB;
   const int64_t units = (N + unit - 1) / unit;
@@ -338,7 +370,7 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     if (w_nk)
       RangeNK(xp, M, K, wp, N, c0, c1, yp);
     else
-      RangeKN(xp, M, K, wp, N, c0, c1, yp);
+      RangeKN(xp, M, K, wp, N, c0, c1, yp, 0, K, kRowBlock);
   });
   return ffi::Error::Success();
 }
@@ -352,4 +384,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxRowsMatmul, RowsMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("w_nk")
-                                  .Attr<int64_t>("threads"));
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("split"));

@@ -39,7 +39,11 @@ def load() -> bool:
                            "kvjax rows_matmul", "weight products use XLA")
 
 
-def rows_matmul(x: jax.Array, w: jax.Array, w_layout: str = "kn") -> jax.Array:
+SPLITS = ("columns", "k")
+
+
+def rows_matmul(x: jax.Array, w: jax.Array, w_layout: str = "kn",
+                split: str = "columns") -> jax.Array:
     """``x @ w`` (``w_layout='kn'``, w [K, N]) or ``x @ w.T`` (``'nk'``, w [N, K]) by the
     native kernel: the weight streamed once for all M rows.
 
@@ -47,15 +51,23 @@ def rows_matmul(x: jax.Array, w: jax.Array, w_layout: str = "kn") -> jax.Array:
       x: [M, K] float32 (M rows, e.g. the batch of a decode step).
       w: [K, N] or [N, K] float32.
       w_layout: 'kn' or 'nk'.
+      split: how several rows are split over the threads: 'columns' (contiguous ranges
+        of output columns; 'nk' always splits its output rows) or 'k' (w 'kn' only:
+        contiguous ranges of the weight's K rows, partial rows added at the end, as one
+        row against a 'kn' weight always is). Which is faster depends on the machine
+        (:mod:`kvjax.models.weight_matmul`); the result is the same up to float
+        rounding.
     Returns:
       [M, N] float32 (sums in a different order from XLA's: equal to ~1e-6 relative).
     Raises:
       ValueError: a non-float32 operand, ranks other than 2, mismatched K, or a bad
-        w_layout, naming the value.
+        w_layout or split, naming the value.
       RuntimeError: the library could not be built or loaded (see the warning).
     """
     if w_layout not in ("kn", "nk"):
         raise ValueError(f"w_layout={w_layout!r}; allowed: 'kn' (w [K, N]) or 'nk' (w [N, K])")
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}; allowed: one of {list(SPLITS)}")
     for name, a in (("x", x), ("w", w)):
         if a.ndim != 2 or a.dtype != jnp.float32:
             raise ValueError(f"rows_matmul: {name} is {a.dtype}{list(a.shape)}; "
@@ -67,29 +79,31 @@ def rows_matmul(x: jax.Array, w: jax.Array, w_layout: str = "kn") -> jax.Array:
     if not load():
         raise RuntimeError("rows_matmul: the native library could not be built or loaded "
                            "(see the warning); use model.weight_matmul='xla'")
-    return _product(x, w, w_layout)
+    return _product(x, w, w_layout, split)
 
 
-def _call(x: jax.Array, w: jax.Array, w_layout: str) -> jax.Array:
+def _call(x: jax.Array, w: jax.Array, w_layout: str, split: str) -> jax.Array:
     n = w.shape[1] if w_layout == "kn" else w.shape[0]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
-        x, w, w_nk=np.int64(w_layout == "nk"), threads=np.int64(native.num_threads()))
+        x, w, w_nk=np.int64(w_layout == "nk"), threads=np.int64(native.num_threads()),
+        split=np.int64(split == "k"))
 
 
 # Differentiable: the kernel computes the forward product; the backward products (a
 # training step's, e.g. experiments.uptrain with configs' weight_matmul='auto' and few
 # rows) are XLA's: dx = g w^T, dw = x^T g (kn) or g^T x (nk).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _product(x, w, w_layout):
-    return _call(x, w, w_layout)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _product(x, w, w_layout, split):
+    return _call(x, w, w_layout, split)
 
 
-def _product_fwd(x, w, w_layout):
-    return _call(x, w, w_layout), (x, w)
+def _product_fwd(x, w, w_layout, split):
+    return _call(x, w, w_layout, split), (x, w)
 
 
-def _product_bwd(w_layout, res, g):
+def _product_bwd(w_layout, split, res, g):
+    del split
     x, w = res
     if w_layout == "kn":
         return g @ w.T, x.T @ g
