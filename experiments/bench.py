@@ -67,7 +67,7 @@ _DECODE_ATTENTION = flags.DEFINE_enum(
     "this machine once per shape class (kvjax.planner) and keeps the fastest; the picks "
     "and their GB/s are printed at the end.")
 _WEIGHT_MATMUL = flags.DEFINE_enum(
-    "weight_matmul", "auto", ["auto", "xla", "native", "native_ksplit"],
+    "weight_matmul", "auto", ["auto", "xla", "native", "native_ksplit", "native_lanes"],
     "model.weight_matmul of every point: 'auto' (default, like configs/) measures XLA's dot "
     "and the native few-row kernel once per product class and keeps the faster.")
 

@@ -44,7 +44,7 @@ class ConfigError(ValueError):
 KV_LAYOUTS = ("auto", "BKSH", "BKHS")
 ROPE_POSITIONS = ("absolute", "cache")
 DECODE_ATTENTION = ("auto", "xla", "xla_cache_left", "native", "pallas")
-WEIGHT_MATMUL = ("xla", "native", "native_ksplit", "auto")
+WEIGHT_MATMUL = ("xla", "native", "native_ksplit", "native_lanes", "auto")
 PREFILL_IMPLS = ("tiled", "dense", "native", "auto", "cudnn")
 
 
@@ -155,8 +155,10 @@ class ModelConfig:
         :data:`WEIGHT_MATMUL`: 'xla' (``jnp.einsum``), 'native' (CPU FFI kernel
         ``kvjax/native/rows_matmul.cc``: each weight streamed once for all M rows,
         several rows split over the threads by output columns), 'native_ksplit' (the
-        same kernel, several rows split by the weight's K rows: faster on some CPUs,
-        README) or 'auto': the fastest measured on this machine per (M, K, N, layout) class
+        same kernel, several rows against [K, N] weights split by the weight's K rows),
+        'native_lanes' (the same kernel, several rows against [N, K] weights held in
+        the vector lanes; each is faster on some CPUs, README) or 'auto': the fastest
+        measured on this machine per (M, K, N, layout) class
         (:func:`kvjax.planner.weight_matmul`, cached like decode_attention; 'xla'
         inside a multi-device mesh). Default 'xla' here; ``configs/base.py`` and
         ``experiments.bench`` default to 'auto'. Products with more rows, other dtypes
@@ -335,7 +337,7 @@ def validate_model_config(c: ModelConfig) -> None:
               "float32 caches; 'auto' uses XLA for the others)")
     if c.weight_matmul not in WEIGHT_MATMUL:
         _fail("model.weight_matmul", c.weight_matmul, f"one of {list(WEIGHT_MATMUL)}")
-    if c.weight_matmul in ("native", "native_ksplit") and c.dtype != "float32":
+    if c.weight_matmul.startswith("native") and c.dtype != "float32":
         # the kernel is float32: 'native' here would silently run XLA's dots
         _fail("model.weight_matmul", c.weight_matmul,
               f"'xla' or 'auto' for dtype={c.dtype!r} ({c.weight_matmul!r} multiplies "

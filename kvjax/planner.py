@@ -270,7 +270,7 @@ def report_lines() -> list[str]:
     if _wmemo:
         lines.append(f"weight-product planner on {model} ({', '.join(isa)}; "
                      f"{native.num_threads()} cores), jax {jax.__version__}:")
-    for impl in ("native", "native_ksplit"):
+    for impl in ("native", "native_ksplit", "native_lanes"):
         configured = sorted(n for n, e in _wmemo.items()
                             if "gbps" not in e and e["choice"] == impl)
         if configured:
@@ -294,7 +294,7 @@ def clear_memo() -> None:
 
 # ------------------------------------------------------------------ weight products
 
-WEIGHT_CANDIDATES = ("xla", "native", "native_ksplit")
+WEIGHT_CANDIDATES = ("xla", "native", "native_ksplit", "native_lanes")
 WEIGHT_STREAM_BYTES = 48 * 2**20  # weights timed per call: above a 32 MB L3
 _wmemo: dict[str, dict] = {}
 
@@ -333,13 +333,15 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
         x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
         prods = {"xla": (lambda a, b: a @ b) if layout == "kn" else (lambda a, b: a @ b.T),
                  "native": lambda a, b: rm.rows_matmul(a, b, layout),
-                 "native_ksplit": lambda a, b: rm.rows_matmul(a, b, layout, "k")}
+                 "native_ksplit": lambda a, b: rm.rows_matmul(a, b, layout, "k"),
+                 "native_lanes": lambda a, b: rm.rows_matmul(a, b, layout, lanes=True)}
         fns = {}
         for name in candidates:
             if name != "xla" and not _weight_native_ok(m):
                 continue
-            if name == "native_ksplit" and (layout != "kn" or m == 1):
-                continue  # the kernel splits these as 'native' does: nothing to choose
+            if (name == "native_ksplit" and (layout != "kn" or m == 1)) or (
+                    name == "native_lanes" and (layout != "nk" or m == 1)):
+                continue  # the kernel runs these as 'native' does: nothing to choose
 
             def run(x, w, prod=prods[name]):
                 acc = jnp.zeros((m, n), jnp.float32)
@@ -358,17 +360,18 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
 
 
 def weight_matmul(impl: str, m: int, k: int, n: int, layout: str = "kn") -> str:
-    """The formulation ('xla', 'native' or 'native_ksplit') of one float32 product of M rows with a
-    weight of K x N (``layout`` 'kn': stored [K, N]; 'nk': [N, K]) for
+    """The formulation ('xla' or a 'native*' one) of one float32 product of M rows
+    with a weight of K x N (``layout`` 'kn': stored [K, N]; 'nk': [N, K]) for
     ``model.weight_matmul=impl``.
 
-    'xla' -> 'xla'. 'native' / 'native_ksplit' -> itself where the kernel runs (CPU
-    process, M <= MAX_ROWS, library built), else 'xla'. 'auto' -> 'xla' where the kernel
-    cannot run, the
-    weight is below :data:`MIN_MEASURED_BYTES` or the product is traced under a
-    multi-device mesh (``jax.sharding.get_abstract_mesh()``); otherwise the faster measured for
-    this class among :data:`WEIGHT_CANDIDATES` (:func:`measure_weight_matmul`; the
-    K split only for M > 1 and 'kn'), once per machine (cached on disk like
+    'xla' -> 'xla'. 'native', 'native_ksplit', 'native_lanes' -> itself where the
+    kernel runs (CPU process, M <= MAX_ROWS, library built), else 'xla'. 'auto' ->
+    'xla' where the kernel cannot run, the weight is below :data:`MIN_MEASURED_BYTES` or
+    the product is traced under a multi-device mesh
+    (``jax.sharding.get_abstract_mesh()``); otherwise the fastest measured for this
+    class among :data:`WEIGHT_CANDIDATES` (:func:`measure_weight_matmul`; the K split
+    only for M > 1 and 'kn', the lanes only for M > 1 and 'nk'), once per machine
+    (cached on disk like
     :func:`decode_attention`, keyed with the hash of rows_matmul.cc).
 
     Raises:
@@ -381,7 +384,7 @@ def weight_matmul(impl: str, m: int, k: int, n: int, layout: str = "kn") -> str:
     if impl == "xla" or not _weight_native_ok(m):
         return "xla"
     name = weight_class(m, k, n, layout)
-    if impl in ("native", "native_ksplit"):
+    if impl in ("native", "native_ksplit", "native_lanes"):
         with _lock:
             _wmemo.setdefault(name, {"choice": impl})
         return impl

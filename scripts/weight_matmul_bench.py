@@ -2,7 +2,7 @@
 
 Times one compiled decode step of a model (default SmolLM2-135M shapes, GQA, float32,
 random weights, a full cache at ``--context``) at each of ``--batch_sizes`` for each
-``--impls`` (``model.weight_matmul``: 'xla', 'native', 'native_ksplit', 'auto'),
+``--impls`` (``model.weight_matmul``: 'xla', 'native', 'native_ksplit', 'native_lanes', 'auto'),
 interleaved round by
 round (medians), and prints beside each measured step:
 

@@ -168,8 +168,9 @@ def test_bad_input_raises_before_compile():
     with pytest.raises(ConfigError, match="model.weight_matmul='native'.*'xla' or 'auto' on"):
         mesh_lib.check(cfg.replace(weight_matmul="native"), MeshConfig(2, 1, 1))
     mesh_lib.check(cfg.replace(weight_matmul="auto"), MeshConfig(2, 1, 1))
-    with pytest.raises(ConfigError, match="model.weight_matmul='native_ksplit'.*'xla' or"):
-        mesh_lib.check(cfg.replace(weight_matmul="native_ksplit"), MeshConfig(1, 2, 1))
+    for impl in ("native_ksplit", "native_lanes"):
+        with pytest.raises(ConfigError, match=f"model.weight_matmul='{impl}'.*'xla' or"):
+            mesh_lib.check(cfg.replace(weight_matmul=impl), MeshConfig(1, 2, 1))
     mesh_lib.check(cfg.replace(weight_matmul="native"), MeshConfig(1, 1, 1))  # no mesh
     with pytest.raises(ConfigError, match="model.decode_attention='native'.*on a mesh"):
         mesh_lib.check(cfg.replace(decode_attention="native"), MeshConfig(1, 1, 2))

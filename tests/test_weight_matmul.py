@@ -84,14 +84,32 @@ def test_k_split_equals_float64_product(monkeypatch, threads, m, k, n):
 
 
 @needs_native
-def test_native_ksplit_formulation_reaches_the_kernel_with_its_split():
+@pytest.mark.parametrize("threads", ["1", "2"])
+@pytest.mark.parametrize("m,k,n", [(2, 576, 1000), (16, 576, 4100), (17, 37, 70),
+                                   (40, 130, 49), (5, 1, 30)])
+def test_lanes_equal_float64_product(monkeypatch, threads, m, k, n):
+    """lanes=True ('native_lanes'): several rows against an [N, K] weight in the vector
+    lanes: one lane group with idle lanes (2, 5), a full one (16), a group and a tail
+    (17, 40), tiles of whole weight rows and a tail of single rows (n % tile != 0), K
+    not a multiple of anything (37, 1)."""
+    monkeypatch.setenv("KVJAX_NATIVE_THREADS", threads)
+    rng = np.random.default_rng(m * 11 + k + n)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    y = np.asarray(jax.jit(lambda a, b: rm.rows_matmul(a, b, "nk", lanes=True))(x, w))
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(y, ref, atol=2e-5 * np.sqrt(k) * np.abs(ref).max(), rtol=0)
+
+
+@needs_native
+def test_other_native_formulations_reach_the_kernel():
     """model.weight_matmul='native_ksplit' compiles the kernel with split=1 for several
-    rows against [K, N]; its decode logits equal the reference's; the config and a mesh
-    treat it like 'native'."""
+    rows against [K, N], 'native_lanes' with lanes=1 against [N, K] (the tied head);
+    their logits equal the reference's; the config refuses them for bfloat16."""
     base = tiny_config()
     params = model.init_params(base, 0)
     out = {}
-    for impl in ("xla", "native_ksplit"):
+    for impl in ("xla", "native_ksplit", "native_lanes"):
         cfg = base.replace(weight_matmul=impl)
         cache = cache_lib.init_cache(cfg, 3, 16)
         toks = (jnp.arange(3 * 5, dtype=jnp.int32).reshape(3, 5) * 5) % cfg.vocab_size
@@ -101,11 +119,14 @@ def test_native_ksplit_formulation_reaches_the_kernel_with_its_split():
         hlo = jax.jit(lambda p, c, tk, ps, cfg=cfg: model.forward(p, cfg, tk, ps, c)).lower(
             params, cache, toks[:, :1], jnp.full((3, 1), 5, jnp.int32)).as_text()
         assert (rm.TARGET in hlo) == (impl != "xla")
-        if impl != "xla":
-            assert "split = 1" in hlo
-    np.testing.assert_allclose(out["native_ksplit"], out["xla"], atol=2e-5, rtol=2e-5)
-    with pytest.raises(ConfigError, match="weight_matmul='native_ksplit'.*dtype='bfloat16'"):
-        presets.blog_model("bfloat16", weight_matmul="native_ksplit")
+        if impl == "native_ksplit":  # the [D, F] projections: several rows, K split
+            assert "split = 1" in hlo and "lanes = 1" not in hlo
+        if impl == "native_lanes":  # the tied [V, D] head: several rows in the lanes
+            assert "lanes = 1" in hlo and "split = 1" not in hlo
+    for impl in ("native_ksplit", "native_lanes"):
+        np.testing.assert_allclose(out[impl], out["xla"], atol=2e-5, rtol=2e-5)
+        with pytest.raises(ConfigError, match=f"weight_matmul='{impl}'.*dtype='bfloat16'"):
+            presets.blog_model("bfloat16", weight_matmul=impl)
     with pytest.raises(ValueError, match="split='rows'"):
         rm.rows_matmul(jnp.ones((2, 8)), jnp.ones((8, 4)), "kn", "rows")
 
@@ -259,12 +280,13 @@ def test_corrupt_or_foreign_weight_cache_is_ignored(tmp_path, monkeypatch, conte
 
 
 @needs_native
-@pytest.mark.parametrize("m,layout,want", [(2, "nk", {"xla", "native"}),
+@pytest.mark.parametrize("m,layout,want", [(2, "nk", {"xla", "native", "native_lanes"}),
                                            (1, "kn", {"xla", "native"}),
+                                           (1, "nk", {"xla", "native"}),
                                            (2, "kn", {"xla", "native", "native_ksplit"})])
 def test_measure_weight_matmul_times_each_on_a_streamed_weight(m, layout, want):
-    """The K split is a candidate only where it differs from 'native': several rows
-    against a [K, N] weight."""
+    """The K split and the lanes are candidates only where they differ from 'native':
+    several rows against a [K, N] or an [N, K] weight."""
     r = planner.measure_weight_matmul(m, 256, 256, layout, rounds=3, budget_s=0.2)
     assert set(r["gbps"]) == want and r["choice"] in want
     assert r["copies"] * 256 * 256 * 4 >= planner.WEIGHT_STREAM_BYTES

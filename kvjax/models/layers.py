@@ -20,7 +20,7 @@ class Einsum(nn.Module):
       eqn: einsum equation with the input first, e.g. 'BTD,DNH->BTNH'.
       dtype: parameter and output dtype.
       impl: the product's formulation, ``model.weight_matmul`` ('xla', 'native',
-        'native_ksplit' or 'auto'; :mod:`kvjax.models.weight_matmul`).
+        'native_ksplit', 'native_lanes' or 'auto'; :mod:`kvjax.models.weight_matmul`).
     """
 
     shape: Sequence[int]

@@ -43,7 +43,7 @@ SPLITS = ("columns", "k")
 
 
 def rows_matmul(x: jax.Array, w: jax.Array, w_layout: str = "kn",
-                split: str = "columns") -> jax.Array:
+                split: str = "columns", lanes: bool = False) -> jax.Array:
     """``x @ w`` (``w_layout='kn'``, w [K, N]) or ``x @ w.T`` (``'nk'``, w [N, K]) by the
     native kernel: the weight streamed once for all M rows.
 
@@ -57,6 +57,9 @@ def rows_matmul(x: jax.Array, w: jax.Array, w_layout: str = "kn",
         row against a 'kn' weight always is). Which is faster depends on the machine
         (:mod:`kvjax.models.weight_matmul`); the result is the same up to float
         rounding.
+      lanes: w 'nk' with several rows only: the rows of x in the vector lanes, each
+        weight element broadcast once (no sums across lanes), instead of register
+        tiles of dot products; which is faster depends on the machine.
     Returns:
       [M, N] float32 (sums in a different order from XLA's: equal to ~1e-6 relative).
     Raises:
@@ -79,31 +82,31 @@ def rows_matmul(x: jax.Array, w: jax.Array, w_layout: str = "kn",
     if not load():
         raise RuntimeError("rows_matmul: the native library could not be built or loaded "
                            "(see the warning); use model.weight_matmul='xla'")
-    return _product(x, w, w_layout, split)
+    return _product(x, w, w_layout, split, bool(lanes))
 
 
-def _call(x: jax.Array, w: jax.Array, w_layout: str, split: str) -> jax.Array:
+def _call(x: jax.Array, w: jax.Array, w_layout: str, split: str, lanes: bool) -> jax.Array:
     n = w.shape[1] if w_layout == "kn" else w.shape[0]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
         x, w, w_nk=np.int64(w_layout == "nk"), threads=np.int64(native.num_threads()),
-        split=np.int64(split == "k"))
+        split=np.int64(split == "k"), lanes=np.int64(lanes))
 
 
 # Differentiable: the kernel computes the forward product; the backward products (a
 # training step's, e.g. experiments.uptrain with configs' weight_matmul='auto' and few
 # rows) are XLA's: dx = g w^T, dw = x^T g (kn) or g^T x (nk).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _product(x, w, w_layout, split):
-    return _call(x, w, w_layout, split)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _product(x, w, w_layout, split, lanes):
+    return _call(x, w, w_layout, split, lanes)
 
 
-def _product_fwd(x, w, w_layout, split):
-    return _call(x, w, w_layout, split), (x, w)
+def _product_fwd(x, w, w_layout, split, lanes):
+    return _call(x, w, w_layout, split, lanes), (x, w)
 
 
-def _product_bwd(w_layout, split, res, g):
-    del split
+def _product_bwd(w_layout, split, lanes, res, g):
+    del split, lanes
     x, w = res
     if w_layout == "kn":
         return g @ w.T, x.T @ g

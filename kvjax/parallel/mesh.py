@@ -90,15 +90,15 @@ def check(cfg: ModelConfig, mcfg: MeshConfig, batch_size: int | None = None,
     the vocabulary V; ``model`` divides the KV heads K unless ``mesh.kv_fallback`` is
     'replicate'; ``seq`` divides the cache slots S; sinks at cache positions
     (``rope_positions='cache'``) are not sequence-sharded; ``model.weight_matmul`` is
-    not 'native' or 'native_ksplit' (the kernel is a custom call XLA cannot partition); ``model.prefill_impl``
-    is not 'native' when ``model`` does not divide K (the native prompt kernel runs per
+    none of the 'native*' ones (the kernel is a custom call XLA cannot partition);
+    ``model.prefill_impl`` is not 'native' when ``model`` does not divide K (the native prompt kernel runs per
     device on whole KV heads, :func:`kvjax.parallel.seq_attention.per_device`).
     """
     def fail(field, value, allowed):
         raise ConfigError(f"invalid config: {field}={value!r}; allowed: {allowed}")
 
     m = mcfg.model
-    if not mcfg.trivial and cfg.weight_matmul in ("native", "native_ksplit"):
+    if not mcfg.trivial and cfg.weight_matmul.startswith("native"):
         # the native few-row kernel is a custom call XLA cannot partition: it would
         # all-gather every weight each step, silently undoing the tensor parallelism
         # ('auto' resolves to 'xla' under a mesh, kvjax.planner.weight_matmul)
