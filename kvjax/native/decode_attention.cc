@@ -302,8 +302,11 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
                      float* m, float* l, float* o) {
   const int64_t G = sh.G, H = sh.H, V = sh.V, S = sh.S;
   const auto [kb, vb, visb, qs] = StartItem(sh, q, kc, vc, vis, b, k, m, l, o);
-  // Span length: sc[G][span] <= 256 KiB, a multiple of VL; rows ld_sc apart.
-  const int64_t span = std::max<int64_t>(VL, std::min<int64_t>(kSpan, 65536 / G) / VL * VL);
+  // Span length: sc[G][span] <= 256 KiB, a multiple of VL, no longer than the item's
+  // slots (rounded up to VL): the buffers below are zeroed per item, and a batch of short
+  // rows (B = 16, S = 256) has many short items; rows ld_sc apart.
+  const int64_t span = std::max<int64_t>(
+      VL, std::min<int64_t>({kSpan, 65536 / G, (s1 - s0 + VL - 1) / VL * VL}) / VL * VL);
   const int64_t ld_sc = span + kScorePad;
   std::vector<float> sc(G * ld_sc), mask(span);
   std::vector<float> kpad, vpad;  // a span whose length is not a multiple of VL, padded

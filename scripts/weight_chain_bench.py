@@ -1,0 +1,113 @@
+"""The weight products of a decode step alone, per formulation: does batching amortise them?
+
+Times SmolLM2-135M's float32 weight products of one decode step, nothing else: 30 layers
+of q, k, v, o ([576, 576], [576, 192] x 2, [576, 576]), gate, up ([576, 1536]) and down
+([1536, 576]) stored [in, out] as separate arrays (as the unrolled model holds them),
+then the tied LM head [49152, 576] ([out, in]), on M rows (the batch), with each
+``--impls`` formulation of ``model.weight_matmul`` forced for every product (no
+planner), interleaved round by round (medians). Each layer's input depends on the last
+layer's output, as in the model. Prints per formulation and M: milliseconds, GB/s of
+weight read (538 MB per chain), GFLOP/s (2·M per weight element), and the time over
+the first formulation's at the same M; then, with ``--head_only``, the LM head alone.
+
+  PYTHONPATH=. python scripts/weight_chain_bench.py --batch_sizes=1,4,16
+
+Every figure names the CPU model and vector ISA; timings on a shared host are noisy:
+read the ratios of one interleaved run, not the absolute times.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from kvjax import planner
+from kvjax.models import weight_matmul
+
+_BATCH = flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Rows M (the batch).")
+_IMPLS = flags.DEFINE_list("impls", ["xla", "native", "native_ksplit", "native_lanes"],
+                           "model.weight_matmul formulations to time (not 'auto').")
+_ROUNDS = flags.DEFINE_integer("rounds", 9, "Interleaved rounds.")
+_LAYERS = flags.DEFINE_integer("layers", 30, "Layers of the chain (SmolLM2: 30).")
+_HEAD_ONLY = flags.DEFINE_bool("head_only", False, "Time the LM head alone.")
+
+D, F, KV, VOCAB = 576, 1536, 192, 49152
+
+
+def chain(impl: str, layers: int, head_only: bool):
+    def prod(x, w, eqn):
+        return weight_matmul.einsum(eqn, x, w, impl)
+
+    def run(x, ws, head):
+        h = x
+        if not head_only:
+            for q, k, v, o, g, u, d in ws[:layers]:
+                a = (prod(h, q, "MD,DN->MN")
+                     + jnp.tile(prod(h, k, "MD,DN->MN") + prod(h, v, "MD,DN->MN"), 3))
+                h = h + prod(a, o, "MD,DN->MN")
+                m = jax.nn.silu(prod(h, g, "MD,DF->MF")) * prod(h, u, "MD,DF->MF")
+                h = h + 0.01 * prod(m, d, "MF,FD->MD")
+        return prod(h, head, "MD,VD->MV")
+    return run
+
+
+def main(argv):
+    del argv
+    batches = [int(b) for b in _BATCH.value]
+    if not batches or min(batches) < 1:
+        raise app.UsageError(f"--batch_sizes={_BATCH.value}; allowed: integers >= 1")
+    impls = _IMPLS.value
+    for impl in impls:
+        if impl not in weight_matmul.IMPLS or impl == "auto":
+            raise app.UsageError(f"--impls contains {impl!r}; allowed: "
+                                 f"{', '.join(i for i in weight_matmul.IMPLS if i != 'auto')}")
+    if not 0 <= _LAYERS.value <= 30:
+        raise app.UsageError(f"--layers={_LAYERS.value}; allowed: 0..30")
+    layers = 0 if _HEAD_ONLY.value else _LAYERS.value
+    model_name, isa = planner._cpu()  # noqa: SLF001
+    print(f"machine: {model_name} ({', '.join(isa)}; {planner.native.num_threads()} "
+          f"cores), jax {jax.__version__}")
+    rng = np.random.default_rng(0)
+    shapes = [(D, D), (D, KV), (D, KV), (D, D), (D, F), (D, F), (F, D)]
+    ws = tuple(tuple(jnp.asarray(0.02 * rng.standard_normal(s, dtype=np.float32))
+                     for s in shapes) for _ in range(layers))
+    head = jnp.asarray(0.02 * rng.standard_normal((VOCAB, D), dtype=np.float32))
+    elems = layers * sum(a * b for a, b in shapes) + VOCAB * D
+    fns, times, ref = {}, {}, {}
+    for m in batches:
+        x = jnp.asarray(rng.standard_normal((m, D), dtype=np.float32))
+        for impl in impls:
+            f = jax.jit(chain(impl, layers, _HEAD_ONLY.value)).lower(x, ws, head).compile()
+            y = np.asarray(f(x, ws, head))
+            if m in ref:  # every formulation computes the same product
+                np.testing.assert_allclose(y, ref[m], rtol=2e-3,
+                                           atol=2e-3 * np.abs(ref[m]).max())
+            ref.setdefault(m, y)
+            fns[impl, m] = (f, x)
+            times[impl, m] = []
+    for _ in range(_ROUNDS.value):
+        for key, (f, x) in fns.items():
+            start = time.perf_counter()
+            f(x, ws, head).block_until_ready()
+            times[key].append(time.perf_counter() - start)
+    what = ("the LM head alone" if _HEAD_ONLY.value
+            else f"{layers} layer{'' if layers == 1 else 's'} + the LM head")
+    print(f"\nSmolLM2-135M float32 weight products, {what} ({4 * elems / 1e6:.0f} MB), "
+          f"medians of {_ROUNDS.value} interleaved rounds")
+    print(f"{'impl':>14} {'M':>3} {'ms':>8} {'GB/s':>6} {'GFLOP/s':>8} "
+          f"{'x ' + impls[0]:>12}")
+    for m in batches:
+        base = statistics.median(times[impls[0], m])
+        for impl in impls:
+            s = statistics.median(times[impl, m])
+            print(f"{impl:>14} {m:>3} {s * 1e3:8.2f} {4 * elems / s / 1e9:6.1f} "
+                  f"{2 * m * elems / s / 1e9:8.1f} {s / base:12.2f}")
+
+
+if __name__ == "__main__":
+    app.run(main)
