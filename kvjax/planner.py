@@ -274,7 +274,7 @@ def report_lines() -> list[str]:
         configured = sorted(n for n, e in _wmemo.items()
                             if "gbps" not in e and e["choice"] == impl)
         if configured:
-            lines.append(f"  {impl} as configured (model.weight_matmul={impl!r}) for "
+            lines.append(f"  {impl} as forced by model.weight_matmul (not measured) for "
                          f"{len(configured)} shape classes: {', '.join(configured[:4])}"
                          + (", ..." if len(configured) > 4 else ""))
     for name, e in sorted(_wmemo.items()):
@@ -319,7 +319,14 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
 
     Returns {'choice': fastest name, 'gbps': {name: GB/s of weight read}, 'gflops':
     {name: GFLOP/s (2·M·K·N per copy)}, 'seconds': {name: median s per call}, 'copies'}.
+    Candidates that run as another (:func:`applies`) or cannot run are skipped.
+
+    Raises:
+      ValueError: a candidate not in :data:`WEIGHT_CANDIDATES`, or none left to time.
     """
+    bad = [c for c in candidates if c not in WEIGHT_CANDIDATES]
+    if bad:
+        raise ValueError(f"candidates {bad}; allowed: {list(WEIGHT_CANDIDATES)}")
     from kvjax.native import rows_matmul as rm  # noqa: PLC0415
     copies = max(1, -(-WEIGHT_STREAM_BYTES // (4 * k * n)))
     rng = np.random.default_rng(0)
@@ -339,9 +346,8 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
         for name in candidates:
             if name != "xla" and not _weight_native_ok(m):
                 continue
-            if (name == "native_ksplit" and (layout != "kn" or m == 1)) or (
-                    name == "native_lanes" and (layout != "nk" or m == 1)):
-                continue  # the kernel runs these as 'native' does: nothing to choose
+            if applies(name, m, layout) != name:
+                continue  # the kernel runs it as 'native' does: nothing to choose
 
             def run(x, w, prod=prods[name]):
                 acc = jnp.zeros((m, n), jnp.float32)
@@ -349,14 +355,28 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
                     acc = acc + prod(x, wi)
                 return acc
             fns[name] = jax.jit(run).lower(x, w).compile()
+        if not fns:
+            raise ValueError(f"candidates={tuple(candidates)!r}: none applies to M={m}, "
+                             f"layout={layout!r}; allowed: {WEIGHT_CANDIDATES}")
         secs = _time(fns, (x, w), rounds, budget_s)
     nbytes = 4 * k * n * copies
     best = min(secs, key=secs.get)
-    if best != "xla" and secs[best] > 0.97 * secs["xla"]:
+    if "xla" in secs and best != "xla" and secs[best] > 0.97 * secs["xla"]:
         best = "xla"  # within noise of the reference: keep the reference
     return {"choice": best, "gbps": {n_: round(nbytes / t / 1e9, 2) for n_, t in secs.items()},
             "gflops": {n_: round(2 * m * nbytes / 4 / t / 1e9, 2) for n_, t in secs.items()},
             "seconds": dict(secs), "copies": copies}
+
+
+def applies(formulation: str, m: int, layout: str) -> str:
+    """The formulation that really runs for ``formulation`` on M rows and ``layout``:
+    'native_ksplit' is 'native' unless M > 1 and 'kn'; 'native_lanes' is 'native' unless
+    M > 1 and 'nk' (the kernel runs those cases alike); others are themselves."""
+    if formulation == "native_ksplit" and (layout != "kn" or m == 1):
+        return "native"
+    if formulation == "native_lanes" and (layout != "nk" or m == 1):
+        return "native"
+    return formulation
 
 
 def weight_matmul(impl: str, m: int, k: int, n: int, layout: str = "kn") -> str:
@@ -364,8 +384,9 @@ def weight_matmul(impl: str, m: int, k: int, n: int, layout: str = "kn") -> str:
     with a weight of K x N (``layout`` 'kn': stored [K, N]; 'nk': [N, K]) for
     ``model.weight_matmul=impl``.
 
-    'xla' -> 'xla'. 'native', 'native_ksplit', 'native_lanes' -> itself where the
-    kernel runs (CPU process, M <= MAX_ROWS, library built), else 'xla'. 'auto' ->
+    'xla' -> 'xla'. 'native', 'native_ksplit', 'native_lanes' -> the one that runs
+    (:func:`applies`) where the kernel runs (CPU process, M <= MAX_ROWS, library
+    built), else 'xla'. 'auto' ->
     'xla' where the kernel cannot run, the weight is below :data:`MIN_MEASURED_BYTES` or
     the product is traced under a multi-device mesh
     (``jax.sharding.get_abstract_mesh()``); otherwise the fastest measured for this
@@ -385,6 +406,7 @@ def weight_matmul(impl: str, m: int, k: int, n: int, layout: str = "kn") -> str:
         return "xla"
     name = weight_class(m, k, n, layout)
     if impl in ("native", "native_ksplit", "native_lanes"):
+        impl = applies(impl, m, layout)
         with _lock:
             _wmemo.setdefault(name, {"choice": impl})
         return impl
@@ -396,9 +418,12 @@ def weight_matmul(impl: str, m: int, k: int, n: int, layout: str = "kn") -> str:
         return "xla"
     with _lock:
         if name in _wmemo and "gbps" in _wmemo[name]:
-            return _wmemo[name]["choice"]
+            return applies(_wmemo[name]["choice"], m, layout)
         key = machine_key("cpu", "rows_matmul.cc")
         path = cache_path(key, "weight_matmul")
-        return _cached_choice(_wmemo, name, key, path,
-                              load_cache(path, key, WEIGHT_CANDIDATES),
-                              lambda: measure_weight_matmul(m, k, n, layout))
+        # a cached choice that does not apply to this class (an edited file) runs as
+        # the kernel would run it
+        return applies(_cached_choice(_wmemo, name, key, path,
+                                      load_cache(path, key, WEIGHT_CANDIDATES),
+                                      lambda: measure_weight_matmul(m, k, n, layout)),
+                       m, layout)

@@ -28,6 +28,7 @@ from absl import app, flags
 
 from kvjax import planner
 from kvjax.models import weight_matmul
+from kvjax.native import rows_matmul
 
 _BATCH = flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Rows M (the batch).")
 _IMPLS = flags.DEFINE_list("impls", ["xla", "native", "native_ksplit", "native_lanes"],
@@ -58,10 +59,19 @@ def chain(impl: str, layers: int, head_only: bool):
 
 def main(argv):
     del argv
-    batches = [int(b) for b in _BATCH.value]
-    if not batches or min(batches) < 1:
-        raise app.UsageError(f"--batch_sizes={_BATCH.value}; allowed: integers >= 1")
+    try:
+        batches = [int(b) for b in _BATCH.value]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1 or max(batches) > rows_matmul.MAX_ROWS:
+        raise app.UsageError(f"--batch_sizes={','.join(_BATCH.value)}; allowed: integers "
+                             f"1..{rows_matmul.MAX_ROWS} (the kernel's rows; XLA above)")
     impls = _IMPLS.value
+    if not impls:
+        raise app.UsageError("--impls is empty; allowed: a list of "
+                             f"{', '.join(i for i in weight_matmul.IMPLS if i != 'auto')}")
+    if _ROUNDS.value < 1:
+        raise app.UsageError(f"--rounds={_ROUNDS.value}; allowed: >= 1")
     for impl in impls:
         if impl not in weight_matmul.IMPLS or impl == "auto":
             raise app.UsageError(f"--impls contains {impl!r}; allowed: "
@@ -70,8 +80,8 @@ def main(argv):
         raise app.UsageError(f"--layers={_LAYERS.value}; allowed: 0..30")
     layers = 0 if _HEAD_ONLY.value else _LAYERS.value
     model_name, isa = planner._cpu()  # noqa: SLF001
-    print(f"machine: {model_name} ({', '.join(isa)}; {planner.native.num_threads()} "
-          f"cores), jax {jax.__version__}")
+    print(f"machine: {model_name} ({', '.join(isa)}; the kernel on "
+          f"{planner.native.num_threads()} threads), jax {jax.__version__}")
     rng = np.random.default_rng(0)
     shapes = [(D, D), (D, KV), (D, KV), (D, D), (D, F), (D, F), (F, D)]
     ws = tuple(tuple(jnp.asarray(0.02 * rng.standard_normal(s, dtype=np.float32))

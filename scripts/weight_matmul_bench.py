@@ -54,6 +54,8 @@ def main(argv):
     batches = [int(b) for b in _BATCH.value]
     if not batches or min(batches) < 1:
         raise app.UsageError(f"--batch_sizes={_BATCH.value}; allowed: integers >= 1")
+    if not _IMPLS.value:
+        raise app.UsageError(f"--impls is empty; allowed: {', '.join(weight_matmul.IMPLS)}")
     for impl in _IMPLS.value:
         if impl not in weight_matmul.IMPLS:
             raise app.UsageError(f"--impls contains {impl!r}; allowed: "

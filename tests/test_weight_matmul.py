@@ -129,6 +129,67 @@ def test_other_native_formulations_reach_the_kernel():
             presets.blog_model("bfloat16", weight_matmul=impl)
     with pytest.raises(ValueError, match="split='rows'"):
         rm.rows_matmul(jnp.ones((2, 8)), jnp.ones((8, 4)), "kn", "rows")
+    with pytest.raises(ValueError, match="split='k' with w_layout='nk'"):
+        rm.rows_matmul(jnp.ones((2, 8)), jnp.ones((4, 8)), "nk", "k")
+    with pytest.raises(ValueError, match="lanes=True with w_layout='kn'"):
+        rm.rows_matmul(jnp.ones((2, 8)), jnp.ones((8, 4)), "kn", lanes=True)
+
+
+@pytest.mark.parametrize("impl,m,layout,runs", [
+    ("native_ksplit", 4, "kn", "native_ksplit"), ("native_ksplit", 4, "nk", "native"),
+    ("native_ksplit", 1, "kn", "native"), ("native_lanes", 4, "nk", "native_lanes"),
+    ("native_lanes", 4, "kn", "native"), ("native_lanes", 1, "nk", "native"),
+    ("native", 4, "kn", "native"), ("xla", 4, "nk", "xla")])
+def test_a_formulation_is_reported_as_what_runs(impl, m, layout, runs):
+    """A forced formulation that the kernel runs as plain 'native' for this class (the K
+    split of one row or of an [N, K] weight, the lanes of a [K, N] weight) is reported,
+    and run, as 'native'."""
+    assert planner.applies(impl, m, layout) == runs
+    if rm.load():
+        planner.clear_memo()
+        assert planner.weight_matmul(impl, m, 576, 576, layout) == runs
+        if runs != "xla":
+            assert any(f"{runs} as forced by model.weight_matmul" in ln and f"M{m}-K576-N576-{layout}" in ln
+                       for ln in planner.report_lines())
+        planner.clear_memo()
+
+
+@needs_native
+def test_a_cached_choice_that_does_not_apply_runs_as_the_kernel_would(tmp_path, monkeypatch):
+    """A planner file (edited by hand) naming the lanes for a [K, N] class, or the K
+    split for an [N, K] one, is read as 'native', never passed to the kernel as is."""
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
+    key = planner.machine_key("cpu", "rows_matmul.cc")
+    path = planner.cache_path(key, "weight_matmul")
+    path.parent.mkdir(parents=True)
+    entry = {"gbps": {"xla": 1.0}, "measured_at": "2026-01-01 00:00:00"}
+    path.write_text(json.dumps({"machine": key, "entries": {
+        "M4-K576-N576-kn-float32": dict(entry, choice="native_lanes"),
+        "M4-K576-N576-nk-float32": dict(entry, choice="native_ksplit")}}))
+    monkeypatch.setattr(planner, "measure_weight_matmul",
+                        lambda *a, **k: pytest.fail("measured"))
+    planner.clear_memo()
+    assert planner.weight_matmul("auto", 4, 576, 576, "kn") == "native"
+    assert planner.weight_matmul("auto", 4, 576, 576, "nk") == "native"
+    assert planner.weight_matmul("auto", 4, 576, 576, "kn") == "native"  # from memory
+    planner.clear_memo()
+
+
+def test_measure_weight_matmul_refuses_unknown_or_empty_candidates():
+    with pytest.raises(ValueError, match=r"candidates \['auto'\]"):
+        planner.measure_weight_matmul(2, 256, 256, "kn", candidates=("xla", "auto"))
+    with pytest.raises(ValueError, match="none applies"):
+        planner.measure_weight_matmul(2, 256, 256, "kn", candidates=("native_lanes",))
+
+
+def test_bad_thread_count_is_named(monkeypatch):
+    from kvjax import native
+    for value in ("abc", "0", "-2"):
+        monkeypatch.setenv("KVJAX_NATIVE_THREADS", value)
+        with pytest.raises(ValueError, match=f"KVJAX_NATIVE_THREADS='{value}'"):
+            native.num_threads()
+    monkeypatch.setenv("KVJAX_NATIVE_THREADS", "3")
+    assert native.num_threads() == 3
 
 
 @needs_native

@@ -134,9 +134,21 @@ def load() -> bool:
 
 def num_threads() -> int:
     """Threads the kernel uses: ``$KVJAX_NATIVE_THREADS``, else the CPUs this process
-    may run on."""
-    if os.environ.get("KVJAX_NATIVE_THREADS"):
-        return max(1, int(os.environ["KVJAX_NATIVE_THREADS"]))
+    may run on.
+
+    Raises:
+      ValueError: ``$KVJAX_NATIVE_THREADS`` is not a positive integer, naming it.
+    """
+    value = os.environ.get("KVJAX_NATIVE_THREADS")
+    if value:
+        try:
+            threads = int(value)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise ValueError(f"KVJAX_NATIVE_THREADS={value!r}; allowed: a positive integer "
+                             "(threads of the native kernels), or unset for every CPU")
+        return threads
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:

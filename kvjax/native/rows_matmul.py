@@ -57,20 +57,27 @@ def rows_matmul(x: jax.Array, w: jax.Array, w_layout: str = "kn",
         row against a 'kn' weight always is). Which is faster depends on the machine
         (:mod:`kvjax.models.weight_matmul`); the result is the same up to float
         rounding.
-      lanes: w 'nk' with several rows only: the rows of x in the vector lanes, each
-        weight element broadcast once (no sums across lanes), instead of register
-        tiles of dot products; which is faster depends on the machine.
+      lanes: w 'nk' only (one row runs as without): the rows of x in the vector
+        lanes, each weight element broadcast once (no sums across lanes), instead of
+        register tiles of dot products; which is faster depends on the machine.
     Returns:
       [M, N] float32 (sums in a different order from XLA's: equal to ~1e-6 relative).
     Raises:
-      ValueError: a non-float32 operand, ranks other than 2, mismatched K, or a bad
-        w_layout or split, naming the value.
+      ValueError: a non-float32 operand, ranks other than 2, mismatched K, a bad
+        w_layout or split, or split='k' / lanes=True with the other layout, naming the
+        value.
       RuntimeError: the library could not be built or loaded (see the warning).
     """
     if w_layout not in ("kn", "nk"):
         raise ValueError(f"w_layout={w_layout!r}; allowed: 'kn' (w [K, N]) or 'nk' (w [N, K])")
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; allowed: one of {list(SPLITS)}")
+    if split == "k" and w_layout != "kn":
+        raise ValueError("split='k' with w_layout='nk'; allowed: split='k' for a 'kn' "
+                         "weight ('nk' splits its output rows)")
+    if lanes and w_layout != "nk":
+        raise ValueError("lanes=True with w_layout='kn'; allowed: lanes=True for an 'nk' "
+                         "weight")
     for name, a in (("x", x), ("w", w)):
         if a.ndim != 2 or a.dtype != jnp.float32:
             raise ValueError(f"rows_matmul: {name} is {a.dtype}{list(a.shape)}; "
