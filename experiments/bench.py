@@ -40,7 +40,7 @@ from kvjax import presets
 from kvjax.analysis import costs, hardware, theory
 from kvjax.inference import decode
 from kvjax.models import model
-from kvjax.config import ModelConfig, default_scan_layers
+from kvjax.config import WEIGHT_MATMUL, ModelConfig, default_scan_layers
 
 _MODELS = flags.DEFINE_list("models", ["blog", "smollm2"], "blog and/or smollm2.")
 _VARIANTS = flags.DEFINE_list("variants", ["mha", "gqa", "mqa", "window"],
@@ -67,7 +67,7 @@ _DECODE_ATTENTION = flags.DEFINE_enum(
     "this machine once per shape class (kvjax.planner) and keeps the fastest; the picks "
     "and their GB/s are printed at the end.")
 _WEIGHT_MATMUL = flags.DEFINE_enum(
-    "weight_matmul", "auto", ["auto", "xla", "native", "native_ksplit", "native_lanes"],
+    "weight_matmul", "auto", list(WEIGHT_MATMUL),
     "model.weight_matmul of every point: 'auto' (default, like configs/) measures XLA's dot "
     "and the native few-row kernel once per product class and keeps the faster.")
 

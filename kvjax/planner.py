@@ -270,7 +270,7 @@ def report_lines() -> list[str]:
     if _wmemo:
         lines.append(f"weight-product planner on {model} ({', '.join(isa)}; "
                      f"{native.num_threads()} cores), jax {jax.__version__}:")
-    for impl in ("native", "native_ksplit", "native_lanes"):
+    for impl in NATIVE_WEIGHT:
         configured = sorted(n for n, e in _wmemo.items()
                             if "gbps" not in e and e["choice"] == impl)
         if configured:
@@ -294,7 +294,8 @@ def clear_memo() -> None:
 
 # ------------------------------------------------------------------ weight products
 
-WEIGHT_CANDIDATES = ("xla", "native", "native_ksplit", "native_lanes")
+NATIVE_WEIGHT = ("native", "native_ksplit", "native_lanes")  # the kernel's formulations
+WEIGHT_CANDIDATES = ("xla",) + NATIVE_WEIGHT
 WEIGHT_STREAM_BYTES = 48 * 2**20  # weights timed per call: above a 32 MB L3
 _wmemo: dict[str, dict] = {}
 
@@ -405,7 +406,7 @@ def weight_matmul(impl: str, m: int, k: int, n: int, layout: str = "kn") -> str:
     if impl == "xla" or not _weight_native_ok(m):
         return "xla"
     name = weight_class(m, k, n, layout)
-    if impl in ("native", "native_ksplit", "native_lanes"):
+    if impl in NATIVE_WEIGHT:
         impl = applies(impl, m, layout)
         with _lock:
             _wmemo.setdefault(name, {"choice": impl})

@@ -2,9 +2,8 @@
 
 Times one compiled decode step of a model (default SmolLM2-135M shapes, GQA, float32,
 random weights, a full cache at ``--context``) at each of ``--batch_sizes`` for each
-``--impls`` (``model.weight_matmul``: 'xla', 'native', 'native_ksplit', 'native_lanes', 'auto'),
-interleaved round by
-round (medians), and prints beside each measured step:
+``--impls`` (``model.weight_matmul``: 'xla', 'native', 'native_ksplit', 'native_lanes',
+'auto'), interleaved round by round (medians), and prints beside each measured step:
 
 * the step over B = 1 and the tokens/s over B = 1 (same formulation);
 * theory with bandwidth only (the blog's: weights read once, B·KV): the issue's 1.32x

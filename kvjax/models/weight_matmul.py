@@ -40,7 +40,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("xla", "native", "native_ksplit", "native_lanes", "auto")
+from kvjax.config import WEIGHT_MATMUL as IMPLS  # the config's list: one home
 
 
 def check_impl(impl: str) -> str:

@@ -381,33 +381,26 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::Success();
   }
   const int64_t want = (K * N >= kMinSplit) ? std::max<int64_t>(1, threads) : 1;
-  if (M == 1 && !w_nk && N <= kWalkCols) {
-    // One row: each part walks a contiguous range of >= 64 weight rows (a K split; one
-    // part per thread: finer parts measured slower) into its own partial y, which the
-    // caller adds (N floats per part).
+  if (!w_nk && (split || (M == 1 && N <= kWalkCols))) {
+    // A K split: each part runs a contiguous range of >= 64 weight rows (one part per
+    // thread: finer parts measured slower) into its own partial y, which the caller
+    // adds. One row walks its rows start to end (WalkRowsKN); several rows (split = 1)
+    // take every column in blocks of kSplitRowBlock rows (RangeKN).
     const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(want, K / 64));
-    std::unique_ptr<float[]> partial(parts > 1 ? new float[(parts - 1) * N] : nullptr);
+    const int64_t size = M * N;  // floats of y per part
+    std::unique_ptr<float[]> partial(parts > 1 ? new float[(parts - 1) * size] : nullptr);
     float* pp = partial.get();
+    const bool walk = M == 1 && N <= kWalkCols;
     kvjax_native::ParallelFor(pool, parts, [=](int64_t p) {
-      WalkRowsKN(xp, wp, N, K * p / parts, K * (p + 1) / parts, p ? pp + (p - 1) * N : yp);
+      float* yo = p ? pp + (p - 1) * size : yp;
+      const int64_t ka = K * p / parts, kb = K * (p + 1) / parts;
+      if (walk)
+        WalkRowsKN(xp, wp, N, ka, kb, yo);
+      else
+        RangeKN(xp, M, K, wp, N, 0, N, yo, ka, kb, kSplitRowBlock);
     });
     for (int64_t p = 1; p < parts; ++p)
-      for (int64_t n = 0; n < N; ++n) yp[n] += pp[(p - 1) * N + n];
-    return ffi::Error::Success();
-  }
-  if (split && !w_nk) {
-    // The K split for several rows: each part runs rows [ka, kb) of the weight, every
-    // column, into its own partial y (M x N floats), which the caller adds; each thread
-    // reads one contiguous stretch of the weight, as the one-row walk does.
-    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(want, K / 64));
-    std::unique_ptr<float[]> partial(parts > 1 ? new float[(parts - 1) * M * N] : nullptr);
-    float* pp = partial.get();
-    kvjax_native::ParallelFor(pool, parts, [=](int64_t p) {
-      RangeKN(xp, M, K, wp, N, 0, N, p ? pp + (p - 1) * M * N : yp, K * p / parts,
-              K * (p + 1) / parts, kSplitRowBlock);
-    });
-    for (int64_t p = 1; p < parts; ++p)
-      for (int64_t i = 0; i < M * N; ++i) yp[i] += pp[(p - 1) * M * N + i];
+      for (int64_t i = 0; i < size; ++i) yp[i] += pp[(p - 1) * size + i];
     return ffi::Error::Success();
   }
   // Units of work: column panels (w_nk = 0) or groups of NRT weight rows (w_nk = 1).
