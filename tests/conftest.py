@@ -1,5 +1,7 @@
 """Shared fixtures: strict JAX, tiny random models, and the real SmolLM2 checkpoint."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -7,6 +9,14 @@ import pytest
 from kvjax.config import ModelConfig
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """Workers for ``-n auto`` (pyproject's addopts; pytest-xdist): one per usable core, at
+    most 4. The suite is mostly single-threaded XLA compiles, so two workers on the 2-core
+    CI machine run it in a little over half the time; each worker holds its own SmolLM2
+    weights (~0.6 GB) and compiled programs, hence the cap. ``-n 0`` runs in one process."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -101,9 +101,9 @@ def test_zero_new_tokens_warns(smollm2):
     """Raw text to the chat model: its first greedy token is <|im_end|> (0 new tokens)."""
     loaded, run = smollm2
     raw = dataclasses.replace(run, prompt="What is the capital of France?",
-                              chat_template=False, max_new_tokens=4, measure_repeats=1)
+                              chat_template=False, max_new_tokens=4, max_seq_len=32)
     with pytest.warns(RuntimeWarning, match="stopped with 0 new tokens: the first token "
                                             r"sampled was end-of-sequence \('<\|im_end\|>', "
                                             r"id 2\); a chat model given raw text"):
-        result = runner.run_decode(raw, loaded)
+        result = runner.decode_prompt(raw, loaded)  # the generation (no cost report)
     assert result.new_tokens == 0 and result.warnings

@@ -50,15 +50,25 @@ def test_decode_entry_point_blog_shrunk(tmp_path):
     assert "XLA/theory" in proc.stdout
 
 
-@pytest.mark.slow
-def test_decode_entry_point_real_model_paris(tmp_path):
-    """Raw completion (the chat template off) of "The capital of France is"."""
-    proc, out = run_entry(tmp_path, "--config=configs/gqa.py", "--config.max_new_tokens=3",
-                          "--config.max_seq_len=32", "--config.measure_repeats=2",
-                          "--config.chat_template=False",
-                          "--config.prompt=The capital of France is")
+PARIS_ARGS = ["--config=configs/gqa.py", "--config.max_new_tokens=3",
+              "--config.max_seq_len=32", "--config.measure_repeats=1",
+              "--config.chat_template=False", "--config.prompt=The capital of France is"]
+
+
+@pytest.fixture(scope="module")
+def paris_run(tmp_path_factory):
+    """(process, JSON result) of the main job on SmolLM2, raw completion of "The capital
+    of France is": run once, read by the tests below (each entry run costs ~45 s)."""
+    tmp = tmp_path_factory.mktemp("paris")
+    proc, out = run_entry(tmp, *PARIS_ARGS)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_decode_entry_point_real_model_paris(paris_run):
+    """Raw completion (the chat template off) of "The capital of France is"."""
+    _, result = paris_run
     assert result["generated_text"].startswith(" Paris.") and not result["chat_template"]
 
 
@@ -134,37 +144,31 @@ def test_bench_crossover_fit_is_robust_to_one_outlier():
 
 
 @pytest.mark.slow
-def test_decode_entry_point_chunked_prefill_same_text(tmp_path):
+def test_decode_entry_point_chunked_prefill_same_text(tmp_path, paris_run):
     """--config.prefill_chunk feeds the prompt 4 tokens at a time: same continuation as
-    the one-pass prefill, and the report gives each chunk program's temp bytes."""
-    args = ["--config=configs/gqa.py", "--config.max_new_tokens=3",
-            "--config.max_seq_len=32", "--config.measure_repeats=1",
-            "--config.chat_template=False", "--config.prompt=The capital of France is"]
-    one, out_one = run_entry(tmp_path, *args)
-    assert one.returncode == 0, one.stderr[-3000:]
-    (tmp_path / "chunked").mkdir()
-    chunked, out_chunked = run_entry(tmp_path / "chunked", *args, "--config.prefill_chunk=4")
+    the one-pass prefill (the Paris run), and the report gives each chunk program's temp
+    bytes."""
+    _, a = paris_run
+    chunked, out_chunked = run_entry(tmp_path, *PARIS_ARGS, "--config.prefill_chunk=4")
     assert chunked.returncode == 0, chunked.stderr[-3000:]
     assert "prefill in chunks of --config.prefill_chunk tokens" in chunked.stdout
-    a, b = json.loads(out_one.read_text()), json.loads(out_chunked.read_text())
+    assert "prefill in chunks" not in paris_run[0].stdout
+    b = json.loads(out_chunked.read_text())
     assert b["generated_ids"] == a["generated_ids"]
     assert " Paris" in b["generated_text"]
     assert len(b["prefill_chunk_temp_bytes"]) == 2   # chunks of 4 and the remainder
 
 
 @pytest.mark.slow
-def test_decode_entry_point_on_a_mesh_same_tokens(tmp_path):
+def test_decode_entry_point_on_a_mesh_same_tokens(tmp_path, paris_run):
     """The issue's command, shrunk: SmolLM2 on a (1, 3, 1) mesh of 8 virtual CPU devices
-    (N=9, K=3 split by 3) decodes the tokens of the one-device run and prints the
-    per-device cost report with the collectives, and no cache tensor is gathered."""
+    (N=9, K=3 split by 3) decodes the tokens of the one-device run (the Paris run) and
+    prints the per-device cost report with the collectives, and no cache tensor is
+    gathered."""
     import os  # noqa: PLC0415
-    from kvjax.inference import runner  # noqa: PLC0415
-    args = ["--config=configs/gqa.py", "--config.max_new_tokens=4",
-            "--config.max_seq_len=32", "--config.measure_repeats=1",
-            "--config.chat_template=False", "--config.prompt=The capital of France is"]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, "-m", "experiments.decode", *args,
+    proc = subprocess.run([sys.executable, "-m", "experiments.decode", *PARIS_ARGS,
                            "--config.mesh.model=3", f"--json_out={out}"],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -177,14 +181,9 @@ def test_decode_entry_point_on_a_mesh_same_tokens(tmp_path):
     assert all(p["cache_gathers"] == [] for p in result["programs"].values())
     # 30 layers x (o_proj + down) all-reduces over 'model' in the step (+1: embedding)
     assert result["mesh"]["inventory"]["all-reduce@model"]["count"] >= 60
-    # the one-device run of the same config, in this (single-device) process
-    from configs import gqa  # noqa: PLC0415
-    c = gqa.get_config()
-    c.update(dict(max_new_tokens=4, max_seq_len=32, chat_template=False,
-                  prompt="The capital of France is"))
-    run = run_config_from_dict(c)
-    gen = runner.decode_prompt(run, runner.load(run, progress=False))
-    assert result["generated_ids"] == gen.generated_ids
+    # the one-device run of the same config
+    assert result["generated_ids"] == paris_run[1]["generated_ids"]
+    assert len(result["generated_ids"]) == 3
 
 
 def test_decode_entry_point_refuses_a_mesh_larger_than_the_devices():
