@@ -4,13 +4,15 @@
 :func:`decode_attention` times every formulation that applies
 (:mod:`kvjax.models.decode_kernels`: 'xla', 'xla_cache_left', 'native') on the step's
 own shapes (one layer's :func:`kvjax.models.attention.attend_step`, interleaved rounds,
-the median of each; about a second), picks the fastest and caches the choice on disk.
+the median of each, every timed call from memory after an untimed flush of the caches,
+:data:`FLUSH_BYTES`; about a second), picks the fastest and caches the choice on disk.
 
 The cache is one JSON file per machine under ``$KVJAX_CACHE/planner`` (default
 ``~/.cache/kvjax/planner``), never in git. Its key (:func:`machine_key`): CPU model and
-vector ISA, usable cores, backend, jax and jaxlib versions and the native kernel's
-source hash; inside it, one entry per shape class (:func:`shape_class`: B, K, G, H, V,
-the slot count rounded up to a power of two, cache dtype, layouts). Another machine, a
+vector ISA, usable cores, backend, jax and jaxlib versions, the native kernel's source
+hash and the measuring method (:data:`MEASURE_METHOD`); inside it, one entry per shape
+class (:func:`shape_class`: B, K, G, H, V, the slot count rounded up to a power of two,
+cache dtype, layouts). Another machine, a
 new jax or a new kernel looks for another file and re-measures; a file that does not
 parse or whose recorded key differs from this machine's is ignored with a warning and
 rewritten. Every choice made in this process is listed by :func:`report_lines`.
@@ -62,14 +64,16 @@ def _cpu() -> tuple[str, list[str]]:
 
 def machine_key(backend: str | None = None, kernel: str = "decode_attention.cc") -> dict:
     """What the planner's choices depend on: {'cpu', 'isa', 'cores', 'backend', 'jax',
-    'jaxlib', 'kernel'} (the last: hash of the native kernel's source, ``kernel`` under
-    kvjax/native: 'decode_attention.cc' or 'rows_matmul.cc')."""
+    'jaxlib', 'kernel', 'measure'} ('kernel': hash of the native kernel's source,
+    ``kernel`` under kvjax/native: 'decode_attention.cc' or 'rows_matmul.cc'; 'measure':
+    :data:`MEASURE_METHOD`)."""
     import jaxlib  # noqa: PLC0415
     model, isa = _cpu()
     src = pathlib.Path(native.__file__).with_name(kernel).read_bytes() + native.headers().encode()
     return {"cpu": model, "isa": isa, "cores": native.num_threads(),
             "backend": backend or backend_lib.current(), "jax": jax.__version__,
-            "jaxlib": jaxlib.__version__, "kernel": hashlib.sha256(src).hexdigest()[:12]}
+            "jaxlib": jaxlib.__version__, "kernel": hashlib.sha256(src).hexdigest()[:12],
+            "measure": MEASURE_METHOD}
 
 
 def cache_path(key: dict | None = None, kind: str = "decode_attention") -> pathlib.Path:
@@ -120,8 +124,30 @@ def shape_class(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout:
             f"{'' if prefix else '-window'}")
 
 
-def _time(fns: dict, args: tuple, rounds: int, budget_s: float) -> dict[str, float]:
-    """Median seconds of each compiled fn, timed in interleaved rounds after 2 warm-ups."""
+FLUSH_BYTES = 256 * 2**20
+"""Bytes read before every timed call of a measurement (:func:`_time`), so that no
+operand is in the CPU's caches when the call starts, as in a decode step: between one
+step's read of a layer's weights or cache and the next step's, the rest of the step
+(~0.5 GB for SmolLM2 in float32) has evicted them. Measured warm, a one-layer cache or
+a 48 MB weight stream is read partly from the last-level cache: on the 2-core Intel
+Xeon (whose CPUID reports a 300 MB L3) a 64 MiB read ran at 37 GB/s, 256 and 640 MiB at
+27; one layer of GQA at t = 16K (17 MB) was picked 'xla' warm while the 30-layer step
+ran at 50% of the roofline. 256 MiB: :class:`kvjax.analysis.hardware.ReadProbe`'s read."""
+MEASURE_METHOD = "cold-256MiB"  # part of the cache key: picks measured otherwise re-measure
+
+
+def _flusher():
+    """A callable that reads :data:`FLUSH_BYTES` (evicting the caches); it holds that
+    buffer until it is dropped, at the end of the measurement."""
+    from kvjax.analysis import hardware  # noqa: PLC0415
+    probe = hardware.ReadProbe("sum", FLUSH_BYTES)
+    return probe.once
+
+
+def _time(fns: dict, args: tuple, rounds: int, budget_s: float,
+          flush=None) -> dict[str, float]:
+    """Median seconds of each compiled fn, timed in interleaved rounds after 2 warm-ups;
+    ``flush()`` (untimed) before every timed call when given."""
     for _ in range(2):
         for f in fns.values():
             jax.block_until_ready(f(*args))
@@ -129,6 +155,8 @@ def _time(fns: dict, args: tuple, rounds: int, budget_s: float) -> dict[str, flo
     start = time.perf_counter()
     for r in range(rounds):
         for n, f in fns.items():
+            if flush is not None:
+                flush()
             t0 = time.perf_counter()
             jax.block_until_ready(f(*args))
             times[n].append(time.perf_counter() - t0)
@@ -139,9 +167,11 @@ def _time(fns: dict, args: tuple, rounds: int, budget_s: float) -> dict[str, flo
 
 def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str,
             v_layout: str, candidates=CANDIDATES, rounds: int = 7,
-            budget_s: float = 2.0, backend: str = "cpu") -> dict:
+            budget_s: float = 2.0, backend: str = "cpu", cold: bool = True) -> dict:
     """Times each formulation in ``candidates`` that applies on one layer's decode
-    attention of these shapes (random data, the whole cache visible).
+    attention of these shapes (random data, the whole cache visible), from memory: the
+    caches are flushed before every timed call (:data:`FLUSH_BYTES`; ``cold=False``
+    times the cache as it stays in them between calls).
 
     Returns {'choice': fastest name, 'gbps': {name: GB/s of cache read (K·S·(H+V)·B
     elements / median seconds / 1e9)}, 'seconds': {name: median s}, 'slots': s}.
@@ -164,7 +194,7 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
             fn = jax.jit(lambda *a, impl=impl: attend_step(
                 *a, k_layout=k_layout, v_layout=v_layout, impl=impl, backend=backend))
             fns[impl] = fn.lower(*args).compile()
-        secs = _time(fns, args, rounds, budget_s)
+        secs = _time(fns, args, rounds, budget_s, _flusher() if cold else None)
     nbytes = b * k * s * (h + v) * jnp.dtype(dtype).itemsize
     best = min(secs, key=secs.get)
     if best != "xla" and secs[best] > 0.97 * secs["xla"]:
@@ -312,11 +342,12 @@ def _weight_native_ok(m: int) -> bool:
 
 def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
                           candidates=WEIGHT_CANDIDATES, rounds: int = 7,
-                          budget_s: float = 1.0) -> dict:
+                          budget_s: float = 1.0, cold: bool = True) -> dict:
     """Times each formulation of an [M, K] x weight product, float32, on enough separate
     weights of that shape (one product each, unrolled) to read
     :data:`WEIGHT_STREAM_BYTES` from memory per call, as a decode step reads its layers'
-    weights.
+    weights; the caches are flushed before every timed call (:data:`FLUSH_BYTES`;
+    ``cold=False``: not).
 
     Returns {'choice': fastest name, 'gbps': {name: GB/s of weight read}, 'gflops':
     {name: GFLOP/s (2·M·K·N per copy)}, 'seconds': {name: median s per call}, 'copies'}.
@@ -359,7 +390,7 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
         if not fns:
             raise ValueError(f"candidates={tuple(candidates)!r}: none applies to M={m}, "
                              f"layout={layout!r}; allowed: {WEIGHT_CANDIDATES}")
-        secs = _time(fns, (x, w), rounds, budget_s)
+        secs = _time(fns, (x, w), rounds, budget_s, _flusher() if cold else None)
     nbytes = 4 * k * n * copies
     best = min(secs, key=secs.get)
     if "xla" in secs and best != "xla" and secs[best] > 0.97 * secs["xla"]:

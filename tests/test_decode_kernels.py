@@ -207,12 +207,57 @@ def test_planner_measures_once_then_reads_its_cache(tmp_path, monkeypatch):
 
 def test_planner_key_separates_machines(monkeypatch):
     key = planner.machine_key("cpu")
-    assert {"cpu", "isa", "cores", "backend", "jax", "jaxlib", "kernel"} <= set(key)
+    assert {"cpu", "isa", "cores", "backend", "jax", "jaxlib", "kernel", "measure"} <= set(key)
     for field, other in (("cpu", "Other CPU"), ("isa", ["avx2"]), ("jax", "0.0.1"),
-                         ("backend", "gpu")):
+                         ("backend", "gpu"), ("measure", "warm")):
         assert planner.cache_path(dict(key, **{field: other})) != planner.cache_path(key)
     assert planner.shape_class(1, 2, 4, 64, 64, 3000, jnp.float32, "BKHS", "BKSH", True) == \
         planner.shape_class(1, 2, 4, 64, 64, 4096, jnp.float32, "BKHS", "BKSH", True)
+
+
+@pytest.mark.parametrize("cold", [True, False])
+def test_planner_flushes_the_caches_before_every_timed_call(monkeypatch, cold):
+    """Measured cold (planner.FLUSH_BYTES read untimed before each timed call), as a decode
+    step reads each layer's cache and weights; ``cold=False`` never flushes."""
+    events = []
+
+    def flusher():
+        def flush():
+            events.append("flush")
+        return flush
+    monkeypatch.setattr(planner, "_flusher", flusher)
+    real_time = planner._time
+
+    def spy(fns, args, rounds, budget_s, flush=None):
+        wrapped = {}
+        for n, f in fns.items():
+            def call(*a, f=f, n=n):
+                events.append(n)
+                return f(*a)
+            wrapped[n] = call
+        return real_time(wrapped, args, rounds, budget_s, flush)
+    monkeypatch.setattr(planner, "_time", spy)
+    planner.measure(1, 2, 4, 64, 64, 512, jnp.float32, "BKHS", "BKSH", rounds=3,
+                    budget_s=0.0, cold=cold)
+    timed = events[events.index("flush"):] if cold else events[6:]  # after 2 warm-ups
+    assert len([e for e in timed if e != "flush"]) == 9  # 3 rounds x 3 formulations
+    if cold:
+        assert timed == [x for n in timed if n != "flush" for x in ("flush", n)]
+    else:
+        assert "flush" not in events
+    events.clear()
+    # [1024, 4096] float32 (16 MiB): 3 copies make the 48 MiB stream
+    planner.measure_weight_matmul(2, 1024, 4096, rounds=3, budget_s=0.0, cold=cold)
+    assert events.count("flush") == (3 * len([e for e in set(events) if e != "flush"])
+                                     if cold else 0)
+
+
+def test_the_flush_is_a_read_of_flush_bytes():
+    """The real flusher is a read probe of planner.FLUSH_BYTES, and it runs."""
+    flush = planner._flusher()
+    assert flush.__self__.num_bytes == planner.FLUSH_BYTES
+    assert flush() > 0  # bytes/s of the (untimed by the planner) read
+    del flush
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"entries": 3}),
