@@ -28,6 +28,7 @@ gather the sharded cache around it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -133,7 +134,7 @@ a 48 MB weight stream is read partly from the last-level cache: on the 2-core In
 Xeon (whose CPUID reports a 300 MB L3) a 64 MiB read ran at 37 GB/s, 256 and 640 MiB at
 27; one layer of GQA at t = 16K (17 MB) was picked 'xla' warm while the 30-layer step
 ran at 50% of the roofline. 256 MiB: :class:`kvjax.analysis.hardware.ReadProbe`'s read."""
-MEASURE_METHOD = "cold-256MiB"  # part of the cache key: picks measured otherwise re-measure
+MEASURE_METHOD = "cold-256MiB-chain"  # in the cache key: picks measured otherwise re-measure
 
 
 def _flusher():
@@ -347,7 +348,10 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
     weights of that shape (one product each, unrolled) to read
     :data:`WEIGHT_STREAM_BYTES` from memory per call, as a decode step reads its layers'
     weights; the caches are flushed before every timed call (:data:`FLUSH_BYTES`;
-    ``cold=False``: not).
+    ``cold=False``: not). Each product's input depends on the previous one's output, as
+    in a step: XLA runs independent dots concurrently, which flattered 'xla' (2-core
+    Intel Xeon, M = 1, [576, 576]: 17-21 GB/s independent, 12.5-12.9 chained; 'native'
+    20-22 either way).
 
     Returns {'choice': fastest name, 'gbps': {name: GB/s of weight read}, 'gflops':
     {name: GFLOP/s (2·M·K·N per copy)}, 'seconds': {name: median s per call}, 'copies'}.
@@ -381,11 +385,7 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
             if applies(name, m, layout) != name:
                 continue  # the kernel runs it as 'native' does: nothing to choose
 
-            def run(x, w, prod=prods[name]):
-                acc = jnp.zeros((m, n), jnp.float32)
-                for wi in w:  # unrolled: one product per weight, as in a decode step
-                    acc = acc + prod(x, wi)
-                return acc
+            run = functools.partial(weight_chain, prods[name])
             fns[name] = jax.jit(run).lower(x, w).compile()
         if not fns:
             raise ValueError(f"candidates={tuple(candidates)!r}: none applies to M={m}, "
@@ -398,6 +398,18 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
     return {"choice": best, "gbps": {n_: round(nbytes / t / 1e9, 2) for n_, t in secs.items()},
             "gflops": {n_: round(2 * m * nbytes / 4 / t / 1e9, 2) for n_, t in secs.items()},
             "seconds": dict(secs), "copies": copies}
+
+
+def weight_chain(prod, x: jax.Array, ws) -> jax.Array:
+    """The program :func:`measure_weight_matmul` times: one ``prod(x_i, w)`` per weight
+    of ``ws`` (unrolled, as a decode step holds its layers' weights), each input
+    x_i = x + y[:, :1] depending on the running sum y of the outputs before it, as a
+    step's products form a chain (XLA runs independent dots concurrently). Returns y,
+    [M, N] float32."""
+    acc = prod(x, ws[0])
+    for wi in ws[1:]:
+        acc = acc + prod(x + acc[:, :1], wi)
+    return acc
 
 
 def applies(formulation: str, m: int, layout: str) -> str:

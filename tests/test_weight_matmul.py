@@ -352,3 +352,20 @@ def test_measure_weight_matmul_times_each_on_a_streamed_weight(m, layout, want):
     assert set(r["gbps"]) == want and r["choice"] in want
     assert r["copies"] * 256 * 256 * 4 >= planner.WEIGHT_STREAM_BYTES
     assert all(v > 0 for v in r["gbps"].values())
+
+
+def test_the_planner_times_a_chain_of_dependent_products():
+    """planner.weight_chain: y_1 = x w_1, y_i = y_{i-1} + (x + y_{i-1}[:, :1]) w_i (float64
+    reference): each product waits for the one before, as in a decode step; summing
+    independent products x w_i gives another answer."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    ws = [rng.standard_normal((16, 8)).astype(np.float32) for _ in range(4)]
+    got = np.asarray(jax.jit(lambda x, ws: planner.weight_chain(lambda a, b: a @ b, x, ws))(
+        jnp.asarray(x), tuple(jnp.asarray(w) for w in ws)))
+    y = x.astype(np.float64) @ ws[0]
+    for w in ws[1:]:
+        y = y + (x + y[:, :1]) @ w.astype(np.float64)
+    np.testing.assert_allclose(got, y, rtol=1e-5, atol=1e-5)
+    independent = sum(x.astype(np.float64) @ w for w in ws)
+    assert np.abs(got - independent).max() > 1e-2
