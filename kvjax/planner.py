@@ -8,7 +8,7 @@ the median of each, every timed call from memory after an untimed flush of the c
 :data:`FLUSH_BYTES`; about a second), picks the fastest and caches the choice on disk.
 
 The cache is one JSON file per machine under ``$KVJAX_CACHE/planner`` (default
-``~/.cache/kvjax/planner``), never in git. Its key (:func:`machine_key`): CPU model and
+``~/.cache/kvjax/planner``; ``$KVJAX_PLANNER_CACHE`` moves it alone), never in git. Its key (:func:`machine_key`): CPU model and
 vector ISA, usable cores, backend, jax and jaxlib versions, the native kernel's source
 hash and the measuring method (:data:`MEASURE_METHOD`); inside it, one entry per shape
 class (:func:`shape_class`: B, K, G, H, V, the slot count rounded up to a power of two,
@@ -77,12 +77,24 @@ def machine_key(backend: str | None = None, kernel: str = "decode_attention.cc")
             "measure": MEASURE_METHOD}
 
 
+PLANNER_CACHE_ENV = "KVJAX_PLANNER_CACHE"
+
+
+def cache_dir() -> pathlib.Path:
+    """Where the planner's cache files live: ``$KVJAX_PLANNER_CACHE`` if set (the test
+    suite points it at a temporary folder, so picks measured while its workers load the
+    cores never reach the user's cache), else ``planner/`` under
+    :func:`kvjax.native.cache_root`."""
+    own = os.environ.get(PLANNER_CACHE_ENV)
+    return pathlib.Path(own) if own else native.cache_root() / "planner"
+
+
 def cache_path(key: dict | None = None, kind: str = "decode_attention") -> pathlib.Path:
     """The planner cache file for ``key`` (default: this machine's) and ``kind``
-    ('decode_attention' or 'weight_matmul')."""
+    ('decode_attention' or 'weight_matmul'), under :func:`cache_dir`."""
     key = key or machine_key()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return native.cache_root() / "planner" / f"{kind}-{digest}.json"
+    return cache_dir() / f"{kind}-{digest}.json"
 
 
 def load_cache(path: pathlib.Path, key: dict, allowed=None) -> dict:
@@ -134,7 +146,9 @@ a 48 MB weight stream is read partly from the last-level cache: on the 2-core In
 Xeon (whose CPUID reports a 300 MB L3) a 64 MiB read ran at 37 GB/s, 256 and 640 MiB at
 27; one layer of GQA at t = 16K (17 MB) was picked 'xla' warm while the 30-layer step
 ran at 50% of the roofline. 256 MiB: :class:`kvjax.analysis.hardware.ReadProbe`'s read."""
-MEASURE_METHOD = "cold-256MiB-chain"  # in the cache key: picks measured otherwise re-measure
+MEASURE_METHOD = f"cold-{FLUSH_BYTES >> 20}MiB-chain"
+"""How picks are measured (flushed caches, chained weight products): part of the cache
+key (:func:`machine_key`), so picks measured another way are measured again."""
 
 
 def _flusher():
@@ -174,9 +188,18 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
     caches are flushed before every timed call (:data:`FLUSH_BYTES`; ``cold=False``
     times the cache as it stays in them between calls).
 
-    Returns {'choice': fastest name, 'gbps': {name: GB/s of cache read (K·S·(H+V)·B
-    elements / median seconds / 1e9)}, 'seconds': {name: median s}, 'slots': s}.
+    Returns {'choice': fastest name, 'gbps': {name: GB/s of cache read (B·K·S·(H+V)
+    elements x their bytes / median seconds / 1e9)}, 'seconds': {name: median s},
+    'slots': s}.
+
+    Raises:
+      ValueError: an unknown candidate (before any allocation), or none that applies
+        here.
     """
+    known = tuple(i for i in decode_kernels.IMPLS if i != "auto")
+    if not candidates or any(c not in known for c in candidates):
+        raise ValueError(f"candidates={tuple(candidates)!r}; allowed: a non-empty subset of "
+                         f"{known}")
     from kvjax.models.attention import attend_step  # noqa: PLC0415
     rng = np.random.default_rng(0)
     shape_k = (b, k, s, h) if k_layout == "BKSH" else (b, k, h, s)
@@ -195,10 +218,14 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
             fn = jax.jit(lambda *a, impl=impl: attend_step(
                 *a, k_layout=k_layout, v_layout=v_layout, impl=impl, backend=backend))
             fns[impl] = fn.lower(*args).compile()
+        if not fns:
+            raise ValueError(f"candidates={tuple(candidates)!r}: none applies to this "
+                             f"attention ({jnp.dtype(dtype).name} {k_layout}/{v_layout}, "
+                             f"backend {backend}); allowed: 'xla' always applies")
         secs = _time(fns, args, rounds, budget_s, _flusher() if cold else None)
     nbytes = b * k * s * (h + v) * jnp.dtype(dtype).itemsize
     best = min(secs, key=secs.get)
-    if best != "xla" and secs[best] > 0.97 * secs["xla"]:
+    if "xla" in secs and best != "xla" and secs[best] > 0.97 * secs["xla"]:
         best = "xla"  # within noise of the reference: keep the reference
     return {"choice": best, "gbps": {n: round(nbytes / t / 1e9, 2) for n, t in secs.items()},
             "seconds": {n: t for n, t in secs.items()}, "slots": s}
@@ -371,8 +398,8 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
         # separate arrays, not slices of one stacked array: a custom call's operand sliced
         # out of a stack is copied first (XLA's dot fuses the slice), which would charge
         # the native kernel a copy of every weight; a decode step's weights are separate
-        w = tuple(jnp.asarray(rng.standard_normal(wshape, dtype=np.float32))
-                  for _ in range(copies))
+        w = tuple(jnp.asarray(rng.standard_normal(wshape, dtype=np.float32) / np.sqrt(k))
+                  for _ in range(copies))  # / sqrt(K): outputs of x's size, no overflow
         x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
         prods = {"xla": (lambda a, b: a @ b) if layout == "kn" else (lambda a, b: a @ b.T),
                  "native": lambda a, b: rm.rows_matmul(a, b, layout),
@@ -400,15 +427,28 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
             "seconds": dict(secs), "copies": copies}
 
 
-def weight_chain(prod, x: jax.Array, ws) -> jax.Array:
+def weight_chain(prod, x: jax.Array, ws, coupling: float = 1e-6) -> jax.Array:
     """The program :func:`measure_weight_matmul` times: one ``prod(x_i, w)`` per weight
     of ``ws`` (unrolled, as a decode step holds its layers' weights), each input
-    x_i = x + y[:, :1] depending on the running sum y of the outputs before it, as a
-    step's products form a chain (XLA runs independent dots concurrently). Returns y,
-    [M, N] float32."""
+    x_i = x + coupling · y[:, :1] depending on the running sum y of the outputs before
+    it, as a step's products form a chain (XLA runs independent dots concurrently). The
+    small default coupling keeps y finite over hundreds of products while the
+    dependency stays in the program.
+
+    Args:
+      prod: (x [M, K], w) -> [M, N], e.g. ``lambda a, b: a @ b`` for w [K, N].
+      x: [M, K].
+      ws: a non-empty sequence of weights, each what ``prod`` takes.
+    Returns:
+      y [M, N], x's dtype.
+    Raises:
+      ValueError: ``ws`` is empty.
+    """
+    if not ws:
+        raise ValueError("ws=(); allowed: at least one weight")
     acc = prod(x, ws[0])
     for wi in ws[1:]:
-        acc = acc + prod(x + acc[:, :1], wi)
+        acc = acc + prod(x + coupling * acc[:, :1], wi)
     return acc
 
 

@@ -12,7 +12,8 @@ weight stored [in, out], each ``--impls`` formulation of ``model.weight_matmul``
   R  GB/s of a plain streaming read (:class:`kvjax.analysis.hardware.ReadProbe`,
      256 MiB): the memory alone;
   D  GB/s when every product reads its weight from memory (``--stream_mib`` of separate
-     copies, one product each, unrolled, as a decode step reads its layers' weights);
+     copies, one product each, unrolled and chained as a decode step reads its layers'
+     weights: :func:`kvjax.planner.weight_chain`, the caches flushed before each call);
 
 and prints D beside the two models: overlapped, min(C, R) (the roofline), and serial,
 1 / (1/C + 1/R) (arithmetic and reads one after the other). Where D follows the serial
@@ -40,22 +41,32 @@ from absl import app, flags
 from kvjax import planner
 from kvjax.analysis import hardware
 from kvjax.models import weight_matmul
+from kvjax.native import rows_matmul
 
-_BATCH = flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Rows M (the batch).")
+MAX_COPIES = 1024  # unrolled products per call: compile time grows with them
+
+_BATCH = flags.DEFINE_list("batch_sizes", ["1", "4", "16"],
+                           f"Rows M (the batch), integers 1..{rows_matmul.MAX_ROWS}.")
 _IMPLS = flags.DEFINE_list("impls", ["xla", "native", "native_ksplit"],
-                           "model.weight_matmul formulations to time (not 'auto').")
+                           "model.weight_matmul formulations to time: xla, native, "
+                           "native_ksplit ([K, N] weights, several rows); not 'auto'.")
 _K = flags.DEFINE_integer("k", 576, "Weight rows K (in). Default: SmolLM2's d_model.")
 _N = flags.DEFINE_integer("n", 576, "Weight columns N (out).")
 _REPS = flags.DEFINE_integer("reps", 64, "Products per call of the in-cache scan.")
-_STREAM = flags.DEFINE_integer("stream_mib", 256, "MiB of weight copies per call from memory.")
+_STREAM = flags.DEFINE_integer("stream_mib", 256, "MiB of weight copies per call from "
+                               f"memory (1..4096; at most {MAX_COPIES} copies).")
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "Timed calls per figure (median).")
 
 
-def _seconds(fn, *args, rounds: int) -> float:
+def _seconds(fn, *args, rounds: int, flush=None) -> float:
+    """Median seconds of ``rounds`` calls after 2 warm-ups; ``flush()`` untimed before
+    each timed call when given."""
     for _ in range(2):
         jax.block_until_ready(fn(*args))
     times = []
     for _ in range(rounds):
+        if flush is not None:
+            flush()
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
@@ -68,9 +79,9 @@ def _check_flags() -> list[int]:
     except ValueError:
         raise app.UsageError(f"--batch_sizes={','.join(_BATCH.value)}; allowed: integers "
                              "1..256") from None
-    if not ms or any(not 1 <= m <= 256 for m in ms):
+    if not ms or any(not 1 <= m <= rows_matmul.MAX_ROWS for m in ms):
         raise app.UsageError(f"--batch_sizes={','.join(_BATCH.value)}; allowed: integers "
-                             "1..256 (the kernel's rows)")
+                             f"1..{rows_matmul.MAX_ROWS} (the kernel's rows)")
     bad = [i for i in _IMPLS.value if i not in weight_matmul.IMPLS or i == "auto"]
     if bad or not _IMPLS.value:
         raise app.UsageError(f"--impls={','.join(_IMPLS.value)}; allowed: a non-empty subset "
@@ -79,6 +90,14 @@ def _check_flags() -> list[int]:
                         ("stream_mib", _STREAM.value, 1), ("rounds", _ROUNDS.value, 1)):
         if v < lo:
             raise app.UsageError(f"--{name}={v}; allowed: an integer >= {lo}")
+    if _STREAM.value > 4096:
+        raise app.UsageError(f"--stream_mib={_STREAM.value}; allowed: 1..4096")
+    copies = -(-_STREAM.value * 2**20 // (4 * _K.value * _N.value))
+    if copies > MAX_COPIES:
+        raise app.UsageError(
+            f"--stream_mib={_STREAM.value} of [--k={_K.value}, --n={_N.value}] weights is "
+            f"{copies} copies; allowed: at most {MAX_COPIES} (a larger weight or a smaller "
+            "stream)")
     return ms
 
 
@@ -96,15 +115,25 @@ def main(argv):
     ws = tuple(jnp.asarray(rng.standard_normal((k, n), dtype=np.float32) * 1e-3)
                for _ in range(copies))
     probe = hardware.ReadProbe("vecmat")
+    flush = planner._flusher()
     r_reads = []
     print(f"[{k}, {n}] float32 weight ({wbytes / 2**20:.2f} MiB); in cache: {_REPS.value} "
           f"products of it per call; from memory: {copies} copies per call "
-          f"({copies * wbytes / 2**20:.0f} MiB); medians of {_ROUNDS.value}")
+          f"({copies * wbytes / 2**20:.0f} MiB, the caches flushed before each call); "
+          f"medians of {_ROUNDS.value}")
     print(f"{'impl':>14} {'M':>4} {'C cache':>8} {'R read':>7} {'D memory':>9} "
           f"{'min(C,R)':>9} {'serial':>7} {'D/serial':>9} {'D/min':>6}")
     for m in ms:
         x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
         for impl in _IMPLS.value:
+            runs = planner.applies(impl, m, "kn")
+            if runs != impl:
+                print(f"{impl:>14} {m:>4}  runs as {runs} here: see its row")
+                continue
+            if impl != "xla" and not rows_matmul.load():
+                print(f"{impl:>14} {m:>4}  the native kernel is unavailable (see the warning)")
+                continue
+
             def prod(a, b, impl=impl):
                 return weight_matmul.einsum("MK,KN->MN", a, b, impl)
 
@@ -115,21 +144,18 @@ def main(argv):
                 return jax.lax.scan(body, jnp.zeros((m, n), jnp.float32), None,
                                     length=_REPS.value)[0]
 
-            @jax.jit
-            def from_memory(x, ws):
-                acc = jnp.zeros((m, n), jnp.float32)
-                for wi in ws:  # unrolled: separate arrays, as a step's layers hold them
-                    acc = acc + prod(x + acc[:, :1], wi)
-                return acc
+            # unrolled and chained over separate arrays, as a step's layers hold them
+            from_memory = jax.jit(lambda x, ws, prod=prod: planner.weight_chain(prod, x, ws))
 
             c = _REPS.value * wbytes / _seconds(in_cache, x, w, rounds=_ROUNDS.value) / 1e9
             r_reads.append(probe.once())
-            d = copies * wbytes / _seconds(from_memory, x, ws, rounds=_ROUNDS.value) / 1e9
+            d = copies * wbytes / _seconds(from_memory, x, ws, rounds=_ROUNDS.value,
+                                           flush=flush) / 1e9
             r_reads.append(probe.once())
             r = statistics.median(r_reads[-2:]) / 1e9
             serial = 1 / (1 / c + 1 / r)
-            print(f"{impl:>14} {m:>4} {c:>8.1f} {r:>7.1f} {d:>9.1f} {min(c, r):>9.1f} "
-                  f"{serial:>7.1f} {d / serial:>9.2f} {d / min(c, r):>6.2f}", flush=True)
+            print(f"{impl:>14} {m:>4} {c:>8.3g} {r:>7.3g} {d:>9.3g} {min(c, r):>9.3g} "
+                  f"{serial:>7.3g} {d / serial:>9.3g} {d / min(c, r):>6.3g}", flush=True)
     print("GB/s of weight read. D/serial near 1 and D/min well below 1: the arithmetic and "
           "the reads add up instead of overlapping.")
 

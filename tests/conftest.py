@@ -1,6 +1,9 @@
 """Shared fixtures: strict JAX, tiny random models, and the real SmolLM2 checkpoint."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -11,12 +14,28 @@ from kvjax.config import ModelConfig
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+# The planner's picks made during the tests (measured while the workers load the cores)
+# go to a folder of this session's, never to the user's cache (kvjax/planner.py); the
+# entry points run in subprocesses inherit it.
+if "KVJAX_PLANNER_CACHE" not in os.environ:
+    os.environ["KVJAX_PLANNER_CACHE"] = tempfile.mkdtemp(prefix="kvjax-planner-tests-")
+    atexit.register(shutil.rmtree, os.environ["KVJAX_PLANNER_CACHE"], ignore_errors=True)
+
+
 def pytest_xdist_auto_num_workers(config):
     """Workers for ``-n auto`` (pyproject's addopts; pytest-xdist): one per usable core, at
-    most 4. The suite is mostly single-threaded XLA compiles, so two workers on the 2-core
-    CI machine run it in a little over half the time; each worker holds its own SmolLM2
-    weights (~0.6 GB) and compiled programs, hence the cap. ``-n 0`` runs in one process."""
-    return max(1, min(len(os.sched_getaffinity(0)), 4))
+    most 4, or ``$PYTEST_XDIST_AUTO_NUM_WORKERS``. The suite is mostly single-threaded
+    XLA compiles, so two workers on the 2-core CI machine run it in a little over half
+    the time; each worker holds its own SmolLM2 weights (~0.6 GB) and compiled programs,
+    hence the cap. ``-n 0`` runs in one process."""
+    env = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if env:
+        return int(env)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 4))
 
 
 @pytest.fixture(autouse=True, scope="module")

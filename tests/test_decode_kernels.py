@@ -185,6 +185,7 @@ def _fake_measure(calls):
 
 def test_planner_measures_once_then_reads_its_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
+    monkeypatch.delenv(planner.PLANNER_CACHE_ENV, raising=False)  # under KVJAX_CACHE
     calls = []
     monkeypatch.setattr(planner, "measure", _fake_measure(calls))
     planner.clear_memo()
@@ -203,6 +204,17 @@ def test_planner_measures_once_then_reads_its_cache(tmp_path, monkeypatch):
     assert list(data["entries"]) == ["B1-K2-G4-H64-V64-S4096-float32-BKHS-BKSH"]
     assert any("xla_cache_left" in ln for ln in planner.report_lines())
     planner.clear_memo()
+
+
+def test_planner_cache_dir_follows_its_own_variable(tmp_path, monkeypatch):
+    """$KVJAX_PLANNER_CACHE moves the planner's files alone (the suite sets it, so its
+    picks never reach the user's cache); unset, they live under $KVJAX_CACHE/planner."""
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path / "root"))
+    monkeypatch.setenv(planner.PLANNER_CACHE_ENV, str(tmp_path / "mine"))
+    assert planner.cache_path().parent == tmp_path / "mine"
+    monkeypatch.delenv(planner.PLANNER_CACHE_ENV)
+    assert planner.cache_path().parent == tmp_path / "root" / "planner"
+    assert planner.cache_path(kind="weight_matmul").name.startswith("weight_matmul-")
 
 
 def test_planner_key_separates_machines(monkeypatch):
@@ -265,6 +277,7 @@ def test_the_flush_is_a_read_of_flush_bytes():
                                          "x": {"choice": "rm -rf"}}})])
 def test_corrupt_or_foreign_planner_cache_is_ignored(tmp_path, monkeypatch, content):
     monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
+    monkeypatch.delenv(planner.PLANNER_CACHE_ENV, raising=False)  # under KVJAX_CACHE
     key = planner.machine_key("cpu")
     path = planner.cache_path(key)
     path.parent.mkdir(parents=True)

@@ -159,6 +159,7 @@ def test_a_cached_choice_that_does_not_apply_runs_as_the_kernel_would(tmp_path, 
     """A planner file (edited by hand) naming the lanes for a [K, N] class, or the K
     split for an [N, K] one, is read as 'native', never passed to the kernel as is."""
     monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
+    monkeypatch.delenv(planner.PLANNER_CACHE_ENV, raising=False)  # under KVJAX_CACHE
     key = planner.machine_key("cpu", "rows_matmul.cc")
     path = planner.cache_path(key, "weight_matmul")
     path.parent.mkdir(parents=True)
@@ -291,6 +292,7 @@ def _fake(calls):
 @needs_native
 def test_planner_measures_weights_once_then_reads_its_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
+    monkeypatch.delenv(planner.PLANNER_CACHE_ENV, raising=False)  # under KVJAX_CACHE
     calls = []
     monkeypatch.setattr(planner, "measure_weight_matmul", _fake(calls))
     planner.clear_memo()
@@ -323,6 +325,7 @@ def test_planner_measures_weights_once_then_reads_its_cache(tmp_path, monkeypatc
                                      "FOREIGN_CHOICE"])
 def test_corrupt_or_foreign_weight_cache_is_ignored(tmp_path, monkeypatch, content):
     monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
+    monkeypatch.delenv(planner.PLANNER_CACHE_ENV, raising=False)  # under KVJAX_CACHE
     key = planner.machine_key("cpu", "rows_matmul.cc")
     path = planner.cache_path(key, "weight_matmul")
     path.parent.mkdir(parents=True)
@@ -355,17 +358,37 @@ def test_measure_weight_matmul_times_each_on_a_streamed_weight(m, layout, want):
 
 
 def test_the_planner_times_a_chain_of_dependent_products():
-    """planner.weight_chain: y_1 = x w_1, y_i = y_{i-1} + (x + y_{i-1}[:, :1]) w_i (float64
-    reference): each product waits for the one before, as in a decode step; summing
-    independent products x w_i gives another answer."""
+    """planner.weight_chain: y_1 = x w_1, y_i = y_{i-1} + (x + c y_{i-1}[:, :1]) w_i
+    (float64 reference, c = 1 to make the dependency visible): each product waits for
+    the one before, as in a decode step; summing independent products x w_i gives
+    another answer. With the default c and weights scaled as the planner scales them
+    (1/sqrt(K)), 192 products (the most it times) stay finite and of x's size."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((3, 16)).astype(np.float32)
     ws = [rng.standard_normal((16, 8)).astype(np.float32) for _ in range(4)]
-    got = np.asarray(jax.jit(lambda x, ws: planner.weight_chain(lambda a, b: a @ b, x, ws))(
-        jnp.asarray(x), tuple(jnp.asarray(w) for w in ws)))
+    chain = jax.jit(lambda x, ws, c: planner.weight_chain(lambda a, b: a @ b, x, ws, c))
+    got = np.asarray(chain(jnp.asarray(x), tuple(jnp.asarray(w) for w in ws), 1.0))
     y = x.astype(np.float64) @ ws[0]
     for w in ws[1:]:
         y = y + (x + y[:, :1]) @ w.astype(np.float64)
     np.testing.assert_allclose(got, y, rtol=1e-5, atol=1e-5)
     independent = sum(x.astype(np.float64) @ w for w in ws)
     assert np.abs(got - independent).max() > 1e-2
+    many = tuple(jnp.asarray(rng.standard_normal((16, 16)) / 4, jnp.float32)
+                 for _ in range(192))
+    y = np.asarray(jax.jit(lambda x, ws: planner.weight_chain(lambda a, b: a @ b, x, ws))(
+        jnp.asarray(x), many))
+    assert np.isfinite(y).all() and np.abs(y).max() < 100
+    with pytest.raises(ValueError, match=r"ws=\(\); allowed: at least one weight"):
+        planner.weight_chain(lambda a, b: a @ b, x, ())
+
+
+def test_measure_refuses_unknown_or_empty_candidates():
+    """Before any allocation (the flush buffer, the cache), naming the allowed set."""
+    for bad in ((), ("bogus",), ("xla", "auto")):
+        with pytest.raises(ValueError, match=r"allowed: a non-empty subset of \('xla'"):
+            planner.measure(1, 2, 4, 64, 64, 512, jnp.float32, "BKHS", "BKSH",
+                            candidates=bad)
+    with pytest.raises(ValueError, match="none applies"):  # 'pallas' is GPU-only
+        planner.measure(1, 2, 4, 64, 64, 512, jnp.float32, "BKHS", "BKSH",
+                        candidates=("pallas",))
