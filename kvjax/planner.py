@@ -8,12 +8,12 @@ the median of each, every timed call from memory after an untimed flush of the c
 :data:`FLUSH_BYTES`; about a second), picks the fastest and caches the choice on disk.
 
 The cache is one JSON file per machine under ``$KVJAX_CACHE/planner`` (default
-``~/.cache/kvjax/planner``; ``$KVJAX_PLANNER_CACHE`` moves it alone), never in git. Its key (:func:`machine_key`): CPU model and
-vector ISA, usable cores, backend, jax and jaxlib versions, the native kernel's source
-hash and the measuring method (:data:`MEASURE_METHOD`); inside it, one entry per shape
-class (:func:`shape_class`: B, K, G, H, V, the slot count rounded up to a power of two,
-cache dtype, layouts). Another machine, a
-new jax or a new kernel looks for another file and re-measures; a file that does not
+``~/.cache/kvjax/planner``; ``$KVJAX_PLANNER_CACHE`` moves it alone), never in git. Its
+key (:func:`machine_key`): CPU model and vector ISA, usable cores, backend, jax and
+jaxlib versions, the native kernel's source hash and the measuring method
+(:data:`MEASURE_METHOD`); inside it, one entry per shape class (:func:`shape_class`: B,
+K, G, H, V, the slot count rounded up to a power of two, cache dtype, layouts). Another
+machine, a new jax or a new kernel looks for another file and re-measures; a file that does not
 parse or whose recorded key differs from this machine's is ignored with a warning and
 rewritten. Every choice made in this process is listed by :func:`report_lines`.
 
@@ -144,8 +144,8 @@ step's read of a layer's weights or cache and the next step's, the rest of the s
 (~0.5 GB for SmolLM2 in float32) has evicted them. Measured warm, a one-layer cache or
 a 48 MB weight stream is read partly from the last-level cache: on the 2-core Intel
 Xeon (whose CPUID reports a 300 MB L3) a 64 MiB read ran at 37 GB/s, 256 and 640 MiB at
-27; one layer of GQA at t = 16K (17 MB) was picked 'xla' warm while the 30-layer step
-ran at 50% of the roofline. 256 MiB: :class:`kvjax.analysis.hardware.ReadProbe`'s read."""
+27, and the planner's warm GB/s (one row x [576, 576]: 33-38) were far above what the
+step's products reach (~19). 256 MiB: :class:`kvjax.analysis.hardware.ReadProbe`'s read."""
 MEASURE_METHOD = f"cold-{FLUSH_BYTES >> 20}MiB-chain"
 """How picks are measured (flushed caches, chained weight products): part of the cache
 key (:func:`machine_key`), so picks measured another way are measured again."""
