@@ -180,6 +180,15 @@ def _time(fns: dict, args: tuple, rounds: int, budget_s: float,
     return {n: statistics.median(t) for n, t in times.items()}
 
 
+def _pick(secs: dict[str, float]) -> str:
+    """The fastest of ``secs`` ({name: median s}), or 'xla' when it was timed and the
+    fastest beats it by under 3% (within noise of the reference: keep the reference)."""
+    best = min(secs, key=secs.get)
+    if "xla" in secs and best != "xla" and secs[best] > 0.97 * secs["xla"]:
+        best = "xla"
+    return best
+
+
 def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str,
             v_layout: str, candidates=CANDIDATES, rounds: int = 7,
             budget_s: float = 2.0, backend: str = "cpu", cold: bool = True) -> dict:
@@ -224,9 +233,7 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
                              f"backend {backend}); allowed: 'xla' always applies")
         secs = _time(fns, args, rounds, budget_s, _flusher() if cold else None)
     nbytes = b * k * s * (h + v) * jnp.dtype(dtype).itemsize
-    best = min(secs, key=secs.get)
-    if "xla" in secs and best != "xla" and secs[best] > 0.97 * secs["xla"]:
-        best = "xla"  # within noise of the reference: keep the reference
+    best = _pick(secs)
     return {"choice": best, "gbps": {n: round(nbytes / t / 1e9, 2) for n, t in secs.items()},
             "seconds": {n: t for n, t in secs.items()}, "slots": s}
 
@@ -419,9 +426,7 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
                              f"layout={layout!r}; allowed: {WEIGHT_CANDIDATES}")
         secs = _time(fns, (x, w), rounds, budget_s, _flusher() if cold else None)
     nbytes = 4 * k * n * copies
-    best = min(secs, key=secs.get)
-    if "xla" in secs and best != "xla" and secs[best] > 0.97 * secs["xla"]:
-        best = "xla"  # within noise of the reference: keep the reference
+    best = _pick(secs)
     return {"choice": best, "gbps": {n_: round(nbytes / t / 1e9, 2) for n_, t in secs.items()},
             "gflops": {n_: round(2 * m * nbytes / 4 / t / 1e9, 2) for n_, t in secs.items()},
             "seconds": dict(secs), "copies": copies}

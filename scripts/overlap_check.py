@@ -30,8 +30,7 @@ numbers.
 
 from __future__ import annotations
 
-import statistics
-import time
+import math
 
 import jax
 import jax.numpy as jnp
@@ -59,26 +58,18 @@ _ROUNDS = flags.DEFINE_integer("rounds", 7, "Timed calls per figure (median).")
 
 
 def _seconds(fn, *args, rounds: int, flush=None) -> float:
-    """Median seconds of ``rounds`` calls after 2 warm-ups; ``flush()`` untimed before
-    each timed call when given."""
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(rounds):
-        if flush is not None:
-            flush()
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of ``rounds`` calls after 2 warm-ups (the planner's timing loop,
+    no time budget); ``flush()`` untimed before each timed call when given."""
+    return planner._time({"f": fn}, args, rounds, math.inf, flush)["f"]
 
 
-def _check_flags() -> list[int]:
+def _check_flags() -> tuple[list[int], int]:
+    """(the batch sizes, weight copies per from-memory call), or a UsageError naming the
+    first bad flag, before any work."""
     try:
         ms = [int(b) for b in _BATCH.value]
     except ValueError:
-        raise app.UsageError(f"--batch_sizes={','.join(_BATCH.value)}; allowed: integers "
-                             "1..256") from None
+        ms = []
     if not ms or any(not 1 <= m <= rows_matmul.MAX_ROWS for m in ms):
         raise app.UsageError(f"--batch_sizes={','.join(_BATCH.value)}; allowed: integers "
                              f"1..{rows_matmul.MAX_ROWS} (the kernel's rows)")
@@ -98,25 +89,23 @@ def _check_flags() -> list[int]:
             f"--stream_mib={_STREAM.value} of [--k={_K.value}, --n={_N.value}] weights is "
             f"{copies} copies; allowed: at most {MAX_COPIES} (a larger weight or a smaller "
             "stream)")
-    return ms
+    return ms, copies
 
 
 def main(argv):
     del argv
-    ms = _check_flags()
+    ms, copies = _check_flags()
     k, n = _K.value, _N.value
     key = planner.machine_key()
     print(f"machine: {key['cpu']} ({', '.join(key['isa'])}; {key['cores']} cores), "
           f"jax {key['jax']}")
     wbytes = 4 * k * n
-    copies = max(1, -(-_STREAM.value * 2**20 // wbytes))
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32) * 1e-3)
     ws = tuple(jnp.asarray(rng.standard_normal((k, n), dtype=np.float32) * 1e-3)
                for _ in range(copies))
     probe = hardware.ReadProbe("vecmat")
     flush = planner._flusher()
-    r_reads = []
     print(f"[{k}, {n}] float32 weight ({wbytes / 2**20:.2f} MiB); in cache: {_REPS.value} "
           f"products of it per call; from memory: {copies} copies per call "
           f"({copies * wbytes / 2**20:.0f} MiB, the caches flushed before each call); "
@@ -148,11 +137,10 @@ def main(argv):
             from_memory = jax.jit(lambda x, ws, prod=prod: planner.weight_chain(prod, x, ws))
 
             c = _REPS.value * wbytes / _seconds(in_cache, x, w, rounds=_ROUNDS.value) / 1e9
-            r_reads.append(probe.once())
+            read_before = probe.once()
             d = copies * wbytes / _seconds(from_memory, x, ws, rounds=_ROUNDS.value,
                                            flush=flush) / 1e9
-            r_reads.append(probe.once())
-            r = statistics.median(r_reads[-2:]) / 1e9
+            r = (read_before + probe.once()) / 2 / 1e9  # reads around the D rounds
             serial = 1 / (1 / c + 1 / r)
             print(f"{impl:>14} {m:>4} {c:>8.3g} {r:>7.3g} {d:>9.3g} {min(c, r):>9.3g} "
                   f"{serial:>7.3g} {d / serial:>9.3g} {d / min(c, r):>6.3g}", flush=True)

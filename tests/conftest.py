@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from kvjax import native, planner
 from kvjax.config import ModelConfig
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -17,9 +18,9 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # The planner's picks made during the tests (measured while the workers load the cores)
 # go to a folder of this session's, never to the user's cache (kvjax/planner.py); the
 # entry points run in subprocesses inherit it.
-if "KVJAX_PLANNER_CACHE" not in os.environ:
-    os.environ["KVJAX_PLANNER_CACHE"] = tempfile.mkdtemp(prefix="kvjax-planner-tests-")
-    atexit.register(shutil.rmtree, os.environ["KVJAX_PLANNER_CACHE"], ignore_errors=True)
+if planner.PLANNER_CACHE_ENV not in os.environ:
+    os.environ[planner.PLANNER_CACHE_ENV] = tempfile.mkdtemp(prefix="kvjax-planner-tests-")
+    atexit.register(shutil.rmtree, os.environ[planner.PLANNER_CACHE_ENV], ignore_errors=True)
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -31,11 +32,16 @@ def pytest_xdist_auto_num_workers(config):
     env = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
     if env:
         return int(env)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, 4))
+    return min(native.usable_cores(), 4)
+
+
+@pytest.fixture
+def planner_home(tmp_path, monkeypatch):
+    """``tmp_path`` as ``$KVJAX_CACHE``, with the planner's files in its default place
+    under it (``planner/``, the session's ``$KVJAX_PLANNER_CACHE`` unset)."""
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
+    monkeypatch.delenv(planner.PLANNER_CACHE_ENV, raising=False)
+    return tmp_path
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -183,9 +183,7 @@ def _fake_measure(calls):
     return measure
 
 
-def test_planner_measures_once_then_reads_its_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
-    monkeypatch.delenv(planner.PLANNER_CACHE_ENV, raising=False)  # under KVJAX_CACHE
+def test_planner_measures_once_then_reads_its_cache(planner_home, monkeypatch):
     calls = []
     monkeypatch.setattr(planner, "measure", _fake_measure(calls))
     planner.clear_memo()
@@ -275,9 +273,7 @@ def test_the_flush_is_a_read_of_flush_bytes():
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"entries": 3}),
                                      "FOREIGN", json.dumps({"machine": {}, "entries": {
                                          "x": {"choice": "rm -rf"}}})])
-def test_corrupt_or_foreign_planner_cache_is_ignored(tmp_path, monkeypatch, content):
-    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
-    monkeypatch.delenv(planner.PLANNER_CACHE_ENV, raising=False)  # under KVJAX_CACHE
+def test_corrupt_or_foreign_planner_cache_is_ignored(planner_home, monkeypatch, content):
     key = planner.machine_key("cpu")
     path = planner.cache_path(key)
     path.parent.mkdir(parents=True)

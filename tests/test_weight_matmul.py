@@ -155,11 +155,9 @@ def test_a_formulation_is_reported_as_what_runs(impl, m, layout, runs):
 
 
 @needs_native
-def test_a_cached_choice_that_does_not_apply_runs_as_the_kernel_would(tmp_path, monkeypatch):
+def test_a_cached_choice_that_does_not_apply_runs_as_the_kernel_would(planner_home, monkeypatch):
     """A planner file (edited by hand) naming the lanes for a [K, N] class, or the K
     split for an [N, K] one, is read as 'native', never passed to the kernel as is."""
-    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
-    monkeypatch.delenv(planner.PLANNER_CACHE_ENV, raising=False)  # under KVJAX_CACHE
     key = planner.machine_key("cpu", "rows_matmul.cc")
     path = planner.cache_path(key, "weight_matmul")
     path.parent.mkdir(parents=True)
@@ -290,9 +288,7 @@ def _fake(calls):
 
 
 @needs_native
-def test_planner_measures_weights_once_then_reads_its_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
-    monkeypatch.delenv(planner.PLANNER_CACHE_ENV, raising=False)  # under KVJAX_CACHE
+def test_planner_measures_weights_once_then_reads_its_cache(planner_home, monkeypatch):
     calls = []
     monkeypatch.setattr(planner, "measure_weight_matmul", _fake(calls))
     planner.clear_memo()
@@ -323,9 +319,7 @@ def test_planner_measures_weights_once_then_reads_its_cache(tmp_path, monkeypatc
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"machine": {"cpu": "other"},
                                                                "entries": {}}),
                                      "FOREIGN_CHOICE"])
-def test_corrupt_or_foreign_weight_cache_is_ignored(tmp_path, monkeypatch, content):
-    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
-    monkeypatch.delenv(planner.PLANNER_CACHE_ENV, raising=False)  # under KVJAX_CACHE
+def test_corrupt_or_foreign_weight_cache_is_ignored(planner_home, monkeypatch, content):
     key = planner.machine_key("cpu", "rows_matmul.cc")
     path = planner.cache_path(key, "weight_matmul")
     path.parent.mkdir(parents=True)

@@ -149,6 +149,12 @@ def num_threads() -> int:
             raise ValueError(f"KVJAX_NATIVE_THREADS={value!r}; allowed: a positive integer "
                              "(threads of the native kernels), or unset for every CPU")
         return threads
+    return usable_cores()
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask; ``os.cpu_count()`` where the
+    platform has none, at least 1)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:
