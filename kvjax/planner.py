@@ -28,6 +28,7 @@ gather the sharded cache around it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -121,11 +122,40 @@ def load_cache(path: pathlib.Path, key: dict, allowed=None) -> dict:
         return {}
 
 
-def _save(path: pathlib.Path, key: dict, entries: dict) -> None:
+@contextlib.contextmanager
+def _locked(path: pathlib.Path):
+    """Holds an exclusive lock on ``path``'s ``.lock`` file (POSIX ``flock``; no lock
+    where ``fcntl`` is missing) while the block runs."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"machine": key, "entries": entries}, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    try:
+        import fcntl  # noqa: PLC0415 (POSIX only)
+    except ImportError:
+        yield
+        return
+    with open(path.with_suffix(".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _save(path: pathlib.Path, key: dict, entries: dict, allowed=None) -> None:
+    """Writes ``entries`` to the planner cache at ``path`` (atomically: a temporary file
+    renamed over it), first adding to ``entries`` those the file gained since it was read
+    (another process measuring other classes at the same time), under a lock, so that
+    two processes filling one cache keep both their picks. ``allowed`` as in
+    :func:`load_cache`; an unreadable file adds nothing (it was warned about when read)."""
+    with _locked(path):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            on_disk = load_cache(path, key, allowed)
+        for name, e in on_disk.items():
+            entries.setdefault(name, e)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"machine": key, "entries": entries}, indent=1,
+                                  sort_keys=True))
+        os.replace(tmp, path)
 
 
 def shape_class(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str,
@@ -238,10 +268,12 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
             "seconds": {n: t for n, t in secs.items()}, "slots": s}
 
 
-def _cached_choice(memo: dict, name: str, key: dict, path, entries: dict, measure_fn) -> str:
+def _cached_choice(memo: dict, name: str, key: dict, path, entries: dict, measure_fn,
+                   allowed=None) -> str:
     """The choice for shape class ``name``: read from ``entries`` (the planner cache at
     ``path``), else measured by ``measure_fn()`` (a dict with 'choice') and written back
-    (a write failure only warns). Remembered in ``memo`` for this process."""
+    with what the file holds by then (:func:`_save`; a write failure only warns).
+    Remembered in ``memo`` for this process. ``allowed`` as in :func:`load_cache`."""
     fresh = name not in entries
     if fresh:
         print(f"kvjax planner: measuring the formulations of {name} on this machine "
@@ -253,7 +285,7 @@ def _cached_choice(memo: dict, name: str, key: dict, path, entries: dict, measur
         except OSError:
             pass
         try:
-            _save(path, key, entries)
+            _save(path, key, entries, allowed)
         except OSError as e:
             warnings.warn(f"planner cache {path} not written: {e}", stacklevel=3)
     memo[name] = dict(entries[name], cache=str(path), fresh=fresh)
@@ -392,11 +424,19 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
     Candidates that run as another (:func:`applies`) or cannot run are skipped.
 
     Raises:
-      ValueError: a candidate not in :data:`WEIGHT_CANDIDATES`, or none left to time.
+      ValueError: a candidate not in :data:`WEIGHT_CANDIDATES`, or none left to time;
+        a layout other than 'kn' / 'nk', a size < 1, or a weight below
+        :data:`MIN_MEASURED_BYTES` (the planner never measures those: :func:`weight_matmul`
+        keeps 'xla'; timed, they would take tens of thousands of unrolled copies).
     """
     bad = [c for c in candidates if c not in WEIGHT_CANDIDATES]
     if bad:
         raise ValueError(f"candidates {bad}; allowed: {list(WEIGHT_CANDIDATES)}")
+    if layout not in ("kn", "nk"):
+        raise ValueError(f"layout={layout!r}; allowed: 'kn' or 'nk'")
+    if min(m, k, n) < 1 or 4 * k * n < MIN_MEASURED_BYTES:
+        raise ValueError(f"m={m}, k={k}, n={n}: {4 * k * n:,} weight bytes; allowed: sizes "
+                         f">= 1 and a weight of >= {MIN_MEASURED_BYTES:,} bytes (4·K·N)")
     from kvjax.native import rows_matmul as rm  # noqa: PLC0415
     copies = max(1, -(-WEIGHT_STREAM_BYTES // (4 * k * n)))
     rng = np.random.default_rng(0)
@@ -514,5 +554,6 @@ def weight_matmul(impl: str, m: int, k: int, n: int, layout: str = "kn") -> str:
         # the kernel would run it
         return applies(_cached_choice(_wmemo, name, key, path,
                                       load_cache(path, key, WEIGHT_CANDIDATES),
-                                      lambda: measure_weight_matmul(m, k, n, layout)),
+                                      lambda: measure_weight_matmul(m, k, n, layout),
+                                      WEIGHT_CANDIDATES),
                        m, layout)

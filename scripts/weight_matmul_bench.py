@@ -11,6 +11,10 @@ random weights, a full cache at ``--context``) at each of ``--batch_sizes`` for 
 * theory on the roofline of this CPU: max(bytes / read bandwidth, FLOP / fp32 peak)
   (Williams et al. 2009), with the bandwidth and the peak measured here first
   (:func:`kvjax.analysis.hardware.local_chip` with ``measure_flops``);
+* theory with no overlap ("serial"): bytes / bandwidth + FLOP / peak, what a CPU whose
+  cores add their arithmetic to their memory reads reaches at best
+  (:func:`kvjax.analysis.theory.batched_steps`; ``scripts/overlap_check.py`` measures
+  which model a machine follows);
 * the step over its bytes' time at the probed bandwidth (1.0 = at the roofline).
 
   PYTHONPATH=. python scripts/weight_matmul_bench.py --batch_sizes=1,2,4,8,16
@@ -104,7 +108,8 @@ def main(argv):
           f"{_DECODE_ATTENTION.value!r}, t = {t}, step medians of {_ROUNDS.value} interleaved "
           f"rounds; ratios over B = {b0}")
     print(f"{'impl':>13} {'B':>3} {'step ms':>8} {'step x':>7} {'tok/s x':>8} "
-          f"{'bw theory x':>11} {'roofline x':>10} {'step/bytes@bw':>13} {'GFLOP/s':>8}")
+          f"{'bw theory x':>11} {'roofline x':>10} {'serial x':>8} {'step/bytes@bw':>13} "
+          f"{'step/serial':>11} {'GFLOP/s':>8}")
     for si in impls:
         s0 = statistics.median(points[si, b0]["times"])
         for b in batches:
@@ -112,7 +117,8 @@ def main(argv):
             r = th[b]
             print(f"{label[si]:>13} {b:>3} {s * 1e3:8.2f} {s / s0:7.2f} {b / s / (b0 / s0):8.2f} "
                   f"{r['bandwidth_ratio']:11.2f} {r['roofline_ratio']:10.2f} "
-                  f"{s / r['bandwidth_s']:13.2f} {r['flops'] / s / 1e9:8.1f}")
+                  f"{r['serial_ratio']:8.2f} {s / r['bandwidth_s']:13.2f} "
+                  f"{s / r['serial_s']:11.2f} {r['flops'] / s / 1e9:8.1f}")
     med = {k: statistics.median(p["times"]) for k, p in points.items()}
     for si in impls[1:]:
         print(f"{label[si]} over {label[impls[0]]} (step time): " + ", ".join(

@@ -298,6 +298,32 @@ def test_corrupt_or_foreign_planner_cache_is_ignored(planner_home, monkeypatch, 
     planner.clear_memo()
 
 
+def test_two_writers_of_one_planner_cache_keep_both_picks(planner_home, monkeypatch):
+    """A class measured while another process added its own to the same file: the write
+    keeps the other's entry (read again under the lock before writing), where a plain
+    rewrite of what this process read at the start would have dropped it."""
+    key = planner.machine_key("cpu")
+    path = planner.cache_path(key)
+    entries = planner.load_cache(path, key)  # this process reads: nothing yet
+    other = {"choice": "native", "gbps": {}, "seconds": {}, "slots": 4096}
+
+    def measure_while_another_writes():  # the other process saves while we measure
+        planner._save(path, key, {"B9-other": dict(other)})
+        return {"choice": "xla", "gbps": {}, "seconds": {}, "slots": 4096}
+
+    memo = {}
+    assert planner._cached_choice(memo, "B1-mine", key, path, entries,
+                                  measure_while_another_writes) == "xla"
+    on_disk = planner.load_cache(path, key)
+    assert set(on_disk) == {"B9-other", "B1-mine"}
+    assert on_disk["B9-other"]["choice"] == "native" and on_disk["B1-mine"]["choice"] == "xla"
+    assert "B9-other" in entries  # and this process now knows it too
+    # a class both measured: the writer's own (newer) pick wins, the rest is kept
+    planner._save(path, key, {"B1-mine": dict(other)})
+    on_disk = planner.load_cache(path, key)
+    assert on_disk["B1-mine"]["choice"] == "native" and set(on_disk) == {"B9-other", "B1-mine"}
+
+
 def test_small_caches_and_other_backends_skip_measuring(monkeypatch):
     monkeypatch.setattr(planner, "measure", lambda *a, **k: pytest.fail("measured"))
     cfg = presets.blog_model("float32", num_kv_heads=2, attention="gqa", backend="cpu",

@@ -380,7 +380,8 @@ def test_local_chip_on_cpu_is_measured_and_names_its_fastest_read_kernel():
 def test_batched_steps_bandwidth_and_roofline():
     """Issue 18's theory: SmolLM2 float32 at t = 256, B = 16 over B = 1 is 1.32x by
     bandwidth alone (weights read once); with a float32 peak the step is the roofline's
-    max(bytes / BW, FLOP / peak), compute-bound at B = 16 for 100 GFLOP/s and 25 GB/s."""
+    max(bytes / BW, FLOP / peak), compute-bound at B = 16 for 100 GFLOP/s and 25 GB/s;
+    the serial model is their sum."""
     from kvjax.analysis import theory as th
     cfg = presets.smollm2_135m("float32")
     r = th.batched_steps(cfg, 256, [1, 16], 25e9, 100e9)
@@ -395,9 +396,16 @@ def test_batched_steps_bandwidth_and_roofline():
     assert b16["roofline_ratio"] == pytest.approx(
         (b16["flops"] / 100e9) / (b1["bytes"] / 25e9))
     assert b16["roofline_ratio"] > 2.0
-    # no peak: the roofline is the bandwidth theory
-    assert th.batched_steps(cfg, 256, [1, 16], 25e9)[16]["roofline_ratio"] == \
-        pytest.approx(b16["bandwidth_ratio"])
+    # serial: reads and arithmetic one after the other, never below the roofline
+    for row in (b1, b16):
+        assert row["serial_s"] == pytest.approx(row["bytes"] / 25e9 + row["flops"] / 100e9)
+        assert row["serial_s"] > row["roofline_s"]
+    assert b16["serial_ratio"] == pytest.approx(b16["serial_s"] / b1["serial_s"])
+    assert b16["serial_tokens_ratio"] == pytest.approx(16 / b16["serial_ratio"])
+    # no peak: the roofline and the serial model are the bandwidth theory
+    nopeak = th.batched_steps(cfg, 256, [1, 16], 25e9)[16]
+    assert nopeak["roofline_ratio"] == pytest.approx(b16["bandwidth_ratio"])
+    assert nopeak["serial_ratio"] == pytest.approx(b16["bandwidth_ratio"])
     with pytest.raises(ValueError, match="batches=\\[0\\]"):
         th.batched_steps(cfg, 256, [0], 25e9)
 

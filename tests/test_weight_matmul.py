@@ -181,6 +181,20 @@ def test_measure_weight_matmul_refuses_unknown_or_empty_candidates():
         planner.measure_weight_matmul(2, 256, 256, "kn", candidates=("native_lanes",))
 
 
+@pytest.mark.parametrize("m,k,n,layout,match", [
+    (2, 8, 8, "kn", "256 weight bytes"),    # would time 196,608 unrolled copies
+    (2, 255, 256, "kn", "261,120 weight bytes"),  # one row short of the smallest class
+    (0, 256, 256, "kn", "m=0"),
+    (2, 256, 256, "mn", "layout='mn'")])
+def test_measure_weight_matmul_refuses_shapes_the_planner_never_measures(m, k, n, layout,
+                                                                         match):
+    """Refused before any weight is allocated: :func:`planner.weight_matmul` keeps 'xla'
+    below planner.MIN_MEASURED_BYTES, and a direct call there would unroll a product per
+    256 bytes of the 48 MiB stream."""
+    with pytest.raises(ValueError, match=match):
+        planner.measure_weight_matmul(m, k, n, layout)
+
+
 def test_bad_thread_count_is_named(monkeypatch):
     from kvjax import native
     for value in ("abc", "0", "-2"):

@@ -194,10 +194,8 @@ def device_name(device: Any = None) -> str:
     device = jax.devices()[0] if device is None else device
     if device.platform != "cpu":
         return getattr(device, "device_kind", device.platform)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 0
+    from kvjax import native  # noqa: PLC0415 (its one lookup of the usable CPUs)
+    cores = native.usable_cores()
     isa = vector_isa()
     return f"CPU: {cpu_model() or 'unknown model'} ({cores} cores{'; ' + isa if isa else ''})"
 

@@ -4,9 +4,14 @@ measured and the attribution of compiled bytes. Formatting only: the figures com
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from kvjax.analysis import theory
+
+if TYPE_CHECKING:  # annotations only: costs imports this module
+    from kvjax.analysis.costs import StepCost
 
 
 def format_table(rows: list[tuple], headers: tuple) -> str:

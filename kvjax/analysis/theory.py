@@ -567,12 +567,18 @@ def batched_steps(cfg: ModelConfig, t: int, batches, bytes_per_s: float,
     * the roofline (Williams et al. 2009): step = max(bytes / ``bytes_per_s``, FLOP /
       ``flops_per_s``) with FLOP = :func:`step_flops` (2 per weight per row, plus
       attention): on a CPU whose float32 peak is ~100-200 GFLOP/s the weight products
-      become compute-bound near B = peak / (bandwidth · 0.5 FLOP/byte), 8-16 rows.
+      become compute-bound near B = peak / (bandwidth · 0.5 FLOP/byte), 8-16 rows;
+    * serial (no overlap): step = bytes / ``bytes_per_s`` + FLOP / ``flops_per_s``, the
+      arithmetic and the reads one after the other, the roofline's upper bound. It is
+      what a core whose FMAs and memory stream add up instead of overlapping reaches at
+      best; ``scripts/overlap_check.py`` measures which of the two a machine follows
+      (the 2-core Intel Xeon of the README: serial within 0-7% per product).
 
-    Returns {B: {'bytes', 'flops', 'bandwidth_s', 'roofline_s', 'bandwidth_ratio',
-    'roofline_ratio', 'bandwidth_tokens_ratio', 'roofline_tokens_ratio'}} (seconds;
-    ratios of step time and of tokens/s = B / step to the first B). Without
-    ``flops_per_s`` the roofline equals the bandwidth theory.
+    Returns {B: {'bytes', 'flops', 'bandwidth_s', 'roofline_s', 'serial_s',
+    'bandwidth_ratio', 'roofline_ratio', 'serial_ratio', 'bandwidth_tokens_ratio',
+    'roofline_tokens_ratio', 'serial_tokens_ratio'}} (bytes, FLOP, seconds; ratios of
+    step time and of tokens/s = B / step to the first B). Without ``flops_per_s`` the
+    roofline and the serial model equal the bandwidth theory.
 
     Raises:
       ValueError: an empty ``batches``, a batch size < 1 or a non-positive rate.
@@ -587,11 +593,12 @@ def batched_steps(cfg: ModelConfig, t: int, batches, bytes_per_s: float,
     for b in batches:
         nbytes, flops = step_bytes(cfg, t, b).total, step_flops(cfg, t, b).total
         mem = nbytes / bytes_per_s
-        roof = mem if flops_per_s is None else max(mem, flops / flops_per_s)
-        out[b] = {"bytes": nbytes, "flops": flops, "bandwidth_s": mem, "roofline_s": roof}
+        comp = 0.0 if flops_per_s is None else flops / flops_per_s
+        out[b] = {"bytes": nbytes, "flops": flops, "bandwidth_s": mem,
+                  "roofline_s": max(mem, comp), "serial_s": mem + comp}
     first = out[batches[0]]
     for b, row in out.items():
-        for name in ("bandwidth", "roofline"):
+        for name in ("bandwidth", "roofline", "serial"):
             row[f"{name}_ratio"] = row[f"{name}_s"] / first[f"{name}_s"]
             row[f"{name}_tokens_ratio"] = b / batches[0] / row[f"{name}_ratio"]
     return out

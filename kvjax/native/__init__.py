@@ -156,6 +156,6 @@ def usable_cores() -> int:
     """The CPUs this process may run on (its affinity mask; ``os.cpu_count()`` where the
     platform has none, at least 1)."""
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
         return os.cpu_count() or 1
