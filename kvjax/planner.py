@@ -32,6 +32,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import operator
 import os
 import pathlib
 import statistics
@@ -124,20 +125,29 @@ def load_cache(path: pathlib.Path, key: dict, allowed=None) -> dict:
 
 @contextlib.contextmanager
 def _locked(path: pathlib.Path):
-    """Holds an exclusive lock on ``path``'s ``.lock`` file (POSIX ``flock``; no lock
-    where ``fcntl`` is missing) while the block runs."""
+    """Holds an exclusive lock on ``path``'s ``.lock`` file (POSIX ``flock``) while the
+    block runs; without one where ``fcntl`` is missing or the lock cannot be taken (a
+    file system without flock, a ``.lock`` file of another user's): the write is then
+    as before locking, atomic but last-writer-wins."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl  # noqa: PLC0415 (POSIX only)
-    except ImportError:
+        f = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 (closed below)
+    except (ImportError, OSError):
         yield
         return
-    with open(path.with_suffix(".lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:
+            yield
+            return
         try:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+    finally:
+        f.close()
 
 
 def _save(path: pathlib.Path, key: dict, entries: dict, allowed=None) -> None:
@@ -432,6 +442,10 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
     bad = [c for c in candidates if c not in WEIGHT_CANDIDATES]
     if bad:
         raise ValueError(f"candidates {bad}; allowed: {list(WEIGHT_CANDIDATES)}")
+    try:  # Python ints: numpy int32 sizes would overflow 4·K·N
+        m, k, n = (operator.index(v) for v in (m, k, n))
+    except TypeError:
+        raise ValueError(f"m={m!r}, k={k!r}, n={n!r}; allowed: integers") from None
     if layout not in ("kn", "nk"):
         raise ValueError(f"layout={layout!r}; allowed: 'kn' or 'nk'")
     if min(m, k, n) < 1 or 4 * k * n < MIN_MEASURED_BYTES:
@@ -539,7 +553,7 @@ def weight_matmul(impl: str, m: int, k: int, n: int, layout: str = "kn") -> str:
         with _lock:
             _wmemo.setdefault(name, {"choice": impl})
         return impl
-    if 4 * k * n < MIN_MEASURED_BYTES:
+    if 4 * int(k) * int(n) < MIN_MEASURED_BYTES:  # Python ints: no int32 overflow
         return "xla"
     if jax.sharding.get_abstract_mesh().size > 1:
         # traced under a device mesh: a custom call XLA cannot partition would gather

@@ -408,6 +408,15 @@ def test_batched_steps_bandwidth_and_roofline():
     assert nopeak["serial_ratio"] == pytest.approx(b16["bandwidth_ratio"])
     with pytest.raises(ValueError, match="batches=\\[0\\]"):
         th.batched_steps(cfg, 256, [0], 25e9)
+    for bad in ([1.5, 3], [float("nan")], [True]):
+        with pytest.raises(ValueError, match="allowed: a non-empty list of integers"):
+            th.batched_steps(cfg, 256, bad, 25e9)
+    for bw, peak in ((float("inf"), None), (float("nan"), None), (25e9, 0.0)):
+        with pytest.raises(ValueError, match="allowed: positive rates"):
+            th.batched_steps(cfg, 256, [1, 16], bw, peak)
+    # an infinite peak: no compute term, every model is the bandwidth theory
+    assert th.batched_steps(cfg, 256, [1, 16], 25e9, float("inf"))[16]["serial_ratio"] == \
+        pytest.approx(b16["bandwidth_ratio"])
 
 
 def test_prefill_activation_bytes_counts_an_unfused_layer():

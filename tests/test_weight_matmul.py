@@ -185,7 +185,9 @@ def test_measure_weight_matmul_refuses_unknown_or_empty_candidates():
     (2, 8, 8, "kn", "256 weight bytes"),    # would time 196,608 unrolled copies
     (2, 255, 256, "kn", "261,120 weight bytes"),  # one row short of the smallest class
     (0, 256, 256, "kn", "m=0"),
-    (2, 256, 256, "mn", "layout='mn'")])
+    (2, 256, 256, "mn", "layout='mn'"),
+    (2, 256.0, 256, "kn", "allowed: integers"),
+    (2, 256, float("nan"), "kn", "allowed: integers")])
 def test_measure_weight_matmul_refuses_shapes_the_planner_never_measures(m, k, n, layout,
                                                                          match):
     """Refused before any weight is allocated: :func:`planner.weight_matmul` keeps 'xla'
@@ -193,6 +195,32 @@ def test_measure_weight_matmul_refuses_shapes_the_planner_never_measures(m, k, n
     256 bytes of the 48 MiB stream."""
     with pytest.raises(ValueError, match=match):
         planner.measure_weight_matmul(m, k, n, layout)
+
+
+def test_measure_weight_matmul_sizes_are_python_ints():
+    """numpy int32 sizes: 4·K·N computed on Python ints, so [32768, 32768] (4 GiB) is
+    not taken for a 0-byte weight (int32 wrap-around) and refused as one."""
+    import numpy as np
+    with pytest.raises(ValueError, match="allowed: sizes >= 1") as e:
+        planner.measure_weight_matmul(np.int32(0), np.int32(32768), np.int32(32768))
+    assert "4,294,967,296 weight bytes" in str(e.value)
+
+
+def test_planner_cache_is_written_when_the_lock_cannot_be_taken(tmp_path, monkeypatch):
+    """A file system without flock (or another user's .lock file): the pick is still
+    written, without the lock, as before locking."""
+    import errno
+    import fcntl
+
+    def no_locks(f, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    path = tmp_path / "planner" / "c.json"
+    key = {"k": 1}
+    assert planner._cached_choice({}, "x", key, path, {},
+                                  lambda: {"choice": "xla"}) == "xla"
+    assert planner.load_cache(path, key)["x"]["choice"] == "xla"
 
 
 def test_bad_thread_count_is_named(monkeypatch):

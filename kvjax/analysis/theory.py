@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -584,11 +585,13 @@ def batched_steps(cfg: ModelConfig, t: int, batches, bytes_per_s: float,
       ValueError: an empty ``batches``, a batch size < 1 or a non-positive rate.
     """
     batches = list(batches)
-    if not batches or min(batches) < 1:
+    if not batches or any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1
+                          for b in batches):
         raise ValueError(f"batches={batches}; allowed: a non-empty list of integers >= 1")
-    if not bytes_per_s > 0 or (flops_per_s is not None and not flops_per_s > 0):
+    if not (0 < bytes_per_s < math.inf) or (flops_per_s is not None and not flops_per_s > 0):
         raise ValueError(f"bytes_per_s={bytes_per_s}, flops_per_s={flops_per_s}; "
-                         "allowed: positive rates (flops_per_s may be None)")
+                         "allowed: positive rates, the bandwidth finite (flops_per_s may "
+                         "be None or inf: no compute term)")
     out = {}
     for b in batches:
         nbytes, flops = step_bytes(cfg, t, b).total, step_flops(cfg, t, b).total
