@@ -582,7 +582,8 @@ def batched_steps(cfg: ModelConfig, t: int, batches, bytes_per_s: float,
     roofline and the serial model equal the bandwidth theory.
 
     Raises:
-      ValueError: an empty ``batches``, a batch size < 1 or a non-positive rate.
+      ValueError: an empty ``batches``, a batch size that is not an integer >= 1, a
+        non-positive rate or an infinite bandwidth.
     """
     batches = list(batches)
     if not batches or any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1
