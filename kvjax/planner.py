@@ -130,24 +130,20 @@ def _locked(path: pathlib.Path):
     file system without flock, a ``.lock`` file of another user's): the write is then
     as before locking, atomic but last-writer-wins."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    f = None
     try:
         import fcntl  # noqa: PLC0415 (POSIX only)
         f = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 (closed below)
+        fcntl.flock(f, fcntl.LOCK_EX)
     except (ImportError, OSError):
-        yield
-        return
+        if f is not None:
+            f.close()
+            f = None
     try:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError:
-            yield
-            return
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        yield
     finally:
-        f.close()
+        if f is not None:
+            f.close()  # closing the file releases its flock
 
 
 def _save(path: pathlib.Path, key: dict, entries: dict, allowed=None) -> None:
@@ -417,6 +413,12 @@ def _weight_native_ok(m: int) -> bool:
     return backend_lib.current() == "cpu" and 0 < m <= rm.MAX_ROWS and rm.load()
 
 
+def _check_weight_layout(layout: str) -> None:
+    """Raises ValueError naming ``layout`` unless it is 'kn' ([K, N]) or 'nk' ([N, K])."""
+    if layout not in ("kn", "nk"):
+        raise ValueError(f"layout={layout!r}; allowed: 'kn' or 'nk'")
+
+
 def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
                           candidates=WEIGHT_CANDIDATES, rounds: int = 7,
                           budget_s: float = 1.0, cold: bool = True) -> dict:
@@ -446,8 +448,7 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
         m, k, n = (operator.index(v) for v in (m, k, n))
     except TypeError:
         raise ValueError(f"m={m!r}, k={k!r}, n={n!r}; allowed: integers") from None
-    if layout not in ("kn", "nk"):
-        raise ValueError(f"layout={layout!r}; allowed: 'kn' or 'nk'")
+    _check_weight_layout(layout)
     if min(m, k, n) < 1 or 4 * k * n < MIN_MEASURED_BYTES:
         raise ValueError(f"m={m}, k={k}, n={n}: {4 * k * n:,} weight bytes; allowed: sizes "
                          f">= 1 and a weight of >= {MIN_MEASURED_BYTES:,} bytes (4·K·N)")
@@ -543,8 +544,7 @@ def weight_matmul(impl: str, m: int, k: int, n: int, layout: str = "kn") -> str:
     """
     from kvjax.models import weight_matmul as wm  # noqa: PLC0415
     wm.check_impl(impl)
-    if layout not in ("kn", "nk"):
-        raise ValueError(f"layout={layout!r}; allowed: 'kn' or 'nk'")
+    _check_weight_layout(layout)
     if impl == "xla" or not _weight_native_ok(m):
         return "xla"
     name = weight_class(m, k, n, layout)
