@@ -39,6 +39,7 @@ import time
 import jax
 from absl import app, flags
 
+from experiments import cli
 from kvjax.analysis import batch as batch_lib
 from kvjax.analysis import hardware, theory
 from kvjax.analysis.report import format_table
@@ -371,4 +372,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import peers
+from experiments import cli, peers
 from kvjax import presets
 from kvjax.analysis import costs, hardware, theory
 from kvjax.inference import decode
@@ -406,4 +406,4 @@ def plot(points, path, device: str = "", bandwidth: float | None = None):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -1,17 +1,22 @@
 """What every entry point shares: flags parsed with one-line errors, and ``--list_fields``.
 
-``cli.run(main)`` replaces ``app.run(main)``. Before absl parses anything it checks the
-command line against the config flags the entry point defines (``--config`` from a
-config file, ``--eval``, ``--train``): a misspelt field (``--config.model.window_sise``),
-a field under the wrong prefix (``--config.eval.corpus``) or a missing config file fails
-with one line naming the field and the closest valid ones, exit status 2, before any
-weights load. ``--list_fields`` prints every field (type, default, description; see
-:mod:`kvjax.fields`) of the config given with ``--config`` and exits.
+``cli.run(main)`` replaces ``app.run(main)`` in every entry point under ``experiments/``.
+Before absl parses anything it checks the command line against the flags the entry point
+defines, its config flags (``--config`` from a config file, ``--eval``, ``--train``) and
+its plain flags: a misspelt field (``--config.model.window_sise``), a field under the
+wrong prefix (``--config.eval.corpus``), an unknown flag (``--contxts``) or a missing
+config file fails with one line naming it and the closest valid names, exit status 2
+(:data:`USAGE_EXIT`), before any weights load or anything compiles. ``--config=gqa``
+names a file in ``configs/``. ``--list_fields`` prints every field (type, default,
+description; see :mod:`kvjax.fields`) of the configs given, then the entry point's own
+flags, and exits. Output into a closed pipe (``| head``) ends the run quietly with
+:data:`BROKEN_PIPE_EXIT`, as command-line tools do (:func:`run`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import sys
 from typing import Any, Callable
@@ -27,6 +32,11 @@ _LIST_FIELDS = flags.DEFINE_bool(
     "description, then exit (e.g. --config=configs/mla.py --list_fields).")
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+USAGE_EXIT = 2
+"""Exit status of a command line that cannot run (bad flag, field or value)."""
+BROKEN_PIPE_EXIT = 141
+"""Exit status when stdout's reader has gone (128 + SIGPIPE, as a shell reports ``head``'s
+writer)."""
 EVAL_HELP = ("Evaluation settings, set one by one: --eval.corpus=FILE|FOLDER, "
              "--eval.split=all|heldout, --eval.context=512, ... (--list_fields describes each).")
 TRAIN_HELP = ("Uptraining settings, set one by one: --train.steps=50, --train.peak_lr=3e-4, "
@@ -153,20 +163,60 @@ def all_fields(configs: dict[str, Any]) -> list[fields.Field]:
     return [f for name, cd in configs.items() for f in fields.config_fields(name, cd)]
 
 
+def _main_flags() -> list:
+    """The flags the entry point's main module defined (absl keys them by ``sys.argv[0]``),
+    config flags aside, in definition order."""
+    main = sys.argv[0] if sys.argv else ""
+    return [f for f in flags.FLAGS.flags_by_module_dict().get(main, [])
+            if not isinstance(f, config_flags.config_flags._ConfigFlag)]  # noqa: SLF001
+
+
+_FLAG_TYPES = {"string": "str", "comma separated list of strings": "list",
+               "string enum": "enum"}
+
+
+def flag_fields() -> list[fields.Field]:
+    """The entry point's own flags as fields for ``--list_fields``: ``--name``, type,
+    default and the flag's help (an enum's values appended when its help omits them)."""
+    out = []
+    for f in _main_flags():
+        help_text = fields.one_line(f.help or "")
+        values = getattr(f.parser, "enum_values", None)
+        if values and not all(v in help_text for v in values):
+            help_text = f"{help_text} (one of: {', '.join(values)})".strip()
+        out.append(fields.Field("--" + f.name, _FLAG_TYPES.get(f.flag_type(), f.flag_type()),
+                                f.default, help_text))
+    return out
+
+
 def check_overrides(argv: list[str], configs: dict[str, Any]) -> None:
-    """Raises UsageError for the first ``--a.b.c=...`` argument that names no field.
+    """Raises UsageError for the first ``--a.b.c=...`` argument that names no field and
+    the first ``--name`` that names no flag.
 
     A dotted name is valid when its first component is a config flag and the rest a
-    path through that flag's ConfigDict (a leaf, or ``no``-prefixed boolean leaf)."""
+    path through that flag's ConfigDict (a leaf, or ``no``-prefixed boolean leaf); a
+    plain name when it is a defined flag (``no``-prefixed for a boolean) or named by
+    ``--undefok``. Single-dash arguments are left to absl."""
     paths = [f.path for f in all_fields(configs)]
     valid = set(paths)
-    hint = f" (--list_fields lists all {len(paths)})"
+    hint = (f" (--list_fields lists all {len(paths)})" if paths else
+            " (this entry point has no config fields; --list_fields lists its flags)")
+    long_names = {a[2:].partition("=")[0] for a in argv[1:] if a.startswith("--")}
+    undefok = {n for k, v in _flag_args(argv) if k == "undefok" and v for n in v.split(",")}
     for name, _ in _flag_args(argv):
-        if "." not in name or name in valid or name in flags.FLAGS:
+        if name in flags.FLAGS or name in valid or name in undefok or name == "undefok":
             continue
-        if name.startswith("no") and name[2:] in valid:
+        if name.startswith("no") and (name[2:] in valid or (
+                name[2:] in flags.FLAGS and flags.FLAGS[name[2:]].boolean)):
             continue
-        raise UsageError(fields.unknown_field_message(name, paths, hint))
+        if "." in name:
+            raise UsageError(fields.unknown_field_message(name, paths, hint))
+        if name in long_names:
+            own = [f.name for f in _main_flags()] + list(configs) + ["list_fields", "help"]
+            near = fields.closest(name, own)
+            raise UsageError(f"unknown flag --{name}" + (
+                f"; did you mean {' or '.join('--' + c for c in near)}?" if near else "")
+                + " (--list_fields lists every flag and field)")
 
 
 def _resolve_config_args(argv: list[str]) -> list[str]:
@@ -194,6 +244,9 @@ def parse_flags(argv: list[str]) -> list[str]:
         if any(n == "list_fields" and v in (None, "true", "True", "1")
                for n, v in _flag_args(argv)):
             groups = field_groups(argv, configs) + (_EXTRA_FIELDS() if _EXTRA_FIELDS else [])
+            own = flag_fields()
+            if own:
+                groups.append((f"flags of python -m {_module_name(argv)}:", own))
             print(fields.format_fields(groups))
             sys.exit(0)
         try:
@@ -206,7 +259,7 @@ def parse_flags(argv: list[str]) -> list[str]:
         print(f"error: {e}", file=sys.stderr)
         print(f"usage: python -m {_module_name(argv)} --help | --list_fields",
               file=sys.stderr)
-        sys.exit(2)
+        sys.exit(USAGE_EXIT)
 
 
 def field_groups(argv: list[str], configs: dict[str, Any]) -> list[tuple[str, list]]:
@@ -269,10 +322,33 @@ def _module_name(argv: list[str]) -> str:
 _EXTRA_FIELDS: Callable[[], list] | None = None
 
 
+def _exit_on_broken_pipe() -> None:
+    """Ends the process with :data:`BROKEN_PIPE_EXIT`, stdout pointed at /dev/null first
+    (the interpreter's last flush then has nowhere to fail)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout closed or not a file
+        pass
+    sys.exit(BROKEN_PIPE_EXIT)
+
+
 def run(main: Callable[[list[str]], int | None],
         extra_fields: Callable[[], list] | None = None) -> None:
     """``app.run(main)`` with :func:`parse_flags` as the flag parser; ``extra_fields``
-    returns more (header, fields) groups for ``--list_fields``."""
+    returns more (header, fields) groups for ``--list_fields``.
+
+    When stdout's reader has gone (``... | head`` closed the pipe), the BrokenPipeError of
+    the next write or of the final flush ends the process quietly with
+    :data:`BROKEN_PIPE_EXIT` (no traceback), wherever the output was printed."""
     global _EXTRA_FIELDS
     _EXTRA_FIELDS = extra_fields
-    app.run(main, flags_parser=parse_flags)
+    try:
+        try:
+            app.run(main, flags_parser=parse_flags)
+        finally:
+            if sys.stdout is not None:
+                sys.stdout.flush()  # what is still buffered, while a broken pipe is catchable
+    except BrokenPipeError:
+        _exit_on_broken_pipe()

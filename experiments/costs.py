@@ -42,9 +42,10 @@ from absl import app, flags
 import jax
 import numpy as np
 
+from experiments import cli
 from kvjax import cache as cache_lib
 from kvjax import presets
-from kvjax.analysis import costs, hardware, roofline, theory
+from kvjax.analysis import costs, hardware, report, roofline, theory
 from kvjax.config import ModelConfig, default_scan_layers
 
 ALL_VARIANTS = ("mha", "gqa", "mqa", "mla-naive", "mla-absorbed", "window", "gqa-window")
@@ -166,7 +167,7 @@ def table(rows: list[dict], contexts) -> str:
                     r["xla_bytes_per_s"] / 1e9))
     order = {d: i for i, d in enumerate(dict.fromkeys(r["dtype"] for r in rows))}
     out.sort(key=lambda x: (order[x[0]], x[1]))  # stable: variants keep the sweep's order
-    return costs.format_table(out, (
+    return report.format_table(out, (
         "dtype", "t", "variant", "theory MB", "jaxpr MB", "XLA MB", "XLA/theory",
         "kv_read XLA/th", "FLOP XLA/th", "measured ms", "theory GB/s", "XLA GB/s"))
 
@@ -455,4 +456,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -116,6 +116,8 @@ def _generation_lines(result: runner.DecodeResult, cfg, batch: int) -> list:
             f"  cache layout: k {cfg.cache_layout('k')}, v {cfg.cache_layout('v')}"),
         f"formulations: decode_attention={cfg.decode_attention!r}  "
         f"weight_matmul={cfg.weight_matmul!r}",
+        *(cfg.plan.lines() if cfg.plan is not None else
+          ["plan: none (the reference formulations)"]),
         *planner.report_lines(),
         "",
         f"prompt: {naming.shorten(result.prompt)}"

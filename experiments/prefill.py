@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 
 from configs import gqa
-from experiments import peers
+from experiments import cli, peers
 from kvjax import cache as cache_lib
 from kvjax import checkpoints
-from kvjax.analysis import costs
+from kvjax.analysis import costs, report
 from kvjax.config import ConfigError, run_config_from_dict
 from kvjax.inference import decode
 from kvjax.models import flash, model
@@ -101,7 +101,7 @@ def table(rows) -> str:
             r["flops_ratio_kernel"], r["xla_kernel_bytes"], r["bytes_ratio_kernel"],
             r["bytes_ratio_weights_kv"], r["bytes_ratio_with_activations"],
             r["temp_bytes"]) for r in rows]
-    return costs.format_table(out, ("impl", "T", "s (median)", "tokens/s", "XLA(+kernel) FLOP",
+    return report.format_table(out, ("impl", "T", "s (median)", "tokens/s", "XLA(+kernel) FLOP",
                                     "/theory", "XLA(+kernel) bytes", "/theory",
                                     "XLA/(weights+KV)", "/(w+KV+act.)", "temp bytes"))
 
@@ -177,4 +177,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

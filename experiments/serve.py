@@ -32,15 +32,16 @@ import time
 
 import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 
+from experiments import cli
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
 from kvjax.inference import engine as engine_lib
 from kvjax.inference import memory, runner
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/gqa.py", "Experiment config file (get_config()).", lock_config=True)
+_CONFIG = cli.DEFINE_config_file(
+    "config", "configs/gqa.py", cli.config_help("Experiment config file (get_config())."),
+    lock_config=True)
 _NUM_REQUESTS = flags.DEFINE_integer("num_requests", 32, "Requests drawn from the corpus.")
 _SLOTS = flags.DEFINE_integer("slots", 8, "Rows of the engine's batch cache.")
 _REQUESTS_FILE = flags.DEFINE_string(
@@ -286,4 +287,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

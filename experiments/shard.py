@@ -22,6 +22,8 @@ import sys
 
 from absl import app, flags
 
+from experiments import cli
+
 _DEVICES = flags.DEFINE_integer("devices", 8, "virtual CPU devices (the meshes' size)")
 _CONTEXT = flags.DEFINE_integer("context", 32768, "context t of the decode step (tokens)")
 _MODELS = flags.DEFINE_list("models", ["blog", "llama-7b"], "presets to sweep")
@@ -65,7 +67,7 @@ def main(argv):
     import jax  # noqa: PLC0415
     from kvjax.analysis import sizing  # noqa: PLC0415
     from kvjax.config import ConfigError, MeshConfig  # noqa: PLC0415
-    from kvjax.parallel import costs, planner  # noqa: PLC0415
+    from kvjax.parallel import capacity, costs  # noqa: PLC0415
     from kvjax.parallel.collectives import CacheGatherError  # noqa: PLC0415
 
     os.makedirs(_OUT.value, exist_ok=True)
@@ -105,16 +107,16 @@ def main(argv):
             plot.setdefault(name, []).append((str(shape), c.kv_bytes_dev * scale,
                                               c.xla_bytes * scale, c.theory_bytes_dev * scale))
             print(rows[-1], flush=True)
-    plans = [planner.plan(m, chip, "128K") for m in ("llama-7b", "llama2-70b")
+    plans = [capacity.plan(m, chip, "128K") for m in ("llama-7b", "llama2-70b")
              for chip in ("H100", "H200")]
     machine = f"{jax.devices()[0].platform} x{len(jax.devices())} virtual devices"
     text = (f"# Sharded decode step at t = {t} ({machine}; layers compiled: "
             f"{_LAYERS.value}, scaled to the full L; float32)\n\n" + "\n".join(rows)
             + "\n\n# Capacity planner (theory, float16, 90% of HBM usable)\n\n"
-            + planner.table(plans) + "\n")
+            + capacity.table(plans) + "\n")
     with open(os.path.join(_OUT.value, "shard.md"), "w") as f:
         f.write(text)
-    print("\n" + planner.table(plans))
+    print("\n" + capacity.table(plans))
     if not plot:
         print("no mesh fitted: no plot (the table says why)", file=sys.stderr)
         return 1
@@ -140,4 +142,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -7,8 +7,8 @@ every backend-dependent decision reads that field through the functions here, ne
 laptop compiles and costs the program a GPU run would use (its layouts and layer stack),
 and the CPU's choices never leak into it.
 
-The choices, each measured on the machine named in its docstring; re-measure on yours
-(``python scripts/layout_bench.py`` for the layouts):
+The choices rest on measurements kept in docs/results/ (with their commands and
+machines); re-measure on yours (``python scripts/layout_bench.py`` for the layouts):
 
 * :func:`scan_layers`: scanned layer stack or unrolled;
 * :func:`kv_layout`: the memory layout of cached keys and values;
@@ -39,9 +39,9 @@ def scan_layers(backend: str) -> bool:
     """Default layer stack: unrolled on CPU, one ``scan`` on accelerators.
 
     On CPU, XLA copies each layer's slice of stacked parameters and caches out of the
-    scan's buffers before its dots (2.7x the theory bytes for the blog model at t=4096,
-    against 1.1x unrolled; README "Results", 2-core x86-64 CPU). On accelerators the scan
-    keeps compile time independent of L.
+    scan's buffers before its dots (several times the theory bytes against about 1x
+    unrolled; docs/results/). On accelerators the scan keeps compile time independent
+    of L.
     """
     return check(backend) != "cpu"
 
@@ -50,12 +50,11 @@ def kv_layout(backend: str, name: str, num_groups: int) -> str:
     """'auto' cache layouts resolve here (``name`` 'k' or 'v', G = num_groups).
 
     On CPU, XLA lowers the decode step's two products to Eigen/YNNPACK kernels whose
-    speed depends on which operand is contiguous. Measured on a 2-core x86-64 CPU,
-    float32, K·G = 8, S = 65,536, H = 64 (``python scripts/layout_bench.py``, GB/s of
-    cache read over several runs): q·K^T with keys [H, S] 24-50 against 9-28 with [S, H],
-    for every G; p·V with values [H, S] 31-45 against 8-10 with [S, H] for G = 1, but
-    1.3-3 against 19-30 for G >= 2. So keys 'BKHS' always and values 'BKHS' only when
-    G = 1. Other backends get the conventional 'BKSH' (not measured here).
+    speed depends on which operand is contiguous (``python scripts/layout_bench.py``,
+    figures in docs/results/): q·K^T read keys [H, S] faster than [S, H] for every G,
+    and p·V read values [H, S] faster for G = 1 but far slower for G >= 2. So keys
+    'BKHS' always and values 'BKHS' only when G = 1. Other backends get the
+    conventional 'BKSH' (not measured here).
     """
     if check(backend) != "cpu":
         return "BKSH"

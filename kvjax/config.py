@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import backend as backend_lib
+from kvjax.plan import REFERENCE, Plan
 
 DTYPES = {
     "float32": jnp.float32,
@@ -143,13 +144,13 @@ class ModelConfig:
         (MHA/GQA/MQA), one of :data:`DECODE_ATTENTION`: 'xla' (reference einsums),
         'xla_cache_left', 'native' (CPU FFI kernel, float32 caches), 'pallas' (GPU
         kernel, dense 'BKSH' caches), or 'auto': the fastest measured on this machine
-        for the step's shape class (:func:`kvjax.planner.decode_attention`, cached per
-        machine, backend and jax version); on GPU 'pallas' where it applies. Same
-        result for all (:mod:`kvjax.models.decode_kernels`). Default 'xla' here, so a
-        library call compiles a pure-XLA program whose costs XLA can analyse; the
-        experiment configs (``configs/base.py``) and ``experiments.bench`` default to
-        'auto' (~1 s of measurement per new shape class; on a 2-core AMD EPYC it picks
-        'native' for G >= 2 and 'xla' for G = 1, README).
+        for the step's shape class, picked before tracing by
+        :func:`kvjax.planner.resolve` into ``plan`` (cached per machine, backend and jax
+        version); on GPU 'pallas' where it applies. Same result for all
+        (:mod:`kvjax.models.decode_kernels`). Default 'xla' here, so a library call
+        compiles a pure-XLA program whose costs XLA can analyse; the experiment configs
+        (``configs/base.py``) and ``experiments.bench`` default to 'auto' (~1 s of
+        measurement per new shape class; picks per machine in docs/results/).
       weight_matmul: the formulation of the products of a decode step's few rows (M =
         B·T <= 256) with float32 weight matrices (projections, MLP, LM head), one of
         :data:`WEIGHT_MATMUL`: 'xla' (``jnp.einsum``), 'native' (CPU FFI kernel
@@ -157,13 +158,17 @@ class ModelConfig:
         several rows split over the threads by output columns), 'native_ksplit' (the
         same kernel, several rows against [K, N] weights split by the weight's K rows),
         'native_lanes' (the same kernel, several rows against [N, K] weights held in
-        the vector lanes; each is faster on some CPUs, README) or 'auto': the fastest
-        measured on this machine per (M, K, N, layout) class
-        (:func:`kvjax.planner.weight_matmul`, cached like decode_attention; 'xla'
-        inside a multi-device mesh). Default 'xla' here; ``configs/base.py`` and
+        the vector lanes; each is faster on some CPUs, docs/results/) or 'auto': the
+        fastest measured on this machine per (M, K, N, layout) class, picked by
+        :func:`kvjax.planner.resolve` (cached like decode_attention; 'xla' inside a
+        multi-device mesh). Default 'xla' here; ``configs/base.py`` and
         ``experiments.bench`` default to 'auto'. Products with more rows, other dtypes
         or other backends use 'xla' whatever this says.
       name: free-form label used in reports.
+      plan: the resolved execution plan (:class:`kvjax.plan.Plan`: the picks of every
+        'auto' formulation, the native kernels loaded, the mesh axes), made before
+        tracing by :func:`kvjax.planner.resolve`; None: the reference choices ('auto'
+        runs as 'xla', no native kernel, one device). Not a config-file field.
     """
 
     vocab_size: int
@@ -199,6 +204,7 @@ class ModelConfig:
     decode_attention: str = "xla"
     weight_matmul: str = "xla"
     name: str = "model"
+    plan: Plan | None = None
 
     def __post_init__(self):
         # Backend choices are resolved here, once (kvjax.backend), never at trace time.
@@ -249,6 +255,12 @@ class ModelConfig:
     @property
     def is_mla(self) -> bool:
         return self.attention == "mla"
+
+    @property
+    def execution(self) -> Plan:
+        """The execution plan traced code reads: ``plan``, or the reference plan
+        (:data:`kvjax.plan.REFERENCE`) when none was resolved."""
+        return self.plan if self.plan is not None else REFERENCE
 
     def cache_layout(self, name: str) -> str:
         """'BKSH' or 'BKHS': the layout of cached tensor ``name`` ('k' or 'v'), with
@@ -368,12 +380,23 @@ def validate_model_config(c: ModelConfig) -> None:
             _positive("model.q_lora_rank", c.q_lora_rank)
 
 
+MIN_SAMPLING_TEMPERATURE = 2.0 ** -126
+"""The smallest temperature that samples (float32's smallest normal number, ~1.18e-38):
+below it a temperature is greedy, the limit T -> 0 (float32 cannot hold it as a normal
+number; XLA:CPU flushes subnormals to 0)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """Token sampling (the rule: ``kvjax.inference.sampling``).
 
     Attributes:
       temperature: finite number >= 0; 0 means greedy (argmax; the filters are unused).
+        Every accepted value behaves as its limit: a temperature below
+        :data:`MIN_SAMPLING_TEMPERATURE` (2^-126 ~ 1.18e-38, float32's smallest normal
+        number, which XLA:CPU would flush to 0 and divide by) is greedy too, and above it
+        the sampler scales logits relative to their row maximum, so a tiny temperature
+        that overflows logits / temperature gives the argmax, never a NaN or token 0.
       top_k: integer >= 0; keep the k most likely tokens (0 = off). A top_k at or above
         the vocabulary size keeps every token (clamped to V where the logits are known).
       top_p: number in (0, 1]; keep the smallest sorted prefix whose probability reaches
@@ -400,7 +423,9 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """True when sampling is the argmax: temperature 0 or below
+        :data:`MIN_SAMPLING_TEMPERATURE` (T -> 0, the limit of the softmax)."""
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
 
 MESH_AXES = ("data", "model", "seq")
@@ -576,6 +601,7 @@ class RunConfig:
 
         The cache's slot policy decides (a windowed ring never fills, so any length fits).
         """
+        # imported here: cache/ imports this module (the slot policy lives there)
         from kvjax.cache.policy import CacheOverflowError, policy_for  # noqa: PLC0415
         need = prompt_tokens + self.max_new_tokens
         try:
@@ -608,7 +634,7 @@ def model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
       ConfigError: unknown keys or invalid values.
     """
     d = _plain(d)
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"plan"}
     unknown = sorted(set(d) - fields)
     if unknown:
         _fail("model." + unknown[0], d[unknown[0]], f"fields among {sorted(fields)}")

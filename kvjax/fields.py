@@ -17,6 +17,9 @@ import difflib
 import inspect
 import re
 from typing import Any, Iterable, Mapping
+from kvjax import config as config_lib
+from kvjax.training import evaluate
+from kvjax.training import train
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +76,6 @@ def one_line(text: str, limit: int = 150) -> str:
 def _docs_for_flag(flag_name: str) -> dict[str, str]:
     """Dotted field path (below the flag) -> description, for a known config flag."""
     # Imported here: kvjax.config is light, the training modules import jax/optax.
-    from kvjax import config as config_lib  # noqa: PLC0415
 
     if flag_name == "config":
         docs = {k: v for k, v in attribute_docs(config_lib.RunConfig).items()
@@ -88,10 +90,8 @@ def _docs_for_flag(flag_name: str) -> dict[str, str]:
             docs.setdefault("dtype", docs["model.dtype"] + " (sets model.dtype)")
         return docs
     if flag_name == "eval":
-        from kvjax.training import evaluate  # noqa: PLC0415
         return attribute_docs(evaluate.EvalConfig)
     if flag_name == "train":
-        from kvjax.training import train  # noqa: PLC0415
         return attribute_docs(train.TrainConfig)
     return {}
 

@@ -1,34 +1,37 @@
-"""Chooses the decode-attention formulation by measuring the machine at hand.
+"""Resolves a config's execution plan before tracing, measuring the machine at hand.
 
-``ModelConfig.decode_attention='auto'`` resolves here, when a decode step is traced:
-:func:`decode_attention` times every formulation that applies
-(:mod:`kvjax.models.decode_kernels`: 'xla', 'xla_cache_left', 'native') on the step's
-own shapes (one layer's :func:`kvjax.models.attention.attend_step`, interleaved rounds,
-the median of each, every timed call from memory after an untimed flush of the caches,
-:data:`FLUSH_BYTES`; about a second), picks the fastest and caches the choice on disk.
+:func:`resolve` is called once, eagerly, by whoever builds a program (the runner, the
+benchmarks, the engine): it loads the native CPU kernels the config may use and, for
+every 'auto' formulation, picks one per shape class of the programs to come
+(decode attention per cache class, :func:`kvjax.models.decode_kernels.shape_class`;
+weight products per (M, K, N, layout) class, :func:`kvjax.plan.weight_class`), and
+returns the config with its :class:`kvjax.plan.Plan`. Nothing here runs while a program
+is traced: the models only read the plan.
 
-The cache is one JSON file per machine under ``$KVJAX_CACHE/planner`` (default
+A pick times every formulation that applies on the class's own shapes (interleaved
+rounds, the median of each, every timed call from memory after an untimed flush of the
+caches, :data:`FLUSH_BYTES`; about a second per class) and keeps the fastest, or the
+reference 'xla' when the fastest beats it by less than 3%. Picks are cached on disk:
+one JSON file per machine under ``$KVJAX_CACHE/planner`` (default
 ``~/.cache/kvjax/planner``; ``$KVJAX_PLANNER_CACHE`` moves it alone), never in git. Its
 key (:func:`machine_key`): CPU model and vector ISA, usable cores, backend, jax and
 jaxlib versions, the native kernel's source hash and the measuring method
-(:data:`MEASURE_METHOD`); inside it, one entry per shape class (:func:`shape_class`: B,
-K, G, H, V, the slot count rounded up to a power of two, cache dtype, layouts). Another
-machine, a new jax or a new kernel looks for another file and re-measures; a file that does not
-parse or whose recorded key differs from this machine's is ignored with a warning and
-rewritten. Every choice made in this process is listed by :func:`report_lines`.
+(:data:`MEASURE_METHOD`). Another machine, a new jax or a new kernel looks for another
+file and re-measures; a file that does not parse or whose recorded key differs from this
+machine's is ignored with a warning and rewritten. Every pick made in this process is
+listed by :func:`report_lines`.
 
-Shapes whose cache is small (one layer below :data:`MIN_MEASURED_BYTES`) take 'xla'
-unmeasured: nothing to gain there that timing on a shared host could see. On GPU 'auto'
-is 'pallas' where the kernel applies (dense 'BKSH' cache), else 'xla'; on TPU, and for a
-config built for a backend other than the process's, 'xla'. Inside a program traced
-under a device mesh of more than one device (``jax.set_mesh``, :mod:`kvjax.parallel`),
-'xla': a native kernel is a custom call the SPMD partitioner cannot split, so XLA would
-gather the sharded cache around it.
+Classes whose operands are small (below :data:`MIN_MEASURED_BYTES`) take 'xla'
+unmeasured. On GPU decode attention 'auto' is 'pallas' where the kernel applies (dense
+'BKSH' cache), else 'xla'; on TPU, for a config built for a backend other than the
+process's, and on a mesh of more than one device (a native kernel is a custom call the
+SPMD partitioner cannot split), 'xla'.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -48,7 +51,15 @@ import numpy as np
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
 from kvjax import native
+from kvjax.analysis import hardware
+from kvjax.config import ModelConfig
 from kvjax.models import decode_kernels
+from kvjax.models import weight_matmul as wm
+from kvjax.models.attention import attend_step
+from kvjax.native import prefill as native_prefill
+from kvjax.native import rows_matmul as rm
+from kvjax import plan as plan_lib
+from kvjax.plan import Plan, weight_class
 
 MIN_MEASURED_BYTES = 256 * 1024
 CANDIDATES = ("xla", "xla_cache_left", "native")
@@ -166,11 +177,10 @@ def _save(path: pathlib.Path, key: dict, entries: dict, allowed=None) -> None:
 
 def shape_class(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str,
                 v_layout: str, prefix: bool) -> str:
-    """The cache entry name of one decode attention: the slot count rounded up to a power
-    of two, everything else exact."""
-    s2 = 1 << max(0, int(s - 1).bit_length())
-    return (f"B{b}-K{k}-G{g}-H{h}-V{v}-S{s2}-{jnp.dtype(dtype).name}-{k_layout}-{v_layout}"
-            f"{'' if prefix else '-window'}")
+    """The cache entry name of one decode attention
+    (:func:`kvjax.plan.decode_attention_class`)."""
+    return plan_lib.decode_attention_class(b, k, g, h, v, s, jnp.dtype(dtype).name,
+                                           k_layout, v_layout, prefix)
 
 
 FLUSH_BYTES = 256 * 2**20
@@ -178,10 +188,8 @@ FLUSH_BYTES = 256 * 2**20
 operand is in the CPU's caches when the call starts, as in a decode step: between one
 step's read of a layer's weights or cache and the next step's, the rest of the step
 (~0.5 GB for SmolLM2 in float32) has evicted them. Measured warm, a one-layer cache or
-a 48 MB weight stream is read partly from the last-level cache: on the 2-core Intel
-Xeon (whose CPUID reports a 300 MB L3) a 64 MiB read ran at 37 GB/s, 256 and 640 MiB at
-27, and the planner's warm GB/s (one row x [576, 576]: 33-38) were far above what the
-step's products reach (~19). 256 MiB: :class:`kvjax.analysis.hardware.ReadProbe`'s read."""
+a 48 MB weight stream is read partly from the last-level cache, far faster than a step
+reads it (docs/results/). 256 MiB: :class:`kvjax.analysis.hardware.ReadProbe`'s read."""
 MEASURE_METHOD = f"cold-{FLUSH_BYTES >> 20}MiB-chain"
 """How picks are measured (flushed caches, chained weight products): part of the cache
 key (:func:`machine_key`), so picks measured another way are measured again."""
@@ -190,7 +198,6 @@ key (:func:`machine_key`), so picks measured another way are measured again."""
 def _flusher():
     """A callable that reads :data:`FLUSH_BYTES` (evicting the caches); it holds that
     buffer until it is dropped, at the end of the measurement."""
-    from kvjax.analysis import hardware  # noqa: PLC0415
     probe = hardware.ReadProbe("sum", FLUSH_BYTES)
     return probe.once
 
@@ -245,7 +252,6 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
     if not candidates or any(c not in known for c in candidates):
         raise ValueError(f"candidates={tuple(candidates)!r}; allowed: a non-empty subset of "
                          f"{known}")
-    from kvjax.models.attention import attend_step  # noqa: PLC0415
     rng = np.random.default_rng(0)
     shape_k = (b, k, s, h) if k_layout == "BKSH" else (b, k, h, s)
     shape_v = (b, k, s, v) if v_layout == "BKSH" else (b, k, v, s)
@@ -259,6 +265,8 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
         fns = {}
         for impl in candidates:
             if not decode_kernels.supports(impl, backend, dtype, k_layout, v_layout, True, h, s):
+                continue
+            if impl == "native" and not native.load():
                 continue
             fn = jax.jit(lambda *a, impl=impl: attend_step(
                 *a, k_layout=k_layout, v_layout=v_layout, impl=impl, backend=backend))
@@ -309,55 +317,139 @@ def _when(e: dict) -> str:
                    if isinstance(load, (int, float)) else "")
 
 
-def decode_attention(cfg, k_cache, v_cache) -> str:
-    """The formulation for one layer's decode attention of ``cfg`` over caches shaped like
-    ``k_cache``/``v_cache`` (arrays or tracers: only shapes and dtypes are read).
-
-    ``cfg.decode_attention`` other than 'auto' is returned as is, after checking that it
-    applies. 'auto': see the module docstring; on CPU measured once per shape class and
-    machine, then read from the cache.
-
-    Raises:
-      ValueError: a formulation that cannot run this attention (e.g. 'native' with a
-      bfloat16 cache or on GPU, 'pallas' on CPU or with a window), naming it.
-    """
+def _decode_pick(cfg: ModelConfig, b: int, s: int, mesh: bool) -> str:
+    """The 'auto' decode-attention formulation of ``cfg``'s cache class with ``b`` rows
+    of ``s`` slots (see the module docstring); measured once per class and machine."""
     k_layout, v_layout = cfg.cache_layout("k"), cfg.cache_layout("v")
-    b, k = k_cache.shape[:2]
-    s = k_cache.shape[2] if k_layout == "BKSH" else k_cache.shape[3]
-    h = k_cache.shape[3] if k_layout == "BKSH" else k_cache.shape[2]
-    v = v_cache.shape[3] if v_layout == "BKSH" else v_cache.shape[2]
-    # a dense cache's visible slots are a prefix (what the Pallas kernel needs); a ring's not
     prefix = cache_lib.policy_for(cfg).kind == "dense"
-    g, dtype = cfg.num_groups, k_cache.dtype
-    if cfg.decode_attention != "auto":
-        impl = cfg.decode_attention
-        if not decode_kernels.supports(impl, cfg.backend, dtype, k_layout, v_layout, prefix, h, s):
-            raise ValueError(
-                f"model.decode_attention={impl!r} cannot run here (backend {cfg.backend}, "
-                f"cache {jnp.dtype(dtype).name} {k_layout}/{v_layout}, {s} slots, "
-                f"window {cfg.window_size}); allowed: 'auto', 'xla', 'xla_cache_left'"
-                + (", 'native' (CPU, float32 cache)" if cfg.backend == "cpu" else "")
-                + (", 'pallas' (GPU, dense BKSH cache)" if cfg.backend == "gpu" else ""))
-        return impl
+    k, g, h = cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
+    dtype = cfg.jnp_dtype if cfg.kv_quantized else cfg.cache_dtype
     if cfg.backend == "gpu":
         ok = decode_kernels.supports("pallas", "gpu", dtype, k_layout, v_layout, prefix, h, s)
         return "pallas" if ok else "xla"
-    if cfg.backend != "cpu" or backend_lib.current() != "cpu":
+    if cfg.backend != "cpu" or backend_lib.current() != "cpu" or mesh:
         return "xla"
-    if jax.sharding.get_abstract_mesh().size > 1:
-        # on a device mesh the native kernel is a custom call XLA cannot partition (it
-        # would gather the cache around it): the partitioned XLA einsums
+    if b * k * s * 2 * h * jnp.dtype(dtype).itemsize < MIN_MEASURED_BYTES:
         return "xla"
-    if b * k * s * (h + v) * jnp.dtype(dtype).itemsize < MIN_MEASURED_BYTES:
-        return "xla"
-    name = shape_class(b, k, g, h, v, s, dtype, k_layout, v_layout, prefix)
+    name = shape_class(b, k, g, h, h, s, dtype, k_layout, v_layout, prefix)
     with _lock:
         if name in _memo:
             return _memo[name]["choice"]
         key = machine_key("cpu")
         path = cache_path(key)
         return _cached_choice(_memo, name, key, path, load_cache(path, key),
-                              lambda: measure(b, k, g, h, v, s, dtype, k_layout, v_layout))
+                              lambda: measure(b, k, g, h, h, s, dtype, k_layout, v_layout))
+
+
+def weight_shapes(cfg: ModelConfig) -> list[tuple[int, int, str]]:
+    """(K, N, layout) of every weight product a forward of ``cfg`` runs through
+    :func:`kvjax.models.weight_matmul.einsum` (projections, MLP, LM head), deduplicated:
+    the classes :func:`resolve` picks a formulation for."""
+    d, f = cfg.d_model, cfg.mlp_dim
+    out = [(d, f, "kn"), (f, d, "kn")]
+    if cfg.is_mla:
+        n, r = cfg.num_heads, cfg.qk_rope_head_dim
+        nope, v, c = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank:
+            out += [(d, cfg.q_lora_rank, "kn"), (cfg.q_lora_rank, n * (nope + r), "kn")]
+        else:
+            out.append((d, n * (nope + r), "kn"))
+        out += [(d, c, "kn"), (d, r, "kn"), (n * v, d, "kn")]
+    else:
+        n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        out += [(d, n * h, "kn"), (d, k * h, "kn"), (n * h, d, "kn")]
+    out.append((d, cfg.vocab_size, "nk" if cfg.tie_embeddings else "kn"))
+    return sorted(set(out))
+
+
+def _weight_pick(m: int, k: int, n: int, layout: str) -> str:
+    """The 'auto' formulation of one float32 product class (M rows, K x N weight):
+    'xla' below :data:`MIN_MEASURED_BYTES`, else the fastest measured among
+    :data:`WEIGHT_CANDIDATES` (the K split only for M > 1 and 'kn', the lanes only for
+    M > 1 and 'nk'), once per machine (cached like decode attention, keyed with the hash
+    of rows_matmul.cc)."""
+    if 4 * int(k) * int(n) < MIN_MEASURED_BYTES:  # Python ints: no int32 overflow
+        return "xla"
+    name = weight_class(m, k, n, layout)
+    with _lock:
+        if name in _wmemo and "gbps" in _wmemo[name]:
+            return wm.applies(_wmemo[name]["choice"], m, layout)
+        key = machine_key("cpu", "rows_matmul.cc")
+        path = cache_path(key, "weight_matmul")
+        # a cached choice that does not apply to this class (an edited file) runs as
+        # the kernel would run it
+        return wm.applies(_cached_choice(_wmemo, name, key, path,
+                                         load_cache(path, key, WEIGHT_CANDIDATES),
+                                         lambda: measure_weight_matmul(m, k, n, layout),
+                                         WEIGHT_CANDIDATES),
+                          m, layout)
+
+
+def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
+            extra_seq_lens=(), mesh_axes: dict | None = None,
+            manual_axes=()) -> ModelConfig:
+    """``cfg`` with its execution plan (``plan``), resolved now, before any trace.
+
+    Loads the native kernels ``cfg`` may use (CPU configs in a CPU process: the decode
+    attention for decode_attention 'native'/'auto', the prompt attention for
+    prefill_impl 'native'/'auto', the row products for a float32 weight_matmul other
+    than 'xla'), and picks every 'auto' formulation for the shape classes of the
+    programs to come (:func:`_decode_pick`, :func:`_weight_pick`; measured once per class
+    and machine, then read from the planner cache).
+
+    Args:
+      cfg: the config (any plan it has is replaced).
+      max_seq_len: the cache's length; decode attention is picked for its slot count.
+      batch_sizes: the cache's batch sizes B (decode rows M = B).
+      rows: further M = B·T row counts of weight products (prefill chunks, verify steps).
+      extra_seq_lens: further cache lengths the programs use (e.g. a cost context).
+      mesh_axes: {axis name: size} of the mesh the programs run under (None: one
+        device); on more than one device every 'auto' pick is 'xla'.
+      manual_axes: axes already manual where the programs are traced (a per-device
+        cost trace).
+    Returns:
+      ``cfg.replace(plan=...)``: equal configs give equal plans (a jit key), and a
+      different pick retraces.
+    Raises:
+      ValueError: ``max_seq_len`` or a batch size below 1, naming it.
+    """
+    lengths = sorted({int(max_seq_len), *(int(x) for x in extra_seq_lens)})
+    if lengths[0] < 1 or any(int(b) < 1 for b in batch_sizes):
+        raise ValueError(f"max_seq_len={max_seq_len!r}, extra_seq_lens="
+                         f"{tuple(extra_seq_lens)!r}, batch_sizes={tuple(batch_sizes)!r}; "
+                         "allowed: integers >= 1")
+    plan = Plan().on_mesh(mesh_axes or {}, manual_axes)
+    mesh = plan.num_devices > 1
+    loaded = set()
+    if cfg.backend == "cpu" and backend_lib.current() == "cpu":
+        if (not cfg.is_mla and cfg.decode_attention in ("native", "auto")
+                and jnp.dtype(cfg.cache_dtype) == jnp.float32 and native.load()):
+            loaded.add("decode_attention")
+        if (not cfg.is_mla and cfg.prefill_impl in ("native", "auto")
+                and native_prefill.load()):
+            loaded.add("prefill_attention")
+        if cfg.weight_matmul != "xla" and cfg.dtype == "float32" and rm.load():
+            loaded.add("rows_matmul")
+    decode = {}
+    if cfg.decode_attention == "auto" and not cfg.is_mla:
+        for b, s in sorted({(int(b), cache_lib.num_slots(cfg, n))
+                            for b in batch_sizes for n in lengths}):
+            name = decode_kernels.shape_class(cfg, b, s, cfg.jnp_dtype if cfg.kv_quantized
+                                              else cfg.cache_dtype)
+            pick = _decode_pick(cfg, b, s, mesh)
+            decode[name] = "xla" if pick == "native" and "decode_attention" not in loaded \
+                else pick
+    weights = {}
+    if cfg.weight_matmul == "auto" and "rows_matmul" in loaded and not mesh:
+        for m in sorted({int(x) for x in tuple(batch_sizes) + tuple(rows)}):
+            if not 0 < m <= rm.MAX_ROWS:
+                continue
+            for k, n, layout in weight_shapes(cfg):
+                weights[weight_class(m, k, n, layout)] = _weight_pick(m, k, n, layout)
+    plan = dataclasses.replace(plan, decode_attention=tuple(sorted(decode.items())),
+                               weight_matmul=tuple(sorted(weights.items())),
+                               native=tuple(sorted(loaded)))
+    return cfg.replace(plan=plan)
 
 
 def report_lines() -> list[str]:
@@ -397,19 +489,17 @@ def clear_memo() -> None:
 
 # ------------------------------------------------------------------ weight products
 
-NATIVE_WEIGHT = ("native", "native_ksplit", "native_lanes")  # the kernel's formulations
+NATIVE_WEIGHT = wm.NATIVE  # the kernel's formulations
 WEIGHT_CANDIDATES = ("xla",) + NATIVE_WEIGHT
 WEIGHT_STREAM_BYTES = 48 * 2**20  # weights timed per call: above a 32 MB L3
 _wmemo: dict[str, dict] = {}
 
 
-def weight_class(m: int, k: int, n: int, layout: str) -> str:
-    """The cache entry name of one weight product: M rows (exact), K, N, layout."""
-    return f"M{m}-K{k}-N{n}-{layout}-float32"
 
 
 def _weight_native_ok(m: int) -> bool:
-    from kvjax.native import rows_matmul as rm  # noqa: PLC0415
+    """Whether the row-product kernel can run M rows here (CPU process, M <=
+    :data:`kvjax.native.rows_matmul.MAX_ROWS`, library built and loaded)."""
     return backend_lib.current() == "cpu" and 0 < m <= rm.MAX_ROWS and rm.load()
 
 
@@ -427,9 +517,8 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
     :data:`WEIGHT_STREAM_BYTES` from memory per call, as a decode step reads its layers'
     weights; the caches are flushed before every timed call (:data:`FLUSH_BYTES`;
     ``cold=False``: not). Each product's input depends on the previous one's output, as
-    in a step: XLA runs independent dots concurrently, which flattered 'xla' (2-core
-    Intel Xeon, M = 1, [576, 576]: 17-21 GB/s independent, 12.5-12.9 chained; 'native'
-    20-22 either way).
+    in a step: XLA runs independent dots concurrently, which flattered 'xla'
+    (docs/results/).
 
     Returns {'choice': fastest name, 'gbps': {name: GB/s of weight read}, 'gflops':
     {name: GFLOP/s (2·M·K·N per copy)}, 'seconds': {name: median s per call}, 'copies'}.
@@ -452,7 +541,6 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
     if min(m, k, n) < 1 or 4 * k * n < MIN_MEASURED_BYTES:
         raise ValueError(f"m={m}, k={k}, n={n}: {4 * k * n:,} weight bytes; allowed: sizes "
                          f">= 1 and a weight of >= {MIN_MEASURED_BYTES:,} bytes (4·K·N)")
-    from kvjax.native import rows_matmul as rm  # noqa: PLC0415
     copies = max(1, -(-WEIGHT_STREAM_BYTES // (4 * k * n)))
     rng = np.random.default_rng(0)
     wshape = (k, n) if layout == "kn" else (n, k)
@@ -471,7 +559,7 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
         for name in candidates:
             if name != "xla" and not _weight_native_ok(m):
                 continue
-            if applies(name, m, layout) != name:
+            if wm.applies(name, m, layout) != name:
                 continue  # the kernel runs it as 'native' does: nothing to choose
 
             run = functools.partial(weight_chain, prods[name])
@@ -510,64 +598,3 @@ def weight_chain(prod, x: jax.Array, ws, coupling: float = 1e-6) -> jax.Array:
     for wi in ws[1:]:
         acc = acc + prod(x + coupling * acc[:, :1], wi)
     return acc
-
-
-def applies(formulation: str, m: int, layout: str) -> str:
-    """The formulation that really runs for ``formulation`` on M rows and ``layout``:
-    'native_ksplit' is 'native' unless M > 1 and 'kn'; 'native_lanes' is 'native' unless
-    M > 1 and 'nk' (the kernel runs those cases alike); others are themselves."""
-    if formulation == "native_ksplit" and (layout != "kn" or m == 1):
-        return "native"
-    if formulation == "native_lanes" and (layout != "nk" or m == 1):
-        return "native"
-    return formulation
-
-
-def weight_matmul(impl: str, m: int, k: int, n: int, layout: str = "kn") -> str:
-    """The formulation ('xla' or a 'native*' one) of one float32 product of M rows
-    with a weight of K x N (``layout`` 'kn': stored [K, N]; 'nk': [N, K]) for
-    ``model.weight_matmul=impl``.
-
-    'xla' -> 'xla'. 'native', 'native_ksplit', 'native_lanes' -> the one that runs
-    (:func:`applies`) where the kernel runs (CPU process, M <= MAX_ROWS, library
-    built), else 'xla'. 'auto' ->
-    'xla' where the kernel cannot run, the weight is below :data:`MIN_MEASURED_BYTES` or
-    the product is traced under a multi-device mesh
-    (``jax.sharding.get_abstract_mesh()``); otherwise the fastest measured for this
-    class among :data:`WEIGHT_CANDIDATES` (:func:`measure_weight_matmul`; the K split
-    only for M > 1 and 'kn', the lanes only for M > 1 and 'nk'), once per machine
-    (cached on disk like
-    :func:`decode_attention`, keyed with the hash of rows_matmul.cc).
-
-    Raises:
-      ValueError: an unknown impl or layout, naming it.
-    """
-    from kvjax.models import weight_matmul as wm  # noqa: PLC0415
-    wm.check_impl(impl)
-    _check_weight_layout(layout)
-    if impl == "xla" or not _weight_native_ok(m):
-        return "xla"
-    name = weight_class(m, k, n, layout)
-    if impl in NATIVE_WEIGHT:
-        impl = applies(impl, m, layout)
-        with _lock:
-            _wmemo.setdefault(name, {"choice": impl})
-        return impl
-    if 4 * int(k) * int(n) < MIN_MEASURED_BYTES:  # Python ints: no int32 overflow
-        return "xla"
-    if jax.sharding.get_abstract_mesh().size > 1:
-        # traced under a device mesh: a custom call XLA cannot partition would gather
-        # the sharded weights around it; the partitioned XLA dot
-        return "xla"
-    with _lock:
-        if name in _wmemo and "gbps" in _wmemo[name]:
-            return applies(_wmemo[name]["choice"], m, layout)
-        key = machine_key("cpu", "rows_matmul.cc")
-        path = cache_path(key, "weight_matmul")
-        # a cached choice that does not apply to this class (an edited file) runs as
-        # the kernel would run it
-        return applies(_cached_choice(_wmemo, name, key, path,
-                                      load_cache(path, key, WEIGHT_CANDIDATES),
-                                      lambda: measure_weight_matmul(m, k, n, layout),
-                                      WEIGHT_CANDIDATES),
-                       m, layout)

@@ -180,7 +180,7 @@ PRESETS: dict[str, Callable[..., ModelConfig]] = {
 # Fields that say how a model runs rather than what it is: left out of architecture().
 _RUN_FIELDS = ("dtype", "kv_dtype", "backend", "scan_layers", "key_layout", "value_layout",
                "mla_absorb", "decode_attention", "weight_matmul", "prefill_impl",
-               "prefill_block_q", "prefill_block_k")
+               "prefill_block_q", "prefill_block_k", "plan")
 
 
 def architecture(preset: ModelConfig | Callable[..., ModelConfig], **overrides: Any) -> dict:
@@ -215,6 +215,7 @@ def variant(base: ModelConfig | dict, *, num_kv_heads: int | None = None,
       ConfigError: an invalid combination (from ModelConfig's validation).
     """
     f = dataclasses.asdict(base) if isinstance(base, ModelConfig) else dict(base)
+    f.pop("plan", None)  # a variant is another program: its plan is resolved anew
     suffix = []
     if num_kv_heads is not None:
         n = f["num_heads"]

@@ -115,7 +115,7 @@ def main(argv):
     for m in ms:
         x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
         for impl in _IMPLS.value:
-            runs = planner.applies(impl, m, "kn")
+            runs = weight_matmul.applies(impl, m, "kn")
             if runs != impl:
                 print(f"{impl:>14} {m:>4}  runs as {runs} here: see its row")
                 continue

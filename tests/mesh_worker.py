@@ -18,6 +18,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from kvjax import planner  # noqa: E402
 from kvjax import cache as cache_lib  # noqa: E402
 from kvjax.config import MeshConfig, ModelConfig, SamplingConfig  # noqa: E402
 from kvjax.inference import decode  # noqa: E402
@@ -168,7 +169,9 @@ def native(meshes=((2, 4, 1), (1, 2, 4))) -> dict:
     from kvjax.native import prefill as native_prefill  # noqa: PLC0415
     if not native_prefill.load():
         return {"skipped": "the native prefill kernel did not build"}
-    cfg = ModelConfig(**{**BASE, **VARIANTS["gqa"]}, prefill_impl="native", name="native")
+    cfg = planner.resolve(
+        ModelConfig(**{**BASE, **VARIANTS["gqa"]}, prefill_impl="native", name="native"),
+        max_seq_len=S, batch_sizes=(B,), rows=(B * T,))
     params = model_lib.params_for(cfg, model_lib.init_params(cfg, 0))
     tokens = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size, jnp.int32)
     ref, cache = decode.prefill_program(params, tokens, cache_lib.init_cache(cfg, B, S),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvjax import cache as cache_lib
-from kvjax.inference import decode
+from kvjax.inference import decode, sampling
 from kvjax.models import model
 from kvjax.config import SamplingConfig
 from tests.conftest import tiny_config
@@ -80,7 +80,7 @@ def test_eos_stops_the_row(setup):
 def test_prompt_longer_than_cache_raises_before_running(setup):
     cfg, params = setup
     c = cache_lib.init_cache(cfg, 1, 4)
-    with pytest.raises(decode.CacheOverflowError, match="max_seq_len=4"):
+    with pytest.raises(cache_lib.CacheOverflowError, match="max_seq_len=4"):
         decode.prefill(params, cfg, jnp.zeros((1, 5), jnp.int32), c)
 
 
@@ -88,7 +88,7 @@ def test_decoding_past_the_cache_raises(setup):
     cfg, params = setup
     c = cache_lib.init_cache(cfg, 1, 8)
     _, c = decode.prefill(params, cfg, jnp.zeros((1, 5), jnp.int32), c)
-    with pytest.raises(decode.CacheOverflowError, match="at most 3 more tokens"):
+    with pytest.raises(cache_lib.CacheOverflowError, match="at most 3 more tokens"):
         decode.generate(params, cfg, jnp.zeros((1,), jnp.int32), c, 4)
     toks, steps, c = decode.generate(params, cfg, jnp.zeros((1,), jnp.int32), c, 3)
     assert steps == 3 and c.length.tolist() == [8]
@@ -98,14 +98,14 @@ def test_sampling_filters():
     logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
     keys = jax.random.split(jax.random.key(0), 400)
     def draws(s):
-        return np.asarray([int(decode.sample_logits(logits, k, s)[0]) for k in keys])
+        return np.asarray([int(sampling.sample_logits(logits, k, s)[0]) for k in keys])
     assert set(draws(SamplingConfig(temperature=1.0, top_k=2))) == {0, 1}
     # top_p=0.7: 0.5 alone is below 0.7, 0.5+0.3 reaches it -> tokens {0, 1}.
     assert set(draws(SamplingConfig(temperature=1.0, top_p=0.7))) == {0, 1}
     assert set(draws(SamplingConfig(temperature=1.0, top_p=0.5))) == {0}
     counts = np.bincount(draws(SamplingConfig(temperature=1.0, seed=1)), minlength=4) / 400
     np.testing.assert_allclose(counts, [0.5, 0.3, 0.15, 0.05], atol=0.07)
-    assert int(decode.sample_logits(logits, keys[0], SamplingConfig())[0]) == 0
+    assert int(sampling.sample_logits(logits, keys[0], SamplingConfig())[0]) == 0
 
 
 def test_sampled_generation_is_reproducible(setup):

@@ -46,7 +46,8 @@ def np_quantize(x: np.ndarray, name: str):
             "float8_e4m3fn": float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max),
             "float8_e5m2": float(ml_dtypes.finfo(ml_dtypes.float8_e5m2).max)}[name]
     amax = np.abs(xg).max(-1, keepdims=True)
-    s = np.where(amax > 0, amax / np.float32(qmax), 1).astype(np.float32)
+    s = np.where(amax > 0, np.maximum(amax / np.float32(qmax), np.finfo(np.float32).tiny),
+                 1).astype(np.float32)
     y = xg / s
     if name.startswith("float8"):
         q = np.clip(y, -qmax, qmax).astype(getattr(ml_dtypes, name)).astype(np.float32)
@@ -90,6 +91,57 @@ def test_round_trip_matches_numpy_within_the_formats_bound(name):
     c2, s2 = quant.quantize(jnp.swapaxes(jnp.asarray(x), -1, -2), fmt, axis=-2)
     back = quant.dequantize(c2, s2, fmt, axis=-2)
     np.testing.assert_array_equal(np.swapaxes(np.asarray(back), -1, -2), got)
+
+
+TINY32 = float(np.finfo(np.float32).tiny)  # 2^-126
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("layout", ["BKSH", "BKHS"])
+def test_tiny_zero_and_normal_rows_round_trip_finite_within_the_bound(name, layout):
+    """Rows whose max|x| / qmax is subnormal float32 used to get scale 0 on XLA:CPU: fp8
+    rows at 1e-37 / 5e-36 came back NaN and int8 rows at 1e-37 as zeros. Every row now
+    round-trips finite, within its format's bound with s = max(max|x| / qmax, 2^-126) and
+    no absolute slack; entries that are themselves subnormal may read as 0 (+ 2^-126)."""
+    rng = np.random.default_rng(1)
+    amaxes = [1e-37, 5e-36, 2e-38, 1.5e-36, 1e-33, 1e-30, 0.0, 1e-3, 1.0, 30.0, 1e37]
+    x = rng.uniform(-1, 1, (len(amaxes), 64)).astype(np.float32)
+    x[:, 7] = 1.0  # the row's max is exactly its amax
+    x = (x * np.asarray(amaxes, np.float32)[:, None]).astype(np.float32)
+    subnormal = (x != 0) & (np.abs(x) < TINY32)
+    assert subnormal.any() and (np.abs(x[:2]) >= TINY32).sum() > 100
+    cfg = tiny(kv_dtype=name, key_layout=layout, value_layout=layout)
+    fmt = quant.FORMATS[name]
+    # through the cache's one way in and out: 'k' [B, K, T, H] or [B, K, H, T]
+    k = jnp.asarray(x.reshape(1, 1, len(amaxes), 64))
+    if layout == "BKHS":
+        k = jnp.swapaxes(k, -1, -2)
+    enc = cache_lib.encode(cfg, {"k": k})
+    got = np.asarray(cache_lib.read(cfg, enc, "k"), np.float32)
+    if layout == "BKHS":
+        got = np.swapaxes(got, -1, -2)
+    got = got.reshape(x.shape)
+    assert np.isfinite(got).all(), got[~np.isfinite(got).all(-1)]
+    assert np.all(got[amaxes.index(0.0)] == 0)
+    g = fmt.group(64)
+    amax = np.abs(x.reshape(len(amaxes), 64 // g, g)).max(-1)
+    s = np.where(amax > 0, np.maximum(amax / np.float32(fmt.qmax), TINY32), 1.0)
+    scale = np.asarray(enc["k_scale"])
+    scale = (np.swapaxes(scale, -1, -2) if layout == "BKHS" else scale).reshape(s.shape)
+    np.testing.assert_allclose(scale, s, rtol=3e-7)
+    assert (scale >= TINY32).all()
+    s_full = np.repeat(s, g, axis=-1)
+    if fmt.kind == "int":
+        bound = s_full / 2
+    else:
+        m, e_min = {"float8_e4m3fn": (3, -6), "float8_e5m2": (2, -14)}[name]
+        bound = np.maximum(2.0 ** -m * np.abs(x), s_full * 2.0 ** (e_min - m - 1))
+    bound = bound * (1 + 1e-6) + np.where(subnormal, TINY32, 0.0)
+    err = np.abs(got.astype(np.float64) - x)
+    assert np.all(err <= bound), (amaxes, (err / bound).max(-1))
+    # the tiny rows keep their largest entries: not flushed to zeros
+    for i in (0, 1):
+        assert got[i, 7] == pytest.approx(amaxes[i], rel=0.07), (amaxes[i], got[i, 7])
 
 
 def test_int4_packs_two_codes_per_byte_low_nibble_first():
@@ -229,7 +281,7 @@ def test_attribution_names_the_scale_bytes_and_they_equal_theory(name, scan):
     """The XLA attribution of a decode step over a full cache splits KV bytes by cache
     tensor: the scale tensors are rows of their own ('k_scale', 'v_scale'), and their read
     and write bytes equal theory's (B·t·scale bytes per token; B·scale bytes per token)."""
-    from kvjax.analysis import costs  # noqa: PLC0415
+    from kvjax.analysis import costs, report  # noqa: PLC0415
 
     cfg = tiny(kv_dtype=name, scan_layers=scan)
     batch, t = 2, 64
@@ -250,7 +302,7 @@ def test_attribution_names_the_scale_bytes_and_they_equal_theory(name, scan):
     # the per-tensor rows add up to the kv_read / kv_write parts
     assert sum(v["read"] for v in kv.values()) == step.attribution.bytes["kv_read"]
     assert sum(v["write"] for v in kv.values()) == step.attribution.bytes["kv_write"]
-    text = costs.attribution_table(step)
+    text = report.attribution_table(step)
     rows = {line.split()[0]: line.split() for line in text.splitlines()
             if line.strip().startswith(("k_scale", "v_scale"))}
     assert set(rows) == {"k_scale", "v_scale"}

@@ -99,10 +99,6 @@ def test_greedy_is_argmax_lowest_index_and_temperature_only_is_softmax():
                                                        temperature=2.0), atol=1e-6)
 
 
-def test_decode_module_reexports_sample_logits():
-    assert decode.sample_logits is sampling.sample_logits
-
-
 def test_top_k_above_vocabulary_compiles_in_the_decode_loop():
     """V = 8, top_k = 13: clamped to V (used to fail inside lax.top_k while compiling)."""
     cfg = ModelConfig(vocab_size=8, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1,
@@ -134,3 +130,62 @@ def test_top_k_above_vocabulary_compiles_in_the_decode_loop():
 def test_every_field_is_checked(field, value, pattern):
     with pytest.raises(ConfigError, match=pattern):
         SamplingConfig(**{field: value})
+
+
+TINY_TEMPERATURES = [1e-45, 1e-40, 1e-38, 2.0 ** -126, 1e-37, 5e-36, 1e-30]
+
+
+@pytest.mark.parametrize("temperature", TINY_TEMPERATURES)
+@pytest.mark.parametrize("kw", [{}, dict(top_k=3), dict(top_p=0.9)])
+def test_tiny_temperatures_behave_as_greedy(temperature, kw):
+    """T -> 0 is the argmax: subnormal T (flushed to 0 by XLA:CPU) used to give token 0
+    at every step; a normal but tiny T sent several logits / T to inf, and the draw took
+    the first inf, not the largest logit."""
+    logits = jnp.asarray([[-3.0, 80.0, 100.0, 99.0, -jnp.inf],
+                          [5.0, 7.0, 2.0, 1.0, 6.5],
+                          [-200.0, -150.0, -100.0, -120.0, -101.0]], jnp.bfloat16)
+    s = SamplingConfig(temperature=temperature, **kw)
+    draw = jax.jit(sampling.sample_logits, static_argnums=2)
+    for seed in range(8):
+        np.testing.assert_array_equal(draw(logits, jax.random.key(seed), s), [2, 1, 2])
+    np.testing.assert_array_equal(sampling.sampling_probs(logits, s),
+                                  np.eye(5, dtype=np.float32)[[2, 1, 2]])
+
+
+def test_temperatures_below_the_float32_normal_range_are_greedy():
+    from kvjax.config import MIN_SAMPLING_TEMPERATURE  # noqa: PLC0415
+    assert MIN_SAMPLING_TEMPERATURE == float(jnp.finfo(jnp.float32).tiny)
+    assert SamplingConfig(temperature=0.0).greedy
+    assert SamplingConfig(temperature=1e-40).greedy
+    assert SamplingConfig(temperature=MIN_SAMPLING_TEMPERATURE / 2).greedy
+    assert not SamplingConfig(temperature=MIN_SAMPLING_TEMPERATURE).greedy
+    assert not SamplingConfig(temperature=1e-30).greedy
+
+
+def test_huge_temperature_is_uniform_and_shift_keeps_the_softmax():
+    logits = jnp.asarray([[1.0, 3.0, 3.0, 0.0]])
+    got = sampling.sampling_probs(logits, SamplingConfig(temperature=1e38))
+    np.testing.assert_allclose(got[0], [0.25] * 4, atol=1e-7)
+    got = sampling.sampling_probs(logits + 1e4, SamplingConfig(temperature=0.5))
+    np.testing.assert_allclose(got[0], reference_probs(np.exp([1.0, 3.0, 3.0, 0.0]),
+                                                       temperature=0.5), atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-37])
+def test_tiny_temperature_decodes_the_greedy_tokens(temperature):
+    """The generate loop with a tiny temperature gives the greedy tokens (used to be
+    token 0 at every step for T = 1e-40)."""
+    cfg = ModelConfig(vocab_size=64, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1,
+                      head_dim=8, mlp_dim=16, scan_layers=False)
+    params = model.init_params(cfg, 0)
+    from kvjax import cache as cache_lib  # noqa: PLC0415
+    out = []
+    for s in (SamplingConfig(), SamplingConfig(temperature=temperature)):
+        cache = cache_lib.init_cache(cfg, 1, 16)
+        logits, cache = decode.prefill(params, cfg, jnp.asarray([[1, 2, 3]], jnp.int32),
+                                       cache)
+        first = sampling.sample_logits(logits, jax.random.key(0), s)
+        toks, _, _ = decode.generate(params, cfg, first, cache, 8, jax.random.key(1), s)
+        out.append(np.asarray(toks))
+    assert (out[0] != 0).any(), out[0]
+    np.testing.assert_array_equal(out[1], out[0])

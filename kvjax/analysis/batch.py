@@ -33,6 +33,8 @@ from kvjax import presets
 from kvjax.analysis import costs, hardware, theory
 from kvjax.config import ModelConfig
 from kvjax.inference import decode, memory, ragged
+from kvjax.config import SamplingConfig
+from kvjax.models import model as model_lib
 
 __all__ = ["SHAPES", "LEVERS", "lever_config", "batch_sizes", "theory_point", "xla_point",
            "measure_point", "measure_ragged_vs_lockstep", "WallResult", "measure_wall",
@@ -168,7 +170,6 @@ def measure_ragged_vs_lockstep(cfg: ModelConfig, params, t: int, batch: int,
     pos0, len0 = np.asarray(base.positions), np.asarray(base.length)
     first = jnp.zeros((batch,), jnp.int32)
     keys = ragged.row_keys_for(None, batch)
-    from kvjax.config import SamplingConfig
     sampling = SamplingConfig()
     buf_len = cache_lib.policy_for(cfg).buffer_len(base.num_slots, n2)
     caches = {"lockstep": base, "ragged": jax.tree.map(jnp.copy, base).replace(ragged=True)}
@@ -244,7 +245,6 @@ def measure_wall(cfg: ModelConfig, t: int, budget_bytes: int, limit: int = 100_0
         here, or cannot hold the weights and one sequence; the message names the budget
         and the bytes asked for. Checked before anything is allocated.
     """
-    from kvjax.models import model as model_lib
 
     per_seq_spec = cache_lib.total_bytes(cache_lib.cache_spec(cfg, 1, t))
     weights = cache_lib.total_bytes(model_lib.param_shapes(cfg))

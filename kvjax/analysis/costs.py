@@ -31,10 +31,12 @@ import numpy as np
 
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
+from kvjax import planner
 from kvjax.analysis import hlo_cost, roofline, theory
 from kvjax.inference import decode, memory
-from kvjax.models import flash, model
 from kvjax.config import ModelConfig, SamplingConfig
+from kvjax.models import flash, model
+from kvjax.native import prefill as native_prefill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +142,15 @@ class StepCost:
         return row
 
 
+def planned(cfg: ModelConfig, batch: int, context: int, rows=()) -> ModelConfig:
+    """``cfg`` as is when it has a plan, else with the plan of a program of ``batch`` rows
+    over a cache of ``context`` slots (:func:`kvjax.planner.resolve`, here on the host,
+    before the program is traced; ``rows``: its other weight-product row counts)."""
+    if cfg.plan is not None:
+        return cfg
+    return planner.resolve(cfg, max_seq_len=context, batch_sizes=(batch,), rows=rows)
+
+
 def _token_spec(batch: int):
     return jax.ShapeDtypeStruct((batch, 1), jnp.int32)
 
@@ -157,6 +168,7 @@ def analysis_compiler_options() -> dict | None:
 def compile_decode_step(cfg: ModelConfig, batch: int, context: int,
                         compiler_options: dict | None = None):
     """Compiles one decode step against a cache of ``context`` slots, from shapes only."""
+    cfg = planned(cfg, batch, context)
     params, cache = _specs(cfg, batch, context)
     return decode.decode_step.lower(params, _token_spec(batch), cache, cfg=cfg).compile(
         compiler_options=compiler_options)
@@ -167,6 +179,7 @@ def compile_prefill(cfg: ModelConfig, batch: int, prompt_len: int, max_seq_len: 
     """Compiles the prefill of ``prompt_len`` tokens into a cache of ``max_seq_len`` slots
     (``fresh``: an empty one, as ``decode.prefill`` compiles for it; False: a cache
     that may hold earlier tokens, e.g. a chunk of ``decode.prefill_chunked``)."""
+    cfg = planned(cfg, batch, max_seq_len, (batch * prompt_len,))
     params, cache = _specs(cfg, batch, max_seq_len)
     tokens = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
     return decode.prefill_program.lower(params, tokens, cache, cfg=cfg, fresh=fresh).compile(
@@ -193,6 +206,7 @@ def analyze_decode_step(cfg: ModelConfig, context: int, batch: int = 1, compiled
     XLA's figures (:func:`kvjax.hlo_cost.attribute`); ``jaxpr`` adds
     :func:`kvjax.roofline.jaxpr_cost` of the same step. Nothing is allocated.
     """
+    cfg = planned(cfg, batch, context)
     compiled = compiled or compile_decode_step(cfg, batch, context,
                                                analysis_compiler_options())
     sb = theory.step_bytes(cfg, context, batch)
@@ -224,6 +238,7 @@ def compile_generate(cfg: ModelConfig, batch: int, context: int,
                      compiler_options: dict | None = None):
     """Compiles the generate loop (:func:`kvjax.inference.decode.generate_program`) over a cache of
     ``context`` slots, from shapes only; the step count is a run-time argument."""
+    cfg = planned(cfg, batch, context)
     return decode.generate_program.lower(*_generate_args(cfg, batch, context), cfg=cfg,
                                   sampling=sampling).compile(
         compiler_options=compiler_options)
@@ -239,6 +254,7 @@ def analyze_generate(cfg: ModelConfig, context: int, num_steps: int, batch: int 
     read in full by every step, so theory is ``num_steps`` x the step at ``context``.
     ``compiled``, if given, must be the loop for ``sampling``.
     """
+    cfg = planned(cfg, batch, context)
     compiled = compiled or compile_generate(
         cfg, batch, context, sampling, compiler_options=analysis_compiler_options())
     sb = theory.step_bytes(cfg, context, batch)
@@ -277,6 +293,7 @@ def analyze_loop(cfg: ModelConfig, context: int, batch: int = 1, compiled=None,
     (``memory_analysis``: argument, output, alias, temp bytes) are the loop program's,
     so a hoisted weight copy shows in its temp bytes.
     """
+    cfg = planned(cfg, batch, context)
     compiled = compiled or compile_generate(
         cfg, batch, context, sampling, compiler_options=analysis_compiler_options())
     n = num_steps
@@ -340,6 +357,7 @@ def measure_loop_seconds(cfg: ModelConfig, params, context: int, batch: int = 1,
       'call_overhead_s': median t(n1) - n1·per_token_s}; per_token_s is nan when the
       context leaves no room for 2 steps.
     """
+    cfg = planned(cfg, batch, context)
     n2 = min(steps[1], context - 1)
     n1 = min(steps[0], n2 // 2)
     if n2 - n1 < 1:
@@ -388,7 +406,6 @@ def prefill_theory_bytes(cfg: ModelConfig, prompt_len: int, batch: int = 1) -> d
              "attn_io_standard": theory.attention_io_standard(cfg, t, batch),
              "attn_io_tiled": theory.attention_io_tiled(cfg, t, pairs, bk, batch)}
     # the native kernel's tiles: 64 key slots, 64 // G queries (its rows are G heads each)
-    from kvjax.native import prefill as native_prefill  # noqa: PLC0415
     nbk = min(native_prefill.BLOCK_K, t)
     nbq = min(max(1, native_prefill.TILE_ROWS // max(1, cfg.num_groups)), t)
     npairs = flash.num_chunk_pairs(t, nbq, nbk, cfg.window_size, cfg.num_sink_tokens)
@@ -421,6 +438,7 @@ def analyze_prefill(cfg: ModelConfig, prompt_len: int, max_seq_len: int,
     from their shapes (:func:`kvjax.analysis.hlo_cost.kernel_flops`), to add to XLA's
     figures: see :func:`prefill_with_kernel`.
     """
+    cfg = planned(cfg, batch, max_seq_len, (batch * prompt_len,))
     compiled = compiled or compile_prefill(cfg, batch, prompt_len, max_seq_len,
                                            analysis_compiler_options())
     tb = prefill_theory_bytes(cfg, prompt_len, batch)
@@ -488,6 +506,7 @@ def measure_step_seconds(cfg: ModelConfig, params, cache: cache_lib.KVCache, bat
     (untimed) before every call, warm-ups included: e.g. a bandwidth probe to pair with
     each step. Returns the times; report their median.
     """
+    cfg = planned(cfg, batch, cache.num_slots)
     compiled = compiled or decode.decode_step.lower(
         params, jnp.zeros((batch, 1), jnp.int32), cache, cfg=cfg).compile()
     token = jnp.zeros((batch, 1), jnp.int32)
@@ -533,6 +552,7 @@ def measure_decode_step(cfg: ModelConfig, context: int, batch: int = 1, repeats:
     Raises:
       kvjax.inference.memory.MemoryCheckError: they do not fit.
     """
+    cfg = planned(cfg, batch, context)
     temps = None if compiled is None else hlo_cost.memory_stats(compiled).get("temp_bytes")
     memory.check(cfg, batch, context, what=f"decode step at context {context}",
                  weights_bytes=theory.weight_bytes(cfg), temp_bytes=temps)
@@ -547,7 +567,3 @@ def views(step: StepCost, seconds: float | None = None) -> dict:
     ``step.as_dict(seconds, nested=False)``."""
     return step.as_dict(seconds, nested=False)
 
-
-# Formatting moved to kvjax.analysis.report; the old names stay importable from here.
-from kvjax.analysis.report import (  # noqa: E402,F401
-    attribution_rows, attribution_table, cost_table, format_table, kv_tensor_rows)

@@ -22,6 +22,8 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from kvjax import native
+from kvjax.native import rows_matmul as rm
 
 
 def dtype_name(dtype: Any) -> str:
@@ -194,7 +196,6 @@ def device_name(device: Any = None) -> str:
     device = jax.devices()[0] if device is None else device
     if device.platform != "cpu":
         return getattr(device, "device_kind", device.platform)
-    from kvjax import native  # noqa: PLC0415 (its one lookup of the usable CPUs)
     cores = native.usable_cores()
     isa = vector_isa()
     return f"CPU: {cpu_model() or 'unknown model'} ({cores} cores{'; ' + isa if isa else ''})"
@@ -340,7 +341,6 @@ def measure_fma_flops(repeats: int = 5) -> float | None:
     45-200, depending on the load from other jobs: :func:`local_chip` takes the faster.
 
     Returns None where the native kernel is unavailable (no compiler, not a CPU)."""
-    from kvjax.native import rows_matmul as rm  # noqa: PLC0415
     if jax.devices()[0].platform != "cpu" or not rm.load():
         return None
     m, k, n, reps = 48, 512, 512, 32

@@ -27,16 +27,18 @@ import dataclasses
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from kvjax.cache import quant
-from kvjax.cache.policy import CacheOverflowError, DenseSlots, RingSlots, policy_for
+from kvjax.cache.policy import (CacheOverflowError, DenseSlots, RingSlots, policy_for,
+                                write_rows, write_shared)
 from kvjax.config import ModelConfig
-from kvjax.parallel import seq_attention
+from kvjax.plan import SEQ
 
 __all__ = ["KVCache", "TensorSpec", "tensor_specs", "slot_axis", "to_layout", "layouts",
            "check_layouts", "layer_shapes", "num_slots", "init_cache", "cache_spec",
            "cache_bytes", "total_bytes", "encode", "read", "row_scales", "channel_axis",
-           "write", "chunk_slots",
+           "write", "write_seq_sharded", "chunk_slots",
            "advance", "ring_slots", "next_positions", "slot_of", "attention_mask",
            "policy_for", "DenseSlots", "RingSlots", "CacheOverflowError"]
 
@@ -319,7 +321,7 @@ def write(buf: jax.Array, new: jax.Array, chunk_positions: jax.Array, cfg: Model
       because a row that would write past its end has its logits poisoned with NaN (and
       the host-side entry points raise before running). Under a mesh whose 'seq' axis
       splits the slots, each device writes the slots it owns
-      (:func:`kvjax.parallel.seq_attention.write`); the cache is never gathered.
+      (:func:`write_seq_sharded`); the cache is never gathered.
     Raises:
       ValueError: ``axis`` not -2 or -1.
     """
@@ -328,16 +330,65 @@ def write(buf: jax.Array, new: jax.Array, chunk_positions: jax.Array, cfg: Model
     if chunk_positions.ndim == 1:
         chunk_positions = jnp.broadcast_to(chunk_positions,
                                            (new.shape[0],) + chunk_positions.shape)
-    return _write(policy_for(cfg), buf, new, chunk_positions, axis, layer, ragged)
+    return _write(cfg, buf, new, chunk_positions, axis, layer, ragged)
 
 
-def _write(policy, buf, new, chunk_positions, axis, layer=None, ragged=False):
-    """``policy.write``, or on a mesh whose 'seq' axis splits the slot axis, the write by
-    the devices owning the slots (:func:`kvjax.parallel.seq_attention.write`: the cache
-    is never gathered)."""
-    if seq_attention.seq_shards() > 1:
-        return seq_attention.write(policy, buf, new, chunk_positions, axis, layer, ragged)
+def _write(cfg, buf, new, chunk_positions, axis, layer=None, ragged=False):
+    """``policy.write``, or where the plan's 'seq' axis splits the slot axis, the write
+    by the devices owning the slots (:func:`write_seq_sharded`)."""
+    policy, plan = policy_for(cfg), cfg.execution
+    if plan.seq_shards > 1:
+        return write_seq_sharded(policy, buf, new, chunk_positions, axis, layer, ragged,
+                                 plan.seq_shards, plan.seq_manual)
     return policy.write(buf, new, chunk_positions, axis, layer, ragged)
+
+
+def write_seq_sharded(policy, buf: jax.Array, new: jax.Array, chunk_positions: jax.Array,
+                      axis: int, layer, ragged: bool, num_shards: int,
+                      manual: bool) -> jax.Array:
+    """A chunk written into a cache tensor whose slot axis is split over the 'seq' mesh
+    axis (:data:`kvjax.plan.SEQ`), by the devices that own the slots: no cache shard
+    moves.
+
+    Each 'seq' shard holds slots [i·S/n, (i+1)·S/n) of the S slots. Inside a
+    ``jax.shard_map`` manual over 'seq' (so 'data' and 'model' stay automatic), device i
+    takes the chunk's global slots from ``policy.write_slots`` (S where the write drops a
+    token), keeps those in its own range as local indices and scatters them into its
+    shard with ``mode='drop'``; the others go to the out-of-range index S/n and are
+    dropped. A global write (``dynamic_update_slice`` or scatter on the whole
+    [.., S, ..] array) made GSPMD all-gather every cache tensor of a seq-sharded prefill.
+
+    Args:
+      policy: the slot policy (:func:`kvjax.cache.policy.policy_for`).
+      buf, new, chunk_positions, axis, layer, ragged: as :func:`write` (``new``
+        replicated over 'seq'); any dtype (codes, float32 scales, int32 positions).
+      num_shards: the size n of the 'seq' axis.
+      manual: 'seq' is already manual (a per-device trace): ``buf`` is this device's
+        shard.
+    Returns:
+      ``buf`` updated, with its sharding; equal to ``policy.write`` on one device.
+    """
+    slot_axis = buf.ndim + axis
+    num_slots = buf.shape[slot_axis] * (num_shards if manual else 1)  # global S
+
+    def body(buf, new, chunk_positions, *layer):
+        layer = layer[0] if layer else None
+        local_s = buf.shape[slot_axis]
+        first = jax.lax.axis_index(SEQ) * local_s
+        slots = policy.write_slots(chunk_positions, num_slots) - first
+        slots = jnp.where((slots >= 0) & (slots < local_s), slots, local_s)
+        if ragged:
+            return write_rows(buf, new, slots, axis, layer, "drop")
+        return write_shared(buf, new, slots[0], axis, layer)
+
+    args = (buf, new, chunk_positions) + (() if layer is None else (layer,))
+    if manual:
+        return body(*args)
+    axes = [None] * buf.ndim
+    axes[slot_axis] = SEQ
+    fn = jax.shard_map(body, in_specs=(P(*axes),) + (P(),) * (len(args) - 1),
+                       out_specs=P(*axes), axis_names=frozenset({SEQ}))
+    return fn(*args)
 
 
 def advance(cache: KVCache, chunk_positions: jax.Array, cfg: ModelConfig,
@@ -358,8 +409,7 @@ def next_positions(cache: KVCache, chunk_positions: jax.Array, cfg: ModelConfig)
     b = cache.positions.shape[0]
     if chunk_positions.ndim == 1:
         chunk_positions = jnp.broadcast_to(chunk_positions, (b,) + chunk_positions.shape)
-    policy = policy_for(cfg)
-    return _write(policy, cache.positions, chunk_positions, chunk_positions, -1,
+    return _write(cfg, cache.positions, chunk_positions, chunk_positions, -1,
                   ragged=cache.ragged)
 
 

@@ -21,14 +21,21 @@ quantized on its own along its channel axis, symmetric around zero:
   token; both are per token here).
 
 Scales are float32 (4 bytes per row or group), chosen for exactness of the round trip:
-int8 on H = 64 stores 64 + 4 bytes per row, float32 256. An all-zero row gets scale 1
-(codes 0). Dequantization returns ``codes · scale`` in the model dtype; attention reads
-only that (:func:`kvjax.cache.read`).
+int8 on H = 64 stores 64 + 4 bytes per row, float32 256. A scale is never below
+:data:`MIN_SCALE` = 2^-126, float32's smallest normal number: ``scale = max(max|x| / qmax,
+MIN_SCALE)``, because XLA:CPU flushes subnormal float32 to zero, and a subnormal scale
+became 0 there (an fp8 row with max|x| = 1e-37 dequantized to NaN, an int8 one to zeros).
+Rows with max|x| below qmax · 2^-126 (1.5e-36 for int8) thus get fewer distinct codes, by
+the bound below. An all-zero row gets scale 1 (codes 0, round trip exact).
+Dequantization returns ``codes · scale`` in the model dtype; attention reads only that
+(:func:`kvjax.cache.read`).
 
-Error bounds of one round trip (float32 arithmetic; ``s`` the row's or group's scale),
-used by the tests: int8 and int4 ``|x - x̂| <= s / 2``; fp8 ``|x - x̂| <= max(2^-m·|x|,
-s·2^(e_min - m - 1))`` with m mantissa bits (e4m3fn: 3, e5m2: 2) and e_min the smallest
-normal exponent (-6, -14).
+Error bounds of one round trip (float32 arithmetic; ``s`` the row's or group's scale as
+just defined, clamp included), used by the tests: int8 and int4 ``|x - x̂| <= s / 2``; fp8
+``|x - x̂| <= max(2^-m·|x|, s·2^(e_min - m - 1))`` with m mantissa bits (e4m3fn: 3, e5m2:
+2) and e_min the smallest normal exponent (-6, -14). Every finite row round-trips finite.
+On a backend that flushes subnormals (XLA:CPU), an input entry below 2^-126 in magnitude
+is read as 0 before quantization: add 2^-126 to its bound.
 """
 
 from __future__ import annotations
@@ -41,9 +48,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import backend as backend_lib
+
 SCALE_DTYPE = jnp.float32
 SCALE_SUFFIX = "_scale"
 INT4_GROUP = 32  # values per int4 scale group (at most; gcd with the row width)
+MIN_SCALE = float(np.finfo(np.float32).tiny)
+"""The smallest scale (2^-126, float32's smallest normal: XLA:CPU flushes smaller ones)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +138,7 @@ def check_supported(cfg) -> None:
     cannot convert (probed once per backend and type, when the backend is the process's;
     a config for another backend is only costed, not run, and is not probed)."""
     fmt = format_for(cfg)
-    if fmt is None or fmt.kind != "float" or cfg.backend != jax.default_backend():
+    if fmt is None or fmt.kind != "float" or cfg.backend != backend_lib.current():
         return
     if not _converts_on(cfg.backend, fmt.name):
         ok = [n for n in FORMATS if FORMATS[n].kind == "int"]
@@ -158,7 +169,8 @@ def quantize(x: jax.Array, fmt: Format, axis: int = -1):
       axis: the channel axis (the H, C or R values of one token).
     Returns:
       (codes, scale): codes in ``fmt.storage`` with the channel axis X replaced by
-      ``fmt.code_width(X)``; scale float32 with it replaced by ``fmt.scale_width(X)``.
+      ``fmt.code_width(X)``; scale float32 with it replaced by ``fmt.scale_width(X)``,
+      each ``max(max|x| / fmt.qmax, MIN_SCALE)`` over its row or group (1 for all zeros).
     Raises:
       ValueError: an int4 row of odd width.
     """
@@ -170,7 +182,9 @@ def quantize(x: jax.Array, fmt: Format, axis: int = -1):
     g = fmt.group(width)
     xg = xm.reshape(xm.shape[:-1] + (width // g, g))
     amax = jnp.max(jnp.abs(xg), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / fmt.qmax, 1.0).astype(SCALE_DTYPE)
+    # amax / qmax may be subnormal (flushed to 0 on XLA:CPU): the clamp keeps it normal.
+    scale = jnp.where(amax > 0, jnp.maximum(amax / fmt.qmax, MIN_SCALE), 1.0)
+    scale = scale.astype(SCALE_DTYPE)
     y = xg / scale
     if fmt.kind == "float":
         codes = jnp.clip(y, -fmt.qmax, fmt.qmax).astype(fmt.storage)

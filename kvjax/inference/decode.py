@@ -16,7 +16,7 @@ decoding runs (``unit.lower(...).compile()``), without host checks:
 
 Each row's positions come from its own ``cache.length`` (per-row bookkeeping). Lengths
 are checked on the host before anything runs: a prompt longer than the cache or a budget
-past its end raises :class:`CacheOverflowError`, never a silent clamp.
+past its end raises :class:`kvjax.cache.policy.CacheOverflowError`, never a silent clamp.
 """
 
 from __future__ import annotations
@@ -27,12 +27,11 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import KVCache, policy_for
-from kvjax.cache.policy import CacheOverflowError
 from kvjax.config import ModelConfig, SamplingConfig
 from kvjax.models import model as model_lib
-from kvjax.inference.sampling import sample_logits  # noqa: F401 (re-exported)
+from kvjax.inference.sampling import sample_logits
 
-__all__ = ["CacheOverflowError", "check_room", "sample_logits", "prefill", "generate",
+__all__ = ["check_room", "prefill", "generate",
            "prefill_program", "generate_program", "decode_step", "token_buffer_len"]
 
 

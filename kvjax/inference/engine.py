@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
+from kvjax import planner
 from kvjax.config import ModelConfig, SamplingConfig
 from kvjax.inference import ragged
 from kvjax.models import model as model_lib
@@ -211,8 +212,14 @@ class Engine:
                         ("steps_per_sync", steps_per_sync)):
             if int(v) < 1:
                 raise ValueError(f"{name}={v}; allowed: an integer >= 1")
-        self.params, self.cfg = params, cfg
         self.num_slots, self.max_seq_len = int(num_slots), int(max_seq_len)
+        # the plans, resolved here on the host (never while tracing): the decode loop's
+        # for num_slots rows, each prefill bucket's when first used (_prefill_cfg)
+        if cfg.plan is None:
+            cfg = planner.resolve(cfg, max_seq_len=self.max_seq_len,
+                                  batch_sizes=(self.num_slots,))
+        self.params, self.cfg = params, cfg
+        self._prefill_cfgs: dict[int, ModelConfig] = {}
         self.sampling, self.eos_id = sampling, int(eos_id)
         self.steps_per_sync, self.seed = int(steps_per_sync), int(seed)
         self.cache = cache_lib.init_cache(cfg, self.num_slots, self.max_seq_len, ragged=True)
@@ -246,12 +253,23 @@ class Engine:
     def prefill(self, req: Request):
         """(first token id, one-row ragged cache holding the prompt)."""
         n = len(req.prompt)
-        tokens, lengths = ragged.pad_prompts([req.prompt], length=prefill_bucket(n))
+        bucket = prefill_bucket(n)
+        tokens, lengths = ragged.pad_prompts([req.prompt], length=bucket)
         row = cache_lib.init_cache(self.cfg, 1, self.max_seq_len, ragged=True)
         logits, row = ragged.prefill_ragged_program(
-            self.params, jnp.asarray(tokens), jnp.asarray(lengths), row, cfg=self.cfg)
+            self.params, jnp.asarray(tokens), jnp.asarray(lengths), row,
+            cfg=self._prefill_cfg(bucket))
         first = ragged.first_tokens(logits, self._key(req.id)[None], self.sampling)
         return int(first[0]), row
+
+    def _prefill_cfg(self, bucket: int) -> ModelConfig:
+        """The config of a one-row prefill of ``bucket`` tokens, with its plan (resolved
+        once per bucket, on the host)."""
+        if bucket not in self._prefill_cfgs:
+            self._prefill_cfgs[bucket] = planner.resolve(
+                self.cfg.replace(plan=None), max_seq_len=self.max_seq_len,
+                batch_sizes=(1,), rows=(bucket,))
+        return self._prefill_cfgs[bucket]
 
     def warmup(self, requests: Sequence[Request]) -> float:
         """Compiles (by running once) the prefill of every length bucket ``requests``

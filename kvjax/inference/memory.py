@@ -8,9 +8,12 @@ that would fit, instead of letting the kernel's out-of-memory killer end the pro
 with no message (exit 137).
 
 Available memory: on an accelerator ``device.memory_stats()`` (``bytes_limit -
-bytes_in_use``); on the CPU the host's ``MemAvailable`` (``/proc/meminfo``: free memory
-plus reclaimable caches), else ``os.sysconf`` free pages. Memory already held (weights
-loaded) is not available, so pass only what is still to be allocated.
+bytes_in_use``); on the CPU the smaller of the host's ``MemAvailable`` (``/proc/meminfo``:
+free memory plus reclaimable caches; else ``os.sysconf`` free pages) and the room left
+under the process's cgroup memory limits (:func:`cgroup_available`: a container's limit,
+which the kernel enforces with its out-of-memory killer whatever the host has free).
+Memory already held (weights loaded) is not available, so pass only what is still to be
+allocated.
 
 Temporaries: when a compiled program is at hand, its ``memory_analysis()`` temp bytes;
 otherwise :func:`temp_bytes_estimate` (the prefill's float32 attention scores and
@@ -26,9 +29,18 @@ import jax
 
 from kvjax import cache as cache_lib
 from kvjax.config import ConfigError, ModelConfig
+from kvjax.analysis import theory
 
 MARGIN_FIXED_BYTES = 512 * 2**20
 MARGIN_FRACTION = 0.10
+
+ROOT = "/"
+"""The folder ``proc/`` and ``sys/fs/cgroup/`` are read under (a test points it at a fake
+tree; :func:`available_bytes` and :func:`cgroup_available` also take ``root=``)."""
+
+CGROUP_V1_NO_LIMIT = 2**60
+"""A cgroup v1 ``memory.limit_in_bytes`` at or above this means no limit (unlimited reads
+2^63 - 4096, rounded down to pages)."""
 
 
 class MemoryCheckError(ConfigError):
@@ -57,9 +69,97 @@ class MemoryPlan:
         return self.weights + self.cache + self.temporaries + self.margin
 
 
-def available_bytes(device=None) -> tuple[int | None, str]:
+def _read_int(path: str) -> int | None:
+    """The integer in file ``path``; None when absent, unreadable, 'max' or not a number."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    try:
+        return int(text)
+    except ValueError:  # 'max' (cgroup v2: no limit) or anything else
+        return None
+
+
+def _with_ancestors(base: str, rel: str) -> list[str]:
+    """``base/rel`` and each folder above it up to ``base`` itself (deepest first)."""
+    parts = [p for p in rel.strip("/").split("/") if p and p != ".."]
+    return [os.path.join(base, *parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def cgroup_available(root: str | None = None) -> tuple[int, str] | None:
+    """Room left under the process's cgroup memory limits, in bytes, and where it comes from.
+
+    Reads ``root/proc/self/cgroup`` for the process's cgroups and, for cgroup v2
+    (``sys/fs/cgroup``, or ``sys/fs/cgroup/unified`` on a hybrid host) ``memory.max -
+    memory.current`` ('max': no limit), for cgroup v1 (``sys/fs/cgroup/memory``)
+    ``memory.limit_in_bytes - memory.usage_in_bytes`` (a limit >=
+    :data:`CGROUP_V1_NO_LIMIT`: none), in the process's cgroup folder and every folder
+    above it (a parent's limit binds its children; inside a container the mount's top
+    folder is the container's own cgroup).
+
+    Args:
+      root: the folder holding ``proc/`` and ``sys/`` (default :data:`ROOT`).
+    Returns:
+      (the smallest limit - usage, at least 0; 'cgroup v2 memory.max - memory.current
+      (FOLDER)' or the v1 equivalent), or None when no limit applies or none is readable.
+    """
+    root = ROOT if root is None else root
+    rel = {"v1": "/", "v2": "/"}
+    try:
+        with open(os.path.join(root, "proc/self/cgroup")) as f:
+            for line in f:
+                fields = line.rstrip("\n").split(":", 2)
+                if len(fields) != 3:
+                    continue
+                if fields[0] == "0" and fields[1] == "":
+                    rel["v2"] = fields[2]
+                elif "memory" in fields[1].split(","):
+                    rel["v1"] = fields[2]
+    except OSError:
+        pass
+    cg = os.path.join(root, "sys/fs/cgroup")
+    kinds = [("v2", base, "memory.max", "memory.current", None)
+             for base in (cg, os.path.join(cg, "unified"))]
+    kinds.append(("v1", os.path.join(cg, "memory"), "memory.limit_in_bytes",
+                  "memory.usage_in_bytes", CGROUP_V1_NO_LIMIT))
+    best = None
+    for version, base, limit_file, usage_file, no_limit in kinds:
+        for folder in dict.fromkeys(_with_ancestors(base, rel[version])):
+            limit = _read_int(os.path.join(folder, limit_file))
+            if limit is None or (no_limit is not None and limit >= no_limit):
+                continue
+            usage = _read_int(os.path.join(folder, usage_file)) or 0
+            room = max(0, limit - usage)
+            if best is None or room < best[0]:
+                best = (room, f"cgroup {version} {limit_file} - {usage_file} ({folder})")
+    return best
+
+
+def _host_available(root: str) -> tuple[int | None, str]:
+    """(the host's MemAvailable or free pages in bytes, its source); (None, reason)."""
+    try:
+        with open(os.path.join(root, "proc/meminfo")) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "host MemAvailable (/proc/meminfo)"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return (os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
+                "host free pages (os.sysconf)")
+    except (ValueError, OSError, AttributeError):
+        return None, "the host reports no free memory"
+
+
+def available_bytes(device=None, *, root: str | None = None) -> tuple[int | None, str]:
     """(bytes free on ``device`` (default: JAX's first device), where the figure comes
-    from); (None, reason) when the device reports nothing."""
+    from); (None, reason) when the device reports nothing.
+
+    On the CPU: the smaller of the host's MemAvailable and :func:`cgroup_available`
+    (``root``: the folder holding ``proc/`` and ``sys/``, default :data:`ROOT`).
+    """
     device = device or jax.devices()[0]
     if device.platform != "cpu":
         try:
@@ -70,18 +170,13 @@ def available_bytes(device=None) -> tuple[int | None, str]:
             return (int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)),
                     f"{device.platform} memory_stats (bytes_limit - bytes_in_use)")
         return None, f"{device.platform} reports no memory_stats"
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "host MemAvailable (/proc/meminfo)"
-    except OSError:
-        pass
-    try:
-        return (os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
-                "host free pages (os.sysconf)")
-    except (ValueError, OSError, AttributeError):
-        return None, "the host reports no free memory"
+    root = ROOT if root is None else root
+    host, source = _host_available(root)
+    limited = cgroup_available(root)
+    if limited is not None and (host is None or limited[0] < host):
+        return limited[0], (limited[1] + (f", below the {source}" if host is not None
+                                          else ""))
+    return host, source
 
 
 def temp_bytes_estimate(cfg: ModelConfig, batch_size: int, max_seq_len: int,
@@ -180,7 +275,6 @@ def check_run(run, *, weights_loaded: bool, prompt_tokens: int | None = None) ->
     """
     if run.ignore_memory_check:
         return
-    from kvjax.analysis import theory  # noqa: PLC0415 (analysis is not needed otherwise)
 
     cfg = run.model
     weights = 0

@@ -16,11 +16,16 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax import cache as cache_lib
 from kvjax import checkpoints
+from kvjax import planner
 from kvjax.checkpoints.tokenizer import is_chatml
 from kvjax.analysis import costs, hlo_cost, theory
-from kvjax.inference import decode, memory
+from kvjax.inference import decode, memory, sampling
 from kvjax.models import convert, model
 from kvjax.config import ConfigError, ModelConfig, RunConfig
+from kvjax.parallel import collectives as coll_lib
+from kvjax.parallel import costs as pcosts
+from kvjax.parallel import mesh as mesh_lib
+from kvjax.parallel import programs
 
 
 @dataclasses.dataclass
@@ -185,6 +190,18 @@ class CostReport:
     prefill: costs.StepCost
 
 
+def plan_for(run: RunConfig, cfg: ModelConfig, prompt_tokens: int) -> ModelConfig:
+    """``cfg`` with the plan of ``run``'s programs (:func:`kvjax.planner.resolve`, before
+    any trace): decode rows B, prefill rows B·T (and B·n for each ``prefill_chunk``
+    length n), a cache of ``max_seq_len`` and of the cost context."""
+    b = run.batch_size
+    chunks = decode.chunk_lengths(prompt_tokens, run.prefill_chunk) if run.prefill_chunk \
+        else ()
+    return planner.resolve(cfg, max_seq_len=run.max_seq_len, batch_sizes=(b,),
+                           rows=(b * prompt_tokens,) + tuple(b * n for n in chunks),
+                           extra_seq_lens=(run.cost_context,) if run.cost_context else ())
+
+
 def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
     """Prefills ``run.prompt``, generates up to ``run.max_new_tokens`` tokens in one compiled
     loop, and detokenizes the first row (trimmed at EOS).
@@ -208,8 +225,9 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
     steps = run.max_new_tokens - 1
     mm = None
     if run.mesh.trivial:  # one device: the single-device programs, unchanged
+        cfg = plan_for(run, cfg, len(ids))
         cache = cache_lib.init_cache(cfg, b, run.max_seq_len)
-        prefill_c, chunk_cs = compile_prefill(run, params, tokens, cache)
+        prefill_c, chunk_cs = compile_prefill(run, params, tokens, cache, cfg=cfg)
         gen_c = decode.generate_program.lower(
             params, tokens[:, 0], cache, jnp.int32(0), jax.random.key(0), jnp.int32(eos),
             cfg=cfg, sampling=run.sampling,
@@ -219,7 +237,8 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
         params = mm.shard_params(params)
         tokens = jax.device_put(tokens, mm.sharding(P("data")))
         cache = mm.init_cache()
-        prefill_c, chunk_cs = compile_prefill(run, params, tokens, cache, mm)
+        cfg = mm.cfg
+        prefill_c, chunk_cs = compile_prefill(run, params, tokens, cache, mm, cfg=cfg)
         gen_c = mm.generate(run.sampling, decode.token_buffer_len(
             cfg, cache.num_slots, steps)).lower(
             params, tokens[:, 0], cache, jnp.int32(0), jax.random.key(0),
@@ -232,7 +251,7 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
     logits, cache = run_prefill(prefill_c, chunk_cs, run, params, tokens, cache)
     logits.block_until_ready()
     prefill_s = time.perf_counter() - start
-    first = decode.sample_logits(logits, key, run.sampling)
+    first = sampling.sample_logits(logits, key, run.sampling)
     first.block_until_ready()
     ttft = time.perf_counter() - start
 
@@ -279,8 +298,9 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
 def cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> CostReport:
     """The cost hook for ``run`` at context ``run.cost_context`` (default max_seq_len):
     the generate loop per token (compiled for timing and analysed), the single step, and
-    the prefill ``gen`` ran."""
-    cfg, params, b = loaded.cfg, loaded.params, run.batch_size
+    the prefill ``gen`` ran, with the plan the run used (:func:`plan_for`)."""
+    params, b = loaded.params, run.batch_size
+    cfg = plan_for(run, loaded.cfg, gen.prompt_tokens)
     context = run.cost_context or run.max_seq_len
     loop_c = costs.compile_generate(cfg, b, context, run.sampling)
     timing = costs.measure_loop_seconds(cfg, params, context, b, compiled=loop_c,
@@ -327,8 +347,6 @@ def mesh_cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> Me
         sharded step all-gathers or all-to-alls a cache tensor (checked on the run's
         programs first, before the step is compiled and timed).
     """
-    from kvjax.parallel import collectives as coll_lib  # noqa: PLC0415
-    from kvjax.parallel import costs as pcosts  # noqa: PLC0415
     cfg, b = loaded.cfg, run.batch_size
     context = run.cost_context or run.max_seq_len
     mm = meshed(run)
@@ -435,13 +453,14 @@ def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
 
 
 def compile_prefill(run: RunConfig, params, tokens: jax.Array, cache: cache_lib.KVCache,
-                    mm=None):
+                    mm=None, cfg: ModelConfig | None = None):
     """Compiles the prefill ``run`` asks for: (the one-pass program for an empty cache,
     {chunk length: program} for ``run.prefill_chunk``, empty without it). The one-pass
     program is compiled either way (the cost report analyses it). ``mm``: a
     :class:`kvjax.parallel.programs.MeshedModel` to compile the sharded programs of
-    (params, tokens and cache already placed on its mesh)."""
-    cfg = run.model
+    (params, tokens and cache already placed on its mesh). ``cfg``: the model with its
+    plan (default ``run.model``, without one)."""
+    cfg = run.model if cfg is None else cfg
     if mm is None:
         lower = lambda t, fresh: decode.prefill_program.lower(params, t, cache, cfg=cfg,
                                                               fresh=fresh)
@@ -461,7 +480,6 @@ def check_mesh(run: RunConfig) -> None:
     :func:`kvjax.parallel.mesh.mesh_devices`. A one-device mesh passes."""
     if run.mesh.trivial:
         return
-    from kvjax.parallel import mesh as mesh_lib  # noqa: PLC0415
     mesh_lib.mesh_devices(run.mesh)
     mesh_lib.check(run.model, run.mesh, run.batch_size,
                    cache_lib.num_slots(run.model, run.max_seq_len))
@@ -475,7 +493,6 @@ def meshed(run: RunConfig):
       ConfigError: the mesh does not fit the devices or the model
         (:func:`kvjax.parallel.programs.build`), before anything is compiled.
     """
-    from kvjax.parallel import programs  # noqa: PLC0415
     return programs.build(run.model, run.mesh, run.batch_size, run.max_seq_len)
 
 

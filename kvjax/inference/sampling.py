@@ -2,9 +2,14 @@
 
 The rule (one definition, shared by :func:`sample_logits` and :func:`sampling_probs`):
 
-1. temperature 0 is greedy: the argmax (the lowest index among equal maxima).
-2. Otherwise the logits are divided by the temperature (float32) and sorted in
-   descending order, ties broken by index (the lower index ranks first).
+1. temperature 0 is greedy: the argmax (the lowest index among equal maxima); so is a
+   temperature below ``kvjax.config.MIN_SAMPLING_TEMPERATURE`` (2^-126, float32's
+   smallest normal number: the limit T -> 0; ``SamplingConfig.greedy`` is the one test).
+2. Otherwise each row's logits, in float32, less the row's (finite) maximum, are divided
+   by the temperature and sorted in descending order, ties broken by index (the lower
+   index ranks first). The shift leaves the softmax unchanged and keeps every scaled
+   logit <= 0: a tiny temperature sends the others to -inf (probability 0), never the
+   maximum to inf or NaN, so every temperature behaves as its limit.
 3. top-k keeps the first ``min(top_k, V)`` sorted positions: a ``top_k`` at or above the
    vocabulary V keeps every token (clamped, as Hugging Face's ``TopKLogitsWarper`` does;
    the vocabulary is a property of the model, not of the config).
@@ -33,12 +38,22 @@ MASS_TOLERANCE = 1e-6
 """Absolute slack on the nucleus' prefix mass (about 8 float32 ulps at 1.0)."""
 
 
+def _scaled(logits: jax.Array, temperature: float) -> jax.Array:
+    """[B, V] float32: (logits - row max) / temperature (rule 2): <= 0, 0 at the maximum.
+
+    A row whose maximum is not finite (all -inf) is not shifted.
+    """
+    x = logits.astype(jnp.float32)
+    m = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+    return (x - jnp.where(jnp.isfinite(m), m, 0.0)) / temperature
+
+
 def _sorted_filtered(logits: jax.Array, sampling: SamplingConfig):
     """(filtered sorted logits [B, V'] float32 (-inf where dropped), token ids [B, V'] int32).
 
     V' = min(top_k, V) with top-k, else V; only called when sampling is not greedy.
     """
-    x = logits.astype(jnp.float32) / sampling.temperature
+    x = _scaled(logits, sampling.temperature)
     v = x.shape[-1]
     k = min(sampling.top_k, v) if sampling.top_k else v
     if k < v:
@@ -64,7 +79,8 @@ def sample_logits(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig) -
     Args:
       logits: [B, V] float (any float dtype; computed in float32).
       rng: a PRNG key (unused when greedy).
-      sampling: temperature 0 = greedy argmax; else softmax(logits / temperature) with
+      sampling: temperature 0 (or below 2^-126) = greedy argmax; else
+        softmax(logits / temperature), computed as rule 2 of the module docstring, with
         the top_k (0: off; clamped to V) and top_p (1: off) filters of the module
         docstring. Static under jit: a new config compiles a new program.
     Returns:
@@ -73,7 +89,7 @@ def sample_logits(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig) -
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not sampling.top_k and sampling.top_p >= 1.0:
-        x = logits.astype(jnp.float32) / sampling.temperature
+        x = _scaled(logits, sampling.temperature)
         return jax.random.categorical(rng, x, axis=-1).astype(jnp.int32)
     xs, order = _sorted_filtered(logits, sampling)
     pos = jax.random.categorical(rng, xs, axis=-1)

@@ -18,12 +18,15 @@ import jax.numpy as jnp
 
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
+from kvjax import ops
 from kvjax.config import ModelConfig
-from kvjax.models import flash
+from kvjax.models import decode_kernels, flash
 from kvjax.models.layers import Einsum, apply_rope
-from kvjax.parallel import seq_attention
+from kvjax.native import prefill as native_prefill
+from kvjax.ops import NEG_INF, weight_dtype
+from kvjax.ops import layout_spec as _spec
+from kvjax.plan import SEQ
 
-NEG_INF = -1e30
 # A decode step over an int8 / fp8 cache (one scale per token per KV head) applies the
 # scales outside the dots (:func:`attend_step` with k_scale/v_scale) so that XLA:CPU fuses
 # the codes' convert into the dots; False: dequantize first (kvjax.cache.read), which
@@ -31,36 +34,10 @@ NEG_INF = -1e30
 SCALE_OUTSIDE_DOTS = True
 
 
-def _spec(layout: str, width: str = "H") -> str:
-    """einsum letters of one layer's keys/values in ``layout`` ('BKSH' or 'BKHS')."""
-    if layout not in ("BKSH", "BKHS"):
-        raise ValueError(f"layout={layout!r}; allowed: 'BKSH' or 'BKHS'")
-    return "BKS" + width if layout == "BKSH" else "BK" + width + "S"
-
-
 def dot_operand(x: jax.Array, backend: str | None = None) -> jax.Array:
-    """``x`` as a dot operand with a float32 result: 2-byte floats are widened to float32
-    first (exact) where :func:`kvjax.backend.widen_dot_operands` says so (CPU).
-    ``backend``: the config's backend (None: the process's)."""
-    backend = backend or backend_lib.current()
-    if x.dtype in (jnp.bfloat16, jnp.float16) and backend_lib.widen_dot_operands(backend):
-        return x.astype(jnp.float32)
-    return x
-
-
-def weight_dtype(value_dtype) -> jnp.dtype:
-    """dtype of the softmax weights in a decode step's value product.
-
-    float32 when the values are float32 or XLA widens them anyway (2-byte floats on CPU,
-    see :func:`dot_operand`): exact weights at no extra traffic. Elsewhere the cache
-    dtype: a float32 weight operand would make XLA widen the whole cached operand for
-    the dot, every step. Rounding the unnormalised weights (the largest exactly 1) with a
-    denominator summed from the rounded weights keeps their sum at 1; each weight's
-    ratio to the largest errs by up to 2^-9 in bf16 (not measured on an accelerator).
-    """
-    if jnp.dtype(value_dtype) in (jnp.bfloat16, jnp.float16) and jax.default_backend() != "cpu":
-        return jnp.dtype(value_dtype)
-    return jnp.dtype(jnp.float32)
+    """:func:`kvjax.ops.dot_operand` for ``backend`` (None: the process's, for library
+    calls without a config)."""
+    return ops.dot_operand(x, backend or backend_lib.current())
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
@@ -175,13 +152,13 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
     # Unnormalised weights; the softmax denominator divides the [.., Hv] output instead
     # of the [.., S] weights (one pass less over the scores). Masked keys weigh 0 even
     # when no key is visible (m = NEG_INF there).
-    wdt = weight_dtype(v_cache.dtype)
+    wdt = weight_dtype(v_cache.dtype, backend or backend_lib.current())
     e_old = jnp.where(visible, jnp.exp(s_old - m), 0.0).astype(wdt)
     e_new = jnp.exp(s_new - m)
     if new_visible is not None:
         e_new = jnp.where(new_visible[:, None, None, None], e_new, 0.0)
     denom = jnp.sum(e_old.astype(jnp.float32), axis=-1, keepdims=True) + e_new
-    v_op = dot_operand(v_cache) if wdt == jnp.float32 else v_cache
+    v_op = dot_operand(v_cache, backend) if wdt == jnp.float32 else v_cache
     out = jnp.einsum(f"BKGS,{_spec(v_layout, 'V')}->BKGV", e_old, v_op,
                      preferred_element_type=jnp.float32)
     out = out + e_new * v1[:, :, None, :].astype(jnp.float32)
@@ -266,7 +243,6 @@ def _sinks(cfg: ModelConfig, q_sink, key_positions: jax.Array):
 def _attend_step_kernel(q1, k_cache, v_cache, mask, k_new, v_new, k_layout, v_layout,
                         new_visible, impl, backend, scale):
     """:func:`attend_step` through a formulation of :mod:`kvjax.models.decode_kernels`."""
-    from kvjax.models import decode_kernels  # noqa: PLC0415
     o, m, l = decode_kernels.partial_attention(
         impl, q1, k_cache, v_cache, mask[:, 0], k_layout, v_layout,
         backend=backend or backend_lib.current())
@@ -277,16 +253,73 @@ def _attend_step_kernel(q1, k_cache, v_cache, mask, k_new, v_new, k_layout, v_la
     return out[:, None].astype(v_cache.dtype)
 
 
-def _native_chunk(native_prefill, q, k, v, positions, k_old=None, v_old=None,
-                  old_positions=None, **kw):
-    """``native_prefill.attend_chunk`` on each device's own rows and KV heads when a mesh
-    splits them (:func:`kvjax.parallel.seq_attention.per_device`): the custom call is
-    per row and KV head, and GSPMD would gather q/k/v whole to every device around it."""
+def _native_chunk(plan, q, k, v, positions, k_old=None, v_old=None, old_positions=None,
+                  **kw):
+    """``native_prefill.attend_chunk`` on each device's own rows and KV heads when the
+    plan's mesh splits them (:func:`kvjax.ops.per_device`): the custom call is per row
+    and KV head, and GSPMD would gather q/k/v whole to every device around it."""
     def fn(q, k, v, positions, k_old, v_old, old_positions):
         return native_prefill.attend_chunk(q, k, v, positions, k_old=k_old, v_old=v_old,
                                            old_positions=old_positions, **kw)
-    return seq_attention.per_device(fn, q, k, v, positions, k_old, v_old, old_positions,
-                                    head_axes=(2, 1, 1, None, 1, 1, None), out_head_axis=2)
+    data_axis, model_axis = plan.per_device_axes()
+    return ops.per_device(fn, q, k, v, positions, k_old, v_old, old_positions,
+                          head_axes=(2, 1, 1, None, 1, 1, None), out_head_axis=2,
+                          data_axis=data_axis, model_axis=model_axis)
+
+
+def attend_cached_seq(plan, q, k_old, v_old, mask_old, k_new, v_new, mask_new,
+                      k_layout: str, v_layout: str, backend: str) -> jax.Array:
+    """GQA attention of a chunk over (old slots split over the plan's 'seq' axis ++ its
+    own entries): flash-decoding across devices.
+
+    Each device scores its own S / n slots and keeps the partial softmax state (m, l, o)
+    of its slots; the states are combined across 'seq' (:func:`kvjax.ops.combine_over`:
+    the cache itself never moves), merged with the chunk's own keys (replicated) and
+    normalised.
+
+    Args:
+      plan: the config's plan (its 'seq' axis splits the slots).
+      q: [B, T, K, G, H] rotated queries (T = 1 in decode, the prompt in prefill).
+      k_old, v_old: one layer's cache before the write ([B, K, S, H] 'BKSH' or
+        [B, K, H, S] 'BKHS').
+      mask_old: [B, T, S] bool, visible old slots.
+      k_new, v_new: the chunk's entries [B, K, T, H] in the same layouts.
+      mask_new: [B, T, T] bool, visible chunk keys.
+      k_layout, v_layout: 'BKSH' or 'BKHS'.
+      backend: the config's backend (dot operands, :func:`dot_operand`).
+    Returns:
+      [B, T, K, G, Hv] in v_old's dtype, equal to :func:`attend` over the concatenation
+      (float32 statistics; up to summation order).
+    """
+    scale = q.shape[-1] ** -0.5
+
+    def local(k, v, mask, q):
+        qo, ko, vo = (dot_operand(x, backend) for x in (q, k, v))
+        if q.shape[1] == 1:
+            # decode (T = 1): the single-device step's products without the T axis. With
+            # it ('BTKGH,BKHS->BKGTS'), XLA on CPU transposed each 'BKHS' key shard into
+            # a copy before the dot (a seq-sharded step read 1.3-1.8x theory per device).
+            sc = jnp.einsum(f"BKGH,{_spec(k_layout)}->BKGS", qo[:, 0], ko,
+                            preferred_element_type=jnp.float32)[:, :, :, None, :] * scale
+        else:
+            sc = jnp.einsum(f"BTKGH,{_spec(k_layout)}->BKGTS", qo, ko,
+                            preferred_element_type=jnp.float32) * scale
+        m, e, l = ops.softmax_stats(sc, mask[:, None, None, :, :])
+        if q.shape[1] == 1:
+            o = jnp.einsum(f"BKGS,{_spec(v_layout, 'V')}->BKGV", e[:, :, :, 0], vo,
+                           preferred_element_type=jnp.float32)[:, None]
+        else:
+            o = jnp.einsum(f"BKGTS,{_spec(v_layout, 'V')}->BTKGV", e, vo,
+                           preferred_element_type=jnp.float32)
+        to_o = lambda x: jnp.transpose(x, (0, 3, 1, 2, 4))  # [B,K,G,T,1] -> [B,T,K,G,1]
+        return to_o(m), to_o(l), o
+
+    ax = lambda layout: -1 if layout == "BKHS" else -2
+    old = ops.combine_over(SEQ, plan.seq_manual, local,
+                           ((k_old, ax(k_layout)), (v_old, ax(v_layout)), (mask_old, -1)),
+                           (q,))
+    new = local(k_new, v_new, mask_new, q)
+    return ops.finish(ops.merge(old, new)).astype(v_old.dtype)
 
 
 class Attention(nn.Module):
@@ -319,9 +352,9 @@ class Attention(nn.Module):
         dt = c.jnp_dtype
         b, t, _ = x.shape
         n, k, h, g = c.num_heads, c.num_kv_heads, c.head_dim, c.num_groups
-        q = Einsum((c.d_model, n, h), "BTD,DNH->BTNH", dt, name="q_proj", impl=c.weight_matmul)(x)
-        kk = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="k_proj", impl=c.weight_matmul)(x)
-        vv = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="v_proj", impl=c.weight_matmul)(x)
+        q = Einsum((c.d_model, n, h), "BTD,DNH->BTNH", dt, name="q_proj", impl=c.weight_matmul, plan=c.plan)(x)
+        kk = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="k_proj", impl=c.weight_matmul, plan=c.plan)(x)
+        vv = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="v_proj", impl=c.weight_matmul, plan=c.plan)(x)
         # Sinks at cache positions (StreamingLLM): sink keys are scored with the queries
         # rotated at their cache positions instead of their absolute ones.
         sink_q = sink_query_positions(c, positions)
@@ -335,13 +368,12 @@ class Attention(nn.Module):
         new = cache_lib.encode(c, {"k": cache_lib.to_layout(kk, c, "k"),
                                    "v": cache_lib.to_layout(vv, c, "v")})
         tiled = dict(window_size=c.window_size, num_sink_tokens=c.num_sink_tokens,
-                     block_q=c.prefill_block_q, block_k=c.prefill_block_k)
+                     block_q=c.prefill_block_q, block_k=c.prefill_block_k, backend=c.backend)
         # The tiled path scores every key with one query; sinks at cache positions need
         # a second one for the sink keys, which the dense path does.
+        plan = c.execution
         path = flash.prefill_path(c, q_sink is not None)
         use_tiled = path in ("tiled", "cudnn")   # cudnn: chunks after the first run tiled
-        if path == "native":
-            from kvjax.native import prefill as native_prefill  # noqa: PLC0415
         native = dict(window_size=c.window_size, num_sink_tokens=c.num_sink_tokens,
                       k_layout=k_layout, v_layout=v_layout)
         # The chunk attends to its own entries as the cache will hold them.
@@ -351,7 +383,7 @@ class Attention(nn.Module):
                 out = flash.attend_chunk_sdpa(q, k_cur, v_cur, positions, k_layout=k_layout,
                                               v_layout=v_layout, window_size=c.window_size)
             elif path == "native":
-                out = _native_chunk(native_prefill, q, k_cur, v_cur, positions, **native)
+                out = _native_chunk(plan, q, k_cur, v_cur, positions, **native)
             elif use_tiled:
                 out = _zero_padded(positions, flash.attend_chunk(
                     q, k_cur, v_cur, positions, k_layout=k_layout, v_layout=v_layout,
@@ -367,14 +399,13 @@ class Attention(nn.Module):
             # chunk's writes may evict keys that its earlier queries still see.
             k_old, v_old = cache_lib.read(c, cached, "k"), cache_lib.read(c, cached, "v")
             mask_old = cache_lib.attention_mask(positions, cached_positions, c)
-            if seq_attention.seq_shards() > 1:  # cache split over a mesh's 'seq' axis
-                out = seq_attention.attend_cached(
-                    q, k_old, v_old, mask_old, k_cur, v_cur,
+            if plan.seq_shards > 1:  # cache split over the mesh's 'seq' axis
+                out = attend_cached_seq(
+                    plan, q, k_old, v_old, mask_old, k_cur, v_cur,
                     cache_lib.attention_mask(positions, positions, c), k_layout, v_layout,
-                    backend=c.backend)
+                    c.backend)
             elif t == 1:
-                from kvjax import planner  # noqa: PLC0415 (measures on first use)
-                impl = planner.decode_attention(c, k_old, v_old)
+                impl = decode_kernels.choose(c, k_old, v_old)
                 sink_s = sink_scores(c, q_sink, k_old, k_layout)
                 scales = cache_lib.row_scales(c, cached)
                 if (SCALE_OUTSIDE_DOTS and scales is not None and impl == "xla"
@@ -388,7 +419,7 @@ class Attention(nn.Module):
                                       k_layout, v_layout, new_visible=positions[:, 0] >= 0,
                                       sink_scores=sink_s, impl=impl, backend=c.backend)
             elif path == "native":
-                out = _native_chunk(native_prefill, q, k_cur, v_cur, positions, k_old=k_old,
+                out = _native_chunk(plan, q, k_cur, v_cur, positions, k_old=k_old,
                                     v_old=v_old, old_positions=cached_positions, **native)
             elif use_tiled:
                 out = _zero_padded(positions, flash.attend_chunk(
@@ -406,6 +437,6 @@ class Attention(nn.Module):
                                  [cached_positions, positions], axis=1)))
 
         out = Einsum((n, h, c.d_model), "BTF,FD->BTD", dt, merge_in=2, name="o_proj",
-                     impl=c.weight_matmul)(
+                     impl=c.weight_matmul, plan=c.plan)(
             out.astype(dt).reshape(b, t, n, h))
         return out, new

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvjax.config import ModelConfig
+from kvjax.models import model as model_lib
 
 
 # ModelConfig field -> the GGUF metadata key it must agree with (llama architecture).
@@ -160,7 +161,6 @@ def attention_inputs(params, cfg: ModelConfig, tokens) -> np.ndarray:
     import flax.linen as nn  # noqa: PLC0415 (model code only needed here)
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from kvjax.models import model as model_lib  # noqa: PLC0415
 
     b, t = tokens.shape
     # Unrolled: nn.scan would not carry the captured intermediates out of its body.

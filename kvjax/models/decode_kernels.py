@@ -13,8 +13,8 @@ Dao et al. 2023; the online softmax of Milakov & Gimelshein 2018):
 
 and :func:`merge_new` folds in the new token's own key and value, so every formulation
 returns what :func:`kvjax.models.attention.attend_step` returns. The formulation is
-``ModelConfig.decode_attention`` ('auto': chosen by measuring the machine,
-:mod:`kvjax.planner`):
+``ModelConfig.decode_attention`` ('auto': the pick of the config's plan,
+:func:`choose`, measured before tracing by :func:`kvjax.planner.resolve`):
 
 * ``'xla'``: the einsums of :func:`kvjax.models.attention.attend_step` (queries as the
   left operand: ``BKGH,<keys>->BKGS``, ``BKGS,<values>->BKGV``): the reference.
@@ -36,14 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-NEG_INF = -1e30
+from kvjax import native
+from kvjax import plan as plan_lib
+from kvjax.cache.policy import policy_for
+from kvjax.ops import NEG_INF, dot_operand
+from kvjax.ops import layout_spec as _spec
+
 IMPLS = ("xla", "xla_cache_left", "native", "pallas")
-
-
-def _spec(layout: str, width: str = "H") -> str:
-    if layout not in ("BKSH", "BKHS"):
-        raise ValueError(f"layout={layout!r}; allowed: 'BKSH' or 'BKHS'")
-    return "BKS" + width if layout == "BKSH" else "BK" + width + "S"
 
 
 def check_impl(impl: str) -> str:
@@ -57,7 +56,8 @@ def supports(impl: str, backend: str, cache_dtype, k_layout: str, v_layout: str,
              prefix_mask: bool, head_dim: int = 64, slots: int = 4096) -> bool:
     """Whether formulation ``impl`` can run this attention (the 'xla' ones always can).
 
-    'native': CPU, float32 cache, and the library built (:func:`kvjax.native.load`).
+    'native': CPU and a float32 cache (the library must also be loaded: the plan's
+    ``native``, :func:`choose`).
     'pallas': GPU (or interpret mode), both layouts 'BKSH', a prefix mask (dense cache),
     head_dim a power of two >= 16, and a slot count the kernel splits (:func:`_pallas_splits`).
     """
@@ -65,13 +65,66 @@ def supports(impl: str, backend: str, cache_dtype, k_layout: str, v_layout: str,
     if impl in ("xla", "xla_cache_left"):
         return True
     if impl == "native":
-        if backend != "cpu" or jnp.dtype(cache_dtype) != jnp.float32:
-            return False
-        from kvjax import native  # noqa: PLC0415
-        return native.load()
+        return backend == "cpu" and jnp.dtype(cache_dtype) == jnp.float32
     return (backend == "gpu" and k_layout == v_layout == "BKSH" and prefix_mask
             and head_dim >= 16 and head_dim & (head_dim - 1) == 0
             and _pallas_splits(slots) is not None)
+
+
+def cache_dims(k_cache, v_cache, k_layout: str, v_layout: str) -> tuple[int, ...]:
+    """(B, K, S, H, V) of one layer's keys and values (arrays, tracers or shape structs)
+    in their layouts."""
+    b, k = k_cache.shape[:2]
+    s = k_cache.shape[2] if k_layout == "BKSH" else k_cache.shape[3]
+    h = k_cache.shape[3] if k_layout == "BKSH" else k_cache.shape[2]
+    v = v_cache.shape[3] if v_layout == "BKSH" else v_cache.shape[2]
+    return b, k, s, h, v
+
+
+def shape_class(cfg, b: int, s: int, dtype) -> str:
+    """The decode-attention shape class (:func:`kvjax.plan.decode_attention_class`) of
+    ``cfg``'s cache with B = ``b`` rows of ``s`` slots of element type ``dtype``."""
+    k_layout, v_layout = cfg.cache_layout("k"), cfg.cache_layout("v")
+    return plan_lib.decode_attention_class(
+        b, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim, cfg.head_dim, s, jnp.dtype(dtype).name,
+        k_layout, v_layout, policy_for(cfg).kind == "dense")
+
+
+def choose(cfg, k_cache, v_cache) -> str:
+    """The formulation of one layer's decode attention of ``cfg`` over caches shaped like
+    ``k_cache``/``v_cache`` (only shapes and dtypes are read), from the config and its
+    plan (``cfg.execution``); nothing is measured here.
+
+    ``cfg.decode_attention`` other than 'auto' is returned after checking that it applies;
+    'auto' is the plan's pick for the shape class (:func:`shape_class`), 'xla' where the
+    plan has none (a config without a plan: the reference).
+
+    Raises:
+      ValueError: a formulation that cannot run this attention (e.g. 'native' with a
+        bfloat16 cache, on GPU, or without the native library in the plan; 'pallas' on CPU
+        or with a window), naming it and what is allowed.
+    """
+    k_layout, v_layout = cfg.cache_layout("k"), cfg.cache_layout("v")
+    b, _, s, h, _ = cache_dims(k_cache, v_cache, k_layout, v_layout)
+    plan = cfg.execution
+    if cfg.decode_attention == "auto":
+        return plan.decode_attention_for(shape_class(cfg, b, s, k_cache.dtype))
+    impl = cfg.decode_attention
+    prefix = policy_for(cfg).kind == "dense"
+    ok = supports(impl, cfg.backend, k_cache.dtype, k_layout, v_layout, prefix, h, s)
+    if ok and impl == "native" and not plan.has_native("decode_attention"):
+        raise ValueError(
+            "model.decode_attention='native' but the config's plan holds no native "
+            "decode-attention kernel (resolve the config with kvjax.planner.resolve, which "
+            "builds and loads it, or use 'xla')")
+    if not ok:
+        raise ValueError(
+            f"model.decode_attention={impl!r} cannot run here (backend {cfg.backend}, "
+            f"cache {jnp.dtype(k_cache.dtype).name} {k_layout}/{v_layout}, {s} slots, "
+            f"window {cfg.window_size}); allowed: 'auto', 'xla', 'xla_cache_left'"
+            + (", 'native' (CPU, float32 cache)" if cfg.backend == "cpu" else "")
+            + (", 'pallas' (GPU, dense BKSH cache)" if cfg.backend == "gpu" else ""))
+    return impl
 
 
 def _pallas_splits(slots: int) -> tuple[int, int] | None:
@@ -116,7 +169,6 @@ def partial_attention(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.
         return _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale)
     if impl == "pallas":
         return _pallas(q, k_cache, v_cache, visible, k_layout, v_layout, scale, interpret)
-    from kvjax.models.attention import dot_operand  # noqa: PLC0415
     qd, kd, vd = (dot_operand(x, backend) for x in (q, k_cache, v_cache))
     if impl == "xla":
         s = jnp.einsum(f"BKGH,{_spec(k_layout)}->BKGS", qd, kd,
@@ -140,7 +192,6 @@ def partial_attention(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.
 
 
 def _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale):
-    from kvjax import native  # noqa: PLC0415
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if x.dtype != jnp.float32:
             raise ValueError(f"decode_attention='native': {name} dtype {x.dtype}; "
@@ -162,6 +213,7 @@ def _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale):
 
 
 def _pallas(q, k_cache, v_cache, visible, k_layout, v_layout, scale, interpret):
+    # imported where used: Pallas' GPU module loads Triton lowering rules
     from jax.experimental.pallas.ops.gpu import decode_attention as pda  # noqa: PLC0415
     if k_layout != "BKSH" or v_layout != "BKSH":
         raise ValueError(f"decode_attention='pallas': layouts {k_layout!r}/{v_layout!r}; "

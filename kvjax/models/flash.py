@@ -44,10 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.parallel import seq_attention
-
-NEG_INF = -1e30
-LAYOUTS = ("BKSH", "BKHS")
+from kvjax import backend as backend_lib
+from kvjax import ops
+from kvjax.ops import LAYOUTS, NEG_INF, check_window
+from kvjax.plan import MODEL
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 256
 _BIG = np.iinfo(np.int32).max
@@ -76,13 +76,11 @@ class KVSource(NamedTuple):
         return self.positions.shape[1]
 
 
-def _operand(x: jax.Array) -> jax.Array:
-    """Dot operand with a float32 result; on CPU 2-byte floats are widened first, the
-    rule of :func:`kvjax.models.attention.dot_operand` (XLA:CPU rejects some batched bf16
-    dots with a float32 result)."""
-    if x.dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "cpu":
-        return x.astype(jnp.float32)
-    return x
+def _operand(x: jax.Array, backend: str) -> jax.Array:
+    """Dot operand with a float32 result (:func:`kvjax.ops.dot_operand`: on CPU 2-byte
+    floats are widened first; XLA:CPU rejects some batched bf16 dots with a float32
+    result)."""
+    return ops.dot_operand(x, backend)
 
 
 def _slot_axis(x: jax.Array, layout: str) -> int:
@@ -93,14 +91,15 @@ def _slots(x: jax.Array, layout: str, start, size: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, start, size, _slot_axis(x, layout))
 
 
-def _score_part(q: jax.Array, k: jax.Array, layout: str) -> jax.Array:
+def _score_part(q: jax.Array, k: jax.Array, layout: str, backend: str) -> jax.Array:
     """[B, Kv, Gv, Tq, Hi] x one key tile -> float32 scores [B, Kv, Gv, Tq, Sk]."""
     spec = "SH" if layout == "BKSH" else "HS"
     if k.shape[1] == q.shape[1]:
         eqn = f"BKGTH,BK{spec}->BKGTS"
     else:  # one key head shared by every query head
         eqn, k = f"BKGTH,B{spec}->BKGTS", k[:, 0]
-    return jnp.einsum(eqn, _operand(q), _operand(k), preferred_element_type=jnp.float32)
+    return jnp.einsum(eqn, _operand(q, backend), _operand(k, backend),
+                      preferred_element_type=jnp.float32)
 
 
 def _visible(q_pos, k_pos, window_size, num_sink_tokens):
@@ -167,17 +166,6 @@ def _old_pairs(q_pos, old_pos, bq: int, bk: int, window_size, num_sink_tokens):
     return pairs.reshape(-1, 2).astype(np.int32), jnp.any(ok, axis=0).reshape(-1)
 
 
-def check_window(window_size, num_sink_tokens) -> None:
-    """Raises ValueError unless ``window_size`` is None or a positive integer and
-    ``num_sink_tokens`` is 0 without a window, else in [0, window_size)."""
-    if window_size is not None and (isinstance(window_size, bool) or window_size <= 0):
-        raise ValueError(f"window_size={window_size!r}; allowed: None or a positive integer")
-    if num_sink_tokens < 0 or (num_sink_tokens and window_size is None) or (
-            window_size is not None and num_sink_tokens >= window_size):
-        raise ValueError(f"num_sink_tokens={num_sink_tokens!r}; allowed: 0 without a "
-                         "window, else an integer in [0, window_size)")
-
-
 def _validate(queries, q_positions, chunk: KVSource, old: KVSource | None, window_size,
               num_sink_tokens, block_q, block_k) -> None:
     for name, v in (("block_q", block_q), ("block_k", block_k)):
@@ -224,7 +212,7 @@ def tiled_attention(queries: Sequence[jax.Array], q_positions: jax.Array, chunk:
                     old: KVSource | None = None, *, scale: float,
                     window_size: int | None = None, num_sink_tokens: int = 0,
                     block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K,
-                    probs_dtype=None) -> jax.Array:
+                    probs_dtype=None, backend: str | None = None) -> jax.Array:
     """Softmax attention of a chunk of queries over (old slots ++ the chunk), tiled.
 
     Args:
@@ -242,6 +230,8 @@ def tiled_attention(queries: Sequence[jax.Array], q_positions: jax.Array, chunk:
       probs_dtype: the probabilities are cast to it before the value product (default:
         the values' dtype, as the dense ``attention.attend``); the product accumulates in
         float32.
+      backend: the config's backend, whose dot-operand rule applies
+        (:func:`kvjax.ops.dot_operand`); None: the process's (library calls).
     Returns:
       float32 [B, Kv, Gv, T, Hv]. Never NaN, also for tiles whose every score is
       masked (with valid positions every query sees at least itself).
@@ -249,6 +239,7 @@ def tiled_attention(queries: Sequence[jax.Array], q_positions: jax.Array, chunk:
       ValueError: a bad block size, window/sink, layout or shape (before any work).
     """
     queries = tuple(queries)
+    backend = backend or backend_lib.current()
     _validate(queries, q_positions, chunk, old, window_size, num_sink_tokens, block_q,
               block_k)
     b, kv, gv, t = queries[0].shape[:4]
@@ -271,7 +262,7 @@ def tiled_attention(queries: Sequence[jax.Array], q_positions: jax.Array, chunk:
             q0 = jnp.minimum(i * bq, t - bq)   # clamped starts: no padding copies
             k0 = jnp.minimum(j * bk, s - bk)
             qt = [jax.lax.dynamic_slice_in_dim(q, q0, bq, 3) for q in queries]
-            sc = sum(_score_part(q, _slots(k, lay, k0, bk), lay)
+            sc = sum(_score_part(q, _slots(k, lay, k0, bk), lay, backend)
                      for q, k, lay in zip(qt, src.keys, src.key_layouts))
             if masked:
                 qp = jax.lax.dynamic_slice_in_dim(q_positions, q0, bq, 1)
@@ -291,8 +282,9 @@ def tiled_attention(queries: Sequence[jax.Array], q_positions: jax.Array, chunk:
             alpha = jnp.exp(m_old - m_new)
             l_t = alpha * jax.lax.dynamic_slice_in_dim(l, q0, bq, 3) + jnp.sum(p, -1)
             spec = "SV" if src.value_layout == "BKSH" else "VS"
-            pv = jnp.einsum(f"BKGTS,BK{spec}->BKGTV", _operand(p.astype(probs_dtype)),
-                            _operand(_slots(src.values, src.value_layout, k0, bk)),
+            pv = jnp.einsum(f"BKGTS,BK{spec}->BKGTV",
+                            _operand(p.astype(probs_dtype), backend),
+                            _operand(_slots(src.values, src.value_layout, k0, bk), backend),
                             preferred_element_type=jnp.float32)
             acc_t = alpha[..., None] * jax.lax.dynamic_slice_in_dim(acc, q0, bq, 3) + pv
             return (jax.lax.dynamic_update_slice_in_dim(m, m_new, q0, 3),
@@ -346,7 +338,7 @@ def attend_chunk(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
                  old_positions: jax.Array | None = None, k_layout: str = "BKSH",
                  v_layout: str = "BKSH", window_size: int | None = None,
                  num_sink_tokens: int = 0, block_q: int = DEFAULT_BLOCK_Q,
-                 block_k: int = DEFAULT_BLOCK_K) -> jax.Array:
+                 block_k: int = DEFAULT_BLOCK_K, backend: str | None = None) -> jax.Array:
     """Grouped-query attention (MHA/GQA/MQA) of a chunk over (old slots ++ itself), tiled;
     the same function as ``attention.attend`` over the concatenation with
     ``cache.attention_mask``, without materialising the [T, S + T] scores.
@@ -385,7 +377,7 @@ def attend_chunk(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
     out = tiled_attention((jnp.moveaxis(q, 1, 3),), positions, chunk, old,
                           scale=q.shape[-1] ** -0.5, window_size=window_size,
                           num_sink_tokens=num_sink_tokens, block_q=block_q,
-                          block_k=block_k)
+                          block_k=block_k, backend=backend)
     return jnp.moveaxis(out, 3, 1).astype(v.dtype)
 
 
@@ -396,7 +388,7 @@ def attend_mla_chunk(q_main: jax.Array, q_rope: jax.Array, c_kv: jax.Array,
                      old_positions: jax.Array | None = None,
                      window_size: int | None = None, num_sink_tokens: int = 0,
                      block_q: int = DEFAULT_BLOCK_Q,
-                     block_k: int = DEFAULT_BLOCK_K) -> jax.Array:
+                     block_k: int = DEFAULT_BLOCK_K, backend: str | None = None) -> jax.Array:
     """Multi-head latent attention (DeepSeek-V2) of a chunk over (old slots ++ itself),
     tiled; the same function as ``mla.attend_mla`` over the concatenation.
 
@@ -442,7 +434,7 @@ def attend_mla_chunk(q_main: jax.Array, q_rope: jax.Array, c_kv: jax.Array,
     out = tiled_attention(queries, positions, source(c_kv, k_rope, positions), old,
                           scale=scale, window_size=window_size,
                           num_sink_tokens=num_sink_tokens, block_q=block_q,
-                          block_k=block_k, probs_dtype=c_kv.dtype)
+                          block_k=block_k, probs_dtype=c_kv.dtype, backend=backend)
     out = out[:, 0] if absorb else out[:, :, 0]                      # [B, N, T, X]
     return jnp.moveaxis(out, 1, 2)
 
@@ -451,8 +443,9 @@ def prefill_path(cfg, sinks_at_cache_positions: bool = False) -> str:
     """The prompt-attention path a config runs: 'dense', 'tiled' or 'native'.
 
     ``cfg.prefill_impl`` 'native' and 'auto' give 'native' for MHA/GQA/MQA on the CPU
-    backend when :func:`kvjax.native.prefill.load` succeeds ('native' then warns once if
-    it does not; 'auto' may also warn once), else 'tiled'; MLA always runs 'tiled' there
+    backend when the config's plan holds the native prompt-attention kernel
+    (:func:`kvjax.planner.resolve` builds and loads it, and warns once if it cannot),
+    else 'tiled'; MLA always runs 'tiled' there
     (no native MLA kernel), and so does a mesh whose 'model' axis does not divide the KV
     heads (the kernel runs per device on whole KV heads; ``kvjax.parallel.mesh.check``
     refuses 'native' there). 'cudnn' gives 'cudnn' (a chunk into an empty cache; later
@@ -467,11 +460,15 @@ def prefill_path(cfg, sinks_at_cache_positions: bool = False) -> str:
         return "dense"
     if impl == "cudnn":
         return "tiled" if cfg.is_mla or cfg.num_sink_tokens else "cudnn"
+    plan = cfg.execution
+    if impl == "native" and cfg.plan is None and cfg.backend == "cpu" and not cfg.is_mla:
+        raise ValueError("model.prefill_impl='native' on a config without a plan: resolve "
+                         "it with kvjax.planner.resolve (which builds and loads the "
+                         "kernel), or use 'tiled'")
     if (impl in ("native", "auto") and not cfg.is_mla and cfg.backend == "cpu"
-            and cfg.num_kv_heads % seq_attention.axis_size("model") == 0):
-        from kvjax.native import prefill as native_prefill  # noqa: PLC0415
-        if native_prefill.load():
-            return "native"
+            and cfg.num_kv_heads % plan.axis_size(MODEL) == 0
+            and plan.has_native("prefill_attention")):
+        return "native"
     return "tiled"
 
 
@@ -505,7 +502,7 @@ def attend_chunk_sdpa(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.A
     if implementation not in SDPA_IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}; allowed: "
                          f"{SDPA_IMPLEMENTATIONS}")
-    backend = jax.default_backend()
+    backend = backend_lib.current()
     if implementation == "cudnn" and backend != "gpu":
         raise ValueError(f"implementation='cudnn' (prefill_impl='cudnn') on backend "
                          f"{backend!r}; allowed: the 'gpu' backend (cuDNN), else "

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.models import weight_matmul
+from kvjax.plan import Plan
 
 
 class Einsum(nn.Module):
@@ -21,6 +22,8 @@ class Einsum(nn.Module):
       dtype: parameter and output dtype.
       impl: the product's formulation, ``model.weight_matmul`` ('xla', 'native',
         'native_ksplit', 'native_lanes' or 'auto'; :mod:`kvjax.models.weight_matmul`).
+      plan: the config's plan (``ModelConfig.plan``: the picks for 'auto' and whether
+        the native kernel is loaded), or None (the reference).
     """
 
     shape: Sequence[int]
@@ -28,6 +31,7 @@ class Einsum(nn.Module):
     dtype: jnp.dtype = jnp.float32
     merge_in: int = 0
     impl: str = "xla"
+    plan: Plan | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -49,7 +53,8 @@ class Einsum(nn.Module):
         if self.merge_in:
             kernel = kernel.reshape(shape)
             x = x.reshape(x.shape[: x.ndim - self.merge_in] + (shape[0],))
-        return weight_matmul.einsum(self.eqn, x.astype(self.dtype), kernel, self.impl)
+        return weight_matmul.einsum(self.eqn, x.astype(self.dtype), kernel, self.impl,
+                                    self.plan)
 
 
 class RMSNorm(nn.Module):
@@ -106,14 +111,17 @@ class MLP(nn.Module):
     mlp_type: str = "swiglu"
     dtype: jnp.dtype = jnp.float32
     weight_matmul: str = "xla"
+    plan: Plan | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        d, f, wm = self.d_model, self.mlp_dim, self.weight_matmul
-        up = Einsum((d, f), "BTD,DF->BTF", self.dtype, name="up", impl=wm)(x)
+        d, f, wm, pl = self.d_model, self.mlp_dim, self.weight_matmul, self.plan
+        up = Einsum((d, f), "BTD,DF->BTF", self.dtype, name="up", impl=wm, plan=pl)(x)
         if self.mlp_type == "swiglu":
-            gate = Einsum((d, f), "BTD,DF->BTF", self.dtype, name="gate", impl=wm)(x)
+            gate = Einsum((d, f), "BTD,DF->BTF", self.dtype, name="gate", impl=wm,
+                          plan=pl)(x)
             hidden = jax.nn.silu(gate) * up
         else:
             hidden = jax.nn.gelu(up)
-        return Einsum((f, d), "BTF,FD->BTD", self.dtype, name="down", impl=wm)(hidden)
+        return Einsum((f, d), "BTF,FD->BTD", self.dtype, name="down", impl=wm,
+                      plan=pl)(hidden)

@@ -44,14 +44,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
+from kvjax import ops
 from kvjax.config import ModelConfig
-from kvjax.models.attention import weight_dtype
 from kvjax.models import flash
 from kvjax.models.layers import Einsum, RMSNorm, apply_rope
-from kvjax.parallel import seq_attention
+from kvjax.ops import NEG_INF, weight_dtype
+from kvjax.plan import SEQ
 
-NEG_INF = -1e30
+
 
 
 class Kernel(nn.Module):
@@ -133,14 +135,16 @@ def attend_mla(q_main, q_rope, c_kv, k_rope, mask, w_uk, w_uv, absorb: bool,
 
 
 def attend_mla_step(q_main, q_rope, c_old, kr_old, mask_old, c_new, kr_new, w_uk, w_uv,
-                    absorb: bool, scale: float, new_visible=None) -> jax.Array:
+                    absorb: bool, scale: float, new_visible=None,
+                    backend: str | None = None) -> jax.Array:
     """One decode step (T = 1) over the cache's old slots plus the new token.
 
     Same math as :func:`attend_mla` over ``concat(old, new)`` without copying the cache:
     one softmax split into the old scores and the new token's own score (as
     ``attention.attend_step``). The cache is read before the new token is written. The
-    unnormalised weights exp(s - max) enter the product in ``attention.weight_dtype``
-    (float32 on CPU) and the denominator sums them as used.
+    unnormalised weights exp(s - max) enter the product in :func:`kvjax.ops.weight_dtype`
+    of ``backend`` (the config's; None: the process's; float32 on CPU) and the
+    denominator sums them as used.
 
     Args:
       c_old [B, S, C], kr_old [B, S, R]: this layer's cache before the write.
@@ -158,7 +162,7 @@ def attend_mla_step(q_main, q_rope, c_old, kr_old, mask_old, c_new, kr_new, w_uk
     if new_visible is not None:
         s_new = jnp.where(new_visible[:, None, None, None], s_new, NEG_INF)
     m = jnp.maximum(jnp.max(s_old, axis=-1, keepdims=True), s_new)
-    wdt = weight_dtype(c_old.dtype)
+    wdt = weight_dtype(c_old.dtype, backend or backend_lib.current())
     p_old = jnp.where(visible, jnp.exp(s_old - m), 0.0).astype(wdt)
     p_new = jnp.exp(s_new - m)
     if new_visible is not None:
@@ -168,6 +172,33 @@ def attend_mla_step(q_main, q_rope, c_old, kr_old, mask_old, c_new, kr_new, w_uk
              + p_new.astype(jnp.float32))
     return _normalise(_mix(p_old, c_old, w_uv, absorb) + _mix(p_new, c_new, w_uv, absorb),
                       denom)
+
+
+
+def attend_mla_cached_seq(plan, q_main, q_rope, c_old, kr_old, mask_old, c_new, kr_new,
+                          mask_new, w_uk, w_uv, absorb: bool, scale: float) -> jax.Array:
+    """MLA attention of a chunk over (latent slots split over the plan's 'seq' axis ++
+    its own latents): each device's partial softmax state, combined across 'seq'
+    (:func:`kvjax.ops.combine_over`), merged with the chunk's.
+
+    Args: as :func:`attend_mla` with the cache split: c_old [B, S, C] and kr_old
+      [B, S, R] split over 'seq' along S, mask_old [B, T, S]; c_new [B, T, C], kr_new
+      [B, T, R], mask_new [B, T, T]; ``plan`` the config's plan.
+    Returns:
+      float32 [B, T, N, C] (absorbed) or [B, T, N, V] (naive), as :func:`attend_mla`.
+    """
+    def local(c, kr, mask, q_main, q_rope, w_uk, w_uv):
+        s = _scores(q_main, q_rope, c, kr, w_uk, absorb) * scale  # [B, N, T, S]
+        m, e, l = ops.softmax_stats(s, mask[:, None])
+        o = _mix(e, c, w_uv, absorb)  # [B, T, N, X]
+        to_o = lambda x: jnp.swapaxes(x, 1, 2)  # [B, N, T, 1] -> [B, T, N, 1]
+        return to_o(m), to_o(l), o
+
+    rep = (q_main, q_rope, w_uk, w_uv)
+    old = ops.combine_over(SEQ, plan.seq_manual, local,
+                           ((c_old, -2), (kr_old, -2), (mask_old, -1)), rep)
+    new = local(c_new, kr_new, mask_new, *rep)
+    return ops.finish(ops.merge(old, new))
 
 
 class MLAttention(nn.Module):
@@ -184,18 +215,18 @@ class MLAttention(nn.Module):
         cl, r = c.kv_lora_rank, c.qk_rope_head_dim
         nope, v = c.qk_nope_head_dim, c.v_head_dim
         if c.q_lora_rank is None:
-            self.w_q = Einsum((d, n, nope + r), "BTD,DNH->BTNH", dt, impl=wm)
+            self.w_q = Einsum((d, n, nope + r), "BTD,DNH->BTNH", dt, impl=wm, plan=c.plan)
         else:
             q = c.q_lora_rank
-            self.w_dq = Einsum((d, q), "BTD,DQ->BTQ", dt, impl=wm)
+            self.w_dq = Einsum((d, q), "BTD,DQ->BTQ", dt, impl=wm, plan=c.plan)
             self.q_norm = RMSNorm(c.norm_eps, dt)
-            self.w_uq = Einsum((q, n, nope + r), "BTQ,QNH->BTNH", dt, impl=wm)
-        self.w_dkv = Einsum((d, cl), "BTD,DC->BTC", dt, impl=wm)
+            self.w_uq = Einsum((q, n, nope + r), "BTQ,QNH->BTNH", dt, impl=wm, plan=c.plan)
+        self.w_dkv = Einsum((d, cl), "BTD,DC->BTC", dt, impl=wm, plan=c.plan)
         self.kv_norm = RMSNorm(c.norm_eps, dt)
-        self.w_kr = Einsum((d, r), "BTD,DR->BTR", dt, impl=wm)
+        self.w_kr = Einsum((d, r), "BTD,DR->BTR", dt, impl=wm, plan=c.plan)
         self.w_uk = Kernel((n, cl, nope), cl, dt)
         self.w_uv = Kernel((n, cl, v), cl, dt)
-        self.wo = Einsum((n, v, d), "BTNV,NVD->BTD", dt, impl=wm)
+        self.wo = Einsum((n, v, d), "BTNV,NVD->BTD", dt, impl=wm, plan=c.plan)
 
     @property
     def scale(self) -> float:
@@ -259,7 +290,7 @@ class MLAttention(nn.Module):
 
         tiled = dict(w_uk=w_uk, w_uv=w_uv, absorb=absorb, scale=self.scale,
                      window_size=c.window_size, num_sink_tokens=c.num_sink_tokens,
-                     block_q=c.prefill_block_q, block_k=c.prefill_block_k)
+                     block_q=c.prefill_block_q, block_k=c.prefill_block_k, backend=c.backend)
         if cached is None:  # no cache, or an empty one: attend as the cache will hold it
             c_kv, k_rope = cache_lib.read(c, new, "c_kv"), cache_lib.read(c, new, "k_rope")
         if cached is None and flash.prefill_path(c) == "tiled":
@@ -274,15 +305,15 @@ class MLAttention(nn.Module):
             c_old, kr_old = cache_lib.read(c, cached, "c_kv"), cache_lib.read(c, cached, "k_rope")
             c_kv, k_rope = cache_lib.read(c, new, "c_kv"), cache_lib.read(c, new, "k_rope")
             mask_old = cache_lib.attention_mask(positions, cached_positions, c)
-            if seq_attention.seq_shards() > 1:  # cache split over a mesh's 'seq' axis
-                out = seq_attention.attend_mla_cached(
-                    q_main, q_rope, c_old, kr_old, mask_old, c_kv, k_rope,
+            if c.execution.seq_shards > 1:  # cache split over the mesh's 'seq' axis
+                out = attend_mla_cached_seq(
+                    c.execution, q_main, q_rope, c_old, kr_old, mask_old, c_kv, k_rope,
                     cache_lib.attention_mask(positions, positions, c), w_uk, w_uv, absorb,
                     self.scale)
             elif t == 1:
                 out = attend_mla_step(q_main, q_rope, c_old, kr_old, mask_old, c_kv, k_rope,
                                       w_uk, w_uv, absorb, self.scale,
-                                      new_visible=positions[:, 0] >= 0)
+                                      new_visible=positions[:, 0] >= 0, backend=c.backend)
             elif flash.prefill_path(c) == "tiled":
                 out = flash.attend_mla_chunk(q_main, q_rope, c_kv, k_rope, positions,
                                              c_old=c_old, kr_old=kr_old,

@@ -49,7 +49,7 @@ class Block(nn.Module):
         x = x + h
         h = RMSNorm(c.norm_eps, dt, name="mlp_norm")(x)
         x = x + MLP(c.d_model, c.mlp_dim, c.mlp_type, dt, name="mlp",
-                    weight_matmul=c.weight_matmul)(h)
+                    weight_matmul=c.weight_matmul, plan=c.plan)(h)
         # The write must follow this layer's read of the cache: tie it to the output.
         # min(|x|, 0) is 0 for any finite or infinite x; XLA does not fold it away.
         dep = jnp.minimum(jnp.abs(x[0, 0, 0]), 0)
@@ -124,10 +124,11 @@ class DecoderLM(nn.Module):
                 x, jnp.maximum(num_valid - 1, 0)[:, None, None], axis=1)
         x = RMSNorm(c.norm_eps, dt, name="final_norm")(x)
         if c.tie_embeddings:
-            logits = weight_matmul.einsum("BTD,VD->BTV", x, embed.embedding, c.weight_matmul)
+            logits = weight_matmul.einsum("BTD,VD->BTV", x, embed.embedding, c.weight_matmul,
+                                          c.plan)
         else:
             logits = Einsum((c.d_model, c.vocab_size), "BTD,DV->BTV", dt, name="lm_head",
-                            impl=c.weight_matmul)(x)
+                            impl=c.weight_matmul, plan=c.plan)(x)
         logits = logits.astype(jnp.float32)
 
         if cache is None:
@@ -178,11 +179,12 @@ def init_params(cfg: ModelConfig, rng: jax.Array | int = 0):
 def param_shapes(cfg: ModelConfig):
     """Parameters as ShapeDtypeStructs, without allocating (for cost analysis).
 
-    Traced with the 'xla' formulations: they do not change the parameters, and 'auto'
-    would have the planner measure (and report) a one-token product class the run may
-    never execute."""
+    Traced with the reference formulations and no plan: they do not change the
+    parameters."""
     tokens = jnp.zeros((1, 1), jnp.int32)
-    plain = cfg.replace(decode_attention="xla", weight_matmul="xla")
+    plain = cfg.replace(decode_attention="xla", weight_matmul="xla", plan=None,
+                        prefill_impl="tiled" if cfg.prefill_impl == "native" else
+                        cfg.prefill_impl)
     return jax.eval_shape(
         lambda: DecoderLM(plain).init(jax.random.key(0), tokens, tokens)["params"])
 

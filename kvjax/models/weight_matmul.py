@@ -5,8 +5,8 @@ With few rows the product should cost the weight's bytes over the memory bandwid
 whatever M (the weight is read once for all rows), until M is large enough for the
 FLOPs to dominate: step time = max(bytes / bandwidth, FLOPs / peak), the roofline of
 Williams et al. 2009 (:func:`kvjax.analysis.theory.step_time`). XLA:CPU's dot kernels
-re-read the weight as M grows (issue 18: SmolLM2's weight dots at B = 16 took 2.4x B = 1
-on a 2-core AMD EPYC). Formulations:
+re-read the weight as M grows (docs/results/: SmolLM2's weight dots at B = 16 against
+B = 1). Formulations:
 
 * ``'xla'``: ``jnp.einsum`` (the reference).
 * ``'native'``: :func:`kvjax.native.rows_matmul.rows_matmul`, a register-blocked FMA
@@ -15,16 +15,18 @@ on a 2-core AMD EPYC). Formulations:
   Several rows against a [K, N] weight are split by output columns.
 * ``'native_ksplit'``: the same kernel, several rows against a [K, N] weight split by
   the weight's K rows (each thread reads one contiguous stretch; partial rows added at
-  the end). On a 2-core Intel Xeon it took 0.66-0.71x the column split's time on
-  SmolLM2's 30-layer chain at M = 16; on a 2-core AMD EPYC it measured no better. One
-  row, and [N, K] weights, run as under 'native'.
+  the end). Faster than the column split on some CPUs (docs/results/). One row, and
+  [N, K] weights, run as under 'native'.
 * ``'native_lanes'``: the same kernel, several rows against an [N, K] weight (the tied
   LM head) held in the vector lanes, each weight element broadcast once, instead of
-  register tiles of dot products summed across the lanes. On the Intel Xeon, one
-  thread, M = 16, SmolLM2's [49152, 576] head from DRAM: 11.1 ms against 18.9. One
-  row, and [K, N] weights, run as under 'native'.
-* ``'auto'``: the fastest of those that apply, measured per shape class on this machine
-  (:func:`kvjax.planner.weight_matmul`).
+  register tiles of dot products summed across the lanes. One row, and [K, N] weights,
+  run as under 'native'.
+* ``'auto'``: the pick of the config's plan for the product's shape class
+  (:func:`kvjax.plan.weight_class`), measured before tracing by
+  :func:`kvjax.planner.resolve`; 'xla' where the plan has none.
+
+Which formulation runs is decided by :func:`choose`, from the plan alone: nothing is
+measured or built while a program is traced.
 
 :func:`einsum` takes the equation of a projection written as ``<rows><contracted>,
 <contracted><out>-><rows><out>`` (weights stored [in, out]: every :class:`Einsum`
@@ -40,7 +42,11 @@ import math
 import jax
 import jax.numpy as jnp
 
+from kvjax import plan as plan_lib
 from kvjax.config import WEIGHT_MATMUL as IMPLS  # the config's list: one home
+from kvjax.native import rows_matmul as rm
+
+NATIVE = ("native", "native_ksplit", "native_lanes")  # the kernel's formulations
 
 
 def check_impl(impl: str) -> str:
@@ -74,7 +80,49 @@ def split_eqn(eqn: str, x_ndim: int, w_ndim: int) -> tuple[int, int, str] | None
     return None
 
 
-def einsum(eqn: str, x: jax.Array, w: jax.Array, impl: str = "xla") -> jax.Array:
+def applies(formulation: str, m: int, layout: str) -> str:
+    """The formulation that really runs for ``formulation`` on M rows and ``layout``:
+    'native_ksplit' is 'native' unless M > 1 and 'kn'; 'native_lanes' is 'native' unless
+    M > 1 and 'nk' (the kernel runs those cases alike); others are themselves."""
+    if formulation == "native_ksplit" and (layout != "kn" or m == 1):
+        return "native"
+    if formulation == "native_lanes" and (layout != "nk" or m == 1):
+        return "native"
+    return formulation
+
+
+def choose(impl: str, m: int, k: int, n: int, layout: str, plan: plan_lib.Plan | None) -> str:
+    """The formulation ('xla' or one of :data:`NATIVE`) of one float32 product of M rows
+    with a K x N weight (``layout`` 'kn' or 'nk') for ``model.weight_matmul=impl``, read
+    from ``plan`` (the config's; None: the reference).
+
+    'xla' -> 'xla'. Where the plan holds no loaded native kernel or M exceeds
+    :data:`kvjax.native.rows_matmul.MAX_ROWS`: 'xla'. A 'native*' formulation -> the one
+    that runs (:func:`applies`). 'auto' -> the plan's pick for the class, 'xla' if none.
+
+    Raises:
+      ValueError: an unknown impl; a 'native*' formulation on a config without a plan
+        (the kernel is only loaded by :func:`kvjax.planner.resolve`).
+    """
+    check_impl(impl)
+    if impl == "xla":
+        return "xla"
+    if plan is None:
+        if impl in NATIVE:
+            raise ValueError(f"model.weight_matmul={impl!r} on a config without a plan: "
+                             "resolve it with kvjax.planner.resolve (which builds and "
+                             "loads the kernel), or use 'xla'")
+        return "xla"
+    if not plan.has_native("rows_matmul") or not 0 < m <= rm.MAX_ROWS:
+        return "xla"
+    if impl in NATIVE:
+        return applies(impl, m, layout)
+    return applies(plan.weight_matmul_for(plan_lib.weight_class(m, k, n, layout)), m,
+                   layout)
+
+
+def einsum(eqn: str, x: jax.Array, w: jax.Array, impl: str = "xla",
+           plan: plan_lib.Plan | None = None) -> jax.Array:
     """``jnp.einsum(eqn, x, w)`` by formulation ``impl`` (see the module docstring).
 
     Args:
@@ -82,10 +130,11 @@ def einsum(eqn: str, x: jax.Array, w: jax.Array, impl: str = "xla") -> jax.Array
       x: [rows..., contracted...] activations.
       w: the weight, [contracted..., out...] or [out..., contracted...].
       impl: one of :data:`IMPLS`.
+      plan: the config's plan (:func:`choose`), or None.
     Returns:
       The einsum's result in ``x``'s dtype promoted with ``w``'s (as ``jnp.einsum``).
     Raises:
-      ValueError: an unknown impl.
+      ValueError: an unknown impl; a native one without a plan (:func:`choose`).
     """
     check_impl(impl)
     if impl == "xla" or x.dtype != jnp.float32 or w.dtype != jnp.float32:
@@ -98,11 +147,9 @@ def einsum(eqn: str, x: jax.Array, w: jax.Array, impl: str = "xla") -> jax.Array
     m, k = math.prod(rows_shape), math.prod(c_shape)
     out_shape = w.shape[nc:] if layout == "kn" else w.shape[: w.ndim - nc]
     n = math.prod(out_shape)
-    from kvjax import planner  # noqa: PLC0415 (planner imports the models)
-    choice = planner.weight_matmul(impl, m, k, n, layout)
+    choice = choose(impl, m, k, n, layout, plan)
     if not choice.startswith("native"):
         return jnp.einsum(eqn, x, w)
-    from kvjax.native import rows_matmul as rm  # noqa: PLC0415
     w2 = w.reshape((k, n) if layout == "kn" else (n, k))
     split = "k" if choice == "native_ksplit" else "columns"
     return rm.rows_matmul(x.reshape(m, k), w2, layout, split,

@@ -2,9 +2,12 @@
 
 :func:`load` compiles ``decode_attention.cc`` (``g++ -O3 -march=native -fopenmp``)
 into the kvjax cache directory (``$KVJAX_CACHE`` or ``~/.cache/kvjax``, under
-``native/<hash of source, compiler, flags and CPU>``), loads it and registers its XLA FFI
-handler. Without a compiler, or if the build fails, it warns once and returns None, and
-kvjax uses its pure-XLA formulations (``kvjax/models/decode_kernels.py``).
+``native/<build key>``: :func:`build_key`, a hash of the source, the shared headers, the
+compiler, flags, CPU, the jaxlib version and its XLA FFI headers), loads it, registers its
+XLA FFI handler and runs one small real call of the kernel (a smoke call, checked against
+its known answer). Without a compiler, or if the build, the load or the smoke call fails,
+it warns once and returns False, and kvjax uses its pure-XLA formulations
+(``kvjax/models/decode_kernels.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +57,28 @@ def headers() -> str:
     return "\n".join(p.read_text() for p in sorted(_SOURCE.parent.glob("*.h")))
 
 
+def ffi_headers() -> str:
+    """The text of the XLA FFI headers the kernels compile against (every ``*.h`` under
+    ``jax.ffi.include_dir()``, sorted by path): part of every build key, since a library
+    built against another jaxlib's FFI may load and then fail at its first call."""
+    import jax.ffi  # noqa: PLC0415
+    root = pathlib.Path(jax.ffi.include_dir())
+    return "\n".join(f"{p.relative_to(root)}\n{p.read_text(errors='replace')}"
+                      for p in sorted(root.rglob("*.h")))
+
+
+def build_key(source: pathlib.Path, cxx: str, compiler_version: str) -> str:
+    """16 hex digits naming one build of ``source``: the sha256 of its text, the shared
+    headers (:func:`headers`), the compiler ``cxx`` and its ``--version`` text, the flags,
+    the CPU (:func:`machine_id`), ``jaxlib.__version__`` and the XLA FFI headers
+    (:func:`ffi_headers`). A change in any of them builds a new library."""
+    import jaxlib  # noqa: PLC0415
+    return hashlib.sha256("\n".join(
+        [source.read_text(), headers(), cxx, compiler_version, " ".join(_FLAGS),
+         machine_id(), f"jaxlib {jaxlib.__version__}", ffi_headers()]).encode()
+    ).hexdigest()[:16]
+
+
 def _build(out: pathlib.Path, cxx: str, source: pathlib.Path = _SOURCE) -> None:
     import jax.ffi  # noqa: PLC0415
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -68,17 +93,13 @@ def _build(out: pathlib.Path, cxx: str, source: pathlib.Path = _SOURCE) -> None:
 
 def build_library(source: pathlib.Path, name: str) -> pathlib.Path | None:
     """The shared library ``lib<name>.so`` built from ``source`` (built if missing, under
-    ``<cache_root>/native/<hash of source, shared headers, compiler and its version,
-    flags, CPU>/``), or None without a compiler. Raises RuntimeError naming the compiler's
-    command and its errors when the build fails."""
+    ``<cache_root>/native/<build_key(...)>/``), or None without a compiler. Raises
+    RuntimeError naming the compiler's command and its errors when the build fails."""
     cxx = _compiler()
     if cxx is None:
         return None
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\n".join(
-        [source.read_text(), headers(), cxx, version, " ".join(_FLAGS), machine_id()]).encode()
-    ).hexdigest()[:16]
-    out = cache_root() / "native" / key / f"lib{name}.so"
+    out = cache_root() / "native" / build_key(source, cxx, version) / f"lib{name}.so"
     if not out.exists():
         print(f"kvjax: building {source.name} with {os.path.basename(cxx)} (once per "
               f"machine and source; into {out.parent})", file=sys.stderr, flush=True)
@@ -93,13 +114,15 @@ def library_path() -> pathlib.Path | None:
 
 
 def register(state: dict, lock: threading.Lock, build, target: str, symbol: str,
-             what: str, fallback: str) -> bool:
+             what: str, fallback: str, smoke=None) -> bool:
     """Builds (``build()``: a library path, or None without a compiler), loads and
-    registers the FFI target ``target`` (the library's handler ``symbol``) on CPU, once
-    per process (the answer is kept in ``state['ok']``). Returns True when it is
-    available; False, with one warning naming ``what`` and the cause and saying
-    ``fallback``, when there is no compiler, the build or load failed, or
-    ``KVJAX_NATIVE=0``. Never raises."""
+    registers the FFI target ``target`` (the library's handler ``symbol``) on CPU, then
+    runs ``smoke()`` (one small real call of the kernel on the CPU device that raises
+    unless the answer is right; None: none), once per process (the answer is kept in
+    ``state['ok']``). Returns True when it is available; False, with one warning naming
+    ``what`` and the cause and saying ``fallback``, when there is no compiler, the build,
+    load or smoke call failed (e.g. a library built for another jaxlib), or
+    ``KVJAX_NATIVE=0``. Never raises (a crash inside the library cannot be caught)."""
     with lock:
         if "ok" in state:
             return state["ok"]
@@ -116,6 +139,11 @@ def register(state: dict, lock: threading.Lock, build, target: str, symbol: str,
                     jax.ffi.register_ffi_target(
                         target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                     state["lib"] = lib
+                    if smoke is not None:
+                        try:
+                            _run_smoke(smoke)
+                        except Exception as e:  # noqa: BLE001
+                            raise RuntimeError(f"its smoke call failed: {e}") from e
                     ok = True
             except Exception as e:  # noqa: BLE001 (any failure -> the XLA fallback)
                 warnings.warn(f"{what} unavailable ({e}); {fallback}", stacklevel=3)
@@ -123,13 +151,50 @@ def register(state: dict, lock: threading.Lock, build, target: str, symbol: str,
         return ok
 
 
+def _run_smoke(smoke) -> None:
+    """Runs ``smoke()`` concretely on the CPU device, also when called while tracing."""
+    import jax  # noqa: PLC0415
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):
+        smoke()
+
+
+def check_close(what: str, got, want, tol: float = 1e-5) -> None:
+    """Raises RuntimeError naming ``what`` unless ``got`` is finite and equals ``want``
+    (arrays of the same shape) to ``tol`` relative + absolute: a smoke call's check."""
+    import numpy as np  # noqa: PLC0415
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape or not np.isfinite(got).all() or not np.allclose(
+            got, want, rtol=tol, atol=tol):
+        raise RuntimeError(f"{what} gave {got.ravel()[:8].tolist()} (shape "
+                           f"{list(got.shape)}); expected {want.ravel()[:8].tolist()}")
+
+
+def _smoke() -> None:
+    """One decode-attention call (B = K = G = 1, H = 8, two visible slots, q = 0): scores
+    0, so m = 0, l = 2 and o = the sum of the two value rows."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    f32 = jnp.float32
+    v = np.arange(16, dtype=np.float32).reshape(1, 1, 2, 8)
+    out = (jax.ShapeDtypeStruct((1, 1, 1, 8), f32), jax.ShapeDtypeStruct((1, 1, 1), f32),
+           jax.ShapeDtypeStruct((1, 1, 1), f32))
+    o, m, l = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
+        jnp.zeros((1, 1, 1, 8), f32), jnp.ones((1, 1, 2, 8), f32), jnp.asarray(v),
+        jnp.ones((1, 2), jnp.bool_), k_bksh=np.int64(1), v_bksh=np.int64(1),
+        scale=np.float32(8 ** -0.5), threads=np.int64(1))
+    check_close("decode attention's smoke call (m, l)", [float(m[0, 0, 0]),
+                                                        float(l[0, 0, 0])], [0.0, 2.0])
+    check_close("decode attention's smoke call (o)", o[0, 0, 0], v[0, 0].sum(0))
+
+
 def load() -> bool:
     """Builds (once per machine), loads and registers the FFI target :data:`TARGET` on
-    CPU. Returns True when it is available; False (with one warning naming the cause)
-    when there is no compiler or the build or load failed. Set ``KVJAX_NATIVE=0`` to
-    skip it."""
+    CPU, and runs one small call of it. Returns True when it is available; False (with
+    one warning naming the cause) when there is no compiler or the build, load or smoke
+    call failed. Set ``KVJAX_NATIVE=0`` to skip it."""
     return register(_state, _lock, library_path, TARGET, "KvjaxDecodeAttention",
-                    "kvjax native kernels", "using the XLA formulations")
+                    "kvjax native kernels", "using the XLA formulations", smoke=_smoke)
 
 
 def num_threads() -> int:

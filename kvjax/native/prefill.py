@@ -26,7 +26,8 @@ import threading
 import numpy as np
 
 from kvjax import native as _native
-from kvjax.models import flash
+from kvjax import backend as backend_lib
+from kvjax.ops import check_window
 from kvjax.native import num_threads
 
 TARGET = "kvjax_prefill_attention"
@@ -44,19 +45,38 @@ def library_path() -> pathlib.Path | None:
     return _native.build_library(SOURCE, "kvjax_prefill_attention")
 
 
+def _smoke() -> None:
+    """One call: a chunk of T = 1 token (B = K = G = 1, H = 8) over an empty cache (one
+    dummy slot at position -1) attends only to itself, so its output is its value."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    f32 = jnp.float32
+    v = np.arange(8, dtype=np.float32).reshape(1, 1, 1, 8) - 3.5
+    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((1, 1, 1, 1, 8), f32),
+                           vmap_method="sequential")(
+        jnp.ones((1, 1, 1, 1, 8), f32), jnp.ones((1, 1, 1, 8), f32), jnp.asarray(v),
+        jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1, 1, 8), f32),
+        jnp.zeros((1, 1, 1, 8), f32), jnp.full((1, 1), -1, jnp.int32),
+        k_bksh=np.int64(1), v_bksh=np.int64(1), scale=np.float32(8 ** -0.5),
+        window=np.int64(0), sinks=np.int64(0), has_old=np.int64(0), threads=np.int64(1))
+    _native.check_close("prefill attention's smoke call", out[0, 0, 0, 0], v[0, 0, 0])
+
+
 def load() -> bool:
-    """Builds (once per machine), loads and registers :data:`TARGET` on CPU. True when
-    it is available; False, with one warning naming the cause, when there is no
-    compiler, the build or load failed, or ``KVJAX_NATIVE=0``."""
+    """Builds (once per machine), loads and registers :data:`TARGET` on CPU, and runs one
+    small call of it. True when it is available; False, with one warning naming the
+    cause, when there is no compiler, the build, load or smoke call failed, or
+    ``KVJAX_NATIVE=0``."""
     return _native.register(_state, _lock, library_path, TARGET, "KvjaxPrefillAttention",
-                            "kvjax native prefill attention", "using the XLA tiled path")
+                            "kvjax native prefill attention", "using the XLA tiled path",
+                            smoke=_smoke)
 
 
 def attend_chunk(q, k, v, positions, *, k_old=None, v_old=None, old_positions=None,
                  k_layout: str = "BKSH", v_layout: str = "BKSH",
                  window_size: int | None = None, num_sink_tokens: int = 0):
     """Grouped-query attention (MHA/GQA/MQA) of a chunk over (old slots ++ itself) in one
-    fused custom call; the same function as :func:`kvjax.models.flash.attend_chunk`.
+    fused custom call; the same function as ``kvjax.models.flash.attend_chunk``.
 
     Args:
       q: [B, T, K, G, H] rotated queries (any float dtype; computed in float32).
@@ -85,12 +105,12 @@ def attend_chunk(q, k, v, positions, *, k_old=None, v_old=None, old_positions=No
     for name, lay in (("k_layout", k_layout), ("v_layout", v_layout)):
         if lay not in ("BKSH", "BKHS"):
             raise ValueError(f"{name}={lay!r}; allowed: ('BKSH', 'BKHS')")
-    flash.check_window(window_size, num_sink_tokens)
+    check_window(window_size, num_sink_tokens)
     if q.ndim != 5 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}; allowed: q [B, T, K, G, "
                          "H], k and v rank 4")
-    if jax.default_backend() != "cpu":
-        raise RuntimeError(f"prefill_impl='native' on backend {jax.default_backend()!r}; "
+    if backend_lib.current() != "cpu":
+        raise RuntimeError(f"prefill_impl='native' on backend {backend_lib.current()!r}; "
                            "allowed: 'cpu' (use 'tiled' elsewhere)")
     if not load():
         raise RuntimeError("prefill_impl='native': the native library could not be built "

@@ -32,11 +32,23 @@ def library_path() -> pathlib.Path | None:
     return native.build_library(SOURCE, "kvjax_rows_matmul")
 
 
+def _smoke() -> None:
+    """One product of each layout, [2, 8] x [8, 16], against numpy."""
+    x = np.arange(16, dtype=np.float32).reshape(2, 8) / 16
+    w = np.arange(128, dtype=np.float32).reshape(8, 16) / 128 - 0.5
+    native.check_close("rows_matmul's smoke call (kn)",
+                       _call(jnp.asarray(x), jnp.asarray(w), "kn", "columns", False), x @ w)
+    native.check_close("rows_matmul's smoke call (nk)",
+                       _call(jnp.asarray(x), jnp.asarray(w.T.copy()), "nk", "columns", False),
+                       x @ w)
+
+
 def load() -> bool:
-    """Builds (once per machine), loads and registers :data:`TARGET`. True when available;
-    False with one warning naming the cause otherwise."""
+    """Builds (once per machine), loads and registers :data:`TARGET`, and runs one small
+    product of each layout (:func:`kvjax.native.register`'s smoke call). True when
+    available; False with one warning naming the cause otherwise."""
     return native.register(_state, _lock, library_path, TARGET, "KvjaxRowsMatmul",
-                           "kvjax rows_matmul", "weight products use XLA")
+                           "kvjax rows_matmul", "weight products use XLA", smoke=_smoke)
 
 
 SPLITS = ("columns", "k")

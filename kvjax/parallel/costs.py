@@ -29,6 +29,11 @@ from kvjax.analysis import hlo_cost, theory
 from kvjax.config import MeshConfig, ModelConfig
 from kvjax.parallel import collectives as coll_lib
 from kvjax.parallel import programs
+from kvjax.analysis import costs as single
+from kvjax.inference import decode
+from kvjax.parallel import specs as specs_lib
+from kvjax.parallel.mesh import kv_heads_sharded
+from kvjax.parallel.specs import cache_tensor_spec
 
 
 def _shards(spec: P, mesh) -> int:
@@ -157,8 +162,6 @@ def measure_sharded_step(cfg: ModelConfig, mcfg: MeshConfig, params, context: in
     """
     import time  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
-    from kvjax.analysis import costs as single  # noqa: PLC0415
-    from kvjax.parallel import specs as specs_lib  # noqa: PLC0415
     mm = programs.build(cfg, mcfg, batch, context, devices=devices)
     cshard = specs_lib.shardings(mm.mesh, mm.cache_specs)
     cache = jax.jit(functools.partial(single.full_cache, cfg, batch, context),
@@ -194,7 +197,6 @@ def cache_shapes(cfg: ModelConfig, mcfg: MeshConfig, batch: int, num_slots: int)
 
 
 def specs_axes(cfg, mcfg, name) -> tuple:
-    from kvjax.parallel.specs import cache_tensor_spec  # noqa: PLC0415
     return tuple(cache_tensor_spec(cfg, mcfg, name))
 
 
@@ -211,13 +213,12 @@ def _roofline_ici(mm, params, token, cache):
       module declares [V, D]); and the all-reduces GSPMD inserts for 'model' are made
       after the jaxpr, so the jaxpr has no 'model' collective to count anyway.
     * 'data' / 'seq' meshes: parameters are replicated, so Flax sees their full shapes;
-      the 'seq' combine (:func:`kvjax.parallel.seq_attention.over_seq`) runs its body
-      directly when 'seq' is already manual, so its pmax / psums are counted per axis.
+      the 'seq' combine (:func:`kvjax.ops.combine_over`) runs its body directly when the
+      plan says 'seq' is already manual, so its pmax / psums are counted per axis.
     """
     from jax.experimental import roofline as jroof  # noqa: PLC0415
     from jax._src.lax import parallel as lax_parallel  # noqa: PLC0415
-    from kvjax.inference import decode  # noqa: PLC0415
-    # the seq-sharded cache write (seq_attention.write) asks for its shard's index: a
+    # the seq-sharded cache write (kvjax.cache.write_seq_sharded) asks for its shard's index: a
     # scalar, no traffic; without a rule roofline logs ~10 lines per layer about it
     jroof.register_standard_roofline(lax_parallel.axis_index_p)
     if mm.mcfg.model > 1:
@@ -232,7 +233,10 @@ def _roofline_ici(mm, params, token, cache):
         lambda s: P(*[a if a is None or mm.mesh.shape[a] > 1 else None for a in s]), tree,
         is_leaf=lambda x: isinstance(x, P))
     try:
-        fn = functools.partial(decode.decode_step.__wrapped__, cfg=mm.cfg)
+        plan = mm.cfg.execution
+        manual = [a for a, _ in plan.mesh_axes]  # the shard_map body: every live axis
+        cfg = mm.cfg.replace(plan=plan.on_mesh(dict(plan.mesh_axes), manual))
+        fn = functools.partial(decode.decode_step.__wrapped__, cfg=cfg)
         with jax.set_mesh(mm.mesh):
             _, res = jroof.roofline(fn, mm.mesh, in_specs=live((mm.param_specs, P("data"),
                                                                 mm.cache_specs)),
@@ -249,7 +253,6 @@ def theory_per_device(cfg: ModelConfig, mcfg: MeshConfig, t: int, batch: int = 1
     TP = mesh.model; the cache is split by data (its rows), seq (its slots) and model
     when the KV heads split. Bytes at context t, ``cfg``'s dtypes.
     """
-    from kvjax.parallel.mesh import kv_heads_sharded  # noqa: PLC0415
     kv_split = mcfg.data * mcfg.seq * (mcfg.model if kv_heads_sharded(cfg, mcfg) else 1)
     w = theory.weight_bytes_per_step(cfg)
     kv = theory.kv_cache_bytes(cfg, t, batch)

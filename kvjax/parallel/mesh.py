@@ -92,7 +92,7 @@ def check(cfg: ModelConfig, mcfg: MeshConfig, batch_size: int | None = None,
     (``rope_positions='cache'``) are not sequence-sharded; ``model.weight_matmul`` is
     none of the 'native*' ones (the kernel is a custom call XLA cannot partition);
     ``model.prefill_impl`` is not 'native' when ``model`` does not divide K (the native prompt kernel runs per
-    device on whole KV heads, :func:`kvjax.parallel.seq_attention.per_device`).
+    device on whole KV heads, :func:`kvjax.ops.per_device`).
     """
     def fail(field, value, allowed):
         raise ConfigError(f"invalid config: {field}={value!r}; allowed: {allowed}")
@@ -101,7 +101,7 @@ def check(cfg: ModelConfig, mcfg: MeshConfig, batch_size: int | None = None,
     if not mcfg.trivial and cfg.weight_matmul.startswith("native"):
         # the native few-row kernel is a custom call XLA cannot partition: it would
         # all-gather every weight each step, silently undoing the tensor parallelism
-        # ('auto' resolves to 'xla' under a mesh, kvjax.planner.weight_matmul)
+        # ('auto' resolves to 'xla' under a mesh, kvjax.planner.resolve)
         fail("model.weight_matmul", cfg.weight_matmul,
              "'xla' or 'auto' on a mesh (the native kernel is single-device)")
     if not mcfg.trivial and cfg.decode_attention == "native":
@@ -120,7 +120,7 @@ def check(cfg: ModelConfig, mcfg: MeshConfig, batch_size: int | None = None,
         if cfg.vocab_size % m:
             fail("mesh.model", m, f"a divisor of model.vocab_size={cfg.vocab_size}")
         if not cfg.is_mla and cfg.num_kv_heads % m and cfg.prefill_impl == "native":
-            # the kernel runs per device on whole KV heads (seq_attention.per_device)
+            # the kernel runs per device on whole KV heads (kvjax.ops.per_device)
             fail("model.prefill_impl", cfg.prefill_impl,
                  f"'tiled', 'dense' or 'auto' when mesh.model={m} does not divide "
                  f"model.num_kv_heads={cfg.num_kv_heads} (the native kernel runs on each "

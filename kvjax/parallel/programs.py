@@ -3,8 +3,10 @@ and single step, jitted with NamedShardings for parameters, cache and tokens.
 
 The cache goes in and comes out with the same sharding (``out_shardings`` pins it), so the
 donated buffers are updated in place on every device and the cache is never gathered.
-Each call and each ``lower`` runs under ``jax.set_mesh(mesh)``, which is how the attention
-layers see a 'seq' axis (:mod:`kvjax.parallel.seq_attention`).
+Each call and each ``lower`` runs under ``jax.set_mesh(mesh)``; the mesh's axes reach the
+attention layers through the config's plan (:func:`kvjax.planner.resolve` with the mesh's
+axes): a 'seq' axis splits the cache's slots, and 'data' / 'model' split a native
+kernel's call per device.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kvjax import cache as cache_lib
+from kvjax import planner
 from kvjax.config import MeshConfig, ModelConfig, SamplingConfig
 from kvjax.inference import decode
 from kvjax.models import model as model_lib
 from kvjax.parallel import mesh as mesh_lib
 from kvjax.parallel import specs as specs_lib
+from kvjax.inference import ragged
 
 
 class _OnMesh:
@@ -131,7 +135,6 @@ class MeshedModel:
         """(params, tokens [B, T] int32 right-padded, lengths [B] int32, ragged cache) ->
         (logits [B, V] float32 at each row's last real token, cache)
         (``kvjax.inference.ragged.prefill_ragged_program``; no host checks)."""
-        from kvjax.inference import ragged  # noqa: PLC0415
         d = self.sharding(P("data"))
         fn = jax.jit(functools.partial(ragged.prefill_ragged_program.__wrapped__,
                                        cfg=self.cfg),
@@ -143,7 +146,6 @@ class MeshedModel:
         """(params, first_token [B], ragged cache, budgets [B], row_keys [B], eos_id []) ->
         (tokens [B, buf_len] int32, counts [B] int32, cache)
         (``kvjax.inference.ragged.generate_ragged_program``)."""
-        from kvjax.inference import ragged  # noqa: PLC0415
         d = self.sharding(P("data"))
         fn = jax.jit(functools.partial(ragged.generate_ragged_program.__wrapped__,
                                        cfg=self.cfg, sampling=sampling,
@@ -160,7 +162,8 @@ def _cache_spec(cfg, batch_size, max_seq_len, ragged):
 
 def build(cfg: ModelConfig, mcfg: MeshConfig, batch_size: int, max_seq_len: int,
           devices=None, params=None, ragged: bool = False) -> MeshedModel:
-    """Checks ``cfg`` against the mesh and builds the mesh, the specs and the units.
+    """Checks ``cfg`` against the mesh and builds the mesh, the specs and the units;
+    ``cfg``'s plan is resolved for the mesh (:func:`kvjax.planner.resolve`).
     ``ragged``: the cache keeps per-row lengths (:mod:`kvjax.inference.ragged`).
 
     Raises:
@@ -171,6 +174,8 @@ def build(cfg: ModelConfig, mcfg: MeshConfig, batch_size: int, max_seq_len: int,
     mesh_lib.check(cfg, mcfg, batch_size, cache_lib.num_slots(cfg, max_seq_len))
     devices, note = mesh_lib.mesh_devices(mcfg, devices)
     mesh = mesh_lib.make_mesh(mcfg, devices)
+    cfg = planner.resolve(cfg, max_seq_len=max_seq_len, batch_sizes=(batch_size,),
+                          mesh_axes=dict(mesh.shape))
     params = model_lib.param_shapes(cfg) if params is None else params
     cache = _cache_spec(cfg, batch_size, max_seq_len, ragged)
     return MeshedModel(cfg, mcfg, mesh, batch_size, max_seq_len,
