@@ -75,3 +75,13 @@ def test_shipped_configs_build():
         run = run_config_from_dict(mod.get_config())
         assert run.model.num_kv_heads == k
     assert run_config_from_dict(blog.get_config()).weights == "random"
+
+
+@pytest.mark.parametrize("field", ["max_seq_len", "cost_context"])
+def test_positions_past_the_float32_exact_range_are_refused(field):
+    c = gqa.get_config()
+    setattr(c, field, 2 ** 24)
+    assert getattr(run_config_from_dict(c), field) == 2 ** 24
+    setattr(c, field, 2 ** 24 + 1)
+    with pytest.raises(ConfigError, match=rf"{field}=16777217; allowed: at most 16,777,216"):
+        run_config_from_dict(c)

@@ -48,6 +48,13 @@ def test_decode_entry_point_blog_shrunk(tmp_path):
         == result["kv_cache_bytes_per_sequence"] == 2 * 8 * 128 * 4 * 64
     assert result["new_tokens"] == 4
     assert "XLA/theory" in proc.stdout
+    # the counted figure puts the native kernels back beside XLA's own (issue 32, item 13)
+    for what in ("token", "step"):
+        assert result[f"counted_bytes_per_{what}"] >= result[f"xla_bytes_per_{what}"] > 0
+        assert result[f"counted_flops_per_{what}"] >= result[f"xla_flops_per_{what}"] > 0
+    if not result["kernel_custom_calls"]:
+        assert result["counted_bytes_per_token"] == result["xla_bytes_per_token"]
+    assert "plan" in result["model"]  # the resolved plan is saved with the run
 
 
 PARIS_ARGS = ["--config=configs/gqa.py", "--config.max_new_tokens=3",

@@ -413,12 +413,20 @@ class DecodeResult:
             "loop_seconds_per_token": c.loop_seconds_per_token,
             "loop_timing": {"steps": list(c.loop_timing["steps"]),
                             "call_overhead_s": c.loop_timing["call_overhead_s"]},
+            # XLA's own figures leave the native kernels' custom calls out (XLA costs
+            # them -1); counted_* add their FLOP (from their shapes) and operand + result
+            # bytes: the figure to put beside theory (the report's '(+kernels)' rows)
             "xla_flops_per_token": loop.xla.flops, "xla_bytes_per_token": loop.xla.bytes,
+            "counted_flops_per_token": loop.xla.flops + loop.xla.uncosted_flops,
+            "counted_bytes_per_token": loop.xla.bytes + loop.xla.uncosted_bytes,
+            "kernel_custom_calls": sorted(set(loop.xla.custom_calls)),
             "theory_flops_per_token": loop.theory_flops,
             "theory_bytes_per_token": loop.theory_bytes,
             "loop_memory": loop.memory, "loop_once_per_call": loop.once_per_call,
             # the single step, compiled and called on its own
             "xla_flops_per_step": s.xla.flops, "xla_bytes_per_step": s.xla.bytes,
+            "counted_flops_per_step": s.xla.flops + s.xla.uncosted_flops,
+            "counted_bytes_per_step": s.xla.bytes + s.xla.uncosted_bytes,
             "xla_raw_flops_per_step": s.xla.raw_flops, "xla_raw_bytes_per_step": s.xla.raw_bytes,
             "theory_flops_per_step": s.theory_flops, "theory_bytes_per_step": s.theory_bytes,
             "step_seconds_median": c.step_seconds_median,

@@ -50,10 +50,12 @@ class Block(nn.Module):
         h = RMSNorm(c.norm_eps, dt, name="mlp_norm")(x)
         x = x + MLP(c.d_model, c.mlp_dim, c.mlp_type, dt, name="mlp",
                     weight_matmul=c.weight_matmul, plan=c.plan)(h)
-        # The write must follow this layer's read of the cache: tie it to the output.
+        # The write must follow this layer's read of the cache: tie it to the output, row
+        # by row (a NaN in one row must not reach another row's cache entries).
         # min(|x|, 0) is 0 for any finite or infinite x; XLA does not fold it away.
-        dep = jnp.minimum(jnp.abs(x[0, 0, 0]), 0)
-        new = {n: t + dep.astype(t.dtype) for n, t in new.items()}
+        dep = jnp.minimum(jnp.abs(x[:, 0, 0]), 0)  # [B]
+        new = {n: t + dep.reshape((-1,) + (1,) * (t.ndim - 1)).astype(t.dtype)
+               for n, t in new.items()}
         return x, new
 
 
