@@ -609,19 +609,21 @@ class RunConfig:
             _fail("system_prompt_file", self.system_prompt_file, "a readable text file")
 
     def check_fits(self, prompt_tokens: int) -> None:
-        """Raises ConfigError unless prompt + max_new_tokens fit in the cache.
-
-        The cache's slot policy decides (a windowed ring never fills, so any length fits).
+        """Raises ConfigError unless the tokens the run writes fit in the cache: the
+        prompt and max_new_tokens - 1 (:func:`kvjax.cache.policy.written_tokens`, the
+        rule every decoding path uses). The cache's slot policy decides (a windowed ring
+        never fills, so any length fits).
         """
         # imported here: cache/ imports this module (the slot policy lives there)
-        from kvjax.cache.policy import CacheOverflowError, policy_for  # noqa: PLC0415
-        need = prompt_tokens + self.max_new_tokens
+        from kvjax.cache import policy  # noqa: PLC0415
+        need = policy.written_tokens(prompt_tokens, self.max_new_tokens)
         try:
-            policy_for(self.model).check_room(0, need, self.max_seq_len, "decode")
-        except CacheOverflowError:
+            policy.policy_for(self.model).check_room(0, need, self.max_seq_len, "decode")
+        except policy.CacheOverflowError:
             _fail("max_seq_len", self.max_seq_len,
                   f"at least prompt tokens ({prompt_tokens}) + max_new_tokens "
-                  f"({self.max_new_tokens}) = {need}")
+                  f"({self.max_new_tokens}) - 1 = {need} (the last new token is never "
+                  "written)")
 
 
 def _plain(d: Any) -> dict:

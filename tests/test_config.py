@@ -64,10 +64,10 @@ def test_prompt_plus_budget_must_fit_max_seq_len():
     c.max_seq_len = 20
     c.max_new_tokens = 16
     run = run_config_from_dict(c)
-    run.check_fits(4)
+    run.check_fits(5)  # 5 + 16 - 1 = 20 written: the last new token never is
     with pytest.raises(ConfigError, match=r"max_seq_len=20; allowed: at least prompt tokens "
-                                          r"\(5\) \+ max_new_tokens \(16\) = 21"):
-        run.check_fits(5)
+                                          r"\(6\) \+ max_new_tokens \(16\) - 1 = 21"):
+        run.check_fits(6)
 
 
 def test_shipped_configs_build():

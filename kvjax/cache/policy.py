@@ -26,6 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def written_tokens(prompt_tokens: int, max_new_tokens: int) -> int:
+    """Tokens a generation writes into the cache: the prompt, then every new token but
+    the last (each step writes the token before the one it samples; the last one sampled
+    is never written). The one length rule of every decoding path (the main job, the
+    ragged loop, the slot engine): a run fits when this many tokens fit."""
+    return int(prompt_tokens) + max(int(max_new_tokens) - 1, 0)
+
+
 class CacheOverflowError(ValueError):
     """A prefill or generation would write past the end of a dense cache."""
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import planner
+from kvjax.cache.policy import written_tokens
 from kvjax.config import ModelConfig, SamplingConfig
 from kvjax.inference import ragged
 from kvjax.models import model as model_lib
@@ -241,7 +242,8 @@ class Engine:
             raise ValueError(f"request {req.id}: max_new_tokens={req.max_new_tokens}; "
                              "allowed: an integer >= 1")
         cache_lib.policy_for(self.cfg).check_room(
-            0, len(req.prompt) + int(req.max_new_tokens) - 1, self.num_cache_slots,
+            0, written_tokens(len(req.prompt), req.max_new_tokens),
+            self.num_cache_slots,
             f"request {req.id} ({len(req.prompt)} prompt tokens + "
             f"{req.max_new_tokens} new)")
 
