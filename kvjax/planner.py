@@ -202,10 +202,10 @@ def _flusher():
     return probe.once
 
 
-def _time(fns: dict, args: tuple, rounds: int, budget_s: float,
-          flush=None) -> dict[str, float]:
-    """Median seconds of each compiled fn, timed in interleaved rounds after 2 warm-ups;
-    ``flush()`` (untimed) before every timed call when given."""
+def _time_all(fns: dict, args: tuple, rounds: int, budget_s: float,
+              flush=None) -> dict[str, list[float]]:
+    """Seconds of each timed call of each compiled fn, in interleaved rounds after 2
+    warm-ups; ``flush()`` (untimed) before every timed call when given."""
     for _ in range(2):
         for f in fns.values():
             jax.block_until_ready(f(*args))
@@ -220,15 +220,41 @@ def _time(fns: dict, args: tuple, rounds: int, budget_s: float,
             times[n].append(time.perf_counter() - t0)
         if r >= 2 and time.perf_counter() - start > budget_s:
             break
-    return {n: statistics.median(t) for n, t in times.items()}
+    return times
 
 
-def _pick(secs: dict[str, float]) -> str:
+def _time(fns: dict, args: tuple, rounds: int, budget_s: float,
+          flush=None) -> dict[str, float]:
+    """Median seconds of each compiled fn (:func:`_time_all`)."""
+    return {n: statistics.median(t) for n, t in _time_all(fns, args, rounds, budget_s,
+                                                          flush).items()}
+
+
+MIN_GAIN = 0.03
+"""The least relative gain over 'xla' a pick must show, whatever its spread."""
+
+
+def spread(times: list[float]) -> float:
+    """The relative spread of one candidate's timed calls: (75th - 25th percentile) /
+    median (0 for fewer than 3 calls)."""
+    if len(times) < 3:
+        return 0.0
+    q = statistics.quantiles(times, n=4)
+    return (q[2] - q[0]) / statistics.median(times)
+
+
+def _pick(secs: dict[str, float], spreads: dict[str, float] | None = None) -> str:
     """The fastest of ``secs`` ({name: median s}), or 'xla' when it was timed and the
-    fastest beats it by under 3% (within noise of the reference: keep the reference)."""
+    fastest does not beat it by more than its noise: by at least :data:`MIN_GAIN` and by
+    more than the larger relative spread of the two (:func:`spread` of their calls;
+    ``spreads`` None: :data:`MIN_GAIN` alone). A pick inside the noise measured nothing
+    but the noise: keep the reference."""
     best = min(secs, key=secs.get)
-    if "xla" in secs and best != "xla" and secs[best] > 0.97 * secs["xla"]:
-        best = "xla"
+    if "xla" in secs and best != "xla":
+        spreads = spreads or {}
+        noise = max([MIN_GAIN] + [spreads.get(n, 0.0) for n in (best, "xla")])
+        if secs[best] > (1 - noise) * secs["xla"]:
+            best = "xla"
     return best
 
 
@@ -275,9 +301,10 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
             raise ValueError(f"candidates={tuple(candidates)!r}: none applies to this "
                              f"attention ({jnp.dtype(dtype).name} {k_layout}/{v_layout}, "
                              f"backend {backend}); allowed: 'xla' always applies")
-        secs = _time(fns, args, rounds, budget_s, _flusher() if cold else None)
+        calls = _time_all(fns, args, rounds, budget_s, _flusher() if cold else None)
+    secs = {n: statistics.median(t) for n, t in calls.items()}
     nbytes = b * k * s * (h + v) * jnp.dtype(dtype).itemsize
-    best = _pick(secs)
+    best = _pick(secs, {n: spread(t) for n, t in calls.items()})
     return {"choice": best, "gbps": {n: round(nbytes / t / 1e9, 2) for n, t in secs.items()},
             "seconds": {n: t for n, t in secs.items()}, "slots": s}
 
@@ -287,17 +314,21 @@ def _cached_choice(memo: dict, name: str, key: dict, path, entries: dict, measur
     """The choice for shape class ``name``: read from ``entries`` (the planner cache at
     ``path``), else measured by ``measure_fn()`` (a dict with 'choice') and written back
     with what the file holds by then (:func:`_save`; a write failure only warns).
-    Remembered in ``memo`` for this process. ``allowed`` as in :func:`load_cache`."""
-    fresh = name not in entries
+    Remembered in ``memo`` for this process. ``allowed`` as in :func:`load_cache`.
+
+    A cached pick measured under load (:func:`under_load` of its recorded load average)
+    is measured again once the machine is quiet; until then every report says so
+    (:func:`_when`)."""
+    load = _load_average()
+    fresh = name not in entries or (under_load(entries[name].get("load_average"))
+                                    and not under_load(load))
     if fresh:
         print(f"kvjax planner: measuring the formulations of {name} on this machine "
               f"(once; cached in {path})", file=sys.stderr, flush=True)
         entries[name] = measure_fn()
         entries[name]["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
-        try:  # other jobs on the cores skew a pick: kept beside it, printed with it
-            entries[name]["load_average"] = round(os.getloadavg()[0], 2)
-        except OSError:
-            pass
+        if load is not None:  # other jobs on the cores skew a pick: kept beside it
+            entries[name]["load_average"] = round(load, 2)
         try:
             _save(path, key, entries, allowed)
         except OSError as e:
@@ -306,15 +337,34 @@ def _cached_choice(memo: dict, name: str, key: dict, path, entries: dict, measur
     return entries[name]["choice"]
 
 
+BUSY_LOAD_PER_CORE = 0.5
+"""A pick counts as measured under load when the 1-minute load average, read just
+before it was measured, exceeded this many runnable jobs per usable core."""
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def under_load(load) -> bool:
+    """Whether a load average (None: unknown) means other jobs held the cores."""
+    return isinstance(load, (int, float)) and load > BUSY_LOAD_PER_CORE * native.num_threads()
+
+
 def _when(e: dict) -> str:
-    """'measured now' or 'cached <date>', and the load average then: a pick is one
-    measurement, kept until the machine, jax or the kernel changes (noise-level picks,
-    or picks made while other jobs held the cores, stay as they fell: delete the cache
-    file to measure again)."""
+    """'measured now' or 'cached <date>', the load average then, and whether that was
+    under load: a pick is kept until the machine, jax or the kernel changes, except one
+    measured under load, which is measured again on a quiet machine (delete the cache
+    file to measure everything again)."""
     when = "measured now" if e.get("fresh") else f"cached {e.get('measured_at', '')}".strip()
     load = e.get("load_average")
     return when + (f", load average {load:.1f} on {native.num_threads()} cores"
-                   if isinstance(load, (int, float)) else "")
+                   if isinstance(load, (int, float)) else "") + (
+        " (measured under load: measured again when the machine is quiet)"
+        if under_load(load) else "")
 
 
 def _decode_pick(cfg: ModelConfig, b: int, s: int, mesh: bool) -> str:
@@ -567,9 +617,10 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
         if not fns:
             raise ValueError(f"candidates={tuple(candidates)!r}: none applies to M={m}, "
                              f"layout={layout!r}; allowed: {WEIGHT_CANDIDATES}")
-        secs = _time(fns, (x, w), rounds, budget_s, _flusher() if cold else None)
+        calls = _time_all(fns, (x, w), rounds, budget_s, _flusher() if cold else None)
+    secs = {n_: statistics.median(t) for n_, t in calls.items()}
     nbytes = 4 * k * n * copies
-    best = _pick(secs)
+    best = _pick(secs, {n_: spread(t) for n_, t in calls.items()})
     return {"choice": best, "gbps": {n_: round(nbytes / t / 1e9, 2) for n_, t in secs.items()},
             "gflops": {n_: round(2 * m * nbytes / 4 / t / 1e9, 2) for n_, t in secs.items()},
             "seconds": dict(secs), "copies": copies}

@@ -44,6 +44,13 @@ def planner_home(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.fixture(autouse=True)
+def _planner_ignores_the_load(monkeypatch):
+    """The suite's own workers load the cores: picks are not re-measured for it (the
+    tests of that rule set the load themselves, tests/test_planner_noise.py)."""
+    monkeypatch.setattr(planner, "_load_average", lambda: None)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drops JAX's compiled programs after each test module: the suite compiles thousands
