@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from kvjax.cache import KVCache, policy_for
 from kvjax.config import ModelConfig, SamplingConfig
 from kvjax.models import model as model_lib
-from kvjax.inference.sampling import sample_logits
+from kvjax.inference.sampling import NONFINITE, sample_logits
 
 __all__ = ["check_room", "prefill", "generate",
            "prefill_program", "generate_program", "decode_step", "token_buffer_len"]
@@ -161,9 +161,9 @@ def generate_program(params, first_token, cache, num_steps, rng, eos_id, *, cfg,
         nxt = sample_logits(logits[:, 0], key, sampling)
         nxt = jnp.where(done, eos_id, nxt)
         buf = jax.lax.dynamic_update_slice(buf, nxt[:, None], (0, i))
-        return i + 1, buf, cache, nxt, done | (nxt == eos_id), rng
+        return i + 1, buf, cache, nxt, done | (nxt == eos_id) | (nxt == NONFINITE), rng
 
-    done0 = first_token == eos_id
+    done0 = (first_token == eos_id) | (first_token == NONFINITE)
     state = (jnp.zeros((), jnp.int32), buf, cache, first_token, done0, rng)
     steps, buf, cache, _, _, _ = jax.lax.while_loop(cond, body, state)
     return buf, steps, cache
@@ -175,7 +175,9 @@ def generate(params, cfg: ModelConfig, first_token: jax.Array, cache: KVCache,
     """Generates up to ``num_steps`` tokens after ``first_token`` in one compiled loop.
 
     Each step feeds the previous token, appends its key/value to the cache and samples the
-    next one. A row stops at ``eos_id`` (later entries repeat eos_id); the loop ends when
+    next one. A row stops at ``eos_id`` (later entries repeat eos_id), or where its logits
+    are not finite (that entry is :data:`kvjax.inference.sampling.NONFINITE`, later ones
+    eos_id); the loop ends when
     every row has stopped or after ``num_steps`` steps. One compilation serves any
     ``num_steps`` up to the cache length (windowed caches: any number of steps, which may
     wrap the ring many times; one compilation per power-of-two bucket of ``num_steps``).

@@ -39,6 +39,7 @@ from kvjax import planner
 from kvjax.cache.policy import written_tokens
 from kvjax.config import ModelConfig, SamplingConfig
 from kvjax.inference import ragged
+from kvjax.inference.sampling import NONFINITE
 from kvjax.models import model as model_lib
 
 __all__ = ["Request", "Completion", "EngineStats", "Engine", "insert_program",
@@ -60,8 +61,10 @@ class Request:
 @dataclasses.dataclass
 class Completion:
     """A finished request: its generated ``tokens`` (EOS included when it stopped there),
-    ``stop`` ('eos' or 'budget'), the slot it used (None: finished at its prefill), and
-    seconds since the run started: ``first_token_s``, ``finish_s``."""
+    ``stop`` ('eos', 'budget', or 'nonfinite': its logits were not finite, and its last
+    token is :data:`kvjax.inference.sampling.NONFINITE`), the slot it used (None:
+    finished at its prefill), and seconds since the run started: ``first_token_s``,
+    ``finish_s``."""
 
     id: int
     prompt_len: int
@@ -113,6 +116,13 @@ class EngineStats:
     def mean_live_kv_bytes(self) -> float:
         """Mean bytes of KV held by occupied rows per decode step."""
         return self.live_kv_byte_steps / self.steps if self.steps else 0.0
+
+
+def _stop(last: int, eos_id: int) -> str:
+    """Why a request that ended on token ``last`` stopped: 'nonfinite' (its logits were
+    not finite; the token is :data:`kvjax.inference.sampling.NONFINITE`), 'eos' or
+    'budget'."""
+    return "nonfinite" if last == NONFINITE else "eos" if last == eos_id else "budget"
 
 
 def prefill_bucket(n: int, minimum: int = 16) -> int:
@@ -178,7 +188,7 @@ def decode_steps_program(params, cache, last, active, remaining, count, keys, eo
         buf = jax.lax.dynamic_update_slice(buf, nxt[:, None], (0, i))
         step = active.astype(jnp.int32)
         count, remaining = count + step, remaining - step
-        finished = active & ((nxt == eos_id) | (remaining <= 0))
+        finished = active & ((nxt == eos_id) | (nxt == NONFINITE) | (remaining <= 0))
         return (i + 1, buf, cache, jnp.where(active, nxt, last), active & ~finished,
                 remaining, count, freed | jnp.any(finished), occ, held)
 
@@ -341,8 +351,8 @@ class Engine:
                 first, row = self.prefill(req)
                 stats.prefills += 1
                 first_s[req.id], gen[req.id] = time.perf_counter() - start, [first]
-                if first == self.eos_id or req.max_new_tokens == 1:
-                    finish(req, "eos" if first == self.eos_id else "budget", None)
+                if first in (self.eos_id, NONFINITE) or req.max_new_tokens == 1:
+                    finish(req, _stop(first, self.eos_id), None)
                     continue
                 self.cache = insert_program(self.cache, row, jnp.int32(slot))
                 slot_req[slot] = req
@@ -368,10 +378,9 @@ class Engine:
             for slot in np.nonzero(active)[0]:
                 req = slot_req[slot]
                 toks = buf[slot, :n]
-                gen[req.id].extend(int(t) for t in toks[toks >= 0])
+                gen[req.id].extend(int(t) for t in toks[(toks >= 0) | (toks == NONFINITE)])
                 if not new_active[slot]:
-                    stop = "eos" if gen[req.id][-1] == self.eos_id else "budget"
-                    finish(req, stop, int(slot))
+                    finish(req, _stop(gen[req.id][-1], self.eos_id), int(slot))
                     slot_req[slot] = None
             last, active = np.array(last_d), new_active.copy()
             remaining, count = np.array(rem_d), np.array(count_d)

@@ -36,7 +36,7 @@ import numpy as np
 
 from kvjax.cache import KVCache, policy_for
 from kvjax.config import ModelConfig, SamplingConfig
-from kvjax.inference.sampling import sample_logits
+from kvjax.inference.sampling import NONFINITE, sample_logits
 from kvjax.models import model as model_lib
 
 __all__ = ["pad_prompts", "check_ragged_cache", "prefill_ragged_program", "prefill_ragged",
@@ -188,10 +188,10 @@ def generate_ragged_program(params, first_token, cache, budgets, row_keys, eos_i
         nxt = jnp.where(active, nxt, -1)
         buf = jax.lax.dynamic_update_slice(buf, nxt[:, None], (0, i))
         count = count + active.astype(jnp.int32)
-        done = done | (nxt == eos_id) | (count >= budgets)
+        done = done | (nxt == eos_id) | (nxt == NONFINITE) | (count >= budgets)
         return i + 1, buf, cache, jnp.where(active, nxt, last), done, count
 
-    done0 = (first_token == eos_id) | (budgets <= 0)
+    done0 = (first_token == eos_id) | (first_token == NONFINITE) | (budgets <= 0)
     count0 = jnp.zeros((batch,), jnp.int32)
     state = (jnp.zeros((), jnp.int32), buf, cache, first_token, done0, count0)
     _, buf, cache, _, _, count = jax.lax.while_loop(cond, body, state)
@@ -205,7 +205,8 @@ def generate_ragged(params, cfg: ModelConfig, first_token, cache: KVCache, budge
     """Generates up to ``budgets[b]`` tokens after ``first_token[b]`` per row, in one loop.
 
     Each row continues its own cache at its own position and stops at ``eos_id`` (the EOS
-    token is kept) or its budget; stopped rows are neither written nor advanced. The loop
+    token is kept), where its logits are not finite (the entry is
+    :data:`kvjax.inference.sampling.NONFINITE`) or at its budget; stopped rows are neither written nor advanced. The loop
     ends when every row has stopped.
 
     Args:

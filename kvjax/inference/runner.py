@@ -167,6 +167,10 @@ class Generation:
     # cache bytes one device holds (= kv_cache_bytes on one device)
     mesh_note: str | None = None
     kv_cache_bytes_per_device: int = 0
+    # why row 0 stopped: 'eos', 'budget' or 'nonfinite' (its logits were not finite at
+    # new token nonfinite_at, counted from 0; the tokens before it are kept)
+    stop_reason: str = "budget"
+    nonfinite_at: int | None = None
 
 
 @dataclasses.dataclass
@@ -263,11 +267,18 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
     ran = int(ran)
 
     out = [int(first[0])] + [int(t) for t in np.asarray(buf[0, :ran])]
-    if eos in out:
-        out = out[: out.index(eos)]
+    stop, nonfinite_at, notes = "budget", None, []
+    if sampling.NONFINITE in out:
+        nonfinite_at = out.index(sampling.NONFINITE)
+        out, stop = out[:nonfinite_at], "nonfinite"
+        notes.append(f"row 0's logits were not finite at new token {nonfinite_at}: it "
+                     "stopped there (stop reason 'nonfinite'); the tokens before it are "
+                     "kept")
+        warnings.warn(notes[-1], RuntimeWarning, stacklevel=2)
+    elif eos in out:
+        out, stop = out[: out.index(eos)], "eos"
     text = tok.decode(out)
-    notes = []
-    if not out:
+    if not out and stop != "nonfinite":
         notes.append(
             f"the generation stopped with 0 new tokens: the first token sampled was "
             f"end-of-sequence ({tok.id_to_token(eos)!r}, id {eos})" + (
@@ -292,7 +303,8 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
                                                   for c in chunk_cs.values()],
         mesh_note=mm.note if mm is not None else None,
         kv_cache_bytes_per_device=sum(x.addressable_shards[0].data.nbytes
-                                      for x in jax.tree.leaves(cache.tensors)))
+                                      for x in jax.tree.leaves(cache.tensors)),
+        stop_reason=stop, nonfinite_at=nonfinite_at)
 
 
 def cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> CostReport:

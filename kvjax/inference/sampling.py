@@ -73,8 +73,22 @@ def _sorted_filtered(logits: jax.Array, sampling: SamplingConfig):
     return xs, order.astype(jnp.int32)
 
 
+NONFINITE = -2
+"""The token id every loop emits for a row whose logits are not finite (and stops that
+row there, with stop reason 'nonfinite'): never a plausible token id."""
+
+
+def nonfinite_rows(logits: jax.Array) -> jax.Array:
+    """[B] bool: rows of ``logits`` [B, V] with a NaN or +inf, or with every entry -inf
+    (no token to sample)."""
+    bad = jnp.isnan(logits) | (logits == jnp.inf)
+    return jnp.any(bad, axis=-1) | jnp.all(logits == -jnp.inf, axis=-1)
+
+
 def sample_logits(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig) -> jax.Array:
-    """Picks the next token of each row by the module's rule.
+    """Picks the next token of each row by the module's rule; :data:`NONFINITE` for a row
+    whose logits are not finite (:func:`nonfinite_rows`), never a token id made up from
+    NaNs.
 
     Args:
       logits: [B, V] float (any float dtype; computed in float32).
@@ -84,8 +98,12 @@ def sample_logits(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig) -
         the top_k (0: off; clamped to V) and top_p (1: off) filters of the module
         docstring. Static under jit: a new config compiles a new program.
     Returns:
-      [B] int32 token ids.
+      [B] int32 token ids (or :data:`NONFINITE`).
     """
+    return jnp.where(nonfinite_rows(logits), NONFINITE, _sample(logits, rng, sampling))
+
+
+def _sample(logits, rng, sampling):
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not sampling.top_k and sampling.top_p >= 1.0:
@@ -93,7 +111,7 @@ def sample_logits(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig) -
         return jax.random.categorical(rng, x, axis=-1).astype(jnp.int32)
     xs, order = _sorted_filtered(logits, sampling)
     pos = jax.random.categorical(rng, xs, axis=-1)
-    return jnp.take_along_axis(order, pos[:, None], axis=-1)[:, 0]
+    return jnp.take_along_axis(order, pos[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
 def sampling_probs(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
