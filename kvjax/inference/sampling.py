@@ -80,9 +80,9 @@ row there, with stop reason 'nonfinite'): never a plausible token id."""
 
 def nonfinite_rows(logits: jax.Array) -> jax.Array:
     """[B] bool: rows of ``logits`` [B, V] with a NaN or +inf, or with every entry -inf
-    (no token to sample)."""
-    bad = jnp.isnan(logits) | (logits == jnp.inf)
-    return jnp.any(bad, axis=-1) | jnp.all(logits == -jnp.inf, axis=-1)
+    (no token to sample): exactly the rows whose maximum is not finite (``max``
+    propagates NaN), one reduction."""
+    return ~jnp.isfinite(jnp.max(logits, axis=-1))
 
 
 def sample_logits(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig) -> jax.Array:
