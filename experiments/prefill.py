@@ -56,7 +56,9 @@ _OUT = flags.DEFINE_string("out_dir", "results/prefill", "Where prefill.json goe
 
 
 def point(cfg, t: int, max_seq_len: int) -> dict:
-    """Compiled figures of one T (theory, XLA, and XLA with the custom call counted)."""
+    """Compiled figures of one T (theory, XLA, and XLA with the custom call counted),
+    with ``cfg``'s plan (resolved here when it has none)."""
+    cfg = costs.planned(cfg, 1, max_seq_len, (t,))
     step = costs.analyze_prefill(cfg, t, max_seq_len)
     parts = step.theory_parts["bytes"]
     flops_k, bytes_k = costs.prefill_with_kernel(step)
@@ -77,9 +79,10 @@ def point(cfg, t: int, max_seq_len: int) -> dict:
 def time_interleaved(cfgs, t: int, max_seq_len: int, repeats: int) -> dict:
     """{prefill_impl: [seconds]}: one warm-up each, then ``repeats`` rounds that run
     every config's compiled prefill once in turn (so machine noise hits all alike)."""
+    cfgs = [costs.planned(c, 1, max_seq_len, (t,)) for c in cfgs]
     params = model.init_params(cfgs[0], 0)
     tokens = jnp.ones((1, t), jnp.int32)
-    progs = {c.prefill_impl: (c, decode._prefill.lower(
+    progs = {c.prefill_impl: (c, decode.prefill_program.lower(
         params, tokens, cache_lib.init_cache(c, 1, max_seq_len), cfg=c,
         fresh=True).compile()) for c in cfgs}
     times = {impl: [] for impl in progs}

@@ -62,7 +62,7 @@ def test_unrolled_decode_step_fp32_matches_theory_at_4096():
 def test_generate_loop_corrected_flops_scale_with_steps_and_raw_does_not():
     cfg = presets.blog_model(dtype="float32", vocab_size=512, num_layers=2, scan_layers=False)
     params, cache = model.param_shapes(cfg), cache_lib.cache_spec(cfg, 1, 256)
-    compiled = decode._generate.lower(
+    compiled = decode.generate_program.lower(
         params, jax.ShapeDtypeStruct((1,), jnp.int32), cache, jnp.int32(0),
         jax.random.key(0), jnp.int32(0), cfg=cfg, sampling=SamplingConfig()).compile()
     reports = {n: hlo_cost.loop_aware_cost(compiled, default_trip_count=n) for n in (1, 4, 16)}

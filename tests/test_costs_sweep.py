@@ -225,7 +225,7 @@ def test_jaxpr_view_corrects_scans_and_while_loops():
     small = blog(num_layers=1, vocab_size=256)
     args = costs._generate_args(small, 1, 64)
     gen = lambda n: roofline.jaxpr_cost(  # noqa: E731
-        lambda *a: decode._generate(*a, cfg=small, sampling=SamplingConfig()),
+        lambda *a: decode.generate_program(*a, cfg=small, sampling=SamplingConfig()),
         *args, while_trip_count=n)
     g1, g4, g16 = gen(1), gen(4), gen(16)
     assert g1.raw["flops"] == 0

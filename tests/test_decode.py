@@ -56,7 +56,7 @@ def test_generate_matches_recomputing_greedy_reference(setup):
 
 def test_generate_loop_traces_once_for_1_4_16_steps(setup):
     cfg, params = setup
-    traced = chex.assert_max_traces(decode._generate.__wrapped__, n=1)
+    traced = chex.assert_max_traces(decode.generate_program.__wrapped__, n=1)
     jitted = jax.jit(traced, static_argnames=("cfg", "sampling"), donate_argnames=("cache",))
     for n in (1, 4, 16):
         c = cache_lib.init_cache(cfg, 1, 32)

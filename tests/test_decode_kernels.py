@@ -12,6 +12,20 @@ from kvjax import native, planner, presets
 from kvjax.config import ConfigError
 from kvjax.models import decode_kernels
 from kvjax.models.attention import attend_step
+from kvjax.plan import Plan
+
+
+def _choice(cfg, k, v, mesh=False):
+    """The formulation a traced decode step of ``cfg`` over caches shaped ``k``/``v``
+    runs: for 'auto' the pick planner.resolve puts in the plan (planner._decode_pick,
+    measured or read from the planner cache), else decode_kernels.choose with a plan
+    holding the native kernel when it loads."""
+    b, _, s, _, _ = decode_kernels.cache_dims(k, v, cfg.cache_layout("k"),
+                                              cfg.cache_layout("v"))
+    if cfg.decode_attention == "auto":
+        return planner._decode_pick(cfg, b, s, mesh)
+    plan = Plan(native=("decode_attention",) if native.load() else ())
+    return decode_kernels.choose(cfg.replace(plan=plan), k, v)
 
 LAYOUTS = [("BKSH", "BKSH"), ("BKHS", "BKSH"), ("BKSH", "BKHS"), ("BKHS", "BKHS")]
 CPU_IMPLS = [i for i in ("xla_cache_left", "native")]
@@ -134,7 +148,7 @@ def test_model_decode_with_window_matches_reference(impl):
         pytest.skip("native kernel not built")
     logits = {}
     for name in ("xla", impl):
-        cfg = base.replace(decode_attention=name)
+        cfg = planner.resolve(base.replace(decode_attention=name), max_seq_len=32)
         params = model.init_params(cfg, 0)
         cache = cache_lib.init_cache(cfg, 1, 32)
         toks = jnp.arange(12, dtype=jnp.int32)[None] % 64
@@ -172,7 +186,7 @@ def test_explicit_formulation_that_cannot_run_raises():
     cfg = presets.blog_model("float32", decode_attention="native", backend="cpu")
     k = jax.ShapeDtypeStruct((1, 8, 64, 4096), jnp.bfloat16)
     with pytest.raises(ValueError, match="decode_attention='native' cannot run"):
-        planner.decode_attention(cfg, k, k)
+        _choice(cfg, k, k)
 
 
 def _fake_measure(calls):
@@ -192,9 +206,9 @@ def test_planner_measures_once_then_reads_its_cache(planner_home, monkeypatch):
     k = jax.ShapeDtypeStruct((1, 2, 64, 4096), jnp.float32)  # BKHS keys, 2 MiB
     v = jax.ShapeDtypeStruct((1, 2, 4096, 64), jnp.float32)
     assert cfg.cache_layout("k") == "BKHS"
-    assert planner.decode_attention(cfg, k, v) == "xla_cache_left"
+    assert _choice(cfg, k, v) == "xla_cache_left"
     planner.clear_memo()
-    assert planner.decode_attention(cfg, k, v) == "xla_cache_left"
+    assert _choice(cfg, k, v) == "xla_cache_left"
     assert calls == [(1, 2, 4, 4096)]  # measured once; the second answer came from disk
     path = planner.cache_path()
     data = json.loads(path.read_text())
@@ -236,7 +250,7 @@ def test_planner_flushes_the_caches_before_every_timed_call(monkeypatch, cold):
             events.append("flush")
         return flush
     monkeypatch.setattr(planner, "_flusher", flusher)
-    real_time = planner._time
+    real_time = planner._time_all
 
     def spy(fns, args, rounds, budget_s, flush=None):
         wrapped = {}
@@ -246,7 +260,7 @@ def test_planner_flushes_the_caches_before_every_timed_call(monkeypatch, cold):
                 return f(*a)
             wrapped[n] = call
         return real_time(wrapped, args, rounds, budget_s, flush)
-    monkeypatch.setattr(planner, "_time", spy)
+    monkeypatch.setattr(planner, "_time_all", spy)
     planner.measure(1, 2, 4, 64, 64, 512, jnp.float32, "BKHS", "BKSH", rounds=3,
                     budget_s=0.0, cold=cold)
     timed = events[events.index("flush"):] if cold else events[6:]  # after 2 warm-ups
@@ -292,7 +306,7 @@ def test_corrupt_or_foreign_planner_cache_is_ignored(planner_home, monkeypatch, 
     k = jax.ShapeDtypeStruct((1, 2, 64, 4096), jnp.float32)
     v = jax.ShapeDtypeStruct((1, 2, 4096, 64), jnp.float32)
     with pytest.warns(UserWarning, match="ignoring planner cache"):
-        assert planner.decode_attention(cfg, k, v) == "xla_cache_left"
+        assert _choice(cfg, k, v) == "xla_cache_left"
     assert len(calls) == 1  # re-measured, and the file rewritten as this machine's
     assert json.loads(path.read_text())["machine"] == key
     planner.clear_memo()
@@ -329,16 +343,17 @@ def test_small_caches_and_other_backends_skip_measuring(monkeypatch):
     cfg = presets.blog_model("float32", num_kv_heads=2, attention="gqa", backend="cpu",
                              decode_attention="auto")
     tiny = jax.ShapeDtypeStruct((1, 2, 64, 16), jnp.float32)
-    assert planner.decode_attention(cfg, tiny, tiny.update(shape=(1, 2, 16, 64))) == "xla"
+    assert _choice(cfg, tiny, tiny.update(shape=(1, 2, 16, 64))) == "xla"
     gpu = presets.blog_model("float32", num_kv_heads=2, attention="gqa", backend="gpu",
                              decode_attention="auto")
     big = jax.ShapeDtypeStruct((1, 2, 4096, 64), jnp.float32)
-    assert planner.decode_attention(gpu, big, big) == "pallas"
-    assert planner.decode_attention(gpu.replace(window_size=512), big, big) == "xla"
+    assert _choice(gpu, big, big) == "pallas"
+    assert _choice(gpu.replace(window_size=512), big, big) == "xla"
     # under a multi-device mesh: the partitioned einsums, never the unsplittable kernel
     big_k = jax.ShapeDtypeStruct((1, 2, 64, 4096), jnp.float32)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("seq",))):
-        assert planner.decode_attention(cfg, big_k, big) == "xla"
+    assert _choice(cfg, big_k, big, mesh=True) == "xla"
+    meshed = planner.resolve(cfg, max_seq_len=4096, mesh_axes={"seq": 2})
+    assert [impl for _, impl in meshed.plan.decode_attention] == ["xla"]
 
 
 @pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")

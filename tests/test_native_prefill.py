@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax import planner
 from kvjax import cache as cache_lib
 from kvjax.analysis import costs, theory
 from kvjax.config import ConfigError, ModelConfig
@@ -124,7 +125,9 @@ def test_model_native_equals_dense_and_writes_the_same_cache(name):
     over the filled cache (old slots; the window wraps): native logits and cache = the
     dense path's."""
     scan = name == "gqa"
-    native = ModelConfig(**CASES[name], scan_layers=scan, prefill_impl="native")
+    native = planner.resolve(ModelConfig(**CASES[name], scan_layers=scan,
+                                         prefill_impl="native"),
+                             max_seq_len=16, batch_sizes=(2,), rows=(32, 22, 10))
     dense = native.replace(prefill_impl="dense")
     assert flash.prefill_path(native) == "native"
     params = params_of(name, scan)
@@ -139,7 +142,9 @@ def test_model_native_equals_dense_and_writes_the_same_cache(name):
 
 @pytest.mark.parametrize("name", ["window-sinks"])
 def test_chunked_prefill_equals_one_shot(name):
-    cfg = ModelConfig(**CASES[name], scan_layers=False, prefill_impl="native")
+    cfg = planner.resolve(ModelConfig(**CASES[name], scan_layers=False,
+                                      prefill_impl="native"), max_seq_len=20)
+    assert flash.prefill_path(cfg) == "native"
     params = params_of(name, False)
     tokens = jax.random.randint(jax.random.key(2), (1, 15), 0, 97)
     one_logits, one = decode.prefill(params, cfg, tokens, cache_lib.init_cache(cfg, 1, 20))
@@ -158,12 +163,17 @@ def test_chunked_prefill_equals_one_shot(name):
 
 def test_paths_mla_auto_and_the_fallback_warns_once(monkeypatch):
     """MLA and sinks at cache positions have no native path; 'auto' picks native where
-    it builds; a failed build gives one warning and the tiled path, same logits."""
+    it builds; a failed build gives one warning (when the plan is resolved) and the
+    tiled path, same logits; 'native' without a plan is refused, naming resolve."""
     mla = ModelConfig(**CASES["mla-absorbed"], prefill_impl="native")
     assert flash.prefill_path(mla) == "tiled"
     gqa = ModelConfig(**CASES["gqa"], scan_layers=False, prefill_impl="native")
     assert flash.prefill_path(gqa, sinks_at_cache_positions=True) == "dense"
-    assert flash.prefill_path(gqa.replace(prefill_impl="auto")) == "native"
+    assert flash.prefill_path(planner.resolve(gqa.replace(prefill_impl="auto"),
+                                              max_seq_len=12)) == "native"
+    assert flash.prefill_path(gqa.replace(prefill_impl="auto")) == "tiled"  # no plan
+    with pytest.raises(ValueError, match="planner.resolve"):
+        flash.prefill_path(gqa)
     params = params_of("gqa", False)
     tokens = jax.random.randint(jax.random.key(3), (1, 9), 0, 97)
     want, _ = decode.prefill(params, gqa.replace(prefill_impl="tiled"), tokens,
@@ -176,10 +186,10 @@ def test_paths_mla_auto_and_the_fallback_warns_once(monkeypatch):
     monkeypatch.setattr(native_prefill, "library_path", broken)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert flash.prefill_path(gqa) == "tiled"
-        assert flash.prefill_path(gqa) == "tiled"
-        got, _ = decode.prefill(params, gqa.replace(name="fallback"), tokens,
-                                cache_lib.init_cache(gqa, 1, 12))
+        fallback = planner.resolve(gqa.replace(name="fallback"), max_seq_len=12)
+        assert planner.resolve(gqa, max_seq_len=12).plan.native == ()
+        assert flash.prefill_path(fallback) == "tiled"
+        got, _ = decode.prefill(params, fallback, tokens, cache_lib.init_cache(gqa, 1, 12))
     msgs = [str(w.message) for w in caught if "native prefill" in str(w.message)]
     assert len(msgs) == 1 and "g++ failed: test" in msgs[0], msgs
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)

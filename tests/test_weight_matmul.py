@@ -15,9 +15,27 @@ from kvjax import planner, presets
 from kvjax.config import ConfigError
 from kvjax.models import model, weight_matmul
 from kvjax.native import rows_matmul as rm
+from kvjax.plan import Plan, weight_class
 from tests.conftest import tiny_config, tiny_mla_config
 
 needs_native = pytest.mark.skipif(not rm.load(), reason="native kernel not built (no compiler)")
+NATIVE = Plan(native=("rows_matmul",))  # a plan holding the loaded kernel, no picks
+
+
+def _runs(impl, m, k, n, layout="kn"):
+    """What a traced product of M rows x [K, N] runs for model.weight_matmul=impl: the
+    plan planner.resolve would make for it (the kernel if it loads; for 'auto' the
+    class's pick, measured or read from the planner cache), read by weight_matmul.choose."""
+    loaded = rm.load()
+    picks = ()
+    if impl == "auto" and loaded and 0 < m <= rm.MAX_ROWS:
+        picks = ((weight_class(m, k, n, layout), planner._weight_pick(m, k, n, layout)),)
+    plan = Plan(weight_matmul=picks, native=("rows_matmul",) if loaded else ())
+    return weight_matmul.choose(impl, m, k, n, layout, plan)
+
+
+def _resolved(cfg, batch, rows):
+    return planner.resolve(cfg, max_seq_len=16, batch_sizes=(batch,), rows=rows)
 
 
 @needs_native
@@ -110,7 +128,7 @@ def test_other_native_formulations_reach_the_kernel():
     params = model.init_params(base, 0)
     out = {}
     for impl in ("xla", "native_ksplit", "native_lanes"):
-        cfg = base.replace(weight_matmul=impl)
+        cfg = _resolved(base.replace(weight_matmul=impl), 3, (15,))
         cache = cache_lib.init_cache(cfg, 3, 16)
         toks = (jnp.arange(3 * 5, dtype=jnp.int32).reshape(3, 5) * 5) % cfg.vocab_size
         pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (3, 5))
@@ -144,14 +162,9 @@ def test_a_formulation_is_reported_as_what_runs(impl, m, layout, runs):
     """A forced formulation that the kernel runs as plain 'native' for this class (the K
     split of one row or of an [N, K] weight, the lanes of a [K, N] weight) is reported,
     and run, as 'native'."""
-    assert planner.applies(impl, m, layout) == runs
+    assert weight_matmul.applies(impl, m, layout) == runs
     if rm.load():
-        planner.clear_memo()
-        assert planner.weight_matmul(impl, m, 576, 576, layout) == runs
-        if runs != "xla":
-            assert any(f"{runs} as forced by model.weight_matmul" in ln and f"M{m}-K576-N576-{layout}" in ln
-                       for ln in planner.report_lines())
-        planner.clear_memo()
+        assert _runs(impl, m, 576, 576, layout) == runs
 
 
 @needs_native
@@ -168,9 +181,9 @@ def test_a_cached_choice_that_does_not_apply_runs_as_the_kernel_would(planner_ho
     monkeypatch.setattr(planner, "measure_weight_matmul",
                         lambda *a, **k: pytest.fail("measured"))
     planner.clear_memo()
-    assert planner.weight_matmul("auto", 4, 576, 576, "kn") == "native"
-    assert planner.weight_matmul("auto", 4, 576, 576, "nk") == "native"
-    assert planner.weight_matmul("auto", 4, 576, 576, "kn") == "native"  # from memory
+    assert _runs("auto", 4, 576, 576, "kn") == "native"
+    assert _runs("auto", 4, 576, 576, "nk") == "native"
+    assert _runs("auto", 4, 576, 576, "kn") == "native"  # from memory
     planner.clear_memo()
 
 
@@ -190,7 +203,7 @@ def test_measure_weight_matmul_refuses_unknown_or_empty_candidates():
     (2, 256, float("nan"), "kn", "allowed: integers")])
 def test_measure_weight_matmul_refuses_shapes_the_planner_never_measures(m, k, n, layout,
                                                                          match):
-    """Refused before any weight is allocated: :func:`planner.weight_matmul` keeps 'xla'
+    """Refused before any weight is allocated: :func:`planner._weight_pick` keeps 'xla'
     below planner.MIN_MEASURED_BYTES, and a direct call there would unroll a product per
     256 bytes of the 48 MiB stream."""
     with pytest.raises(ValueError, match=match):
@@ -242,11 +255,12 @@ def test_native_product_is_differentiable(eqn, wshape):
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((1, 3, 40), dtype=np.float32))
     w = jnp.asarray(rng.standard_normal(wshape, dtype=np.float32))
-    hlo = jax.jit(lambda a, b: weight_matmul.einsum(eqn, a, b, "native")).lower(x, w).as_text()
+    hlo = jax.jit(lambda a, b: weight_matmul.einsum(eqn, a, b, "native", NATIVE)).lower(
+        x, w).as_text()
     assert rm.TARGET in hlo  # the kernel really runs the forward
 
     def loss(a, b, impl):
-        return jnp.sum(jnp.sin(weight_matmul.einsum(eqn, a, b, impl)))
+        return jnp.sum(jnp.sin(weight_matmul.einsum(eqn, a, b, impl, NATIVE)))
     got = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(x, w, "native")
     want = jax.grad(loss, argnums=(0, 1))(x, w, "xla")
     for g, r in zip(got, want):
@@ -291,7 +305,7 @@ def test_model_decodes_the_same_with_native_weight_products(make, batch):
     params = model.init_params(base, 0)
     logits = {}
     for impl in ("xla", "native"):
-        cfg = base.replace(weight_matmul=impl)
+        cfg = _resolved(base.replace(weight_matmul=impl), batch, (batch * 5,))
         cache = cache_lib.init_cache(cfg, batch, 16)
         toks = (jnp.arange(batch * 7, dtype=jnp.int32).reshape(batch, 7) * 7) % cfg.vocab_size
         pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (batch, 5))
@@ -316,8 +330,10 @@ def test_bfloat16_and_many_rows_take_xla(monkeypatch):
     hlo = jax.jit(lambda a, b: weight_matmul.einsum("BTD,DF->BTF", a, b, "native")).lower(
         x, jnp.ones((8, 4), jnp.bfloat16)).as_text()
     assert rm.TARGET not in hlo
-    assert planner.weight_matmul("native", rm.MAX_ROWS + 1, 64, 64) == "xla"
-    assert planner.weight_matmul("auto", 1, 8, 8) == "xla"  # below MIN_MEASURED_BYTES
+    assert _runs("native", rm.MAX_ROWS + 1, 64, 64) == "xla"
+    assert _runs("auto", 1, 8, 8) == "xla"  # below MIN_MEASURED_BYTES
+    with pytest.raises(ValueError, match="without a plan"):  # the kernel needs a plan
+        weight_matmul.choose("native", 2, 64, 64, "kn", None)
 
 
 def _fake(calls):
@@ -334,10 +350,10 @@ def test_planner_measures_weights_once_then_reads_its_cache(planner_home, monkey
     calls = []
     monkeypatch.setattr(planner, "measure_weight_matmul", _fake(calls))
     planner.clear_memo()
-    assert planner.weight_matmul("auto", 4, 576, 1536, "kn") == "native"
+    assert _runs("auto", 4, 576, 1536, "kn") == "native"
     assert any("native (GB/s" in ln and "measured now" in ln for ln in planner.report_lines())
     planner.clear_memo()
-    assert planner.weight_matmul("auto", 4, 576, 1536, "kn") == "native"  # from disk
+    assert _runs("auto", 4, 576, 1536, "kn") == "native"  # from disk
     assert any("; cached 20" in ln for ln in planner.report_lines())  # with its date
     assert calls == [(4, 576, 1536, "kn")]
     key = planner.machine_key("cpu", "rows_matmul.cc")
@@ -347,12 +363,13 @@ def test_planner_measures_weights_once_then_reads_its_cache(planner_home, monkey
     assert key["kernel"] != planner.machine_key("cpu")["kernel"]  # its own source hash
     assert path != planner.cache_path(planner.machine_key("cpu"))
     assert any("M4-K576-N1536-kn-float32: native (GB/s" in ln for ln in planner.report_lines())
-    assert planner.weight_matmul("auto", 8, 576, 1536, "kn") == "native"  # new class
+    assert _runs("auto", 8, 576, 1536, "kn") == "native"  # new class
     assert len(calls) == 2
-    # traced under a multi-device mesh: the partitioned XLA dot, never the kernel XLA
+    # a plan for a multi-device mesh: the partitioned XLA dot, never the kernel XLA
     # cannot partition (configs/ default to 'auto', and mesh.check lets 'auto' through)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("model",))):
-        assert planner.weight_matmul("auto", 4, 576, 1536, "kn") == "xla"
+    meshed = planner.resolve(tiny_config(weight_matmul="auto", d_model=576, mlp_dim=1536),
+                             max_seq_len=16, batch_sizes=(4,), mesh_axes={"model": 2})
+    assert meshed.plan.weight_matmul == () and meshed.plan.mesh_axes == (("model", 2),)
     assert len(calls) == 2
     planner.clear_memo()
 
@@ -373,7 +390,7 @@ def test_corrupt_or_foreign_weight_cache_is_ignored(planner_home, monkeypatch, c
     monkeypatch.setattr(planner, "measure_weight_matmul", _fake(calls))
     planner.clear_memo()
     with pytest.warns(UserWarning, match="ignoring planner cache"):
-        assert planner.weight_matmul("auto", 2, 576, 576) == "native"
+        assert _runs("auto", 2, 576, 576) == "native"
     assert len(calls) == 1
     assert json.loads(path.read_text())["machine"] == key  # rewritten for this machine
     planner.clear_memo()

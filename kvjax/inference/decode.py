@@ -206,7 +206,3 @@ def generate(params, cfg: ModelConfig, first_token: jax.Array, cache: KVCache,
                                   buf_len=token_buffer_len(cfg, cache.num_slots, num_steps))
     return buf[:, :num_steps], int(steps), cache
 
-
-# Earlier private names of the compile units (kept for callers that used them).
-_prefill = prefill_program
-_generate = generate_program
