@@ -515,13 +515,6 @@ def report_lines() -> list[str]:
     if _wmemo:
         lines.append(f"weight-product planner on {model} ({', '.join(isa)}; "
                      f"{native.num_threads()} cores), jax {jax.__version__}:")
-    for impl in NATIVE_WEIGHT:
-        configured = sorted(n for n, e in _wmemo.items()
-                            if "gbps" not in e and e["choice"] == impl)
-        if configured:
-            lines.append(f"  {impl} as forced by model.weight_matmul (not measured) for "
-                         f"{len(configured)} shape classes: {', '.join(configured[:4])}"
-                         + (", ..." if len(configured) > 4 else ""))
     for name, e in sorted(_wmemo.items()):
         if "gbps" in e:
             rates = ", ".join(f"{n} {r:.1f}" for n, r in e["gbps"].items())

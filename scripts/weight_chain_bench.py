@@ -29,6 +29,7 @@ from absl import app, flags
 from kvjax import planner
 from kvjax.models import weight_matmul
 from kvjax.native import rows_matmul
+from kvjax.plan import Plan
 
 _BATCH = flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Rows M (the batch).")
 _IMPLS = flags.DEFINE_list("impls", ["xla", "native", "native_ksplit", "native_lanes"],
@@ -41,8 +42,11 @@ D, F, KV, VOCAB = 576, 1536, 192, 49152
 
 
 def chain(impl: str, layers: int, head_only: bool):
+    # the plan a resolved config would carry: the kernel where it loads, else 'xla'
+    plan = Plan(native=("rows_matmul",) if impl != "xla" and rows_matmul.load() else ())
+
     def prod(x, w, eqn):
-        return weight_matmul.einsum(eqn, x, w, impl)
+        return weight_matmul.einsum(eqn, x, w, impl, plan)
 
     def run(x, ws, head):
         h = x

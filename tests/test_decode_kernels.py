@@ -27,8 +27,10 @@ def _choice(cfg, k, v, mesh=False):
     plan = Plan(native=("decode_attention",) if native.load() else ())
     return decode_kernels.choose(cfg.replace(plan=plan), k, v)
 
+
 LAYOUTS = [("BKSH", "BKSH"), ("BKHS", "BKSH"), ("BKSH", "BKHS"), ("BKHS", "BKHS")]
 CPU_IMPLS = [i for i in ("xla_cache_left", "native")]
+CLASS = "B1-K2-G4-H64-V64-S4096-float32-BKHS-BKSH"  # blog_model's GQA cache, B = 1
 
 
 def problem(dtype, kl, vl, b=2, k=2, g=3, h=8, s=70, seed=0, prefix=False):
@@ -148,7 +150,9 @@ def test_model_decode_with_window_matches_reference(impl):
         pytest.skip("native kernel not built")
     logits = {}
     for name in ("xla", impl):
-        cfg = planner.resolve(base.replace(decode_attention=name), max_seq_len=32)
+        cfg = planner.resolve(base.replace(decode_attention=name), max_seq_len=32,
+                              batch_sizes=(1,))
+        assert ("decode_attention" in cfg.plan.native) == (name == "native")
         params = model.init_params(cfg, 0)
         cache = cache_lib.init_cache(cfg, 1, 32)
         toks = jnp.arange(12, dtype=jnp.int32)[None] % 64
@@ -159,6 +163,44 @@ def test_model_decode_with_window_matches_reference(impl):
             out.append(lg)
         logits[name] = np.asarray(jnp.concatenate(out, axis=1))
     np.testing.assert_allclose(logits[impl], logits["xla"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+def test_forced_native_needs_a_resolved_plan_then_decodes_as_xla():
+    """decode_attention='native' on a config without a plan is refused while the step is
+    traced, naming planner.resolve (the kernel is only loaded there); resolved, the plan
+    holds the kernel, the compiled step calls it, and its logits equal 'xla's."""
+    from kvjax import cache as cache_lib
+    from kvjax.models import model
+    from tests.conftest import tiny_config
+    base = tiny_config(decode_attention="native")
+    params = model.init_params(base, 0)
+    toks = (jnp.arange(2 * 8, dtype=jnp.int32).reshape(2, 8) * 5) % base.vocab_size
+    k = jax.ShapeDtypeStruct((2, base.num_kv_heads, 16, base.head_dim), jnp.float32)
+    with pytest.raises(ValueError, match=r"decode_attention='native'.*planner\.resolve"):
+        decode_kernels.choose(base, k, k)
+    with pytest.raises(ValueError, match=r"decode_attention='native'.*planner\.resolve"):
+        model.forward(params, base, toks[:, :1], jnp.zeros((2, 1), jnp.int32),
+                      cache_lib.init_cache(base, 2, 16))
+    logits = {}
+    for name in ("xla", "native"):
+        cfg = planner.resolve(base.replace(decode_attention=name), max_seq_len=16,
+                              batch_sizes=(2,), rows=(2 * 5,))
+        assert ("decode_attention" in cfg.plan.native) == (name == "native")
+        cache = cache_lib.init_cache(cfg, 2, 16)
+        lg, cache = model.forward(params, cfg, toks[:, :5],
+                                  jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5)),
+                                  cache)
+        out = [lg]
+        for t in range(5, 8):  # decode steps: the formulation under test
+            lg, cache = model.forward(params, cfg, toks[:, t:t + 1],
+                                      jnp.full((2, 1), t, jnp.int32), cache)
+            out.append(lg)
+        logits[name] = np.asarray(jnp.concatenate(out, axis=1))
+        hlo = jax.jit(lambda p, c, tk, ps, cfg=cfg: model.forward(p, cfg, tk, ps, c)).lower(
+            params, cache, toks[:, :1], jnp.full((2, 1), 8, jnp.int32)).as_text()
+        assert (native.TARGET in hlo) == (name == "native")
+    np.testing.assert_allclose(logits["native"], logits["xla"], atol=1e-4, rtol=1e-4)
 
 
 def test_config_names_the_bad_formulation():
@@ -206,14 +248,21 @@ def test_planner_measures_once_then_reads_its_cache(planner_home, monkeypatch):
     k = jax.ShapeDtypeStruct((1, 2, 64, 4096), jnp.float32)  # BKHS keys, 2 MiB
     v = jax.ShapeDtypeStruct((1, 2, 4096, 64), jnp.float32)
     assert cfg.cache_layout("k") == "BKHS"
-    assert _choice(cfg, k, v) == "xla_cache_left"
+    assert decode_kernels.choose(cfg, k, v) == "xla"  # no plan: the reference,
+    assert calls == []  # and nothing is measured while a step is traced
+    resolved = planner.resolve(cfg, max_seq_len=4096, batch_sizes=(1,))
+    assert resolved.plan.decode_attention == ((CLASS, "xla_cache_left"),)
+    assert decode_kernels.choose(resolved, k, v) == "xla_cache_left"  # what the step runs
+    assert calls == [(1, 2, 4, 4096)]
     planner.clear_memo()
+    again = planner.resolve(cfg, max_seq_len=4096, batch_sizes=(1,))
+    assert again.plan == resolved.plan
     assert _choice(cfg, k, v) == "xla_cache_left"
-    assert calls == [(1, 2, 4, 4096)]  # measured once; the second answer came from disk
+    assert calls == [(1, 2, 4, 4096)]  # measured once; the later answers came from disk
     path = planner.cache_path()
     data = json.loads(path.read_text())
     assert data["machine"] == planner.machine_key("cpu")
-    assert list(data["entries"]) == ["B1-K2-G4-H64-V64-S4096-float32-BKHS-BKSH"]
+    assert list(data["entries"]) == [CLASS]
     assert any("xla_cache_left" in ln for ln in planner.report_lines())
     planner.clear_memo()
 
@@ -306,7 +355,9 @@ def test_corrupt_or_foreign_planner_cache_is_ignored(planner_home, monkeypatch, 
     k = jax.ShapeDtypeStruct((1, 2, 64, 4096), jnp.float32)
     v = jax.ShapeDtypeStruct((1, 2, 4096, 64), jnp.float32)
     with pytest.warns(UserWarning, match="ignoring planner cache"):
-        assert _choice(cfg, k, v) == "xla_cache_left"
+        cfg = planner.resolve(cfg, max_seq_len=4096, batch_sizes=(1,))
+    assert cfg.plan.decode_attention == ((CLASS, "xla_cache_left"),)
+    assert decode_kernels.choose(cfg, k, v) == "xla_cache_left"
     assert len(calls) == 1  # re-measured, and the file rewritten as this machine's
     assert json.loads(path.read_text())["machine"] == key
     planner.clear_memo()
@@ -344,16 +395,25 @@ def test_small_caches_and_other_backends_skip_measuring(monkeypatch):
                              decode_attention="auto")
     tiny = jax.ShapeDtypeStruct((1, 2, 64, 16), jnp.float32)
     assert _choice(cfg, tiny, tiny.update(shape=(1, 2, 16, 64))) == "xla"
+    small = planner.resolve(cfg, max_seq_len=16, batch_sizes=(1,))
+    assert small.plan.decode_attention == (("B1-K2-G4-H64-V64-S16-float32-BKHS-BKSH",
+                                            "xla"),)
     gpu = presets.blog_model("float32", num_kv_heads=2, attention="gqa", backend="gpu",
                              decode_attention="auto")
     big = jax.ShapeDtypeStruct((1, 2, 4096, 64), jnp.float32)
     assert _choice(gpu, big, big) == "pallas"
+    gpu_plan = planner.resolve(gpu, max_seq_len=4096, batch_sizes=(1,))
+    assert gpu_plan.plan.native == ()  # no CPU kernel for a GPU config
+    assert decode_kernels.choose(gpu_plan, big, big) == "pallas"
     assert _choice(gpu.replace(window_size=512), big, big) == "xla"
     # under a multi-device mesh: the partitioned einsums, never the unsplittable kernel
     big_k = jax.ShapeDtypeStruct((1, 2, 64, 4096), jnp.float32)
     assert _choice(cfg, big_k, big, mesh=True) == "xla"
+    # (unmeasured: on one device this 4096-slot class would be measured, and fail)
     meshed = planner.resolve(cfg, max_seq_len=4096, mesh_axes={"seq": 2})
-    assert [impl for _, impl in meshed.plan.decode_attention] == ["xla"]
+    assert meshed.plan.decode_attention == ((CLASS, "xla"),)
+    assert meshed.plan.mesh_axes == (("seq", 2),)
+    assert decode_kernels.choose(meshed, big_k, big) == "xla"
 
 
 @pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
@@ -363,7 +423,9 @@ def test_cost_table_counts_the_kernels_buffers():
     and result bytes, which covers the cache the kernel reads."""
     from kvjax.analysis import costs, report
     from tests.conftest import tiny_config
-    cfg = tiny_config(decode_attention="native", key_layout="BKHS", value_layout="BKSH")
+    cfg = planner.resolve(tiny_config(decode_attention="native", key_layout="BKHS",
+                                      value_layout="BKSH"), max_seq_len=64, batch_sizes=(1,))
+    assert "decode_attention" in cfg.plan.native
     step = costs.analyze_decode_step(cfg, 64, attribute=False, jaxpr=False)
     assert step.xla.custom_calls and step.xla.uncosted_bytes >= step.cache_bytes
     row = next(ln for ln in report.cost_table(step).splitlines() if "bytes (+kernels)" in ln)
@@ -396,6 +458,9 @@ def test_kernel_flops_put_back_what_xla_leaves_out():
     cfg = tiny_config(decode_attention="native", key_layout="BKHS", value_layout="BKSH")
     if rows_matmul.load():
         cfg = cfg.replace(weight_matmul="native")
+    cfg = planner.resolve(cfg, max_seq_len=64, batch_sizes=(1,))
+    assert "decode_attention" in cfg.plan.native
+    assert ("rows_matmul" in cfg.plan.native) == (cfg.weight_matmul == "native")
     step = costs.analyze_decode_step(cfg, 64, attribute=False, jaxpr=False)
     plain = costs.analyze_decode_step(cfg.replace(decode_attention="xla", weight_matmul="xla"),
                                       64, attribute=False, jaxpr=False)

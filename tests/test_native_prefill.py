@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import planner
 from kvjax import cache as cache_lib
+from kvjax import planner
 from kvjax.analysis import costs, theory
 from kvjax.config import ConfigError, ModelConfig
 from kvjax.inference import decode
@@ -226,8 +226,11 @@ def test_prefill_cost_counts_the_custom_call():
     """XLA cannot cost the kernel: the analysis marks it incomplete and records the
     custom call's operand + result bytes (from its shapes, every layer) and its causal
     FLOP by theory; prefill_with_kernel adds them to XLA's figures."""
-    cfg = ModelConfig(**CASES["gqa"], scan_layers=False, prefill_impl="native")
     t, s, b = 12, 16, 1
+    cfg = planner.resolve(ModelConfig(**CASES["gqa"], scan_layers=False,
+                                      prefill_impl="native"),
+                          max_seq_len=s, batch_sizes=(b,), rows=(b * t,))
+    assert flash.prefill_path(cfg) == "native"
     step = costs.analyze_prefill(cfg, t, s, b)
     cc = step.theory_parts["custom_call"]
     assert cc["targets"] == [native_prefill.TARGET] and not step.xla.complete
@@ -290,7 +293,9 @@ def test_prefill_sweep_rows_and_interleaved_timing():
     """experiments.prefill's functions on a tiny model: the native row adds the custom
     call to XLA's figures, the tiled row has none; one timed round per path."""
     prefill = import_entry_point("prefill")
-    native = ModelConfig(**CASES["gqa"], scan_layers=False, prefill_impl="native")
+    native = planner.resolve(ModelConfig(**CASES["gqa"], scan_layers=False,
+                                         prefill_impl="native"),
+                             max_seq_len=24, batch_sizes=(1,), rows=(20,))
     tiled = native.replace(prefill_impl="tiled")
     rn, rt = prefill.point(native, 20, 24), prefill.point(tiled, 20, 24)
     cc = rn["custom_call"]
