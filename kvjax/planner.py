@@ -58,7 +58,6 @@ from kvjax.models import weight_matmul as wm
 from kvjax.models.attention import attend_step
 from kvjax.native import prefill as native_prefill
 from kvjax.native import rows_matmul as rm
-from kvjax import plan as plan_lib
 from kvjax.plan import Plan, weight_class
 
 MIN_MEASURED_BYTES = 256 * 1024
@@ -173,14 +172,6 @@ def _save(path: pathlib.Path, key: dict, entries: dict, allowed=None) -> None:
         tmp.write_text(json.dumps({"machine": key, "entries": entries}, indent=1,
                                   sort_keys=True))
         os.replace(tmp, path)
-
-
-def shape_class(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str,
-                v_layout: str, prefix: bool) -> str:
-    """The cache entry name of one decode attention
-    (:func:`kvjax.plan.decode_attention_class`)."""
-    return plan_lib.decode_attention_class(b, k, g, h, v, s, jnp.dtype(dtype).name,
-                                           k_layout, v_layout, prefix)
 
 
 FLUSH_BYTES = 256 * 2**20
@@ -373,7 +364,7 @@ def _decode_pick(cfg: ModelConfig, b: int, s: int, mesh: bool) -> str:
     k_layout, v_layout = cfg.cache_layout("k"), cfg.cache_layout("v")
     prefix = cache_lib.policy_for(cfg).kind == "dense"
     k, g, h = cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
-    dtype = cfg.jnp_dtype if cfg.kv_quantized else cfg.cache_dtype
+    dtype = decode_kernels.read_dtype(cfg)
     if cfg.backend == "gpu":
         ok = decode_kernels.supports("pallas", "gpu", dtype, k_layout, v_layout, prefix, h, s)
         return "pallas" if ok else "xla"
@@ -381,7 +372,7 @@ def _decode_pick(cfg: ModelConfig, b: int, s: int, mesh: bool) -> str:
         return "xla"
     if b * k * s * 2 * h * jnp.dtype(dtype).itemsize < MIN_MEASURED_BYTES:
         return "xla"
-    name = shape_class(b, k, g, h, h, s, dtype, k_layout, v_layout, prefix)
+    name = decode_kernels.shape_class(cfg, b, s, dtype)  # the plan's key too
     with _lock:
         if name in _memo:
             return _memo[name]["choice"]
@@ -450,7 +441,8 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
     Args:
       cfg: the config (any plan it has is replaced).
       max_seq_len: the cache's length; decode attention is picked for its slot count.
-      batch_sizes: the cache's batch sizes B (decode rows M = B).
+      batch_sizes: the cache's batch sizes B of the decode steps (decode rows M = B); ()
+        for programs without one (a prefill alone).
       rows: further M = B·T row counts of weight products (prefill chunks, verify steps).
       extra_seq_lens: further cache lengths the programs use (e.g. a cost context).
       mesh_axes: {axis name: size} of the mesh the programs run under (None: one
@@ -484,8 +476,7 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
     if cfg.decode_attention == "auto" and not cfg.is_mla:
         for b, s in sorted({(int(b), cache_lib.num_slots(cfg, n))
                             for b in batch_sizes for n in lengths}):
-            name = decode_kernels.shape_class(cfg, b, s, cfg.jnp_dtype if cfg.kv_quantized
-                                              else cfg.cache_dtype)
+            name = decode_kernels.shape_class(cfg, b, s, decode_kernels.read_dtype(cfg))
             pick = _decode_pick(cfg, b, s, mesh)
             decode[name] = "xla" if pick == "native" and "decode_attention" not in loaded \
                 else pick

@@ -12,7 +12,7 @@ from kvjax import native, planner, presets
 from kvjax.config import ConfigError
 from kvjax.models import decode_kernels
 from kvjax.models.attention import attend_step
-from kvjax.plan import Plan
+from kvjax.plan import Plan, decode_attention_class
 
 
 def _choice(cfg, k, v, mesh=False):
@@ -284,8 +284,8 @@ def test_planner_key_separates_machines(monkeypatch):
     for field, other in (("cpu", "Other CPU"), ("isa", ["avx2"]), ("jax", "0.0.1"),
                          ("backend", "gpu"), ("measure", "warm")):
         assert planner.cache_path(dict(key, **{field: other})) != planner.cache_path(key)
-    assert planner.shape_class(1, 2, 4, 64, 64, 3000, jnp.float32, "BKHS", "BKSH", True) == \
-        planner.shape_class(1, 2, 4, 64, 64, 4096, jnp.float32, "BKHS", "BKSH", True)
+    assert decode_attention_class(1, 2, 4, 64, 64, 3000, "float32", "BKHS", "BKSH") == \
+        decode_attention_class(1, 2, 4, 64, 64, 4096, "float32", "BKHS", "BKSH")
 
 
 @pytest.mark.parametrize("cold", [True, False])

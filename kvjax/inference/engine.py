@@ -278,9 +278,9 @@ class Engine:
         """The config of a one-row prefill of ``bucket`` tokens, with its plan (resolved
         once per bucket, on the host)."""
         if bucket not in self._prefill_cfgs:
-            self._prefill_cfgs[bucket] = planner.resolve(
+            self._prefill_cfgs[bucket] = planner.resolve(  # no decode step: no B
                 self.cfg.replace(plan=None), max_seq_len=self.max_seq_len,
-                batch_sizes=(1,), rows=(bucket,))
+                batch_sizes=(), rows=(bucket,))
         return self._prefill_cfgs[bucket]
 
     def warmup(self, requests: Sequence[Request]) -> float:

@@ -81,6 +81,12 @@ def cache_dims(k_cache, v_cache, k_layout: str, v_layout: str) -> tuple[int, ...
     return b, k, s, h, v
 
 
+def read_dtype(cfg):
+    """The element type decode attention reads the cache in (:func:`kvjax.cache.read`):
+    the model dtype for a quantized cache (dequantized), else the cache's own."""
+    return cfg.jnp_dtype if cfg.kv_quantized else cfg.cache_dtype
+
+
 def shape_class(cfg, b: int, s: int, dtype) -> str:
     """The decode-attention shape class (:func:`kvjax.plan.decode_attention_class`) of
     ``cfg``'s cache with B = ``b`` rows of ``s`` slots of element type ``dtype``."""

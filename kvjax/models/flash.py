@@ -76,13 +76,6 @@ class KVSource(NamedTuple):
         return self.positions.shape[1]
 
 
-def _operand(x: jax.Array, backend: str) -> jax.Array:
-    """Dot operand with a float32 result (:func:`kvjax.ops.dot_operand`: on CPU 2-byte
-    floats are widened first; XLA:CPU rejects some batched bf16 dots with a float32
-    result)."""
-    return ops.dot_operand(x, backend)
-
-
 def _slot_axis(x: jax.Array, layout: str) -> int:
     return x.ndim - 2 if layout == "BKSH" else x.ndim - 1
 
@@ -98,7 +91,7 @@ def _score_part(q: jax.Array, k: jax.Array, layout: str, backend: str) -> jax.Ar
         eqn = f"BKGTH,BK{spec}->BKGTS"
     else:  # one key head shared by every query head
         eqn, k = f"BKGTH,B{spec}->BKGTS", k[:, 0]
-    return jnp.einsum(eqn, _operand(q, backend), _operand(k, backend),
+    return jnp.einsum(eqn, ops.dot_operand(q, backend), ops.dot_operand(k, backend),
                       preferred_element_type=jnp.float32)
 
 
@@ -283,8 +276,9 @@ def tiled_attention(queries: Sequence[jax.Array], q_positions: jax.Array, chunk:
             l_t = alpha * jax.lax.dynamic_slice_in_dim(l, q0, bq, 3) + jnp.sum(p, -1)
             spec = "SV" if src.value_layout == "BKSH" else "VS"
             pv = jnp.einsum(f"BKGTS,BK{spec}->BKGTV",
-                            _operand(p.astype(probs_dtype), backend),
-                            _operand(_slots(src.values, src.value_layout, k0, bk), backend),
+                            ops.dot_operand(p.astype(probs_dtype), backend),
+                            ops.dot_operand(_slots(src.values, src.value_layout, k0, bk),
+                                            backend),
                             preferred_element_type=jnp.float32)
             acc_t = alpha[..., None] * jax.lax.dynamic_slice_in_dim(acc, q0, bq, 3) + pv
             return (jax.lax.dynamic_update_slice_in_dim(m, m_new, q0, 3),
