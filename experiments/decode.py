@@ -31,10 +31,12 @@ from kvjax import cache as cache_lib
 from kvjax import naming, planner
 from kvjax.analysis import report as report_lib
 from kvjax.analysis import costs, theory
-from kvjax.inference import memory, runner
+from kvjax.analysis import speculative as spec_theory
+from kvjax.inference import memory, runner, speculative
 from kvjax.models import flash
 from kvjax.checkpoints import WeightsError
-from kvjax.config import ConfigError, distributed_config, run_config_from_dict
+from kvjax.config import (ConfigError, SpeculativeConfig, distributed_config,
+                          run_config_from_dict)
 from kvjax.parallel.collectives import CacheGatherError
 from kvjax.parallel import distributed
 
@@ -48,14 +50,15 @@ flags.adopt_module_key_flags(cli)
 def _loop_timing_line(timing: dict) -> str:
     """How the loop's per-token time was measured. The fixed cost is estimated as
     t(n1) - n1 x per-token time, a difference of two noisy medians: when it comes out
-    negative it is below the timing noise, and is printed as such, not as a cost."""
+    negative it is below the timing noise and no figure is printed for it (a negative
+    cost is not a cost; the JSON keeps the raw estimate, ``call_overhead_s``)."""
     n1, n2 = timing["steps"]
     fixed = timing["call_overhead_s"]
     head = f"(measured inside the loop: {n2} minus {n1} steps, so the call's fixed cost"
     if fixed >= 0:
         return f"{head}, {fixed * 1e3:.1f} ms, cancels)"
-    return (f"{head} cancels; estimated from the same timings it comes out at "
-            f"{fixed * 1e3:.1f} ms: below the timing noise)")
+    return (f"{head} cancels; it is too small to estimate here: below the timing noise "
+            "of the two loop lengths)")
 
 
 def report(result: runner.DecodeResult) -> str:
@@ -69,6 +72,7 @@ def report(result: runner.DecodeResult) -> str:
     policy = cache_lib.policy_for(cfg)
     lines = [
         *_generation_lines(result, cfg, s.batch),
+        *_speculative_lines(result, cfg, c),
         "",
         "the generate loop, "
         + ("per generated token" if s.batch == 1 else
@@ -104,6 +108,45 @@ def report(result: runner.DecodeResult) -> str:
     return "\n".join(lines)
 
 
+def _speculative_lines(result: runner.DecodeResult, cfg, c) -> list:
+    """The speculative section: acceptance, tokens per verify step, time and bytes per
+    emitted token, beside the theory at the measured acceptance rate
+    (:mod:`kvjax.analysis.speculative`). Empty for plain decoding."""
+    sp = result.generation.speculative
+    if not sp:
+        return []
+    k, a = sp["k"], sp["acceptance_rate"]
+    t = result.prompt_tokens + result.new_tokens // 2  # the run's mean context
+    bw = c.step.theory_bytes / c.step_seconds_median  # the plain step's achieved B/s
+    dcfg = None
+    if sp["drafter"] == "self":  # the draft as the run built it
+        dcfg = speculative.draft_config(cfg.replace(plan=None),
+                                        SpeculativeConfig(**sp["config"]))
+    r = spec_theory.round_times(cfg, t, k, bw, draft_cfg=dcfg, batch=c.step.batch)
+    plain_s = c.loop_seconds_per_token
+    spec_s = sp["seconds_per_emitted_token"]
+    return [
+        "",
+        f"speculative decoding (drafter {sp['drafter']!r}"
+        + (f", draft model {sp['draft_model']}" if sp["draft_model"] else "")
+        + f", k = {k}): {sum(sp['rounds'])} verify steps, {sum(sp['accepted'])} of "
+        f"{sum(sp['proposed'])} drafts accepted (a = {a:.2f}), "
+        f"{sp['tokens_per_step']:.2f} tokens per verify step (theory E(a, k) = "
+        f"{spec_theory.expected_tokens(a, k):.2f} if drafts were accepted independently)",
+        f"  time per emitted token {spec_s * 1e3:.2f} ms (the whole compiled loop: drafting, "
+        f"verifying, taking back) against the plain loop's {plain_s * 1e3:.2f} ms at "
+        f"context {c.loop.context}: {plain_s / spec_s:.2f}x",
+        f"  theory at the run's mean context t = {t}, at the plain step's achieved "
+        f"{bw / 1e9:.1f} GB/s: a verify step moves {r.verify_bytes:,} bytes (weights and "
+        f"KV once, k + 1 positions written) against a plain step's {r.plain_bytes:,}"
+        + (f", a draft step {r.draft_bytes:,}" if r.draft_bytes else "")
+        + f"; {r.bytes_per_emitted_token(a):,.0f} bytes per emitted token; predicted "
+        f"speedup {spec_theory.expected_tokens(a, k) * r.plain_s / r.round_s:.2f}x "
+        "(memory-bound roofline: the verify step's k + 1 times the FLOPs are assumed "
+        "hidden under its bytes)",
+    ]
+
+
 def _generation_lines(result: runner.DecodeResult, cfg, batch: int) -> list:
     """The model, the prompt, the text and the speeds of a run."""
     per_token = theory.kv_bytes_per_token(cfg) * batch
@@ -124,14 +167,19 @@ def _generation_lines(result: runner.DecodeResult, cfg, batch: int) -> list:
         + ("  (the checkpoint's chat template; --config.chat_template=False for raw "
            "completion)" if result.chat_template else ""),
         f"generated: {result.generated_text!r}",
+        "stopped: " + ({"eos": f"end of generation at {result.stop_token_text!r} (id "
+                                f"{result.stop_token})",
+                        "nonfinite": f"non-finite logits at new token {result.nonfinite_at}"
+                        }.get(result.stop_reason, "the token budget (max_new_tokens)")),
         *(f"warning: {w}" for w in result.warnings),
         "",
         f"prompt tokens {result.prompt_tokens}, new tokens {result.new_tokens}; "
         f"compile {result.compile_seconds:.2f} s",
         f"prefill {result.prefill_tokens_per_s:,.1f} tokens/s; time to first token "
         f"{result.time_to_first_token_s * 1e3:.1f} ms; decode "
-        f"{result.decode_tokens_per_s:,.2f} tokens/s (one call of the compiled loop, "
-        f"{result.loop_steps} steps x B={batch})",
+        f"{result.decode_tokens_per_s:,.2f} tokens/s end to end (the wall time of one "
+        f"call of the compiled loop, {result.loop_steps} steps x B={batch}, its fixed cost "
+        "included; the loop's own time per token, fixed cost cancelled, is below)",
         f"KV cache: {result.kv_cache_bytes:,} bytes allocated for the batch of {batch} "
         f"({result.kv_cache_bytes // batch:,} per sequence; theory "
         f"{result.kv_cache_bytes_theory:,} = {per_token:,} B/token x "

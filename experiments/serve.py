@@ -8,12 +8,22 @@ r"""Serve real requests through the slot engine and report latency and throughpu
     python -m experiments.serve --quick                                     # smoke test
 
 Requests are prompts cut from the held-out split of the evaluation corpus (the Django
-docs, kvjax/training/data.py) at seeded random offsets, with prompt lengths drawn from a
+docs, kvjax/training/data.py) at seeded random offsets, moved onto character boundaries
+(:func:`character_cut`: no prompt starts or ends inside a CJK character or an emoji),
+with prompt lengths drawn from a
 log-normal (median ``--prompt_median`` tokens, clipped to [``--prompt_min``,
 ``--prompt_max``]) and budgets uniform in [``--new_min``, ``--new_max``]; or read from a
 JSONL file, one ``{"prompt": "...", "max_new_tokens": N}`` per line (a malformed line is
 reported by its number and skipped; the other requests still run). Prompts are raw text
 (no chat template): the model continues the documentation.
+
+With ``--config.page_size=N`` the engine is the paged one
+(:mod:`kvjax.inference.paged_engine`): a pool of ``--slots`` x max_seq_len tokens (the
+dense engine's bytes) in pages of N tokens, up to ``--max_rows`` requests at once, the
+newest preempted when the pool runs out; ``--prefix_cache`` shares the cached pages of
+common prompt prefixes. ``--config.chat_template=True`` makes each request's text the
+user's turn of the checkpoint's chat template (every prompt then starts with the same
+system turn).
 
 Printed: throughput (generated tokens/s over the run's wall time), time to first token
 and time per output token (p50/p90/p99; every request arrives at 0, so TTFT includes
@@ -37,7 +47,7 @@ from experiments import cli
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
 from kvjax.inference import engine as engine_lib
-from kvjax.inference import memory, runner
+from kvjax.inference import memory, paged_engine, runner
 
 _CONFIG = cli.DEFINE_config_file(
     "config", "configs/gqa.py", cli.config_help("Experiment config file (get_config())."),
@@ -59,6 +69,13 @@ _COMPARE = flags.DEFINE_bool("compare_plain", False,
                              "Also time the engine at full occupancy vs the plain loop.")
 _QUICK = flags.DEFINE_bool("quick", False, "Smoke test: 6 requests, 3 slots, short budgets.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
+_PREFIX_CACHE = flags.DEFINE_bool(
+    "prefix_cache", False, "With --config.page_size=N: requests reuse the cached pages of "
+    "common prompt prefixes (reports the hit rate and the prefill tokens saved).")
+_MAX_ROWS = flags.DEFINE_integer(
+    "max_rows", 0, "With --config.page_size=N: block-table rows, the most requests running "
+    "at once (0: 4 x --slots). The page pool holds --slots x max_seq_len tokens, the "
+    "memory the dense engine reserves.")
 
 
 @dataclasses.dataclass
@@ -94,9 +111,39 @@ def corpus_requests(tokenizer, num: int, seed: int, prompt_median: int, prompt_m
     starts = rng.integers(0, len(stream) - prompt_max, num)
     out = []
     for i, (n, m, s) in enumerate(zip(lens, budgets, starts)):
-        ids = tuple(int(t) for t in stream[s: s + n])
+        s, e = character_cut(stream, int(s), int(n), prompt_min,
+                             getattr(tokenizer, "character_starts", None))
+        ids = tuple(int(t) for t in stream[s:e])
         out.append(engine_lib.Request(i, ids, int(m), tokenizer.decode(list(ids))))
     return out
+
+
+def character_cut(stream, start: int, n: int, minimum: int = 1, starts=None):
+    """(start, end) of an ``n``-token cut of ``stream`` at ``start``, moved onto character
+    boundaries: a byte-level BPE token can hold part of a character (a CJK character or
+    an emoji is often two or three tokens), and a prompt cut inside one decodes to
+    U+FFFD. The start moves forward to the first token that begins a character, the end
+    back to one (or, if that leaves fewer than ``minimum`` tokens, forward).
+
+    Args:
+      stream: token ids of valid UTF-8 text.
+      starts: [V] bool, whether each token begins a character
+        (``Tokenizer.character_starts``); None: every token does.
+    """
+    if starts is None:
+        return start, min(start + n, len(stream))
+    ok = lambda j: j >= len(stream) or bool(starts[int(stream[j])])  # noqa: E731
+    while not ok(start):
+        start += 1
+    end = min(start + n, len(stream))
+    back = end
+    while back > start and not ok(back):
+        back -= 1
+    if back - start >= minimum:
+        return start, back
+    while not ok(end):
+        end += 1
+    return start, end
 
 
 def file_requests(path: str, tokenizer):
@@ -162,8 +209,49 @@ def summarize(done, stats: engine_lib.EngineStats) -> dict:
         "decode_steps": stats.steps, "decode_s": stats.decode_s,
         "kv_bytes_live_mean": stats.mean_live_kv_bytes,
         "kv_bytes_allocated": stats.allocated_kv_bytes,
-        "stops": {s: sum(c.stop == s for c in done) for s in ("eos", "budget")},
+        **paged_summary(stats),
+        "stops": {s: sum(c.stop == s for c in done) for s in ("eos", "budget", "nonfinite")},
+        # which end-of-generation id ended the 'eos' stops: id -> count
+        "stop_tokens": {str(t): sum(c.stop_token == t for c in done)
+                        for t in sorted({c.stop_token for c in done} - {None})},
     }
+
+
+def paged_summary(stats) -> dict:
+    """The paged engine's figures (:class:`kvjax.inference.paged_engine.PagedStats`):
+    pages referenced (mean bytes), rows running (mean, most), preemptions, prefix-cache
+    hit rate and prefill tokens saved; {} for the dense engine."""
+    if not isinstance(stats, paged_engine.PagedStats):
+        return {}
+    return {"page_size": stats.page_size, "kv_bytes_pages_mean": stats.mean_page_kv_bytes,
+            "running_mean": stats.mean_running, "running_max": stats.max_running,
+            "preemptions": stats.preemptions, "prompt_tokens": stats.prompt_tokens,
+            "prefix_hit_tokens": stats.prefix_hit_tokens,
+            "prefix_hit_rate": stats.prefix_hit_rate,
+            "prefill_tokens": stats.prefill_tokens}
+
+
+def chat_requests(reqs, tok, system: str | None):
+    """Each request's text as the user's turn of the checkpoint's chat template (with the
+    system turn ``system``; None: the template's default), so every prompt starts with the
+    same system turn (``Tokenizer.chat_ids``)."""
+    return [dataclasses.replace(r, prompt=tuple(tok.chat_ids(r.text, system)[1]))
+            for r in reqs]
+
+
+def completion_json(c: engine_lib.Completion, tok) -> dict:
+    """One completion for the JSON: why it stopped (``stop``; ``stop_token`` and its text
+    for 'eos'), and its ``text``: the generated tokens before the stop token, with
+    ``held_back_bytes`` bytes at the end that begin a character not yet complete held
+    back (a budget cut inside an emoji or CJK character shows no U+FFFD)."""
+    body = [t for t in c.tokens if t >= 0]
+    if c.stop == "eos":
+        body = body[:-1]
+    text, held = tok.decode_complete(body)
+    return {"id": c.id, "prompt_tokens": c.prompt_len, "new_tokens": len(c.tokens),
+            "stop": c.stop, "stop_token": c.stop_token,
+            "stop_token_text": None if c.stop_token is None else tok.id_to_token(c.stop_token),
+            "ttft_s": c.ttft_s, "tpot_s": c.tpot_s, "text": text, "held_back_bytes": held}
 
 
 def compare_plain(loaded, run, reqs, slots: int, budget: int, steps_per_sync: int,
@@ -181,7 +269,7 @@ def compare_plain(loaded, run, reqs, slots: int, budget: int, steps_per_sync: in
     cfg, params = loaded.cfg, loaded.params
     batch = [dataclasses.replace(r, id=i, max_new_tokens=budget)
              for i, r in enumerate(reqs[:slots])]
-    eng = engine_lib.Engine(params, cfg, slots, run.max_seq_len, eos_id=-1,
+    eng = engine_lib.Engine(params, cfg, slots, run.max_seq_len,
                             steps_per_sync=steps_per_sync)
     keys = ragged.row_keys_for(None, len(batch))
     engine_tps, plain_tps = [], []
@@ -208,7 +296,8 @@ def report(summary: dict, skipped) -> str:
     ms = lambda d: "  ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in d.items())
     lines = [
         f"{summary['requests']} requests, {summary['tokens']:,} tokens generated in "
-        f"{summary['wall_s']:.2f} s: {summary['throughput_tokens_per_s']:,.1f} tokens/s "
+        f"{summary['wall_s']:.2f} s of serving (the engine's run, its programs compiled "
+        f"before its clock starts): {summary['throughput_tokens_per_s']:,.1f} tokens/s "
         f"({summary['slots']} slots, mean occupancy {summary['mean_slot_occupancy']:.2f}, "
         f"{summary['decode_steps']} decode steps)",
         f"time to first token:   {ms(summary['ttft_s'])}",
@@ -218,6 +307,23 @@ def report(summary: dict, skipped) -> str:
         f"({summary['kv_bytes_live_mean'] / summary['kv_bytes_allocated']:.1%})",
         f"stops: {summary['stops']}",
     ]
+    if "command_wall_s" in summary:
+        lines.insert(1, (
+            f"whole command: {summary['command_wall_s']:.2f} s wall = setup "
+            f"{summary['setup_s']:.2f} s (config, weights loaded or downloaded and "
+            f"converted, the planner's measurements, the requests) + compiling the engine's "
+            f"programs {summary['warmup_s']:.2f} s + serving {summary['wall_s']:.2f} s"
+            + (" + the comparison with the plain loop" if "compare_plain" in summary else "")))
+    if "page_size" in summary:
+        lines += [
+            f"paged (page_size {summary['page_size']}): pages referenced "
+            f"{summary['kv_bytes_pages_mean']:,.0f} bytes mean (live/referenced "
+            f"{summary['kv_bytes_live_mean'] / max(summary['kv_bytes_pages_mean'], 1):.1%}); "
+            f"requests running {summary['running_mean']:.2f} mean, "
+            f"{summary['running_max']} most; {summary['preemptions']} preemptions",
+            f"prefix cache: {summary['prefix_hit_tokens']:,} of {summary['prompt_tokens']:,} "
+            f"prompt tokens found cached (hit rate {summary['prefix_hit_rate']:.1%}), "
+            f"{summary['prefill_tokens']:,} prefilled"]
     for s in skipped:
         lines.append(f"skipped {s.where}: {s.reason}")
     if "compare_plain" in summary:
@@ -232,6 +338,7 @@ def report(summary: dict, skipped) -> str:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    t_start = time.perf_counter()  # the whole command's wall time counts from here
     num, slots, new_max = _NUM_REQUESTS.value, _SLOTS.value, _NEW_MAX.value
     if _QUICK.value:
         num, slots, new_max = 6, 3, 24
@@ -241,10 +348,21 @@ def main(argv):
             memory.check(run.model, slots, run.max_seq_len, what=f"serve with {slots} slots")
         loaded = runner.load(run, progress=_PROGRESS.value)
         tok = loaded.tokenizer
-        eos = tok.eos_token_id if run.stop_at_eos else -1
-        eng = engine_lib.Engine(loaded.params, loaded.cfg, slots, run.max_seq_len,
-                                sampling=run.sampling, eos_id=eos,
-                                steps_per_sync=_STEPS_PER_SYNC.value, seed=run.sampling.seed)
+        eos = tok.eos_token_ids if run.stop_at_eos else ()
+        if run.page_size:  # a pool of the dense engine's bytes, more rows over it
+            eng = paged_engine.PagedEngine(
+                loaded.params, loaded.cfg, _MAX_ROWS.value or 4 * slots, run.max_seq_len,
+                run.page_size, slots * run.max_seq_len // run.page_size,
+                sampling=run.sampling, eos_ids=eos, steps_per_sync=_STEPS_PER_SYNC.value,
+                seed=run.sampling.seed, prefix_cache=_PREFIX_CACHE.value)
+        elif _PREFIX_CACHE.value:
+            raise ValueError("--prefix_cache with --config.page_size=0; allowed: "
+                             "--config.page_size=N >= 1 (the prefix cache shares pages)")
+        else:
+            eng = engine_lib.Engine(loaded.params, loaded.cfg, slots, run.max_seq_len,
+                                    sampling=run.sampling, eos_ids=eos,
+                                    steps_per_sync=_STEPS_PER_SYNC.value,
+                                    seed=run.sampling.seed)
         if _REQUESTS_FILE.value:
             reqs, skipped = file_requests(_REQUESTS_FILE.value, tok)
         else:
@@ -252,6 +370,12 @@ def main(argv):
                 tok, num, _SEED.value, _PROMPT_MEDIAN.value, _PROMPT_MIN.value,
                 min(_PROMPT_MAX.value, run.max_seq_len - new_max), _NEW_MIN.value,
                 new_max), []
+        if run.chat_template:  # the text as the user's turn: one system turn for all
+            system = run.system_prompt
+            if run.system_prompt_file is not None:
+                with open(run.system_prompt_file, encoding="utf-8") as f:
+                    system = f.read()
+            reqs = chat_requests(reqs, tok, system)
         reqs, more = screen(eng, reqs)
         skipped += more
     except (ConfigError, WeightsError, ValueError, OSError) as e:
@@ -266,20 +390,24 @@ def main(argv):
     if _PROGRESS.value:
         from tqdm import tqdm
         bar = tqdm(total=len(reqs), unit="req", file=sys.stderr)
+    t_run = time.perf_counter()
     done, stats = eng.run(reqs, on_finish=(lambda c: bar.update(1)) if bar else None)
+    t_ran = time.perf_counter()
     if bar:
         bar.close()
     summary = summarize(done, stats)
     if _COMPARE.value:
         summary["compare_plain"] = compare_plain(loaded, run, reqs, slots,
                                                  new_max, _STEPS_PER_SYNC.value)
+    # the whole command beside the serving window (wall_s): setup (config, weights
+    # loaded or downloaded, the planner's measurements, the requests), the engine's
+    # compiles before its clock starts, and the comparison when asked for
+    summary.update(setup_s=t_run - t_start, warmup_s=max(t_ran - t_run - stats.wall_s, 0.0),
+                   command_wall_s=time.perf_counter() - t_start)
     print(report(summary, skipped))
     if _JSON_OUT.value:
         summary["skipped"] = [dataclasses.asdict(s) for s in skipped]
-        summary["completions"] = [
-            {"id": c.id, "prompt_tokens": c.prompt_len, "new_tokens": len(c.tokens),
-             "stop": c.stop, "ttft_s": c.ttft_s, "tpot_s": c.tpot_s,
-             "text": tok.decode(c.tokens)} for c in done]
+        summary["completions"] = [completion_json(c, tok) for c in done]
         with open(_JSON_OUT.value, "w") as f:
             json.dump(summary, f, indent=2)
         print(f"wrote {_JSON_OUT.value}")

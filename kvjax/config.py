@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import backend as backend_lib
+from kvjax.checkpoints import hf
+from kvjax.checkpoints.fetch import WeightsError
 from kvjax.plan import REFERENCE, Plan
 
 DTYPES = {
@@ -28,7 +30,7 @@ DTYPES = {
 }
 ATTENTION_TYPES = ("mha", "gqa", "mqa", "mla")
 MLP_TYPES = ("swiglu", "gelu")
-WEIGHTS = ("smollm2", "random")
+WEIGHTS = ("smollm2", "random", "hf")
 # Element types a KV cache can hold (kvjax.cache.encode converts into them). The
 # quantized ones carry float32 scale tensors (kvjax.cache.quant: formats and scales).
 KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int8",
@@ -91,6 +93,8 @@ class ModelConfig:
       rope_theta: rotary base (SmolLM2: 1e5).
       norm_eps: RMSNorm epsilon.
       tie_embeddings: LM head shares the token embedding matrix.
+      qkv_bias: the query, key and value projections carry biases (Qwen2; MHA/GQA/MQA
+        only), added before the rotary embedding.
       window_size: W, sliding-window length in tokens; None for full attention.
       num_sink_tokens: attention sinks kept besides the window (needs window_size).
       rope_positions: how sinks are placed for rotary embeddings: 'absolute' (each token
@@ -183,6 +187,7 @@ class ModelConfig:
     rope_theta: float = 1e5
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
+    qkv_bias: bool = False
     window_size: int | None = None
     num_sink_tokens: int = 0
     rope_positions: str = "absolute"
@@ -295,6 +300,9 @@ def validate_model_config(c: ModelConfig) -> None:
         _fail("model.attention", c.attention, f"one of {list(ATTENTION_TYPES)}")
     if c.mlp_type not in MLP_TYPES:
         _fail("model.mlp_type", c.mlp_type, f"one of {list(MLP_TYPES)}")
+    if not isinstance(c.qkv_bias, bool) or (c.qkv_bias and c.attention == "mla"):
+        _fail("model.qkv_bias", c.qkv_bias,
+              "True or False, and False for attention='mla' (MLA has no q/k/v biases)")
     if c.num_heads % c.num_kv_heads:
         _fail("model.num_kv_heads", c.num_kv_heads,
               f"a divisor of model.num_heads={c.num_heads}")
@@ -428,6 +436,80 @@ class SamplingConfig:
         return self.temperature < MIN_SAMPLING_TEMPERATURE
 
 
+DRAFTERS = ("none", "ngram", "self", "model")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``kvjax.inference.speculative``): the target scores the last
+    token and k drafted ones in one forward and keeps the longest prefix it would have
+    produced itself (Leviathan et al. 2023; exact rejection sampling at temperature > 0).
+
+    Attributes:
+      drafter: 'none' (plain decoding), 'ngram' (prompt lookup: the last n tokens matched
+        earlier in the prompt and the text so far), 'self' (the same weights over a cheap
+        cache kept beside the full one: a window with sinks, a quantized copy, or the
+        first layers) or 'model' (a separate draft model from ``draft_config``, same
+        tokenizer).
+      k: tokens drafted per verify step (>= 1).
+      ngram_max: the longest n-gram the 'ngram' drafter matches (it tries the longest
+        first).
+      ngram_min: the shortest n-gram it matches; 1 <= ngram_min <= ngram_max.
+      draft_window_size: 'self': the draft cache's window W (0: no window).
+      draft_sink_tokens: 'self': attention sinks kept beside the draft window.
+      draft_kv_dtype: 'self': the draft cache's element type (None: the target's), e.g.
+        'int8' or 'int4'.
+      draft_num_layers: 'self': the draft runs the first L' layers only (0: all).
+      draft_config: 'model': a config file of ``configs/`` (e.g. 'configs/mqa.py') whose
+        model drafts; its weights come from the same checkpoint converted as that config
+        says.
+    """
+
+    drafter: str = "none"
+    k: int = 4
+    ngram_max: int = 3
+    ngram_min: int = 1
+    draft_window_size: int = 256
+    draft_sink_tokens: int = 4
+    draft_kv_dtype: str | None = None
+    draft_num_layers: int = 0
+    draft_config: str | None = None
+
+    def __post_init__(self):
+        if self.drafter not in DRAFTERS:
+            _fail("speculative.drafter", self.drafter, f"one of {list(DRAFTERS)}")
+        if not _is_int(self.k) or self.k < 1:
+            _fail("speculative.k", self.k, "an integer >= 1 (tokens drafted per step)")
+        for name in ("ngram_max", "ngram_min"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                _fail(f"speculative.{name}", getattr(self, name), "an integer >= 1")
+        if self.ngram_min > self.ngram_max:
+            _fail("speculative.ngram_min", self.ngram_min,
+                  f"at most ngram_max={self.ngram_max}")
+        for name in ("draft_window_size", "draft_sink_tokens", "draft_num_layers"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
+                _fail(f"speculative.{name}", getattr(self, name), "an integer >= 0")
+        if self.draft_window_size and self.draft_sink_tokens >= self.draft_window_size:
+            _fail("speculative.draft_sink_tokens", self.draft_sink_tokens,
+                  f"fewer than draft_window_size={self.draft_window_size}")
+        if self.draft_kv_dtype is not None and self.draft_kv_dtype not in KV_DTYPES:
+            _fail("speculative.draft_kv_dtype", self.draft_kv_dtype,
+                  f"None or one of {list(KV_DTYPES)}")
+        if self.drafter == "self" and not (self.draft_window_size or self.draft_kv_dtype
+                                           or self.draft_num_layers):
+            _fail("speculative.draft_window_size", self.draft_window_size,
+                  "a window > 0, a draft_kv_dtype or draft_num_layers > 0 with drafter="
+                  "'self' (a draft as costly as the target buys nothing)")
+        if self.drafter == "model" and not self.draft_config:
+            _fail("speculative.draft_config", self.draft_config,
+                  "a config file such as 'configs/mqa.py' with drafter='model'")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether decoding is speculative (a drafter other than 'none')."""
+        return self.drafter != "none"
+
+
 MESH_AXES = ("data", "model", "seq")
 
 MAX_POSITIONS = 2 ** 24
@@ -524,15 +606,20 @@ class RunConfig:
 
     Attributes:
       model: the architecture.
-      weights: 'smollm2' (the real pretrained GGUF) or 'random' (initialised).
-      weights_path: a local GGUF file to use instead of the downloaded one.
+      weights: 'smollm2' (the real pretrained GGUF), 'random' (initialised) or 'hf' (a
+        Hugging Face checkpoint folder, ``weights_path``: Llama, Mistral or Qwen2; the
+        model's architecture comes from its config.json, :func:`kvjax.checkpoints.hf.
+        checkpoint_model`).
+      weights_path: a local GGUF file to use instead of the downloaded one; with
+        weights='hf', the checkpoint folder (config.json, *.safetensors, tokenizer.json).
       cache_dir: where fetched weights are cached (None: $KVJAX_CACHE or ~/.cache/kvjax).
       prompt: the text to continue.
       max_new_tokens: decode budget in tokens.
       max_seq_len: S, KV-cache length in tokens (prompt + new tokens must fit).
       batch_size: B, copies of the prompt decoded together.
       sampling: SamplingConfig.
-      stop_at_eos: end a row when it emits the end-of-sequence token.
+      stop_at_eos: end a row when it emits an end-of-generation token (any of the
+        checkpoint's, ``Tokenizer.eos_token_ids``; SmolLM2: ``<|endoftext|>``, ``<|im_end|>``).
       cost_context: context length t at which the cost report compiles the decode step
         (None: max_seq_len).
       measure_repeats: repeats of the timed decode step for the measured column.
@@ -554,8 +641,12 @@ class RunConfig:
       prefill_chunk: None to prefill the prompt in one pass; N to feed it N tokens at a
         time (one compiled program for every full chunk, one for the remainder): less
         peak memory, more passes over the weights.
+      page_size: 0 (the default): the slot engine reserves a dense row of max_seq_len
+        slots per request; N >= 1: its KV cache is a pool of pages of N tokens with a
+        block table per row (``kvjax.inference.paged_engine``, ``kvjax.cache.paged``).
       mesh: MeshConfig, the device mesh (default one device).
       distributed: DistributedConfig, ``jax.distributed`` settings (default one process).
+      speculative: SpeculativeConfig (default plain decoding).
     """
 
     model: ModelConfig
@@ -575,12 +666,17 @@ class RunConfig:
     system_prompt_file: str | None = None
     ignore_memory_check: bool = False
     prefill_chunk: int | None = None
+    page_size: int = 0
     mesh: MeshConfig = MeshConfig()
     distributed: DistributedConfig = DistributedConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     def __post_init__(self):
         if self.weights not in WEIGHTS:
             _fail("weights", self.weights, f"one of {list(WEIGHTS)}")
+        if self.weights == "hf" and not self.weights_path:
+            _fail("weights_path", self.weights_path,
+                  "a Hugging Face checkpoint folder with weights='hf'")
         _positive("max_new_tokens", self.max_new_tokens)
         _positive("max_seq_len", self.max_seq_len)
         _positive("batch_size", self.batch_size)
@@ -594,6 +690,10 @@ class RunConfig:
                       "exact in float32, and the rotary angles lose their precision)")
         if self.prefill_chunk is not None:
             _positive("prefill_chunk", self.prefill_chunk)
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) \
+                or self.page_size < 0:
+            _fail("page_size", self.page_size,
+                  "0 (dense rows) or an integer >= 1 (tokens per page of a paged cache)")
         if not isinstance(self.prompt, str) or not self.prompt:
             _fail("prompt", self.prompt, "a non-empty string")
         if self.chat_template not in (None, True, False):
@@ -674,15 +774,22 @@ def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
         if d.get(key) is not None:
             model[key] = d[key]
         d.pop(key, None)
+    if d.get("weights") == "hf":  # the architecture is the checkpoint's config.json
+        try:
+            model = hf.checkpoint_model(model, d.get("weights_path"))
+        except WeightsError as e:
+            raise ConfigError(f"invalid config: weights_path={d.get('weights_path')!r}: "
+                              f"{e}") from None
     sampling = SamplingConfig(**_plain(d.pop("sampling", {})))
     mesh = _sub_config(MeshConfig, "mesh", d.pop("mesh", {}))
     distributed = _sub_config(DistributedConfig, "distributed", d.pop("distributed", {}))
+    speculative = _sub_config(SpeculativeConfig, "speculative", d.pop("speculative", {}))
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     unknown = sorted(set(d) - fields)
     if unknown:
         _fail(unknown[0], d[unknown[0]], f"fields among {sorted(fields)}")
     return RunConfig(model=model_config_from_dict(model), sampling=sampling, mesh=mesh,
-                     distributed=distributed, **d)
+                     distributed=distributed, speculative=speculative, **d)
 
 
 def distributed_config(d: Mapping[str, Any]) -> DistributedConfig:

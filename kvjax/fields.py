@@ -79,11 +79,13 @@ def _docs_for_flag(flag_name: str) -> dict[str, str]:
 
     if flag_name == "config":
         docs = {k: v for k, v in attribute_docs(config_lib.RunConfig).items()
-                if k not in ("model", "sampling", "mesh", "distributed")}
+                if k not in ("model", "sampling", "mesh", "distributed", "speculative")}
         docs.update({f"model.{k}": v for k, v in attribute_docs(config_lib.ModelConfig).items()})
         docs.update({f"sampling.{k}": v
                      for k, v in attribute_docs(config_lib.SamplingConfig).items()})
         docs.update({f"mesh.{k}": v for k, v in attribute_docs(config_lib.MeshConfig).items()})
+        docs.update({f"speculative.{k}": v
+                     for k, v in attribute_docs(config_lib.SpeculativeConfig).items()})
         docs.update({f"distributed.{k}": v
                      for k, v in attribute_docs(config_lib.DistributedConfig).items()})
         if "model.dtype" in docs:

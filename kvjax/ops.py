@@ -83,6 +83,32 @@ def softmax_stats(scores: jax.Array, visible: jax.Array):
     return m, e, jnp.sum(e, axis=-1, keepdims=True)
 
 
+def zero_unseen(x: jax.Array, seen: jax.Array, slot_axis: int) -> jax.Array:
+    """``x`` with the slots no query sees set to 0, so that they contribute exactly
+    nothing to a value product whatever they hold (issue 32: a softmax weight of 0 times
+    a NaN or inf value is NaN).
+
+    Args:
+      x: one layer's cached values (or MLA latents) with the batch axis 0 and the slot
+        axis ``slot_axis``, e.g. [B, K, S, V], [B, K, V, S] or [B, S, C].
+      seen: [B, S] bool, True where some query of the row sees the slot.
+      slot_axis: the slot axis of ``x`` (negative counts from the end).
+    Returns:
+      ``x``'s shape and dtype. An integer ``x`` (int8 / int4 codes, always finite) is
+      returned as is.
+
+    One elementwise pass over ``x``: XLA:CPU does not fuse a select into the dot that
+    reads it (measured, jax 0.10.2), so this costs a copy of ``x`` where no other pass
+    (a dtype convert) exists to fuse into.
+    """
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return x
+    axis = slot_axis % x.ndim
+    shape = [1] * x.ndim
+    shape[0], shape[axis] = seen.shape
+    return jnp.where(seen.reshape(shape), x, jnp.zeros((), x.dtype))
+
+
 def merge(a: tuple, b: tuple) -> tuple:
     """Merges two partial softmax states (m, l, o) over disjoint key sets:
     m = max(m_a, m_b), l = l_a·e^(m_a - m) + l_b·e^(m_b - m), o likewise."""

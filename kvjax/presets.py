@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from kvjax.checkpoints import fetch
 from kvjax.config import ModelConfig
 
 
@@ -47,11 +48,7 @@ def smollm2_135m(dtype: str = "float16", **overrides: Any) -> ModelConfig:
     vocab 49,152, rope_theta 1e5, rms_norm_eps 1e-5, tie_word_embeddings true.
     (Published weights are bfloat16; same 2 bytes as the default float16.)
     """
-    return _make(dict(
-        name="smollm2-135m", vocab_size=49152, num_layers=30, d_model=576, num_heads=9,
-        num_kv_heads=3, head_dim=64, mlp_dim=1536, mlp_type="swiglu", attention="gqa",
-        rope_theta=1e5, norm_eps=1e-5, tie_embeddings=True,
-    ), dtype, overrides)
+    return _make(dict(name="smollm2-135m", **fetch.SMOLLM2_ARCHITECTURE), dtype, overrides)
 
 
 def gpt2_large(dtype: str = "float16", **overrides: Any) -> ModelConfig:
@@ -247,3 +244,4 @@ def blog_mla(dtype: str = "float16", **overrides: Any) -> ModelConfig:
     d_c = d_model example) plus DeepSeek-V2's decoupled rotary key of R = 64 dims; per
     head 64 no-rope + 64 rope query/key dims and 64 value dims (configs/mla.py)."""
     return variant(blog_model(dtype, **overrides), kv_lora_rank=512, name="blog-mla")
+

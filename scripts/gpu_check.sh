@@ -17,3 +17,7 @@ for slots in 32768 131072; do
 done
 PYTHONUNBUFFERED=1 python3 -m experiments.bench --gpu_check --max_cache_gb=40 \
   --out_dir="${OUT:-results}/gpu_check"
+# Speculative decoding (issue 30): n-gram and window self-draft, k = 2, 4, 8, at t = 4K and
+# 16K, B = 1 and 8, against plain decoding and the theory. ~2 minutes.
+PYTHONUNBUFFERED=1 python3 -m experiments.speculative --contexts=4096,16384 --ks=2,4,8 \
+  --batches=1,8 --repeats=3 --out_dir="${OUT:-results}/gpu_check/speculative"

@@ -2,7 +2,7 @@
 formulas, no Flax and no kvjax model code (nothing from ``kvjax.models``).
 
 RMSNorm, half-split rotary, causal attention over plain ``[T, K, H]`` arrays (MHA/GQA/MQA:
-query head n reads KV head n // G) with an optional band (window + sinks) computed from
+query head n reads KV head n // G; optional q/k/v biases, Qwen2) with an optional band (window + sinks) computed from
 absolute positions, MLA by the naive math (keys and values rebuilt from the latent),
 SwiGLU/GELU MLP, tied or untied LM head.
 
@@ -70,10 +70,16 @@ def mlp(y, lay, mlp_type="swiglu"):
 
 
 def gqa_attention(y, lay, cfg, pos, mask):
-    """One MHA/GQA/MQA layer's attention: lay has q [D, N, H], k, v [D, K, H], o [N, H, D]."""
-    q = rotary(np.einsum("td,dnh->tnh", y, lay["q"]), pos, cfg.rope_theta)
-    k = rotary(np.einsum("td,dkh->tkh", y, lay["k"]), pos, cfg.rope_theta)
-    v = np.einsum("td,dkh->tkh", y, lay["v"])
+    """One MHA/GQA/MQA layer's attention: lay has q [D, N, H], k, v [D, K, H], o [N, H, D]
+    and optionally the biases q_bias [N, H], k_bias, v_bias [K, H] (Qwen2), added to the
+    projections before the rotary embedding."""
+    def proj(x):
+        out = np.einsum("td,dnh->tnh", y, lay[x])
+        return out + lay[f"{x}_bias"] if f"{x}_bias" in lay else out
+
+    q = rotary(proj("q"), pos, cfg.rope_theta)
+    k = rotary(proj("k"), pos, cfg.rope_theta)
+    v = proj("v")
     return np.einsum("tnh,nhd->td", attend(q, k, v, mask), lay["o"])
 
 
@@ -138,6 +144,8 @@ def logits(params, cfg, tokens):
         else:
             a = lay["attn"]
             attn = {x: a[f"{x}_proj"]["kernel"][i] for x in "qkvo"}
+            attn.update({f"{x}_bias": a[f"{x}_proj"]["bias"][i] for x in "qkv"
+                         if "bias" in a[f"{x}_proj"]})
         return {"attn_norm": lay["attn_norm"]["scale"][i],
                 "mlp_norm": lay["mlp_norm"]["scale"][i],
                 "attn": attn, "mlp": kernels(lay["mlp"], i)}
@@ -149,18 +157,23 @@ def logits(params, cfg, tokens):
 
 
 def llama_logits(ckpt, ids):
-    """Reference logits [T, V] (float64) of a full causal forward of a llama GGUF
-    checkpoint (``kvjax.checkpoints.LlamaGGUF``: HF orientation, Q/K rows un-permuted)."""
+    """Reference logits [T, V] (float64) of a full causal forward of a llama-family
+    checkpoint (``kvjax.checkpoints.LlamaGGUF`` from a GGUF or a Hugging Face folder: HF
+    orientation, Q/K rows in half-split order; optional q/k/v biases ``bq``/``bk``/``bv``,
+    an untied ``lm_head`` and a sliding window ``hparams['window_size']``)."""
     hp, t = ckpt.hparams, ckpt.tensors
     n, k, h, d = hp["num_heads"], hp["num_kv_heads"], hp["head_dim"], hp["d_model"]
     cfg = types.SimpleNamespace(rope_theta=hp["rope_theta"], norm_eps=hp["norm_eps"],
-                                window_size=None, num_sink_tokens=0, mlp_type="swiglu",
-                                attention="gqa")
+                                window_size=hp.get("window_size"), num_sink_tokens=0,
+                                mlp_type="swiglu", attention="gqa")
 
     def layer(i):  # rows [out, in] -> [in, out], lazily: one layer's weights at a time
-        return {"attn_norm": t["attn_norm"][i], "mlp_norm": t["mlp_norm"][i],
-                "attn": {"q": t["wq"][i].T.reshape(d, n, h), "k": t["wk"][i].T.reshape(d, k, h),
-                         "v": t["wv"][i].T.reshape(d, k, h), "o": t["wo"][i].T.reshape(n, h, d)},
+        attn = {"q": t["wq"][i].T.reshape(d, n, h), "k": t["wk"][i].T.reshape(d, k, h),
+                "v": t["wv"][i].T.reshape(d, k, h), "o": t["wo"][i].T.reshape(n, h, d)}
+        for x, heads in (("q", n), ("k", k), ("v", k)):
+            if f"b{x}" in t:
+                attn[f"{x}_bias"] = t[f"b{x}"][i].reshape(heads, h)
+        return {"attn_norm": t["attn_norm"][i], "mlp_norm": t["mlp_norm"][i], "attn": attn,
                 "mlp": {"gate": t["w_gate"][i].T, "up": t["w_up"][i].T, "down": t["w_down"][i].T}}
 
     return decoder_logits(cfg, t["embed"], (layer(i) for i in range(hp["num_layers"])),

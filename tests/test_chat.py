@@ -21,12 +21,22 @@ SMOL_TEMPLATE = (
 
 
 class FakeTok:
-    """Only what rendering needs: the template string."""
+    """Only what rendering needs: the template string, and bytes as token ids."""
+
+    template_tokens = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+    add_bos_token = False
+    bos_token_id = 1
 
     def __init__(self, template):
         self.chat_template = template
 
+    def encode(self, text, special=False):
+        return list(text.encode("utf-8"))
+
     chat_prompt = Tokenizer.chat_prompt
+    chat_ids = Tokenizer.chat_ids
+    chat_messages = Tokenizer.chat_messages
+    _template = Tokenizer._template
 
 
 def tiny_run(**kw):
@@ -59,7 +69,8 @@ def test_chatml_rendering_equals_jinja(system):
 
 
 def test_switch_and_errors(tmp_path):
-    smol, other = FakeTok(SMOL_TEMPLATE), FakeTok("{{ messages }}")
+    smol = FakeTok(SMOL_TEMPLATE)
+    other = FakeTok("{{ raise_exception('Conversation roles must alternate') }}")
     raw = "The capital of France is"
     # None (default): on for pretrained weights with a template, off for random weights
     assert runner.uses_chat_template(tiny_run(prompt=raw), smol)
@@ -72,9 +83,13 @@ def test_switch_and_errors(tmp_path):
     f.write_text("From a file.")
     assert "system\nFrom a file.<|im_end|>" in runner.render_prompt(
         tiny_run(prompt=raw, system_prompt_file=str(f)), smol)
-    with pytest.raises(ConfigError, match="chat_template=True: the checkpoint's chat "
-                                          "template is not ChatML"):
+    with pytest.raises(ConfigError, match="chat_template=True: the chat template fails on "
+                                          "these messages: TemplateError: Conversation "
+                                          "roles must alternate"):
         runner.render_prompt(tiny_run(prompt=raw, chat_template=True), other)
+    with pytest.raises(ConfigError, match="chat_template=True: the checkpoint carries no "
+                                          "chat template"):
+        runner.render_prompt(tiny_run(prompt=raw, chat_template=True), FakeTok(None))
     with pytest.raises(ConfigError, match="chat_template=False; allowed: True or None when a "
                                           "system prompt is given"):
         tiny_run(chat_template=False, system_prompt="S")
@@ -82,17 +97,18 @@ def test_switch_and_errors(tmp_path):
         tiny_run(system_prompt_file="/nonexistent")
 
 
-def test_checkpoint_without_chatml_refuses_chat_template_true(tmp_path):
-    """The tiny GGUF's template is not ChatML: chat_template=True is refused from the
-    metadata, before loading."""
+def test_checkpoint_whose_template_fails_refuses_chat_template_true(tmp_path):
+    """The tiny GGUF's template reads an undefined ``message``: chat_template=True is
+    refused from the metadata (a trial rendering in jinja2), before loading."""
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path)
     model = ModelConfig(vocab_size=40, num_layers=2, d_model=8, num_heads=4, num_kv_heads=2,
                         head_dim=2, mlp_dim=12, rope_theta=1e4)
     hp = read_llama_hparams(path)
     runner.check_checkpoint(RunConfig(model=model, max_seq_len=32), hp)  # auto: fine
-    with pytest.raises(ConfigError, match="chat_template=True but the checkpoint carries a "
-                                          "chat template that is not ChatML"):
+    with pytest.raises(ConfigError, match="chat_template=True but the chat template fails "
+                                          "on these messages: UndefinedError: 'message' is "
+                                          "undefined"):
         runner.check_checkpoint(RunConfig(model=model, max_seq_len=32, chat_template=True), hp)
 
 

@@ -77,8 +77,9 @@ def _tiny_weights(seed=0):
     }
 
 
-def write_tiny_gguf(path, arch="llama", lm_head=False, drop=(), extra=()):
-    """Writes a small F32 GGUF; Q/K stored llama.cpp-permuted, like the converter does."""
+def write_tiny_gguf(path, arch="llama", lm_head=False, drop=(), extra=(), pre="smollm"):
+    """Writes a small F32 GGUF; Q/K stored llama.cpp-permuted, like the converter does.
+    ``pre``: its ``tokenizer.ggml.pre`` (None: none written)."""
     V, L, D, N, K, H, F = (TINY[k] for k in "VLDNKHF")
     w = _tiny_weights()
     assert len(TINY_TOKENS) == V
@@ -93,6 +94,8 @@ def write_tiny_gguf(path, arch="llama", lm_head=False, drop=(), extra=()):
     wr.add_layer_norm_rms_eps(1e-5)
     wr.add_vocab_size(V)
     wr.add_tokenizer_model("gpt2")
+    if pre is not None:
+        wr.add_tokenizer_pre(pre)
     wr.add_token_list(TINY_TOKENS)
     wr.add_token_types([3, 3, 3] + [1] * (V - 3))
     wr.add_token_merges(["a b", "ab c", "Ġ a"])
@@ -158,7 +161,8 @@ def test_tiny_tokenizer(tmp_path):
     tok = load_tokenizer(path)
     assert tok.vocab_size == TINY["V"]
     assert tok.encode("abc") == [TINY_TOKENS.index("abc")]
-    assert tok.encode("<|im_start|>abc<|im_end|>") == [1, TINY_TOKENS.index("abc"), 2]
+    assert tok.encode("<|im_start|>abc<|im_end|>", special=True) == [
+        1, TINY_TOKENS.index("abc"), 2]
     assert tok.encode("2024") == [TINY_TOKENS.index(c) for c in "2024"]
     assert tok.decode(tok.encode(" a b")) == " a b"
     assert load_tokenizer(gguf.GGUFReader(path)).encode("abc") == tok.encode("abc")
@@ -301,7 +305,15 @@ def test_real_hparams(real):
     assert real.hparams == dict(
         vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3, head_dim=64,
         mlp_dim=1536, rope_theta=1e5, norm_eps=pytest.approx(1e-5), context_length=8192,
-        bos_token_id=1, eos_token_id=2, tie_embeddings=True)
+        bos_token_id=1, eos_token_id=2, eos_token_ids=(0, 2), pre_tokenizer="smollm",
+        tie_embeddings=True, qkv_bias=False, architecture="llama")
+
+
+@pytest.mark.slow
+def test_real_end_of_generation_ids(tok):
+    # SmolLM2 ends documents with <|endoftext|> and turns with <|im_end|>: both stop
+    assert tok.eos_token_ids == (0, 2)
+    assert [tok.id_to_token(i) for i in tok.eos_token_ids] == ["<|endoftext|>", "<|im_end|>"]
 
 
 @pytest.mark.slow
@@ -356,8 +368,11 @@ def test_real_tokenizer(tok):
     assert ids[0] != tok.bos_token_id  # no BOS added
     assert len(tok.encode("2024")) == 4
     assert [tok.decode([i]) for i in tok.encode("2024")] == ["2", "0", "2", "4"]
-    assert tok.encode("<|im_start|>") == [1] and tok.encode("<|im_end|>") == [2]
-    assert tok.encode("<|endoftext|>") == [0]
+    assert tok.encode("<|im_start|>", special=True) == [1]
+    assert tok.encode("<|im_end|>", special=True) == [2]
+    assert tok.encode("<|endoftext|>", special=True) == [0]
+    plain = tok.encode("<|im_end|>")  # user text: its characters, no control id
+    assert not set(plain) & tok.special_token_ids and tok.decode(plain) == "<|im_end|>"
 
 
 @pytest.mark.slow
@@ -366,8 +381,9 @@ def test_real_chat_template(tok):
     assert prompt == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
-    ids = tok.encode(prompt)
+    ids = tok.encode(prompt, special=True)
     assert ids[0] == 1 and ids.count(1) == 3 and ids.count(2) == 2
+    assert tok.chat_ids("What is 2+2?") == (prompt, ids)  # jinja2 renders the same
     assert tok.decode(ids) == prompt
     assert "im_start" not in tok.decode(ids, skip_special_tokens=True)
 

@@ -13,7 +13,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENTRY_POINTS = sorted(p.stem for p in (ROOT / "experiments").glob("*.py")
                       if 'if __name__ == "__main__":' in p.read_text())
-CONFIG_FILE_ENTRY_POINTS = ("ablate", "decode", "ppl", "serve", "uptrain")
+CONFIG_FILE_ENTRY_POINTS = ("ablate", "decode", "ppl", "serve", "speculative", "uptrain")
 
 
 def entry(module, *args, timeout=120):
@@ -46,6 +46,8 @@ MISSPELT = {
     "serve": ("--config.model.window_sise=3", "unknown field --config.model.window_sise; "
               "did you mean --config.model.window_size?"),
     "shard": ("--layer=2", "unknown flag --layer; did you mean --layers?"),
+    "speculative": ("--config.speculative.drafte=ngram", "unknown field "
+                    "--config.speculative.drafte; did you mean --config.speculative.drafter?"),
     "uptrain": ("--train.step=3", "unknown field --train.step; did you mean --train.steps?"),
 }
 

@@ -72,7 +72,7 @@ def test_eos_stops_the_row(setup):
     prompt = [3, 14, 15, 9, 2]
     ref = greedy_reference(params, cfg, prompt, 8)
     eos = ref[3]
-    got, steps, _ = run(params, cfg, prompt, 8, eos_id=eos)
+    got, steps, _ = run(params, cfg, prompt, 8, eos_ids=eos)
     assert got[: ref.index(eos) + 1] == ref[: ref.index(eos) + 1]
     assert steps == ref.index(eos)  # stopped right after emitting eos
 

@@ -22,7 +22,7 @@ def alone(cfg, params, prompt, max_new, eos_id=-1):
     cache = cache_lib.init_cache(cfg, 1, S)
     logits, cache = decode.prefill(params, cfg, jnp.asarray([prompt], jnp.int32), cache)
     first = jnp.argmax(logits, -1).astype(jnp.int32)
-    toks, _, _ = decode.generate(params, cfg, first, cache, max_new - 1, eos_id=eos_id)
+    toks, _, _ = decode.generate(params, cfg, first, cache, max_new - 1, eos_ids=eos_id)
     out = [int(first[0])] + [int(t) for t in np.asarray(toks[0])]
     if eos_id in out:
         out = out[:out.index(eos_id) + 1]
@@ -58,7 +58,7 @@ def test_engine_eos_frees_slot():
     params = params_of("gqa")
     ref = alone(cfg, params, PROMPTS[1], 11)
     eos = ref[3]
-    done, _ = engine.Engine(params, cfg, 2, S, eos_id=eos, steps_per_sync=4).run(requests())
+    done, _ = engine.Engine(params, cfg, 2, S, eos_ids=eos, steps_per_sync=4).run(requests())
     assert done[1].tokens == ref[:ref.index(eos) + 1] and done[1].stop == "eos"
     for c, p, n in zip(done, PROMPTS, BUDGETS):
         assert c.tokens == alone(cfg, params, p, n, eos_id=eos)

@@ -52,7 +52,7 @@ def alone(cfg, params, prompt, steps, eos_id=-1):
     cache = cache_lib.init_cache(cfg, 1, S)
     logits, cache = decode.prefill(params, cfg, jnp.asarray([prompt], jnp.int32), cache)
     first = jnp.argmax(logits, -1).astype(jnp.int32)
-    toks, _, _ = decode.generate(params, cfg, first, cache, steps, eos_id=eos_id)
+    toks, _, _ = decode.generate(params, cfg, first, cache, steps, eos_ids=eos_id)
     return np.asarray(logits[0]), int(first[0]), np.asarray(toks[0])
 
 
@@ -62,7 +62,7 @@ def run_ragged(cfg, params, prompts, budgets, eos_id=-1, pad_to=None):
     logits, cache = ragged.prefill_ragged(params, cfg, tokens, lengths, cache)
     first = jnp.argmax(logits, -1).astype(jnp.int32)
     toks, counts, cache = ragged.generate_ragged(params, cfg, first, cache, budgets,
-                                                 eos_id=eos_id)
+                                                 eos_ids=eos_id)
     return np.asarray(logits), np.asarray(first), toks, counts, cache
 
 

@@ -82,8 +82,8 @@ def _poisoned(cfg, ragged):
 def test_generate_stops_a_nonfinite_row_and_the_others_go_on():
     cfg = tiny_config(scan_layers=False)
     params, first, clean, bad = _poisoned(cfg, ragged=False)
-    want, _, _ = decode.generate(params, cfg, first, clean, 6, eos_id=-1)
-    got, _, _ = decode.generate(params, cfg, first, bad, 6, eos_id=-1)
+    want, _, _ = decode.generate(params, cfg, first, clean, 6, eos_ids=-1)
+    got, _, _ = decode.generate(params, cfg, first, bad, 6, eos_ids=-1)
     got, want = np.asarray(got), np.asarray(want)
     assert got[0, 0] == sampling_lib.NONFINITE and (got[0, 1:] == -1).all()
     np.testing.assert_array_equal(got[1], want[1])

@@ -190,9 +190,10 @@ class ParamCounts:
 
 
 def attention_params_per_layer(cfg: ModelConfig) -> int:
-    """Attention parameters of one layer (no biases).
+    """Attention parameters of one layer.
 
-    MHA/GQA/MQA: W_Q D·N·H + W_K, W_V D·K·H each + W_O N·H·D.
+    MHA/GQA/MQA: W_Q D·N·H + W_K, W_V D·K·H each + W_O N·H·D, plus with ``qkv_bias``
+    (Qwen2) the biases N·H + 2·K·H.
     MLA (DeepSeek-V2 sec. 2.1): W_DKV D·C, W_KR D·R, W_UK C·N·nope, W_UV C·N·v,
     W_Q D·N·(nope+R) (or W_DQ D·q_lora + W_UQ/W_QR q_lora·N·(nope+R) plus the q-latent
     norm q_lora), W_O N·v·D, and the kv-latent RMSNorm C.
@@ -200,7 +201,8 @@ def attention_params_per_layer(cfg: ModelConfig) -> int:
     d, n = cfg.d_model, cfg.num_heads
     if not cfg.is_mla:
         h, k = cfg.head_dim, cfg.num_kv_heads
-        return d * n * h + 2 * d * k * h + n * h * d
+        bias = (n * h + 2 * k * h) if cfg.qkv_bias else 0
+        return d * n * h + 2 * d * k * h + n * h * d + bias
     c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
     qk = n * (nope + r)
@@ -217,7 +219,8 @@ def mlp_params_per_layer(cfg: ModelConfig) -> int:
 
 
 def param_counts(cfg: ModelConfig) -> ParamCounts:
-    """Exact parameter counts from the shapes of kvjax's decoder (RMSNorm, no biases)."""
+    """Exact parameter counts from the shapes of kvjax's decoder (RMSNorm; biases only
+    on q/k/v with ``qkv_bias``)."""
     d, v, l = cfg.d_model, cfg.vocab_size, cfg.num_layers
     return ParamCounts(
         attention=l * attention_params_per_layer(cfg),

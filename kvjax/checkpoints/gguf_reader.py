@@ -1,4 +1,5 @@
-"""Reading a llama-architecture GGUF file into HF-layout numpy arrays.
+"""Reading a llama-architecture GGUF file (SmolLM2, Llama 3, llama-architecture models with
+a Qwen2 tokenizer, ...) into HF-layout numpy arrays.
 
 GGUF stores each 2-D weight with ggml shape ``[in, out]``, which the ``gguf``
 package exposes as numpy data of shape ``(out, in)``: after
@@ -23,7 +24,17 @@ import tqdm
 
 from kvjax.checkpoints.fetch import WeightsError
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+"""``general.architecture`` values read: 'llama' (Q/K rows stored llama.cpp-permuted for
+ggml's interleaved rotary, undone here) and 'qwen2' (q/k/v biases; Q/K rows in HF order:
+llama.cpp runs Qwen2 with the half-split "NEOX" rotary and its converter does not
+permute them)."""
+
+DEQUANTIZABLE = frozenset({gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
+                          | set(getattr(gguf.quants, "_type_traits", {})))
+"""Tensor types ``gguf.quants.dequantize`` reads: F32, F16 and every type gguf-py has a
+(de)quantiser for (BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, the K-quants Q2_K..Q6_K, the IQ
+types, ...)."""
 
 # GGUF tensor name (per layer, after "blk.{i}.") -> our name.
 _LAYER_TENSORS = {
@@ -37,6 +48,8 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "w_up",
     "ffn_down.weight": "w_down",
 }
+# qwen2 only: q/k/v biases
+_BIAS_TENSORS = {"attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv"}
 _GLOBAL_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "final_norm"}
 _OPTIONAL_GLOBAL_TENSORS = {"output.weight": "lm_head"}
 _TOKENIZER_KEYS = (
@@ -47,8 +60,36 @@ _TOKENIZER_KEYS = (
     "tokenizer.ggml.merges",
     "tokenizer.ggml.bos_token_id",
     "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.eom_token_id",
+    "tokenizer.ggml.fim_pad_token_id",
+    "tokenizer.ggml.fim_rep_token_id",
+    "tokenizer.ggml.fim_sep_token_id",
+    "tokenizer.ggml.add_bos_token",
     "tokenizer.chat_template",
 )
+
+PRE_TOKENIZERS = {
+    "smollm": "smollm",
+    "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3",
+    "qwen2": "qwen2",
+}
+"""``tokenizer.ggml.pre`` value -> the pre-tokenizer dialect kvjax builds for it
+(:func:`kvjax.checkpoints.tokenizer.tokenizer_from_fields`), as llama.cpp's
+``llama_vocab::impl::load`` maps the names (``src/llama-vocab.cpp``): 'smollm' (SmolLM2:
+single digits, then GPT-2's regex), the names of ``LLAMA_VOCAB_PRE_TYPE_LLAMA3``
+(Llama 3's regex, digits in runs of 1-3) and 'qwen2' (Llama 3's regex with single
+digits). Any other value is refused: its regex would differ and tokenize silently wrong
+(llama.cpp #6920)."""
+
+# Token texts llama.cpp treats as end of generation whatever the metadata says
+# (``special_eog_ids`` in src/llama-vocab.cpp), and those of its fill-in-the-middle
+# pad / repo / file-separator tokens, which it also stops at.
+_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+              "<|eom_id|>", "<EOT>")
+_FIM_EOG = {"fim_pad": ("<|fim_pad|>", "<fim-pad>", "<PAD>"),
+            "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>"),
+            "fim_sep": ("<|file_sep|>",)}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -61,14 +102,19 @@ class LlamaGGUF:
         ``rope_theta``, ``norm_eps`` (floats); ``context_length``,
         ``bos_token_id``, ``eos_token_id`` (ints; see
         :func:`resolve_special_token_ids` for how eos is chosen);
-        ``tie_embeddings`` (bool: no separate ``output.weight``).
+        ``eos_token_ids`` (tuple of every end-of-generation id,
+        :func:`end_of_generation_ids`); ``pre_tokenizer`` (the dialect
+        ``tokenizer.ggml.pre`` names, :data:`PRE_TOKENIZERS`);
+        ``tie_embeddings`` (bool: no separate ``output.weight``); ``qkv_bias`` (bool:
+        q/k/v biases, the 'qwen2' architecture); ``architecture`` (str).
       tensors: name -> numpy array of the requested dtype:
         ``embed`` [V, D], ``final_norm`` [D], and stacked over layers
         ``attn_norm`` [L, D], ``mlp_norm`` [L, D], ``wq`` [L, N*H, D],
         ``wk`` [L, K*H, D], ``wv`` [L, K*H, D], ``wo`` [L, D, N*H],
         ``w_gate`` [L, F, D], ``w_up`` [L, F, D], ``w_down`` [L, D, F]
         (``[out, in]``, i.e. ``y = x @ w.T``), plus ``lm_head`` [V, D] only when
-        the file has an untied ``output.weight``. Q/K rows are in HF order
+        the file has an untied ``output.weight``, and with ``qkv_bias`` the biases
+        ``bq`` [L, N*H], ``bk``, ``bv`` [L, K*H]. Q/K rows are in HF order
         (half-split rotary), the llama.cpp permutation undone.
       path: the file read.
       tokenizer_fields: the GGUF's ``tokenizer.*`` metadata (tokens, merges,
@@ -172,6 +218,56 @@ def resolve_special_token_ids(tokenizer_fields: dict) -> tuple[int, int]:
     return int(bos), int(eos)
 
 
+def pre_tokenizer_dialect(tokenizer_fields: dict, source: Any = "GGUF") -> str:
+    """The pre-tokenizer dialect ('smollm', 'llama3' or 'qwen2') that the GGUF's
+    ``tokenizer.ggml.pre`` names (see :data:`PRE_TOKENIZERS`).
+
+    Raises:
+      WeightsError: the value is missing or not one of :data:`PRE_TOKENIZERS` (naming it
+        and the values allowed).
+    """
+    pre = tokenizer_fields.get("tokenizer.ggml.pre")
+    if pre not in PRE_TOKENIZERS:
+        what = "lacks tokenizer.ggml.pre" if pre is None else f"has tokenizer.ggml.pre={pre!r}"
+        raise WeightsError(
+            f"{source} {what}, a pre-tokenizer kvjax does not implement (its text would be "
+            f"split wrongly); allowed: {', '.join(map(repr, PRE_TOKENIZERS))}")
+    return PRE_TOKENIZERS[pre]
+
+
+def end_of_generation_ids(tokenizer_fields: dict) -> tuple[int, ...]:
+    """Every id that ends a generation, sorted, as llama.cpp's ``llama_vocab::is_eog``
+    decides (``special_eog_ids``, src/llama-vocab.cpp): the ``eos`` (as
+    :func:`resolve_special_token_ids` resolves it), ``eot`` and ``eom`` ids the metadata
+    states; every token whose text is one of ``<|eot_id|>``, ``<|im_end|>``, ``<|end|>``,
+    ``<end_of_turn>``, ``<|endoftext|>``, ``<|eom_id|>``, ``<EOT>``; and the
+    fill-in-the-middle pad, repo and file-separator tokens (metadata ``fim_*_token_id``,
+    else found by text, e.g. ``<|fim_pad|>``, ``<|repo_name|>``, ``<|file_sep|>``).
+    SmolLM2: (0, 2), ``<|endoftext|>`` and ``<|im_end|>``; Llama 3.1: ``<|end_of_text|>``,
+    ``<|eom_id|>``, ``<|eot_id|>``.
+
+    Ids outside the vocabulary are ignored (llama.cpp warns and drops them too).
+
+    Raises:
+      WeightsError: as :func:`resolve_special_token_ids`.
+    """
+    tokens = list(tokenizer_fields.get("tokenizer.ggml.tokens") or [])
+    ids = {resolve_special_token_ids(tokenizer_fields)[1]}
+    for key in ("eos", "eot", "eom"):
+        i = tokenizer_fields.get(f"tokenizer.ggml.{key}_token_id")
+        if i is not None:
+            ids.add(int(i))
+    ids.update(i for i, t in enumerate(tokens) if t in _EOG_TEXTS)
+    for key, texts in _FIM_EOG.items():
+        i = tokenizer_fields.get(f"tokenizer.ggml.{key}_token_id")
+        if i is None:
+            i = next((j for j, t in enumerate(tokens) if t in texts), None)
+        if i is not None:
+            ids.add(int(i))
+    n = len(tokens) or max(ids) + 1
+    return tuple(sorted(i for i in ids if 0 <= i < n))
+
+
 def _dequantize(tensor: Any, path: pathlib.Path) -> np.ndarray:
     try:
         return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
@@ -182,10 +278,11 @@ def _dequantize(tensor: Any, path: pathlib.Path) -> np.ndarray:
         ) from e
 
 
-def _check_shape(name: str, arr: np.ndarray, expected: tuple[int, ...], path: pathlib.Path) -> None:
-    if tuple(arr.shape) != tuple(expected):
+def _check_shape(name: str, arr: Any, expected: tuple[int, ...], path: pathlib.Path) -> None:
+    shape = tuple(arr.shape) if hasattr(arr, "shape") else tuple(arr)
+    if shape != tuple(expected):
         raise WeightsError(
-            f"GGUF tensor {name} of {path} has shape {tuple(arr.shape)} (numpy, [out, in]); "
+            f"GGUF tensor {name} of {path} has shape {shape} (numpy, [out, in]); "
             f"the hyperparameters imply {tuple(expected)}"
         )
 
@@ -203,12 +300,22 @@ def _read_hparams(reader: gguf.GGUFReader, path: pathlib.Path):
     def key(name: str, default: Any = ...) -> Any:
         return _field(reader, f"{arch}.{name}", default, path)
 
-    rope_scaling = key("rope.scaling.type", None)
-    if rope_scaling not in (None, "none"):
-        raise WeightsError(f"GGUF file {path} uses rope scaling {rope_scaling!r}, which is not supported")
-
     tok_fields = _tokenizer_fields(reader)
+    pre = pre_tokenizer_dialect(tok_fields, f"GGUF file {path}")
     bos, eos = resolve_special_token_ids(tok_fields)
+    rope_scaling = key("rope.scaling.type", None)
+    factor = key("rope.scaling.factor", None)
+    kind = rope_scaling or ("linear" if factor not in (None, 1.0) else None)
+    if kind not in (None, "none") and factor != 1.0:
+        raise WeightsError(
+            f"GGUF file {path} uses rope scaling {kind!r} ({arch}.rope.scaling.type, "
+            f"factor {factor}), which kvjax does not implement; allowed: no rope scaling "
+            "(type 'none' or absent, or a factor of 1)")
+    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
+        raise WeightsError(
+            f"GGUF file {path} has a rope_freqs.weight tensor (per-frequency rope scaling, "
+            "Llama 3.1's rope_type 'llama3'), which kvjax does not implement; allowed: "
+            "no rope scaling")
     num_layers = int(key("block_count"))
     d_model = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
@@ -239,7 +346,11 @@ def _read_hparams(reader: gguf.GGUFReader, path: pathlib.Path):
         context_length=int(key("context_length")),
         bos_token_id=bos,
         eos_token_id=eos,
+        eos_token_ids=end_of_generation_ids(tok_fields),
+        pre_tokenizer=pre,
         tie_embeddings="output.weight" not in by_name,
+        qkv_bias=arch == "qwen2",
+        architecture=arch,
     )
     return hp, tok_fields, by_name
 
@@ -287,9 +398,12 @@ def read_llama_gguf(
     Raises:
       WeightsError: the file is missing or unreadable; truncated or corrupt
         (the message names it and suggests deleting it to re-fetch);
-        ``general.architecture`` is not ``llama``; metadata keys or tensors
-        are missing, unexpected (e.g. biases, rope_freqs, MoE experts) or of
-        the wrong shape; rope scaling is present.
+        ``general.architecture`` is not one of :data:`SUPPORTED_ARCHITECTURES`; ``tokenizer.ggml.pre`` is missing
+        or not one of :data:`PRE_TOKENIZERS`; metadata keys or tensors are missing,
+        unexpected (e.g. biases, MoE experts), of a type gguf cannot dequantise
+        (:data:`DEQUANTIZABLE`) or of the wrong shape; rope scaling is present (a
+        ``rope.scaling.type`` with a factor other than 1, or a ``rope_freqs.weight``).
+        All of these are raised from the metadata, before any tensor is read.
     """
     path = pathlib.Path(path)
     dtype = np.dtype(dtype)
@@ -305,9 +419,14 @@ def read_llama_gguf(
         "wq": (N * H, D), "wk": (K * H, D), "wv": (K * H, D), "wo": (D, N * H),
         "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F),
     }
+    per_layer = dict(_LAYER_TENSORS)
+    if hp["qkv_bias"]:
+        layer_shapes.update(bq=(N * H,), bk=(K * H,), bv=(K * H,))
+        per_layer.update(_BIAS_TENSORS)
+    permuted = hp["architecture"] == "llama"
     global_shapes = {"embed": (V, D), "final_norm": (D,), "lm_head": (V, D)}
 
-    expected = set(_GLOBAL_TENSORS) | {f"blk.{i}.{n}" for i in range(L) for n in _LAYER_TENSORS}
+    expected = set(_GLOBAL_TENSORS) | {f"blk.{i}.{n}" for i in range(L) for n in per_layer}
     missing = sorted(expected - set(by_name), key=_natural_key)
     if missing:
         shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
@@ -316,7 +435,19 @@ def read_llama_gguf(
     if unexpected:
         shown = ", ".join(unexpected[:8]) + (f", ... ({len(unexpected)} in all)" if len(unexpected) > 8 else "")
         raise WeightsError(
-            f"GGUF file {path} has tensors this plain-llama reader does not handle: {shown}")
+            f"GGUF file {path} has tensors this reader does not handle in a "
+            f"{hp['architecture']!r} file: {shown}")
+    # types and shapes from the metadata, before any tensor is read
+    shapes = {**{g: global_shapes[n] for g, n in {**_GLOBAL_TENSORS, **_OPTIONAL_GLOBAL_TENSORS}.items()},
+              **{f"blk.{i}.{g}": layer_shapes[n] for i in range(L) for g, n in per_layer.items()}}
+    for gname in sorted(by_name, key=_natural_key):
+        t = by_name[gname]
+        if t.tensor_type not in DEQUANTIZABLE:
+            raise WeightsError(
+                f"GGUF tensor {gname} of {path} is {t.tensor_type.name}, which gguf "
+                f"{getattr(gguf, '__version__', '')} cannot dequantise; allowed: "
+                f"{', '.join(sorted(q.name for q in DEQUANTIZABLE))}")
+        _check_shape(gname, tuple(int(d) for d in reversed(t.shape)), shapes[gname], path)
 
     tensors: dict[str, np.ndarray] = {}
     for gname, name in {**_GLOBAL_TENSORS, **_OPTIONAL_GLOBAL_TENSORS}.items():
@@ -327,13 +458,13 @@ def read_llama_gguf(
 
     stacked = {name: np.empty((L, *shape), dtype) for name, shape in layer_shapes.items()}
     for i in tqdm.trange(L, desc=f"dequantising {path.name}", unit="layer", disable=not progress):
-        for gname, name in _LAYER_TENSORS.items():
+        for gname, name in per_layer.items():
             full = f"blk.{i}.{gname}"
             arr = _dequantize(by_name[full], path)
             _check_shape(full, arr, layer_shapes[name], path)
-            if name == "wq":
+            if permuted and name == "wq":
                 arr = undo_llama_cpp_permute(arr, N)
-            elif name == "wk":
+            elif permuted and name == "wk":
                 arr = undo_llama_cpp_permute(arr, K)
             stacked[name][i] = arr  # casts to dtype
     tensors.update(stacked)

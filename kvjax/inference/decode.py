@@ -11,7 +11,7 @@ The compile units, public so the cost hook and the runner lower and compile exac
 decoding runs (``unit.lower(...).compile()``), without host checks:
 
 * :func:`prefill_program` (params, tokens, cache) -> (last logits, cache);
-* :func:`generate_program` (params, first_token, cache, num_steps, rng, eos_id);
+* :func:`generate_program` (params, first_token, cache, num_steps, rng, eos_ids);
 * :func:`decode_step` (params, token, cache) -> (logits, cache): one step.
 
 Each row's positions come from its own ``cache.length`` (per-row bookkeeping). Lengths
@@ -22,17 +22,37 @@ past its end raises :class:`kvjax.cache.policy.CacheOverflowError`, never a sile
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.cache import KVCache, policy_for
 from kvjax.config import ModelConfig, SamplingConfig
 from kvjax.models import model as model_lib
-from kvjax.inference.sampling import NONFINITE, sample_logits
+from kvjax.inference.sampling import is_stop, sample_logits
 
-__all__ = ["check_room", "prefill", "generate",
+__all__ = ["check_room", "prefill", "generate", "eos_array",
            "prefill_program", "generate_program", "decode_step", "token_buffer_len"]
+
+
+def eos_array(eos_ids: int | Sequence[int] = (), size: int | None = None) -> jax.Array:
+    """[E] int32 of end-of-generation ids for the loops' ``eos_ids`` argument.
+
+    Args:
+      eos_ids: an id or a sequence of ids (``Tokenizer.eos_token_ids``); -1 never matches.
+      size: pad with -1 to this many entries (the same E, so the same compiled loop, for
+        a run that ignores EOS: ``eos_array((), len(tok.eos_token_ids))``).
+    Raises:
+      ValueError: more ids than ``size``.
+    """
+    ids = [int(eos_ids)] if np.ndim(eos_ids) == 0 else [int(i) for i in eos_ids]
+    if size is not None:
+        if len(ids) > size:
+            raise ValueError(f"{len(ids)} eos ids {ids}; allowed: at most size={size}")
+        ids = ids + [-1] * (size - len(ids))
+    return jnp.asarray(ids or [-1], jnp.int32)
 
 
 def check_room(cfg: ModelConfig, cache: KVCache, new_tokens: int, what: str) -> None:
@@ -139,12 +159,14 @@ def token_buffer_len(cfg: ModelConfig, num_slots: int, num_steps: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "buf_len"),
                    donate_argnames=("cache",))
-def generate_program(params, first_token, cache, num_steps, rng, eos_id, *, cfg, sampling,
+def generate_program(params, first_token, cache, num_steps, rng, eos_ids, *, cfg, sampling,
                      buf_len=None):
     """Compile unit of :func:`generate` (no host checks): first_token [B] int32, cache,
-    num_steps [] int32, rng key, eos_id [] int32 -> (tokens [B, buf_len] int32, steps run
-    [] int32, cache). ``buf_len``: token buffer length (None: the cache's slots); steps
-    past it never run."""
+    num_steps [] int32, rng key, eos_ids [E] int32 (every end-of-generation id; -1 entries
+    never match; a scalar is one id) -> (tokens [B, buf_len] int32, -1 after a row's
+    stop token; steps run [] int32; cache). ``buf_len``: token buffer length (None: the
+    cache's slots); steps past it never run. One compilation serves any ids of the same
+    count E."""
     batch = first_token.shape[0]
     buf_len = cache.num_slots if buf_len is None else buf_len
     buf = jnp.zeros((batch, buf_len), jnp.int32)
@@ -159,11 +181,12 @@ def generate_program(params, first_token, cache, num_steps, rng, eos_id, *, cfg,
                                           _positions(cache, 1), cache)
         rng, key = jax.random.split(rng)
         nxt = sample_logits(logits[:, 0], key, sampling)
-        nxt = jnp.where(done, eos_id, nxt)
+        nxt = jnp.where(done, -1, nxt)
         buf = jax.lax.dynamic_update_slice(buf, nxt[:, None], (0, i))
-        return i + 1, buf, cache, nxt, done | (nxt == eos_id) | (nxt == NONFINITE), rng
+        return (i + 1, buf, cache, jnp.where(done, last, nxt), done | is_stop(nxt, eos_ids),
+                rng)
 
-    done0 = (first_token == eos_id) | (first_token == NONFINITE)
+    done0 = is_stop(first_token, eos_ids)
     state = (jnp.zeros((), jnp.int32), buf, cache, first_token, done0, rng)
     steps, buf, cache, _, _, _ = jax.lax.while_loop(cond, body, state)
     return buf, steps, cache
@@ -171,13 +194,14 @@ def generate_program(params, first_token, cache, num_steps, rng, eos_id, *, cfg,
 
 def generate(params, cfg: ModelConfig, first_token: jax.Array, cache: KVCache,
              num_steps: int, rng: jax.Array | None = None,
-             sampling: SamplingConfig = SamplingConfig(), eos_id: int = -1):
+             sampling: SamplingConfig = SamplingConfig(),
+             eos_ids: int | Sequence[int] = ()):
     """Generates up to ``num_steps`` tokens after ``first_token`` in one compiled loop.
 
     Each step feeds the previous token, appends its key/value to the cache and samples the
-    next one. A row stops at ``eos_id`` (later entries repeat eos_id), or where its logits
-    are not finite (that entry is :data:`kvjax.inference.sampling.NONFINITE`, later ones
-    eos_id); the loop ends when
+    next one. A row stops at any of ``eos_ids`` (that token is kept, later entries are
+    -1), or where its logits are not finite (that entry is
+    :data:`kvjax.inference.sampling.NONFINITE`, later ones -1); the loop ends when
     every row has stopped or after ``num_steps`` steps. One compilation serves any
     ``num_steps`` up to the cache length (windowed caches: any number of steps, which may
     wrap the ring many times; one compilation per power-of-two bucket of ``num_steps``).
@@ -189,7 +213,8 @@ def generate(params, cfg: ModelConfig, first_token: jax.Array, cache: KVCache,
       num_steps: tokens to generate after first_token (>= 0).
       rng: PRNG key for sampling (default key 0).
       sampling: SamplingConfig (static: a new one compiles a new loop).
-      eos_id: end-of-sequence id (-1: never stop early).
+      eos_ids: the end-of-generation ids (``Tokenizer.eos_token_ids``; one int is one
+        id; empty or -1: never stop early).
     Returns:
       (tokens [B, num_steps] int32, steps actually run (int), updated cache).
     Raises:
@@ -201,7 +226,7 @@ def generate(params, cfg: ModelConfig, first_token: jax.Array, cache: KVCache,
     check_room(cfg, cache, num_steps, "generate")
     rng = jax.random.key(0) if rng is None else rng
     buf, steps, cache = generate_program(params, first_token.astype(jnp.int32), cache,
-                                  jnp.int32(num_steps), rng, jnp.int32(eos_id),
+                                  jnp.int32(num_steps), rng, eos_array(eos_ids),
                                   cfg=cfg, sampling=sampling,
                                   buf_len=token_buffer_len(cfg, cache.num_slots, num_steps))
     return buf[:, :num_steps], int(steps), cache

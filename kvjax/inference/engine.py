@@ -39,7 +39,8 @@ from kvjax import planner
 from kvjax.cache.policy import written_tokens
 from kvjax.config import ModelConfig, SamplingConfig
 from kvjax.inference import ragged
-from kvjax.inference.sampling import NONFINITE
+from kvjax.inference import decode as decode_lib
+from kvjax.inference.sampling import NONFINITE, is_stop
 from kvjax.models import model as model_lib
 
 __all__ = ["Request", "Completion", "EngineStats", "Engine", "insert_program",
@@ -64,7 +65,8 @@ class Completion:
     ``stop`` ('eos', 'budget', or 'nonfinite': its logits were not finite, and its last
     token is :data:`kvjax.inference.sampling.NONFINITE`), the slot it used (None:
     finished at its prefill), and seconds since the run started: ``first_token_s``,
-    ``finish_s``."""
+    ``finish_s``; ``stop_token``: the end-of-generation id it stopped at (stop 'eos'),
+    else None."""
 
     id: int
     prompt_len: int
@@ -73,6 +75,7 @@ class Completion:
     slot: int | None
     first_token_s: float
     finish_s: float
+    stop_token: int | None = None
 
     @property
     def ttft_s(self) -> float:
@@ -118,11 +121,11 @@ class EngineStats:
         return self.live_kv_byte_steps / self.steps if self.steps else 0.0
 
 
-def _stop(last: int, eos_id: int) -> str:
+def _stop(last: int, eos_ids) -> str:
     """Why a request that ended on token ``last`` stopped: 'nonfinite' (its logits were
-    not finite; the token is :data:`kvjax.inference.sampling.NONFINITE`), 'eos' or
-    'budget'."""
-    return "nonfinite" if last == NONFINITE else "eos" if last == eos_id else "budget"
+    not finite; the token is :data:`kvjax.inference.sampling.NONFINITE`), 'eos' (one of
+    the end-of-generation ids ``eos_ids``) or 'budget'."""
+    return "nonfinite" if last == NONFINITE else "eos" if last in eos_ids else "budget"
 
 
 def prefill_bucket(n: int, minimum: int = 16) -> int:
@@ -153,7 +156,7 @@ def insert_program(cache, row, slot):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "steps"),
                    donate_argnames=("cache",))
-def decode_steps_program(params, cache, last, active, remaining, count, keys, eos_id,
+def decode_steps_program(params, cache, last, active, remaining, count, keys, eos_ids,
                          stop_on_free, *, cfg, sampling, steps):
     """Up to ``steps`` decode steps of every occupied slot, in one ``lax.while_loop``.
 
@@ -161,7 +164,8 @@ def decode_steps_program(params, cache, last, active, remaining, count, keys, eo
       cache: the ragged batch cache [num_slots rows] (donated).
       last: [B] int32 each slot's last token; active: [B] bool occupied; remaining: [B]
         int32 tokens still allowed; count: [B] int32 tokens generated so far (the index
-        of the next token's sampling key); keys: [B] per-slot keys; eos_id: [] int32;
+        of the next token's sampling key); keys: [B] per-slot keys; eos_ids: [E] int32
+        end-of-generation ids (-1 never matches);
         stop_on_free: [] bool, end the loop once a slot frees (requests are waiting).
     Returns:
       (tokens [B, steps] int32, -1 where a slot produced none; steps run [] int32;
@@ -188,7 +192,7 @@ def decode_steps_program(params, cache, last, active, remaining, count, keys, eo
         buf = jax.lax.dynamic_update_slice(buf, nxt[:, None], (0, i))
         step = active.astype(jnp.int32)
         count, remaining = count + step, remaining - step
-        finished = active & ((nxt == eos_id) | (nxt == NONFINITE) | (remaining <= 0))
+        finished = active & (is_stop(nxt, eos_ids) | (remaining <= 0))
         return (i + 1, buf, cache, jnp.where(active, nxt, last), active & ~finished,
                 remaining, count, freed | jnp.any(finished), occ, held)
 
@@ -209,7 +213,8 @@ class Engine:
       max_seq_len: cache length per row in tokens (prompt + max_new_tokens must fit a
         dense cache; a window holds W).
       sampling: SamplingConfig (greedy by default).
-      eos_id: end-of-sequence id (-1: stop at budgets only).
+      eos_ids: the end-of-generation ids (``Tokenizer.eos_token_ids``; one int is one
+        id; empty: stop at budgets only).
       steps_per_sync: decode steps per compiled call between host visits (>= 1).
       seed: base of the per-request sampling keys.
     Raises:
@@ -217,7 +222,8 @@ class Engine:
     """
 
     def __init__(self, params, cfg: ModelConfig, num_slots: int, max_seq_len: int,
-                 sampling: SamplingConfig = SamplingConfig(), eos_id: int = -1,
+                 sampling: SamplingConfig = SamplingConfig(),
+                 eos_ids: int | Sequence[int] = (),
                  steps_per_sync: int = 8, seed: int = 0):
         for name, v in (("num_slots", num_slots), ("max_seq_len", max_seq_len),
                         ("steps_per_sync", steps_per_sync)):
@@ -231,7 +237,9 @@ class Engine:
                                   batch_sizes=(self.num_slots,))
         self.params, self.cfg = params, cfg
         self._prefill_cfgs: dict[int, ModelConfig] = {}
-        self.sampling, self.eos_id = sampling, int(eos_id)
+        self.sampling = sampling
+        self.eos_ids = tuple(int(i) for i in np.atleast_1d(eos_ids) if int(i) >= 0)
+        self._eos = decode_lib.eos_array(self.eos_ids)
         self.steps_per_sync, self.seed = int(steps_per_sync), int(seed)
         self.cache = cache_lib.init_cache(cfg, self.num_slots, self.max_seq_len, ragged=True)
         self.num_cache_slots = self.cache.num_slots
@@ -296,7 +304,7 @@ class Engine:
             keys = jax.vmap(self._key)(zeros)
             out = decode_steps_program(
                 self.params, self.cache, zeros, jnp.zeros(self.num_slots, bool), zeros,
-                zeros, keys, jnp.int32(self.eos_id), jnp.asarray(False), cfg=self.cfg,
+                zeros, keys, self._eos, jnp.asarray(False), cfg=self.cfg,
                 sampling=self.sampling, steps=self.steps_per_sync)
             self.cache = out[2]
             jax.block_until_ready(self.cache)
@@ -337,8 +345,10 @@ class Engine:
         start = time.perf_counter()
 
         def finish(req, stop, slot):
-            c = Completion(req.id, len(req.prompt), gen.pop(req.id), stop, slot,
-                           first_s.pop(req.id), time.perf_counter() - start)
+            toks = gen.pop(req.id)
+            c = Completion(req.id, len(req.prompt), toks, stop, slot,
+                           first_s.pop(req.id), time.perf_counter() - start,
+                           stop_token=toks[-1] if stop == "eos" else None)
             done[req.id] = c
             if on_finish is not None:
                 on_finish(c)
@@ -351,8 +361,8 @@ class Engine:
                 first, row = self.prefill(req)
                 stats.prefills += 1
                 first_s[req.id], gen[req.id] = time.perf_counter() - start, [first]
-                if first in (self.eos_id, NONFINITE) or req.max_new_tokens == 1:
-                    finish(req, _stop(first, self.eos_id), None)
+                if first in self.eos_ids or first == NONFINITE or req.max_new_tokens == 1:
+                    finish(req, _stop(first, self.eos_ids), None)
                     continue
                 self.cache = insert_program(self.cache, row, jnp.int32(slot))
                 slot_req[slot] = req
@@ -364,7 +374,7 @@ class Engine:
             t0 = time.perf_counter()
             out = decode_steps_program(
                 self.params, self.cache, jnp.asarray(last), jnp.asarray(active),
-                jnp.asarray(remaining), jnp.asarray(count), keys, jnp.int32(self.eos_id),
+                jnp.asarray(remaining), jnp.asarray(count), keys, self._eos,
                 jnp.asarray(bool(queue)), cfg=self.cfg, sampling=self.sampling,
                 steps=self.steps_per_sync)
             buf, n, self.cache, last_d, active_d, rem_d, count_d, occ, held = out
@@ -380,7 +390,7 @@ class Engine:
                 toks = buf[slot, :n]
                 gen[req.id].extend(int(t) for t in toks[(toks >= 0) | (toks == NONFINITE)])
                 if not new_active[slot]:
-                    finish(req, _stop(gen[req.id][-1], self.eos_id), int(slot))
+                    finish(req, _stop(gen[req.id][-1], self.eos_ids), int(slot))
                     slot_req[slot] = None
             last, active = np.array(last_d), new_active.copy()
             remaining, count = np.array(rem_d), np.array(count_d)

@@ -36,7 +36,8 @@ import numpy as np
 
 from kvjax.cache import KVCache, policy_for
 from kvjax.config import ModelConfig, SamplingConfig
-from kvjax.inference.sampling import NONFINITE, sample_logits
+from kvjax.inference.sampling import is_stop, sample_logits
+from kvjax.inference import decode as decode_lib
 from kvjax.models import model as model_lib
 
 __all__ = ["pad_prompts", "check_ragged_cache", "prefill_ragged_program", "prefill_ragged",
@@ -164,13 +165,14 @@ def prefill_ragged(params, cfg: ModelConfig, tokens, lengths, cache: KVCache):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "buf_len"),
                    donate_argnames=("cache",))
-def generate_ragged_program(params, first_token, cache, budgets, row_keys, eos_id, *, cfg,
+def generate_ragged_program(params, first_token, cache, budgets, row_keys, eos_ids, *, cfg,
                             sampling, buf_len):
     """Compile unit of :func:`generate_ragged` (no host checks).
 
     first_token [B] int32, ragged cache, budgets [B] int32 (tokens to generate after
-    first_token), row_keys [B] keys, eos_id [] int32 -> (tokens [B, buf_len] int32, -1
-    after a row's last token; counts [B] int32 tokens generated per row; cache).
+    first_token), row_keys [B] keys, eos_ids [E] int32 (every end-of-generation id; -1
+    never matches; a scalar is one id) -> (tokens [B, buf_len] int32, -1 after a row's
+    last token; counts [B] int32 tokens generated per row; cache).
     """
     batch = first_token.shape[0]
     buf = jnp.full((batch, buf_len), -1, jnp.int32)
@@ -188,10 +190,10 @@ def generate_ragged_program(params, first_token, cache, budgets, row_keys, eos_i
         nxt = jnp.where(active, nxt, -1)
         buf = jax.lax.dynamic_update_slice(buf, nxt[:, None], (0, i))
         count = count + active.astype(jnp.int32)
-        done = done | (nxt == eos_id) | (nxt == NONFINITE) | (count >= budgets)
+        done = done | is_stop(nxt, eos_ids) | (count >= budgets)
         return i + 1, buf, cache, jnp.where(active, nxt, last), done, count
 
-    done0 = (first_token == eos_id) | (first_token == NONFINITE) | (budgets <= 0)
+    done0 = is_stop(first_token, eos_ids) | (budgets <= 0)
     count0 = jnp.zeros((batch,), jnp.int32)
     state = (jnp.zeros((), jnp.int32), buf, cache, first_token, done0, count0)
     _, buf, cache, _, _, count = jax.lax.while_loop(cond, body, state)
@@ -200,12 +202,12 @@ def generate_ragged_program(params, first_token, cache, budgets, row_keys, eos_i
 
 def generate_ragged(params, cfg: ModelConfig, first_token, cache: KVCache, budgets,
                     rng: jax.Array | None = None,
-                    sampling: SamplingConfig = SamplingConfig(), eos_id: int = -1,
-                    row_keys: jax.Array | None = None):
+                    sampling: SamplingConfig = SamplingConfig(),
+                    eos_ids: int | Sequence[int] = (), row_keys: jax.Array | None = None):
     """Generates up to ``budgets[b]`` tokens after ``first_token[b]`` per row, in one loop.
 
-    Each row continues its own cache at its own position and stops at ``eos_id`` (the EOS
-    token is kept), where its logits are not finite (the entry is
+    Each row continues its own cache at its own position and stops at any of ``eos_ids``
+    (that token is kept), where its logits are not finite (the entry is
     :data:`kvjax.inference.sampling.NONFINITE`) or at its budget; stopped rows are neither written nor advanced. The loop
     ends when every row has stopped.
 
@@ -216,7 +218,8 @@ def generate_ragged(params, cfg: ModelConfig, first_token, cache: KVCache, budge
       budgets: [B] ints >= 0.
       rng: base key of the default ``row_keys`` (:func:`row_keys_for`).
       sampling: SamplingConfig (static).
-      eos_id: end-of-sequence id (-1: never stop early).
+      eos_ids: the end-of-generation ids (``Tokenizer.eos_token_ids``; one int is one id;
+        empty or -1: never stop early).
       row_keys: [B] per-row keys (overrides ``rng``).
     Returns:
       (tokens [B, max budget] int32 numpy, -1 after each row's last token; counts [B]
@@ -239,6 +242,6 @@ def generate_ragged(params, cfg: ModelConfig, first_token, cache: KVCache, budge
     row_keys = row_keys_for(rng, cache.batch_size) if row_keys is None else row_keys
     buf, count, cache = generate_ragged_program(
         params, jnp.asarray(first_token, jnp.int32), cache, jnp.asarray(budgets, jnp.int32),
-        row_keys, jnp.int32(eos_id), cfg=cfg, sampling=sampling,
+        row_keys, decode_lib.eos_array(eos_ids), cfg=cfg, sampling=sampling,
         buf_len=max(1, policy_for(cfg).buffer_len(cache.num_slots, most)))
     return np.asarray(buf)[:, :most], np.asarray(count), cache

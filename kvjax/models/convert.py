@@ -28,6 +28,8 @@ CHECKPOINT_FIELDS = {
     "rope_theta": "llama.rope.freq_base",
     "norm_eps": "llama.attention.layer_norm_rms_epsilon",
     "tie_embeddings": "no output.weight tensor (the LM head is the embedding)",
+    "num_kv_heads": "llama.attention.head_count_kv",
+    "qkv_bias": "attn_q/k/v.bias tensors (general.architecture 'qwen2')",
 }
 
 
@@ -38,7 +40,7 @@ def _same(field: str, ours, theirs) -> bool:
     return ours == theirs
 
 
-def check_compatible(cfg: ModelConfig, hparams: dict) -> None:
+def check_compatible(cfg: ModelConfig, hparams: dict, keys: dict | None = None) -> None:
     """Raises ValueError naming the first field where cfg disagrees with the checkpoint.
 
     Every hyper-parameter the file states must match: vocabulary, layers, widths, query
@@ -50,13 +52,19 @@ def check_compatible(cfg: ModelConfig, hparams: dict) -> None:
 
     Args:
       cfg: the model config.
-      hparams: ``LlamaGGUF.hparams``.
+      hparams: ``LlamaGGUF.hparams`` (or a Hugging Face checkpoint's, which adds
+        ``qkv_bias``).
+      keys: field -> the checkpoint key it comes from, for the messages (default
+        :data:`CHECKPOINT_FIELDS`, GGUF's; ``kvjax.checkpoints.hf.CONFIG_KEYS``).
     Raises:
       ValueError: "model.<field>=<config value> does not match the checkpoint's <value>
-        (<GGUF key>); allowed with these weights: <value>".
+        (<checkpoint key>); allowed with these weights: <value>".
     """
-    for f, key in CHECKPOINT_FIELDS.items():
-        if f not in hparams:
+    if keys is None:  # GGUF's keys, under the file's architecture ('llama.', 'qwen2.')
+        arch = hparams.get("architecture", "llama")
+        keys = {f: k.replace("llama.", f"{arch}.") for f, k in CHECKPOINT_FIELDS.items()}
+    for f, key in keys.items():
+        if f not in hparams or f == "num_kv_heads":
             continue
         ours, theirs = getattr(cfg, f), hparams[f]
         if not _same(f, ours, theirs):
@@ -67,7 +75,7 @@ def check_compatible(cfg: ModelConfig, hparams: dict) -> None:
     if k % k_file and k_file % k:
         raise ValueError(
             f"model.num_kv_heads={k} cannot be made from the checkpoint's {k_file} KV heads "
-            f"(llama.attention.head_count_kv); allowed: a multiple or a divisor of {k_file}")
+            f"({keys['num_kv_heads']}); allowed: a multiple or a divisor of {k_file}")
     if cfg.mlp_type != "swiglu" or cfg.attention == "mla":
         raise ValueError(
             f"model.mlp_type={cfg.mlp_type!r}, attention={cfg.attention!r}: the llama "
@@ -83,6 +91,8 @@ def params_from_gguf(tensors: dict, num_heads: int, num_kv_heads: int, head_dim:
         wo [L, D, N·H], w_gate/w_up [L, F, D], w_down [L, D, F], norms).
       num_heads, num_kv_heads, head_dim: N, K, H of the checkpoint.
       tied: LM head shares the embedding (SmolLM2); else ``tensors['lm_head']`` [V, D].
+        Optional ``bq`` [L, N·H], ``bk``/``bv`` [L, K·H]: q/k/v biases (Qwen2), which
+        become the projections' 'bias' [L, N, H] / [L, K, H].
     Returns:
       The parameter pytree with a leading L axis under 'layers'.
     """
@@ -108,6 +118,12 @@ def params_from_gguf(tensors: dict, num_heads: int, num_kv_heads: int, head_dim:
             "down": {"kernel": np.ascontiguousarray(np.swapaxes(tensors["w_down"], 1, 2))},
         },
     }
+    for name, proj, n in (("bq", "q_proj", num_heads), ("bk", "k_proj", num_kv_heads),
+                          ("bv", "v_proj", num_kv_heads)):
+        if name in tensors:
+            b = tensors[name]
+            layers["attn"][proj]["bias"] = np.ascontiguousarray(
+                b.reshape(b.shape[0], n, head_dim))
     params = {"embed": {"embedding": tensors["embed"]},
               "final_norm": {"scale": tensors["final_norm"]}, "layers": layers}
     if not tied:
@@ -133,21 +149,23 @@ def convert_kv_heads(params: dict, num_kv_heads: int) -> dict:
     if num_kv_heads == k:
         return params
 
-    def convert(w):
+    def convert(w, axis=2):  # kernels [L, D, K, H] (axis 2), biases [L, K, H] (axis 1)
         w = np.asarray(w)
         if num_kv_heads % k == 0:
-            return np.repeat(w, num_kv_heads // k, axis=2)
+            return np.repeat(w, num_kv_heads // k, axis=axis)
         if k % num_kv_heads == 0:
             r = k // num_kv_heads
-            l, d, _, h = w.shape
-            pooled = w.astype(np.float32).reshape(l, d, num_kv_heads, r, h).mean(axis=3)
+            shape = w.shape[:axis] + (num_kv_heads, r) + w.shape[axis + 1:]
+            pooled = w.astype(np.float32).reshape(shape).mean(axis=axis + 1)
             return pooled.astype(w.dtype)
         raise ValueError(
             f"model.num_kv_heads={num_kv_heads} cannot be made from the checkpoint's {k} "
             f"KV heads; allowed: a multiple or a divisor of {k}")
 
-    new_attn = dict(attn, k_proj={"kernel": convert(attn["k_proj"]["kernel"])},
-                    v_proj={"kernel": convert(attn["v_proj"]["kernel"])})
+    def proj(p):
+        return {n: convert(w, 2 if n == "kernel" else 1) for n, w in p.items()}
+
+    new_attn = dict(attn, k_proj=proj(attn["k_proj"]), v_proj=proj(attn["v_proj"]))
     return dict(params, layers=dict(params["layers"], attn=new_attn))
 
 

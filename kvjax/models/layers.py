@@ -24,6 +24,8 @@ class Einsum(nn.Module):
         'native_ksplit', 'native_lanes' or 'auto'; :mod:`kvjax.models.weight_matmul`).
       plan: the config's plan (``ModelConfig.plan``: the picks for 'auto' and whether
         the native kernel is loaded), or None (the reference).
+      use_bias: add a 'bias' parameter over the kernel's output axes (those not
+        contracted, e.g. [N, H] for 'BTD,DNH->BTNH'): Qwen2's query/key/value biases.
     """
 
     shape: Sequence[int]
@@ -32,6 +34,7 @@ class Einsum(nn.Module):
     merge_in: int = 0
     impl: str = "xla"
     plan: Plan | None = None
+    use_bias: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -53,8 +56,13 @@ class Einsum(nn.Module):
         if self.merge_in:
             kernel = kernel.reshape(shape)
             x = x.reshape(x.shape[: x.ndim - self.merge_in] + (shape[0],))
-        return weight_matmul.einsum(self.eqn, x.astype(self.dtype), kernel, self.impl,
-                                    self.plan)
+        y = weight_matmul.einsum(self.eqn, x.astype(self.dtype), kernel, self.impl,
+                                 self.plan)
+        if self.use_bias:
+            out_shape = tuple(n for letter, n in zip(rhs, shape) if letter not in lhs)
+            bias = self.param("bias", nn.initializers.zeros, out_shape, self.dtype)
+            y = y + bias.reshape((1,) * (y.ndim - bias.ndim) + bias.shape)
+        return y
 
 
 class RMSNorm(nn.Module):

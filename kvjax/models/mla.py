@@ -305,23 +305,31 @@ class MLAttention(nn.Module):
             c_old, kr_old = cache_lib.read(c, cached, "c_kv"), cache_lib.read(c, cached, "k_rope")
             c_kv, k_rope = cache_lib.read(c, new, "c_kv"), cache_lib.read(c, new, "k_rope")
             mask_old = cache_lib.attention_mask(positions, cached_positions, c)
+            # Latents of old slots no query sees are zeroed before they serve as values
+            # (issue 32): they contribute nothing whatever they hold, on the chunk paths
+            # and in a decode step over a dequantized cache; not in a float decode step
+            # (a copy of the latent cache per step under XLA:CPU, docs/results). The
+            # scores select masked slots on every path.
+            c_seen = lambda: ops.zero_unseen(c_old, jnp.any(mask_old, axis=1), -2)
             if c.execution.seq_shards > 1:  # cache split over the mesh's 'seq' axis
                 out = attend_mla_cached_seq(
-                    c.execution, q_main, q_rope, c_old, kr_old, mask_old, c_kv, k_rope,
+                    c.execution, q_main, q_rope, c_seen(), kr_old, mask_old, c_kv, k_rope,
                     cache_lib.attention_mask(positions, positions, c), w_uk, w_uv, absorb,
                     self.scale)
             elif t == 1:
-                out = attend_mla_step(q_main, q_rope, c_old, kr_old, mask_old, c_kv, k_rope,
+                out = attend_mla_step(q_main, q_rope,
+                                      c_seen() if c.kv_quantized else c_old, kr_old,
+                                      mask_old, c_kv, k_rope,
                                       w_uk, w_uv, absorb, self.scale,
                                       new_visible=positions[:, 0] >= 0, backend=c.backend)
             elif flash.prefill_path(c) == "tiled":
                 out = flash.attend_mla_chunk(q_main, q_rope, c_kv, k_rope, positions,
-                                             c_old=c_old, kr_old=kr_old,
+                                             c_old=c_seen(), kr_old=kr_old,
                                              old_positions=cached_positions, **tiled)
             else:
                 mask_new = cache_lib.attention_mask(positions, positions, c)
                 out = attend_mla(q_main, q_rope,
-                                 jnp.concatenate([c_old, c_kv], axis=1),
+                                 jnp.concatenate([c_seen(), c_kv], axis=1),
                                  jnp.concatenate([kr_old, k_rope], axis=1),
                                  jnp.concatenate([mask_old, mask_new], axis=2),
                                  w_uk, w_uv, absorb, self.scale)

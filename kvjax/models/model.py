@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
+from kvjax.cache import paged as paged_lib
 from kvjax.models.attention import Attention
 from kvjax.config import ModelConfig
 from kvjax.models import weight_matmul
@@ -67,10 +68,20 @@ def _scan_body(block: Block, carry, positions, fresh: bool = False):
     x, new = block(x, positions, cached, cached_positions)
     if cache is not None:
         cache = cache.replace(tensors={
-            n: cache_lib.write(cache.tensors[n], new[n], positions, block.cfg, layer=layer,
-                               axis=cache_lib.slot_axis(block.cfg, n), ragged=cache.ragged)
+            n: _write(cache, cache.tensors[n], new[n], positions, block.cfg, n, layer)
             for n in cache.tensors})
     return (x, cache, layer + 1), None
+
+
+def _write(cache, buf, new, positions, cfg: ModelConfig, name: str, layer=None):
+    """The chunk's entries of tensor ``name`` written into ``buf`` (one layer's, or the
+    stacked tensor at ``layer``): into a dense cache's slots, or a paged cache's pages
+    (:func:`kvjax.cache.paged.write`)."""
+    axis = cache_lib.slot_axis(cfg, name)
+    if isinstance(cache, paged_lib.PagedKVCache):
+        return paged_lib.write(cache, buf, new, positions, axis, layer)
+    return cache_lib.write(buf, new, positions, cfg, layer=layer, axis=axis,
+                           ragged=cache.ragged)
 
 
 class DecoderLM(nn.Module):
@@ -115,9 +126,7 @@ class DecoderLM(nn.Module):
                     cache.positions if read else None)
                 if cache is not None:
                     for n in tensors:
-                        tensors[n][i] = cache_lib.write(tensors[n][i], new[n], positions, c,
-                                                        axis=cache_lib.slot_axis(c, n),
-                                                        ragged=cache.ragged)
+                        tensors[n][i] = _write(cache, tensors[n][i], new[n], positions, c, n)
             new_cache = None if cache is None else cache.replace(
                 tensors={n: tuple(t) for n, t in tensors.items()})
 
@@ -138,6 +147,10 @@ class DecoderLM(nn.Module):
         t = tokens.shape[1] if num_valid is None else num_valid
         # Never a silent clamp: a row whose write runs past a dense cache's end gets NaN
         # logits (the host-side entry points in decode.py raise before running).
+        if isinstance(cache, paged_lib.PagedKVCache):  # a token past its row's pages
+            over = paged_lib.overflows(cache, positions)
+            logits = jnp.where(over[:, None, None], jnp.nan, logits)
+            return logits, paged_lib.advance(new_cache, positions, num_new=num_valid)
         over = cache_lib.policy_for(c).overflows(cache.length, t, cache.num_slots)
         logits = jnp.where(over[:, None, None], jnp.nan, logits)
         return logits, cache_lib.advance(new_cache, positions, c, num_new=num_valid)
@@ -230,7 +243,9 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
       tokens: [B, T] int32 token ids.
       positions: [B, T] int32 absolute positions. With a cache each row's must continue
         that row's cache: positions[b] == cache.length[b] + arange(T). Rows may differ.
-      cache: a cache from ``cache.init_cache`` or None for a cache-free causal forward.
+      cache: a cache from ``cache.init_cache``, a paged one
+        (:func:`kvjax.cache.paged.init_paged_cache`, whose block tables the host fills
+        first) or None for a cache-free causal forward.
       num_valid: [B] int32 real tokens per row of a right-padded chunk (None: all T).
         Tokens j >= num_valid[b] are padding: they see no key (attention output zeros),
         no query sees them, they are never written into the cache (a ring keeps its

@@ -122,9 +122,11 @@ static void Item(const Shape& sh, const float* q, const float* kc, const float* 
       }
       l[g] += sum;
     }
-    // Values of the block.
+    // Values of the block; masked slots are skipped, so they contribute nothing whatever
+    // they hold (a weight of 0 times a NaN or inf value is NaN; issue 32).
     if (sh.v_bksh) {
       for (int64_t j = 0; j < n; ++j) {
+        if (!visb[sb + j]) continue;
         const float* vr = vb + (sb + j) * V;
         for (int64_t g = 0; g < G; ++g) {
           const float p = sc[g * kBlock + j];
@@ -140,7 +142,7 @@ static void Item(const Shape& sh, const float* q, const float* kc, const float* 
           const float* pr = &sc[g * kBlock];
           float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-          for (int64_t j = 0; j < n; ++j) acc += pr[j] * vr[j];
+          for (int64_t j = 0; j < n; ++j) acc += visb[sb + j] ? pr[j] * vr[j] : 0.0f;
           o[g * V + h] += acc;
         }
       }
@@ -257,13 +259,16 @@ static void SpanScores(const float* qs, int64_t G, int64_t H, const float* kp, i
 
 // o[gi][c0 .. c0 + NV*VL) += sum_{j < n} p[gi * ld_p + j] * v[j][...] for GB heads;
 // value row j at vp + j * vs. NV*GB <= kAcc accumulators in registers.
+// Rows j with mk[j] == 0 (masked slots) are skipped when mk is given: they contribute
+// nothing whatever they hold (issue 32).
 template <int GB, int NV>
 static void ValuesRows(const float* p, int64_t ld_p, const float* vp, int64_t vs, int64_t n,
-                       int64_t c0, float* o, int64_t V) {
+                       int64_t c0, float* o, int64_t V, const float* mk) {
   vf acc[GB][NV];
   for (int gi = 0; gi < GB; ++gi)
     for (int c = 0; c < NV; ++c) acc[gi][c] = ld(o + gi * V + c0 + c * VL);
   for (int64_t j = 0; j < n; ++j) {
+    if (mk && mk[j] == 0.0f) continue;
     vf v[NV];
     for (int c = 0; c < NV; ++c) v[c] = reg(ld(vp + j * vs + c0 + c * VL));
     for (int gi = 0; gi < GB; ++gi) {
@@ -277,14 +282,15 @@ static void ValuesRows(const float* p, int64_t ld_p, const float* vp, int64_t vs
 
 template <int NV>
 static void ValuesRowsNV(int64_t gb, const float* p, int64_t ld_p, const float* vp,
-                         int64_t vs, int64_t n, int64_t c0, float* o, int64_t V) {
+                         int64_t vs, int64_t n, int64_t c0, float* o, int64_t V,
+                         const float* mk) {
   switch (gb) {
-    case 1: ValuesRows<1, NV>(p, ld_p, vp, vs, n, c0, o, V); break;
-    case 2: if constexpr (2 * NV <= kAcc) { ValuesRows<2, NV>(p, ld_p, vp, vs, n, c0, o, V); } break;
-    case 3: if constexpr (3 * NV <= kAcc) { ValuesRows<3, NV>(p, ld_p, vp, vs, n, c0, o, V); } break;
-    case 4: if constexpr (4 * NV <= kAcc) { ValuesRows<4, NV>(p, ld_p, vp, vs, n, c0, o, V); } break;
-    case 5: if constexpr (5 * NV <= kAcc) { ValuesRows<5, NV>(p, ld_p, vp, vs, n, c0, o, V); } break;
-    default: if constexpr (6 * NV <= kAcc) { ValuesRows<6, NV>(p, ld_p, vp, vs, n, c0, o, V); } break;
+    case 1: ValuesRows<1, NV>(p, ld_p, vp, vs, n, c0, o, V, mk); break;
+    case 2: if constexpr (2 * NV <= kAcc) { ValuesRows<2, NV>(p, ld_p, vp, vs, n, c0, o, V, mk); } break;
+    case 3: if constexpr (3 * NV <= kAcc) { ValuesRows<3, NV>(p, ld_p, vp, vs, n, c0, o, V, mk); } break;
+    case 4: if constexpr (4 * NV <= kAcc) { ValuesRows<4, NV>(p, ld_p, vp, vs, n, c0, o, V, mk); } break;
+    case 5: if constexpr (5 * NV <= kAcc) { ValuesRows<5, NV>(p, ld_p, vp, vs, n, c0, o, V, mk); } break;
+    default: if constexpr (6 * NV <= kAcc) { ValuesRows<6, NV>(p, ld_p, vp, vs, n, c0, o, V, mk); } break;
   }
 }
 
@@ -357,7 +363,8 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
       for (int64_t c = 0; c < V; ++c) o[g * V + c] *= alpha;
       vf sum = vf{};
       for (int64_t j = 0; j < np; j += VL) {
-        const vf e = vexp(ld(sr + j) - mnew) * ld(&mask[j]);
+        // a select, not a product with the mask: a masked score may be NaN or inf
+        const vf e = ld(&mask[j]) > 0.0f ? vexp(ld(sr + j) - mnew) : vf{};
         st(sr + j, e);
         sum += e;
       }
@@ -369,20 +376,40 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
       // (and other column passes) from L1.
       for (int64_t j0 = 0; j0 < np; j0 += kSub) {
         const int64_t nj = std::min(kSub, np - j0);
+        // Masked slots are skipped (issue 32): a sub-block with none visible is not read,
+        // one with some masked passes the mask so that their rows are skipped.
+        int64_t sub_vis = 0;
+        for (int64_t j = j0; j < j0 + nj; ++j) sub_vis += mask[j] != 0.0f;
+        if (sub_vis == 0) continue;
+        const float* mk = sub_vis == nj ? nullptr : &mask[j0];
         for (int64_t g0 = 0; g0 < G; g0 += gmax) {
           const int64_t gb = std::min(gmax, G - g0);
           const float* pp = sc.data() + g0 * ld_sc + j0;
           const float* vv = vp + j0 * vs;
           float* oo = o + g0 * V;
           for (int64_t c0 = 0; c0 < V; c0 += nv * VL) {
-            if (nv == 4) ValuesRowsNV<4>(gb, pp, ld_sc, vv, vs, nj, c0, oo, V);
-            else if (nv == 2) ValuesRowsNV<2>(gb, pp, ld_sc, vv, vs, nj, c0, oo, V);
-            else ValuesRowsNV<1>(gb, pp, ld_sc, vv, vs, nj, c0, oo, V);
+            if (nv == 4) ValuesRowsNV<4>(gb, pp, ld_sc, vv, vs, nj, c0, oo, V, mk);
+            else if (nv == 2) ValuesRowsNV<2>(gb, pp, ld_sc, vv, vs, nj, c0, oo, V, mk);
+            else ValuesRowsNV<1>(gb, pp, ld_sc, vv, vs, nj, c0, oo, V, mk);
           }
         }
       }
     } else {
-      // Values [V, S]: o[g][c] += sum_j p[g][j] v[c][j], 4 value rows at a time.
+      // Values [V, S]: o[g][c] += sum_j p[g][j] v[c][j], 4 value rows at a time. A span
+      // with masked slots selects its values by the mask (issue 32: 0 x NaN is NaN).
+      if (nvis < n) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float* p = &sc[g * ld_sc];
+          float* og = o + g * V;
+          for (int64_t c = 0; c < V; ++c) {
+            vf a0{};
+            for (int64_t j = 0; j < np; j += VL)
+              a0 += ld(p + j) * (ld(&mask[j]) > 0.0f ? ld(vp + c * vs + j) : vf{});
+            og[c] += hsum(a0);
+          }
+        }
+        continue;
+      }
       for (int64_t g = 0; g < G; ++g) {
         const float* p = &sc[g * ld_sc];
         float* og = o + g * V;

@@ -94,6 +94,7 @@ struct Scratch {
   std::vector<float> qs, acc, m, l, sc, kt, vb;
   std::vector<int32_t> qpos;
   std::vector<char> live;
+  std::vector<char> seen;  // per slot of a masked block: some row of the item sees it
   int32_t qlo, qhi;  // min / max position of the item's valid queries
   bool all_valid;    // no padded query (position -1) in the item
 };
@@ -239,6 +240,8 @@ static void Block(const Problem& p, const Source& src, int64_t b, int64_t kh, in
   const bool full = n == kBlock && src.filled[bi] == kBlock && src.hi[bi] <= w.qlo && w.all_valid &&
                     (p.window <= 0 || (int64_t)w.qhi - src.lo[bi] < p.window - p.sinks);
   // Mask, online softmax; sc becomes the unnormalised probabilities.
+  char* seen = w.seen.data();
+  if (!full) std::fill(seen, seen + kBlock, 0);
   for (int64_t r = 0; r < R; ++r) {
     float* sr = sc + r * kBlock;
     const int32_t qp = w.qpos[r];
@@ -260,6 +263,7 @@ static void Block(const Problem& p, const Source& src, int64_t b, int64_t kh, in
         const bool vis = (k >= 0) & (k <= qp) & ((qp - k < win) | (k < sinks));
         const float x = vis ? sr[j] : kNegInf;
         sr[j] = x;
+        seen[j] |= vis;
         bmax = x > bmax ? x : bmax;
       }
     }
@@ -295,6 +299,22 @@ static void Block(const Problem& p, const Source& src, int64_t b, int64_t kh, in
     }
     w.l[r] += sum;
     w.live[r] = 1;
+  }
+  // Slots no row of the item sees (never written: position -1, or outside every row's
+  // window) contribute nothing whatever they hold (issue 32: a weight of 0 times a NaN
+  // value is NaN): their value rows are zeroed in the packed copy (made here if the
+  // block was read in place).
+  if (!full) {
+    int64_t unseen = 0;
+    for (int64_t j = 0; j < n; ++j) unseen += !seen[j];
+    if (unseen) {
+      float* buf = w.vb.data();
+      if (vb != buf) std::memcpy(buf, vb, n * V * sizeof(float));  // in place: rows V apart
+      for (int64_t j = 0; j < n; ++j)
+        if (!seen[j]) std::fill(buf + j * V, buf + (j + 1) * V, 0.0f);
+      vb = buf;
+      vb_stride = V;
+    }
   }
   Values(sc, R, n, vb, vb_stride, w.acc.data(), V, w.live.data());
 }
@@ -417,6 +437,7 @@ ffi::Error PrefillAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
     w.sc.resize(rows * kBlock);
     w.kt.resize(p.H * kBlock);
     w.vb.resize(kBlock * p.V);
+    w.seen.resize(kBlock);
     for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       // Last tiles first: under the causal mask they see the most keys.
       const int64_t tix = tiles - 1 - it % tiles;

@@ -68,7 +68,10 @@ def param_specs(cfg: ModelConfig, mcfg: MeshConfig, params):
         name = keys[-2] if keys[-1] in ("kernel", "embedding", "scale") else keys[-1]
         if keys[-1] == "scale":
             name = "norm"
-        base = _param_rule(name, leaf.ndim - stacked, cfg, mcfg)
+        if keys[-1] == "bias":  # q/k/v biases [N, H] / [K, H]: the kernel's output axes
+            base = P(*_param_rule(keys[-2], leaf.ndim - stacked + 1, cfg, mcfg)[1:])
+        else:
+            base = _param_rule(name, leaf.ndim - stacked, cfg, mcfg)
         if len(base) != leaf.ndim - stacked:
             base = P(*([None] * (leaf.ndim - stacked)))
         return P(None, *base) if stacked else base

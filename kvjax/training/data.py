@@ -296,12 +296,16 @@ def separator_id(tokenizer) -> int:
 
 
 def token_stream(docs: list[Document], tokenizer) -> np.ndarray:
-    """[N] int32: the documents' tokens, each followed by the separator."""
+    """[N] int32: the documents' tokens, each followed by the separator.
+
+    A document is plain text (``tokenizer.encode_batch``): a literal ``<|endoftext|>`` in
+    it is its characters' tokens, so it neither cuts the document nor drops its bytes from
+    bits per byte; only the separator between documents is the control token."""
     sep = separator_id(tokenizer)
-    encs = tokenizer.hf.encode_batch([d.text for d in docs], add_special_tokens=False)
+    encs = tokenizer.encode_batch([d.text for d in docs])
     parts = []
-    for e in encs:
-        parts.append(np.asarray(e.ids, np.int32))
+    for ids in encs:
+        parts.append(np.asarray(ids, np.int32))
         parts.append(np.asarray([sep], np.int32))
     return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
 

@@ -1,0 +1,309 @@
+r"""Speculative decoding on real text, measured against plain decoding and its theory.
+
+    python -m experiments.speculative                      # t = 512, 4K; k = 1, 2, 4; B = 1
+    python -m experiments.speculative --contexts=512,4096,16384 --ks=1,2,4,8 --batches=1,8
+    python -m experiments.speculative --drafters=ngram --ks=4 --contexts=512 --quick
+
+For each context t and batch B, B prompts of t tokens are cut from the held-out Django
+documents (the evaluation corpus: real text, different documents per row) and decoded for
+``--new_tokens`` tokens, greedily, by plain decoding (one compiled loop) and by each
+drafter and k (one compiled speculative loop: draft, verify, accept, take back). Per point:
+
+* acceptance rate (drafts accepted / verified), tokens per verify step, the emitted tokens
+  (checked equal to plain decoding's: greedy speculative decoding is exact);
+* measured loop time per emitted token (the compiled loop; compilation excluded), and the
+  speedup over plain decoding's loop in the same run;
+* the parts, each compiled on its own and timed on the prefilled cache (each takes its
+  positions back, so it can be repeated): a plain step, a verify step of k + 1 positions,
+  a draft step; the speedup those parts predict, E·T_step / (T_verify + k·T_draft), with
+  E the measured tokens per verify step;
+* theory (``kvjax.analysis.speculative``): bytes of each step, and the predicted speedup
+  at the measured acceptance with every time from bytes at the plain step's achieved
+  bandwidth (the memory-bound roofline), so the row shows where measured and theory part.
+
+Drafters: 'ngram' (prompt lookup, no model) and 'self' (the same weights over a window of
+``--config.speculative.draft_window_size`` with ``draft_sink_tokens`` sinks: constant in
+t). Writes ``<out_dir>/speculative.json`` and a plot of measured against predicted
+speedup (``speculative.png``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from experiments import cli
+from kvjax import cache as cache_lib
+from kvjax import planner
+from kvjax.analysis import hardware, report, theory
+from kvjax.analysis import speculative as spec_theory
+from kvjax.checkpoints import WeightsError
+from kvjax.config import ConfigError, SamplingConfig, run_config_from_dict
+from kvjax.inference import decode, ragged, runner
+from kvjax.inference import speculative as S
+from kvjax.models import model as model_lib
+from kvjax.training import data
+
+_CONFIG = cli.DEFINE_config_file(
+    "config", "configs/gqa.py", cli.config_help("Experiment config file (get_config())."),
+    lock_config=True)
+_CONTEXTS = flags.DEFINE_list("contexts", ["512", "4096"], "Contexts t (prompt tokens).")
+_KS = flags.DEFINE_list("ks", ["1", "2", "4"], "Drafts per verify step.")
+_BATCHES = flags.DEFINE_list("batches", ["1"], "Batch sizes B.")
+_DRAFTERS = flags.DEFINE_list("drafters", ["ngram", "self"], "Drafters: ngram, self.")
+_NEW = flags.DEFINE_integer("new_tokens", 64, "Tokens decoded per row.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs of each program (median).")
+_CHUNK = flags.DEFINE_integer("prefill_chunk", 2048, "Prefill chunk (tokens).")
+_QUICK = flags.DEFINE_bool("quick", False, "Smoke test: 24 new tokens, 1 repeat.")
+_OUT = flags.DEFINE_string("out_dir", "results/speculative", "Where the results go.")
+
+
+def _ints(name, values, minimum=1):
+    try:
+        out = [int(v) for v in values]
+    except ValueError:
+        out = []
+    if not out or min(out) < minimum:
+        raise app.UsageError(f"--{name}={','.join(values)}; allowed: integers >= {minimum}")
+    return out
+
+
+def corpus_prompts(tokenizer, t: int, batch: int) -> list:
+    """``batch`` prompts of ``t`` tokens from the held-out corpus stream, one per stretch
+    of the stream (row b starts at b·len/batch), so rows read different documents.
+
+    Raises:
+      ValueError: the held-out stream is shorter than one prompt.
+    """
+    stream = data.tokenized_corpus(tokenizer, train=False).heldout
+    if len(stream) < t + 1:
+        raise ValueError(f"--contexts value {t}: the held-out corpus holds {len(stream)} "
+                         "tokens; allowed: fewer")
+    starts = [b * (len(stream) - t) // max(batch, 1) for b in range(batch)]
+    return [list(map(int, stream[s:s + t])) for s in starts]
+
+
+def _median(fn, repeats):
+    out = []
+    for _ in range(repeats + 1):  # one warm-up
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        out.append(time.perf_counter() - start)
+    return statistics.median(out[1:])
+
+
+def _copy(cache):
+    return jax.tree.map(jnp.copy, cache)
+
+
+def step_program(params, tokens, cache, *, cfg):
+    """A forward of the chunk ``tokens`` [B, T] at each row's length, then its positions
+    taken back: the cost of one plain (T = 1), verify (T = k + 1) or draft step, with
+    the cache returned unchanged so it can run again."""
+    length = cache.length
+    pos = length[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    logits, cache = model_lib.forward(params, cfg, tokens, pos, cache,
+                                      num_valid=jnp.full(length.shape, tokens.shape[1]))
+    return logits[:, -1], S._take_back(cache, length)
+
+
+_step = jax.jit(step_program, static_argnames=("cfg",), donate_argnames=("cache",))
+
+
+def time_step(params, cfg, cache, t_tokens: int, repeats: int) -> float:
+    """Median seconds of :func:`step_program` with a chunk of ``t_tokens`` tokens."""
+    b = cache.batch_size
+    tokens = jnp.ones((b, t_tokens), jnp.int32)
+    state = {"cache": cache}
+
+    def run():
+        out, state["cache"] = _step(params, tokens, state["cache"], cfg=cfg)
+        return out
+
+    sec = _median(run, repeats)
+    return sec, state["cache"]
+
+
+def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk) -> list:
+    """Every (drafter, k) at one (t, B): rows of measured and predicted figures."""
+    cfg0, params = loaded.cfg, loaded.params
+    b, t = len(prompts), len(prompts[0])
+    max_len = t + new_tokens + 1
+    rows_needed = tuple(sorted({b * min(chunk, t), b * (t % chunk or chunk), b}
+                               | {b * (k + 1) for k in ks} | {2 * b}))
+    cfg = planner.resolve(cfg0, max_seq_len=max_len, batch_sizes=(b,), rows=rows_needed)
+    tokens = jnp.asarray(prompts, jnp.int32)
+    sampling = SamplingConfig()
+
+    def prefilled(c, p, k=None):
+        cache = (cache_lib.init_cache(c, b, max_len, ragged=True) if k is None
+                 else S.init_target_cache(c, b, max_len, k))
+        logits, cache = decode.prefill_chunked(p, c, tokens, cache, chunk)
+        return jnp.argmax(logits, -1).astype(jnp.int32), cache
+
+    first, base = prefilled(cfg, params)
+    steps = new_tokens - 1
+    prog = ragged.generate_ragged_program.lower(
+        params, first, _copy(base), jnp.full((b,), steps, jnp.int32),
+        ragged.row_keys_for(None, b), jnp.asarray([-1], jnp.int32), cfg=cfg,
+        sampling=sampling, buf_len=steps).compile()
+    state = {}
+
+    def plain_loop():
+        buf, count, cache = prog(params, first, _copy(base), jnp.full((b,), steps, jnp.int32),
+                                 ragged.row_keys_for(None, b), jnp.asarray([-1], jnp.int32))
+        state["plain"] = np.asarray(buf)
+        return buf
+
+    plain_s = _median(plain_loop, repeats)
+    plain_step_s, base = time_step(params, cfg, base, 1, repeats)
+    bw = theory.step_bytes(cfg, t, b).total / plain_step_s
+    out = []
+    for drafter in drafters:
+        for k in ks:
+            spec = dataclasses.replace(run.speculative, drafter=drafter, k=k)
+            dcfg = dparams = None
+            if drafter == "self":
+                dcfg = S.draft_config(cfg0, spec)
+                dparams = model_lib.params_for(dcfg, S.draft_params(params, cfg0, dcfg))
+                dcfg = planner.resolve(dcfg, max_seq_len=max_len + k + 1, batch_sizes=(b,),
+                                       rows=rows_needed)
+            f1, tcache = prefilled(cfg, params, k)
+            dcache = None if dcfg is None else prefilled(dcfg, dparams, k)[1]
+            draft = None if dcfg is None else (dparams, dcfg, dcache)
+            compiled = S.compile_program(params, cfg, spec, prompts, f1, tcache, steps,
+                                         draft=draft, sampling=sampling)
+            res = {}
+
+            def spec_loop():
+                d = None if dcfg is None else (dparams, dcfg, _copy(dcache))
+                res["out"] = S.generate(params, cfg, spec, prompts, f1, _copy(tcache), steps,
+                                        draft=d, sampling=sampling, compiled=compiled)
+                return f1
+
+            spec_s = _median(spec_loop, repeats)
+            got, stats = res["out"][0], res["out"][1]
+            equal = all(list(map(int, state["plain"][i, :steps])) == got[i]
+                        for i in range(b))
+            verify_s, tcache = time_step(params, cfg, tcache, k + 1, repeats)
+            draft_s = 0.0
+            if dcfg is not None:
+                draft_s, dcache = time_step(dparams, dcfg, dcache, 1, repeats)
+            e = stats.tokens_per_step
+            r = spec_theory.round_times(cfg, t, k, bw, draft_cfg=dcfg, batch=b)
+            a_eff = spec_theory.acceptance_from_tokens_per_step(min(max(e, 1.0), k + 1), k)
+            out.append({
+                "t": t, "batch": b, "drafter": drafter, "k": k,
+                "draft_window_size": dcfg.window_size if dcfg is not None else None,
+                "equal_to_plain": equal, "acceptance_rate": stats.acceptance_rate,
+                "tokens_per_step": e, "rounds": sum(stats.rounds),
+                "plain_loop_s": plain_s, "spec_loop_s": spec_s,
+                "speedup_measured": plain_s / spec_s,
+                "plain_step_s": plain_step_s, "verify_step_s": verify_s,
+                "draft_step_s": draft_s,
+                "speedup_from_parts": e * plain_step_s / (verify_s + k * draft_s),
+                "speedup_theory": spec_theory.expected_tokens(a_eff, k) * r.plain_s
+                / r.round_s,
+                "achieved_bytes_per_s": bw,
+                "theory_plain_bytes": r.plain_bytes, "theory_verify_bytes": r.verify_bytes,
+                "theory_draft_bytes": r.draft_bytes,
+                "theory_bytes_per_emitted_token": r.bytes_per_emitted_token(a_eff),
+                "verify_over_plain_measured": verify_s / plain_step_s,
+                "verify_over_plain_theory": r.verify_s / r.plain_s,
+                "draft_over_plain_measured": draft_s / plain_step_s,
+                "draft_over_plain_theory": r.draft_s / r.plain_s,
+            })
+            print(table(out[-1:]), flush=True)
+    return out
+
+
+COLUMNS = (("t", "t"), ("batch", "B"), ("drafter", "drafter"), ("k", "k"),
+           ("equal_to_plain", "= plain"), ("acceptance_rate", "accept"),
+           ("tokens_per_step", "tok/step"), ("speedup_measured", "speedup"),
+           ("speedup_from_parts", "from parts"), ("speedup_theory", "theory"),
+           ("verify_over_plain_measured", "verify/step"),
+           ("verify_over_plain_theory", "theory"),
+           ("draft_over_plain_measured", "draft/step"), ("draft_over_plain_theory", "theory"))
+
+
+def table(rows) -> str:
+    return report.format_table([tuple(r[c] for c, _ in COLUMNS) for r in rows],
+                               tuple(h for _, h in COLUMNS))
+
+
+def plot(rows, path: str) -> None:
+    """Measured against predicted speedup, one point per row, the diagonal drawn."""
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    fig, ax = plt.subplots(figsize=(5.5, 4.5))
+    for drafter, marker in (("ngram", "o"), ("self", "s")):
+        pts = [r for r in rows if r["drafter"] == drafter]
+        if pts:
+            sc = ax.scatter([r["speedup_theory"] for r in pts],
+                            [r["speedup_measured"] for r in pts],
+                            c=[np.log2(r["t"]) for r in pts], marker=marker, label=drafter,
+                            cmap="viridis")
+    hi = max([1.5] + [max(r["speedup_theory"], r["speedup_measured"]) for r in rows]) * 1.1
+    ax.plot([0, hi], [0, hi], "k--", lw=0.8)
+    ax.axhline(1, color="grey", lw=0.5)
+    ax.set_xlabel("predicted speedup (memory-bound roofline, measured acceptance)")
+    ax.set_ylabel("measured speedup over plain decoding")
+    ax.legend()
+    if rows:
+        fig.colorbar(sc, ax=ax, label="log2 context t")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    contexts, ks = _ints("contexts", _CONTEXTS.value), _ints("ks", _KS.value)
+    batches = _ints("batches", _BATCHES.value)
+    bad = [d for d in _DRAFTERS.value if d not in ("ngram", "self")]
+    if bad or not _DRAFTERS.value:
+        raise app.UsageError(f"--drafters={','.join(_DRAFTERS.value)}; allowed: ngram, self")
+    new_tokens, repeats = _NEW.value, _REPEATS.value
+    if _QUICK.value:
+        new_tokens, repeats = 24, 1
+    if new_tokens < 2 or repeats < 1:
+        raise app.UsageError(f"--new_tokens={new_tokens} and --repeats={repeats}; allowed: "
+                             ">= 2 and >= 1")
+    try:
+        d = _CONFIG.value
+        run = run_config_from_dict(d)
+        spec = dataclasses.replace(run.speculative, drafter="self")  # validates the draft
+        loaded = runner.load(run, progress=False)
+        rows = []
+        for t in contexts:
+            for b in batches:
+                prompts = corpus_prompts(loaded.tokenizer, t, b)
+                rows += point(loaded, dataclasses.replace(run, speculative=spec), prompts,
+                              _DRAFTERS.value, ks, new_tokens, repeats, _CHUNK.value)
+    except (ConfigError, WeightsError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("all points:")
+    print(table(rows))
+    os.makedirs(_OUT.value, exist_ok=True)
+    path = os.path.join(_OUT.value, "speculative.json")
+    with open(path, "w") as f:
+        json.dump({"machine": hardware.device_name(), "new_tokens": new_tokens,
+                   "repeats": repeats, "rows": rows}, f, indent=2)
+    plot(rows, os.path.join(_OUT.value, "speculative.png"))
+    print(f"wrote {path} and speculative.png")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,148 @@
+"""What paging the KV cache buys: internal waste, the bytes a paged step reads, and how
+many requests fit a memory budget under per-slot reservation, paging, and paging with a
+shared prompt prefix.
+
+Per-slot reservation (kvjax's dense slot engine, and the servers Kwon et al. 2023
+measured, "Efficient Memory Management for Large Language Model Serving with
+PagedAttention", sec. 2.3 and fig. 2) holds ``max_seq_len`` tokens per request whatever
+it uses. A paged cache holds ceil(l / P)·P tokens for a request of l tokens with pages
+of P tokens: the internal waste is P·ceil(l/P) - l, between 0 and P - 1 tokens per
+sequence (sec. 4.2: "the waste is bounded within one block"). With a prefix of s tokens
+shared by n requests, its floor(s / P) full pages are stored once (sec. 4.4, shared
+prefix; page-granular, as vLLM's automatic prefix caching), saving (n - 1)·floor(s/P)·P
+tokens.
+
+Units: tokens, bytes (per-token bytes from :func:`kvjax.analysis.theory.kv_bytes_per_token`,
+every layer and cached tensor, quantization scales included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+from kvjax.analysis import theory
+from kvjax.config import ModelConfig
+
+__all__ = ["paged_tokens", "internal_waste", "shared_prefix_tokens", "PagingCapacity",
+           "capacity", "paged_step_read_bytes"]
+
+
+def _check(page_size: int, lengths: Sequence[int]) -> list:
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r}; allowed: an integer >= 1")
+    lengths = [int(x) for x in lengths]
+    bad = [x for x in lengths if x < 0]
+    if bad:
+        raise ValueError(f"a sequence length of {bad[0]} tokens; allowed: >= 0")
+    return lengths
+
+
+def paged_tokens(length: int, page_size: int) -> int:
+    """Tokens a paged cache holds for a sequence of ``length`` tokens: P·ceil(length/P).
+
+    Raises:
+      ValueError: page_size below 1 or a negative length (named).
+    """
+    (length,) = _check(page_size, [length])
+    return page_size * math.ceil(length / page_size)
+
+
+def internal_waste(lengths: Sequence[int], page_size: int) -> int:
+    """Unused slots of the sequences' last pages, summed: each is in [0, P - 1]
+    (Kwon et al. 2023, sec. 4.2)."""
+    lengths = _check(page_size, lengths)
+    return sum(paged_tokens(x, page_size) - x for x in lengths)
+
+
+def shared_prefix_tokens(prefix_len: int, page_size: int) -> int:
+    """Tokens of a shared prefix stored once in a page-granular prefix cache: its full
+    pages only, P·floor(prefix_len / P) (the partly filled page is each request's own)."""
+    (prefix_len,) = _check(page_size, [prefix_len])
+    return page_size * (prefix_len // page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagingCapacity:
+    """Requests held at once in ``memory_bytes`` of KV cache, for sequences whose mean
+    held tokens are those of ``lengths``.
+
+    Attributes:
+      bytes_per_token: KV bytes per token (all layers and tensors).
+      budget_tokens: floor(memory_bytes / bytes_per_token).
+      reserved: per-slot reservation, floor(budget_tokens / max_seq_len).
+      paged: floor(budget_tokens / mean paged tokens per request).
+      shared: with the prefix's full pages stored once: floor((budget_tokens - shared
+        tokens) / mean of each request's own paged tokens).
+      waste_fraction: internal waste over paged tokens (mean over ``lengths``).
+      reserved_live_fraction: mean length / max_seq_len, the live share of a reserved row.
+    """
+
+    bytes_per_token: float
+    budget_tokens: int
+    reserved: int
+    paged: int
+    shared: int
+    waste_fraction: float
+    reserved_live_fraction: float
+
+
+def capacity(cfg: ModelConfig, memory_bytes: float, lengths: Sequence[int],
+             max_seq_len: int, page_size: int, prefix_len: int = 0) -> PagingCapacity:
+    """Requests at once at a KV memory budget: reservation vs paging vs shared prefixes.
+
+    Args:
+      cfg: the model (bytes per token, :func:`kvjax.analysis.theory.kv_bytes_per_token`).
+      memory_bytes: the KV cache's budget in bytes.
+      lengths: tokens each request holds (a measured distribution: prompt + generated).
+      max_seq_len: the row a per-slot reservation holds per request.
+      page_size: P tokens per page.
+      prefix_len: tokens every request's prompt starts with (a system turn).
+    Raises:
+      ValueError: page_size below 1, no lengths, a length above max_seq_len or a prefix
+        longer than the shortest length (each named).
+    """
+    lengths = _check(page_size, lengths)
+    if not lengths:
+        raise ValueError("lengths=[]; allowed: the tokens of at least one request")
+    if max(lengths) > max_seq_len:
+        raise ValueError(f"a request of {max(lengths)} tokens; allowed: at most "
+                         f"max_seq_len={max_seq_len}")
+    if not 0 <= prefix_len <= min(lengths):
+        raise ValueError(f"prefix_len={prefix_len}; allowed: 0..{min(lengths)} (the "
+                         "shortest request)")
+    per_token = theory.kv_bytes_per_token(cfg)
+    budget = int(memory_bytes // per_token)
+    mean_paged = sum(paged_tokens(x, page_size) for x in lengths) / len(lengths)
+    shared = shared_prefix_tokens(prefix_len, page_size)
+    own = mean_paged - shared
+    return PagingCapacity(
+        bytes_per_token=per_token, budget_tokens=budget, reserved=budget // max_seq_len,
+        paged=int(budget // mean_paged),
+        shared=int(max(budget - shared, 0) // own) if own > 0 else 0,
+        waste_fraction=internal_waste(lengths, page_size) / (mean_paged * len(lengths)),
+        reserved_live_fraction=sum(lengths) / len(lengths) / max_seq_len)
+
+
+def paged_step_read_bytes(cfg: ModelConfig, lengths: Sequence[int], page_size: int,
+                          max_pages: int, formulation: str = "gather") -> int:
+    """KV bytes one decode step reads over a batch of paged rows (every layer).
+
+    'in_place' (a kernel that reads the pages where they lie, as vLLM's): each row's
+    pages, P·ceil(l/P) tokens, plus its block table (4·max_pages bytes).
+    'gather' (the XLA formulation of :mod:`kvjax.cache.paged`): every row's max_pages
+    pages are gathered into a dense view (read once, written once) and attention reads
+    the view again: 3·max_pages·P tokens per row, plus the block table.
+
+    Raises:
+      ValueError: an unknown formulation, page_size below 1 or a negative length.
+    """
+    lengths = _check(page_size, lengths)
+    per_token = theory.kv_bytes_per_token(cfg)
+    tables = 4 * max_pages * len(lengths)
+    if formulation == "in_place":
+        return int(sum(paged_tokens(x, page_size) for x in lengths) * per_token) + tables
+    if formulation == "gather":
+        return int(3 * max_pages * page_size * len(lengths) * per_token) + tables
+    raise ValueError(f"formulation={formulation!r}; allowed: 'in_place' or 'gather'")

@@ -1,0 +1,502 @@
+"""A paged KV cache: per-layer page pools, per-row block tables, and their host allocator.
+
+The layout of vLLM's PagedAttention (Kwon et al. 2023, "Efficient Memory Management for
+Large Language Model Serving with PagedAttention", sec. 4.1-4.2): every cached tensor of
+every layer (:func:`kvjax.cache.kv.tensor_specs`: keys and values, quantization scales,
+MLA's latent and rotary key) is a **pool** of ``num_pages`` pages of ``page_size`` P
+tokens each, laid out as a dense cache whose rows are pages (``tensor_specs(cfg,
+num_pages, P)``: 'k' [N, K, P, H] or [N, K, H, P], 'c_kv' [N, P, C], 'k_scale' [N, K, P, 1]
+...). Row b's logical token j lives in page ``block_table[b, j // P]`` at offset
+``j % P``; a row holds at most ``max_pages`` M pages, so its logical capacity is M·P.
+
+* **Write** (:func:`write`): a chunk's tokens scatter to (page, offset) of their
+  absolute positions; padded tokens (position -1) and positions with no page are dropped.
+* **Read** (:meth:`PagedKVCache.layer`): the XLA formulation gathers a row's M pages into
+  the dense view [B, K, M·P, H] (slot j = position j) and :attr:`PagedKVCache.positions`
+  gives that view's positions (j below the row's length and on an allocated page, else
+  -1), so the model's attention code and its masks (:mod:`kvjax.cache.policy`) run on
+  the view unchanged. The gather reads M·P slots per row (the bytes of a dense row of
+  M·P slots, plus the block table).
+* **Host allocation** (:class:`PageAllocator`): a free list, reference counts, fork and
+  copy on write of a shared page, and page-granular prefix hashing (each full page's key
+  is a hash of its token ids chained with the previous page's key, as vLLM's automatic
+  prefix caching) with least-recently-used eviction of cached pages no row references.
+
+Nothing here measures or branches on the machine; the array functions are traceable.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+from typing import Iterable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache import kv, quant
+from kvjax.config import ModelConfig
+
+__all__ = ["PagedKVCache", "PoolExhausted", "init_paged_cache", "pages_for", "write",
+           "advance", "overflows", "copy_pages", "gather_view", "page_bytes",
+           "PageAllocator", "page_hashes"]
+
+
+class PoolExhausted(RuntimeError):
+    """The page pool has no free page and no cached page to evict."""
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that hold ``num_tokens`` tokens: ceil(num_tokens / page_size)."""
+    return -(-int(num_tokens) // int(page_size))
+
+
+def _check_page_size(page_size) -> int:
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) \
+            or page_size < 1:
+        raise ValueError(f"page_size={page_size!r}; allowed: an integer >= 1 for a paged "
+                         "cache (0 means dense rows, which need no page pool)")
+    return int(page_size)
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+    """Page pools of every cached tensor plus per-row block tables and lengths.
+
+    The same interface as :class:`kvjax.cache.kv.KVCache` where ``model.forward`` reads
+    it (``layer``, ``positions``, ``length``, ``num_slots``, ``layouts``, ``ragged``):
+    the layer's tensors and positions come back as the rows' dense views.
+
+    Attributes:
+      tensors: name -> pool, [L, N, ...] (stacked, ``cfg.scan_layers``) or a tuple of L
+        [N, ...] arrays; ``...`` is one layer's per-token shape with P in the slot axis
+        (:func:`kvjax.cache.kv.tensor_specs` with B = N pages and S = P).
+      block_table: [B, M] int32 page of each row's logical page, -1 where none.
+      length: [B] int32 tokens written per row.
+      page_size: static P, tokens per page.
+      axes: static ((name, slot axis -2 | -1), ...) of the pools.
+      layouts: static, as :attr:`KVCache.layouts`.
+      ragged: static, always True (rows keep their own lengths).
+    """
+
+    tensors: dict
+    block_table: jax.Array
+    length: jax.Array
+    page_size: int = flax.struct.field(pytree_node=False, default=16)
+    axes: tuple = flax.struct.field(pytree_node=False, default=())
+    layouts: tuple | None = flax.struct.field(pytree_node=False, default=None)
+    ragged: bool = flax.struct.field(pytree_node=False, default=True)
+
+    @property
+    def max_pages(self) -> int:
+        """M, block-table entries per row."""
+        return self.block_table.shape[-1]
+
+    @property
+    def num_slots(self) -> int:
+        """M·P, slots of a row's dense view."""
+        return self.max_pages * self.page_size
+
+    @property
+    def num_pages(self) -> int:
+        """N, pages in each pool."""
+        t = next(iter(self.tensors.values()))
+        return t[0].shape[0]  # layer 0's pool (a tuple's first, a stack's first slice)
+
+    @property
+    def batch_size(self) -> int:
+        return self.block_table.shape[0]
+
+    @property
+    def positions(self) -> jax.Array:
+        """[B, M·P] int32 positions of each row's dense view: slot j holds position j when
+        j < length and its page is allocated, else -1 (empty)."""
+        j = jnp.arange(self.num_slots, dtype=jnp.int32)
+        page = jnp.repeat(self.block_table, self.page_size, axis=1)  # [B, M*P]
+        return jnp.where((j[None, :] < self.length[:, None]) & (page >= 0), j[None, :], -1)
+
+    def layer(self, i) -> dict:
+        """name -> layer ``i``'s dense view of every row ([B, K, M·P, H] ...);
+        ``i`` may be traced if stacked."""
+        axes = dict(self.axes)
+        return {n: gather_view(t[i], self.block_table, axes[n])
+                for n, t in self.tensors.items()}
+
+
+def gather_view(pool: jax.Array, block_table: jax.Array, axis: int) -> jax.Array:
+    """The rows' dense views of one layer's pool (the XLA formulation of paged reads).
+
+    Args:
+      pool: [N, ..., P, X] (``axis`` -2) or [N, ..., X, P] (``axis`` -1).
+      block_table: [B, M] int32 pages (-1: none; its slots read page 0 and are masked
+        by :attr:`PagedKVCache.positions`).
+      axis: the slot axis of ``pool``.
+    Returns:
+      [B, ..., M·P, X] (or [B, ..., X, M·P]): page m of row b at slots m·P .. m·P+P-1.
+    """
+    g = pool[jnp.maximum(block_table, 0)]  # [B, M, ...rest]
+    a = pool.ndim - 1 + axis  # slot axis inside rest
+    g = jnp.moveaxis(g, 1, 1 + a)  # [B, ..., M, P, ...]
+    shape = g.shape[:1 + a] + (g.shape[1 + a] * g.shape[2 + a],) + g.shape[3 + a:]
+    return g.reshape(shape)
+
+
+def init_paged_cache(cfg: ModelConfig, batch_size: int, num_pages: int, page_size: int,
+                     max_pages: int) -> PagedKVCache:
+    """An empty paged cache: zero pools of ``num_pages`` pages of ``page_size`` tokens per
+    layer and tensor, ``batch_size`` rows of ``max_pages`` block-table entries (all -1),
+    lengths 0.
+
+    Raises:
+      ValueError: ``page_size`` below 1 (named), or a non-positive batch_size, num_pages
+        or max_pages (named).
+    """
+    page_size = _check_page_size(page_size)
+    for name, v in (("batch_size", batch_size), ("num_pages", num_pages),
+                    ("max_pages", max_pages)):
+        if int(v) < 1:
+            raise ValueError(f"{name}={v}; allowed: an integer >= 1")
+    quant.check_supported(cfg)
+    tensors = {}
+    specs = kv.tensor_specs(cfg, num_pages, page_size)
+    for name, spec in specs.items():
+        if cfg.scan_layers:
+            tensors[name] = jnp.zeros((cfg.num_layers,) + spec.shape, spec.dtype)
+        else:
+            tensors[name] = tuple(jnp.zeros(spec.shape, spec.dtype)
+                                  for _ in range(cfg.num_layers))
+    return PagedKVCache(tensors=tensors,
+                        block_table=jnp.full((batch_size, max_pages), -1, jnp.int32),
+                        length=jnp.zeros((batch_size,), jnp.int32), page_size=page_size,
+                        axes=tuple((n, s.slot_axis) for n, s in specs.items()),
+                        layouts=kv.layouts(cfg), ragged=True)
+
+
+def page_bytes(cfg: ModelConfig, page_size: int) -> int:
+    """Bytes of one page over every layer and cached tensor (codes and scales)."""
+    return cfg.num_layers * sum(s.nbytes for s in kv.tensor_specs(cfg, 1, page_size).values())
+
+
+def _pages_offsets(cache: PagedKVCache, positions: jax.Array):
+    """(page [B, T], offset [B, T]) int32 of each chunk token; page N (dropped by the
+    scatter) for a padded token, one past the view or one on no page."""
+    p, n = cache.page_size, cache.num_pages
+    ok = (positions >= 0) & (positions < cache.num_slots)
+    logical = jnp.where(ok, positions // p, 0)
+    page = jnp.take_along_axis(cache.block_table, logical, axis=1)
+    page = jnp.where(ok & (page >= 0), page, n)
+    return page, jnp.where(ok, positions % p, 0)
+
+
+def write(cache: PagedKVCache, buf: jax.Array, new: jax.Array, positions: jax.Array,
+          axis: int, layer=None) -> jax.Array:
+    """Scatters a chunk into one pool: token t of row b to (page, offset) of its position.
+
+    Args:
+      cache: its block table and page size map positions to pages.
+      buf: the pool, [N, ..., P, X] (``axis`` -2) / [N, ..., X, P] (``axis`` -1), or the
+        same with a leading L axis when ``layer`` ([] int32) is given.
+      new: [B, ..., T, X] (or [B, ..., X, T]) in the cache's representation
+        (:func:`kvjax.cache.kv.encode`).
+      positions: [B, T] int32 absolute positions (-1: padding, not written).
+      axis: the slot axis (-2 or -1).
+    Returns:
+      The updated pool. Tokens on no page are dropped; :func:`overflows` poisons such a
+      row's logits. Two rows never write one (page, offset): the host allocator gives a
+      row's written pages to it alone (copy on write).
+    """
+    page, offset = _pages_offsets(cache, positions)
+    lead = 0 if layer is None else 1
+    rest = buf.ndim - lead - 1  # per-page dims
+    a = rest + axis
+    index = [slice(None)] * buf.ndim
+    index[lead], index[lead + 1 + a] = page, offset
+    if layer is not None:
+        index[0] = layer
+    # advanced indices broadcast to [B, T]; separated by slices they go first, adjacent
+    # they stay in place at the front: the update is [B, T, rest without the slot axis]
+    value = jnp.moveaxis(new.astype(buf.dtype), new.ndim + axis, 1)
+    return buf.at[tuple(index)].set(value, mode="drop")
+
+
+def overflows(cache: PagedKVCache, positions: jax.Array) -> jax.Array:
+    """[B] bool: a real token of the row (position >= 0) falls past the view or on a
+    block-table entry with no page (its write would be lost)."""
+    page, _ = _pages_offsets(cache, positions)
+    return jnp.any((positions >= 0) & (page >= cache.num_pages), axis=1)
+
+
+def advance(cache: PagedKVCache, positions: jax.Array, num_new=None) -> PagedKVCache:
+    """Lengths after a chunk: + T, or + ``num_new`` [B] real tokens per row."""
+    t = positions.shape[-1] if num_new is None else num_new
+    return cache.replace(length=cache.length + t)
+
+
+def copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
+    """Copies pages ``src`` [n] int32 to ``dst`` [n] in every pool and layer (copy on
+    write of shared pages; traceable)."""
+    out = {}
+    for n, t in cache.tensors.items():
+        if isinstance(t, tuple):
+            out[n] = tuple(x.at[dst].set(x[src]) for x in t)
+        else:
+            out[n] = t.at[:, dst].set(t[:, src])
+    return cache.replace(tensors=out)
+
+
+# ---------------------------------------------------------------------- host allocator
+
+
+def page_hashes(tokens: Sequence[int], page_size: int, prev: bytes = b"",
+                start_page: int = 0) -> list:
+    """Chained keys of the full pages of ``tokens`` from page ``start_page`` on: page i's
+    key is blake2b(key of page i-1 ++ its P token ids), ``prev`` the key before
+    ``start_page`` (b'' at the start). Equal keys mean equal token prefixes (up to a
+    128-bit collision)."""
+    out = []
+    toks = np.asarray(tokens, np.int64)
+    for i in range(start_page, len(toks) // page_size):
+        h = hashlib.blake2b(prev + toks[i * page_size:(i + 1) * page_size].tobytes(),
+                            digest_size=16).digest()
+        out.append(h)
+        prev = h
+    return out
+
+
+@dataclasses.dataclass
+class _Row:
+    pages: list = dataclasses.field(default_factory=list)
+    tokens: list = dataclasses.field(default_factory=list)   # ids held (written) so far
+    hashes: list = dataclasses.field(default_factory=list)   # keys of its full pages
+
+
+class PageAllocator:
+    """Host-side pages of one pool: free list, reference counts, rows' block tables,
+    fork, copy on write and (optionally) a prefix cache of full pages.
+
+    A page is in exactly one state: **free** (refcount 0, no key), **referenced**
+    (refcount = the rows holding it) or **cached** (refcount 0 with a key: its tokens stay
+    findable until the pool needs the page; least recently used evicted first).
+
+    Args:
+      num_pages: N pages in the pool (>= 1).
+      page_size: P tokens per page (>= 1).
+      prefix_cache: index full pages by their chained key (:func:`page_hashes`) so a
+        prompt that starts with cached pages reuses them.
+    Raises:
+      ValueError: ``page_size`` or ``num_pages`` below 1 (named).
+    """
+
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = False):
+        self.page_size = _check_page_size(page_size)
+        if int(num_pages) < 1:
+            raise ValueError(f"num_pages={num_pages}; allowed: an integer >= 1")
+        self.num_pages, self.prefix_cache = int(num_pages), bool(prefix_cache)
+        self.refcount = np.zeros(self.num_pages, np.int32)
+        self.free = collections.deque(range(self.num_pages))
+        self.lru: collections.OrderedDict = collections.OrderedDict()  # cached page -> key
+        self.key_of: dict = {}    # page -> key (referenced or cached)
+        self.page_of: dict = {}   # key -> page
+        self.rows: dict = {}      # row id -> _Row
+        self.hit_tokens = 0       # prompt tokens found in the prefix cache, summed
+        self.query_tokens = 0     # prompt tokens looked up, summed
+
+    # ---------------------------------------------------------------- pages
+
+    @property
+    def num_available(self) -> int:
+        """Pages an allocation may take: free plus cached (evictable)."""
+        return len(self.free) + len(self.lru)
+
+    @property
+    def num_referenced(self) -> int:
+        """Pages held by at least one row."""
+        return int((self.refcount > 0).sum())
+
+    def _take(self) -> int:
+        if self.free:
+            return self.free.popleft()
+        if self.lru:  # evict the least recently used cached page
+            page, key = self.lru.popitem(last=False)
+            del self.key_of[page], self.page_of[key]
+            return page
+        raise PoolExhausted(f"all {self.num_pages} pages are referenced by live rows")
+
+    def _ref(self, page: int) -> None:
+        if self.refcount[page] == 0:
+            self.lru.pop(page, None)
+        self.refcount[page] += 1
+
+    def _unref(self, page: int) -> None:
+        self.refcount[page] -= 1
+        if self.refcount[page] == 0:
+            if page in self.key_of:
+                self.lru[page] = self.key_of[page]  # most recently used end
+            else:
+                self.free.append(page)
+
+    # ---------------------------------------------------------------- rows
+
+    def block_table(self, row) -> list:
+        """The pages of ``row`` in logical order."""
+        return list(self.rows[row].pages)
+
+    def length(self, row) -> int:
+        return len(self.rows[row].tokens)
+
+    def match(self, tokens: Sequence[int]) -> list:
+        """Cached pages holding a prefix of ``tokens``: full pages only, and never the
+        page of the last token (its logits must be computed). [] without a prefix cache."""
+        if not self.prefix_cache:
+            return []
+        usable = (len(tokens) - 1) // self.page_size
+        pages = []
+        for key in page_hashes(list(tokens)[:usable * self.page_size], self.page_size):
+            page = self.page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def admit(self, row, tokens: Sequence[int], reserve: int) -> int:
+        """A new row for a request whose prompt is ``tokens``: references its cached
+        prefix pages, then takes pages until ``reserve`` tokens fit. All or nothing.
+
+        Returns:
+          Tokens found cached (a multiple of P; the prefill starts after them).
+        Raises:
+          ValueError: ``row`` is live already.
+          PoolExhausted: the pages do not fit (nothing is taken).
+        """
+        if row in self.rows:
+            raise ValueError(f"row {row!r} is already live; allowed: a new row id")
+        hit = self.match(tokens)
+        need = pages_for(reserve, self.page_size) - len(hit)
+        # cached hit pages leave the evictable set when referenced: count them out
+        evictable_hits = sum(1 for p in hit if self.refcount[p] == 0)
+        if need > self.num_available - evictable_hits:
+            raise PoolExhausted(f"row {row!r} needs {need} new pages, "
+                                f"{self.num_available - evictable_hits} available")
+        r = _Row()
+        for p in hit:
+            self._ref(p)
+            r.pages.append(p)
+        for _ in range(max(need, 0)):
+            p = self._take()
+            self._ref(p)
+            r.pages.append(p)
+        n_hit = len(hit) * self.page_size
+        r.tokens = list(tokens[:n_hit])
+        r.hashes = [self.key_of[p] for p in hit]
+        self.rows[row] = r
+        self.query_tokens += len(tokens)
+        self.hit_tokens += n_hit
+        return n_hit
+
+    def ensure(self, row, num_tokens: int) -> list:
+        """Takes pages until ``row`` has room for ``num_tokens`` tokens, and copies on
+        write a shared page that the next write of the row lands in.
+
+        Returns:
+          [(src, dst), ...] pages to copy on the device before writing (:func:`copy_pages`).
+        Raises:
+          PoolExhausted: not enough pages (the pages taken so far stay with the row).
+        """
+        r = self.rows[row]
+        copies = []
+        first = len(r.tokens) // self.page_size  # the page the next token lands in
+        for i in range(first, len(r.pages)):  # pages still to be written: the row's own
+            if self.refcount[r.pages[i]] > 1:
+                src = r.pages[i]
+                dst = self._take()
+                self._ref(dst)
+                self._unref(src)
+                r.pages[i] = dst
+                if i * self.page_size < len(r.tokens):  # holds tokens: copy them
+                    copies.append((src, dst))
+        while len(r.pages) * self.page_size < num_tokens:
+            p = self._take()
+            self._ref(p)
+            r.pages.append(p)
+        return copies
+
+    def append(self, row, tokens: Iterable[int]) -> None:
+        """Records tokens the device wrote for ``row``; with a prefix cache, full pages
+        get their keys (a page whose key another page holds already stays unkeyed)."""
+        r = self.rows[row]
+        r.tokens.extend(int(t) for t in tokens)
+        if len(r.tokens) > len(r.pages) * self.page_size:
+            raise ValueError(f"row {row!r} holds {len(r.tokens)} tokens on {len(r.pages)} "
+                             f"pages of {self.page_size}; allowed: ensure() first")
+        if not self.prefix_cache:
+            return
+        prev = r.hashes[-1] if r.hashes else b""
+        for key in page_hashes(r.tokens, self.page_size, prev, len(r.hashes)):
+            page = r.pages[len(r.hashes)]
+            r.hashes.append(key)
+            if key not in self.page_of and page not in self.key_of:
+                self.page_of[key], self.key_of[page] = page, key
+
+    def fork(self, src, dst) -> None:
+        """Row ``dst`` shares every page of ``src`` (reference counts + 1); the first
+        write of either into a shared page copies it (:meth:`ensure`)."""
+        if dst in self.rows:
+            raise ValueError(f"row {dst!r} is already live; allowed: a new row id")
+        s = self.rows[src]
+        for p in s.pages:
+            self._ref(p)
+        self.rows[dst] = _Row(list(s.pages), list(s.tokens), list(s.hashes))
+
+    def release(self, row) -> None:
+        """Frees ``row``: its pages' references drop, last page first (so a cached tail
+        is evicted before the prefix other requests share)."""
+        r = self.rows.pop(row)
+        for p in reversed(r.pages):
+            self._unref(p)
+
+    def trim(self, row, num_tokens: int) -> None:
+        """Keeps the first ``num_tokens`` tokens of ``row`` (rollback of rejected
+        positions): pages past them are released, keys of pages no longer full dropped."""
+        r = self.rows[row]
+        r.tokens = r.tokens[:num_tokens]
+        keep = pages_for(num_tokens, self.page_size)
+        while len(r.pages) > keep:
+            self._unref(r.pages.pop())
+        r.hashes = r.hashes[:num_tokens // self.page_size]
+        cut = num_tokens // self.page_size  # the page the next write lands in
+        if cut < len(r.pages) and self.refcount[r.pages[cut]] == 1 \
+                and r.pages[cut] in self.key_of:  # its key no longer names its tokens
+            del self.page_of[self.key_of.pop(r.pages[cut])]
+
+    # ---------------------------------------------------------------- checks
+
+    def check(self) -> None:
+        """Raises AssertionError unless the invariants hold: every page is free, cached or
+        referenced, exactly once; refcounts equal the rows' references; no row holds a
+        page twice; a page shared by rows holds the same tokens for each (read-only
+        sharing); keys map both ways."""
+        counts = np.zeros(self.num_pages, np.int32)
+        content: dict = {}
+        for rid, r in self.rows.items():
+            assert len(set(r.pages)) == len(r.pages), f"row {rid} holds a page twice"
+            assert len(r.tokens) <= len(r.pages) * self.page_size, f"row {rid} overflows"
+            for i, p in enumerate(r.pages):
+                counts[p] += 1
+                toks = tuple(r.tokens[i * self.page_size:(i + 1) * self.page_size])
+                if p in content:
+                    other = content[p]
+                    n = min(len(other), len(toks))
+                    assert other[:n] == toks[:n], f"page {p} shared with different tokens"
+                content[p] = toks
+        assert (counts == self.refcount).all(), "refcounts differ from the rows' references"
+        free, cached = set(self.free), set(self.lru)
+        assert len(free) == len(self.free), "a page is free twice"
+        referenced = set(np.nonzero(counts)[0].tolist())
+        assert not (free & cached) and not (free & referenced) and not (cached & referenced)
+        assert free | cached | referenced == set(range(self.num_pages)), "pages leaked"
+        assert all(self.key_of[p] == k for p, k in self.lru.items())
+        assert all(self.page_of[k] == p for p, k in self.key_of.items())
+        assert not (free & set(self.key_of)), "a free page keeps a key"

@@ -1,0 +1,464 @@
+"""The slot engine on a paged KV cache: requests admitted when their pages fit, preempted
+when the pool runs out, and (optionally) sharing the cached pages of common prompt
+prefixes.
+
+:class:`kvjax.inference.engine.Engine` reserves a row of ``max_seq_len`` slots per
+request. :class:`PagedEngine` holds one pool of ``num_pages`` pages of ``page_size``
+tokens per layer and tensor (:mod:`kvjax.cache.paged`) and up to ``max_rows`` rows of
+block tables; a row takes pages as its request grows (vLLM, Kwon et al. 2023, sec. 4.3):
+
+* **Admission** (first come, first served): the request at the head of the queue starts
+  when a row is free and the pages of its prompt and its first decoded token fit; with ``prefix_cache`` its prompt's full pages already
+  cached are referenced, not prefilled (the prefill starts after them).
+* **Growth**: before each decode block every running row takes the pages of its next
+  ``steps_per_sync`` tokens (copy on write of a shared page first).
+* **Preemption** (recompute, vLLM's default): when the pool runs out the newest running
+  request is stopped, its pages released (their full pages stay cached with
+  ``prefix_cache``) and it goes back to the head of the queue with its tokens kept; when
+  readmitted its prompt and generated tokens are prefilled again and it goes on
+  sampling from there (its sampling keys continue: token j uses fold_in(request key, j)).
+
+The prefill is one row at a time into the shared pools (padded to a power-of-two bucket
+of the tokens not cached); the decode loop (:func:`paged_decode_program`) runs every
+row for up to ``steps_per_sync`` steps and returns early when a row finishes while
+requests wait. Host-side bookkeeping (:class:`kvjax.cache.paged.PageAllocator`) never
+traces.
+
+Times are as :mod:`kvjax.inference.engine` (every request arrives at 0).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import planner
+from kvjax.cache import paged
+from kvjax.cache.policy import written_tokens
+from kvjax.config import ModelConfig, SamplingConfig
+from kvjax.inference import ragged
+from kvjax.inference.engine import Completion, EngineStats, Request, prefill_bucket
+from kvjax.inference.sampling import NONFINITE
+from kvjax.models import model as model_lib
+
+__all__ = ["PagedEngine", "PagedStats", "paged_prefill_program", "paged_decode_program",
+           "copy_pages_program"]
+
+
+@dataclasses.dataclass
+class PagedStats(EngineStats):
+    """:class:`EngineStats` of a paged run, plus: ``preemptions``; prompt tokens looked up
+    and found in the prefix cache (``prompt_tokens``, ``prefix_hit_tokens``: prefill
+    tokens saved); tokens prefilled (``prefill_tokens``, recomputation after preemption
+    included); referenced-page bytes summed over decode steps
+    (``page_kv_byte_steps``); the most rows running at once (``max_running``); the pool's
+    bytes (``allocated_kv_bytes``) and page size."""
+
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefill_tokens: int = 0
+    page_kv_byte_steps: float = 0.0
+    max_running: int = 0
+    running_steps: int = 0
+    page_size: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of looked-up prompt tokens served from cached pages."""
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def mean_page_kv_bytes(self) -> float:
+        """Mean bytes of the pages rows reference, per decode step."""
+        return self.page_kv_byte_steps / self.steps if self.steps else 0.0
+
+    @property
+    def mean_running(self) -> float:
+        """Mean rows running per decode step."""
+        return self.running_steps / self.steps if self.steps else 0.0
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def copy_pages_program(cache, src, dst):
+    """:func:`kvjax.cache.paged.copy_pages` compiled, the pools donated."""
+    return paged.copy_pages(cache, src, dst)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "fresh"),
+                   donate_argnames=("cache",))
+def paged_prefill_program(params, cache, tokens, num_valid, key, count, *, cfg, sampling,
+                          fresh):
+    """One row's prompt (or the part not cached) written into its pages.
+
+    Args:
+      cache: a one-row :class:`~kvjax.cache.paged.PagedKVCache` over the shared pools
+        (donated), length = tokens already held (cached prefix).
+      tokens: [1, T] int32 right-padded; num_valid: [1] int32 real tokens.
+      key: the request's key; count: [] int32 index of the token to sample.
+      fresh: (static) the row holds no token yet (no page is read).
+    Returns:
+      (token [1] int32 sampled from the last real token's logits, cache).
+    """
+    pos = cache.length[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    logits, cache = model_lib.forward(params, cfg, tokens, pos, cache, num_valid=num_valid,
+                                      fresh=fresh, last_only=True)
+    return ragged.sample_rows(logits[:, 0], key[None], count[None], sampling), cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "steps"),
+                   donate_argnames=("cache",))
+def paged_decode_program(params, cache, last, active, remaining, count, keys, eos_ids,
+                         stop_on_free, *, cfg, sampling, steps):
+    """Up to ``steps`` decode steps of every running row, in one ``lax.while_loop``.
+
+    Args:
+      cache: the :class:`~kvjax.cache.paged.PagedKVCache` of every row (donated); each
+        running row has pages for its next ``steps`` tokens (or up to its budget).
+      last: [B] int32 each row's last token; active: [B] bool running; remaining: [B]
+        int32 tokens still allowed; count: [B] int32 tokens generated so far (the index
+        of the next sampling key); keys: [B] per-row keys; eos_ids: [E] int32 ids that
+        end a request (-1: none); stop_on_free: [] bool, end once a row finishes.
+    Returns:
+      (tokens [B, steps] int32, -1 where a row produced none; steps run [] int32; cache;
+      last; active; remaining; count).
+    """
+    b = last.shape[0]
+    buf = jnp.full((b, steps), -1, jnp.int32)
+
+    def cond(s):
+        i, active, freed = s[0], s[4], s[7]
+        return (i < steps) & jnp.any(active) & ~(stop_on_free & freed)
+
+    def body(s):
+        i, buf, cache, last, active, remaining, count, freed = s
+        logits, cache = model_lib.forward(params, cfg, last[:, None], cache.length[:, None],
+                                          cache, num_valid=active.astype(jnp.int32))
+        nxt = jnp.where(active, ragged.sample_rows(logits[:, 0], keys, count, sampling), -1)
+        buf = jax.lax.dynamic_update_slice(buf, nxt[:, None], (0, i))
+        step = active.astype(jnp.int32)
+        count, remaining = count + step, remaining - step
+        eos = jnp.any(nxt[:, None] == eos_ids[None, :], axis=1)
+        finished = active & (eos | (nxt == NONFINITE) | (remaining <= 0))
+        return (i + 1, buf, cache, jnp.where(active, nxt, last), active & ~finished,
+                remaining, count, freed | jnp.any(finished))
+
+    zero = jnp.zeros((), jnp.int32)
+    s = (zero, buf, cache, last, active, remaining, count, jnp.zeros((), bool))
+    i, buf, cache, last, active, remaining, count, _ = jax.lax.while_loop(cond, body, s)
+    return buf, i, cache, last, active, remaining, count
+
+
+@dataclasses.dataclass
+class _Running:
+    req: Request
+    order: int          # admission counter: the largest is the newest
+    final: int          # tokens the request writes in all (written_tokens)
+
+
+class PagedEngine:
+    """Serves requests through ``max_rows`` rows of block tables over one page pool.
+
+    Args:
+      params: parameters in cfg's layout.
+      cfg: the model.
+      max_rows: rows of block tables, the most requests running at once (>= 1).
+      max_seq_len: the longest request in tokens (prompt + max_new_tokens - 1); a row's
+        block table has ceil(max_seq_len / page_size) entries.
+      page_size: tokens per page (>= 1).
+      num_pages: pages in the pool (per layer and tensor); at least one request of
+        ``max_seq_len`` tokens must fit, so the oldest request can always finish.
+      sampling, eos_ids, steps_per_sync, seed: as :class:`kvjax.inference.engine.Engine`
+        (``eos_ids``: one id or several; empty or -1: stop at budgets only).
+      prefix_cache: reuse cached full pages of common prompt prefixes.
+    Raises:
+      ValueError: page_size below 1, a non-positive max_rows, max_seq_len, num_pages or
+        steps_per_sync, or a pool smaller than one request of max_seq_len tokens (each
+        named with its value).
+    """
+
+    def __init__(self, params, cfg: ModelConfig, max_rows: int, max_seq_len: int,
+                 page_size: int, num_pages: int, sampling: SamplingConfig = SamplingConfig(),
+                 eos_ids: int | Iterable[int] = (), steps_per_sync: int = 8, seed: int = 0,
+                 prefix_cache: bool = False):
+        if isinstance(page_size, bool) or int(page_size) < 1:
+            raise ValueError(f"page_size={page_size}; allowed: an integer >= 1 for the "
+                             "paged engine (page_size 0 is the dense Engine)")
+        for name, v in (("max_rows", max_rows), ("max_seq_len", max_seq_len),
+                        ("num_pages", num_pages), ("steps_per_sync", steps_per_sync)):
+            if int(v) < 1:
+                raise ValueError(f"{name}={v}; allowed: an integer >= 1")
+        self.page_size, self.num_pages = int(page_size), int(num_pages)
+        self.max_rows, self.max_seq_len = int(max_rows), int(max_seq_len)
+        self.max_pages = paged.pages_for(self.max_seq_len, self.page_size)
+        if self.num_pages < self.max_pages:
+            raise ValueError(
+                f"num_pages={num_pages} pages of {page_size} tokens hold "
+                f"{self.num_pages * self.page_size} tokens, too few for one request of "
+                f"max_seq_len={max_seq_len}; allowed: num_pages >= {self.max_pages}")
+        self.view_len = self.max_pages * self.page_size
+        if cfg.plan is None:  # resolved on the host, for the rows' dense views
+            cfg = planner.resolve(cfg, max_seq_len=self.view_len,
+                                  batch_sizes=(self.max_rows,))
+        self.params, self.cfg = params, cfg
+        self._prefill_cfgs: dict[int, ModelConfig] = {}
+        ids = [eos_ids] if isinstance(eos_ids, (int, np.integer)) else list(eos_ids)
+        self.eos_ids = frozenset(int(i) for i in ids if int(i) >= 0)
+        self.sampling = sampling
+        self.steps_per_sync, self.seed = int(steps_per_sync), int(seed)
+        self.prefix_cache = bool(prefix_cache)
+        self.cache = paged.init_paged_cache(cfg, self.max_rows, self.num_pages,
+                                            self.page_size, self.max_pages)
+        self.page_bytes = paged.page_bytes(cfg, self.page_size)
+        self.bytes_per_token = self.page_bytes / self.page_size
+        self.alloc = paged.PageAllocator(self.num_pages, self.page_size, self.prefix_cache)
+
+    # ------------------------------------------------------------------ checks
+
+    def check(self, req: Request) -> None:
+        """Raises ValueError (naming the request) for an id < 0, an empty prompt, a budget
+        < 1, or a request that writes more tokens than a row or the pool holds."""
+        if not isinstance(req.id, (int, np.integer)) or req.id < 0:
+            raise ValueError(f"request id={req.id!r}; allowed: an integer >= 0 (it seeds the "
+                             "request's sampling key)")
+        if not len(req.prompt):
+            raise ValueError(f"request {req.id}: empty prompt; allowed: at least one token")
+        if int(req.max_new_tokens) < 1:
+            raise ValueError(f"request {req.id}: max_new_tokens={req.max_new_tokens}; "
+                             "allowed: an integer >= 1")
+        need = written_tokens(len(req.prompt), req.max_new_tokens)
+        pages = paged.pages_for(need, self.page_size)
+        if need > self.max_seq_len:
+            raise ValueError(
+                f"request {req.id} ({len(req.prompt)} prompt tokens + {req.max_new_tokens} "
+                f"new) writes {need} tokens, more than max_seq_len={self.max_seq_len}; "
+                f"allowed: at most {self.max_seq_len} (raise max_seq_len)")
+        if pages > self.num_pages:
+            raise ValueError(
+                f"request {req.id} ({len(req.prompt)} prompt tokens + {req.max_new_tokens} "
+                f"new) writes {need} tokens = {pages} pages of {self.page_size}, more than "
+                f"the pool's num_pages={self.num_pages}; allowed: at most "
+                f"{self.num_pages * self.page_size} tokens")
+
+    # ------------------------------------------------------------------ units
+
+    def _key(self, req_id: int) -> jax.Array:
+        return jax.random.fold_in(jax.random.key(self.seed), req_id)
+
+    def _prefill_cfg(self, bucket: int) -> ModelConfig:
+        if bucket not in self._prefill_cfgs:
+            self._prefill_cfgs[bucket] = planner.resolve(
+                self.cfg.replace(plan=None), max_seq_len=self.view_len, batch_sizes=(),
+                rows=(bucket,))
+        return self._prefill_cfgs[bucket]
+
+    def _row_table(self, row) -> np.ndarray:
+        bt = np.full(self.max_pages, -1, np.int32)
+        pages = self.alloc.block_table(row)
+        bt[:len(pages)] = pages
+        return bt
+
+    def _prefill(self, row, tokens: Sequence[int], start: int, count: int, req_id: int):
+        """Writes ``tokens[start:]`` into ``row``'s pages (the first ``start`` are cached)
+        and returns the token sampled after them (key index ``count``)."""
+        n = len(tokens) - start
+        bucket = prefill_bucket(n)
+        toks = np.zeros((1, bucket), np.int32)
+        toks[0, :n] = tokens[start:]
+        one = self.cache.replace(block_table=jnp.asarray(self._row_table(row)[None]),
+                                 length=jnp.full((1,), start, jnp.int32))
+        first, one = paged_prefill_program(
+            self.params, one, jnp.asarray(toks), jnp.asarray([n], jnp.int32),
+            self._key(req_id), jnp.int32(count), cfg=self._prefill_cfg(bucket),
+            sampling=self.sampling, fresh=start == 0)
+        self.cache = self.cache.replace(tensors=one.tensors)
+        self.alloc.append(row, tokens[start:])
+        return int(first[0])
+
+    def _copy(self, copies) -> None:
+        if copies:
+            src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*copies))
+            self.cache = copy_pages_program(self.cache, src, dst)
+
+    def warmup(self, requests: Sequence[Request]) -> float:
+        """Compiles every prefill bucket ``requests`` need (fresh, and with
+        ``prefix_cache`` after a cached page) and the decode loop; leaves the pool empty.
+        Returns the seconds spent."""
+        t0 = time.perf_counter()
+        if not requests:
+            return 0.0
+        longest: dict[int, int] = {}  # bucket -> its longest prompt (fits a row)
+        for r in requests:
+            b = prefill_bucket(len(r.prompt))
+            longest[b] = max(longest.get(b, 0), len(r.prompt))
+        self.alloc = paged.PageAllocator(self.num_pages, self.page_size)  # no prefix hits
+        p = self.page_size
+        for n in longest.values():
+            self.alloc.admit("warmup", [0] * n, n)
+            self._prefill("warmup", [0] * n, 0, 0, 0)
+            self.alloc.release("warmup")
+            if self.prefix_cache and n + p <= self.view_len:  # a prefill after a hit
+                self.alloc.admit("warmup", [0] * (n + p), n + p)
+                self.alloc.append("warmup", [0] * p)
+                self._prefill("warmup", [0] * (n + p), p, 0, 0)
+                self.alloc.release("warmup")
+        b = self.max_rows
+        zeros = jnp.zeros(b, jnp.int32)
+        out = paged_decode_program(
+            self.params, self.cache, zeros, jnp.zeros(b, bool), zeros, zeros,
+            jax.vmap(self._key)(zeros), self._eos_array(), jnp.asarray(False),
+            cfg=self.cfg, sampling=self.sampling, steps=self.steps_per_sync)
+        self.cache = out[2]
+        jax.block_until_ready(self.cache)
+        self.alloc = paged.PageAllocator(self.num_pages, self.page_size, self.prefix_cache)
+        return time.perf_counter() - t0
+
+    def _eos_array(self) -> jax.Array:
+        return jnp.asarray(sorted(self.eos_ids) or [-1], jnp.int32)
+
+    def _stop(self, last: int) -> str:
+        return "nonfinite" if last == NONFINITE else "eos" if last in self.eos_ids \
+            else "budget"
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, requests: Sequence[Request],
+            on_finish: Callable[[Completion], None] | None = None, warmup: bool = True):
+        """Serves ``requests`` (all arrive at time 0); returns (completions in request
+        order, :class:`PagedStats`). Every request is checked (:meth:`check`) before any
+        work."""
+        ids = [r.id for r in requests]
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"request id {dup} appears more than once; allowed: unique ids")
+        for r in requests:
+            self.check(r)
+        if warmup:
+            self.warmup(requests)
+        self.alloc = paged.PageAllocator(self.num_pages, self.page_size, self.prefix_cache)
+        alloc, nr, steps = self.alloc, self.max_rows, self.steps_per_sync
+        rows: list = [None] * nr            # _Running or None
+        gen: dict[int, list] = {}
+        first_s: dict[int, float] = {}
+        done: dict[int, Completion] = {}
+        last = np.zeros(nr, np.int32)
+        active = np.zeros(nr, bool)
+        remaining = np.zeros(nr, np.int32)
+        count = np.zeros(nr, np.int32)
+        keys = jax.vmap(self._key)(jnp.zeros(nr, jnp.int32))
+        stats = PagedStats(allocated_kv_bytes=self.num_pages * self.page_bytes,
+                           num_slots=nr, page_size=self.page_size)
+        queue = collections.deque(requests)
+        order = 0
+        start = time.perf_counter()
+
+        def finish(req, stop, slot):
+            toks = gen.pop(req.id)
+            c = Completion(req.id, len(req.prompt), toks, stop, slot,
+                           first_s.pop(req.id), time.perf_counter() - start,
+                           stop_token=toks[-1] if stop == "eos" else None)
+            done[req.id] = c
+            if on_finish is not None:
+                on_finish(c)
+
+        def preempt(slot):
+            alloc.release(slot)
+            queue.appendleft(rows[slot].req)
+            rows[slot], active[slot] = None, False
+            stats.preemptions += 1
+
+        while queue or active.any():
+            # admit, first come first served, while a row is free and the pages fit
+            for slot in range(nr):
+                if rows[slot] is not None or not queue:
+                    continue
+                req = queue[0]
+                have = gen.get(req.id, [])
+                tokens = list(req.prompt) + have  # a preempted request: its tokens kept
+                final = written_tokens(len(req.prompt), req.max_new_tokens)
+                try:
+                    hit = alloc.admit(slot, tokens, min(len(tokens) + 1, final))
+                except paged.PoolExhausted:
+                    break
+                queue.popleft()
+                stats.prompt_tokens += len(tokens)
+                stats.prefix_hit_tokens += hit
+                stats.prefill_tokens += len(tokens) - hit
+                nxt = self._prefill(slot, tokens, hit, len(have), req.id)
+                stats.prefills += 1
+                if req.id not in gen:
+                    first_s[req.id], gen[req.id] = time.perf_counter() - start, []
+                gen[req.id].append(nxt)
+                if nxt in self.eos_ids or nxt == NONFINITE or \
+                        len(gen[req.id]) >= req.max_new_tokens:
+                    alloc.release(slot)
+                    finish(req, self._stop(nxt), None if not have else slot)
+                    continue
+                rows[slot] = _Running(req, order, final)
+                order += 1
+                last[slot], active[slot] = nxt, True
+                count[slot] = len(gen[req.id])
+                remaining[slot] = req.max_new_tokens - count[slot]
+                keys = keys.at[slot].set(self._key(req.id))
+            if not active.any():
+                continue
+            # every running row takes the pages of its next block, oldest first; when the
+            # pool runs out the newest running request is preempted
+            for slot in sorted(np.nonzero(active)[0], key=lambda s: rows[s].order):
+                r = rows[slot]
+                while r is not None and r is rows[slot]:  # None: preempted meanwhile
+                    try:
+                        need = min(alloc.length(slot) + steps, r.final)
+                        self._copy(alloc.ensure(slot, need))
+                        break
+                    except paged.PoolExhausted:
+                        victim = max(np.nonzero(active)[0], key=lambda s: rows[s].order)
+                        preempt(victim)
+            running = np.nonzero(active)[0]
+            bt = np.full((nr, self.max_pages), -1, np.int32)
+            lengths = np.zeros(nr, np.int32)
+            for slot in running:
+                bt[slot] = self._row_table(slot)
+                lengths[slot] = alloc.length(slot)
+            self.cache = self.cache.replace(block_table=jnp.asarray(bt),
+                                            length=jnp.asarray(lengths))
+            live_tokens = int(lengths.sum())
+            ref_pages = alloc.num_referenced
+            t0 = time.perf_counter()
+            out = paged_decode_program(
+                self.params, self.cache, jnp.asarray(last), jnp.asarray(active),
+                jnp.asarray(remaining), jnp.asarray(count), keys, self._eos_array(),
+                jnp.asarray(bool(queue)), cfg=self.cfg, sampling=self.sampling, steps=steps)
+            buf, n, self.cache, last_d, active_d, rem_d, count_d = out
+            buf = np.asarray(buf)
+            stats.decode_s += time.perf_counter() - t0
+            n = int(n)
+            stats.steps += n
+            stats.occupied_slot_steps += n * len(running)
+            stats.running_steps += n * len(running)
+            stats.max_running = max(stats.max_running, len(running))
+            stats.live_kv_byte_steps += n * (live_tokens + len(running)) * self.bytes_per_token
+            stats.page_kv_byte_steps += n * ref_pages * self.page_bytes
+            new_active = np.asarray(active_d)
+            for slot in running:
+                r = rows[slot]
+                toks = buf[slot, :n]
+                made = [int(t) for t in toks[(toks >= 0) | (toks == NONFINITE)]]
+                alloc.append(slot, ([int(last[slot])] + made)[:len(made)])  # the inputs
+                gen[r.req.id].extend(made)
+                if not new_active[slot]:
+                    alloc.release(slot)
+                    finish(r.req, self._stop(gen[r.req.id][-1]), int(slot))
+                    rows[slot] = None
+            last, active = np.array(last_d), new_active.copy()
+            remaining, count = np.array(rem_d), np.array(count_d)
+        stats.wall_s = time.perf_counter() - start
+        stats.tokens = sum(len(c.tokens) for c in done.values())
+        return [done[r.id] for r in requests], stats

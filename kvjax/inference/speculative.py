@@ -1,0 +1,562 @@
+"""Speculative decoding: verify k drafted tokens in one forward of the target model.
+
+A decode step reads every weight and every cached key and value to produce one token, at
+~1 FLOP/byte (the blog's "The GPU sits idle 99.3% of the time"). Scoring k + 1 positions
+in one forward reads the same bytes and does k + 1 times the arithmetic, so while the step
+stays memory-bound it costs about one step and can emit up to k + 1 tokens (Leviathan et
+al. 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al. 2023,
+"Accelerating Large Language Model Decoding with Speculative Sampling").
+
+One round of :func:`speculative_program`'s ``lax.while_loop``, per row:
+
+1. **Draft** k tokens d_1..d_k after the last emitted token ``last``:
+   * 'ngram' (prompt lookup): the most recent earlier occurrence of the row's last n
+     tokens (n from ``ngram_max`` down to ``ngram_min``) in the prompt and the text so
+     far; the k tokens that followed it are the draft. No model, no cache.
+   * 'self' / 'model': a draft model (the target's weights over a cheap cache: a window
+     with sinks, a quantized copy or the first L' layers; or another config's model)
+     decodes k tokens over its own cache, kept beside the target's.
+2. **Verify**: the target runs the chunk [last, d_1..d_k] at positions L..L+k over its
+   cache (the chunked-prefill write path, one forward), giving target logits for every
+   draft position.
+3. **Accept**: greedy, the longest prefix d_1..d_n equal to the target's argmax, then the
+   target's own token at n (so every round emits n + 1 >= 1 tokens, exactly the plain
+   greedy tokens). Sampled, the rejection rule of Leviathan et al. (sec. 2.3, Algorithm 1):
+   d_j is kept with probability min(1, p(d_j) / q(d_j)); at the first rejection the token
+   is drawn from norm(max(0, p - q)), after k acceptances from p, so the emitted tokens
+   follow the target's distribution p exactly (q: the drafter's distribution, one-hot
+   for the deterministic n-gram draft).
+4. **Take back** the rejected positions: the target cache's length becomes L + n + 1 and
+   the slots holding positions past it are marked empty (position -1), which is exact
+   for every cache kind, because a cache's contents at a position are a function of the
+   token there and the tokens before it: dense and ragged rows, quantized codes and
+   scales, MLA latents, and rings. A ring keeps ``k`` spare slots beyond its window W
+   (``init_cache(spare_slots=k)``): a chunk of k + 1 tokens then evicts only positions the
+   window no longer shows, so a rejected draft never overwrote a live key. The draft
+   model's cache is taken back the same way.
+
+The chunk is cut where a row's budget ends (``num_valid``): a draft never runs past the
+cache's end and is never clamped; the host-side :func:`generate` checks the cache's room
+as plain decoding does (:func:`kvjax.cache.policy.written_tokens`: the same tokens are
+written). A row stops at any of ``eos_ids`` inside an accepted draft (the tokens after it
+are not emitted) or where the target's logits are not finite
+(:data:`kvjax.inference.sampling.NONFINITE`). Rows accept different numbers of tokens:
+the caches are ragged (``init_cache(..., ragged=True)``), each row at its own length.
+
+Theory (expected tokens per step, the verify step's bytes and FLOPs, the predicted
+speedup): :mod:`kvjax.analysis.speculative`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import cache as cache_lib
+from kvjax.cache import KVCache, policy_for
+from kvjax.config import ConfigError, ModelConfig, SamplingConfig, SpeculativeConfig
+from kvjax.inference.sampling import (NONFINITE, is_stop, nonfinite_rows, sample_logits,
+                                      sampling_probs)
+from kvjax.models import model as model_lib
+
+__all__ = ["draft_config", "draft_params", "check_draft", "init_target_cache",
+           "init_draft_cache", "ngram_draft", "accept_greedy", "accept_sampled",
+           "speculative_program", "compile_program", "generate", "SpeculativeStats",
+           "history"]
+
+
+# --------------------------------------------------------------------------- drafters
+
+
+def draft_config(cfg: ModelConfig, spec: SpeculativeConfig) -> ModelConfig:
+    """The 'self' drafter's model config: ``cfg`` over a cheaper cache (a window of
+    ``draft_window_size`` with ``draft_sink_tokens`` sinks, ``draft_kv_dtype``) and/or the
+    first ``draft_num_layers`` layers.
+
+    Raises:
+      ConfigError: drafter is not 'self', or draft_num_layers exceeds cfg's layers.
+    """
+    if spec.drafter != "self":
+        raise ConfigError(f"speculative.drafter={spec.drafter!r}; draft_config builds the "
+                          "'self' drafter only")
+    fields: dict[str, Any] = {}
+    if spec.draft_window_size:
+        fields.update(window_size=spec.draft_window_size,
+                      num_sink_tokens=spec.draft_sink_tokens)
+    if spec.draft_kv_dtype:
+        fields["kv_dtype"] = spec.draft_kv_dtype
+    if spec.draft_num_layers:
+        if spec.draft_num_layers > cfg.num_layers:
+            raise ConfigError(
+                f"speculative.draft_num_layers={spec.draft_num_layers}; allowed: 0 (all) "
+                f"to the target's num_layers={cfg.num_layers}")
+        fields["num_layers"] = spec.draft_num_layers
+    return cfg.replace(**fields)
+
+
+def draft_params(params, cfg: ModelConfig, draft_cfg: ModelConfig):
+    """The target's parameters for a 'self' draft of ``draft_cfg.num_layers`` layers (the
+    first ones; the same arrays, no copy when all layers are kept)."""
+    n = draft_cfg.num_layers
+    if n == cfg.num_layers:
+        return params
+    if "layers" in params:
+        return {**params, "layers": jax.tree.map(lambda a: a[:n], params["layers"])}
+    return {k: v for k, v in params.items()
+            if not k.startswith("layers_") or int(k.split("_")[1]) < n}
+
+
+def check_draft(cfg: ModelConfig, draft_cfg: ModelConfig | None,
+                spec: SpeculativeConfig) -> None:
+    """Refuses a drafter the config cannot build, before any work.
+
+    Raises:
+      ConfigError: a draft model with another vocabulary, a 'self'/'model' drafter
+        without a draft config, or an 'ngram' drafter given one.
+    """
+    if spec.drafter in ("self", "model"):
+        if draft_cfg is None:
+            raise ConfigError(f"speculative.drafter={spec.drafter!r} needs a draft model "
+                              "config; none was built")
+        if draft_cfg.vocab_size != cfg.vocab_size:
+            raise ConfigError(
+                f"draft model vocab_size={draft_cfg.vocab_size}; allowed: the target's "
+                f"vocab_size={cfg.vocab_size} (the drafter must share the tokenizer)")
+    elif draft_cfg is not None:
+        raise ConfigError(f"speculative.drafter={spec.drafter!r} takes no draft model")
+
+
+def _spare(cfg: ModelConfig, k: int) -> int:
+    """Spare slots a speculative cache keeps: k + 1 for a ring (a chunk of k + 1 then
+    evicts nothing the window shows), 0 for a dense cache (its rows never hold more
+    than plain decoding writes)."""
+    return k + 1 if policy_for(cfg).kind == "ring" else 0
+
+
+def init_target_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int,
+                      k: int) -> KVCache:
+    """The target's cache for speculative decoding: ragged rows (each accepts its own
+    number of tokens), a ring with k + 1 spare slots (:func:`_spare`)."""
+    return cache_lib.init_cache(cfg, batch_size, max_seq_len, ragged=True,
+                                spare_slots=_spare(cfg, k))
+
+
+def init_draft_cache(draft_cfg: ModelConfig, batch_size: int, max_seq_len: int,
+                     k: int) -> KVCache:
+    """The draft model's cache: ragged; k + 1 slots beyond ``max_seq_len`` when dense
+    (a round drafts k tokens past the target's accepted length), k + 1 spare in a ring."""
+    dense = policy_for(draft_cfg).kind != "ring"
+    return cache_lib.init_cache(draft_cfg, batch_size, max_seq_len + (k + 1) * dense,
+                                ragged=True, spare_slots=_spare(draft_cfg, k))
+
+
+def ngram_draft(hist: jax.Array, hist_len: jax.Array, k: int, ngram_max: int,
+                ngram_min: int) -> tuple[jax.Array, jax.Array]:
+    """Prompt-lookup drafts (Saxena 2023, "Prompt Lookup Decoding"; vLLM's and
+    tpu-inference's n-gram proposer): the k tokens that followed the most recent earlier
+    occurrence of each row's last n tokens, for the largest n in [ngram_min, ngram_max]
+    that occurs.
+
+    Args:
+      hist: [B, H] int32 tokens so far (prompt, then emitted), valid below ``hist_len``.
+      hist_len: [B] int32.
+      k, ngram_max, ngram_min: static ints.
+    Returns:
+      (drafts [B, k] int32, found [B] bool). Where nothing matches, or the continuation
+      is shorter than k, the missing drafts are 0 (the verify step rejects what the
+      target would not produce, so they cost FLOPs, never correctness).
+    """
+    b, h = hist.shape
+    idx = jnp.arange(h, dtype=jnp.int32)
+    drafts = jnp.zeros((b, k), jnp.int32)
+    found = jnp.zeros((b,), bool)
+    for n in range(ngram_max, ngram_min - 1, -1):
+        tail = hist_len[:, None] - n + jnp.arange(n, dtype=jnp.int32)[None, :]  # [B, n]
+        suffix = jnp.take_along_axis(hist, jnp.clip(tail, 0, h - 1), axis=1)
+        # a match at i: hist[i + j] == suffix[j] for j < n, with a continuation token
+        # (i + n < hist_len), so the row's own suffix never matches itself
+        match = (idx[None, :] + n < hist_len[:, None]) & (hist_len[:, None] >= n)
+        for j in range(n):
+            match &= jnp.roll(hist, -j, axis=1) == suffix[:, j:j + 1]
+        start = jnp.max(jnp.where(match, idx[None, :], -1), axis=1) + n  # [B]
+        ok = (start >= n) & ~found
+        at = start[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+        cand = jnp.take_along_axis(hist, jnp.clip(at, 0, h - 1), axis=1)
+        cand = jnp.where(at < hist_len[:, None], cand, 0)
+        drafts = jnp.where(ok[:, None], cand, drafts)
+        found |= ok
+    return drafts, found
+
+
+def _draft_with_model(dparams, dcfg: ModelConfig, dcache: KVCache, last, pending,
+                      has_pending, active, k: int, sampling: SamplingConfig, key):
+    """k draft tokens from the draft model over its cache.
+
+    The draft cache holds the row's tokens before ``last``, except, after a round whose
+    k drafts were all accepted, the last draft (``pending``, ``has_pending``): the first
+    forward feeds [pending, last] (2 tokens) or [last] (1), the next k - 1 one token each.
+    Returns (drafts [B, k] int32, q [B, k, V] float32 or None when greedy, dcache).
+    """
+    pair = jnp.where(has_pending[:, None], jnp.stack([pending, last], 1),
+                     jnp.stack([last, last], 1))
+    n0 = jnp.where(active, 1 + has_pending.astype(jnp.int32), 0)
+    pos = dcache.length[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
+    logits, dcache = model_lib.forward(dparams, dcfg, pair, pos, dcache, num_valid=n0,
+                                       last_only=True)
+    one = active.astype(jnp.int32)
+
+    def pick(logits, key):
+        if sampling.greedy:
+            return sample_logits(logits, key, sampling), None
+        q = sampling_probs(logits, sampling)
+        tok = jax.random.categorical(key, jnp.log(q), axis=-1).astype(jnp.int32)
+        tok = jnp.where(nonfinite_rows(logits), 0, tok)
+        return tok, q
+
+    keys = jax.random.split(key, k)
+    d, q = pick(logits[:, 0], keys[0])
+    d = jnp.maximum(d, 0)  # a draft is a proposal: a non-finite draft row proposes 0
+
+    def step(carry, key):
+        dcache, d = carry
+        logits, dcache = model_lib.forward(dparams, dcfg, d[:, None],
+                                           dcache.length[:, None], dcache, num_valid=one)
+        nd, q = pick(logits[:, 0], key)
+        nd = jnp.maximum(nd, 0)
+        return (dcache, nd), (nd, q)
+
+    (dcache, _), (rest, qs) = jax.lax.scan(step, (dcache, d), keys[1:])
+    drafts = jnp.concatenate([d[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
+    if sampling.greedy:
+        return drafts, None, dcache
+    q_all = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
+    return drafts, q_all, dcache
+
+
+# --------------------------------------------------------------------------- accept
+
+
+def _leading(ok: jax.Array) -> jax.Array:
+    """[B] int32 number of leading True entries of ok [B, k]."""
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+
+
+def accept_greedy(drafts: jax.Array, logits: jax.Array, limit: jax.Array):
+    """Greedy verification: the longest prefix of ``drafts`` equal to the target's
+    argmax, then the target's token there.
+
+    Args:
+      drafts: [B, k] int32.
+      logits: [B, k + 1, V] float32 target logits at [last, d_1..d_k].
+      limit: [B] int32 >= 1, most tokens a row may emit this round (its budget, and the
+        chunk's valid length).
+    Returns:
+      (emitted [B, k + 1] int32, valid below ``n + 1``; n [B] int32 drafts accepted).
+      A non-finite logit row at position j emits :data:`NONFINITE` there.
+    """
+    b, t, v = logits.shape
+    target = sample_logits(logits.reshape(b * t, v), jax.random.key(0),
+                           SamplingConfig()).reshape(b, t)
+    n = jnp.minimum(_leading(drafts == target[:, :-1]), limit - 1)
+    return _emit(drafts, n, jnp.take_along_axis(target, n[:, None], axis=1)[:, 0]), n
+
+
+def accept_sampled(drafts: jax.Array, q: jax.Array | None, logits: jax.Array,
+                   limit: jax.Array, key: jax.Array, sampling: SamplingConfig):
+    """Exact speculative sampling (Leviathan et al. 2023, sec. 2.3 and Appendix A.1;
+    Chen et al. 2023, Algorithm 2): draft d_j ~ q_j is kept when u_j < p_j(d_j) / q_j(d_j);
+    at the first rejection j the emitted token is drawn from norm(max(0, p_j - q_j)); if
+    the row's limit cuts the round at j (or all k are kept), from p_j. The emitted tokens
+    are distributed as p, the target's sampling distribution
+    (:func:`kvjax.inference.sampling.sampling_probs`).
+
+    Args:
+      drafts: [B, k] int32. q: [B, k, V] float32 draft distributions, or None for a
+        deterministic draft (q one-hot at the draft).
+      logits: [B, k + 1, V] float32. limit: [B] int32 >= 1. key: PRNG key.
+      sampling: the target's (not greedy).
+    Returns:
+      (emitted [B, k + 1] int32, n [B] int32), as :func:`accept_greedy`.
+    """
+    b, t, v = logits.shape
+    k = t - 1
+    bad = nonfinite_rows(logits.reshape(b * t, v)).reshape(b, t)
+    p = sampling_probs(jnp.where(bad[..., None], 0.0, logits).reshape(b * t, v),
+                       sampling).reshape(b, t, v)
+    pd = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=2)[..., 0]
+    qd = 1.0 if q is None else jnp.take_along_axis(q, drafts[..., None], axis=2)[..., 0]
+    ku, kr = jax.random.split(key)
+    u = jax.random.uniform(ku, (b, k))
+    ok = (u * qd < pd) & ~bad[:, :k]
+    acc = _leading(ok)
+    n = jnp.minimum(acc, limit - 1)
+    rejected = (n == acc) & (acc < k)  # the round ends at a rejection, not at a cut
+    pn = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B, V]
+    if q is None:
+        qn = jax.nn.one_hot(jnp.take_along_axis(drafts, jnp.minimum(n, k - 1)[:, None],
+                                                axis=1)[:, 0], v, dtype=jnp.float32)
+    else:
+        qn = jnp.take_along_axis(q, jnp.minimum(n, k - 1)[:, None, None], axis=1)[:, 0]
+    resid = jnp.maximum(pn - qn, 0.0)
+    use = rejected[:, None] & (jnp.sum(resid, -1, keepdims=True) > 0)
+    dist = jnp.where(use, resid, pn)
+    last = jax.random.categorical(kr, jnp.log(dist), axis=-1).astype(jnp.int32)
+    last = jnp.where(jnp.take_along_axis(bad, n[:, None], axis=1)[:, 0], NONFINITE, last)
+    return _emit(drafts, n, last), n
+
+
+def _emit(drafts, n, last):
+    """[B, k + 1] int32: d_1..d_n, then ``last`` at n (entries past n: ``last``)."""
+    b, k = drafts.shape
+    j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    return jnp.where(j < n[:, None], padded, last[:, None])
+
+
+def _take_back(cache: KVCache, length: jax.Array) -> KVCache:
+    """The cache with each row cut to ``length`` [B]: later slots marked empty."""
+    return cache.replace(length=length,
+                         positions=jnp.where(cache.positions >= length[:, None], -1,
+                                             cache.positions))
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "draft_cfg", "spec", "sampling",
+                                             "buf_len"),
+                   donate_argnames=("cache", "draft_cache"))
+def speculative_program(params, dparams, first_token, cache, draft_cache, hist, hist_len,
+                        num_steps, rng, eos_ids, *, cfg, draft_cfg, spec, sampling,
+                        buf_len):
+    """Compile unit of :func:`generate` (no host checks).
+
+    Args:
+      params: the target's parameters. dparams: the draft model's (None for 'ngram').
+      first_token: [B] int32, the token sampled from the prefill logits (not written).
+      cache: the target's prefilled ragged cache (:func:`init_target_cache`; donated).
+      draft_cache: the draft model's prefilled cache holding the same prompt (donated),
+        or None.
+      hist: [B, H] int32 the prompt (then the emitted tokens), valid below hist_len [B].
+      num_steps: [] int32 tokens to emit after first_token per row.
+      rng: PRNG key. eos_ids: [E] int32.
+      cfg, draft_cfg, spec, sampling: static configs. buf_len: static output length.
+    Returns:
+      dict with 'tokens' [B, buf_len] int32 (after first_token; -1 past each row's
+      count), 'count' [B] int32 emitted per row, 'rounds' [B] int32 verify steps per row,
+      'accepted' [B] int32 drafts accepted, 'proposed' [B] int32 drafts verified,
+      'steps' [] int32 loop iterations, 'cache', 'draft_cache'.
+    """
+    b = first_token.shape[0]
+    k = spec.k
+    h = hist.shape[1]
+    buf = jnp.full((b, buf_len), -1, jnp.int32)
+    zeros = jnp.zeros((b,), jnp.int32)
+    done0 = is_stop(first_token, eos_ids) | (num_steps <= 0)
+    hist = jnp.where(jnp.arange(h)[None, :] == hist_len[:, None], first_token[:, None], hist)
+    state = dict(i=jnp.zeros((), jnp.int32), buf=buf, cache=cache, dcache=draft_cache,
+                 last=first_token, done=done0, count=zeros, rounds=zeros, accepted=zeros,
+                 proposed=zeros, hist=hist, hist_len=hist_len + 1,
+                 pending=zeros, has_pending=jnp.zeros((b,), bool), rng=rng)
+
+    def cond(s):
+        return ~jnp.all(s["done"])
+
+    def body(s):
+        active = ~s["done"]
+        rng, kd, ka = jax.random.split(s["rng"], 3)
+        limit = jnp.minimum(k + 1, num_steps - s["count"])  # tokens this round may emit
+        nv = jnp.where(active, jnp.maximum(limit, 1), 0)
+        dcache, q = s["dcache"], None
+        if spec.drafter == "ngram":
+            drafts, _ = ngram_draft(s["hist"], s["hist_len"], k, spec.ngram_max,
+                                    spec.ngram_min)
+        else:
+            drafts, q, dcache = _draft_with_model(dparams, draft_cfg, dcache, s["last"],
+                                                  s["pending"], s["has_pending"], active,
+                                                  k, sampling, kd)
+        chunk = jnp.concatenate([s["last"][:, None], drafts], axis=1)
+        length = s["cache"].length
+        pos = length[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+        logits, cache = model_lib.forward(params, cfg, chunk, pos, s["cache"], num_valid=nv)
+        if sampling.greedy:
+            emitted, n = accept_greedy(drafts, logits, nv)
+        else:
+            emitted, n = accept_sampled(drafts, q, logits, nv, ka, sampling)
+        # a stop token inside the accepted tokens ends the row there
+        j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+        stop = is_stop(emitted, eos_ids) & (j <= n[:, None])
+        first_stop = jnp.argmax(stop, axis=1).astype(jnp.int32)
+        stopped = jnp.any(stop, axis=1)
+        n_emit = jnp.where(stopped, first_stop + 1, n + 1)
+        n_emit = jnp.where(active, n_emit, 0)
+        # write the emitted tokens after each row's count, and into the history
+        slots = jnp.where(j < n_emit[:, None], s["count"][:, None] + j, buf_len)
+        rows = jnp.arange(b)[:, None]
+        buf = s["buf"].at[rows, slots].set(emitted, mode="drop")
+        hslots = jnp.where(j < n_emit[:, None], s["hist_len"][:, None] + j, h)
+        hist = s["hist"].at[rows, hslots].set(emitted, mode="drop")
+        count = s["count"] + n_emit
+        new_len = length + n_emit  # [last, d_1..d_{n_emit - 1}] stay written
+        cache = _take_back(cache, jnp.where(active, new_len, length))
+        last = jnp.where(active, jnp.take_along_axis(
+            emitted, jnp.maximum(n_emit - 1, 0)[:, None], axis=1)[:, 0], s["last"])
+        pending, has_pending = s["pending"], s["has_pending"]
+        if dcache is not None:
+            # the draft cache holds [pending?, last, d_1..d_{k-1}]: all k accepted (and
+            # the row goes on), it lacks d_k, fed first next round; else cut it back
+            full = active & (n_emit == k + 1)
+            pending = jnp.where(full, drafts[:, -1], 0)
+            has_pending = full
+            dlen = jnp.where(full, new_len - 1, jnp.where(active, new_len,
+                                                          dcache.length))
+            dcache = _take_back(dcache, dlen)
+        done = s["done"] | stopped | (count >= num_steps)
+        return dict(i=s["i"] + 1, buf=buf, cache=cache, dcache=dcache, last=last,
+                    done=done, count=count, rounds=s["rounds"] + active,
+                    accepted=s["accepted"] + jnp.where(active, jnp.minimum(n, n_emit), 0),
+                    proposed=s["proposed"] + jnp.where(active, nv - 1, 0),
+                    hist=hist, hist_len=s["hist_len"] + n_emit, pending=pending,
+                    has_pending=has_pending, rng=rng)
+
+    s = jax.lax.while_loop(cond, body, state)
+    return dict(tokens=s["buf"], count=s["count"], rounds=s["rounds"],
+                accepted=s["accepted"], proposed=s["proposed"], steps=s["i"],
+                cache=s["cache"], draft_cache=s["dcache"])
+
+
+@dataclasses.dataclass
+class SpeculativeStats:
+    """What a speculative run did, per row (host ints).
+
+    Attributes:
+      rounds: verify steps per row. accepted: drafts accepted. proposed: drafts
+        verified (k per round, fewer where a row's budget cut the round).
+      emitted: tokens emitted after the first (prefill) token.
+    """
+
+    rounds: list
+    accepted: list
+    proposed: list
+    emitted: list
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed drafts over all rows (0 when none were proposed)."""
+        return sum(self.accepted) / max(sum(self.proposed), 1)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Emitted tokens per verify step over all rows."""
+        return sum(self.emitted) / max(sum(self.rounds), 1)
+
+    def as_dict(self) -> dict:
+        return {"rounds": self.rounds, "accepted": self.accepted,
+                "proposed": self.proposed, "emitted": self.emitted,
+                "acceptance_rate": self.acceptance_rate,
+                "tokens_per_step": self.tokens_per_step}
+
+
+def history(prompts, max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """The n-gram drafter's history buffer: [B, H] int32 prompts (right-padded with 0)
+    and [B] lengths, H = longest prompt + :func:`buffer_len` (max_new_tokens) + 1."""
+    lens = np.array([len(p) for p in prompts], np.int32)
+    h = int(lens.max()) + buffer_len(max_new_tokens) + 1
+    out = np.zeros((len(prompts), h), np.int32)
+    for i, p in enumerate(prompts):
+        out[i, :len(p)] = p
+    return out, lens
+
+
+def _program_args(params, cfg, spec, prompts, first_token, cache, num_steps, draft, rng,
+                  sampling, eos_ids):
+    """(positional arguments, static keyword arguments) of :func:`speculative_program`."""
+    dparams, dcfg, dcache = (None, None, None) if draft is None else draft
+    hist, hist_len = history(prompts, num_steps)
+    rng = jax.random.key(0) if rng is None else rng
+    args = (params, dparams, jnp.asarray(first_token, jnp.int32), cache, dcache,
+            jnp.asarray(hist), jnp.asarray(hist_len), jnp.int32(num_steps), rng,
+            jnp.asarray(np.asarray(eos_ids, np.int32).reshape(-1)))
+    return args, dict(cfg=cfg, draft_cfg=dcfg, spec=spec, sampling=sampling,
+                      buf_len=buffer_len(num_steps))
+
+
+def buffer_len(num_steps: int) -> int:
+    """The output buffer's static length: the power of two >= ``num_steps`` (at least 1),
+    so few lengths compile."""
+    return 1 << max(0, int(num_steps) - 1).bit_length()
+
+
+def _check(cfg, spec, cache, num_steps, draft):
+    if not spec.enabled:
+        raise ConfigError("speculative.drafter='none'; allowed: 'ngram', 'self' or 'model' "
+                          "for speculative decoding (plain decoding: decode.generate)")
+    if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) \
+            or num_steps < 0:
+        raise ValueError(f"num_steps={num_steps}; allowed: an integer >= 0")
+    if not cache.ragged:
+        raise ValueError("a lockstep cache; allowed: init_target_cache(...) (ragged rows: "
+                         "rows accept different numbers of drafts)")
+    check_draft(cfg, None if draft is None else draft[1], spec)
+    cache_lib.policy_for(cfg).check_room(jax.device_get(cache.length), num_steps,
+                                         cache.num_slots, "speculative generate")
+
+
+def compile_program(params, cfg: ModelConfig, spec: SpeculativeConfig, prompts,
+                    first_token, cache: KVCache, num_steps: int, *,
+                    draft: tuple | None = None, rng: jax.Array | None = None,
+                    sampling: SamplingConfig = SamplingConfig(), eos_ids=(-1,)):
+    """The compiled :func:`speculative_program` for :func:`generate`'s arguments (ahead of
+    time, so a timed call runs no compilation). Checks as :func:`generate`."""
+    _check(cfg, spec, cache, num_steps, draft)
+    args, static = _program_args(params, cfg, spec, prompts, first_token, cache, num_steps,
+                                 draft, rng, sampling, eos_ids)
+    return speculative_program.lower(*args, **static).compile()
+
+
+def generate(params, cfg: ModelConfig, spec: SpeculativeConfig, prompts, first_token,
+             cache: KVCache, num_steps: int, *, draft: tuple | None = None,
+             rng: jax.Array | None = None, sampling: SamplingConfig = SamplingConfig(),
+             eos_ids=(-1,), compiled=None):
+    """Generates up to ``num_steps`` tokens after ``first_token`` by speculative decoding,
+    in one compiled loop (drafting, verifying, accepting and taking back inside it).
+
+    Args:
+      params: the target's parameters. cfg: its config.
+      spec: SpeculativeConfig (drafter, k, ...; drafter not 'none').
+      prompts: B token lists, the prompts in ``cache`` (the n-gram history).
+      first_token: [B] int32 sampled from the prefill logits.
+      cache: the target's prefilled cache (:func:`init_target_cache`; donated).
+      num_steps: tokens to emit after first_token per row (>= 0).
+      draft: (draft_params, draft_cfg, draft_cache) for 'self'/'model': the draft cache
+        prefilled with the same prompts (:func:`init_draft_cache`; donated); None for
+        'ngram'.
+      rng: PRNG key (default key 0). sampling: the target's (static).
+      eos_ids: end-of-generation ids (-1 entries never match).
+      compiled: :func:`compile_program`'s result for these arguments (None: jit).
+    Returns:
+      (tokens: B lists of emitted ids, each ending at its stop token or its budget;
+      SpeculativeStats; the target cache; the draft cache or None).
+    Raises:
+      ConfigError: drafter 'none', a draft missing or given wrongly, vocabularies differ.
+      ValueError: num_steps not an integer >= 0, or a cache that is not ragged.
+      CacheOverflowError: the tokens would not fit in the cache (plain decoding's rule:
+        the same tokens are written).
+    """
+    _check(cfg, spec, cache, num_steps, draft)
+    args, static = _program_args(params, cfg, spec, prompts, first_token, cache, num_steps,
+                                 draft, rng, sampling, eos_ids)
+    out = compiled(*args) if compiled is not None else speculative_program(*args, **static)
+    count = np.asarray(out["count"])
+    toks = np.asarray(out["tokens"])
+    stats = SpeculativeStats(rounds=np.asarray(out["rounds"]).tolist(),
+                             accepted=np.asarray(out["accepted"]).tolist(),
+                             proposed=np.asarray(out["proposed"]).tolist(),
+                             emitted=count.tolist())
+    return ([toks[i, :count[i]].tolist() for i in range(len(count))], stats, out["cache"],
+            out["draft_cache"])

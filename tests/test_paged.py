@@ -1,0 +1,324 @@
+"""The paged KV cache (kvjax/cache/paged.py) and the paged engine
+(kvjax/inference/paged_engine.py): a model run over page pools and block tables gives the
+logits of the cache-free forward for every attention variant and cache kind, page size
+and page layout (rows over many pages, pages shared by two rows, copy on write); the host
+allocator keeps its invariants over thousands of random events; the paged engine's
+greedy tokens equal the dense engine's, with preemption and shared prefixes; bad input
+is refused by name. Tiny random float32 models, CPU."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.cache import paged
+from kvjax.config import ConfigError, ModelConfig
+from kvjax.inference import engine, paged_engine
+from kvjax.models import model
+from tests.test_ragged import VARIANTS, params_of
+
+L = 24  # tokens per test sequence
+CHUNK = 8  # prefill chunk
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _feed(params, cache, tokens, num_valid, *, cfg):
+    pos = cache.length[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    return model.forward(params, cfg, tokens, pos, cache, num_valid=num_valid)
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _reference(params, tokens, *, cfg):
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return model.forward(params, cfg, tokens, pos)[0]
+
+
+def _run(cfg, params, cache, seqs, start, stop, chunk):
+    """Feeds rows' tokens [start[b], stop) in chunks of ``chunk`` (1: decode steps);
+    returns {(row, position): logits}."""
+    out = {}
+    b = len(seqs)
+    pos = np.array(start)
+    while (pos < stop).any():
+        n = np.minimum(stop - pos, chunk)
+        toks = np.zeros((b, chunk), np.int32)
+        for r in range(b):
+            toks[r, :n[r]] = seqs[r][pos[r]:pos[r] + n[r]]
+        logits, cache = _feed(params, cache, jnp.asarray(toks), jnp.asarray(n, jnp.int32),
+                              cfg=cfg)
+        logits = np.asarray(logits)
+        for r in range(b):
+            for j in range(n[r]):
+                out[r, pos[r] + j] = logits[r, j]
+        pos = pos + n
+    return out, cache
+
+
+def _check(cfg, params, seqs, got, atol=2e-4):
+    ref = np.asarray(_reference(params, jnp.asarray(np.array(seqs), jnp.int32), cfg=cfg))
+    assert got, "nothing compared"
+    for (r, p), logits in got.items():
+        assert np.isfinite(logits).all(), (r, p)
+        np.testing.assert_allclose(logits, ref[r, p], atol=atol, rtol=1e-4,
+                                   err_msg=f"row {r} position {p}")
+
+
+def _seqs(seed, b=2, shared=0):
+    rng = np.random.default_rng(seed)
+    s = rng.integers(0, 97, (b, L))
+    s[1:, :shared] = s[0, :shared]
+    return [list(map(int, x)) for x in s]
+
+
+def _table(alloc, rows, max_pages):
+    bt = np.full((len(rows), max_pages), -1, np.int32)
+    for i, r in enumerate(rows):
+        pages = alloc.block_table(r)
+        bt[i, :len(pages)] = pages
+    return jnp.asarray(bt)
+
+
+CASES = [  # (variant, overrides, page size, decode steps too)
+    ("gqa", {}, 1, False),         # every token its own page: 24 pages per row
+    ("mqa", {}, 16, False),        # one full page and one partly filled
+    ("mha", {"scan_layers": False}, 5, False),  # 5 divides neither prompt nor chunk
+    ("mla_absorbed", {}, 5, True),
+    ("gqa", {"kv_dtype": "int8"}, 3, True),     # code and scale pools
+]
+
+
+@pytest.mark.parametrize("name,over,page_size,decode", CASES)
+def test_paged_forward_equals_cache_free(name, over, page_size, decode):
+    """Three rows, prefilled in chunks of 8 (later chunks read earlier pages), then
+    (``decode``) one token at a time, on pages taken from the pool in reverse order:
+    every logit equals the cache-free forward's."""
+    cfg = ModelConfig(**{**VARIANTS[name], **over})
+    params = model.params_for(cfg, params_of(name))
+    seqs = _seqs(1, b=3)
+    m = paged.pages_for(L, page_size)
+    alloc = paged.PageAllocator(3 * m + 3, page_size)
+    alloc.free.reverse()  # pages out of order, rows interleaved
+    for r in range(3):
+        alloc.admit(r, seqs[r], L)
+    cache = paged.init_paged_cache(cfg, 3, 3 * m + 3, page_size, m)
+    cache = cache.replace(block_table=_table(alloc, [0, 1, 2], m))
+    mid = np.array([19, 17, 21]) if decode else np.array([L, L - 2, L - 5])
+    got, cache = _run(cfg, params, cache, seqs, [0, 0, 0], mid, CHUNK)
+    if decode:
+        more, cache = _run(cfg, params, cache, seqs, mid, np.array([L, L - 2, L]), 1)
+        got.update(more)
+    _check(cfg, params, seqs, got)
+    assert np.asarray(cache.length).tolist() == [L, L - 2, L if decode else L - 5]
+
+
+def test_shared_prefix_pages_and_copy_on_write():
+    """Row 1 shares row 0's first two full pages (prefix cache) and prefills only its
+    own tokens; row 2 forks row 0 at 13 tokens (a partly filled last page) and diverges:
+    the shared page is copied before row 2 writes, and every row's logits equal its own
+    cache-free forward. Row 0's pages are never written by the others."""
+    cfg = ModelConfig(**VARIANTS["gqa"])
+    params = params_of("gqa")
+    p = 4
+    seqs = _seqs(2, b=3, shared=13)
+    seqs[1][8] = (seqs[1][8] + 1) % 97  # row 1 shares exactly 8 tokens = 2 pages
+    m = paged.pages_for(L, p)
+    alloc = paged.PageAllocator(3 * m, p, prefix_cache=True)
+    alloc.admit(0, seqs[0], 13)
+    cache = paged.init_paged_cache(cfg, 3, 3 * m, p, m)
+    cache = cache.replace(block_table=_table(alloc, [0], m).repeat(3, axis=0))
+    # row 0 alone prefills 13 tokens (rows 1 and 2 fed nothing)
+    got0, cache = _run(cfg, params, cache, [seqs[0], [0] * L, [0] * L], [0, 0, 0],
+                       np.array([13, 0, 0]), CHUNK)
+    alloc.append(0, seqs[0][:13])
+    assert alloc.admit(1, seqs[1], L) == 8  # two cached pages found
+    assert alloc.block_table(1)[:2] == alloc.block_table(0)[:2]
+    alloc.fork(0, 2)
+    copies = alloc.ensure(2, L)
+    assert copies == [(alloc.block_table(0)[3], alloc.block_table(2)[3])]
+    assert alloc.block_table(2)[:3] == alloc.block_table(0)[:3]
+    alloc.ensure(0, L)
+    alloc.check()
+    before = {n: np.asarray(t[:, alloc.block_table(0)[:3]]) for n, t in cache.tensors.items()}
+    cache = paged_engine.copy_pages_program(cache, *(jnp.asarray(x) for x in zip(*copies)))
+    cache = cache.replace(block_table=_table(alloc, [0, 1, 2], m),
+                          length=jnp.asarray([13, 8, 13], jnp.int32))
+    seqs[2][13:] = list(np.random.default_rng(5).integers(0, 97, L - 13))
+    got, cache = _run(cfg, params, cache, seqs, [13, 8, 13], np.array([L, L, L]), CHUNK)
+    _check(cfg, params, seqs, {**got0, **got})
+    for n, t in cache.tensors.items():  # row 0's full pages, read by all, unchanged
+        np.testing.assert_array_equal(np.asarray(t[:, alloc.block_table(0)[:3]]), before[n])
+
+
+def test_allocator_invariants_random_events():
+    """3,000 random events (admit with shared prefixes, grow, write, fork, finish,
+    preempt, roll back) on a 48-page pool: after each, refcounts equal the rows'
+    references, every page is free, cached or referenced exactly once (no leak), and a
+    page shared by rows holds the same tokens for each."""
+    rng = np.random.default_rng(0)
+    p = 4
+    alloc = paged.PageAllocator(48, p, prefix_cache=True)
+    prefixes = [list(rng.integers(0, 50, 12)) for _ in range(3)]
+    next_id, exhausted, hits = 0, 0, 0
+    for _ in range(3000):
+        live = list(alloc.rows)
+        ev = rng.choice(["admit", "grow", "finish", "preempt", "fork", "trim"],
+                        p=[.3, .35, .12, .08, .08, .07])
+        try:
+            if ev == "admit" or not live:
+                toks = prefixes[rng.integers(3)][:rng.integers(1, 13)] + \
+                    list(rng.integers(0, 50, rng.integers(1, 10)))
+                hit = alloc.admit(next_id, toks, len(toks) + rng.integers(0, 5))
+                hits += hit
+                assert hit % p == 0 and hit < len(toks)
+                alloc.append(next_id, toks[hit:])
+                next_id += 1
+            elif ev == "grow":
+                r = live[rng.integers(len(live))]
+                n = int(rng.integers(1, 7))
+                alloc.ensure(r, alloc.length(r) + n)
+                pages = alloc.block_table(r)[alloc.length(r) // p:]
+                assert (alloc.refcount[pages] == 1).all()  # the pages written: its own
+                alloc.append(r, rng.integers(0, 50, n))
+            elif ev in ("finish", "preempt"):
+                alloc.release(live[rng.integers(len(live))])
+            elif ev == "fork":
+                alloc.fork(live[rng.integers(len(live))], next_id)
+                next_id += 1
+            else:
+                r = live[rng.integers(len(live))]
+                alloc.trim(r, int(rng.integers(0, alloc.length(r) + 1)))
+        except paged.PoolExhausted:
+            exhausted += 1
+        alloc.check()
+    for r in list(alloc.rows):
+        alloc.release(r)
+    alloc.check()
+    assert alloc.num_referenced == 0 and alloc.num_available == 48
+    assert exhausted > 0 and hits > 0  # the pool did run out, the prefix cache did hit
+
+
+def test_allocator_evicts_least_recently_used():
+    """Cached pages nobody references are evicted oldest first, and only when the free
+    list is empty."""
+    alloc = paged.PageAllocator(4, 2, prefix_cache=True)
+    for r, toks in enumerate([[1, 2, 3], [4, 5, 6]]):
+        alloc.admit(r, toks, 3)
+        alloc.append(r, toks)
+    a, b = alloc.block_table(0)[0], alloc.block_table(1)[0]
+    alloc.release(0)
+    alloc.release(1)
+    assert alloc.match([1, 2, 9]) == [a] and alloc.match([4, 5, 9]) == [b]
+    alloc.admit(2, [7, 8, 9, 10, 11], 5)  # 3 pages: 2 free ones, then evicts a (older)
+    assert alloc.match([1, 2, 9]) == [] and alloc.match([4, 5, 9]) == [b]
+    alloc.check()
+
+
+def test_paged_engine_equals_dense_engine():
+    """Greedy tokens of the paged engine equal the dense engine's, request for request:
+    with a pool too small for all rows (preemption and recompute), and with the prefix
+    cache (requests sharing an 8-token system turn prefill it once)."""
+    cfg = ModelConfig(**VARIANTS["gqa"])
+    params = params_of("gqa")
+    rng = np.random.default_rng(3)
+    system = list(rng.integers(0, 97, 8))
+    reqs = [engine.Request(i, tuple(int(t) for t in system + list(
+        rng.integers(0, 97, rng.integers(1, 6)))), int(rng.integers(6, 16)))
+        for i in range(6)]
+    dense, _ = engine.Engine(params, cfg, num_slots=3, max_seq_len=32,
+                             steps_per_sync=4).run(reqs)
+    tight = paged_engine.PagedEngine(params, cfg, max_rows=3, max_seq_len=32, page_size=4,
+                                     num_pages=9, steps_per_sync=4)
+    got, stats = tight.run(reqs)
+    assert stats.preemptions > 0
+    assert [c.tokens for c in got] == [c.tokens for c in dense]
+    shared = paged_engine.PagedEngine(params, cfg, max_rows=3, max_seq_len=32, page_size=4,
+                                      num_pages=9, steps_per_sync=4, prefix_cache=True)
+    got, stats = shared.run(reqs)
+    assert [c.tokens for c in got] == [c.tokens for c in dense]
+    # later requests find the system turn's 2 full pages cached
+    assert stats.prefix_hit_tokens >= 8 * 2 and stats.prefix_hit_tokens % 4 == 0
+    assert stats.prefill_tokens == stats.prompt_tokens - stats.prefix_hit_tokens
+    assert stats.max_running <= 3
+    shared.alloc.check()
+    assert shared.alloc.num_referenced == 0
+
+
+def test_bad_input_refused_by_name():
+    cfg = ModelConfig(**VARIANTS["gqa"])
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match=f"page_size={bad}"):
+            paged.init_paged_cache(cfg, 1, 4, bad, 2)
+        with pytest.raises(ValueError, match=f"page_size={bad}"):
+            paged.PageAllocator(4, bad)
+        with pytest.raises(ValueError, match=f"page_size={bad}"):
+            paged_engine.PagedEngine({}, cfg, 2, 32, bad, 8)
+    with pytest.raises(ValueError, match="num_pages=3 .* max_seq_len=32"):
+        paged_engine.PagedEngine({}, cfg, 2, 32, 4, 3)
+    eng = paged_engine.PagedEngine({}, cfg, 2, 32, 4, 8)
+    with pytest.raises(ValueError, match="request 7 .* max_seq_len=32"):
+        eng.check(engine.Request(7, (1,) * 30, 5))
+    eng.max_seq_len = 64  # a row longer than the pool: the pool names itself
+    with pytest.raises(ValueError, match="request 8 .* num_pages=8"):
+        eng.check(engine.Request(8, (1,) * 40, 1))
+    with pytest.raises(paged.PoolExhausted):
+        alloc = paged.PageAllocator(2, 4)
+        alloc.admit(0, [1] * 9, 9)
+    from kvjax.config import run_config_from_dict  # noqa: PLC0415
+    from configs import gqa  # noqa: PLC0415
+    d = gqa.get_config()
+    d.page_size = -2
+    with pytest.raises(ConfigError, match="page_size=-2"):
+        run_config_from_dict(d)
+
+
+def test_theory_waste_and_capacity():
+    """Internal waste stays within P - 1 tokens per sequence; the capacity at a budget
+    follows the page counts: reservation holds budget // max_seq_len requests, paging
+    budget // mean(P·ceil(l/P)), a shared prefix's full pages are stored once; the
+    per-token bytes equal a real paged cache's page bytes / P."""
+    from kvjax.analysis import paging, theory  # noqa: PLC0415
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 200, 500).tolist()
+    for p in (1, 16, 7):
+        waste = paging.internal_waste(lengths, p)
+        assert 0 <= waste <= (p - 1) * len(lengths)
+        assert all(0 <= paging.paged_tokens(x, p) - x < p for x in lengths)
+    assert paging.internal_waste(lengths, 1) == 0
+    cfg = ModelConfig(**{**VARIANTS["gqa"], "kv_dtype": "int8"})
+    per_token = theory.kv_bytes_per_token(cfg)
+    assert paged.page_bytes(cfg, 16) == 16 * per_token  # codes and scales, every layer
+    lens = [40, 50, 70, 90]  # paged at P = 16: 48, 64, 80, 96 tokens, mean 72
+    cap = paging.capacity(cfg, 1000 * per_token, lens, max_seq_len=256, page_size=16,
+                          prefix_len=33)  # 2 full pages of the prefix shared
+    assert (cap.budget_tokens, cap.reserved, cap.paged) == (1000, 1000 // 256, 1000 // 72)
+    assert cap.shared == (1000 - 32) // (72 - 32)
+    assert cap.waste_fraction == pytest.approx((8 + 14 + 10 + 6) / (4 * 72))
+    assert paging.paged_step_read_bytes(cfg, lens, 16, 16, "in_place") == \
+        288 * per_token + 4 * 16 * 4
+    with pytest.raises(ValueError, match="page_size=0"):
+        paging.capacity(cfg, 1e6, lens, 256, 0)
+    with pytest.raises(ValueError, match="prefix_len=41"):
+        paging.capacity(cfg, 1e6, lens, 256, 16, prefix_len=41)
+
+
+def test_serve_reports_paged_figures():
+    """experiments.serve's summary of a paged run carries the pages referenced, rows
+    running, preemptions and prefix-cache figures, and its report prints them; a dense
+    run's summary has none of them."""
+    from tests.conftest import import_entry_point  # noqa: PLC0415
+    serve = import_entry_point("serve")
+    st = paged_engine.PagedStats(wall_s=2.0, tokens=10, steps=4, occupied_slot_steps=8,
+                                 live_kv_byte_steps=400.0, allocated_kv_bytes=1000,
+                                 num_slots=4, preemptions=1, prompt_tokens=40,
+                                 prefix_hit_tokens=16, prefill_tokens=24,
+                                 page_kv_byte_steps=480.0, max_running=3, running_steps=8,
+                                 page_size=4)
+    s = serve.paged_summary(st)
+    assert (s["kv_bytes_pages_mean"], s["running_mean"], s["prefix_hit_rate"]) == \
+        (120.0, 2.0, 0.4)
+    assert serve.paged_summary(engine.EngineStats()) == {}
+    done = [engine.Completion(0, 5, [1, 2], "budget", 0, 0.1, 0.5)]
+    text = serve.report(serve.summarize(done, st), [])
+    assert "1 preemptions" in text and "hit rate 40.0%" in text and "24 prefilled" in text

@@ -1,0 +1,321 @@
+"""Speculative decoding (kvjax.inference.speculative) against plain decoding and exact
+probabilities; its theory (kvjax.analysis.speculative) against closed forms."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.analysis import speculative as spec_theory
+from kvjax.analysis import theory
+from kvjax.cache import init_cache, policy_for, slot_axis
+from kvjax.cache.policy import CacheOverflowError
+from kvjax.config import ConfigError, RunConfig, SamplingConfig, SpeculativeConfig
+from kvjax.inference import ragged
+from kvjax.inference import speculative as S
+from kvjax.models import model as model_lib
+
+from tests.conftest import tiny_config, tiny_mla_config, tiny_ring_config
+from tests.test_stops import cycle, tok  # noqa: F401 (fixtures)
+
+MAX_LEN = 40
+
+
+def _prompts(seed=0):
+    rng = np.random.default_rng(seed)
+    rep = list(rng.integers(0, 97, 5))
+    return [rep * 3 + [int(rng.integers(0, 97))], list(rng.integers(0, 97, 9))]
+
+
+def _prefill(params, cfg, prompts, cache):
+    toks, lens = ragged.pad_prompts(prompts)
+    logits, cache = ragged.prefill_ragged(params, cfg, toks, lens, cache)
+    return jnp.argmax(logits, -1).astype(jnp.int32), cache
+
+
+def _plain(params, cfg, prompts, n, eos_ids=()):
+    cache = init_cache(cfg, len(prompts), MAX_LEN, ragged=True)
+    first, cache = _prefill(params, cfg, prompts, cache)
+    buf, count, cache = ragged.generate_ragged(params, cfg, first, cache, [n] * len(prompts),
+                                               eos_ids=eos_ids)
+    return first, [list(map(int, buf[i, :count[i]])) for i in range(len(prompts))], cache
+
+
+def _draft(params, cfg, spec, prompts):
+    if spec.drafter == "ngram":
+        return None
+    dcfg = S.draft_config(cfg, spec)
+    dparams = S.draft_params(params, cfg, dcfg)
+    dcache = S.init_draft_cache(dcfg, len(prompts), MAX_LEN, spec.k)
+    _, dcache = _prefill(dparams, dcfg, prompts, dcache)
+    return dparams, dcfg, dcache
+
+
+def _spec(params, cfg, spec, prompts, n, eos_ids=(-1,), sampling=SamplingConfig(),
+          draft=None):
+    cache = S.init_target_cache(cfg, len(prompts), MAX_LEN, spec.k)
+    first, cache = _prefill(params, cfg, prompts, cache)
+    draft = _draft(params, cfg, spec, prompts) if draft is None else draft
+    return first, S.generate(params, cfg, spec, prompts, first, cache, n, draft=draft,
+                             eos_ids=eos_ids, sampling=sampling)
+
+
+def _visible(cache, cfg, row):
+    """{position: per-layer cached values} of one row: what the row's next query (at its
+    length) can see, by the policy's mask."""
+    pos = np.asarray(cache.positions[row])
+    q = np.full((1, 1), int(cache.length[row]), np.int32)
+    seen = np.asarray(policy_for(cfg).visible(jnp.asarray(q), jnp.asarray(pos)))[0, 0]
+    out = {}
+    for slot in np.nonzero(seen)[0]:
+        vals = []
+        for name, t in sorted(cache.tensors.items()):
+            for layer in (t if isinstance(t, tuple) else list(t)):
+                x = np.asarray(layer[row])
+                vals.append(np.take(x, slot, axis=slot_axis(cfg, name)))
+        out[int(pos[slot])] = vals
+    return out
+
+
+CONFIGS = {
+    "gqa": tiny_config(tie_embeddings=False),
+    "ring_sinks": tiny_ring_config(8, 2),
+    "int8": tiny_config(tie_embeddings=False, kv_dtype="int8"),
+    "mla": tiny_mla_config(tie_embeddings=False),
+}
+DRAFTERS = {
+    "ngram": SpeculativeConfig(drafter="ngram", k=3, ngram_max=3),
+    "self_window": SpeculativeConfig(drafter="self", k=2, draft_window_size=6,
+                                     draft_sink_tokens=1),
+    "self_layers": SpeculativeConfig(drafter="self", k=4, draft_window_size=0,
+                                     draft_num_layers=1),
+}
+
+
+# each cache kind with a drafter
+CASES = [("gqa", "ngram"), ("ring_sinks", "self_window"), ("int8", "self_layers"),
+         ("mla", "ngram")]
+
+
+@pytest.mark.parametrize("name,drafter", CASES)
+def test_greedy_equals_plain_and_cache_too(name, drafter):
+    cfg, spec = CONFIGS[name], DRAFTERS[drafter]
+    params = model_lib.init_params(cfg, 1)
+    prompts = _prompts()
+    f0, want, plain_cache = _plain(params, cfg, prompts, 20)
+    f1, (got, stats, cache, _) = _spec(params, cfg, spec, prompts, 20)
+    assert np.array_equal(f0, f1)
+    assert got == want
+    assert stats.emitted == [20, 20] and sum(stats.rounds) <= 40
+    # the cache after speculative decoding holds what plain decoding's holds
+    assert np.array_equal(np.asarray(cache.length), np.asarray(plain_cache.length))
+    for row in range(2):
+        a, b = _visible(cache, cfg, row), _visible(plain_cache, cfg, row)
+        assert sorted(a) == sorted(b)
+        for p in a:
+            for x, y in zip(a[p], b[p]):
+                np.testing.assert_allclose(np.asarray(x, np.float32),
+                                           np.asarray(y, np.float32), atol=1e-5, rtol=1e-5)
+
+
+def test_a_draft_model_with_other_heads_gives_the_plain_tokens():
+    cfg = CONFIGS["gqa"]
+    params = model_lib.init_params(cfg, 1)
+    dcfg = cfg.replace(num_kv_heads=1)  # an MQA draft: another model, same vocabulary
+    dparams = model_lib.init_params(dcfg, 2)
+    prompts = _prompts(1)
+    spec = SpeculativeConfig(drafter="model", k=3, draft_config="configs/mqa.py")
+    _, want, _ = _plain(params, cfg, prompts, 12)
+    dcache = S.init_draft_cache(dcfg, 2, MAX_LEN, spec.k)
+    _, dcache = _prefill(dparams, dcfg, prompts, dcache)
+    _, (got, _, _, _) = _spec(params, cfg, spec, prompts, 12, draft=(dparams, dcfg, dcache))
+    assert got == want
+
+
+def test_eos_inside_an_accepted_draft_stops_there():
+    cfg = CONFIGS["gqa"]
+    params = model_lib.init_params(cfg, 1)
+    prompts = _prompts()
+    _, want, _ = _plain(params, cfg, prompts, 20)
+    eos = want[0][7]  # a token row 0 emits mid-run (accepted inside some round)
+    _, plain_eos, _ = _plain(params, cfg, prompts, 20, eos_ids=[eos])
+    # a 'self' draft over a window wider than the whole run is the target itself: every
+    # draft is accepted, so each round emits k + 1 tokens
+    spec = SpeculativeConfig(drafter="self", k=4, draft_window_size=MAX_LEN,
+                             draft_sink_tokens=0)
+    _, (got, stats, _, _) = _spec(params, cfg, spec, prompts, 20, eos_ids=[eos])
+    assert got == plain_eos
+    assert got[0][-1] == eos and len(got[0]) == want[0].index(eos) + 1
+    if eos not in want[1]:
+        assert stats.accepted[1] == stats.proposed[1] == 16 and stats.rounds[1] == 4
+
+
+def test_a_draft_past_the_cache_end_is_cut_not_written():
+    cfg = CONFIGS["gqa"]
+    params = model_lib.init_params(cfg, 1)
+    prompts = [list(range(1, 13))]
+    n = MAX_LEN - 12  # fills the cache exactly; k + 1 = 5 does not divide n: the last
+    # round is cut to what is left
+    spec = SpeculativeConfig(drafter="self", k=4, draft_window_size=MAX_LEN,
+                             draft_sink_tokens=0)
+    first, (got, stats, cache, _) = _spec(params, cfg, spec, prompts, n)
+    _, want, plain_cache = _plain(params, cfg, prompts, n)
+    assert got == want
+    assert int(cache.length[0]) == int(plain_cache.length[0]) == MAX_LEN
+    assert np.all(np.isfinite(np.asarray(jax.tree.leaves(cache.tensors)[0])))
+    cache = S.init_target_cache(cfg, 1, MAX_LEN, spec.k)
+    first, cache = _prefill(params, cfg, prompts, cache)
+    with pytest.raises(CacheOverflowError, match="speculative generate"):
+        S.generate(params, cfg, spec, prompts, first, cache, n + 1,
+                   draft=_draft(params, cfg, spec, prompts))
+
+
+def test_ngram_draft_matches_a_python_reference():
+    rng = np.random.default_rng(0)
+    b, h, k = 3, 40, 4
+    hist = rng.integers(0, 4, (b, h)).astype(np.int32)
+    lens = np.array([40, 17, 2], np.int32)
+    drafts, found = S.ngram_draft(jnp.asarray(hist), jnp.asarray(lens), k, 3, 1)
+    for r in range(b):
+        seq = list(hist[r, :lens[r]])
+        want, ok = [0] * k, False
+        for n in (3, 2, 1):
+            if len(seq) < n:
+                continue
+            suf = seq[-n:]
+            starts = [i for i in range(len(seq) - n) if seq[i:i + n] == suf]
+            if starts:
+                i = starts[-1] + n
+                cont = seq[i:i + k]
+                want, ok = cont + [0] * (k - len(cont)), True
+                break
+        assert bool(found[r]) == ok
+        assert list(map(int, drafts[r])) == want
+
+
+def _chi2(counts, probs):
+    n = counts.sum()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0  # never a token the target gives probability 0
+    e = n * probs[keep]
+    return float(((counts[keep] - e) ** 2 / e).sum()), int(keep.sum()) - 1
+
+
+# chi-square critical values at p = 0.001 (standard tables), by degrees of freedom
+CHI2_999 = {3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46}
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_rejection_sampling_emits_the_target_distribution(deterministic):
+    v, k, n = 6, 2, 20_000
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(0, 1.5, (1, k + 1, v)), jnp.float32)
+    q_logits = jnp.asarray(rng.normal(0, 1.5, (k, v)), jnp.float32)
+    sampling = SamplingConfig(temperature=0.8, top_k=5)
+    p = np.asarray(jax.vmap(lambda x: S.sampling_probs(x[None], sampling)[0])(logits[0]))
+    q = jax.nn.softmax(q_logits, -1)
+
+    def draw(key):
+        kd, ka = jax.random.split(key)
+        if deterministic:  # an n-gram style draft: fixed tokens, q one-hot
+            d = jnp.array([[1, 3]], jnp.int32)
+            qq = None
+        else:
+            d = jax.random.categorical(kd, jnp.log(q))[None].astype(jnp.int32)
+            qq = q[None]
+        e, m = S.accept_sampled(d, qq, logits, jnp.array([k + 1]), ka, sampling)
+        return e[0], m[0], d[0]
+
+    e, m, d = jax.vmap(draw)(jax.random.split(jax.random.key(1), n))
+    e, m, d = np.asarray(e), np.asarray(m), np.asarray(d)
+    stat, df = _chi2(np.bincount(e[:, 0], minlength=v), p[0])
+    assert stat < CHI2_999[df], (stat, df)
+    # the second token, where the first was a kept draft, follows the target's next p
+    second = e[m >= 1, 1]
+    stat, df = _chi2(np.bincount(second, minlength=v), p[1])
+    assert stat < CHI2_999[df], (stat, df)
+
+
+def test_sampled_speculative_matches_plain_at_a_tiny_temperature():
+    # temperature below the greedy limit: the sampler is greedy, tokens equal plain
+    cfg = CONFIGS["gqa"]
+    params = model_lib.init_params(cfg, 1)
+    prompts = _prompts()
+    _, want, _ = _plain(params, cfg, prompts, 10)
+    spec = DRAFTERS["ngram"]
+    _, (got, _, _, _) = _spec(params, cfg, spec, prompts, 10,
+                              sampling=SamplingConfig(temperature=1e-40))
+    assert got == want
+
+
+def test_bad_speculative_input_is_refused_naming_the_value():
+    with pytest.raises(ConfigError, match="speculative.k=0"):
+        SpeculativeConfig(drafter="ngram", k=0)
+    with pytest.raises(ConfigError, match="speculative.drafter='eagle'"):
+        SpeculativeConfig(drafter="eagle")
+    with pytest.raises(ConfigError, match="draft_window_size=0"):
+        SpeculativeConfig(drafter="self", draft_window_size=0)
+    with pytest.raises(ConfigError, match="draft_config=None"):
+        SpeculativeConfig(drafter="model")
+    cfg = CONFIGS["gqa"]
+    with pytest.raises(ConfigError, match="draft_num_layers=3"):
+        S.draft_config(cfg, SpeculativeConfig(drafter="self", draft_num_layers=3))
+    spec = SpeculativeConfig(drafter="model", draft_config="configs/mqa.py")
+    with pytest.raises(ConfigError, match="vocab_size=50"):
+        S.check_draft(cfg, cfg.replace(vocab_size=50), spec)
+    params = model_lib.init_params(cfg, 1)
+    cache = init_cache(cfg, 1, MAX_LEN)  # lockstep
+    with pytest.raises(ValueError, match="lockstep"):
+        S.generate(params, cfg, DRAFTERS["ngram"], [[1, 2]], jnp.array([1]), cache, 4)
+
+
+def test_expected_tokens_and_the_predicted_speedup():
+    assert spec_theory.expected_tokens(0.0, 4) == 1.0
+    assert spec_theory.expected_tokens(1.0, 4) == 5.0
+    assert spec_theory.expected_tokens(0.5, 2) == pytest.approx(1.75)  # 1 + .5 + .25
+    assert spec_theory.acceptance_from_tokens_per_step(1.75, 2) == pytest.approx(0.5)
+    cfg = tiny_config(num_layers=4, d_model=64, num_heads=4, num_kv_heads=4, head_dim=16)
+    bw = 1e10
+    # n-gram (free draft), memory-bound: speedup = E(a, k) x plain bytes / verify bytes
+    t, k, a = 1000, 3, 0.6
+    r = spec_theory.round_times(cfg, t, k, bw)
+    assert r.verify_bytes - r.plain_bytes == k * theory.kv_bytes_per_token(cfg)
+    assert spec_theory.predicted_speedup(cfg, t, k, a, bw) == pytest.approx(
+        spec_theory.expected_tokens(a, k) * r.plain_bytes / r.verify_bytes)
+    # a window draft is constant in t, the target is not: the speedup grows with t and
+    # crosses 1 at the context the bisection finds
+    dcfg = cfg.replace(window_size=64)
+    s = [spec_theory.predicted_speedup(cfg, t, 2, 0.7, bw, draft_cfg=dcfg)
+         for t in (128, 1024, 8192, 65536)]
+    assert s == sorted(s) and s[0] < 1 < s[-1]
+    tc = spec_theory.crossover_context(cfg, 2, 0.7, bw, draft_cfg=dcfg)
+    assert spec_theory.predicted_speedup(cfg, tc, 2, 0.7, bw, draft_cfg=dcfg) >= 1
+    assert spec_theory.predicted_speedup(cfg, tc - 1, 2, 0.7, bw, draft_cfg=dcfg) < 1
+    k_best, best = spec_theory.best_k(cfg, 8192, 0.7, bw, draft_cfg=dcfg)
+    assert all(spec_theory.predicted_speedup(cfg, 8192, j, 0.7, bw, draft_cfg=dcfg) <= best
+               for j in range(1, 17))
+    # compute-bound: with a peak so low that FLOPs decide, verifying k + 1 costs k + 1
+    # steps and a free draft buys at most E(a, k) / (k + 1) < 1
+    assert spec_theory.predicted_speedup(cfg, t, k, a, bw, flops_per_s=1e3) < 1
+
+
+def test_the_main_job_decodes_speculatively_as_it_decodes_plainly(cycle, tok):
+    # the runner's speculative path (--config.speculative.drafter=ngram) on a model that
+    # cycles A, B, C: the same ids and stops as plain decoding, the n-gram drafts accepted
+    from kvjax.inference import runner  # noqa: PLC0415
+    from tests.test_stops import with_eos  # noqa: PLC0415
+    cfg, params, (a, b, c) = cycle
+    base = RunConfig(model=cfg, prompt="x", max_new_tokens=12, max_seq_len=32,
+                     chat_template=False, ignore_memory_check=True, stop_at_eos=False)
+    spec = dataclasses.replace(base, speculative=SpeculativeConfig(drafter="ngram", k=3))
+    loaded = runner.LoadedModel(cfg, params, with_eos(tok, (c, b)))
+    plain = runner.decode_prompt(base, loaded)
+    gen = runner.decode_prompt(spec, loaded)
+    assert gen.generated_ids == plain.generated_ids == ([a, b, c] * 4)[:12]
+    sp = gen.speculative
+    assert sp["drafter"] == "ngram" and sum(sp["emitted"]) == 11
+    assert sp["accepted"][0] > 0 and sum(sp["rounds"]) < 11  # fewer verify steps than tokens
+    gen = runner.decode_prompt(dataclasses.replace(spec, stop_at_eos=True), loaded)
+    assert gen.stop_reason == "eos" and gen.stop_token == b and gen.generated_ids == [a]
