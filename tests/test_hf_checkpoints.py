@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from kvjax import cache as cache_lib
-from kvjax.checkpoints import WeightsError, hf, read_llama_gguf
+from kvjax.checkpoints import WeightsError, hf, read_llama_gguf, utf8
 from kvjax.checkpoints.tokenizer import chat_segments, render_chat_template
 from kvjax.config import ConfigError, run_config_from_dict
 from kvjax.inference import runner
@@ -43,7 +43,7 @@ TRIM_TEMPLATE = (
 def byte_level_tokenizer() -> HFTokenizer:
     """A GPT-2 byte-level BPE over all 256 bytes, a few merges and SmolLM2's three
     special tokens as ids 0-2."""
-    alphabet = list(data._bytes_to_unicode())
+    alphabet = list(utf8.byte_decoder())
     merges = [("a", "b"), ("ab", "c"), ("Ġ", "a"), ("h", "i")]
     vocab = {t: i for i, t in enumerate(SPECIALS + alphabet + ["".join(m) for m in merges])}
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))

@@ -41,6 +41,7 @@ import tempfile
 
 import numpy as np
 
+from kvjax.checkpoints import utf8
 from kvjax.checkpoints.fetch import CACHE_ENV, cache_dir_path, sha256_file
 
 log = logging.getLogger(__name__)
@@ -310,20 +311,6 @@ def token_stream(docs: list[Document], tokenizer) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
 
 
-def _bytes_to_unicode() -> dict:
-    """GPT-2's byte <-> printable-unicode table used by byte-level BPE vocabularies."""
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-          + list(range(ord("®"), ord("ÿ") + 1)))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
 def token_byte_lengths(tokenizer) -> np.ndarray:
     """[V] int64: UTF-8 bytes of text each token id stands for (bits per byte = nats /
     ln 2 / bytes).
@@ -332,7 +319,7 @@ def token_byte_lengths(tokenizer) -> np.ndarray:
     Special (control) tokens such as the document separator ``<|endoftext|>`` are not
     text and count 0 bytes (they used to count their 13-character names).
     """
-    table = _bytes_to_unicode()
+    table = utf8.byte_decoder()
     v = tokenizer.vocab_size
     out = np.zeros((v,), np.int64)
     for i in range(v):
