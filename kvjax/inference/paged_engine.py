@@ -19,7 +19,8 @@ block tables; a row takes pages as its request grows (vLLM, Kwon et al. 2023, se
   sampling from there (its sampling keys continue: token j uses fold_in(request key, j)).
 
 The prefill is one row at a time into the shared pools (padded to a power-of-two bucket
-of the tokens not cached); the decode loop (:func:`paged_decode_program`) runs every
+of the tokens not cached); the decode loop (the slot engine's
+:func:`kvjax.inference.engine.decode_steps_program`, on pages) runs every
 row for up to ``steps_per_sync`` steps and returns early when a row finishes while
 requests wait. Host-side bookkeeping (:class:`kvjax.cache.paged.PageAllocator`) never
 traces.
@@ -44,11 +45,12 @@ from kvjax.cache import paged
 from kvjax.cache.policy import written_tokens
 from kvjax.config import ModelConfig, SamplingConfig
 from kvjax.inference import ragged
-from kvjax.inference.engine import Completion, EngineStats, Request, prefill_bucket
+from kvjax.inference.engine import (Completion, EngineStats, Request, decode_steps_program,
+                                    prefill_bucket)
 from kvjax.inference.sampling import NONFINITE
 from kvjax.models import model as model_lib
 
-__all__ = ["PagedEngine", "PagedStats", "paged_prefill_program", "paged_decode_program",
+__all__ = ["PagedEngine", "PagedStats", "paged_prefill_program",
            "copy_pages_program"]
 
 
@@ -111,49 +113,6 @@ def paged_prefill_program(params, cache, tokens, num_valid, key, count, *, cfg, 
     logits, cache = model_lib.forward(params, cfg, tokens, pos, cache, num_valid=num_valid,
                                       fresh=fresh, last_only=True)
     return ragged.sample_rows(logits[:, 0], key[None], count[None], sampling), cache
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "steps"),
-                   donate_argnames=("cache",))
-def paged_decode_program(params, cache, last, active, remaining, count, keys, eos_ids,
-                         stop_on_free, *, cfg, sampling, steps):
-    """Up to ``steps`` decode steps of every running row, in one ``lax.while_loop``.
-
-    Args:
-      cache: the :class:`~kvjax.cache.paged.PagedKVCache` of every row (donated); each
-        running row has pages for its next ``steps`` tokens (or up to its budget).
-      last: [B] int32 each row's last token; active: [B] bool running; remaining: [B]
-        int32 tokens still allowed; count: [B] int32 tokens generated so far (the index
-        of the next sampling key); keys: [B] per-row keys; eos_ids: [E] int32 ids that
-        end a request (-1: none); stop_on_free: [] bool, end once a row finishes.
-    Returns:
-      (tokens [B, steps] int32, -1 where a row produced none; steps run [] int32; cache;
-      last; active; remaining; count).
-    """
-    b = last.shape[0]
-    buf = jnp.full((b, steps), -1, jnp.int32)
-
-    def cond(s):
-        i, active, freed = s[0], s[4], s[7]
-        return (i < steps) & jnp.any(active) & ~(stop_on_free & freed)
-
-    def body(s):
-        i, buf, cache, last, active, remaining, count, freed = s
-        logits, cache = model_lib.forward(params, cfg, last[:, None], cache.length[:, None],
-                                          cache, num_valid=active.astype(jnp.int32))
-        nxt = jnp.where(active, ragged.sample_rows(logits[:, 0], keys, count, sampling), -1)
-        buf = jax.lax.dynamic_update_slice(buf, nxt[:, None], (0, i))
-        step = active.astype(jnp.int32)
-        count, remaining = count + step, remaining - step
-        eos = jnp.any(nxt[:, None] == eos_ids[None, :], axis=1)
-        finished = active & (eos | (nxt == NONFINITE) | (remaining <= 0))
-        return (i + 1, buf, cache, jnp.where(active, nxt, last), active & ~finished,
-                remaining, count, freed | jnp.any(finished))
-
-    zero = jnp.zeros((), jnp.int32)
-    s = (zero, buf, cache, last, active, remaining, count, jnp.zeros((), bool))
-    i, buf, cache, last, active, remaining, count, _ = jax.lax.while_loop(cond, body, s)
-    return buf, i, cache, last, active, remaining, count
 
 
 @dataclasses.dataclass
@@ -311,7 +270,7 @@ class PagedEngine:
                 self.alloc.release("warmup")
         b = self.max_rows
         zeros = jnp.zeros(b, jnp.int32)
-        out = paged_decode_program(
+        out = decode_steps_program(
             self.params, self.cache, zeros, jnp.zeros(b, bool), zeros, zeros,
             jax.vmap(self._key)(zeros), self._eos_array(), jnp.asarray(False),
             cfg=self.cfg, sampling=self.sampling, steps=self.steps_per_sync)
@@ -432,11 +391,11 @@ class PagedEngine:
             live_tokens = int(lengths.sum())
             ref_pages = alloc.num_referenced
             t0 = time.perf_counter()
-            out = paged_decode_program(
+            out = decode_steps_program(
                 self.params, self.cache, jnp.asarray(last), jnp.asarray(active),
                 jnp.asarray(remaining), jnp.asarray(count), keys, self._eos_array(),
                 jnp.asarray(bool(queue)), cfg=self.cfg, sampling=self.sampling, steps=steps)
-            buf, n, self.cache, last_d, active_d, rem_d, count_d = out
+            buf, n, self.cache, last_d, active_d, rem_d, count_d = out[:7]
             buf = np.asarray(buf)
             stats.decode_s += time.perf_counter() - t0
             n = int(n)
