@@ -113,7 +113,7 @@ def step_program(params, tokens, cache, *, cfg):
     pos = length[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     logits, cache = model_lib.forward(params, cfg, tokens, pos, cache,
                                       num_valid=jnp.full(length.shape, tokens.shape[1]))
-    return logits[:, -1], S._take_back(cache, length)
+    return logits[:, -1], S.take_back(cache, length)
 
 
 _step = jax.jit(step_program, static_argnames=("cfg",), donate_argnames=("cache",))

@@ -196,8 +196,8 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int,
     Tensors are zero-filled per :func:`tensor_specs`, positions [B, S] -1 and length [B]
     0. S = window_size when set, else max_seq_len, plus ``spare_slots``. ``ragged``: rows
     may take different lengths (:class:`KVCache`). ``spare_slots``: slots beyond the
-    policy's S; a speculative ring keeps k of them so that writing k drafted tokens evicts
-    no key the window still shows (``kvjax.inference.speculative``); the mask is the
+    policy's S; a speculative ring keeps k + 1 of them so that writing a chunk of k + 1
+    tokens evicts no key the window still shows (``kvjax.inference.speculative``); the mask is the
     window's either way.
 
     Raises:

@@ -65,7 +65,7 @@ from kvjax.inference.sampling import (NONFINITE, is_stop, nonfinite_rows, sample
 from kvjax.models import model as model_lib
 
 __all__ = ["draft_config", "draft_params", "check_draft", "init_target_cache",
-           "init_draft_cache", "ngram_draft", "accept_greedy", "accept_sampled",
+           "init_draft_cache", "ngram_draft", "take_back", "accept_greedy", "accept_sampled",
            "speculative_program", "compile_program", "generate", "SpeculativeStats",
            "history"]
 
@@ -318,7 +318,7 @@ def _emit(drafts, n, last):
     return jnp.where(j < n[:, None], padded, last[:, None])
 
 
-def _take_back(cache: KVCache, length: jax.Array) -> KVCache:
+def take_back(cache: KVCache, length: jax.Array) -> KVCache:
     """The cache with each row cut to ``length`` [B]: later slots marked empty."""
     return cache.replace(length=length,
                          positions=jnp.where(cache.positions >= length[:, None], -1,
@@ -403,7 +403,7 @@ def speculative_program(params, dparams, first_token, cache, draft_cache, hist, 
         hist = s["hist"].at[rows, hslots].set(emitted, mode="drop")
         count = s["count"] + n_emit
         new_len = length + n_emit  # [last, d_1..d_{n_emit - 1}] stay written
-        cache = _take_back(cache, jnp.where(active, new_len, length))
+        cache = take_back(cache, jnp.where(active, new_len, length))
         last = jnp.where(active, jnp.take_along_axis(
             emitted, jnp.maximum(n_emit - 1, 0)[:, None], axis=1)[:, 0], s["last"])
         pending, has_pending = s["pending"], s["has_pending"]
@@ -415,7 +415,7 @@ def speculative_program(params, dparams, first_token, cache, draft_cache, hist, 
             has_pending = full
             dlen = jnp.where(full, new_len - 1, jnp.where(active, new_len,
                                                           dcache.length))
-            dcache = _take_back(dcache, dlen)
+            dcache = take_back(dcache, dlen)
         done = s["done"] | stopped | (count >= num_steps)
         return dict(i=s["i"] + 1, buf=buf, cache=cache, dcache=dcache, last=last,
                     done=done, count=count, rounds=s["rounds"] + active,
