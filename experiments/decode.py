@@ -300,7 +300,7 @@ def main(argv):
         memory.check_run(run, weights_loaded=False)
         runner.check_mesh(run)
         cli.check_output_file(_JSON_OUT.value, "json_out")
-        loaded = runner.load(run)
+        loaded = runner.load(run, check_prompt=True)  # refuses before the weights load
         result = runner.run_decode(run, loaded)
     except (ConfigError, WeightsError, cli.UsageError) as e:
         print(f"error: {e}", file=sys.stderr)

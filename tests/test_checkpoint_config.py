@@ -1,9 +1,11 @@
 """Every hyper-parameter a GGUF states is taken from it or the run is refused, naming both
 values, before any tensor is dequantised (tiny synthetic GGUF from test_checkpoints)."""
 
+import dataclasses
+
 import pytest
 
-from kvjax.checkpoints import gguf_reader, read_llama_hparams
+from kvjax.checkpoints import gguf_reader, load_tokenizer, read_llama_hparams
 from kvjax.config import ConfigError, ModelConfig, RunConfig
 from kvjax.inference import runner
 from tests.test_checkpoints import TINY, write_tiny_gguf
@@ -32,9 +34,10 @@ def no_dequantise(monkeypatch):
     monkeypatch.setattr(gguf_reader, "_dequantize", boom)
 
 
-def run_for(path, max_seq_len=32, **model):
+def run_for(path, max_seq_len=32, prompt="Hello", **model):
     return RunConfig(model=ModelConfig(**dict(MODEL, **model)), weights_path=str(path),
-                     max_seq_len=max_seq_len, max_new_tokens=4)
+                     max_seq_len=max_seq_len, max_new_tokens=4, prompt=prompt,
+                     chat_template=False)
 
 
 def test_metadata_alone(files):
@@ -102,3 +105,24 @@ def test_float32_epsilon_is_the_same_value(files):
 def _escape(s):
     import re  # noqa: PLC0415
     return re.escape(s)
+
+
+def test_prompt_too_long_is_refused_before_dequantising(files, no_dequantise):
+    """Issue 32 item 9: the main job's length rule (prompt + max_new_tokens - 1 tokens
+    written) is applied with the checkpoint's tokenizer before any tensor is read; the
+    same run one slot larger loads."""
+    tok = load_tokenizer(files / "tied.gguf")
+    run = run_for(files / "tied.gguf", prompt="ab ab")
+    n = len(runner.prompt_ids(run, tok)[1])
+    assert n > 1
+    short = dataclasses.replace(run, max_seq_len=n + run.max_new_tokens - 2)
+    with pytest.raises(ConfigError, match=rf"max_seq_len={n + run.max_new_tokens - 2}; "
+                                          rf"allowed: at least prompt tokens \({n}\)"):
+        runner.load(short, progress=False, check_prompt=True)
+
+
+def test_prompt_that_fits_loads(files):
+    run = run_for(files / "tied.gguf", prompt="ab ab")
+    n = len(runner.prompt_ids(run, load_tokenizer(files / "tied.gguf"))[1])
+    run = dataclasses.replace(run, max_seq_len=n + run.max_new_tokens - 1)
+    assert runner.load(run, progress=False, check_prompt=True).tokenizer.vocab_size == 40

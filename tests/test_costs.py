@@ -121,13 +121,17 @@ def _smol(dtype, layers=2):
 
 def test_loop_per_token_bytes_equal_the_single_step_in_float32():
     """float32: the generate loop per token and the single step cost the same compiled
-    bytes (within 2%), and the loop's work outside its body is tiny."""
+    bytes (within 2%), and the loop's work outside its body is tiny: nothing, or, where
+    the step's formulation does not ignore masked values itself, the one clearing pass
+    over the cache on entry (model.clear_masked_slots: the cache read and written)."""
     cfg = _smol("float32")
     loop = costs.analyze_loop(cfg, 256)
     step = costs.analyze_decode_step(cfg, 256, attribute=False, jaxpr=False)
     assert abs(step.xla.bytes / loop.xla.bytes - 1) < 0.02
     assert abs(loop.bytes_ratio - 1) < 0.03
-    assert loop.once_per_call["bytes"] < 1e-3 * loop.xla.bytes
+    cache = costs.full_cache(loop.cfg, 1, 256)
+    clear = 0 if model.step_ignores_masked_values(loop.cfg, cache) else 2 * loop.cache_bytes
+    assert abs(loop.once_per_call["bytes"] - clear) < 1e-3 * loop.xla.bytes + 0.01 * clear
     assert "bytes_widened" not in loop.theory_parts
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvjax import native, planner, presets
 from kvjax.config import ConfigError
-from kvjax.models import decode_kernels
+from kvjax.models import attention, decode_kernels
 from kvjax.models.attention import attend_step
 from kvjax.plan import Plan, decode_attention_class
 
@@ -472,3 +472,38 @@ def test_kernel_flops_put_back_what_xla_leaves_out():
     assert step.theory_flops < plain.xla.flops < 1.15 * plus
     row = next(ln for ln in report.cost_table(step).splitlines() if "FLOP (+kernels)" in ln)
     assert f"{plus:,.0f}" in row
+
+
+@pytest.mark.parametrize("impl", ["xla", "xla_cache_left", "native"])
+@pytest.mark.parametrize("layouts", [("BKSH", "BKSH"), ("BKHS", "BKSH"), ("BKHS", "BKHS")])
+def test_small_chunk_equals_attention_over_the_concatenation(impl, layouts):
+    """The verify-step formulation (T queries folded into the group rows of a decode
+    formulation, then merged with the chunk's own causal keys) against :func:`attend`
+    over (old slots ++ chunk), for a dense cache holding a prefix of each row: rows of
+    different lengths, one with no old slot, a padded query row (position -1) whose
+    output the caller zeroes."""
+    if impl == "native" and not native.load():
+        pytest.skip("native kernel not built (no compiler)")
+    kl, vl = layouts
+    b, kh, g, h, s, t = 3, 2, 3, 16, 70, 4
+    rng = np.random.default_rng(0)
+    arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    q, k_new, v_new = arr(b, t, kh, g, h), arr(b, kh, t, h), arr(b, kh, t, h)
+    k_old, v_old = arr(b, kh, s, h), arr(b, kh, s, h)
+    lengths = np.array([37, 0, 70])
+    visible = jnp.asarray(np.arange(s)[None] < lengths[:, None])  # [B, S]
+    causal = jnp.asarray(np.tril(np.ones((t, t), bool)))
+    valid = np.ones((b, t), bool)
+    valid[0, -1] = False  # a padded query row
+    mask_new = causal[None] & jnp.asarray(valid)[:, :, None] & jnp.asarray(valid)[:, None]
+    to = lambda x, layout: x if layout == "BKSH" else jnp.swapaxes(x, -1, -2)
+    got = attention.attend_small_chunk(q, to(k_old, kl), to(v_old, vl), visible,
+                                       to(k_new, kl), to(v_new, vl), mask_new, kl, vl,
+                                       impl=impl, backend="cpu")
+    mask_old = jnp.broadcast_to(visible[:, None], (b, t, s)) & jnp.asarray(valid)[:, :, None]
+    want = attention.attend(q, jnp.concatenate([k_old, k_new], 2),
+                            jnp.concatenate([v_old, v_new], 2),
+                            jnp.concatenate([mask_old, mask_new], 2))
+    ok = jnp.asarray(valid)[:, :, None, None, None]
+    np.testing.assert_allclose(np.where(ok, got, 0), np.where(ok, want, 0), atol=2e-5,
+                               rtol=2e-5)

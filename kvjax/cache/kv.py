@@ -38,7 +38,7 @@ from kvjax.plan import SEQ
 __all__ = ["KVCache", "TensorSpec", "tensor_specs", "slot_axis", "to_layout", "layouts",
            "check_layouts", "layer_shapes", "num_slots", "init_cache", "cache_spec",
            "cache_bytes", "total_bytes", "encode", "read", "row_scales", "channel_axis",
-           "write", "write_seq_sharded", "chunk_slots",
+           "write", "write_seq_sharded", "chunk_slots", "clear_unseen",
            "advance", "ring_slots", "next_positions", "slot_of", "attention_mask",
            "policy_for", "DenseSlots", "RingSlots", "CacheOverflowError"]
 
@@ -220,6 +220,37 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int,
     return KVCache(tensors=tensors, positions=jnp.full((batch_size, s), -1, jnp.int32),
                    length=jnp.zeros((batch_size,), jnp.int32), layouts=layouts(cfg),
                    ragged=ragged)
+
+
+def clear_unseen(cfg: ModelConfig, cache: KVCache) -> KVCache:
+    """``cache`` with every float tensor zero at the slots no row has written (position
+    -1): one elementwise pass over the cache, in place when the cache is donated.
+
+    Attention gives a masked slot a softmax weight of exactly 0, but 0 times a NaN or
+    inf value is NaN (issue 32: a cache built from, or donated by, a buffer that held
+    one). The programs that run decode steps over a caller's cache apply this once on
+    entry (:func:`kvjax.models.model.clear_masked_slots`), so that a decode step need
+    not select its values every step; every slot written afterwards holds a value the
+    model computed. Integer codes (int8, int4) are always finite and kept.
+
+    Args:
+      cfg: the config the cache was built for (its slot axes).
+      cache: a :class:`KVCache` (stacked or per-layer tensors).
+    Returns:
+      The same structure, dtypes and shapes.
+    """
+    seen = cache.positions >= 0  # [B, S]
+
+    def clear(x, name, batch_axis):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        shape = [1] * x.ndim
+        shape[batch_axis], shape[slot_axis(cfg, name) % x.ndim] = seen.shape
+        return jnp.where(seen.reshape(shape), x, jnp.zeros((), x.dtype))
+
+    tensors = {n: tuple(clear(x, n, 0) for x in t) if isinstance(t, tuple)
+               else clear(t, n, 1) for n, t in cache.tensors.items()}
+    return cache.replace(tensors=tensors)
 
 
 def cache_spec(cfg: ModelConfig, batch_size: int, max_seq_len: int) -> KVCache:

@@ -120,10 +120,22 @@ class PagedKVCache:
 
     def layer(self, i) -> dict:
         """name -> layer ``i``'s dense view of every row ([B, K, M·P, H] ...);
-        ``i`` may be traced if stacked."""
+        ``i`` may be traced if stacked. Float views are zero at the slots
+        :attr:`positions` marks -1 (a page reused from a finished request, page 0 read
+        for a missing one), so a masked slot contributes nothing whatever the pool
+        holds there (issue 32); the select fuses into the gather's copy."""
         axes = dict(self.axes)
-        return {n: gather_view(t[i], self.block_table, axes[n])
-                for n, t in self.tensors.items()}
+        seen = self.positions >= 0  # [B, M·P]
+
+        def view(t, axis):
+            g = gather_view(t, self.block_table, axis)
+            if not jnp.issubdtype(g.dtype, jnp.floating):
+                return g
+            shape = [1] * g.ndim
+            shape[0], shape[axis % g.ndim] = seen.shape
+            return jnp.where(seen.reshape(shape), g, jnp.zeros((), g.dtype))
+
+        return {n: view(t[i], axes[n]) for n, t in self.tensors.items()}
 
 
 def gather_view(pool: jax.Array, block_table: jax.Array, axis: int) -> jax.Array:

@@ -9,6 +9,7 @@ All failures raise :class:`WeightsError` with a message that says what to do.
 
 from kvjax.checkpoints.fetch import WeightsError, weights_path
 from kvjax.checkpoints.gguf_reader import LlamaGGUF, read_llama_gguf, read_llama_hparams
-from kvjax.checkpoints.tokenizer import Tokenizer, load_tokenizer
+from kvjax.checkpoints.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_fields
 
-__all__ = ["weights_path", "read_llama_gguf", "read_llama_hparams", "LlamaGGUF", "load_tokenizer", "Tokenizer", "WeightsError"]
+__all__ = ["weights_path", "read_llama_gguf", "read_llama_hparams", "LlamaGGUF",
+           "load_tokenizer", "tokenizer_from_fields", "Tokenizer", "WeightsError"]

@@ -373,6 +373,7 @@ def read_llama_hparams(path: str | os.PathLike) -> dict:
 def read_llama_gguf(
     path: str | os.PathLike, dtype: Any = np.float32, progress: bool = True,
     check: Callable[[dict], None] | None = None,
+    check_tokenizer: Callable[[dict], None] | None = None,
 ) -> LlamaGGUF:
     """Reads and dequantises a llama-architecture GGUF file.
 
@@ -390,6 +391,9 @@ def read_llama_gguf(
       check: called with the hyper-parameters (as :func:`read_llama_hparams` returns
         them) after the metadata is read and before any tensor is dequantised; what it
         raises propagates (e.g. a config that disagrees with the file).
+      check_tokenizer: called after ``check``, also before any tensor is dequantised,
+        with the file's ``tokenizer.*`` metadata (what ``LlamaGGUF.tokenizer_fields``
+        holds; e.g. to count a prompt's tokens); what it raises propagates.
 
     Returns:
       LlamaGGUF with ``hparams``, ``tensors`` (shapes in its docstring; e.g. for
@@ -411,6 +415,8 @@ def read_llama_gguf(
     hp, tok_fields, by_name = _read_hparams(reader, path)
     if check is not None:
         check(dict(hp, chat_template=tok_fields.get("tokenizer.chat_template")))
+    if check_tokenizer is not None:
+        check_tokenizer(tok_fields)
 
     V, L, D, N, K, H, F = (hp[k] for k in (
         "vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"))

@@ -72,7 +72,11 @@ def _positions(cache: KVCache, t: int) -> jax.Array:
 def prefill_program(params, tokens, cache, *, cfg, fresh=False):
     """Compile unit of :func:`prefill` (no host checks): tokens [B, T] int32 ->
     (logits [B, V] float32 of the last token, cache). ``fresh``: the cache is empty
-    (see ``model.forward``: attention reads none of its slots)."""
+    (see ``model.forward``: attention reads none of its slots). A short chunk runs the
+    decode step's formulation, so the cache's never-written slots are cleared first
+    (``model.clear_masked_slots``)."""
+    if not fresh:
+        cache = model_lib.clear_masked_slots(cfg, cache, tokens.shape[1])
     logits, cache = model_lib.forward(params, cfg, tokens,
                                       _positions(cache, tokens.shape[1]), cache,
                                       fresh=fresh, last_only=True)
@@ -166,9 +170,11 @@ def generate_program(params, first_token, cache, num_steps, rng, eos_ids, *, cfg
     never match; a scalar is one id) -> (tokens [B, buf_len] int32, -1 after a row's
     stop token; steps run [] int32; cache). ``buf_len``: token buffer length (None: the
     cache's slots); steps past it never run. One compilation serves any ids of the same
-    count E."""
+    count E. The cache's never-written slots are cleared once on entry
+    (``model.clear_masked_slots``), not per step."""
     batch = first_token.shape[0]
     buf_len = cache.num_slots if buf_len is None else buf_len
+    cache = model_lib.clear_masked_slots(cfg, cache)
     buf = jnp.zeros((batch, buf_len), jnp.int32)
 
     def cond(state):

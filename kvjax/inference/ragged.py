@@ -122,7 +122,9 @@ def _positions(cache: KVCache, t: int) -> jax.Array:
 def prefill_ragged_program(params, tokens, lengths, cache, *, cfg):
     """Compile unit of :func:`prefill_ragged` (no host checks): tokens [B, T] int32
     right-padded, lengths [B] int32 -> (logits [B, V] float32 at each row's last real
-    token, cache)."""
+    token, cache). A short chunk runs the decode step's formulation: the cache's
+    never-written slots are cleared first (``model.clear_masked_slots``)."""
+    cache = model_lib.clear_masked_slots(cfg, cache, tokens.shape[1])
     logits, cache = model_lib.forward(params, cfg, tokens, _positions(cache, tokens.shape[1]),
                                       cache, num_valid=lengths)
     last = jnp.clip(lengths - 1, 0, tokens.shape[1] - 1)
@@ -172,9 +174,11 @@ def generate_ragged_program(params, first_token, cache, budgets, row_keys, eos_i
     first_token [B] int32, ragged cache, budgets [B] int32 (tokens to generate after
     first_token), row_keys [B] keys, eos_ids [E] int32 (every end-of-generation id; -1
     never matches; a scalar is one id) -> (tokens [B, buf_len] int32, -1 after a row's
-    last token; counts [B] int32 tokens generated per row; cache).
+    last token; counts [B] int32 tokens generated per row; cache). The cache's
+    never-written slots are cleared once on entry (``model.clear_masked_slots``).
     """
     batch = first_token.shape[0]
+    cache = model_lib.clear_masked_slots(cfg, cache)
     buf = jnp.full((batch, buf_len), -1, jnp.int32)
 
     def cond(state):

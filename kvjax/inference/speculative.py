@@ -350,10 +350,13 @@ def speculative_program(params, dparams, first_token, cache, draft_cache, hist, 
       dict with 'tokens' [B, buf_len] int32 (after first_token; -1 past each row's
       count), 'count' [B] int32 emitted per row, 'rounds' [B] int32 verify steps per row,
       'accepted' [B] int32 drafts accepted, 'proposed' [B] int32 drafts verified,
-      'steps' [] int32 loop iterations, 'cache', 'draft_cache'.
+      'steps' [] int32 loop iterations, 'cache', 'draft_cache'. Both caches' never-written
+      slots are cleared once on entry (``model.clear_masked_slots``).
     """
     b = first_token.shape[0]
     k = spec.k
+    cache = model_lib.clear_masked_slots(cfg, cache, k + 1)
+    draft_cache = model_lib.clear_masked_slots(draft_cfg, draft_cache)
     h = hist.shape[1]
     buf = jnp.full((b, buf_len), -1, jnp.int32)
     zeros = jnp.zeros((b,), jnp.int32)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
 from kvjax import ops
+from kvjax.cache.policy import policy_for
 from kvjax.config import ModelConfig
 from kvjax.models import decode_kernels, flash
 from kvjax.models.layers import Einsum, apply_rope
@@ -32,6 +33,11 @@ from kvjax.plan import SEQ
 # the codes' convert into the dots; False: dequantize first (kvjax.cache.read), which
 # XLA materialises as a float32 copy of the cache. Measured in scripts/kv_quant_bench.py.
 SCALE_OUTSIDE_DOTS = True
+
+# A chunk of at most this many tokens over a dense cache (a speculative verify step of
+# k + 1 <= 16 tokens) runs :func:`attend_small_chunk`, the decode step's formulation;
+# longer chunks (prompts) run the prompt path (``prefill_impl``).
+SMALL_CHUNK = 16
 
 
 def dot_operand(x: jax.Array, backend: str | None = None) -> jax.Array:
@@ -286,6 +292,74 @@ def _native_chunk(plan, q, k, v, positions, k_old=None, v_old=None, old_position
                           data_axis=data_axis, model_axis=model_axis)
 
 
+def attend_small_chunk(q: jax.Array, k_old: jax.Array, v_old: jax.Array,
+                       visible_old: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                       mask_new: jax.Array, k_layout: str = "BKSH", v_layout: str = "BKSH",
+                       impl: str = "xla", backend: str | None = None) -> jax.Array:
+    """Attention of a short chunk over (the cache's old slots ++ its own entries) by a
+    decode-step formulation: the T queries of a KV head's group become T·G query rows of
+    :func:`kvjax.models.decode_kernels.partial_attention`, so every old key and value is
+    read once for all of them, as in a plain step. This is the verify step of
+    speculative decoding (Leviathan et al. 2023, sec. 3: k + 1 positions scored in one
+    pass over the weights and the cache); the prompt path (tiled, 256-key blocks) read
+    the cache at a fraction of the decode step's rate for such chunks (docs/results).
+
+    Args:
+      q: [B, T, K, G, H] rotated queries.
+      k_old, v_old: one layer's cache before the write ([B, K, S, H] 'BKSH' or
+        [B, K, H, S] 'BKHS').
+      visible_old: [B, S] bool, the old slots every query of the row sees: the same
+        set for all T queries, as in a dense cache (no window) where every old slot
+        precedes the chunk. Padded query rows get what the row's others get (the caller
+        zeroes them).
+      k_new, v_new: the chunk's entries [B, K, T, H] in the same layouts.
+      mask_new: [B, T, T] bool, the chunk keys each query sees (causal).
+      k_layout, v_layout: 'BKSH' or 'BKHS'.
+      impl: the decode formulation (:data:`kvjax.models.decode_kernels.IMPLS`).
+      backend: the config's backend (None: the process's).
+    Returns:
+      [B, T, K, G, Hv] in v_old's dtype, equal to :func:`attend` over the concatenation
+      (float32 statistics, up to summation order).
+    Raises:
+      ValueError: an unknown layout or impl (:func:`partial_attention`).
+    """
+    b, t, kh, g, h = q.shape
+    backend = backend or backend_lib.current()
+    rows = jnp.transpose(q, (0, 2, 1, 3, 4)).reshape(b, kh, t * g, h)  # [B, K, T·G, H]
+    o, m, l = decode_kernels.partial_attention(impl, rows, k_old, v_old, visible_old,
+                                               k_layout, v_layout, backend=backend)
+    to_t = lambda x: jnp.transpose(x.reshape(b, kh, t, g, -1), (0, 2, 1, 3, 4))
+    old = (to_t(m[..., None]), to_t(l[..., None]), to_t(o))  # [B, T, K, G, .]
+    new = _chunk_stats(k_new, v_new, mask_new, q, k_layout, v_layout, backend)
+    return ops.finish(ops.merge(old, new)).astype(v_old.dtype)
+
+
+def _chunk_stats(k, v, mask, q, k_layout, v_layout, backend):
+    """Partial softmax state (m [B, T, K, G, 1], l likewise, o [B, T, K, G, Hv]) of the
+    queries q [B, T, K, G, H] over keys k / values v (one layer, in their layouts) under
+    mask [B, T, S]."""
+    scale = q.shape[-1] ** -0.5
+    qo, ko, vo = (dot_operand(x, backend) for x in (q, k, v))
+    if q.shape[1] == 1:
+        # decode (T = 1): the single-device step's products without the T axis. With
+        # it ('BTKGH,BKHS->BKGTS'), XLA on CPU transposed each 'BKHS' key shard into
+        # a copy before the dot (a seq-sharded step read 1.3-1.8x theory per device).
+        sc = jnp.einsum(f"BKGH,{_spec(k_layout)}->BKGS", qo[:, 0], ko,
+                        preferred_element_type=jnp.float32)[:, :, :, None, :] * scale
+    else:
+        sc = jnp.einsum(f"BTKGH,{_spec(k_layout)}->BKGTS", qo, ko,
+                        preferred_element_type=jnp.float32) * scale
+    m, e, l = ops.softmax_stats(sc, mask[:, None, None, :, :])
+    if q.shape[1] == 1:
+        o = jnp.einsum(f"BKGS,{_spec(v_layout, 'V')}->BKGV", e[:, :, :, 0], vo,
+                       preferred_element_type=jnp.float32)[:, None]
+    else:
+        o = jnp.einsum(f"BKGTS,{_spec(v_layout, 'V')}->BTKGV", e, vo,
+                       preferred_element_type=jnp.float32)
+    to_o = lambda x: jnp.transpose(x, (0, 3, 1, 2, 4))  # [B,K,G,T,1] -> [B,T,K,G,1]
+    return to_o(m), to_o(l), o
+
+
 def attend_cached_seq(plan, q, k_old, v_old, mask_old, k_new, v_new, mask_new,
                       k_layout: str, v_layout: str, backend: str) -> jax.Array:
     """GQA attention of a chunk over (old slots split over the plan's 'seq' axis ++ its
@@ -310,28 +384,8 @@ def attend_cached_seq(plan, q, k_old, v_old, mask_old, k_new, v_new, mask_new,
       [B, T, K, G, Hv] in v_old's dtype, equal to :func:`attend` over the concatenation
       (float32 statistics; up to summation order).
     """
-    scale = q.shape[-1] ** -0.5
-
     def local(k, v, mask, q):
-        qo, ko, vo = (dot_operand(x, backend) for x in (q, k, v))
-        if q.shape[1] == 1:
-            # decode (T = 1): the single-device step's products without the T axis. With
-            # it ('BTKGH,BKHS->BKGTS'), XLA on CPU transposed each 'BKHS' key shard into
-            # a copy before the dot (a seq-sharded step read 1.3-1.8x theory per device).
-            sc = jnp.einsum(f"BKGH,{_spec(k_layout)}->BKGS", qo[:, 0], ko,
-                            preferred_element_type=jnp.float32)[:, :, :, None, :] * scale
-        else:
-            sc = jnp.einsum(f"BTKGH,{_spec(k_layout)}->BKGTS", qo, ko,
-                            preferred_element_type=jnp.float32) * scale
-        m, e, l = ops.softmax_stats(sc, mask[:, None, None, :, :])
-        if q.shape[1] == 1:
-            o = jnp.einsum(f"BKGS,{_spec(v_layout, 'V')}->BKGV", e[:, :, :, 0], vo,
-                           preferred_element_type=jnp.float32)[:, None]
-        else:
-            o = jnp.einsum(f"BKGTS,{_spec(v_layout, 'V')}->BTKGV", e, vo,
-                           preferred_element_type=jnp.float32)
-        to_o = lambda x: jnp.transpose(x, (0, 3, 1, 2, 4))  # [B,K,G,T,1] -> [B,T,K,G,1]
-        return to_o(m), to_o(l), o
+        return _chunk_stats(k, v, mask, q, k_layout, v_layout, backend)
 
     ax = lambda layout: -1 if layout == "BKHS" else -2
     old = ops.combine_over(SEQ, plan.seq_manual, local,
@@ -423,11 +477,14 @@ class Attention(nn.Module):
             mask_old = cache_lib.attention_mask(positions, cached_positions, c)
             # Old slots no query sees contribute exactly nothing whatever they hold (a
             # NaN or inf in a never-written slot, issue 32): their values are zeroed
-            # before the value product (a weight of 0 times NaN is NaN) on the chunk
-            # paths and, in a decode step, where the values are dequantized anyway (the
-            # select fuses into that pass); the native kernels skip them. Not in a float
-            # decode step under XLA: a select there costs a copy of the value cache per
-            # step (docs/results). The keys need nothing: every path selects the scores.
+            # before the value product (a weight of 0 times NaN is NaN) on the prompt
+            # paths and, in a decode step or a small chunk, where the values are
+            # dequantized anyway (the select fuses into that pass); the native kernels
+            # skip them. Not in a float decode step or small chunk under XLA: a select
+            # there costs a copy of the value cache per step (docs/results); the
+            # programs running those clear the never-written slots once on entry
+            # (model.clear_masked_slots). The keys need nothing: every path selects
+            # the scores.
             v_seen = lambda: ops.zero_unseen(v_old, jnp.any(mask_old, axis=1),
                                              cache_lib.slot_axis(c, "v"))
             if plan.seq_shards > 1:  # cache split over the mesh's 'seq' axis
@@ -450,6 +507,17 @@ class Attention(nn.Module):
                     out = attend_step(q, k_old, v_step, mask_old, k_cur, v_cur,
                                       k_layout, v_layout, new_visible=positions[:, 0] >= 0,
                                       sink_scores=sink_s, impl=impl, backend=c.backend)
+            elif t <= SMALL_CHUNK and policy_for(c).kind == "dense":
+                # A few queries over the cache (a speculative verify step, a short chunk):
+                # the decode step's formulation with the T queries as extra group rows,
+                # so the cache is read once as in a plain step (docs/DESIGN.md).
+                # Masked values as in a decode step (model.clear_masked_slots).
+                impl = decode_kernels.choose(c, k_old, v_old)
+                v_step = v_seen() if c.kv_quantized and impl != "native" else v_old
+                out = _zero_padded(positions, attend_small_chunk(
+                    q, k_old, v_step, jnp.any(mask_old, axis=1), k_cur, v_cur,
+                    cache_lib.attention_mask(positions, positions, c), k_layout,
+                    v_layout, impl=impl, backend=c.backend))
             elif path == "native":
                 out = _native_chunk(plan, q, k_cur, v_cur, positions, k_old=k_old,
                                     v_old=v_old, old_positions=cached_positions, **native)

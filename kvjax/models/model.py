@@ -22,9 +22,9 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax.cache import paged as paged_lib
-from kvjax.models.attention import Attention
+from kvjax.models.attention import SMALL_CHUNK, Attention
 from kvjax.config import ModelConfig
-from kvjax.models import weight_matmul
+from kvjax.models import decode_kernels, weight_matmul
 from kvjax.models.layers import MLP, Einsum, RMSNorm
 from kvjax.models.mla import MLAttention
 
@@ -277,6 +277,43 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
                 "init_cache(..., ragged=True), whose rows keep their own lengths")
     return DecoderLM(cfg).apply({"params": params}, tokens, positions, cache, num_valid,
                                 fresh, last_only)
+
+
+def step_ignores_masked_values(cfg: ModelConfig, cache) -> bool:
+    """Whether ``cfg``'s decode step (T = 1, and a small chunk: the same formulation,
+    :data:`kvjax.models.attention.SMALL_CHUNK`) over ``cache`` makes a masked slot
+    contribute nothing whatever it holds, by itself: the native and Pallas kernels skip
+    masked slots, quantized caches select the weights x scales (and zero fp8 codes) in
+    the pass that dequantizes them, a paged cache's gathered view is zeroed there
+    (:meth:`kvjax.cache.paged.PagedKVCache.layer`), the 'seq'-sharded step zeroes its
+    shards. The float XLA step ('xla', 'xla_cache_left', MLA, sinks scored at cache
+    positions) does not: a select there costs a copy of the value cache every step
+    (docs/results). Reads shapes and the plan only (traceable)."""
+    if isinstance(cache, paged_lib.PagedKVCache) or cfg.kv_quantized:
+        return True
+    if cfg.is_mla or cfg.execution.seq_shards > 1:
+        return not cfg.is_mla
+    if cfg.num_sink_tokens and cfg.rope_positions == "cache":
+        return False
+    layer = cache.layer(0)
+    impl = decode_kernels.choose(cfg, layer["k"], layer["v"])
+    return impl in ("native", "pallas")
+
+
+def clear_masked_slots(cfg: ModelConfig, cache, chunk: int = 1):
+    """``cache`` ready for decode steps whatever its never-written slots hold (issue 32:
+    a NaN there reached every logit through 0 x NaN): :func:`kvjax.cache.clear_unseen`
+    (one pass over the cache) unless the step ignores masked values by itself
+    (:func:`step_ignores_masked_values`). The programs that run decode steps over a
+    cache their caller hands in apply it once on entry (``decode.generate_program``,
+    ``ragged.generate_ragged_program``, ``decode.prefill_program`` of a small chunk,
+    the speculative loop), not once per step. ``chunk``: the tokens per forward (T);
+    longer than SMALL_CHUNK, the prompt paths zero masked values themselves and the
+    cache is returned as is. Traceable; None passes through."""
+    if (cache is None or chunk > SMALL_CHUNK
+            or step_ignores_masked_values(cfg, cache)):
+        return cache
+    return cache_lib.clear_unseen(cfg, cache)
 
 
 def check_positions(positions: jax.Array, cache: cache_lib.KVCache) -> None:
