@@ -40,7 +40,7 @@ from kvjax import presets
 from kvjax.analysis import costs, hardware, theory
 from kvjax.inference import decode
 from kvjax.models import model
-from kvjax.config import WEIGHT_MATMUL, ModelConfig, default_scan_layers
+from kvjax.config import DECODE_ATTENTION, WEIGHT_MATMUL, ModelConfig, default_scan_layers
 
 _MODELS = flags.DEFINE_list("models", ["blog", "smollm2"], "blog and/or smollm2.")
 _VARIANTS = flags.DEFINE_list("variants", ["mha", "gqa", "mqa", "window"],
@@ -62,7 +62,7 @@ _GPU_CHECK = flags.DEFINE_bool(
     "GQA at 4K/32K/128K, both layer-stack modes, no peers.")
 _MAX_CACHE_BYTES = flags.DEFINE_float("max_cache_gb", 8.0, "Skip points whose cache exceeds this.")
 _DECODE_ATTENTION = flags.DEFINE_enum(
-    "decode_attention", "auto", ["auto", "xla", "xla_cache_left", "native", "pallas"],
+    "decode_attention", "auto", list(DECODE_ATTENTION),
     "model.decode_attention of every point: 'auto' (default) measures the formulations on "
     "this machine once per shape class (kvjax.planner) and keeps the fastest; the picks "
     "and their GB/s are printed at the end.")

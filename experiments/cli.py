@@ -25,6 +25,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from kvjax import fields
+from kvjax.config import MODEL_FIELD_KINDS
 
 _LIST_FIELDS = flags.DEFINE_bool(
     "list_fields", False,
@@ -273,8 +274,26 @@ def field_groups(argv: list[str], configs: dict[str, Any]) -> list[tuple[str, li
             header = f"--{name} fields (values from {src}; set one with --{name}.FIELD=VALUE):"
         else:
             header = f"--{name} fields (set one with --{name}.FIELD=VALUE):"
-        groups.append((header, [dataclasses.replace(f, path="--" + f.path)
-                                for f in fields.config_fields(name, cd)]))
+        rows = [dataclasses.replace(f, path="--" + f.path)
+                for f in fields.config_fields(name, cd)]
+        model = f"--{name}.model."
+        if not any(f.path.startswith(model) for f in rows):
+            groups.append((header, rows))
+            continue
+        # a run config: its own fields, then the model's by kind (config.MODEL_FIELD_KINDS)
+        groups.append((header, [f for f in rows if not f.path.startswith(model)]))
+        kinds = {n: k for k, names in MODEL_FIELD_KINDS.items() for n in names}
+        for kind, what in (("architecture", "what a checkpoint states"),
+                           ("lever", "the cache levers: bytes or math change"),
+                           ("execution", "how this machine runs it: same tokens"),
+                           ("label", "reports")):
+            group = [f for f in rows if f.path.startswith(model)
+                     and kinds.get(f.path[len(model):]) == kind]
+            if group:
+                groups.append((f"--{name}.model fields, {kind} ({what}):", group))
+        rest = [f for f in rows if f.path.startswith(model) and f.path[len(model):] not in kinds]
+        if rest:
+            groups.append((f"--{name}.model fields, other:", rest))
     return groups
 
 

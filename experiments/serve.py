@@ -6,6 +6,8 @@ r"""Serve real requests through the slot engine and report latency and throughpu
         --json_out=/tmp/serve.json
     python -m experiments.serve --config=configs/gqa.py --compare_plain   # engine vs loop
     python -m experiments.serve --quick                                     # smoke test
+    python -m experiments.serve --config=configs/gqa.py --config.speculative.drafter=ngram \
+        --config.speculative.k=4                                            # n-gram drafts
 
 Requests are prompts cut from the held-out split of the evaluation corpus (the Django
 docs, kvjax/training/data.py) at seeded random offsets, moved onto character boundaries
@@ -31,6 +33,11 @@ queueing), mean slot occupancy, and KV bytes live (held by occupied rows, mean o
 decode steps) vs allocated. ``--compare_plain``: the engine at full occupancy (``slots``
 requests, one budget, no EOS) against the plain batched loop
 (kvjax.inference.ragged.generate_ragged) on the same prompts, decode tokens/s ratio.
+
+``--config.speculative.drafter=ngram --config.speculative.k=N``: the engine runs verify
+rounds of N + 1 tokens with prompt-lookup drafts from each request's own tokens (greedy:
+the same tokens); the summary adds the acceptance rate and tokens per slot-round, and
+"decode steps" counts rounds.
 """
 
 from __future__ import annotations
@@ -207,6 +214,12 @@ def summarize(done, stats: engine_lib.EngineStats) -> dict:
         "tpot_s": percentiles([c.tpot_s for c in done]),
         "mean_slot_occupancy": stats.mean_occupancy, "slots": stats.num_slots,
         "decode_steps": stats.steps, "decode_s": stats.decode_s,
+        **({"speculative": {"accepted": stats.accepted, "proposed": stats.proposed,
+                            "acceptance_rate": stats.acceptance_rate,
+                            # tokens after each request's first per occupied slot-round
+                            "tokens_per_round": (stats.tokens - stats.prefills)
+                            / max(stats.occupied_slot_steps, 1)}}
+           if stats.proposed else {}),
         "kv_bytes_live_mean": stats.mean_live_kv_bytes,
         "kv_bytes_allocated": stats.allocated_kv_bytes,
         **paged_summary(stats),
@@ -349,6 +362,10 @@ def main(argv):
         loaded = runner.load(run, progress=_PROGRESS.value)
         tok = loaded.tokenizer
         eos = tok.eos_token_ids if run.stop_at_eos else ()
+        if run.page_size and run.speculative.enabled:
+            raise ValueError(f"speculative.drafter={run.speculative.drafter!r} with "
+                             f"--config.page_size={run.page_size}; allowed: one of them "
+                             "(speculative rounds run in the slot engine)")
         if run.page_size:  # a pool of the dense engine's bytes, more rows over it
             eng = paged_engine.PagedEngine(
                 loaded.params, loaded.cfg, _MAX_ROWS.value or 4 * slots, run.max_seq_len,
@@ -362,7 +379,7 @@ def main(argv):
             eng = engine_lib.Engine(loaded.params, loaded.cfg, slots, run.max_seq_len,
                                     sampling=run.sampling, eos_ids=eos,
                                     steps_per_sync=_STEPS_PER_SYNC.value,
-                                    seed=run.sampling.seed)
+                                    seed=run.sampling.seed, speculative=run.speculative)
         if _REQUESTS_FILE.value:
             reqs, skipped = file_requests(_REQUESTS_FILE.value, tok)
         else:

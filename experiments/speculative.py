@@ -3,9 +3,11 @@ r"""Speculative decoding on real text, measured against plain decoding and its t
     python -m experiments.speculative                      # t = 512, 4K; k = 1, 2, 4; B = 1
     python -m experiments.speculative --contexts=512,4096,16384 --ks=1,2,4,8 --batches=1,8
     python -m experiments.speculative --drafters=ngram --ks=4 --contexts=512 --quick
+    python -m experiments.speculative --prompts=chat --contexts=512,4096  # questions
 
 For each context t and batch B, B prompts of t tokens are cut from the held-out Django
-documents (the evaluation corpus: real text, different documents per row) and decoded for
+documents (the evaluation corpus: real text, different documents per row; with
+``--prompts=chat``, the chat template around an excerpt and a question about it) and decoded for
 ``--new_tokens`` tokens, greedily, by plain decoding (one compiled loop) and by each
 drafter and k (one compiled speculative loop: draft, verify, accept, take back). Per point:
 
@@ -64,6 +66,11 @@ _NEW = flags.DEFINE_integer("new_tokens", 64, "Tokens decoded per row.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs of each program (median).")
 _CHUNK = flags.DEFINE_integer("prefill_chunk", 2048, "Prefill chunk (tokens).")
 _QUICK = flags.DEFINE_bool("quick", False, "Smoke test: 24 new tokens, 1 repeat.")
+_PROMPTS = flags.DEFINE_enum(
+    "prompts", "corpus", ["corpus", "chat"],
+    "'corpus': t tokens of a held-out document (the model continues it); 'chat': the "
+    "checkpoint's chat template around a held-out excerpt and a question about it "
+    "(the model answers), t tokens in all.")
 _OUT = flags.DEFINE_string("out_dir", "results/speculative", "Where the results go.")
 
 
@@ -74,6 +81,48 @@ def _ints(name, values, minimum=1):
         out = []
     if not out or min(out) < minimum:
         raise app.UsageError(f"--{name}={','.join(values)}; allowed: integers >= {minimum}")
+    return out
+
+
+QUESTIONS = (
+    "Summarize what the documentation above explains.",
+    "Which functions, settings or commands does the text above mention, and what does "
+    "each one do?",
+    "Explain the last part of the text above in your own words.",
+    "What would a developer do, step by step, to apply what is described above?",
+)
+
+
+def chat_prompts(tokenizer, t: int, batch: int, stream=None) -> list:
+    """``batch`` chat prompts of exactly ``t`` tokens: the checkpoint's chat template
+    (its default system turn) around a user turn holding a held-out excerpt (different
+    documents per row, as :func:`corpus_prompts`) and a question about it
+    (:data:`QUESTIONS`, cycled). The excerpt is cut at the token level so every row has
+    t tokens; the user's text is plain text (``Tokenizer.chat_ids``). ``stream``: the
+    token ids to cut from (default: the held-out corpus).
+
+    Raises:
+      ValueError: no chat template, or t too short for the scaffolding and a question.
+    """
+    if not tokenizer.chat_template:
+        raise ValueError("--prompts=chat: the checkpoint carries no chat template; "
+                         "allowed: --prompts=corpus")
+    mark = tokenizer.encode("\u00a7")  # the content's ids sit between the scaffolding's
+    ids = tokenizer.chat_ids("\u00a7")[1]
+    at = next(i for i in range(len(ids)) if ids[i:i + len(mark)] == mark)
+    prefix, suffix = ids[:at], ids[at + len(mark):]
+    if stream is None:
+        stream = data.tokenized_corpus(tokenizer, train=False).heldout
+    out = []
+    for b in range(batch):
+        question = tokenizer.encode("\n\nQuestion: " + QUESTIONS[b % len(QUESTIONS)])
+        n = t - len(prefix) - len(suffix) - len(question)
+        if n < 1 or len(stream) < n + 1:
+            raise ValueError(f"--contexts value {t} with --prompts=chat; allowed: more "
+                             f"than {len(prefix) + len(suffix) + len(question)} tokens and "
+                             f"fewer than the held-out corpus's {len(stream)}")
+        s = b * (len(stream) - n) // max(batch, 1)
+        out.append(prefix + list(map(int, stream[s:s + n])) + question + suffix)
     return out
 
 
@@ -287,9 +336,11 @@ def main(argv):
         rows = []
         for t in contexts:
             for b in batches:
-                prompts = corpus_prompts(loaded.tokenizer, t, b)
-                rows += point(loaded, dataclasses.replace(run, speculative=spec), prompts,
-                              _DRAFTERS.value, ks, new_tokens, repeats, _CHUNK.value)
+                make = chat_prompts if _PROMPTS.value == "chat" else corpus_prompts
+                prompts = make(loaded.tokenizer, t, b)
+                got = point(loaded, dataclasses.replace(run, speculative=spec), prompts,
+                            _DRAFTERS.value, ks, new_tokens, repeats, _CHUNK.value)
+                rows += [dict(r, prompts=_PROMPTS.value) for r in got]
     except (ConfigError, WeightsError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -298,7 +349,8 @@ def main(argv):
     os.makedirs(_OUT.value, exist_ok=True)
     path = os.path.join(_OUT.value, "speculative.json")
     with open(path, "w") as f:
-        json.dump({"machine": hardware.device_name(), "new_tokens": new_tokens,
+        json.dump({"machine": hardware.device_name(), "prompts": _PROMPTS.value,
+                   "new_tokens": new_tokens,
                    "repeats": repeats, "rows": rows}, f, indent=2)
     plot(rows, os.path.join(_OUT.value, "speculative.png"))
     print(f"wrote {path} and speculative.png")

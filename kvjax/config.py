@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import backend as backend_lib
+from kvjax import kernels
 from kvjax.checkpoints import hf
 from kvjax.checkpoints.fetch import WeightsError
 from kvjax.plan import REFERENCE, Plan
@@ -46,9 +47,10 @@ class ConfigError(ValueError):
 
 KV_LAYOUTS = ("auto", "BKSH", "BKHS")
 ROPE_POSITIONS = ("absolute", "cache")
-DECODE_ATTENTION = ("auto", "xla", "xla_cache_left", "native", "pallas")
-WEIGHT_MATMUL = ("xla", "native", "native_ksplit", "native_lanes", "auto")
-PREFILL_IMPLS = ("tiled", "dense", "native", "auto", "cudnn")
+# The formulations each field selects: the kernel registry's names (kvjax.kernels).
+DECODE_ATTENTION = kernels.names("decode_attention")
+WEIGHT_MATMUL = kernels.names("weight_matmul")
+PREFILL_IMPLS = kernels.names("prefill_attention")
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -75,9 +77,30 @@ def dtype_bytes(dtype: str) -> int:
     return int(np.dtype(DTYPES[dtype]).itemsize)
 
 
+# The kinds of ModelConfig's fields (issue 28): what a checkpoint states (its
+# hyper-parameters), what an experiment changes about the cache (the blog's levers,
+# which change the bytes or the math), and how this machine runs it (formulations,
+# layouts, blocks: same tokens). :meth:`ModelConfig.fields_of` reads one kind;
+# ``--list_fields`` prints them as three groups.
+MODEL_FIELD_KINDS = {
+    "architecture": ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads",
+                     "head_dim", "mlp_dim", "mlp_type", "attention", "rope_theta",
+                     "norm_eps", "tie_embeddings", "qkv_bias", "kv_lora_rank",
+                     "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank"),
+    "lever": ("window_size", "num_sink_tokens", "rope_positions", "dtype", "kv_dtype"),
+    "execution": ("mla_absorb", "key_layout", "value_layout", "scan_layers",
+                  "prefill_impl", "prefill_block_q", "prefill_block_k", "backend",
+                  "decode_attention", "weight_matmul", "plan"),
+    "label": ("name",),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only LM.
+    """Architecture of a decoder-only LM, the cache levers applied to it, and how this
+    machine runs it: the three kinds of :data:`MODEL_FIELD_KINDS` (the architecture is
+    what a checkpoint states and :func:`kvjax.models.convert.check_compatible` compares;
+    ``num_kv_heads`` may differ by conversion, lever 1).
 
     Attributes:
       vocab_size: V, tokens in the vocabulary.
@@ -222,6 +245,17 @@ class ModelConfig:
         validate_model_config(self)
 
     replace = dataclasses.replace
+
+    def fields_of(self, kind: str) -> dict:
+        """{field: value} of the fields of one kind of :data:`MODEL_FIELD_KINDS`
+        ('architecture', 'lever', 'execution', 'label').
+
+        Raises:
+          ValueError: another kind, naming the allowed ones.
+        """
+        if kind not in MODEL_FIELD_KINDS:
+            raise ValueError(f"kind={kind!r}; allowed: one of {list(MODEL_FIELD_KINDS)}")
+        return {f: getattr(self, f) for f in MODEL_FIELD_KINDS[kind]}
 
     @property
     def jnp_dtype(self):

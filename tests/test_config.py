@@ -1,9 +1,12 @@
 """Config validation: every invalid field fails before any work, naming field and value."""
 
+import dataclasses
+
 import pytest
 
 from configs import blog, gqa, mha, mqa
 from kvjax.config import ConfigError, ModelConfig, run_config_from_dict
+from tests.conftest import tiny_config
 
 GOOD = dict(vocab_size=10, num_layers=1, d_model=8, num_heads=4, num_kv_heads=2,
             head_dim=2, mlp_dim=16)
@@ -85,3 +88,25 @@ def test_positions_past_the_float32_exact_range_are_refused(field):
     setattr(c, field, 2 ** 24 + 1)
     with pytest.raises(ConfigError, match=rf"{field}=16777217; allowed: at most 16,777,216"):
         run_config_from_dict(c)
+
+
+def test_model_fields_come_in_three_kinds():
+    """Every ModelConfig field is of exactly one kind (issue 28: the architecture apart
+    from how this machine runs it); every field a checkpoint states (GGUF's and Hugging
+    Face's keys) is architecture, and no execution choice changes the cache's bytes."""
+    from kvjax import cache as cache_lib  # noqa: PLC0415
+    from kvjax.checkpoints import hf  # noqa: PLC0415
+    from kvjax.config import MODEL_FIELD_KINDS  # noqa: PLC0415
+    from kvjax.models import convert  # noqa: PLC0415
+    kinds = [n for names in MODEL_FIELD_KINDS.values() for n in names]
+    assert sorted(kinds) == sorted(f.name for f in dataclasses.fields(ModelConfig))
+    arch = set(MODEL_FIELD_KINDS["architecture"])
+    assert set(convert.CHECKPOINT_FIELDS) <= arch and set(hf.CONFIG_KEYS) <= arch
+    cfg = tiny_config()
+    assert cfg.fields_of("architecture")["num_kv_heads"] == cfg.num_kv_heads
+    with pytest.raises(ValueError, match=r"kind='arch'; allowed: one of \['architecture'"):
+        cfg.fields_of("arch")
+    base = cache_lib.cache_bytes(cache_lib.cache_spec(cfg, 1, 32))
+    for change in (dict(key_layout="BKHS", value_layout="BKHS"), dict(scan_layers=False),
+                   dict(prefill_impl="dense"), dict(decode_attention="xla_cache_left")):
+        assert cache_lib.cache_bytes(cache_lib.cache_spec(cfg.replace(**change), 1, 32)) == base

@@ -75,3 +75,50 @@ def test_engine_bad_requests():
         eng.run([engine.Request(2, (1,), 0)])
     with pytest.raises(ValueError, match="num_slots=0"):
         engine.Engine(params_of("gqa"), cfg, 0, S)
+
+
+@pytest.mark.parametrize("name", ["gqa", "window_sinks", "mla_absorbed"])
+def test_speculative_engine_tokens_equal_alone(name):
+    """The slot engine with n-gram drafts (issue 30): greedy tokens of every request
+    equal plain decoding alone (dense, a ring with sinks and its k + 1 spare slots, MLA),
+    drafts are proposed and counted, and a request's tokens do not depend on its
+    batch-mates."""
+    from kvjax.config import SpeculativeConfig  # noqa: PLC0415
+    cfg = ModelConfig(**VARIANTS[name])
+    params = params_of(name)
+    spec = SpeculativeConfig(drafter="ngram", k=3, ngram_max=2, ngram_min=1)
+    reqs = requests() + [engine.Request(9, (4, 5, 6, 4, 5, 6, 4, 5, 6, 4, 5), 9)]
+    eng = engine.Engine(params, cfg, num_slots=2, max_seq_len=S, steps_per_sync=2,
+                        speculative=spec)
+    done, stats = eng.run(reqs)
+    for c, r in zip(done, reqs):
+        assert c.tokens == alone(cfg, params, list(r.prompt), r.max_new_tokens), (name, c.id)
+        assert c.stop == "budget"
+    assert stats.tokens == sum(r.max_new_tokens for r in reqs)
+    assert stats.proposed > 0 and 0 <= stats.accepted <= stats.proposed
+    solo, _ = engine.Engine(params, cfg, num_slots=2, max_seq_len=S,
+                            speculative=spec).run([reqs[4]])
+    assert solo[0].tokens == done[4].tokens
+
+
+def test_speculative_engine_sampled_tokens_do_not_depend_on_batch_mates():
+    from kvjax.config import SamplingConfig, SpeculativeConfig  # noqa: PLC0415
+    cfg = ModelConfig(**VARIANTS["gqa"])
+    params = params_of("gqa")
+    spec = SpeculativeConfig(drafter="ngram", k=2, ngram_max=2, ngram_min=1)
+    hot = SamplingConfig(temperature=1.0)
+    eng = engine.Engine(params, cfg, num_slots=3, max_seq_len=S, sampling=hot,
+                        speculative=spec, steps_per_sync=2)
+    done, _ = eng.run(requests())
+    solo, _ = engine.Engine(params, cfg, num_slots=3, max_seq_len=S, sampling=hot,
+                            speculative=spec).run([requests()[0]])
+    assert solo[0].tokens == done[0].tokens and len(done[0].tokens) == BUDGETS[0]
+
+
+def test_speculative_engine_refuses_a_draft_model():
+    from kvjax.config import SpeculativeConfig  # noqa: PLC0415
+    cfg = ModelConfig(**VARIANTS["gqa"])
+    with pytest.raises(ValueError, match=r"speculative.drafter='self' in the slot engine; "
+                                         r"allowed: 'ngram' or 'none'"):
+        engine.Engine(params_of("gqa"), cfg, 2, S, speculative=SpeculativeConfig(
+            drafter="self", k=2))

@@ -319,3 +319,25 @@ def test_the_main_job_decodes_speculatively_as_it_decodes_plainly(cycle, tok):
     assert sp["accepted"][0] > 0 and sum(sp["rounds"]) < 11  # fewer verify steps than tokens
     gen = runner.decode_prompt(dataclasses.replace(spec, stop_at_eos=True), loaded)
     assert gen.stop_reason == "eos" and gen.stop_token == b and gen.generated_ids == [a]
+
+
+def test_chat_prompts_are_t_tokens_of_template_excerpt_and_question():
+    """experiments.speculative --prompts=chat: every row is exactly t tokens, the chat
+    template's scaffolding (SmolLM2's, verbatim) around an excerpt of its own stretch of
+    the stream and a question (bytes as token ids)."""
+    from tests.conftest import import_entry_point  # noqa: PLC0415
+    from tests.test_chat import SMOL_TEMPLATE, FakeTok  # noqa: PLC0415
+    spec_exp = import_entry_point("speculative")
+    tok = FakeTok(SMOL_TEMPLATE)
+    stream = np.asarray(list(b"".join(b"doc%03d " % i for i in range(300))), np.int32)
+    rows = spec_exp.chat_prompts(tok, 400, 3, stream=stream)
+    for b, ids in enumerate(rows):
+        assert len(ids) == 400
+        text = bytes(ids).decode("utf-8", errors="replace")
+        assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant")
+        assert text.endswith(spec_exp.QUESTIONS[b] + "<|im_end|>\n<|im_start|>assistant\n")
+        assert "doc" in text.split("<|im_start|>user\n")[1]
+    users = {bytes(r).decode().split("<|im_start|>user\n")[1][:30] for r in rows}
+    assert len(users) == 3  # a different stretch of the stream per row
+    with pytest.raises(ValueError, match=r"--contexts value 50 with --prompts=chat"):
+        spec_exp.chat_prompts(tok, 50, 1, stream=stream)

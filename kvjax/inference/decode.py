@@ -34,7 +34,8 @@ from kvjax.models import model as model_lib
 from kvjax.inference.sampling import is_stop, sample_logits
 
 __all__ = ["check_room", "prefill", "generate", "eos_array",
-           "prefill_program", "generate_program", "decode_step", "token_buffer_len"]
+           "prefill_program", "generate_program", "decode_step", "decode_loop",
+           "token_buffer_len"]
 
 
 def eos_array(eos_ids: int | Sequence[int] = (), size: int | None = None) -> jax.Array:
@@ -175,27 +176,93 @@ def generate_program(params, first_token, cache, num_steps, rng, eos_ids, *, cfg
     batch = first_token.shape[0]
     buf_len = cache.num_slots if buf_len is None else buf_len
     cache = model_lib.clear_masked_slots(cfg, cache)
-    buf = jnp.zeros((batch, buf_len), jnp.int32)
 
-    def cond(state):
-        i, _, _, _, done, _ = state
-        return (i < jnp.minimum(num_steps, buf_len)) & ~jnp.all(done)
-
-    def body(state):
-        i, buf, cache, last, done, rng = state
-        logits, cache = model_lib.forward(params, cfg, last[:, None],
-                                          _positions(cache, 1), cache)
+    def sample(logits, count, rng):
         rng, key = jax.random.split(rng)
-        nxt = sample_logits(logits[:, 0], key, sampling)
-        nxt = jnp.where(done, -1, nxt)
-        buf = jax.lax.dynamic_update_slice(buf, nxt[:, None], (0, i))
-        return (i + 1, buf, cache, jnp.where(done, last, nxt), done | is_stop(nxt, eos_ids),
-                rng)
+        return sample_logits(logits, key, sampling), rng
 
-    done0 = is_stop(first_token, eos_ids)
-    state = (jnp.zeros((), jnp.int32), buf, cache, first_token, done0, rng)
-    steps, buf, cache, _, _, _ = jax.lax.while_loop(cond, body, state)
-    return buf, steps, cache
+    active = ~is_stop(first_token, eos_ids) & (num_steps > 0)
+    out = decode_loop(params, cfg, cache, first_token, active,
+                      jnp.full((batch,), num_steps, jnp.int32), jnp.zeros((batch,), jnp.int32),
+                      eos_ids, sample, rng, steps=buf_len, lockstep=True)
+    return out["tokens"], out["steps"], out["cache"]
+
+
+def decode_loop(params, cfg: ModelConfig, cache: KVCache, last, active, remaining, count,
+                eos_ids, sample, carry=None, *, steps: int, lockstep: bool = False,
+                stop_on_free=None, stats: bool = False) -> dict:
+    """The one decode loop: up to ``steps`` decode steps of the active rows in one
+    ``lax.while_loop``; the lockstep generate loop, the ragged one
+    (``ragged.generate_ragged_program``) and the slot engine's
+    (``engine.decode_steps_program``) are this loop with their own arguments. Traced
+    (call it inside jit); the caller clears the cache's never-written slots
+    (``model.clear_masked_slots``).
+
+    Args:
+      params, cfg: the model.
+      cache: the cache the rows continue (ragged, or lockstep with ``lockstep``).
+      last: [B] int32 each row's last token (fed first).
+      active: [B] bool rows that decode; a row stops at a stop token (kept), where its
+        logits are not finite (``sampling.NONFINITE``, a stop token) or when
+        ``remaining`` reaches 0.
+      remaining: [B] int32 tokens each row may still emit.
+      count: [B] int32 tokens each row emitted so far (the ``count`` handed to
+        ``sample``: the index of a row's next sampling key).
+      eos_ids: [E] int32 end-of-generation ids (-1 never matches).
+      sample: fn(logits [B, V] float32, count [B] int32, carry) -> (tokens [B] int32,
+        carry): the sampler (a shared key split per step, or per-row keys).
+      carry: the sampler's state (e.g. a PRNG key), or None.
+      steps: (static) the token buffer's length; no more steps run.
+      lockstep: (static) every row is fed every step (a lockstep cache writes all rows
+        in place; rows that stopped emit -1); else stopped rows are fed with
+        ``num_valid`` 0 (nothing written, length kept).
+      stop_on_free: [] bool or None: end the loop once any row stops (the engine, with
+        requests waiting).
+      stats: (static) count occupied row-steps and the tokens they held.
+    Returns:
+      dict: 'tokens' [B, steps] int32 (-1 where a row emitted none), 'steps' [] int32
+      run, 'cache', 'last', 'active', 'remaining', 'count', 'occupied' [] int32 (active
+      row-steps; 0 without ``stats``), 'held' [] int32 (tokens the active rows held,
+      summed over steps; 0 without ``stats``).
+    """
+    b = last.shape[0]
+    slots = cache.num_slots
+    zero = jnp.zeros((), jnp.int32)
+    stop_on_free = jnp.zeros((), bool) if stop_on_free is None else stop_on_free
+
+    def cond(s):
+        return (s["i"] < steps) & jnp.any(s["active"]) & ~(stop_on_free & s["freed"])
+
+    def body(s):
+        active, cache = s["active"], s["cache"]
+        occ, held = s["occupied"], s["held"]
+        if stats:
+            occ = occ + jnp.sum(active.astype(jnp.int32))
+            held = held + jnp.sum(jnp.where(active, jnp.minimum(cache.length + 1, slots),
+                                            0))
+        logits, cache = model_lib.forward(
+            params, cfg, s["last"][:, None], _positions(cache, 1), cache,
+            num_valid=None if lockstep else active.astype(jnp.int32))
+        nxt, carry = sample(logits[:, 0], s["count"], s["carry"])
+        nxt = jnp.where(active, nxt, -1)
+        buf = jax.lax.dynamic_update_slice(s["tokens"], nxt[:, None], (0, s["i"]))
+        step = active.astype(jnp.int32)
+        remaining = s["remaining"] - step
+        finished = active & (is_stop(nxt, eos_ids) | (remaining <= 0))
+        return dict(i=s["i"] + 1, tokens=buf, cache=cache,
+                    last=jnp.where(active, nxt, s["last"]), active=active & ~finished,
+                    remaining=remaining, count=s["count"] + step,
+                    freed=s["freed"] | jnp.any(finished), occupied=occ, held=held,
+                    carry=carry)
+
+    state = dict(i=zero, tokens=jnp.full((b, steps), -1, jnp.int32), cache=cache,
+                 last=last, active=active & (remaining > 0), remaining=remaining,
+                 count=count, freed=jnp.zeros((), bool), occupied=zero, held=zero,
+                 carry=carry)
+    s = jax.lax.while_loop(cond, body, state)
+    return dict(tokens=s["tokens"], steps=s["i"], cache=s["cache"], last=s["last"],
+                active=s["active"], remaining=s["remaining"], count=s["count"],
+                occupied=s["occupied"], held=s["held"])
 
 
 def generate(params, cfg: ModelConfig, first_token: jax.Array, cache: KVCache,

@@ -37,8 +37,9 @@ import numpy as np
 from kvjax import cache as cache_lib
 from kvjax import planner
 from kvjax.cache.policy import written_tokens
-from kvjax.config import ModelConfig, SamplingConfig
+from kvjax.config import ModelConfig, SamplingConfig, SpeculativeConfig
 from kvjax.inference import ragged
+from kvjax.inference import speculative as spec_lib
 from kvjax.inference import decode as decode_lib
 from kvjax.inference.sampling import NONFINITE, is_stop
 from kvjax.models import model as model_lib
@@ -104,6 +105,13 @@ class EngineStats:
     num_slots: int = 0
     prefills: int = 0
     decode_s: float = 0.0
+    accepted: int = 0  # speculative decoding: drafts accepted and verified
+    proposed: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed drafts (speculative decoding; 0 without)."""
+        return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
     def throughput(self) -> float:
@@ -172,35 +180,14 @@ def decode_steps_program(params, cache, last, active, remaining, count, keys, eo
       cache; last; active; remaining; count; occupied slot-steps [] int32; held tokens
       of occupied rows summed over steps [] int32).
     """
-    b = last.shape[0]
-    buf = jnp.full((b, steps), -1, jnp.int32)
-    slots = cache.num_slots
+    def sample(logits, count, carry):
+        return ragged.sample_rows(logits, keys, count, sampling), carry
 
-    def cond(s):
-        i, active, freed = s[0], s[4], s[7]
-        return (i < steps) & jnp.any(active) & ~(stop_on_free & freed)
-
-    def body(s):
-        i, buf, cache, last, active, remaining, count, freed, occ, held = s
-        occ = occ + jnp.sum(active.astype(jnp.int32))
-        held = held + jnp.sum(jnp.where(active, jnp.minimum(cache.length + 1, slots), 0))
-        logits, cache = model_lib.forward(params, cfg, last[:, None],
-                                          cache.length[:, None], cache,
-                                          num_valid=active.astype(jnp.int32))
-        nxt = ragged.sample_rows(logits[:, 0], keys, count, sampling)
-        nxt = jnp.where(active, nxt, -1)
-        buf = jax.lax.dynamic_update_slice(buf, nxt[:, None], (0, i))
-        step = active.astype(jnp.int32)
-        count, remaining = count + step, remaining - step
-        finished = active & (is_stop(nxt, eos_ids) | (remaining <= 0))
-        return (i + 1, buf, cache, jnp.where(active, nxt, last), active & ~finished,
-                remaining, count, freed | jnp.any(finished), occ, held)
-
-    zero = jnp.zeros((), jnp.int32)
-    s = (zero, buf, cache, last, active, remaining, count, jnp.zeros((), bool), zero, zero)
-    i, buf, cache, last, active, remaining, count, _, occ, held = jax.lax.while_loop(
-        cond, body, s)
-    return buf, i, cache, last, active, remaining, count, occ, held
+    out = decode_lib.decode_loop(params, cfg, cache, last, active, remaining, count,
+                                 eos_ids, sample, steps=steps, stop_on_free=stop_on_free,
+                                 stats=True)
+    return (out["tokens"], out["steps"], out["cache"], out["last"], out["active"],
+            out["remaining"], out["count"], out["occupied"], out["held"])
 
 
 class Engine:
@@ -215,33 +202,50 @@ class Engine:
       sampling: SamplingConfig (greedy by default).
       eos_ids: the end-of-generation ids (``Tokenizer.eos_token_ids``; one int is one
         id; empty: stop at budgets only).
-      steps_per_sync: decode steps per compiled call between host visits (>= 1).
+      steps_per_sync: decode steps (speculative: verify rounds) per compiled call
+        between host visits (>= 1).
       seed: base of the per-request sampling keys.
+      speculative: a SpeculativeConfig whose drafter is 'ngram' (prompt lookup over each
+        slot's own tokens): every call runs verify rounds of k + 1 tokens
+        (:func:`kvjax.inference.speculative.engine_rounds_program`), a slot accepting its
+        own number; greedy tokens equal plain decoding's, sampled ones follow the same
+        distribution with per-request keys. None or drafter 'none': plain steps.
     Raises:
-      ValueError: a non-positive num_slots, max_seq_len or steps_per_sync.
+      ValueError: a non-positive num_slots, max_seq_len or steps_per_sync, or a drafter
+        other than 'ngram' (the draft models' caches are not kept per slot).
     """
 
     def __init__(self, params, cfg: ModelConfig, num_slots: int, max_seq_len: int,
                  sampling: SamplingConfig = SamplingConfig(),
                  eos_ids: int | Sequence[int] = (),
-                 steps_per_sync: int = 8, seed: int = 0):
+                 steps_per_sync: int = 8, seed: int = 0,
+                 speculative: SpeculativeConfig | None = None):
         for name, v in (("num_slots", num_slots), ("max_seq_len", max_seq_len),
                         ("steps_per_sync", steps_per_sync)):
             if int(v) < 1:
                 raise ValueError(f"{name}={v}; allowed: an integer >= 1")
+        if speculative is not None and not speculative.enabled:
+            speculative = None
+        if speculative is not None and speculative.drafter != "ngram":
+            raise ValueError(f"speculative.drafter={speculative.drafter!r} in the slot "
+                             "engine; allowed: 'ngram' or 'none' (a draft model's cache "
+                             "is not kept per slot)")
+        self.spec = speculative
         self.num_slots, self.max_seq_len = int(num_slots), int(max_seq_len)
         # the plans, resolved here on the host (never while tracing): the decode loop's
-        # for num_slots rows, each prefill bucket's when first used (_prefill_cfg)
+        # for num_slots rows (and its verify chunks), each prefill bucket's when first
+        # used (_prefill_cfg)
         if cfg.plan is None:
+            rows = () if self.spec is None else (self.num_slots * (self.spec.k + 1),)
             cfg = planner.resolve(cfg, max_seq_len=self.max_seq_len,
-                                  batch_sizes=(self.num_slots,))
+                                  batch_sizes=(self.num_slots,), rows=rows)
         self.params, self.cfg = params, cfg
         self._prefill_cfgs: dict[int, ModelConfig] = {}
         self.sampling = sampling
         self.eos_ids = tuple(int(i) for i in np.atleast_1d(eos_ids) if int(i) >= 0)
         self._eos = decode_lib.eos_array(self.eos_ids)
         self.steps_per_sync, self.seed = int(steps_per_sync), int(seed)
-        self.cache = cache_lib.init_cache(cfg, self.num_slots, self.max_seq_len, ragged=True)
+        self.cache = self._empty_cache(self.num_slots)
         self.num_cache_slots = self.cache.num_slots
         self.bytes_per_token = cache_lib.cache_bytes(self.cache) / (
             self.num_slots * self.num_cache_slots)
@@ -267,6 +271,32 @@ class Engine:
 
     # ------------------------------------------------------------------ units
 
+    def _empty_cache(self, rows: int):
+        """An empty ragged cache of ``rows`` rows (a speculative ring keeps k + 1 spare
+        slots: :func:`kvjax.inference.speculative.init_target_cache`)."""
+        if self.spec is not None:
+            return spec_lib.init_target_cache(self.cfg, rows, self.max_seq_len, self.spec.k)
+        return cache_lib.init_cache(self.cfg, rows, self.max_seq_len, ragged=True)
+
+    def _history_len(self) -> int:
+        """H, the n-gram history's length per slot: every token a request can hold."""
+        return self.max_seq_len + self.spec.k + 2
+
+    def _decode(self, last, active, remaining, count, keys, stop_on_free, hist, hist_len):
+        """One compiled call of plain steps or speculative rounds: (tokens [B, n'] (each
+        slot's in order, -1 after), steps or rounds run, cache, last, active, remaining,
+        count, occupied, held, hist, hist_len, accepted [B] or None, proposed)."""
+        if self.spec is None:
+            out = decode_steps_program(
+                self.params, self.cache, last, active, remaining, count, keys, self._eos,
+                stop_on_free, cfg=self.cfg, sampling=self.sampling,
+                steps=self.steps_per_sync)
+            return out + (hist, hist_len, None, None)
+        return spec_lib.engine_rounds_program(
+            self.params, self.cache, last, active, remaining, count, keys, self._eos,
+            hist, hist_len, stop_on_free, cfg=self.cfg, spec=self.spec,
+            sampling=self.sampling, rounds=self.steps_per_sync)
+
     def _key(self, req_id: int) -> jax.Array:
         return jax.random.fold_in(jax.random.key(self.seed), req_id)
 
@@ -275,7 +305,7 @@ class Engine:
         n = len(req.prompt)
         bucket = prefill_bucket(n)
         tokens, lengths = ragged.pad_prompts([req.prompt], length=bucket)
-        row = cache_lib.init_cache(self.cfg, 1, self.max_seq_len, ragged=True)
+        row = self._empty_cache(1)
         logits, row = ragged.prefill_ragged_program(
             self.params, jnp.asarray(tokens), jnp.asarray(lengths), row,
             cfg=self._prefill_cfg(bucket))
@@ -302,10 +332,10 @@ class Engine:
             self.cache = insert_program(self.cache, row, jnp.int32(0))
             zeros = jnp.zeros(self.num_slots, jnp.int32)
             keys = jax.vmap(self._key)(zeros)
-            out = decode_steps_program(
-                self.params, self.cache, zeros, jnp.zeros(self.num_slots, bool), zeros,
-                zeros, keys, self._eos, jnp.asarray(False), cfg=self.cfg,
-                sampling=self.sampling, steps=self.steps_per_sync)
+            hist = None if self.spec is None else jnp.zeros(
+                (self.num_slots, self._history_len()), jnp.int32)
+            out = self._decode(zeros, jnp.zeros(self.num_slots, bool), zeros, zeros, keys,
+                               jnp.asarray(False), hist, zeros)
             self.cache = out[2]
             jax.block_until_ready(self.cache)
         return time.perf_counter() - t0
@@ -339,6 +369,10 @@ class Engine:
         remaining = np.zeros(ns, np.int32)
         count = np.zeros(ns, np.int32)
         keys = jax.vmap(lambda i: self._key(i))(jnp.zeros(ns, jnp.int32))
+        hist = hist_len = None  # speculative: each slot's tokens, for the n-gram drafts
+        if self.spec is not None:
+            hist = jnp.zeros((ns, self._history_len()), jnp.int32)
+            hist_len = jnp.zeros(ns, jnp.int32)
         stats = EngineStats(allocated_kv_bytes=cache_lib.cache_bytes(self.cache),
                             num_slots=ns)
         queue = collections.deque(requests)
@@ -369,16 +403,23 @@ class Engine:
                 last[slot], active[slot] = first, True
                 remaining[slot], count[slot] = req.max_new_tokens - 1, 1
                 keys = keys.at[slot].set(self._key(req.id))
+                if hist is not None:
+                    row_hist = np.zeros(hist.shape[1], np.int32)
+                    row_hist[:len(req.prompt) + 1] = list(req.prompt) + [first]
+                    hist = hist.at[slot].set(jnp.asarray(row_hist))
+                    hist_len = hist_len.at[slot].set(len(req.prompt) + 1)
             if not active.any():
                 continue
             t0 = time.perf_counter()
-            out = decode_steps_program(
-                self.params, self.cache, jnp.asarray(last), jnp.asarray(active),
-                jnp.asarray(remaining), jnp.asarray(count), keys, self._eos,
-                jnp.asarray(bool(queue)), cfg=self.cfg, sampling=self.sampling,
-                steps=self.steps_per_sync)
-            buf, n, self.cache, last_d, active_d, rem_d, count_d, occ, held = out
+            out = self._decode(jnp.asarray(last), jnp.asarray(active),
+                               jnp.asarray(remaining), jnp.asarray(count), keys,
+                               jnp.asarray(bool(queue)), hist, hist_len)
+            (buf, n, self.cache, last_d, active_d, rem_d, count_d, occ, held, hist,
+             hist_len, acc, prop) = out
             buf = np.asarray(buf)
+            if acc is not None:
+                stats.accepted += int(np.sum(acc))
+                stats.proposed += int(np.sum(prop))
             stats.decode_s += time.perf_counter() - t0
             n = int(n)
             stats.steps += n
@@ -387,7 +428,7 @@ class Engine:
             new_active = np.asarray(active_d)
             for slot in np.nonzero(active)[0]:
                 req = slot_req[slot]
-                toks = buf[slot, :n]
+                toks = buf[slot]  # its tokens in order, -1 after
                 gen[req.id].extend(int(t) for t in toks[(toks >= 0) | (toks == NONFINITE)])
                 if not new_active[slot]:
                     finish(req, _stop(gen[req.id][-1], self.eos_ids), int(slot))

@@ -179,29 +179,16 @@ def generate_ragged_program(params, first_token, cache, budgets, row_keys, eos_i
     """
     batch = first_token.shape[0]
     cache = model_lib.clear_masked_slots(cfg, cache)
-    buf = jnp.full((batch, buf_len), -1, jnp.int32)
 
-    def cond(state):
-        i, _, _, _, done, _ = state
-        return (i < buf_len) & ~jnp.all(done)
+    def sample(logits, count, carry):  # token j of a row with fold_in(row_key, j)
+        return sample_rows(logits, row_keys, count, sampling), carry
 
-    def body(state):
-        i, buf, cache, last, done, count = state
-        active = ~done
-        logits, cache = model_lib.forward(params, cfg, last[:, None], _positions(cache, 1),
-                                          cache, num_valid=active.astype(jnp.int32))
-        nxt = sample_rows(logits[:, 0], row_keys, count + 1, sampling)
-        nxt = jnp.where(active, nxt, -1)
-        buf = jax.lax.dynamic_update_slice(buf, nxt[:, None], (0, i))
-        count = count + active.astype(jnp.int32)
-        done = done | is_stop(nxt, eos_ids) | (count >= budgets)
-        return i + 1, buf, cache, jnp.where(active, nxt, last), done, count
-
-    done0 = is_stop(first_token, eos_ids) | (budgets <= 0)
-    count0 = jnp.zeros((batch,), jnp.int32)
-    state = (jnp.zeros((), jnp.int32), buf, cache, first_token, done0, count0)
-    _, buf, cache, _, _, count = jax.lax.while_loop(cond, body, state)
-    return buf, count, cache
+    # count: 1, the first token (key 0) came from the prefill
+    out = decode_lib.decode_loop(params, cfg, cache, first_token,
+                                 ~is_stop(first_token, eos_ids), budgets,
+                                 jnp.ones((batch,), jnp.int32), eos_ids, sample,
+                                 steps=buf_len)
+    return out["tokens"], out["count"] - 1, out["cache"]
 
 
 def generate_ragged(params, cfg: ModelConfig, first_token, cache: KVCache, budgets,

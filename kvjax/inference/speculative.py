@@ -278,7 +278,8 @@ def accept_sampled(drafts: jax.Array, q: jax.Array | None, logits: jax.Array,
     Args:
       drafts: [B, k] int32. q: [B, k, V] float32 draft distributions, or None for a
         deterministic draft (q one-hot at the draft).
-      logits: [B, k + 1, V] float32. limit: [B] int32 >= 1. key: PRNG key.
+      logits: [B, k + 1, V] float32. limit: [B] int32 >= 1. key: a PRNG key, or [B]
+        keys (row b draws with its own: its tokens never depend on its batch-mates).
       sampling: the target's (not greedy).
     Returns:
       (emitted [B, k + 1] int32, n [B] int32), as :func:`accept_greedy`.
@@ -290,8 +291,13 @@ def accept_sampled(drafts: jax.Array, q: jax.Array | None, logits: jax.Array,
                        sampling).reshape(b, t, v)
     pd = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=2)[..., 0]
     qd = 1.0 if q is None else jnp.take_along_axis(q, drafts[..., None], axis=2)[..., 0]
-    ku, kr = jax.random.split(key)
-    u = jax.random.uniform(ku, (b, k))
+    if key.shape:  # one key per row
+        ks = jax.vmap(jax.random.split)(key)  # [B, 2]
+        ku, kr = ks[:, 0], ks[:, 1]
+        u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(ku)
+    else:
+        ku, kr = jax.random.split(key)
+        u = jax.random.uniform(ku, (b, k))
     ok = (u * qd < pd) & ~bad[:, :k]
     acc = _leading(ok)
     n = jnp.minimum(acc, limit - 1)
@@ -305,7 +311,10 @@ def accept_sampled(drafts: jax.Array, q: jax.Array | None, logits: jax.Array,
     resid = jnp.maximum(pn - qn, 0.0)
     use = rejected[:, None] & (jnp.sum(resid, -1, keepdims=True) > 0)
     dist = jnp.where(use, resid, pn)
-    last = jax.random.categorical(kr, jnp.log(dist), axis=-1).astype(jnp.int32)
+    if key.shape:
+        last = jax.vmap(jax.random.categorical)(kr, jnp.log(dist)).astype(jnp.int32)
+    else:
+        last = jax.random.categorical(kr, jnp.log(dist), axis=-1).astype(jnp.int32)
     last = jnp.where(jnp.take_along_axis(bad, n[:, None], axis=1)[:, 0], NONFINITE, last)
     return _emit(drafts, n, last), n
 
@@ -353,27 +362,77 @@ def speculative_program(params, dparams, first_token, cache, draft_cache, hist, 
       'steps' [] int32 loop iterations, 'cache', 'draft_cache'. Both caches' never-written
       slots are cleared once on entry (``model.clear_masked_slots``).
     """
+    k = spec.k
+    done0 = is_stop(first_token, eos_ids)
+    h = hist.shape[1]
+    hist = jnp.where(jnp.arange(h)[None, :] == hist_len[:, None], first_token[:, None], hist)
     b = first_token.shape[0]
+    out = speculative_loop(params, dparams, cache, draft_cache, first_token, ~done0,
+                           jnp.full((b,), num_steps, jnp.int32), hist, hist_len + 1,
+                           rng, eos_ids, cfg=cfg, draft_cfg=draft_cfg, spec=spec,
+                           sampling=sampling, buf_len=buf_len)
+    return {n: out[n] for n in ("tokens", "count", "rounds", "accepted", "proposed",
+                                "steps", "cache", "draft_cache")}
+
+
+def speculative_loop(params, dparams, cache, draft_cache, last, active, remaining, hist,
+                     hist_len, rng, eos_ids, *, cfg, draft_cfg, spec, sampling, buf_len,
+                     max_rounds=None, stop_on_free=None, row_keys=None, index=None,
+                     stats=False) -> dict:
+    """The speculative loop of :func:`speculative_program` and of the slot engine
+    (:func:`engine_rounds_program`): verify rounds of the active rows until each has
+    stopped. Traced (call it inside jit); clears both caches' never-written slots on
+    entry (``model.clear_masked_slots``).
+
+    Args:
+      params, dparams: the target's and the draft model's parameters (None: 'ngram').
+      cache, draft_cache: the target's ragged cache and the draft's (or None).
+      last: [B] int32 each row's last token (emitted, not yet written).
+      active: [B] bool rows that decode. remaining: [B] int32 tokens each may emit.
+      hist: [B, H] int32 each row's tokens so far (prompt, emitted, ``last``), valid
+        below hist_len [B].
+      rng: PRNG key (the draft model's draws; the acceptance's without ``row_keys``).
+      eos_ids: [E] int32.
+      cfg, draft_cfg, spec, sampling: static configs. buf_len: static output length.
+      max_rounds: (static) at most this many rounds (None: until every row stops).
+      stop_on_free: [] bool or None: end after the round in which a row stops.
+      row_keys: [B] keys or None: the acceptance of row b draws with
+        fold_in(row_keys[b], index[b]) (its tokens never depend on its batch-mates).
+      index: [B] int32 each row's tokens so far (the key index; default 0).
+      stats: (static) count occupied row-rounds and the tokens they held.
+    Returns:
+      dict: 'tokens' [B, buf_len] int32 (emitted this call, in order; -1 after each
+      row's count), 'count' [B] emitted, 'rounds', 'accepted', 'proposed' [B] int32,
+      'steps' [] rounds run, 'cache', 'draft_cache', 'last', 'active', 'remaining',
+      'hist', 'hist_len', 'occupied' [] and 'held' [] (0 without ``stats``).
+    """
+    b = last.shape[0]
     k = spec.k
     cache = model_lib.clear_masked_slots(cfg, cache, k + 1)
     draft_cache = model_lib.clear_masked_slots(draft_cfg, draft_cache)
     h = hist.shape[1]
+    num_slots = cache.num_slots
     buf = jnp.full((b, buf_len), -1, jnp.int32)
     zeros = jnp.zeros((b,), jnp.int32)
-    done0 = is_stop(first_token, eos_ids) | (num_steps <= 0)
-    hist = jnp.where(jnp.arange(h)[None, :] == hist_len[:, None], first_token[:, None], hist)
-    state = dict(i=jnp.zeros((), jnp.int32), buf=buf, cache=cache, dcache=draft_cache,
-                 last=first_token, done=done0, count=zeros, rounds=zeros, accepted=zeros,
-                 proposed=zeros, hist=hist, hist_len=hist_len + 1,
-                 pending=zeros, has_pending=jnp.zeros((b,), bool), rng=rng)
+    zero = jnp.zeros((), jnp.int32)
+    stop_on_free = jnp.zeros((), bool) if stop_on_free is None else stop_on_free
+    state = dict(i=zero, buf=buf, cache=cache, dcache=draft_cache, last=last,
+                 done=~active | (remaining <= 0), count=zeros, remaining=remaining,
+                 index=zeros if index is None else index, freed=jnp.zeros((), bool),
+                 occupied=zero, held=zero, rounds=zeros, accepted=zeros, proposed=zeros,
+                 hist=hist, hist_len=hist_len, pending=zeros,
+                 has_pending=jnp.zeros((b,), bool), rng=rng)
 
     def cond(s):
-        return ~jnp.all(s["done"])
+        go = ~jnp.all(s["done"]) & ~(stop_on_free & s["freed"])
+        return go if max_rounds is None else go & (s["i"] < max_rounds)
 
     def body(s):
         active = ~s["done"]
         rng, kd, ka = jax.random.split(s["rng"], 3)
-        limit = jnp.minimum(k + 1, num_steps - s["count"])  # tokens this round may emit
+        if row_keys is not None:  # per-row keys: a row's draws never depend on its batch
+            ka = jax.vmap(jax.random.fold_in)(row_keys, s["index"])
+        limit = jnp.minimum(k + 1, s["remaining"])  # tokens this round may emit
         nv = jnp.where(active, jnp.maximum(limit, 1), 0)
         dcache, q = s["dcache"], None
         if spec.drafter == "ngram":
@@ -419,9 +478,16 @@ def speculative_program(params, dparams, first_token, cache, draft_cache, hist, 
             dlen = jnp.where(full, new_len - 1, jnp.where(active, new_len,
                                                           dcache.length))
             dcache = take_back(dcache, dlen)
-        done = s["done"] | stopped | (count >= num_steps)
+        remaining = s["remaining"] - n_emit
+        finished = active & (stopped | (remaining <= 0))
+        occ, held = s["occupied"], s["held"]
+        if stats:  # occupied row-rounds, and the tokens those rows held
+            occ = occ + jnp.sum(active.astype(jnp.int32))
+            held = held + jnp.sum(jnp.where(active, jnp.minimum(length + 1, num_slots), 0))
         return dict(i=s["i"] + 1, buf=buf, cache=cache, dcache=dcache, last=last,
-                    done=done, count=count, rounds=s["rounds"] + active,
+                    done=s["done"] | finished, count=count, remaining=remaining,
+                    index=s["index"] + n_emit, freed=s["freed"] | jnp.any(finished),
+                    occupied=occ, held=held, rounds=s["rounds"] + active,
                     accepted=s["accepted"] + jnp.where(active, jnp.minimum(n, n_emit), 0),
                     proposed=s["proposed"] + jnp.where(active, nv - 1, 0),
                     hist=hist, hist_len=s["hist_len"] + n_emit, pending=pending,
@@ -430,7 +496,39 @@ def speculative_program(params, dparams, first_token, cache, draft_cache, hist, 
     s = jax.lax.while_loop(cond, body, state)
     return dict(tokens=s["buf"], count=s["count"], rounds=s["rounds"],
                 accepted=s["accepted"], proposed=s["proposed"], steps=s["i"],
-                cache=s["cache"], draft_cache=s["dcache"])
+                cache=s["cache"], draft_cache=s["dcache"], last=s["last"],
+                active=~s["done"], remaining=s["remaining"], hist=s["hist"],
+                hist_len=s["hist_len"], occupied=s["occupied"], held=s["held"])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "sampling", "rounds"),
+                   donate_argnames=("cache", "hist"))
+def engine_rounds_program(params, cache, last, active, remaining, count, keys, eos_ids,
+                          hist, hist_len, stop_on_free, *, cfg, spec, sampling, rounds):
+    """The slot engine's speculative decoding (n-gram drafts): up to ``rounds`` verify
+    rounds of every occupied slot (:func:`speculative_loop`), the engine's arguments and
+    results as :func:`kvjax.inference.engine.decode_steps_program`'s, with each slot's
+    history.
+
+    Args:
+      cache: the engine's ragged batch cache (:func:`init_target_cache`; donated).
+      last, active, remaining, count, keys, eos_ids, stop_on_free: as
+        ``decode_steps_program`` (``count`` indexes each slot's sampling key).
+      hist: [B, H] int32 each slot's tokens (prompt, generated), valid below hist_len
+        [B] (donated).
+    Returns:
+      (tokens [B, rounds·(k + 1)] int32, each slot's emitted tokens in order, -1 after;
+      rounds run [] int32; cache; last; active; remaining; count; occupied slot-rounds [];
+      held tokens []; hist; hist_len; accepted [B]; proposed [B]).
+    """
+    out = speculative_loop(params, None, cache, None, last, active, remaining, hist,
+                           hist_len, jax.random.key(0), eos_ids, cfg=cfg, draft_cfg=None,
+                           spec=spec, sampling=sampling, buf_len=rounds * (spec.k + 1),
+                           max_rounds=rounds, stop_on_free=stop_on_free, row_keys=keys,
+                           index=count, stats=True)
+    return (out["tokens"], out["steps"], out["cache"], out["last"], out["active"],
+            out["remaining"], count + out["count"], out["occupied"], out["held"],
+            out["hist"], out["hist_len"], out["accepted"], out["proposed"])
 
 
 @dataclasses.dataclass

@@ -36,13 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import native
+from kvjax import kernels, native
 from kvjax import plan as plan_lib
 from kvjax.cache.policy import policy_for
 from kvjax.ops import NEG_INF, dot_operand
 from kvjax.ops import layout_spec as _spec
 
-IMPLS = ("xla", "xla_cache_left", "native", "pallas")
+IMPLS = kernels.names("decode_attention", auto=False)  # the registry's (kvjax.kernels)
 
 
 def check_impl(impl: str) -> str:

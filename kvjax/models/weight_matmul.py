@@ -42,11 +42,14 @@ import math
 import jax
 import jax.numpy as jnp
 
+from kvjax import kernels
 from kvjax import plan as plan_lib
-from kvjax.config import WEIGHT_MATMUL as IMPLS  # the config's list: one home
+from kvjax.config import WEIGHT_MATMUL as IMPLS  # the registry's list (kvjax.kernels)
 from kvjax.native import rows_matmul as rm
 
-NATIVE = ("native", "native_ksplit", "native_lanes")  # the kernel's formulations
+# the native kernel's formulations: the registry's custom calls of that target
+NATIVE = tuple(f.name for f in kernels.formulations("weight_matmul")
+               if f.target == "kvjax_rows_matmul")
 
 
 def check_impl(impl: str) -> str:

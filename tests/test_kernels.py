@@ -1,0 +1,49 @@
+"""The kernel registry (kvjax.kernels) is the one list of formulations: the config, the
+formulation modules, the planner's cache check and docs/DESIGN.md read it."""
+
+import pathlib
+
+import pytest
+
+from kvjax import config, kernels
+from kvjax.models import decode_kernels, weight_matmul
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_every_list_is_the_registry():
+    assert config.DECODE_ATTENTION == ("auto",) + decode_kernels.IMPLS
+    assert decode_kernels.IMPLS == ("xla", "xla_cache_left", "native", "pallas")
+    assert weight_matmul.IMPLS == config.WEIGHT_MATMUL == kernels.names("weight_matmul")
+    assert set(weight_matmul.NATIVE) == {"native", "native_ksplit", "native_lanes"}
+    assert config.PREFILL_IMPLS == ("auto", "tiled", "dense", "native", "cudnn")
+
+
+def test_names_are_unique_and_auto_is_not_registered():
+    for op in kernels.OPS:
+        got = kernels.names(op, auto=False)
+        assert len(got) == len(set(got)) and kernels.AUTO not in got
+
+
+def test_custom_calls_name_their_targets():
+    """Every kernel the cost hook must count (a custom call) names its target where
+    kvjax defines one, and those are the targets kvjax's native modules register."""
+    from kvjax import native  # noqa: PLC0415
+    from kvjax.native import prefill, rows_matmul  # noqa: PLC0415
+    assert set(kernels.custom_call_targets()) == {native.TARGET, prefill.TARGET,
+                                                  rows_matmul.TARGET}
+    for f in kernels.REGISTRY:
+        assert f.counted in ("xla", "custom call", "pallas")
+        assert (f.target is not None) <= (f.counted == "custom call")
+
+
+def test_unknown_names_are_refused_naming_the_allowed():
+    with pytest.raises(ValueError, match=r"decode_attention='nope'; allowed: one of "
+                                         r"\['xla', 'xla_cache_left', 'native', 'pallas'\]"):
+        kernels.get("decode_attention", "nope")
+    with pytest.raises(ValueError, match=r"op='matmul'; allowed"):
+        kernels.names("matmul")
+
+
+def test_design_doc_holds_the_registry_table():
+    assert kernels.markdown_table() in (ROOT / "docs" / "DESIGN.md").read_text()
