@@ -552,9 +552,21 @@ def _fused_kind(fused: list[Instruction], operand_classes: list) -> Any:
             ins = by_name[ins.operands[0]]
         return ins.parameter_number
 
+    def constant(ins: Instruction) -> bool:
+        while ins.opcode in through | {"broadcast"} and ins.operands:
+            ins = by_name[ins.operands[0]]
+        return ins.opcode == "constant"
+
     def kind_of(ins: Instruction):
         while ins.opcode in through and ins.operands:
             ins = by_name[ins.operands[0]]
+        if ins.opcode == "select" and len(ins.operands) == 3 and constant(
+                by_name[ins.operands[2]]):
+            # select(seen, cache, 0): the cache with its never-written slots cleared
+            # (model.clear_masked_slots) is still the cache the program was given
+            p = source_param(by_name[ins.operands[1]])
+            if p is not None and _class_of(operand_classes[p]) in (KV, KV_NEW):
+                return operand_classes[p]
         if ins.opcode in _UPDATE_OPS:
             p = source_param(by_name[ins.operands[0]])
             if p is not None and _class_of(operand_classes[p]) in (KV, KV_NEW):
