@@ -435,6 +435,10 @@ KV = "kv"                  # a KV-cache argument buffer, as passed in
 KV_NEW = "kv_new"          # the cache after this program's update of it (the result)
 WEIGHTS = "weights"        # a parameter (weights) argument buffer
 KV_COPY = "kv_copy"        # a materialised copy / transpose / convert of the cache
+# select(seen, cache, 0): the cache with its never-written slots cleared
+# (model.clear_masked_slots). Read where it is made, it counts as before ('other'); carried
+# into a while loop (the generate loops clear once on entry) it is the cache again (KV).
+KV_CLEARED = "kv_cleared"
 WEIGHTS_COPY = "weights_copy"  # ... of the weights
 OTHER = "other"            # activations, logits, token ids, bookkeeping
 
@@ -563,10 +567,10 @@ def _fused_kind(fused: list[Instruction], operand_classes: list) -> Any:
         if ins.opcode == "select" and len(ins.operands) == 3 and constant(
                 by_name[ins.operands[2]]):
             # select(seen, cache, 0): the cache with its never-written slots cleared
-            # (model.clear_masked_slots) is still the cache the program was given
             p = source_param(by_name[ins.operands[1]])
             if p is not None and _class_of(operand_classes[p]) in (KV, KV_NEW):
-                return operand_classes[p]
+                name = tensor_of(_class_of(operand_classes[p]))
+                return Tagged(KV_CLEARED, name) if name else KV_CLEARED
         if ins.opcode in _UPDATE_OPS:
             p = source_param(by_name[ins.operands[0]])
             if p is not None and _class_of(operand_classes[p]) in (KV, KV_NEW):
@@ -636,7 +640,7 @@ def op_costs(compiled, trip_counts: Mapping[str, int] | None = None,
                 m = _WHILE.search(ins.line)
                 cond, body = m.group(1), m.group(2)
                 n, _ = _trip_count(ins.line, body, trip_counts, default_trip_count)
-                init = ops_cls[0] if ops_cls else OTHER
+                init = _uncleared(ops_cls[0] if ops_cls else OTHER)
                 visit(body, [init], count * n)
                 visit(cond, [init], count * n)  # as loop_aware_cost: n x (body + cond)
                 c = init
@@ -655,6 +659,16 @@ def op_costs(compiled, trip_counts: Mapping[str, int] | None = None,
 
     visit(entry, [], 1)
     return out
+
+
+def _uncleared(c):
+    """``c`` with every KV_CLEARED (a cleared cache carried into a loop) read as KV."""
+    if isinstance(c, tuple):
+        return tuple(_uncleared(x) for x in c)
+    if _class_of(c) == KV_CLEARED:
+        name = tensor_of(c)
+        return Tagged(KV, name) if name else KV
+    return c
 
 
 def _kv_new(source) -> str:
@@ -759,7 +773,7 @@ class Attribution:
 
 # Reading the updated cache back (XLA copying it into the output buffer) is a copy.
 _READ_PART = {KV: "kv_read", KV_NEW: "kv_copies", WEIGHTS: "weights", KV_COPY: "kv_copies",
-              WEIGHTS_COPY: "weight_copies", OTHER: "other"}
+              WEIGHTS_COPY: "weight_copies", OTHER: "other", KV_CLEARED: "other"}
 _WRITE_PART = {KV_NEW: "kv_write", KV_COPY: "kv_copies", WEIGHTS_COPY: "weight_copies"}
 
 
