@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from kvjax import ops
 from kvjax.cache import quant
 from kvjax.cache.policy import (CacheOverflowError, DenseSlots, RingSlots, policy_for,
                                 write_rows, write_shared)
@@ -241,15 +242,12 @@ def clear_unseen(cfg: ModelConfig, cache: KVCache) -> KVCache:
     """
     seen = cache.positions >= 0  # [B, S]
 
-    def clear(x, name, batch_axis):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        shape = [1] * x.ndim
-        shape[batch_axis], shape[slot_axis(cfg, name) % x.ndim] = seen.shape
-        return jnp.where(seen.reshape(shape), x, jnp.zeros((), x.dtype))
+    def clear(x, name):  # one layer's tensor, batch axis 0 (ops.zero_unseen)
+        return ops.zero_unseen(x, seen, slot_axis(cfg, name))
 
-    tensors = {n: tuple(clear(x, n, 0) for x in t) if isinstance(t, tuple)
-               else clear(t, n, 1) for n, t in cache.tensors.items()}
+    tensors = {n: tuple(clear(x, n) for x in t) if isinstance(t, tuple)
+               else jax.vmap(lambda x, n=n: clear(x, n))(t)  # stacked: [L, B, ...]
+               for n, t in cache.tensors.items()}
     return cache.replace(tensors=tensors)
 
 

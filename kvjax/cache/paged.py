@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import ops
 from kvjax.cache import kv, quant
 from kvjax.config import ModelConfig
 
@@ -127,15 +128,8 @@ class PagedKVCache:
         axes = dict(self.axes)
         seen = self.positions >= 0  # [B, M·P]
 
-        def view(t, axis):
-            g = gather_view(t, self.block_table, axis)
-            if not jnp.issubdtype(g.dtype, jnp.floating):
-                return g
-            shape = [1] * g.ndim
-            shape[0], shape[axis % g.ndim] = seen.shape
-            return jnp.where(seen.reshape(shape), g, jnp.zeros((), g.dtype))
-
-        return {n: view(t[i], axes[n]) for n, t in self.tensors.items()}
+        return {n: ops.zero_unseen(gather_view(t[i], self.block_table, axes[n]), seen,
+                                   axes[n]) for n, t in self.tensors.items()}
 
 
 def gather_view(pool: jax.Array, block_table: jax.Array, axis: int) -> jax.Array:
