@@ -65,7 +65,7 @@ def report(result: runner.DecodeResult) -> str:
     """The human-readable report of one run: the generate loop's figures first (the
     program that decodes), the single step second, then the prefill."""
     c = result.costs
-    if isinstance(c, runner.MeshCostReport):
+    if c.per_device:
         return mesh_report(result)
     loop, s = c.loop, c.step
     cfg = s.cfg

@@ -21,8 +21,9 @@ past its end raises :class:`kvjax.cache.policy.CacheOverflowError`, never a sile
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,65 @@ from kvjax.inference.sampling import is_stop, sample_logits
 
 __all__ = ["check_room", "prefill", "generate", "eos_array",
            "prefill_program", "generate_program", "decode_step", "decode_loop",
-           "token_buffer_len"]
+           "token_buffer_len", "compile_unit", "place"]
+
+ROLES = ("params", "rows", "cache")
+
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+    """What each array argument and output of a compile unit is, for a placement to map
+    to shardings: 'params' (the parameter tree), 'rows' (split by batch row: tokens,
+    lengths, budgets, keys), 'cache' (the KV cache, donated), None (left to the compiler:
+    step counts, keys, eos ids).
+
+    Attributes:
+      args: one role per positional argument. outs: one role per output.
+    """
+
+    args: tuple
+    outs: tuple
+
+    def __post_init__(self):
+        bad = [r for r in self.args + self.outs if r is not None and r not in ROLES]
+        if bad or "cache" not in self.args:
+            raise ValueError(f"roles {self.args} -> {self.outs}; allowed: {ROLES} or None, "
+                             "with the cache among the arguments (it is donated)")
+
+
+def compile_unit(*, static: tuple, args: tuple, outs: tuple):
+    """Declares a compile unit once: ``body``'s keyword-only ``static`` arguments, the cache
+    donated, and the :class:`Roles` of its arguments and outputs. Returns ``body`` jitted
+    (static arguments named at each call: the library's unit) carrying ``.roles``, from
+    which :func:`place` builds the same unit for one device or a mesh."""
+    roles = Roles(tuple(args), tuple(outs))
+
+    def wrap(body: Callable):
+        unit = jax.jit(body, static_argnames=static, donate_argnames=("cache",))
+        unit.roles = roles
+        return unit
+    return wrap
+
+
+def place(unit, shardings: dict | None = None, **static):
+    """``unit`` (a :func:`compile_unit`) jitted with its ``static`` arguments bound and the
+    cache donated: positional arguments only, so ``.lower(*args)`` and calls read alike
+    on one device and on a mesh.
+
+    Args:
+      unit: a compile unit of this package (``decode.prefill_program``, ...).
+      shardings: {role: sharding} for a mesh (:class:`Roles`; a role it lacks, and None,
+        are left to the compiler); None: one device, no shardings.
+      **static: the unit's static arguments (``cfg``, ``sampling``, ...).
+    """
+    roles = unit.roles
+    fn = functools.partial(unit.__wrapped__, **static)
+    donate = (roles.args.index("cache"),)
+    if shardings is None:
+        return jax.jit(fn, donate_argnums=donate)
+    pick = lambda rs: tuple(None if r is None else shardings.get(r) for r in rs)
+    return jax.jit(fn, in_shardings=pick(roles.args), out_shardings=pick(roles.outs),
+                   donate_argnums=donate)
 
 
 def eos_array(eos_ids: int | Sequence[int] = (), size: int | None = None) -> jax.Array:
@@ -69,7 +128,8 @@ def _positions(cache: KVCache, t: int) -> jax.Array:
     return cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "fresh"), donate_argnames=("cache",))
+@compile_unit(static=("cfg", "fresh"), args=("params", "rows", "cache"),
+              outs=("rows", "cache"))
 def prefill_program(params, tokens, cache, *, cfg, fresh=False):
     """Compile unit of :func:`prefill` (no host checks): tokens [B, T] int32 ->
     (logits [B, V] float32 of the last token, cache). ``fresh``: the cache is empty
@@ -143,7 +203,7 @@ def prefill_chunked(params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
     return logits, cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@compile_unit(static=("cfg",), args=("params", "rows", "cache"), outs=("rows", "cache"))
 def decode_step(params, token, cache, *, cfg):
     """One decode step: token [B, 1] int32 at position cache.length -> (logits [B, V], cache).
 
@@ -162,8 +222,9 @@ def token_buffer_len(cfg: ModelConfig, num_slots: int, num_steps: int) -> int:
     return policy_for(cfg).buffer_len(num_slots, num_steps)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "buf_len"),
-                   donate_argnames=("cache",))
+@compile_unit(static=("cfg", "sampling", "buf_len"),
+              args=("params", "rows", "cache", None, None, None),
+              outs=("rows", None, "cache"))
 def generate_program(params, first_token, cache, num_steps, rng, eos_ids, *, cfg, sampling,
                      buf_len=None):
     """Compile unit of :func:`generate` (no host checks): first_token [B] int32, cache,

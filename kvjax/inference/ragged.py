@@ -118,7 +118,8 @@ def _positions(cache: KVCache, t: int) -> jax.Array:
     return cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@decode_lib.compile_unit(static=("cfg",), args=("params", "rows", "rows", "cache"),
+                         outs=("rows", "cache"))
 def prefill_ragged_program(params, tokens, lengths, cache, *, cfg):
     """Compile unit of :func:`prefill_ragged` (no host checks): tokens [B, T] int32
     right-padded, lengths [B] int32 -> (logits [B, V] float32 at each row's last real
@@ -165,8 +166,9 @@ def prefill_ragged(params, cfg: ModelConfig, tokens, lengths, cache: KVCache):
                                   jnp.asarray(lengths, jnp.int32), cache, cfg=cfg)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "buf_len"),
-                   donate_argnames=("cache",))
+@decode_lib.compile_unit(static=("cfg", "sampling", "buf_len"),
+                         args=("params", "rows", "cache", "rows", "rows", None),
+                         outs=("rows", "rows", "cache"))
 def generate_ragged_program(params, first_token, cache, budgets, row_keys, eos_ids, *, cfg,
                             sampling, buf_len):
     """Compile unit of :func:`generate_ragged` (no host checks).

@@ -236,39 +236,47 @@ class Generation:
     # speculative decoding (run.speculative): drafter, k, per-row rounds/accepted/
     # proposed/emitted, acceptance rate, tokens per verify step; None for plain decoding
     speculative: dict | None = None
+    # the programs' placement (one device or run.mesh, with the plan the run used:
+    # kvjax.parallel.programs.Placement); None for speculative decoding
+    placement: object = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass
 class CostReport:
-    """The cost hook's figures for a run, the program that decodes first.
+    """The cost hook's figures for a run: one report for one device and for a mesh,
+    every figure per device when there are several.
 
+    step: the decode step at ``run.cost_context`` (default max_seq_len) compiled and timed
+      on its own: on one device a ``decode_step`` called from Python
+      (:func:`costs.analyze_decode_step`, a :class:`costs.StepCost`); on a mesh the
+      sharded step compiled from shapes (:func:`kvjax.parallel.costs.analyze_sharded_step`,
+      a :class:`kvjax.parallel.costs.ShardedStepCost`: theory = weights / TP + KV / shards
+      + collective bytes, XLA's per-device ``cost_analysis``, the collectives by kind /
+      bytes / mesh axis).
+    step_seconds_median: its median wall time (s; on a mesh: real weights, a full cache).
     loop: the compiled generate loop per generated token (:func:`costs.analyze_loop`);
-    loop_seconds_per_token: its measured time per token (:func:`costs.measure_loop_seconds`,
-      the difference of two loop lengths, so the call's fixed cost cancels);
-    loop_timing: that measurement's details;
-    step: one separately compiled ``decode_step`` called from Python
-      (:func:`costs.analyze_decode_step`); step_seconds_median: its median wall time;
-    prefill: the compiled prefill.
+      loop_seconds_per_token: its measured time per token (:func:`costs.measure_loop_seconds`,
+      the difference of two loop lengths, so the call's fixed cost cancels); loop_timing:
+      that measurement's details; prefill: the compiled prefill. One device only (None
+      on a mesh).
+    programs: on a mesh, 'prefill' / 'prefill chunk of N' / 'generate' ->
+      {'inventory': {'kind@axes': {count, bytes, link_bytes}}, 'cache_gathers': [names]}
+      of the programs the run decoded with ('cache_gathers' is always empty: a gather
+      raises instead); None on one device.
     """
 
-    loop: costs.StepCost
-    loop_seconds_per_token: float
-    loop_timing: dict
-    step: costs.StepCost
+    step: object
     step_seconds_median: float
-    prefill: costs.StepCost
+    loop: costs.StepCost | None = None
+    loop_seconds_per_token: float | None = None
+    loop_timing: dict | None = None
+    prefill: costs.StepCost | None = None
+    programs: dict | None = None
 
-
-def plan_for(run: RunConfig, cfg: ModelConfig, prompt_tokens: int) -> ModelConfig:
-    """``cfg`` with the plan of ``run``'s programs (:func:`kvjax.planner.resolve`, before
-    any trace): decode rows B, prefill rows B·T (and B·n for each ``prefill_chunk``
-    length n), a cache of ``max_seq_len`` and of the cost context."""
-    b = run.batch_size
-    chunks = decode.chunk_lengths(prompt_tokens, run.prefill_chunk) if run.prefill_chunk \
-        else ()
-    return planner.resolve(cfg, max_seq_len=run.max_seq_len, batch_sizes=(b,),
-                           rows=(b * prompt_tokens,) + tuple(b * n for n in chunks),
-                           extra_seq_lens=(run.cost_context,) if run.cost_context else ())
+    @property
+    def per_device(self) -> bool:
+        """The run is on a mesh: the figures are one device's."""
+        return self.programs is not None
 
 
 def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
@@ -293,26 +301,17 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
     memory.check_run(run, weights_loaded=True, prompt_tokens=len(ids))
     start = time.perf_counter()
     steps = run.max_new_tokens - 1
-    mm = None
-    if run.mesh.trivial:  # one device: the single-device programs, unchanged
-        cfg = plan_for(run, cfg, len(ids))
-        cache = cache_lib.init_cache(cfg, b, run.max_seq_len)
-        prefill_c, chunk_cs = compile_prefill(run, params, tokens, cache, cfg=cfg)
-        gen_c = decode.generate_program.lower(
-            params, tokens[:, 0], cache, jnp.int32(0), jax.random.key(0), eos,
-            cfg=cfg, sampling=run.sampling,
-            buf_len=decode.token_buffer_len(cfg, cache.num_slots, steps)).compile()
-    else:  # parameters, tokens and cache laid out on the mesh; the cache stays sharded
-        mm = meshed(run)
-        params = mm.shard_params(params)
-        tokens = jax.device_put(tokens, mm.sharding(P("data")))
-        cache = mm.init_cache()
-        cfg = mm.cfg
-        prefill_c, chunk_cs = compile_prefill(run, params, tokens, cache, mm, cfg=cfg)
-        gen_c = mm.generate(run.sampling, decode.token_buffer_len(
-            cfg, cache.num_slots, steps)).lower(
-            params, tokens[:, 0], cache, jnp.int32(0), jax.random.key(0),
-            eos).compile()
+    # one device or a mesh: one builder (on a mesh, parameters, tokens and cache are
+    # laid out by their specs and the cache stays sharded)
+    placement = place(run, cfg, len(ids))
+    cfg = placement.cfg
+    params = placement.shard_params(params)
+    tokens = placement.place_rows(tokens)
+    cache = placement.init_cache()
+    prefill_c, chunk_cs = compile_prefill(run, placement, params, tokens, cache)
+    gen_c = placement.generate(run.sampling, decode.token_buffer_len(
+        cfg, cache.num_slots, steps)).lower(
+        params, tokens[:, 0], cache, jnp.int32(0), jax.random.key(0), eos).compile()
     compile_s = time.perf_counter() - start
 
     rng = jax.random.key(run.sampling.seed)
@@ -351,7 +350,7 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
                           for n, t in cache.tensors.items()},
         warnings=notes, prefill_chunk_temp_bytes=[hlo_cost.memory_stats(c).get("temp_bytes")
                                                   for c in chunk_cs.values()],
-        mesh_note=mm.note if mm is not None else None,
+        mesh_note=placement.note, placement=placement,
         kv_cache_bytes_per_device=sum(x.addressable_shards[0].data.nbytes
                                       for x in jax.tree.leaves(cache.tensors)),
         stop_reason=stop, nonfinite_at=nonfinite_at, stop_token=stop_token,
@@ -519,12 +518,25 @@ def decode_speculative(run: RunConfig, loaded: LoadedModel) -> Generation:
 
 
 def cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> CostReport:
-    """The cost hook for ``run`` at context ``run.cost_context`` (default max_seq_len):
-    the generate loop per token (compiled for timing and analysed), the single step, and
-    the prefill ``gen`` ran, with the plan the run used (:func:`plan_for`)."""
-    params, b = loaded.params, run.batch_size
-    cfg = plan_for(run, loaded.cfg, gen.prompt_tokens)
+    """The cost hook for ``run`` at context ``run.cost_context`` (default max_seq_len),
+    with the plan and placement the run used (``gen.placement``; for speculative decoding
+    those of plain decoding; see :class:`CostReport`).
+    On one device: the generate loop per token (compiled for timing and analysed), the
+    single step, and the prefill ``gen`` ran. On a mesh, per device: the collectives of
+    the programs ``gen`` ran, then the sharded step, compiled and timed.
+
+    Raises:
+      kvjax.parallel.collectives.CacheGatherError: on a mesh, the prefill, the generate
+        loop or the sharded step all-gathers or all-to-alls a cache tensor (checked on
+        the run's programs first, before the step is compiled and timed).
+    """
+    b = run.batch_size
+    placement = gen.placement or place(run, loaded.cfg, gen.prompt_tokens)
+    cfg = placement.cfg
     context = run.cost_context or run.max_seq_len
+    if not placement.trivial:
+        return _mesh_costs(run, loaded, gen, placement, context)
+    params = loaded.params
     loop_c = costs.compile_generate(cfg, b, context, run.sampling)
     timing = costs.measure_loop_seconds(cfg, params, context, b, compiled=loop_c,
                                         sampling=run.sampling,
@@ -535,51 +547,22 @@ def cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> CostRep
                                        run.measure_repeats)
     prefill = costs.analyze_prefill(cfg, gen.prompt_tokens, run.max_seq_len, b,
                                     compiled=gen.prefill_compiled)
-    return CostReport(loop=loop, loop_seconds_per_token=timing["per_token_s"],
-                      loop_timing=timing, step=step,
-                      step_seconds_median=statistics.median(times), prefill=prefill)
+    return CostReport(step=step, step_seconds_median=statistics.median(times), loop=loop,
+                      loop_seconds_per_token=timing["per_token_s"], loop_timing=timing,
+                      prefill=prefill)
 
 
-@dataclasses.dataclass
-class MeshCostReport:
-    """The cost hook on a mesh (``run.mesh``), every figure per device.
-
-    step: one sharded decode step at ``run.cost_context`` compiled from shapes
-      (:func:`kvjax.parallel.costs.analyze_sharded_step`): theory (weights / TP + KV /
-      shards + collective bytes), XLA's per-device ``cost_analysis``, the collectives by
-      kind / bytes / mesh axis, and cache all-gathers (none: any raises
-      :class:`kvjax.parallel.collectives.CacheGatherError`).
-    step_seconds_median: the median wall time of that step on the mesh (real weights,
-      a full cache; :func:`kvjax.parallel.costs.measure_sharded_step`).
-    programs: 'prefill' / 'prefill chunk of N' (``run.prefill_chunk``) / 'generate' ->
-      {'inventory': {'kind@axes': {count, bytes,
-      link_bytes}}, 'cache_gathers': [names]} of the programs the run decoded with
-      ('cache_gathers' is always empty: a gather raises instead).
-    """
-
-    step: object
-    step_seconds_median: float
-    programs: dict
-
-
-def mesh_cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> MeshCostReport:
-    """The per-device cost hook for a run on ``run.mesh`` (see :class:`MeshCostReport`).
-
-    Raises:
-      kvjax.parallel.collectives.CacheGatherError: the prefill, the generate loop or the
-        sharded step all-gathers or all-to-alls a cache tensor (checked on the run's
-        programs first, before the step is compiled and timed).
-    """
+def _mesh_costs(run: RunConfig, loaded: LoadedModel, gen: Generation, placement,
+                context: int) -> CostReport:
+    """:func:`cost_report` on a mesh (every figure per device)."""
     cfg, b = loaded.cfg, run.batch_size
-    context = run.cost_context or run.max_seq_len
-    mm = meshed(run)
     shapes = pcosts.cache_shapes(cfg, run.mesh, b, cache_lib.num_slots(cfg, run.max_seq_len))
     progs, all_colls = {}, {}
     compiled_programs = [("prefill", gen.prefill_compiled)] + [
         (f"prefill chunk of {n}", c) for n, c in sorted(gen.prefill_chunk_compiled.items())
     ] + [("generate", gen.generate_compiled)]
     for name, compiled in compiled_programs:
-        colls = all_colls[name] = coll_lib.collectives(compiled, mm.mesh)
+        colls = all_colls[name] = coll_lib.collectives(compiled, placement.mesh)
         progs[name] = {
             "inventory": {f"{k}@{'+'.join(a) or '-'}": v
                           for (k, a), v in coll_lib.inventory(colls).items()},
@@ -588,8 +571,13 @@ def mesh_cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> Me
     step = pcosts.analyze_sharded_step(cfg, run.mesh, context, b)
     times = pcosts.measure_sharded_step(cfg, run.mesh, loaded.params, context, b,
                                         run.measure_repeats, compiled=step.compiled)
-    return MeshCostReport(step=step, step_seconds_median=statistics.median(times),
-                          programs=progs)
+    return CostReport(step=step, step_seconds_median=statistics.median(times),
+                      programs=progs)
+
+
+# Generation fields that are programs, not figures: left out of the JSON
+_NOT_JSON = ("prefill_compiled", "generate_compiled", "prefill_chunk_compiled",
+             "placement")
 
 
 @dataclasses.dataclass
@@ -613,10 +601,9 @@ class DecodeResult:
 
     def as_json(self) -> dict:
         g, c = self.generation, self.costs
-        if isinstance(c, MeshCostReport):  # a run on a mesh: per-device figures
+        if c.per_device:  # a run on a mesh: per-device figures
             out = {f.name: getattr(g, f.name) for f in dataclasses.fields(g)
-                   if f.name not in ("prefill_compiled", "generate_compiled",
-                                     "prefill_chunk_compiled")}
+                   if f.name not in _NOT_JSON}
             out.update({"mesh": c.step.as_dict(), "step_seconds_median": c.step_seconds_median,
                         "achieved_bytes_per_s_per_device":
                             c.step.theory_bytes_dev / c.step_seconds_median,
@@ -624,9 +611,7 @@ class DecodeResult:
             return out
         s, loop = c.step, c.loop
         out = {f.name: getattr(g, f.name) for f in dataclasses.fields(g)
-               if f.name not in ("prefill_compiled", "generate_compiled",
-                                 "prefill_chunk_compiled", "kv_cache_bytes",
-                                 "kv_cache_bytes_theory")}
+               if f.name not in _NOT_JSON + ("kv_cache_bytes", "kv_cache_bytes_theory")}
         out.update({
             # per batch or per sequence, said in the key (issue 16)
             "batch_size": s.batch,
@@ -671,32 +656,24 @@ class DecodeResult:
 
 
 def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
-    """Decodes ``run.prompt`` (:func:`decode_prompt`) and costs it (:func:`cost_report`;
-    on a mesh, :func:`mesh_cost_report`, per device).
+    """Decodes ``run.prompt`` (:func:`decode_prompt`) and costs it (:func:`cost_report`,
+    per device on a mesh).
 
     Raises:
       ConfigError: prompt + max_new_tokens do not fit in max_seq_len (before compiling).
     """
     gen = decode_prompt(run, loaded)
-    if not run.mesh.trivial:
-        return DecodeResult(gen, mesh_cost_report(run, loaded, gen))
     return DecodeResult(gen, cost_report(run, loaded, gen))
 
 
-def compile_prefill(run: RunConfig, params, tokens: jax.Array, cache: cache_lib.KVCache,
-                    mm=None, cfg: ModelConfig | None = None):
-    """Compiles the prefill ``run`` asks for: (the one-pass program for an empty cache,
-    {chunk length: program} for ``run.prefill_chunk``, empty without it). The one-pass
-    program is compiled either way (the cost report analyses it). ``mm``: a
-    :class:`kvjax.parallel.programs.MeshedModel` to compile the sharded programs of
-    (params, tokens and cache already placed on its mesh). ``cfg``: the model with its
-    plan (default ``run.model``, without one)."""
-    cfg = run.model if cfg is None else cfg
-    if mm is None:
-        lower = lambda t, fresh: decode.prefill_program.lower(params, t, cache, cfg=cfg,
-                                                              fresh=fresh)
-    else:
-        lower = lambda t, fresh: mm.prefill(fresh).lower(params, t, cache)
+def compile_prefill(run: RunConfig, placement, params, tokens: jax.Array,
+                    cache: cache_lib.KVCache):
+    """Compiles the prefill ``run`` asks for on ``placement`` (a
+    :class:`kvjax.parallel.programs.Placement`: one device or a mesh; params, tokens and
+    cache already placed on it): (the one-pass program for an empty cache, {chunk length:
+    program} for ``run.prefill_chunk``, empty without it). The one-pass program is
+    compiled either way (the cost report analyses it)."""
+    lower = lambda t, fresh: placement.prefill(fresh).lower(params, t, cache)
     one = lower(tokens, True).compile()
     chunks = {}
     if run.prefill_chunk:
@@ -716,15 +693,25 @@ def check_mesh(run: RunConfig) -> None:
                    cache_lib.num_slots(run.model, run.max_seq_len))
 
 
-def meshed(run: RunConfig):
-    """The :class:`kvjax.parallel.programs.MeshedModel` of ``run`` (``run.mesh``, batch
-    ``run.batch_size``, cache of ``run.max_seq_len``).
+def place(run: RunConfig, cfg: ModelConfig | None = None, prompt_tokens: int | None = None):
+    """The :class:`kvjax.parallel.programs.Placement` of ``run``'s programs: one device or
+    ``run.mesh``, batch ``run.batch_size``, a cache of ``run.max_seq_len``, ``cfg``
+    (default ``run.model``) with the plan of those programs (the shapes:
+    the prefill's rows for ``prompt_tokens``, the cost context).
 
     Raises:
       ConfigError: the mesh does not fit the devices or the model
         (:func:`kvjax.parallel.programs.build`), before anything is compiled.
     """
-    return programs.build(run.model, run.mesh, run.batch_size, run.max_seq_len)
+    b = run.batch_size
+    rows = ()
+    if prompt_tokens is not None:
+        chunks = decode.chunk_lengths(prompt_tokens, run.prefill_chunk) \
+            if run.prefill_chunk else ()
+        rows = (b * prompt_tokens,) + tuple(b * n for n in chunks)
+    return programs.build(run.model if cfg is None else cfg, run.mesh, b, run.max_seq_len,
+                          rows=rows,
+                          extra_seq_lens=(run.cost_context,) if run.cost_context else ())
 
 
 def run_prefill(one, chunks: dict, run: RunConfig, params, tokens, cache):
