@@ -27,9 +27,12 @@ common prompt prefixes. ``--config.chat_template=True`` makes each request's tex
 user's turn of the checkpoint's chat template (every prompt then starts with the same
 system turn).
 
+``--arrival_rate=R``: requests arrive as a Poisson process of R per second (seeded by
+``--seed``) instead of all at once, and are not admitted before they arrive.
+
 Printed: throughput (generated tokens/s over the run's wall time), time to first token
-and time per output token (p50/p90/p99; every request arrives at 0, so TTFT includes
-queueing), mean slot occupancy, and KV bytes live (held by occupied rows, mean over
+(from each request's arrival, so it includes queueing), time per output token and the
+time between tokens as the host received them (p50/p90/p99), mean slot occupancy, and KV bytes live (held by occupied rows, mean over
 decode steps) vs allocated. ``--compare_plain``: the engine at full occupancy (``slots``
 requests, one budget, no EOS) against the plain batched loop
 (kvjax.inference.ragged.generate_ragged) on the same prompts, decode tokens/s ratio.
@@ -79,6 +82,9 @@ _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
 _PREFIX_CACHE = flags.DEFINE_bool(
     "prefix_cache", False, "With --config.page_size=N: requests reuse the cached pages of "
     "common prompt prefixes (reports the hit rate and the prefill tokens saved).")
+_ARRIVAL_RATE = flags.DEFINE_float(
+    "arrival_rate", 0.0, "Requests per second arriving as a Poisson process (exponential "
+    "gaps drawn with --seed); 0: every request arrives at once (an offline batch).")
 _MAX_ROWS = flags.DEFINE_integer(
     "max_rows", 0, "With --config.page_size=N: block-table rows, the most requests running "
     "at once (0: 4 x --slots). The page pool holds --slots x max_seq_len tokens, the "
@@ -185,6 +191,28 @@ def file_requests(path: str, tokenizer):
     return reqs, skipped
 
 
+def check_arrival_rate(rate: float) -> None:
+    """Raises ValueError naming ``rate`` unless it is a finite number >= 0."""
+    if not (np.isfinite(rate) and rate >= 0):
+        raise ValueError(f"--arrival_rate={rate!r}; allowed: requests per second >= 0 "
+                         "(0: all at once)")
+
+
+def poisson_arrivals(reqs, rate: float, seed: int):
+    """``reqs`` with Poisson arrival times at ``rate`` requests/s: the gaps between
+    arrivals are exponential with mean 1 / rate, drawn from ``seed``, the first request
+    at its gap after 0. ``rate`` 0 leaves every arrival at 0.
+
+    Raises:
+      ValueError: a negative or non-finite rate (:func:`check_arrival_rate`).
+    """
+    check_arrival_rate(rate)
+    if rate == 0:
+        return list(reqs)
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(reqs))
+    return [dataclasses.replace(r, arrival_s=float(t)) for r, t in zip(reqs, np.cumsum(gaps))]
+
+
 def screen(eng: engine_lib.Engine, reqs):
     """(runnable requests, skipped): each request checked by the engine (a prompt longer
     than the cache is named, the others still run)."""
@@ -212,6 +240,8 @@ def summarize(done, stats: engine_lib.EngineStats) -> dict:
         "throughput_tokens_per_s": stats.throughput,
         "ttft_s": percentiles([c.ttft_s for c in done]),
         "tpot_s": percentiles([c.tpot_s for c in done]),
+        # times between tokens as the host received them, every gap of every request
+        "itl_s": percentiles([g for c in done for g in c.itl_s]),
         "mean_slot_occupancy": stats.mean_occupancy, "slots": stats.num_slots,
         "decode_steps": stats.steps, "decode_s": stats.decode_s,
         **({"speculative": {"accepted": stats.accepted, "proposed": stats.proposed,
@@ -264,7 +294,8 @@ def completion_json(c: engine_lib.Completion, tok) -> dict:
     return {"id": c.id, "prompt_tokens": c.prompt_len, "new_tokens": len(c.tokens),
             "stop": c.stop, "stop_token": c.stop_token,
             "stop_token_text": None if c.stop_token is None else tok.id_to_token(c.stop_token),
-            "ttft_s": c.ttft_s, "tpot_s": c.tpot_s, "text": text, "held_back_bytes": held}
+            "ttft_s": c.ttft_s, "tpot_s": c.tpot_s, "arrival_s": c.arrival_s,
+            "token_s": c.token_s, "text": text, "held_back_bytes": held}
 
 
 def compare_plain(loaded, run, reqs, slots: int, budget: int, steps_per_sync: int,
@@ -315,6 +346,8 @@ def report(summary: dict, skipped) -> str:
         f"{summary['decode_steps']} decode steps)",
         f"time to first token:   {ms(summary['ttft_s'])}",
         f"time per output token: {ms(summary['tpot_s'])}",
+        f"time between tokens:   {ms(summary['itl_s'])} (as the host received them; the "
+        f"tokens of one sync of --steps_per_sync steps arrive together)",
         f"KV bytes: live {summary['kv_bytes_live_mean']:,.0f} (mean over decode steps) of "
         f"{summary['kv_bytes_allocated']:,} allocated "
         f"({summary['kv_bytes_live_mean'] / summary['kv_bytes_allocated']:.1%})",
@@ -357,6 +390,7 @@ def main(argv):
         num, slots, new_max = 6, 3, 24
     try:
         run = run_config_from_dict(_CONFIG.value)
+        check_arrival_rate(_ARRIVAL_RATE.value)  # before the weights load
         if not run.ignore_memory_check:
             memory.check(run.model, slots, run.max_seq_len, what=f"serve with {slots} slots")
         loaded = runner.load(run, progress=_PROGRESS.value)
@@ -395,6 +429,7 @@ def main(argv):
             reqs = chat_requests(reqs, tok, system)
         reqs, more = screen(eng, reqs)
         skipped += more
+        reqs = poisson_arrivals(reqs, _ARRIVAL_RATE.value, _SEED.value)
     except (ConfigError, WeightsError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -413,6 +448,7 @@ def main(argv):
     if bar:
         bar.close()
     summary = summarize(done, stats)
+    summary["arrival_rate"] = _ARRIVAL_RATE.value
     if _COMPARE.value:
         summary["compare_plain"] = compare_plain(loaded, run, reqs, slots,
                                                  new_max, _STEPS_PER_SYNC.value)

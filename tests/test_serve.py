@@ -3,6 +3,8 @@ by its line; the others still run) and requests too long for the cache (named)."
 
 import json
 
+import numpy as np
+
 import pytest
 
 from tests.conftest import import_entry_point
@@ -61,3 +63,19 @@ def test_percentiles_and_bounds():
     again = serve.corpus_requests(CharTokenizer(), 5, 0, 8, 4, 16, 2, 6,
                                   stream=list(range(1000)))
     assert [r.prompt for r in again] == [r.prompt for r in reqs]
+
+
+def test_poisson_arrivals_are_seeded_with_the_asked_rate():
+    reqs = [engine.Request(i, (1,), 2) for i in range(4000)]
+    a = [r.arrival_s for r in serve.poisson_arrivals(reqs, 20.0, seed=5)]
+    assert a == [r.arrival_s for r in serve.poisson_arrivals(reqs, 20.0, seed=5)]
+    gaps = np.diff([0.0] + a)
+    assert (gaps > 0).all()
+    # exponential gaps of mean 1/rate: mean and coefficient of variation 1, within
+    # 5 standard errors of 4,000 draws
+    assert abs(gaps.mean() * 20.0 - 1) < 5 / np.sqrt(4000)
+    assert abs(gaps.std() / gaps.mean() - 1) < 0.1
+    assert all(r.arrival_s == 0 for r in serve.poisson_arrivals(reqs[:3], 0.0, seed=5))
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="--arrival_rate="):
+            serve.poisson_arrivals(reqs, bad, seed=0)

@@ -16,10 +16,13 @@ A request's tokens do not depend on its batch-mates or its slot: each row attend
 to its own cache, and its sampling key is ``fold_in(fold_in(seed, request id), j)`` for
 its j-th token (greedy decoding uses no key).
 
-Times are host wall-clock seconds from the start of :meth:`Engine.run` (every request
-arrives at 0: an offline batch): time to first token is when the request's first token
-is on the host (its queueing + prefill), its finish is the end of the decode block that
-produced its last token (resolution ``steps_per_sync`` steps).
+Times are host wall-clock seconds from the start of :meth:`Engine.run`. A request arrives
+at its ``arrival_s`` (0 for all: an offline batch; ``experiments.serve --arrival_rate``
+draws Poisson arrivals) and is not admitted before. Time to first token runs from its
+arrival to when its first token is on the host (queueing + prefill); each token carries
+the time the host received it (:attr:`Completion.token_s`: the tokens of one decode
+block of ``steps_per_sync`` steps arrive together), so times between tokens are
+measured as a client sees them, not averaged.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from kvjax.inference import decode as decode_lib
 from kvjax.inference.sampling import NONFINITE, is_stop
 from kvjax.models import model as model_lib
 
-__all__ = ["Request", "Completion", "EngineStats", "Engine", "insert_program",
+__all__ = ["Request", "Completion", "EngineStats", "Engine", "Ledger", "insert_program",
            "decode_steps_program", "prefill_bucket"]
 
 
@@ -52,12 +55,15 @@ __all__ = ["Request", "Completion", "EngineStats", "Engine", "insert_program",
 class Request:
     """One request: ``prompt`` token ids (non-empty), ``max_new_tokens`` >= 1 tokens to
     generate (the first one, sampled from the prefill, included); ``id`` names it in
-    errors and seeds its sampling key; ``text`` is informative only."""
+    errors and seeds its sampling key; ``text`` is informative only; ``arrival_s``: when
+    it arrives, in seconds after the run starts (>= 0; 0: at once); it is not admitted
+    before."""
 
     id: int
     prompt: tuple
     max_new_tokens: int
     text: str | None = None
+    arrival_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -66,8 +72,10 @@ class Completion:
     ``stop`` ('eos', 'budget', or 'nonfinite': its logits were not finite, and its last
     token is :data:`kvjax.inference.sampling.NONFINITE`), the slot it used (None:
     finished at its prefill), and seconds since the run started: ``first_token_s``,
-    ``finish_s``; ``stop_token``: the end-of-generation id it stopped at (stop 'eos'),
-    else None."""
+    ``finish_s``, ``arrival_s`` (the request's) and ``token_s`` (one per token: when the
+    host received it; the tokens of one sync of ``steps_per_sync`` steps arrive
+    together, as a streaming client would see them); ``stop_token``: the
+    end-of-generation id it stopped at (stop 'eos'), else None."""
 
     id: int
     prompt_len: int
@@ -77,11 +85,19 @@ class Completion:
     first_token_s: float
     finish_s: float
     stop_token: int | None = None
+    arrival_s: float = 0.0
+    token_s: list = dataclasses.field(default_factory=list)
 
     @property
     def ttft_s(self) -> float:
-        """Time to first token (s): every request arrives at 0."""
-        return self.first_token_s
+        """Time to first token (s) from the request's arrival (queueing included)."""
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def itl_s(self) -> list:
+        """Times between consecutive tokens as the host received them (s; len(tokens) - 1
+        entries, 0 between tokens of the same sync)."""
+        return [b - a for a, b in zip(self.token_s, self.token_s[1:])]
 
     @property
     def tpot_s(self) -> float | None:
@@ -127,6 +143,73 @@ class EngineStats:
     def mean_live_kv_bytes(self) -> float:
         """Mean bytes of KV held by occupied rows per decode step."""
         return self.live_kv_byte_steps / self.steps if self.steps else 0.0
+
+
+class Ledger:
+    """The host bookkeeping both engines share for one run: the clock (seconds since the
+    run started), the requests waiting in arrival order, each request's tokens with the
+    time each reached the host, and its :class:`Completion`.
+
+    Args:
+      requests: the run's requests (any order; kept in order of ``arrival_s``, stable).
+      on_finish: called with each completion as it is made (a progress bar), or None.
+    Raises:
+      ValueError: a repeated request id, or an arrival time that is negative or not
+        finite, naming it.
+    """
+
+    def __init__(self, requests: Sequence[Request],
+                 on_finish: Callable[[Completion], None] | None = None):
+        ids = [r.id for r in requests]
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"request id {dup} appears more than once; allowed: unique ids")
+        for r in requests:
+            if not (np.isfinite(r.arrival_s) and r.arrival_s >= 0):
+                raise ValueError(f"request {r.id}: arrival_s={r.arrival_s!r}; allowed: a "
+                                 "finite number of seconds >= 0")
+        self.order = [r.id for r in requests]
+        self.queue = collections.deque(sorted(requests, key=lambda r: r.arrival_s))
+        self.on_finish = on_finish
+        self.tokens: dict[int, list] = {}
+        self.times: dict[int, list] = {}
+        self.done: dict[int, Completion] = {}
+        self.start = time.perf_counter()
+
+    def now(self) -> float:
+        """Seconds since the run started."""
+        return time.perf_counter() - self.start
+
+    def next_arrived(self) -> Request | None:
+        """The first waiting request if it has arrived (it stays queued), else None."""
+        return self.queue[0] if self.queue and self.queue[0].arrival_s <= self.now() \
+            else None
+
+    def wait_for_arrival(self) -> None:
+        """Sleeps until the first waiting request arrives (nothing else to do)."""
+        if self.queue:
+            time.sleep(max(0.0, self.queue[0].arrival_s - self.now()))
+
+    def emit(self, req_id: int, tokens) -> None:
+        """Records ``tokens`` of request ``req_id`` as received now."""
+        t = self.now()
+        self.tokens.setdefault(req_id, []).extend(tokens)
+        self.times.setdefault(req_id, []).extend([t] * len(tokens))
+
+    def finish(self, req: Request, stop: str, slot: int | None) -> Completion:
+        """Completes ``req`` (its tokens so far) with ``stop`` on ``slot``."""
+        toks, times = self.tokens.pop(req.id), self.times.pop(req.id)
+        c = Completion(req.id, len(req.prompt), toks, stop, slot, times[0], self.now(),
+                       stop_token=toks[-1] if stop == "eos" else None,
+                       arrival_s=req.arrival_s, token_s=times)
+        self.done[req.id] = c
+        if self.on_finish is not None:
+            self.on_finish(c)
+        return c
+
+    def completions(self) -> list:
+        """The completions in the order the requests were given."""
+        return [self.done[i] for i in self.order]
 
 
 def _stop(last: int, eos_ids) -> str:
@@ -344,26 +427,24 @@ class Engine:
 
     def run(self, requests: Sequence[Request],
             on_finish: Callable[[Completion], None] | None = None, warmup: bool = True):
-        """Serves ``requests`` (all arrive at time 0) and returns
-        (completions in request order, :class:`EngineStats`).
+        """Serves ``requests`` (each admitted from its ``arrival_s`` on, first come first
+        served) and returns (completions in request order, :class:`EngineStats`).
 
         Every request is checked (:meth:`check`) before any work; then, with ``warmup``,
         the programs are compiled (:meth:`warmup`) before the clock starts. ``on_finish``
         is called as each request completes (a progress bar).
+
+        Raises:
+          ValueError: a repeated request id, a bad arrival time (:class:`Ledger`), or a
+            request the engine cannot serve (:meth:`check`), before any work.
         """
-        ids = [r.id for r in requests]
-        if len(set(ids)) != len(ids):
-            dup = next(i for i in ids if ids.count(i) > 1)
-            raise ValueError(f"request id {dup} appears more than once; allowed: unique ids")
+        book = Ledger(requests, on_finish)
         for r in requests:
             self.check(r)
         if warmup:
             self.warmup(requests)
         ns = self.num_slots
         slot_req: list = [None] * ns
-        gen: dict[int, list] = {}
-        first_s: dict[int, float] = {}
-        done: dict[int, Completion] = {}
         last = np.zeros(ns, np.int32)
         active = np.zeros(ns, bool)
         remaining = np.zeros(ns, np.int32)
@@ -375,28 +456,19 @@ class Engine:
             hist_len = jnp.zeros(ns, jnp.int32)
         stats = EngineStats(allocated_kv_bytes=cache_lib.cache_bytes(self.cache),
                             num_slots=ns)
-        queue = collections.deque(requests)
-        start = time.perf_counter()
-
-        def finish(req, stop, slot):
-            toks = gen.pop(req.id)
-            c = Completion(req.id, len(req.prompt), toks, stop, slot,
-                           first_s.pop(req.id), time.perf_counter() - start,
-                           stop_token=toks[-1] if stop == "eos" else None)
-            done[req.id] = c
-            if on_finish is not None:
-                on_finish(c)
+        queue = book.queue
+        book.start = time.perf_counter()
 
         while queue or active.any():
             for slot in range(ns):
-                if active[slot] or not queue:
+                if active[slot] or book.next_arrived() is None:
                     continue
                 req = queue.popleft()
                 first, row = self.prefill(req)
                 stats.prefills += 1
-                first_s[req.id], gen[req.id] = time.perf_counter() - start, [first]
+                book.emit(req.id, [first])
                 if first in self.eos_ids or first == NONFINITE or req.max_new_tokens == 1:
-                    finish(req, _stop(first, self.eos_ids), None)
+                    book.finish(req, _stop(first, self.eos_ids), None)
                     continue
                 self.cache = insert_program(self.cache, row, jnp.int32(slot))
                 slot_req[slot] = req
@@ -409,6 +481,7 @@ class Engine:
                     hist = hist.at[slot].set(jnp.asarray(row_hist))
                     hist_len = hist_len.at[slot].set(len(req.prompt) + 1)
             if not active.any():
+                book.wait_for_arrival()
                 continue
             t0 = time.perf_counter()
             out = self._decode(jnp.asarray(last), jnp.asarray(active),
@@ -429,12 +502,13 @@ class Engine:
             for slot in np.nonzero(active)[0]:
                 req = slot_req[slot]
                 toks = buf[slot]  # its tokens in order, -1 after
-                gen[req.id].extend(int(t) for t in toks[(toks >= 0) | (toks == NONFINITE)])
+                book.emit(req.id, [int(t) for t in toks[(toks >= 0) | (toks == NONFINITE)]])
                 if not new_active[slot]:
-                    finish(req, _stop(gen[req.id][-1], self.eos_ids), int(slot))
+                    book.finish(req, _stop(book.tokens[req.id][-1], self.eos_ids),
+                                int(slot))
                     slot_req[slot] = None
             last, active = np.array(last_d), new_active.copy()
             remaining, count = np.array(rem_d), np.array(count_d)
-        stats.wall_s = time.perf_counter() - start
-        stats.tokens = sum(len(c.tokens) for c in done.values())
-        return [done[r.id] for r in requests], stats
+        stats.wall_s = book.now()
+        stats.tokens = sum(len(c.tokens) for c in book.done.values())
+        return book.completions(), stats

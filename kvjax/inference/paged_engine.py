@@ -45,8 +45,8 @@ from kvjax.cache import paged
 from kvjax.cache.policy import written_tokens
 from kvjax.config import ModelConfig, SamplingConfig
 from kvjax.inference import ragged
-from kvjax.inference.engine import (Completion, EngineStats, Request, decode_steps_program,
-                                    prefill_bucket)
+from kvjax.inference.engine import (Completion, EngineStats, Ledger, Request,
+                                    decode_steps_program, prefill_bucket)
 from kvjax.inference.sampling import NONFINITE
 from kvjax.models import model as model_lib
 
@@ -290,13 +290,16 @@ class PagedEngine:
 
     def run(self, requests: Sequence[Request],
             on_finish: Callable[[Completion], None] | None = None, warmup: bool = True):
-        """Serves ``requests`` (all arrive at time 0); returns (completions in request
-        order, :class:`PagedStats`). Every request is checked (:meth:`check`) before any
-        work."""
-        ids = [r.id for r in requests]
-        if len(set(ids)) != len(ids):
-            dup = next(i for i in ids if ids.count(i) > 1)
-            raise ValueError(f"request id {dup} appears more than once; allowed: unique ids")
+        """Serves ``requests`` (each admitted from its ``arrival_s`` on, first come first
+        served); returns (completions in request order, :class:`PagedStats`). Every
+        request is checked (:meth:`check`) before any work.
+
+        Raises:
+          ValueError: a repeated request id, a bad arrival time
+            (:class:`kvjax.inference.engine.Ledger`), or a request the pool cannot
+            serve (:meth:`check`), before any work.
+        """
+        book = Ledger(requests, on_finish)
         for r in requests:
             self.check(r)
         if warmup:
@@ -304,9 +307,7 @@ class PagedEngine:
         self.alloc = paged.PageAllocator(self.num_pages, self.page_size, self.prefix_cache)
         alloc, nr, steps = self.alloc, self.max_rows, self.steps_per_sync
         rows: list = [None] * nr            # _Running or None
-        gen: dict[int, list] = {}
-        first_s: dict[int, float] = {}
-        done: dict[int, Completion] = {}
+        gen = book.tokens                   # a preempted request keeps its tokens here
         last = np.zeros(nr, np.int32)
         active = np.zeros(nr, bool)
         remaining = np.zeros(nr, np.int32)
@@ -314,18 +315,9 @@ class PagedEngine:
         keys = jax.vmap(self._key)(jnp.zeros(nr, jnp.int32))
         stats = PagedStats(allocated_kv_bytes=self.num_pages * self.page_bytes,
                            num_slots=nr, page_size=self.page_size)
-        queue = collections.deque(requests)
+        queue = book.queue
         order = 0
-        start = time.perf_counter()
-
-        def finish(req, stop, slot):
-            toks = gen.pop(req.id)
-            c = Completion(req.id, len(req.prompt), toks, stop, slot,
-                           first_s.pop(req.id), time.perf_counter() - start,
-                           stop_token=toks[-1] if stop == "eos" else None)
-            done[req.id] = c
-            if on_finish is not None:
-                on_finish(c)
+        book.start = time.perf_counter()
 
         def preempt(slot):
             alloc.release(slot)
@@ -336,7 +328,7 @@ class PagedEngine:
         while queue or active.any():
             # admit, first come first served, while a row is free and the pages fit
             for slot in range(nr):
-                if rows[slot] is not None or not queue:
+                if rows[slot] is not None or book.next_arrived() is None:
                     continue
                 req = queue[0]
                 have = gen.get(req.id, [])
@@ -352,13 +344,11 @@ class PagedEngine:
                 stats.prefill_tokens += len(tokens) - hit
                 nxt = self._prefill(slot, tokens, hit, len(have), req.id)
                 stats.prefills += 1
-                if req.id not in gen:
-                    first_s[req.id], gen[req.id] = time.perf_counter() - start, []
-                gen[req.id].append(nxt)
+                book.emit(req.id, [nxt])
                 if nxt in self.eos_ids or nxt == NONFINITE or \
                         len(gen[req.id]) >= req.max_new_tokens:
                     alloc.release(slot)
-                    finish(req, self._stop(nxt), None if not have else slot)
+                    book.finish(req, self._stop(nxt), None if not have else slot)
                     continue
                 rows[slot] = _Running(req, order, final)
                 order += 1
@@ -367,6 +357,7 @@ class PagedEngine:
                 remaining[slot] = req.max_new_tokens - count[slot]
                 keys = keys.at[slot].set(self._key(req.id))
             if not active.any():
+                book.wait_for_arrival()
                 continue
             # every running row takes the pages of its next block, oldest first; when the
             # pool runs out the newest running request is preempted
@@ -411,13 +402,13 @@ class PagedEngine:
                 toks = buf[slot, :n]
                 made = [int(t) for t in toks[(toks >= 0) | (toks == NONFINITE)]]
                 alloc.append(slot, ([int(last[slot])] + made)[:len(made)])  # the inputs
-                gen[r.req.id].extend(made)
+                book.emit(r.req.id, made)
                 if not new_active[slot]:
                     alloc.release(slot)
-                    finish(r.req, self._stop(gen[r.req.id][-1]), int(slot))
+                    book.finish(r.req, self._stop(gen[r.req.id][-1]), int(slot))
                     rows[slot] = None
             last, active = np.array(last_d), new_active.copy()
             remaining, count = np.array(rem_d), np.array(count_d)
-        stats.wall_s = time.perf_counter() - start
-        stats.tokens = sum(len(c.tokens) for c in done.values())
-        return [done[r.id] for r in requests], stats
+        stats.wall_s = book.now()
+        stats.tokens = sum(len(c.tokens) for c in book.done.values())
+        return book.completions(), stats
