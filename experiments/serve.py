@@ -54,6 +54,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments import cli
+from kvjax import cache as cache_lib
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
 from kvjax.inference import engine as engine_lib
@@ -191,6 +192,17 @@ def file_requests(path: str, tokenizer):
     return reqs, skipped
 
 
+def pool_pages(run, slots: int) -> int:
+    """Pages of the paged engine's pool: the dense engine's bytes, ``slots`` rows of the
+    cache's slots (max_seq_len, or a window's ring of W), in pages of page_size; at
+    least the pages of one request of max_seq_len tokens (a window's prompt is
+    prefilled whole before its old pages are freed)."""
+    from kvjax.cache import paged  # noqa: PLC0415
+
+    return max(slots * cache_lib.num_slots(run.model, run.max_seq_len) // run.page_size,
+               paged.pages_for(run.max_seq_len, run.page_size))
+
+
 def check_arrival_rate(rate: float) -> None:
     """Raises ValueError naming ``rate`` unless it is a finite number >= 0."""
     if not (np.isfinite(rate) and rate >= 0):
@@ -268,6 +280,7 @@ def paged_summary(stats) -> dict:
         return {}
     return {"page_size": stats.page_size, "kv_bytes_pages_mean": stats.mean_page_kv_bytes,
             "running_mean": stats.mean_running, "running_max": stats.max_running,
+            "row_pages_max": stats.max_row_pages,
             "preemptions": stats.preemptions, "prompt_tokens": stats.prompt_tokens,
             "prefix_hit_tokens": stats.prefix_hit_tokens,
             "prefix_hit_rate": stats.prefix_hit_rate,
@@ -307,7 +320,6 @@ def compare_plain(loaded, run, reqs, slots: int, budget: int, steps_per_sync: in
     host visits every ``steps_per_sync`` steps; prefills are excluded from both."""
     import jax.numpy as jnp
 
-    from kvjax import cache as cache_lib
     from kvjax.inference import ragged
 
     cfg, params = loaded.cfg, loaded.params
@@ -366,7 +378,8 @@ def report(summary: dict, skipped) -> str:
             f"{summary['kv_bytes_pages_mean']:,.0f} bytes mean (live/referenced "
             f"{summary['kv_bytes_live_mean'] / max(summary['kv_bytes_pages_mean'], 1):.1%}); "
             f"requests running {summary['running_mean']:.2f} mean, "
-            f"{summary['running_max']} most; {summary['preemptions']} preemptions",
+            f"{summary['running_max']} most; {summary['preemptions']} preemptions; at most "
+            f"{summary['row_pages_max']} pages held by one row",
             f"prefix cache: {summary['prefix_hit_tokens']:,} of {summary['prompt_tokens']:,} "
             f"prompt tokens found cached (hit rate {summary['prefix_hit_rate']:.1%}), "
             f"{summary['prefill_tokens']:,} prefilled"]
@@ -403,7 +416,7 @@ def main(argv):
         if run.page_size:  # a pool of the dense engine's bytes, more rows over it
             eng = paged_engine.PagedEngine(
                 loaded.params, loaded.cfg, _MAX_ROWS.value or 4 * slots, run.max_seq_len,
-                run.page_size, slots * run.max_seq_len // run.page_size,
+                run.page_size, pool_pages(run, slots),
                 sampling=run.sampling, eos_ids=eos, steps_per_sync=_STEPS_PER_SYNC.value,
                 seed=run.sampling.seed, prefix_cache=_PREFIX_CACHE.value)
         elif _PREFIX_CACHE.value:

@@ -322,3 +322,50 @@ def test_serve_reports_paged_figures():
     done = [engine.Completion(0, 5, [1, 2], "budget", 0, 0.1, 0.5)]
     text = serve.report(serve.summarize(done, st), [])
     assert "1 preemptions" in text and "hit rate 40.0%" in text and "24 prefilled" in text
+
+
+def test_window_pages_that_slide_out_are_freed():
+    """A window with sinks on pages: pages no later query sees are freed (sink pages
+    kept), the allocator's invariants hold, the greedy tokens equal the dense engine's,
+    and a row holds a bounded number of pages however long it runs."""
+    alloc = paged.PageAllocator(12, 4)
+    alloc.admit(0, list(range(20)), 20)
+    # window 6, 2 sinks, next query at 20: positions 15.. are seen; pages 1..2 (4..11)
+    # hold only older keys, page 0 holds the sinks, page 3 (12..15) holds 15
+    assert alloc.drop_before(0, 20 - 6 + 1, keep_first=2) == 2
+    assert alloc.block_table(0)[:4] == [alloc.block_table(0)[0], paged.DROPPED,
+                                        paged.DROPPED, alloc.block_table(0)[3]]
+    assert alloc.num_referenced == 3
+    alloc.check()
+    alloc.fork(0, 1)
+    alloc.trim(1, 13)
+    alloc.check()
+    alloc.release(0)
+    alloc.release(1)
+    alloc.check()
+    assert alloc.num_referenced == 0 and alloc.num_available == 12
+
+    cfg = ModelConfig(**VARIANTS["window_sinks"])  # W = 6, 2 sinks
+    params = params_of("window_sinks")
+    reqs = [engine.Request(i, tuple(range(3 + i, 14 + 2 * i)), 18) for i in range(3)]
+    dense, _ = engine.Engine(params, cfg, num_slots=2, max_seq_len=40,
+                             steps_per_sync=3).run(reqs)
+    eng = paged_engine.PagedEngine(params, cfg, max_rows=2, max_seq_len=40, page_size=2,
+                                   num_pages=24, steps_per_sync=3)
+    got, stats = eng.run(reqs)
+    assert [c.tokens for c in got] == [c.tokens for c in dense]
+    # the sink page + the pages of the window and one block ahead (W - 1 + 3 = 8
+    # positions: at most 5 pages of 2) , against up to 20 pages of 2 for 36 tokens
+    assert stats.max_row_pages <= 1 + 5
+    eng.alloc.check()
+    assert eng.alloc.num_referenced == 0
+    # three rows of 16-token prompts on 20 pages of 2: preemption amid freed pages
+    reqs = [engine.Request(i, tuple(range(3 + i, 19 + i)), 18) for i in range(4)]
+    dense, _ = engine.Engine(params, cfg, num_slots=2, max_seq_len=40,
+                             steps_per_sync=3).run(reqs)
+    tight = paged_engine.PagedEngine(params, cfg, max_rows=3, max_seq_len=40, page_size=2,
+                                     num_pages=20, steps_per_sync=3)
+    got, stats = tight.run(reqs)
+    assert [c.tokens for c in got] == [c.tokens for c in dense]
+    assert stats.preemptions > 0
+    tight.alloc.check()

@@ -256,6 +256,9 @@ def copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCa
 # ---------------------------------------------------------------------- host allocator
 
 
+DROPPED = -1  # a row's logical page freed because no query sees it (slid out of a window)
+
+
 def page_hashes(tokens: Sequence[int], page_size: int, prev: bytes = b"",
                 start_page: int = 0) -> list:
     """Chained keys of the full pages of ``tokens`` from page ``start_page`` on: page i's
@@ -274,7 +277,7 @@ def page_hashes(tokens: Sequence[int], page_size: int, prev: bytes = b"",
 
 @dataclasses.dataclass
 class _Row:
-    pages: list = dataclasses.field(default_factory=list)
+    pages: list = dataclasses.field(default_factory=list)    # DROPPED: freed (a window)
     tokens: list = dataclasses.field(default_factory=list)   # ids held (written) so far
     hashes: list = dataclasses.field(default_factory=list)   # keys of its full pages
 
@@ -347,7 +350,7 @@ class PageAllocator:
     # ---------------------------------------------------------------- rows
 
     def block_table(self, row) -> list:
-        """The pages of ``row`` in logical order."""
+        """The pages of ``row`` in logical order (-1: :data:`DROPPED`)."""
         return list(self.rows[row].pages)
 
     def length(self, row) -> int:
@@ -453,7 +456,8 @@ class PageAllocator:
             raise ValueError(f"row {dst!r} is already live; allowed: a new row id")
         s = self.rows[src]
         for p in s.pages:
-            self._ref(p)
+            if p != DROPPED:
+                self._ref(p)
         self.rows[dst] = _Row(list(s.pages), list(s.tokens), list(s.hashes))
 
     def release(self, row) -> None:
@@ -461,7 +465,26 @@ class PageAllocator:
         is evicted before the prefix other requests share)."""
         r = self.rows.pop(row)
         for p in reversed(r.pages):
-            self._unref(p)
+            if p != DROPPED:
+                self._unref(p)
+
+    def drop_before(self, row, position: int, keep_first: int = 0) -> int:
+        """Frees the pages of ``row`` that hold only positions below ``position`` (keys
+        no later query sees: a window W's query at q sees positions > q - W), except a
+        page holding one of the first ``keep_first`` positions (attention sinks). Their
+        block-table entries become -1 (:data:`DROPPED`; masked by
+        :attr:`PagedKVCache.positions`); the row's tokens stay recorded (a preempted row
+        is prefilled again from them). With a window the row then holds a constant
+        number of pages however long it runs. Returns the pages freed.
+        """
+        r, p = self.rows[row], self.page_size
+        freed = 0
+        for i in range(min(len(r.pages), max(int(position), 0) // p)):
+            if r.pages[i] != DROPPED and i * p >= keep_first:
+                self._unref(r.pages[i])
+                r.pages[i] = DROPPED
+                freed += 1
+        return freed
 
     def trim(self, row, num_tokens: int) -> None:
         """Keeps the first ``num_tokens`` tokens of ``row`` (rollback of rejected
@@ -470,7 +493,9 @@ class PageAllocator:
         r.tokens = r.tokens[:num_tokens]
         keep = pages_for(num_tokens, self.page_size)
         while len(r.pages) > keep:
-            self._unref(r.pages.pop())
+            p = r.pages.pop()
+            if p != DROPPED:
+                self._unref(p)
         r.hashes = r.hashes[:num_tokens // self.page_size]
         cut = num_tokens // self.page_size  # the page the next write lands in
         if cut < len(r.pages) and self.refcount[r.pages[cut]] == 1 \
@@ -487,9 +512,12 @@ class PageAllocator:
         counts = np.zeros(self.num_pages, np.int32)
         content: dict = {}
         for rid, r in self.rows.items():
-            assert len(set(r.pages)) == len(r.pages), f"row {rid} holds a page twice"
+            held = [p for p in r.pages if p != DROPPED]
+            assert len(set(held)) == len(held), f"row {rid} holds a page twice"
             assert len(r.tokens) <= len(r.pages) * self.page_size, f"row {rid} overflows"
             for i, p in enumerate(r.pages):
+                if p == DROPPED:
+                    continue
                 counts[p] += 1
                 toks = tuple(r.tokens[i * self.page_size:(i + 1) * self.page_size])
                 if p in content:

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import planner
+from kvjax.analysis import theory
 from kvjax.cache import paged
 from kvjax.cache.policy import written_tokens
 from kvjax.config import ModelConfig, SamplingConfig
@@ -60,8 +61,10 @@ class PagedStats(EngineStats):
     and found in the prefix cache (``prompt_tokens``, ``prefix_hit_tokens``: prefill
     tokens saved); tokens prefilled (``prefill_tokens``, recomputation after preemption
     included); referenced-page bytes summed over decode steps
-    (``page_kv_byte_steps``); the most rows running at once (``max_running``); the pool's
-    bytes (``allocated_kv_bytes``) and page size."""
+    (``page_kv_byte_steps``); the most rows running at once (``max_running``); the most
+    pages one row held (``max_row_pages``: constant in the row's length for a window,
+    whose pages that slide out are freed); the pool's bytes (``allocated_kv_bytes``) and
+    page size."""
 
     preemptions: int = 0
     prompt_tokens: int = 0
@@ -71,6 +74,7 @@ class PagedStats(EngineStats):
     max_running: int = 0
     running_steps: int = 0
     page_size: int = 0
+    max_row_pages: int = 0  # the most pages one running row held at a decode block
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -363,6 +367,10 @@ class PagedEngine:
             # pool runs out the newest running request is preempted
             for slot in sorted(np.nonzero(active)[0], key=lambda s: rows[s].order):
                 r = rows[slot]
+                if r is not None and self.cfg.window_size:  # (None: preempted meanwhile)
+                    # pages no query of the block sees are freed
+                    alloc.drop_before(slot, alloc.length(slot) - self.cfg.window_size + 1,
+                                      self.cfg.num_sink_tokens)
                 while r is not None and r is rows[slot]:  # None: preempted meanwhile
                     try:
                         need = min(alloc.length(slot) + steps, r.final)
@@ -377,9 +385,12 @@ class PagedEngine:
             for slot in running:
                 bt[slot] = self._row_table(slot)
                 lengths[slot] = alloc.length(slot)
+                stats.max_row_pages = max(stats.max_row_pages, int((bt[slot] >= 0).sum()))
             self.cache = self.cache.replace(block_table=jnp.asarray(bt),
                                             length=jnp.asarray(lengths))
-            live_tokens = int(lengths.sum())
+            # tokens a row's queries see (its length + the step's own; a window's W)
+            live_tokens = sum(theory.tokens_held(self.cfg, int(lengths[s]) + 1)
+                              for s in running)
             ref_pages = alloc.num_referenced
             t0 = time.perf_counter()
             out = decode_steps_program(
@@ -394,7 +405,7 @@ class PagedEngine:
             stats.occupied_slot_steps += n * len(running)
             stats.running_steps += n * len(running)
             stats.max_running = max(stats.max_running, len(running))
-            stats.live_kv_byte_steps += n * (live_tokens + len(running)) * self.bytes_per_token
+            stats.live_kv_byte_steps += n * live_tokens * self.bytes_per_token
             stats.page_kv_byte_steps += n * ref_pages * self.page_bytes
             new_active = np.asarray(active_d)
             for slot in running:
