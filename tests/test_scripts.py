@@ -53,3 +53,30 @@ def test_overlap_check_table_follows_its_models():
         assert d / serial == pytest.approx(d_serial, rel=0.02)
         assert d / lo == pytest.approx(d_lo, rel=0.02)
         assert c > 0 and rd > 0 and d > 0
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--impls=pallas", "--impls=pallas; allowed: a subset of"),
+    ("--contexts=1", "--contexts=1; allowed: comma-separated integers >= 2"),
+    ("--page_size=0", "--page_size=0; allowed: an integer >= 1"),
+])
+def test_paged_step_bench_refuses_bad_flags(flag, message):
+    proc = _script("paged_step_bench.py", flag)
+    assert proc.returncode != 0 and message in proc.stderr
+    assert "machine:" not in proc.stdout  # refused before any work
+
+
+def test_paged_step_bench_rows_are_consistent():
+    """Shrunk (2 layers, t = 100, pages of 16 that do not divide it): one row per
+    formulation, each ratio the printed paged over dense time, and the paged program's
+    compiled bytes above the dense one's (the gather of the pages into a view)."""
+    proc = _script("paged_step_bench.py", "--contexts=100", "--layers=2", "--impls=xla",
+                   "--repeats=1", "--rounds=1")
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
+            if line.startswith("| 100 ")]
+    assert len(rows) == 1
+    _, impl, dense, pag, ratio, dense_mb, paged_mb = (c.strip() for c in rows[0])
+    assert impl == "xla (xla)"
+    assert abs(float(pag) / float(dense) - float(ratio)) <= 0.011 + 0.06 * float(ratio)
+    assert float(paged_mb.replace(",", "")) > float(dense_mb.replace(",", ""))

@@ -1,0 +1,121 @@
+"""The paged decode step against the dense one, per decode-attention formulation.
+
+For each context t and each ``--impls`` formulation, one decode step of the model is
+compiled twice: over a dense cache of t slots (``kvjax.analysis.costs.full_cache``) and
+over a paged cache holding the same t tokens in pages of ``--page_size`` taken from the
+pool in shuffled order (``kvjax.cache.paged``; the step reads through the gather of the
+row's pages into its dense view). The two are timed alternately, ``--repeats`` steps
+each per round over ``--rounds`` rounds, and the script prints the medians and their
+ratio (paged / dense: the overhead of paging), with XLA's compiled bytes of each.
+
+The model is the main job's (``configs/gqa.py``: SmolLM2-135M, GQA, float32, this
+backend's cache layouts). Weights are random (the timing does not depend on their values). Usage:
+
+    PYTHONPATH=. python scripts/paged_step_bench.py --contexts=4096,32768
+    PYTHONPATH=. python scripts/paged_step_bench.py --contexts=256 --layers=2 --repeats=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs import gqa
+from kvjax.config import run_config_from_dict
+from kvjax import planner
+from kvjax.analysis import costs, hardware, hlo_cost
+from kvjax.cache import paged
+from kvjax.inference import decode
+from kvjax.kernels import names
+from kvjax.models import model as model_lib
+
+
+def _ints(text: str, flag: str, low: int = 1) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < low:
+        raise SystemExit(f"error: --{flag}={text}; allowed: comma-separated integers "
+                         f">= {low}")
+    return out
+
+
+def paged_full_cache(cfg, context: int, page_size: int, seed: int = 0):
+    """A paged cache of one row holding ``context - 1`` tokens (a step at context t sees
+    it full) on pages of ``page_size`` in a shuffled order, plus 1 spare page."""
+    m = paged.pages_for(context, page_size)
+    cache = paged.init_paged_cache(cfg, 1, m + 1, page_size, m)
+    order = np.random.default_rng(seed).permutation(m + 1)[:m].astype(np.int32)
+    return cache.replace(block_table=jnp.asarray(order[None]),
+                         length=jnp.full((1,), context - 1, jnp.int32))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="4096,32768", help="contexts t (tokens)")
+    ap.add_argument("--page_size", type=int, default=16)
+    ap.add_argument("--impls", default="auto,xla,native",
+                    help=f"decode-attention formulations, of {names('decode_attention')}")
+    ap.add_argument("--layers", type=int, default=0, help="layers (0: SmolLM2's 30)")
+    ap.add_argument("--repeats", type=int, default=5, help="steps per round and cache")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args(argv)
+    contexts = _ints(a.contexts, "contexts", 2)
+    impls = a.impls.split(",")
+    allowed = [n for n in names("decode_attention") if n != "pallas"]
+    if not impls or any(i not in allowed for i in impls):
+        raise SystemExit(f"error: --impls={a.impls}; allowed: a subset of {allowed}")
+    for flag, v in (("page_size", a.page_size), ("repeats", a.repeats),
+                    ("rounds", a.rounds)):
+        if v < 1:
+            raise SystemExit(f"error: --{flag}={v}; allowed: an integer >= 1")
+    if a.layers < 0:
+        raise SystemExit(f"error: --layers={a.layers}; allowed: 0 or an integer >= 1")
+    arch = run_config_from_dict(gqa.get_config()).model  # the main job's model
+    if a.layers:
+        arch = arch.replace(num_layers=a.layers)
+    params = model_lib.params_for(arch, model_lib.init_params(arch, 0))
+    print(f"machine: {hardware.device_name()}; {arch.name}, {arch.num_layers} layers, "
+          f"float32, B = 1, page_size {a.page_size}; median of {a.rounds} x {a.repeats} "
+          "steps per cache, timed alternately")
+    print("| t | formulation (picked) | dense ms | paged ms | paged / dense | dense XLA MB "
+          "| paged XLA MB |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for t in contexts:
+        for impl in impls:
+            cfg = planner.resolve(arch.replace(decode_attention=impl), max_seq_len=t,
+                                  extra_seq_lens=(paged.pages_for(t, a.page_size)
+                                                  * a.page_size,))
+            token = jnp.zeros((1, 1), jnp.int32)
+            caches = {"dense": costs.full_cache(cfg, 1, t),
+                      "paged": paged_full_cache(cfg, t, a.page_size)}
+            compiled, xla_mb, times = {}, {}, {k: [] for k in caches}
+            for k, c in caches.items():
+                compiled[k] = decode.decode_step.lower(params, token, c, cfg=cfg).compile()
+                xla_mb[k] = hlo_cost.loop_aware_cost(compiled[k]).bytes / 1e6
+            picked = "+".join(sorted({i for _, i in cfg.plan.decode_attention})) \
+                if impl == "auto" else impl
+            for _ in range(a.rounds):
+                for k in caches:  # the cache donated to each step, its length reset
+                    length = np.asarray(caches[k].length)
+                    for i in range(a.repeats + 1):
+                        start = time.perf_counter()
+                        logits, caches[k] = compiled[k](params, token, caches[k])
+                        logits.block_until_ready()
+                        if i:  # the first of each round warms the caches up
+                            times[k].append(time.perf_counter() - start)
+                        caches[k] = caches[k].replace(length=jnp.asarray(length))
+            d, p = (float(np.median(times[k])) * 1e3 for k in ("dense", "paged"))
+            print(f"| {t:,} | {impl} ({picked}) | {d:.1f} | {p:.1f} | {p / d:.2f} | "
+                  f"{xla_mb['dense']:,.0f} | {xla_mb['paged']:,.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
