@@ -358,13 +358,15 @@ def report(summary: dict, skipped) -> str:
         f"{summary['decode_steps']} decode steps)",
         f"time to first token:   {ms(summary['ttft_s'])}",
         f"time per output token: {ms(summary['tpot_s'])}",
-        f"time between tokens:   {ms(summary['itl_s'])} (as the host received them; the "
-        f"tokens of one sync of --steps_per_sync steps arrive together)",
         f"KV bytes: live {summary['kv_bytes_live_mean']:,.0f} (mean over decode steps) of "
         f"{summary['kv_bytes_allocated']:,} allocated "
         f"({summary['kv_bytes_live_mean'] / summary['kv_bytes_allocated']:.1%})",
         f"stops: {summary['stops']}",
     ]
+    if "itl_s" in summary:  # (a summary from before the per-token times has none)
+        lines.insert(4, f"time between tokens:   {ms(summary['itl_s'])} (as the host "
+                        "received them; the tokens of one sync of --steps_per_sync steps "
+                        "arrive together)")
     if "command_wall_s" in summary:
         lines.insert(1, (
             f"whole command: {summary['command_wall_s']:.2f} s wall = setup "
