@@ -347,25 +347,25 @@ def test_window_pages_that_slide_out_are_freed():
 
     cfg = ModelConfig(**VARIANTS["window_sinks"])  # W = 6, 2 sinks
     params = params_of("window_sinks")
-    reqs = [engine.Request(i, tuple(range(3 + i, 14 + 2 * i)), 18) for i in range(3)]
-    dense, _ = engine.Engine(params, cfg, num_slots=2, max_seq_len=40,
-                             steps_per_sync=3).run(reqs)
-    eng = paged_engine.PagedEngine(params, cfg, max_rows=2, max_seq_len=40, page_size=2,
-                                   num_pages=24, steps_per_sync=3)
-    got, stats = eng.run(reqs)
-    assert [c.tokens for c in got] == [c.tokens for c in dense]
+
+    def paged_equals_dense(reqs, max_rows, num_pages):
+        dense, _ = engine.Engine(params, cfg, num_slots=2, max_seq_len=40,
+                                 steps_per_sync=3).run(reqs)
+        eng = paged_engine.PagedEngine(params, cfg, max_rows=max_rows, max_seq_len=40,
+                                       page_size=2, num_pages=num_pages, steps_per_sync=3)
+        got, stats = eng.run(reqs)
+        assert [c.tokens for c in got] == [c.tokens for c in dense]
+        return eng, stats
+
+    eng, stats = paged_equals_dense(
+        [engine.Request(i, tuple(range(3 + i, 14 + 2 * i)), 18) for i in range(3)], 2, 24)
     # the sink page + the pages of the window and one block ahead (W - 1 + 3 = 8
     # positions: at most 5 pages of 2) , against up to 20 pages of 2 for 36 tokens
     assert stats.max_row_pages <= 1 + 5
     eng.alloc.check()
     assert eng.alloc.num_referenced == 0
     # three rows of 16-token prompts on 20 pages of 2: preemption amid freed pages
-    reqs = [engine.Request(i, tuple(range(3 + i, 19 + i)), 18) for i in range(4)]
-    dense, _ = engine.Engine(params, cfg, num_slots=2, max_seq_len=40,
-                             steps_per_sync=3).run(reqs)
-    tight = paged_engine.PagedEngine(params, cfg, max_rows=3, max_seq_len=40, page_size=2,
-                                     num_pages=20, steps_per_sync=3)
-    got, stats = tight.run(reqs)
-    assert [c.tokens for c in got] == [c.tokens for c in dense]
+    tight, stats = paged_equals_dense(
+        [engine.Request(i, tuple(range(3 + i, 19 + i)), 18) for i in range(4)], 3, 20)
     assert stats.preemptions > 0
     tight.alloc.check()
