@@ -47,6 +47,8 @@ class Formulation:
       counted: how the cost report counts it: 'xla', 'custom call' or 'pallas' (module
         docstring).
       target: the custom-call target name, or None.
+      paged_target: the target of its variant over a paged cache (page pools and a block
+        table, :mod:`kvjax.cache.paged`), or None.
     """
 
     op: str
@@ -56,6 +58,7 @@ class Formulation:
     implementation: str
     counted: str = "xla"
     target: str | None = None
+    paged_target: str | None = None
 
 
 REGISTRY = (
@@ -67,9 +70,9 @@ REGISTRY = (
                 "kvjax.models.decode_kernels.partial_attention"),
     Formulation("decode_attention", "native", ("cpu",),
                 "float32 caches, either layout: one pass over each block of 64 slots for "
-                "all G heads of a group, masked slots skipped",
+                "all G heads of a group, masked slots skipped; paged caches read in place",
                 "kvjax/native/decode_attention.cc", "custom call",
-                "kvjax_decode_attention"),
+                "kvjax_decode_attention", "kvjax_paged_decode_attention"),
     Formulation("decode_attention", "pallas", ("gpu",),
                 "dense 'BKSH' caches (visible slots a prefix), head_dim a power of two "
                 ">= 16", "jax.experimental.pallas.ops.gpu.decode_attention", "pallas"),
@@ -132,7 +135,7 @@ def get(op: str, name: str) -> Formulation:
 
 def custom_call_targets() -> tuple:
     """The custom-call targets of kvjax's own kernels (sorted, unique)."""
-    return tuple(sorted({f.target for f in REGISTRY if f.target}))
+    return tuple(sorted({t for f in REGISTRY for t in (f.target, f.paged_target) if t}))
 
 
 def markdown_table() -> str:
@@ -140,7 +143,8 @@ def markdown_table() -> str:
     rows = ["| op | formulation | backends | applies to | counted | implementation |",
             "|---|---|---|---|---|---|"]
     for f in REGISTRY:
-        counted = f.counted + (f" (`{f.target}`)" if f.target else "")
+        targets = ", ".join(f"`{t}`" for t in (f.target, f.paged_target) if t)
+        counted = f.counted + (f" ({targets})" if targets else "")
         rows.append(f"| {f.op} | `{f.name}` | {', '.join(f.backends)} | {f.applies} | "
                     f"{counted} | `{f.implementation}` |")
     return "\n".join(rows)

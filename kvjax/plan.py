@@ -30,14 +30,17 @@ NATIVE_KERNELS = ("decode_attention", "prefill_attention", "rows_matmul")
 
 
 def decode_attention_class(b: int, k: int, g: int, h: int, v: int, s: int, dtype: str,
-                           k_layout: str, v_layout: str, prefix: bool = True) -> str:
+                           k_layout: str, v_layout: str, prefix: bool = True,
+                           page_size: int = 0) -> str:
     """Name of a decode-attention shape class, e.g.
     'B1-K3-G3-H64-V64-S4096-float32-BKHS-BKSH': the slot count rounded up to a power of
     two, everything else exact; '-window' appended when the visible slots are not a
-    prefix (a window's ring buffer). ``dtype``: the cache's element type name."""
+    prefix (a window's ring buffer), '-paged{P}' when the cache is a page pool of
+    ``page_size`` P slots per page (:mod:`kvjax.cache.paged`; 0: dense rows) and S the
+    slots of a row's view. ``dtype``: the cache's element type name."""
     s2 = 1 << max(0, int(s - 1).bit_length())
     return (f"B{b}-K{k}-G{g}-H{h}-V{v}-S{s2}-{dtype}-{k_layout}-{v_layout}"
-            f"{'' if prefix else '-window'}")
+            f"{'' if prefix else '-window'}{f'-paged{int(page_size)}' if page_size else ''}")
 
 
 def weight_class(m: int, k: int, n: int, layout: str) -> str:

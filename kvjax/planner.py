@@ -51,8 +51,10 @@ import numpy as np
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
 from kvjax import native
+from kvjax import ops
 from kvjax.analysis import hardware
 from kvjax.config import ModelConfig
+from kvjax.cache import paged
 from kvjax.models import decode_kernels
 from kvjax.models import weight_matmul as wm
 from kvjax.models.attention import attend_step
@@ -251,11 +253,17 @@ def _pick(secs: dict[str, float], spreads: dict[str, float] | None = None) -> st
 
 def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str,
             v_layout: str, candidates=CANDIDATES, rounds: int = 7,
-            budget_s: float = 2.0, backend: str = "cpu", cold: bool = True) -> dict:
+            budget_s: float = 2.0, backend: str = "cpu", cold: bool = True,
+            page_size: int = 0) -> dict:
     """Times each formulation in ``candidates`` that applies on one layer's decode
     attention of these shapes (random data, the whole cache visible), from memory: the
     caches are flushed before every timed call (:data:`FLUSH_BYTES`; ``cold=False``
     times the cache as it stays in them between calls).
+
+    With ``page_size`` P > 0 the cache is a page pool (:mod:`kvjax.cache.paged`) of
+    B·ceil(s / P) pages in a shuffled order, and each formulation reads it as the model
+    does: 'native' in place (the block table handed to the kernel), the others over the
+    rows' gathered views (:func:`kvjax.cache.paged.gather_view`, zeroed where unseen).
 
     Returns {'choice': fastest name, 'gbps': {name: GB/s of cache read (B·K·S·(H+V)
     elements x their bytes / median seconds / 1e9)}, 'seconds': {name: median s},
@@ -270,8 +278,13 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
         raise ValueError(f"candidates={tuple(candidates)!r}; allowed: a non-empty subset of "
                          f"{known}")
     rng = np.random.default_rng(0)
-    shape_k = (b, k, s, h) if k_layout == "BKSH" else (b, k, h, s)
-    shape_v = (b, k, s, v) if v_layout == "BKSH" else (b, k, v, s)
+    if page_size:
+        m = paged.pages_for(s, page_size)
+        n_pool, s_row, s = b * m, page_size, m * page_size
+    else:
+        n_pool, s_row = b, s
+    shape_k = (n_pool, k, s_row, h) if k_layout == "BKSH" else (n_pool, k, h, s_row)
+    shape_v = (n_pool, k, s_row, v) if v_layout == "BKSH" else (n_pool, k, v, s_row)
     new_k = (b, k, 1, h) if k_layout == "BKSH" else (b, k, h, 1)
     new_v = (b, k, 1, v) if v_layout == "BKSH" else (b, k, v, 1)
     with jax.ensure_compile_time_eval():
@@ -280,13 +293,20 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
         args = args + (jnp.ones((b, 1, s), bool),) + tuple(
             jnp.asarray(rng.standard_normal(sh, dtype=np.float32), dtype) for sh in (new_k, new_v))
         fns = {}
+        if page_size:
+            table = jnp.asarray(rng.permutation(n_pool).reshape(b, m).astype(np.int32))
+            args = args + (table,)
         for impl in candidates:
             if not decode_kernels.supports(impl, backend, dtype, k_layout, v_layout, True, h, s):
                 continue
             if impl == "native" and not native.load():
                 continue
-            fn = jax.jit(lambda *a, impl=impl: attend_step(
-                *a, k_layout=k_layout, v_layout=v_layout, impl=impl, backend=backend))
+            if not page_size:
+                fn = jax.jit(lambda *a, impl=impl: attend_step(
+                    *a, k_layout=k_layout, v_layout=v_layout, impl=impl, backend=backend))
+            else:
+                fn = jax.jit(functools.partial(_paged_step, k_layout=k_layout,
+                                               v_layout=v_layout, impl=impl, backend=backend))
             fns[impl] = fn.lower(*args).compile()
         if not fns:
             raise ValueError(f"candidates={tuple(candidates)!r}: none applies to this "
@@ -298,6 +318,23 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
     best = _pick(secs, {n: spread(t) for n, t in calls.items()})
     return {"choice": best, "gbps": {n: round(nbytes / t / 1e9, 2) for n, t in secs.items()},
             "seconds": {n: t for n, t in secs.items()}, "slots": s}
+
+
+def _paged_step(q, k_pool, v_pool, mask, k_new, v_new, table, *, k_layout, v_layout, impl,
+                backend):
+    """One layer's decode attention over page pools as the model runs it
+    (:mod:`kvjax.models.attention`): 'native' reads the pages in place, the others the
+    rows' gathered views, zeroed where unseen (:meth:`kvjax.cache.paged.PagedKVCache.layer`)."""
+    if impl == "native":
+        return attend_step(q, k_pool, v_pool, mask, k_new, v_new, k_layout, v_layout,
+                           impl=impl, backend=backend, block_table=table)
+    seen = mask[:, 0]
+    views = []
+    for pool, lay in ((k_pool, k_layout), (v_pool, v_layout)):
+        axis = -1 if lay == "BKHS" else -2
+        views.append(ops.zero_unseen(paged.gather_view(pool, table, axis), seen, axis))
+    return attend_step(q, *views, mask, k_new, v_new, k_layout, v_layout, impl=impl,
+                       backend=backend)
 
 
 def _cached_choice(memo: dict, name: str, key: dict, path, entries: dict, measure_fn,
@@ -358,9 +395,10 @@ def _when(e: dict) -> str:
         if under_load(load) else "")
 
 
-def _decode_pick(cfg: ModelConfig, b: int, s: int, mesh: bool) -> str:
+def _decode_pick(cfg: ModelConfig, b: int, s: int, mesh: bool, page_size: int = 0) -> str:
     """The 'auto' decode-attention formulation of ``cfg``'s cache class with ``b`` rows
-    of ``s`` slots (see the module docstring); measured once per class and machine."""
+    of ``s`` slots, on pages of ``page_size`` (0: dense rows; see the module docstring);
+    measured once per class and machine."""
     k_layout, v_layout = cfg.cache_layout("k"), cfg.cache_layout("v")
     prefix = cache_lib.policy_for(cfg).kind == "dense"
     k, g, h = cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
@@ -372,14 +410,15 @@ def _decode_pick(cfg: ModelConfig, b: int, s: int, mesh: bool) -> str:
         return "xla"
     if b * k * s * 2 * h * jnp.dtype(dtype).itemsize < MIN_MEASURED_BYTES:
         return "xla"
-    name = decode_kernels.shape_class(cfg, b, s, dtype)  # the plan's key too
+    name = decode_kernels.shape_class(cfg, b, s, dtype, page_size)  # the plan's key too
     with _lock:
         if name in _memo:
             return _memo[name]["choice"]
         key = machine_key("cpu")
         path = cache_path(key)
         return _cached_choice(_memo, name, key, path, load_cache(path, key),
-                              lambda: measure(b, k, g, h, h, s, dtype, k_layout, v_layout))
+                              lambda: measure(b, k, g, h, h, s, dtype, k_layout, v_layout,
+                                              page_size=page_size))
 
 
 def weight_shapes(cfg: ModelConfig) -> list[tuple[int, int, str]]:
@@ -428,7 +467,7 @@ def _weight_pick(m: int, k: int, n: int, layout: str) -> str:
 
 def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
             extra_seq_lens=(), mesh_axes: dict | None = None,
-            manual_axes=()) -> ModelConfig:
+            manual_axes=(), page_size: int = 0) -> ModelConfig:
     """``cfg`` with its execution plan (``plan``), resolved now, before any trace.
 
     Loads the native kernels ``cfg`` may use (CPU configs in a CPU process: the decode
@@ -449,6 +488,10 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
         device); on more than one device every 'auto' pick is 'xla'.
       manual_axes: axes already manual where the programs are traced (a per-device
         cost trace).
+      page_size: P > 0: the decode steps read a paged cache (:mod:`kvjax.cache.paged`)
+        whose rows' views hold ``max_seq_len`` (and ``extra_seq_lens``) slots, a
+        multiple of P; decode attention is picked for those paged classes instead of
+        dense rows (the paged engine's prefill runs on dense rows and resolves its own).
     Returns:
       ``cfg.replace(plan=...)``: equal configs give equal plans (a jit key), and a
       different pick retraces.
@@ -456,10 +499,11 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
       ValueError: ``max_seq_len`` or a batch size below 1, naming it.
     """
     lengths = sorted({int(max_seq_len), *(int(x) for x in extra_seq_lens)})
-    if lengths[0] < 1 or any(int(b) < 1 for b in batch_sizes):
+    if lengths[0] < 1 or any(int(b) < 1 for b in batch_sizes) or int(page_size) < 0:
         raise ValueError(f"max_seq_len={max_seq_len!r}, extra_seq_lens="
-                         f"{tuple(extra_seq_lens)!r}, batch_sizes={tuple(batch_sizes)!r}; "
-                         "allowed: integers >= 1")
+                         f"{tuple(extra_seq_lens)!r}, batch_sizes={tuple(batch_sizes)!r}, "
+                         f"page_size={page_size!r}; allowed: integers >= 1 (page_size "
+                         ">= 0)")
     plan = Plan().on_mesh(mesh_axes or {}, manual_axes)
     mesh = plan.num_devices > 1
     loaded = set()
@@ -474,10 +518,12 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
             loaded.add("rows_matmul")
     decode = {}
     if cfg.decode_attention == "auto" and not cfg.is_mla:
-        for b, s in sorted({(int(b), cache_lib.num_slots(cfg, n))
+        page_size = int(page_size)
+        for b, s in sorted({(int(b), n if page_size else cache_lib.num_slots(cfg, n))
                             for b in batch_sizes for n in lengths}):
-            name = decode_kernels.shape_class(cfg, b, s, decode_kernels.read_dtype(cfg))
-            pick = _decode_pick(cfg, b, s, mesh)
+            name = decode_kernels.shape_class(cfg, b, s, decode_kernels.read_dtype(cfg),
+                                              page_size)
+            pick = _decode_pick(cfg, b, s, mesh, page_size)
             decode[name] = "xla" if pick == "native" and "decode_attention" not in loaded \
                 else pick
     weights = {}

@@ -3,10 +3,13 @@
 For each context t and each ``--impls`` formulation, one decode step of the model is
 compiled twice: over a dense cache of t slots (``kvjax.analysis.costs.full_cache``) and
 over a paged cache holding the same t tokens in pages of ``--page_size`` taken from the
-pool in shuffled order (``kvjax.cache.paged``; the step reads through the gather of the
-row's pages into its dense view). The two are timed alternately, ``--repeats`` steps
-each per round over ``--rounds`` rounds, and the script prints the medians and their
-ratio (paged / dense: the overhead of paging), with XLA's compiled bytes of each.
+pool in shuffled order (``kvjax.cache.paged``; 'native' reads the pages in place, the
+other formulations the gather of each row's pages into its dense view). Each step has
+its own plan (``planner.resolve``; the paged one with ``page_size``: its own shape
+classes), so 'auto' is the planner's pick for each, printed as dense/paged. The two are
+timed alternately, ``--repeats`` steps each per round over ``--rounds`` rounds, and the
+script prints the medians and their ratio (paged / dense: the overhead of paging), with
+XLA's compiled bytes of each (a native kernel's own reads are not in XLA's count).
 
 The model is the main job's (``configs/gqa.py``: SmolLM2-135M, GQA, float32, this
 backend's cache layouts). Weights are random (the timing does not depend on their values). Usage:
@@ -89,18 +92,20 @@ def main(argv=None) -> int:
     print("|---:|---|---:|---:|---:|---:|---:|")
     for t in contexts:
         for impl in impls:
-            cfg = planner.resolve(arch.replace(decode_attention=impl), max_seq_len=t,
-                                  extra_seq_lens=(paged.pages_for(t, a.page_size)
-                                                  * a.page_size,))
+            base = arch.replace(decode_attention=impl)
+            cfgs = {"dense": planner.resolve(base, max_seq_len=t),  # each its own classes
+                    "paged": planner.resolve(
+                        base, max_seq_len=paged.pages_for(t, a.page_size) * a.page_size,
+                        page_size=a.page_size)}
             token = jnp.zeros((1, 1), jnp.int32)
-            caches = {"dense": costs.full_cache(cfg, 1, t),
-                      "paged": paged_full_cache(cfg, t, a.page_size)}
+            caches = {"dense": costs.full_cache(cfgs["dense"], 1, t),
+                      "paged": paged_full_cache(cfgs["paged"], t, a.page_size)}
             compiled, xla_mb, times = {}, {}, {k: [] for k in caches}
             for k, c in caches.items():
-                compiled[k] = decode.decode_step.lower(params, token, c, cfg=cfg).compile()
+                compiled[k] = decode.decode_step.lower(params, token, c, cfg=cfgs[k]).compile()
                 xla_mb[k] = hlo_cost.loop_aware_cost(compiled[k]).bytes / 1e6
-            picked = "+".join(sorted({i for _, i in cfg.plan.decode_attention})) \
-                if impl == "auto" else impl
+            picked = "/".join("+".join(sorted({i for _, i in cfgs[k].plan.decode_attention}))
+                              for k in caches) if impl == "auto" else impl
             for _ in range(a.rounds):
                 for k in caches:  # the cache donated to each step, its length reset
                     length = np.asarray(caches[k].length)
@@ -113,7 +118,7 @@ def main(argv=None) -> int:
                         caches[k] = caches[k].replace(length=jnp.asarray(length))
             d, p = (float(np.median(times[k])) * 1e3 for k in ("dense", "paged"))
             print(f"| {t:,} | {impl} ({picked}) | {d:.1f} | {p:.1f} | {p / d:.2f} | "
-                  f"{xla_mb['dense']:,.0f} | {xla_mb['paged']:,.0f} |", flush=True)
+                  f"{xla_mb['dense']:,.1f} | {xla_mb['paged']:,.1f} |", flush=True)
     return 0
 
 

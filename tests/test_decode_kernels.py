@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvjax import native, planner, presets
+from kvjax.cache import paged
 from kvjax.config import ConfigError
 from kvjax.models import attention, decode_kernels
 from kvjax.models.attention import attend_step
@@ -111,6 +112,67 @@ def test_native_fast_path_spans_equal_xla(kg, v, vl):
     for name, r, o in zip("oml", ref, out):
         np.testing.assert_allclose(np.asarray(o), np.asarray(r), atol=3e-5, rtol=3e-5,
                                    err_msg=name)
+
+
+def _pages(rng, b, k, h, v, page_size, max_pages, kl, vl):
+    """Pools of 2·b·max_pages pages (NaN in every page no row holds), a shuffled block
+    table whose last entry of row 0 is missing (-1) and whose rows 0 and 1 share their
+    first page (read-only sharing), and a visibility with a hole per row."""
+    n = 2 * b * max_pages
+    shape = lambda x: (n, k, page_size, x) if kl == "BKSH" else (n, k, x, page_size)  # noqa: E731
+    kp = 3 * rng.standard_normal(shape(h)).astype(np.float32)
+    vshape = (n, k, page_size, v) if vl == "BKSH" else (n, k, v, page_size)
+    vp = rng.standard_normal(vshape).astype(np.float32)
+    table = rng.permutation(n)[:b * max_pages].reshape(b, max_pages).astype(np.int32)
+    table[0, -1] = -1
+    table[1, 0] = table[0, 0]
+    unused = np.setdiff1d(np.arange(n), table)
+    kp[unused], vp[unused] = np.nan, np.inf
+    vis = rng.random((b, max_pages * page_size)) < 0.8
+    vis &= np.repeat(table, page_size, axis=1) >= 0  # no slot of a missing page is seen
+    vis[0, :page_size + 3] = False
+    return kp, vp, table, vis
+
+
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+@pytest.mark.parametrize("layouts", LAYOUTS)
+@pytest.mark.parametrize("page_size,max_pages", [(1, 40), (5, 9), (16, 300), (48, 5)])
+def test_native_reads_pages_in_place(page_size, max_pages, layouts):
+    """The paged target of the native kernel (block table, pools read where they lie)
+    gives the statistics of XLA over the gathered dense views, and of the dense native
+    kernel over the same views: pages of 1 token, of a size that is no multiple of the
+    vector width, many pages per row (spans and thread chunks across pages), a page
+    shared by two rows, a missing page, NaN / inf in pages no row holds."""
+    kl, vl = layouts
+    rng = np.random.default_rng(page_size)
+    b, k, g, h = 3, 2, 3, 64
+    kp, vp, table, vis = _pages(rng, b, k, h, h, page_size, max_pages, kl, vl)
+    q = jnp.asarray(rng.standard_normal((b, k, g, h)), jnp.float32)
+    args = (q, jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(vis), kl, vl)
+    got = decode_kernels.partial_attention("native", *args, block_table=jnp.asarray(table))
+    ref = decode_kernels.partial_attention("xla", *args, block_table=jnp.asarray(table))
+    views = [paged.gather_view(jnp.asarray(x), jnp.asarray(table), -1 if lay == "BKHS" else -2)
+             for x, lay in ((kp, kl), (vp, vl))]
+    views = [jnp.where(jnp.isfinite(x), x, 0.0) for x in views]  # what no query sees
+    dense = decode_kernels.partial_attention("native", q, *views, jnp.asarray(vis), kl, vl)
+    for name, r, o, d in zip("oml", ref, got, dense):
+        assert np.isfinite(np.asarray(o)).all(), name
+        np.testing.assert_allclose(np.asarray(o), np.asarray(r), atol=3e-5, rtol=3e-5,
+                                   err_msg=name)
+        np.testing.assert_allclose(np.asarray(o), np.asarray(d), atol=3e-5, rtol=3e-5,
+                                   err_msg=name)
+
+
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+def test_native_paged_refuses_a_page_outside_the_pool():
+    rng = np.random.default_rng(0)
+    kp, vp, table, vis = _pages(rng, 2, 1, 16, 16, 4, 3, "BKHS", "BKSH")
+    table[1, 1] = kp.shape[0]  # one past the pool
+    q = jnp.zeros((2, 1, 2, 16), jnp.float32)
+    with pytest.raises(Exception, match=r"block-table entry outside \[-1, num_pages\)"):
+        jax.block_until_ready(decode_kernels.partial_attention(
+            "native", q, jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(vis), "BKHS",
+            "BKSH", block_table=jnp.asarray(table)))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])

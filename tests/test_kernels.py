@@ -30,8 +30,8 @@ def test_custom_calls_name_their_targets():
     kvjax defines one, and those are the targets kvjax's native modules register."""
     from kvjax import native  # noqa: PLC0415
     from kvjax.native import prefill, rows_matmul  # noqa: PLC0415
-    assert set(kernels.custom_call_targets()) == {native.TARGET, prefill.TARGET,
-                                                  rows_matmul.TARGET}
+    assert set(kernels.custom_call_targets()) == {native.TARGET, native.PAGED_TARGET,
+                                                  prefill.TARGET, rows_matmul.TARGET}
     for f in kernels.REGISTRY:
         assert f.counted in ("xla", "custom call", "pallas")
         assert (f.target is not None) <= (f.counted == "custom call")

@@ -21,6 +21,7 @@ namespace ffi = xla::ffi;
 // jaxlib's FFI can) or, for rows_matmul, returns zeros (a wrong answer).
 static ffi::Error Fail() { return ffi::Error(ffi::ErrorCode::kInternal, "bad build"); }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxDecodeAttention, Fail, ffi::Ffi::Bind());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPagedDecodeAttention, Fail, ffi::Ffi::Bind());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPrefillAttention, Fail, ffi::Ffi::Bind());
 static ffi::Error Zeros(ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
                         ffi::ResultBuffer<ffi::F32> out, int64_t, int64_t, int64_t, int64_t) {
@@ -91,6 +92,8 @@ def test_a_library_whose_smoke_call_fails_is_not_used(module, what, bad_library,
     monkeypatch.setattr(module, "_state", {})
     # a fresh FFI target name: the real kernel may be registered in this process already
     monkeypatch.setattr(module, "TARGET", f"kvjax_test_bad_{module.__name__.split('.')[-1]}")
+    if module is native:
+        monkeypatch.setattr(module, "PAGED_TARGET", "kvjax_test_bad_paged")
     with pytest.warns(UserWarning, match=what):
         assert module.load() is False
     assert module.load() is False  # the answer is kept: one warning per process

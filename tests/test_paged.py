@@ -13,10 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax import native
 from kvjax.cache import paged
 from kvjax.config import ConfigError, ModelConfig
 from kvjax.inference import engine, paged_engine
 from kvjax.models import model
+from kvjax.plan import Plan
 from tests.test_ragged import VARIANTS, params_of
 
 L = 24  # tokens per test sequence
@@ -86,6 +88,10 @@ CASES = [  # (variant, overrides, page size, decode steps too)
     ("mha", {"scan_layers": False}, 5, False),  # 5 divides neither prompt nor chunk
     ("mla_absorbed", {}, 5, True),
     ("gqa", {"kv_dtype": "int8"}, 3, True),     # code and scale pools
+    # the native kernel reading the pages in place (decode steps and chunks of <= 16)
+    ("gqa", {"decode_attention": "native"}, 5, True),    # keys BKHS, values BKSH
+    ("mha", {"decode_attention": "native"}, 1, True),    # values BKHS (G = 1), 1-slot pages
+    ("mqa", {"decode_attention": "native"}, 16, True),
 ]
 
 
@@ -95,6 +101,10 @@ def test_paged_forward_equals_cache_free(name, over, page_size, decode):
     (``decode``) one token at a time, on pages taken from the pool in reverse order:
     every logit equals the cache-free forward's."""
     cfg = ModelConfig(**{**VARIANTS[name], **over})
+    if cfg.decode_attention == "native":
+        if not native.load():
+            pytest.skip("the native library could not be built here")
+        cfg = cfg.replace(plan=Plan(native=("decode_attention",)))
     params = model.params_for(cfg, params_of(name))
     seqs = _seqs(1, b=3)
     m = paged.pages_for(L, page_size)
@@ -111,6 +121,10 @@ def test_paged_forward_equals_cache_free(name, over, page_size, decode):
         got.update(more)
     _check(cfg, params, seqs, got)
     assert np.asarray(cache.length).tolist() == [L, L - 2, L if decode else L - 5]
+    if cfg.decode_attention == "native":  # the step reads the pools, not gathered views
+        hlo = _feed.lower(params, cache, jnp.zeros((3, 1), jnp.int32),
+                          jnp.ones((3,), jnp.int32), cfg=cfg).as_text()
+        assert native.PAGED_TARGET in hlo  # once per layer, or once in a scanned body
 
 
 def test_shared_prefix_pages_and_copy_on_write():

@@ -12,6 +12,7 @@ from kvjax import cache as cache_lib
 from kvjax.analysis import costs
 from kvjax.config import SamplingConfig
 from kvjax.inference import decode
+from kvjax.models import decode_kernels
 from kvjax.models import model as model_lib
 from kvjax.native import prefill as native_prefill
 from kvjax.native import rows_matmul as rm
@@ -98,6 +99,28 @@ def test_auto_picks_are_per_shape_class_and_printed(planner_home):
                cfg.plan.decode_attention)
     lines = cfg.plan.lines()
     assert lines[0].startswith("plan: native kernels") and len(lines) == 3
+
+
+def test_paged_classes_are_measured_on_pages_and_read_by_the_paged_step(planner_home):
+    """A paged decode step has its own shape classes ('-paged{P}'), measured over page
+    pools (native in place, the others over gathered views); the paged model step picks
+    from them, and a dense step of the same config does not find them."""
+    big = dict(num_kv_heads=2, head_dim=64, num_heads=4)
+    cfg = planner.resolve(tiny_config(decode_attention="auto", **big), max_seq_len=1024,
+                          batch_sizes=(1,), page_size=16)
+    names = [n for n, _ in cfg.plan.decode_attention]
+    assert names == ["B1-K2-G2-H64-V64-S1024-float32-BKHS-BKSH-paged16"], names
+    entry = planner._memo[names[0]]
+    assert set(entry["gbps"]) >= {"xla"} and all(g > 0 for g in entry["gbps"].values())
+    if native.load():
+        assert "native" in entry["gbps"]
+    pick = cfg.plan.decode_attention[0][1]
+    k = jnp.zeros((1, 2, 64, 1024), jnp.float32)
+    v = jnp.zeros((1, 2, 1024, 64), jnp.float32)
+    assert decode_kernels.choose(cfg, k, v, page_size=16) == pick
+    assert decode_kernels.choose(cfg, k, v) == "xla"  # no dense class in this plan
+    with pytest.raises(ValueError, match="page_size=-1"):
+        planner.resolve(cfg, max_seq_len=64, page_size=-1)
 
 
 def test_gpu_config_on_a_cpu_gets_the_gpu_plan_and_no_cpu_kernel():

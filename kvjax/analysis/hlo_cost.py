@@ -267,12 +267,15 @@ def kernel_flops(target: str, operand_types: list[str], result_type: str) -> flo
     * ``kvjax_decode_attention``: q [B, K, G, H] against S slots (``visible`` [B, S]) into
       o [B, K, G, V]: 2·B·K·G·S·(H + V) (the two products; the softmax's exp and sums
       are not counted, as XLA's dot FLOPs do not count them).
+    * ``kvjax_paged_decode_attention``: the same over a row's M·P logical slots
+      (``visible`` [B, M·P]). Its operand bytes (the cost hook's lower bound) count the
+      whole page pools, the pages of every row and the free ones.
     """
     try:
         if target == "kvjax_rows_matmul":
             (x,), (y, *_) = shape_dims(operand_types[0]), shape_dims(result_type)
             return 2.0 * math.prod(x) * y[-1]
-        if target == "kvjax_decode_attention":
+        if target in ("kvjax_decode_attention", "kvjax_paged_decode_attention"):
             (q,), (vis,) = shape_dims(operand_types[0]), shape_dims(operand_types[3])
             o = shape_dims(result_type)[0]
             return 2.0 * vis[-1] * (math.prod(q) + math.prod(o))

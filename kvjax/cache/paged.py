@@ -11,12 +11,15 @@ num_pages, P)``: 'k' [N, K, P, H] or [N, K, H, P], 'c_kv' [N, P, C], 'k_scale' [
 
 * **Write** (:func:`write`): a chunk's tokens scatter to (page, offset) of their
   absolute positions; padded tokens (position -1) and positions with no page are dropped.
-* **Read** (:meth:`PagedKVCache.layer`): the XLA formulation gathers a row's M pages into
-  the dense view [B, K, M·P, H] (slot j = position j) and :attr:`PagedKVCache.positions`
-  gives that view's positions (j below the row's length and on an allocated page, else
-  -1), so the model's attention code and its masks (:mod:`kvjax.cache.policy`) run on
-  the view unchanged. The gather reads M·P slots per row (the bytes of a dense row of
-  M·P slots, plus the block table).
+* **Read** (:meth:`PagedKVCache.layer`): a layer's dense view [B, K, M·P, H] gathers a
+  row's M pages (slot j = position j) and :attr:`PagedKVCache.positions` gives that
+  view's positions (j below the row's length and on an allocated page, else -1), so the
+  model's attention code and its masks (:mod:`kvjax.cache.policy`) run on the view
+  unchanged. The gather reads M·P slots per row (the bytes of a dense row of M·P slots,
+  plus the block table) and writes them again. The layer also carries its pools and the
+  block table (:class:`PagedLayer`): the native decode kernel reads the pages where they
+  lie (:func:`kvjax.models.decode_kernels.partial_attention` with ``block_table``), and
+  the view nothing reads is dropped from the compiled program.
 * **Host allocation** (:class:`PageAllocator`): a free list, reference counts, fork and
   copy on write of a shared page, and page-granular prefix hashing (each full page's key
   is a hash of its token ids chained with the previous page's key, as vLLM's automatic
@@ -41,8 +44,8 @@ from kvjax import ops
 from kvjax.cache import kv, quant
 from kvjax.config import ModelConfig
 
-__all__ = ["PagedKVCache", "PoolExhausted", "init_paged_cache", "pages_for", "write",
-           "advance", "overflows", "copy_pages", "gather_view", "page_bytes",
+__all__ = ["PagedKVCache", "PagedLayer", "PoolExhausted", "init_paged_cache", "pages_for",
+           "write", "advance", "overflows", "copy_pages", "gather_view", "page_bytes",
            "PageAllocator", "page_hashes"]
 
 
@@ -119,17 +122,36 @@ class PagedKVCache:
         page = jnp.repeat(self.block_table, self.page_size, axis=1)  # [B, M*P]
         return jnp.where((j[None, :] < self.length[:, None]) & (page >= 0), j[None, :], -1)
 
-    def layer(self, i) -> dict:
+    def layer(self, i) -> "PagedLayer":
         """name -> layer ``i``'s dense view of every row ([B, K, M·P, H] ...);
         ``i`` may be traced if stacked. Float views are zero at the slots
         :attr:`positions` marks -1 (a page reused from a finished request, page 0 read
         for a missing one), so a masked slot contributes nothing whatever the pool
-        holds there (issue 32); the select fuses into the gather's copy."""
+        holds there (issue 32); the select fuses into the gather's copy. The mapping also
+        carries the layer's pools and the block table (:class:`PagedLayer`): a kernel
+        that reads pages in place uses those, and the gather of a view nothing reads is
+        dropped from the compiled program."""
         axes = dict(self.axes)
         seen = self.positions >= 0  # [B, M·P]
+        views = {n: ops.zero_unseen(gather_view(t[i], self.block_table, axes[n]), seen,
+                                    axes[n]) for n, t in self.tensors.items()}
+        return PagedLayer(views, pools={n: t[i] for n, t in self.tensors.items()},
+                          block_table=self.block_table, page_size=self.page_size)
 
-        return {n: ops.zero_unseen(gather_view(t[i], self.block_table, axes[n]), seen,
-                                   axes[n]) for n, t in self.tensors.items()}
+
+class PagedLayer(dict):
+    """One layer of a :class:`PagedKVCache` as the model reads it: name -> the rows'
+    dense views (a dict, as a dense cache's layer), plus
+
+    Attributes:
+      pools: name -> this layer's pool, [N, ..., P, X] or [N, ..., X, P].
+      block_table: [B, M] int32 (-1: no page).
+      page_size: P.
+    """
+
+    def __init__(self, views: dict, pools: dict, block_table: jax.Array, page_size: int):
+        super().__init__(views)
+        self.pools, self.block_table, self.page_size = pools, block_table, page_size
 
 
 def gather_view(pool: jax.Array, block_table: jax.Array, axis: int) -> jax.Array:

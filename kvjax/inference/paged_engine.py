@@ -167,9 +167,9 @@ class PagedEngine:
                 f"{self.num_pages * self.page_size} tokens, too few for one request of "
                 f"max_seq_len={max_seq_len}; allowed: num_pages >= {self.max_pages}")
         self.view_len = self.max_pages * self.page_size
-        if cfg.plan is None:  # resolved on the host, for the rows' dense views
+        if cfg.plan is None:  # resolved on the host, for the step's paged classes
             cfg = planner.resolve(cfg, max_seq_len=self.view_len,
-                                  batch_sizes=(self.max_rows,))
+                                  batch_sizes=(self.max_rows,), page_size=self.page_size)
         self.params, self.cfg = params, cfg
         self._prefill_cfgs: dict[int, ModelConfig] = {}
         ids = [eos_ids] if isinstance(eos_ids, (int, np.integer)) else list(eos_ids)

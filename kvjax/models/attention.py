@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
 from kvjax import ops
+from kvjax.cache import paged as paged_lib
 from kvjax.cache.policy import policy_for
 from kvjax.config import ModelConfig
 from kvjax.models import decode_kernels, flash
@@ -95,7 +96,8 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
                 v_layout: str = "BKSH", new_visible: jax.Array | None = None,
                 sink_scores: jax.Array | None = None, impl: str = "xla",
                 backend: str | None = None, k_scale: jax.Array | None = None,
-                v_scale: jax.Array | None = None) -> jax.Array:
+                v_scale: jax.Array | None = None,
+                block_table: jax.Array | None = None) -> jax.Array:
     """One decode step (T = 1): attention over the cache's old slots plus the new token.
 
     Same math as :func:`attend` over ``concat(k_cache, k_new)`` without materialising the
@@ -127,6 +129,10 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
         a convert of the codes stays on the dot operands, which XLA:CPU fuses into the
         dots, so the 1-byte cache is streamed instead of copied to float32 first.
         Needs ``impl='xla'`` and no ``sink_scores``.
+      block_table: [B, M] int32, or None: ``k_cache``/``v_cache`` are then one layer's
+        page pools ([N, K, P, H] ...) and ``mask`` [B, 1, M·P] covers each row's logical
+        slots (:func:`kvjax.models.decode_kernels.partial_attention`; 'native' reads the
+        pages in place). Needs ``impl`` other than 'xla', no sink_scores and no scales.
 
       Masked old slots: their scores are selected away on every formulation; with
       scales, the masked weights x scales are selected and fp8 codes zeroed, and the
@@ -141,11 +147,15 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
       unnormalised weights exp(s - max) enter the value product in
       :func:`weight_dtype` (float32 on CPU) and the denominator sums them as used.
     Raises:
-      ValueError: an unknown layout or impl.
+      ValueError: an unknown layout or impl; a block table with impl 'xla', sink scores
+        or scales.
     """
     scale = q.shape[-1] ** -0.5
     q1 = q[:, 0]  # [B, K, G, H]
     scaled = k_scale is not None
+    if block_table is not None and (impl == "xla" or sink_scores is not None or scaled):
+        raise ValueError(f"block_table needs impl other than 'xla' (got {impl!r}), no "
+                         "sink_scores and no scales (those read the rows' dense views)")
     if scaled and (impl != "xla" or sink_scores is not None or v_scale is None):
         raise ValueError(f"k_scale/v_scale need impl='xla' (got {impl!r}), no sink_scores "
                          "and both scales")
@@ -154,7 +164,7 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
                                    v_new, k_layout, v_layout, new_visible, scale)
     if impl != "xla" and sink_scores is None:
         return _attend_step_kernel(q1, k_cache, v_cache, mask, k_new, v_new, k_layout,
-                                   v_layout, new_visible, impl, backend, scale)
+                                   v_layout, new_visible, impl, backend, scale, block_table)
     s_old = jnp.einsum(f"BKGH,{_spec(k_layout)}->BKGS", q1, k_cache,
                        preferred_element_type=jnp.float32) * scale
     if sink_scores is not None:  # the first slots are sinks scored with another query
@@ -266,16 +276,31 @@ def _sinks(cfg: ModelConfig, q_sink, key_positions: jax.Array):
 
 
 def _attend_step_kernel(q1, k_cache, v_cache, mask, k_new, v_new, k_layout, v_layout,
-                        new_visible, impl, backend, scale):
+                        new_visible, impl, backend, scale, block_table=None):
     """:func:`attend_step` through a formulation of :mod:`kvjax.models.decode_kernels`."""
     o, m, l = decode_kernels.partial_attention(
         impl, q1, k_cache, v_cache, mask[:, 0], k_layout, v_layout,
-        backend=backend or backend_lib.current())
+        backend=backend or backend_lib.current(), block_table=block_table)
     k1 = k_new[:, :, 0] if k_layout == "BKSH" else k_new[..., 0]  # [B, K, H]
     v1 = v_new[:, :, 0] if v_layout == "BKSH" else v_new[..., 0]  # [B, K, Hv]
     s_new = jnp.einsum("BKGH,BKH->BKG", q1, k1, preferred_element_type=jnp.float32) * scale
     out = decode_kernels.merge_new(o, m, l, s_new, v1, new_visible)
     return out[:, None].astype(v_cache.dtype)
+
+
+def _page_size(cached) -> int:
+    """P of a paged layer (:class:`kvjax.cache.paged.PagedLayer`), 0 for a dense one."""
+    return cached.page_size if isinstance(cached, paged_lib.PagedLayer) else 0
+
+
+def _in_place(cfg: ModelConfig, cached, impl: str, sink_s) -> tuple[dict, jax.Array | None]:
+    """({'k': pool, 'v': pool}, block table) when the decode formulation reads this
+    layer's paged cache where its pages lie ('native' on a float cache, no sink scores:
+    :class:`kvjax.cache.paged.PagedLayer`), else ({}, None): the dense views are read."""
+    if (isinstance(cached, paged_lib.PagedLayer) and impl == "native"
+            and not cfg.kv_quantized and sink_s is None):
+        return {n: cached.pools[n] for n in ("k", "v")}, cached.block_table
+    return {}, None
 
 
 def _native_chunk(plan, q, k, v, positions, k_old=None, v_old=None, old_positions=None,
@@ -295,7 +320,8 @@ def _native_chunk(plan, q, k, v, positions, k_old=None, v_old=None, old_position
 def attend_small_chunk(q: jax.Array, k_old: jax.Array, v_old: jax.Array,
                        visible_old: jax.Array, k_new: jax.Array, v_new: jax.Array,
                        mask_new: jax.Array, k_layout: str = "BKSH", v_layout: str = "BKSH",
-                       impl: str = "xla", backend: str | None = None) -> jax.Array:
+                       impl: str = "xla", backend: str | None = None,
+                       block_table: jax.Array | None = None) -> jax.Array:
     """Attention of a short chunk over (the cache's old slots ++ its own entries) by a
     decode-step formulation: the T queries of a KV head's group become T·G query rows of
     :func:`kvjax.models.decode_kernels.partial_attention`, so every old key and value is
@@ -317,8 +343,10 @@ def attend_small_chunk(q: jax.Array, k_old: jax.Array, v_old: jax.Array,
       k_layout, v_layout: 'BKSH' or 'BKHS'.
       impl: the decode formulation (:data:`kvjax.models.decode_kernels.IMPLS`).
       backend: the config's backend (None: the process's).
+      block_table: [B, M] int32, or None: ``k_old``/``v_old`` are then page pools and
+        ``visible_old`` covers each row's M·P logical slots (as :func:`attend_step`).
     Returns:
-      [B, T, K, G, Hv] in v_old's dtype, equal to :func:`attend` over the concatenation
+      [B, T, K, G, Hv] in the chunk's value dtype, equal to :func:`attend` over the concatenation
       (float32 statistics, up to summation order).
     Raises:
       ValueError: an unknown layout or impl (:func:`partial_attention`).
@@ -327,11 +355,12 @@ def attend_small_chunk(q: jax.Array, k_old: jax.Array, v_old: jax.Array,
     backend = backend or backend_lib.current()
     rows = jnp.transpose(q, (0, 2, 1, 3, 4)).reshape(b, kh, t * g, h)  # [B, K, T·G, H]
     o, m, l = decode_kernels.partial_attention(impl, rows, k_old, v_old, visible_old,
-                                               k_layout, v_layout, backend=backend)
+                                               k_layout, v_layout, backend=backend,
+                                               block_table=block_table)
     to_t = lambda x: jnp.transpose(x.reshape(b, kh, t, g, -1), (0, 2, 1, 3, 4))
     old = (to_t(m[..., None]), to_t(l[..., None]), to_t(o))  # [B, T, K, G, .]
     new = _chunk_stats(k_new, v_new, mask_new, q, k_layout, v_layout, backend)
-    return ops.finish(ops.merge(old, new)).astype(v_old.dtype)
+    return ops.finish(ops.merge(old, new)).astype(v_new.dtype)
 
 
 def _chunk_stats(k, v, mask, q, k_layout, v_layout, backend):
@@ -392,7 +421,7 @@ def attend_cached_seq(plan, q, k_old, v_old, mask_old, k_new, v_new, mask_new,
                            ((k_old, ax(k_layout)), (v_old, ax(v_layout)), (mask_old, -1)),
                            (q,))
     new = local(k_new, v_new, mask_new, q)
-    return ops.finish(ops.merge(old, new)).astype(v_old.dtype)
+    return ops.finish(ops.merge(old, new)).astype(v_new.dtype)
 
 
 class Attention(nn.Module):
@@ -493,7 +522,7 @@ class Attention(nn.Module):
                     cache_lib.attention_mask(positions, positions, c), k_layout, v_layout,
                     c.backend)
             elif t == 1:
-                impl = decode_kernels.choose(c, k_old, v_old)
+                impl = decode_kernels.choose(c, k_old, v_old, _page_size(cached))
                 sink_s = sink_scores(c, q_sink, k_old, k_layout)
                 scales = cache_lib.row_scales(c, cached)
                 if (SCALE_OUTSIDE_DOTS and scales is not None and impl == "xla"
@@ -504,20 +533,24 @@ class Attention(nn.Module):
                                       k_scale=scales[0], v_scale=scales[1]).astype(dt)
                 else:
                     v_step = v_seen() if c.kv_quantized and impl != "native" else v_old
-                    out = attend_step(q, k_old, v_step, mask_old, k_cur, v_cur,
-                                      k_layout, v_layout, new_visible=positions[:, 0] >= 0,
-                                      sink_scores=sink_s, impl=impl, backend=c.backend)
+                    pools, table = _in_place(c, cached, impl, sink_s)
+                    out = attend_step(q, pools.get("k", k_old), pools.get("v", v_step),
+                                      mask_old, k_cur, v_cur, k_layout, v_layout,
+                                      new_visible=positions[:, 0] >= 0, sink_scores=sink_s,
+                                      impl=impl, backend=c.backend, block_table=table)
             elif t <= SMALL_CHUNK and policy_for(c).kind == "dense":
                 # A few queries over the cache (a speculative verify step, a short chunk):
                 # the decode step's formulation with the T queries as extra group rows,
                 # so the cache is read once as in a plain step (docs/DESIGN.md).
                 # Masked values as in a decode step (model.clear_masked_slots).
-                impl = decode_kernels.choose(c, k_old, v_old)
+                impl = decode_kernels.choose(c, k_old, v_old, _page_size(cached))
                 v_step = v_seen() if c.kv_quantized and impl != "native" else v_old
+                pools, table = _in_place(c, cached, impl, None)
                 out = _zero_padded(positions, attend_small_chunk(
-                    q, k_old, v_step, jnp.any(mask_old, axis=1), k_cur, v_cur,
+                    q, pools.get("k", k_old), pools.get("v", v_step),
+                    jnp.any(mask_old, axis=1), k_cur, v_cur,
                     cache_lib.attention_mask(positions, positions, c), k_layout,
-                    v_layout, impl=impl, backend=c.backend))
+                    v_layout, impl=impl, backend=c.backend, block_table=table))
             elif path == "native":
                 out = _native_chunk(plan, q, k_cur, v_cur, positions, k_old=k_old,
                                     v_old=v_old, old_positions=cached_positions, **native)

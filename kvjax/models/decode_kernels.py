@@ -38,6 +38,8 @@ import numpy as np
 
 from kvjax import kernels, native
 from kvjax import plan as plan_lib
+from kvjax import ops
+from kvjax.cache import paged
 from kvjax.cache.policy import policy_for
 from kvjax.ops import NEG_INF, dot_operand
 from kvjax.ops import layout_spec as _spec
@@ -87,19 +89,21 @@ def read_dtype(cfg):
     return cfg.jnp_dtype if cfg.kv_quantized else cfg.cache_dtype
 
 
-def shape_class(cfg, b: int, s: int, dtype) -> str:
+def shape_class(cfg, b: int, s: int, dtype, page_size: int = 0) -> str:
     """The decode-attention shape class (:func:`kvjax.plan.decode_attention_class`) of
-    ``cfg``'s cache with B = ``b`` rows of ``s`` slots of element type ``dtype``."""
+    ``cfg``'s cache with B = ``b`` rows of ``s`` slots of element type ``dtype``, on
+    pages of ``page_size`` slots (0: dense rows)."""
     k_layout, v_layout = cfg.cache_layout("k"), cfg.cache_layout("v")
     return plan_lib.decode_attention_class(
         b, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim, cfg.head_dim, s, jnp.dtype(dtype).name,
-        k_layout, v_layout, policy_for(cfg).kind == "dense")
+        k_layout, v_layout, policy_for(cfg).kind == "dense", page_size)
 
 
-def choose(cfg, k_cache, v_cache) -> str:
+def choose(cfg, k_cache, v_cache, page_size: int = 0) -> str:
     """The formulation of one layer's decode attention of ``cfg`` over caches shaped like
-    ``k_cache``/``v_cache`` (only shapes and dtypes are read), from the config and its
-    plan (``cfg.execution``); nothing is measured here.
+    ``k_cache``/``v_cache`` (only shapes and dtypes are read; a paged cache's dense views,
+    ``page_size`` > 0), from the config and its plan (``cfg.execution``); nothing is
+    measured here.
 
     ``cfg.decode_attention`` other than 'auto' is returned after checking that it applies;
     'auto' is the plan's pick for the shape class (:func:`shape_class`), 'xla' where the
@@ -114,7 +118,7 @@ def choose(cfg, k_cache, v_cache) -> str:
     b, _, s, h, _ = cache_dims(k_cache, v_cache, k_layout, v_layout)
     plan = cfg.execution
     if cfg.decode_attention == "auto":
-        return plan.decode_attention_for(shape_class(cfg, b, s, k_cache.dtype))
+        return plan.decode_attention_for(shape_class(cfg, b, s, k_cache.dtype, page_size))
     impl = cfg.decode_attention
     prefix = policy_for(cfg).kind == "dense"
     ok = supports(impl, cfg.backend, k_cache.dtype, k_layout, v_layout, prefix, h, s)
@@ -148,19 +152,26 @@ def _pallas_splits(slots: int) -> tuple[int, int] | None:
 
 def partial_attention(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                       visible: jax.Array, k_layout: str, v_layout: str,
-                      backend: str = "cpu", interpret: bool = False):
+                      backend: str = "cpu", interpret: bool = False,
+                      block_table: jax.Array | None = None):
     """Softmax statistics of the old slots, by formulation ``impl``.
 
     Args:
       impl: one of :data:`IMPLS`.
       q: [B, K, G, H] queries (any float dtype).
-      k_cache: [B, K, S, H] ('BKSH') or [B, K, H, S] ('BKHS').
-      v_cache: [B, K, S, V] ('BKSH') or [B, K, V, S] ('BKHS').
+      k_cache: [B, K, S, H] ('BKSH') or [B, K, H, S] ('BKHS'); with ``block_table``, a
+        page pool [N, K, P, H] or [N, K, H, P] (:mod:`kvjax.cache.paged`).
+      v_cache: [B, K, S, V] ('BKSH') or [B, K, V, S] ('BKHS'); or a pool likewise.
       visible: [B, S] bool, the old slots each row's query sees ('pallas': must be a
-        prefix of each row; only the count is used).
+        prefix of each row; only the count is used); with a block table S = M·P, the
+        row's logical slots (slot j on page ``block_table[b, j // P]``, offset j % P).
       k_layout, v_layout: 'BKSH' or 'BKHS'.
       backend: the config's backend (2-byte operands are widened on CPU).
       interpret: 'pallas' only: run the kernel in Pallas interpret mode (CPU tests).
+      block_table: [B, M] int32 pages of each row (-1: none; its slots must be
+        invisible), or None for a dense cache. 'native' reads the pages where they lie
+        (the paged target of ``decode_attention.cc``); the others gather the rows' dense
+        views first (:func:`kvjax.cache.paged.gather_view`, zeroed where invisible).
     Returns:
       (o [B, K, G, V] float32, m [B, K, G] float32, l [B, K, G] float32), see the module
       docstring; m = -1e30 (native, XLA) or about -3.4e38 (Pallas) and l = 0 where no slot
@@ -172,7 +183,12 @@ def partial_attention(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.
     check_impl(impl)
     scale = q.shape[-1] ** -0.5
     if impl == "native":
-        return _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale)
+        return _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale, block_table)
+    if block_table is not None:  # the XLA and Pallas formulations read the dense views
+        k_cache, v_cache = (
+            ops.zero_unseen(paged.gather_view(x, block_table, -1 if lay == "BKHS" else -2),
+                            visible, -1 if lay == "BKHS" else -2)
+            for x, lay in ((k_cache, k_layout), (v_cache, v_layout)))
     if impl == "pallas":
         return _pallas(q, k_cache, v_cache, visible, k_layout, v_layout, scale, interpret)
     qd, kd, vd = (dot_operand(x, backend) for x in (q, k_cache, v_cache))
@@ -197,7 +213,7 @@ def partial_attention(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.
     return o, m, jnp.sum(e, axis=2)
 
 
-def _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale):
+def _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale, block_table=None):
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if x.dtype != jnp.float32:
             raise ValueError(f"decode_attention='native': {name} dtype {x.dtype}; "
@@ -211,11 +227,13 @@ def _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale):
     f32 = jnp.float32
     out = (jax.ShapeDtypeStruct((b, k, g, width), f32), jax.ShapeDtypeStruct((b, k, g), f32),
            jax.ShapeDtypeStruct((b, k, g), f32))
-    o, m, l = jax.ffi.ffi_call(native.TARGET, out, vmap_method="sequential")(
-        q.astype(f32), k_cache, v_cache, visible.astype(jnp.bool_),
-        k_bksh=np.int64(k_layout == "BKSH"), v_bksh=np.int64(v_layout == "BKSH"),
-        scale=np.float32(scale), threads=np.int64(native.num_threads()))
-    return o, m, l
+    attrs = dict(k_bksh=np.int64(k_layout == "BKSH"), v_bksh=np.int64(v_layout == "BKSH"),
+                 scale=np.float32(scale), threads=np.int64(native.num_threads()))
+    args = (q.astype(f32), k_cache, v_cache, visible.astype(jnp.bool_))
+    if block_table is None:
+        return jax.ffi.ffi_call(native.TARGET, out, vmap_method="sequential")(*args, **attrs)
+    return jax.ffi.ffi_call(native.PAGED_TARGET, out, vmap_method="sequential")(
+        *args, block_table.astype(jnp.int32), **attrs)
 
 
 def _pallas(q, k_cache, v_cache, visible, k_layout, v_layout, scale, interpret):

@@ -24,6 +24,7 @@ import threading
 import warnings
 
 TARGET = "kvjax_decode_attention"
+PAGED_TARGET = "kvjax_paged_decode_attention"  # the same loops over a page pool, in place
 _SOURCE = pathlib.Path(__file__).with_name("decode_attention.cc")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-w")
 _lock = threading.Lock()
@@ -114,9 +115,10 @@ def library_path() -> pathlib.Path | None:
 
 
 def register(state: dict, lock: threading.Lock, build, target: str, symbol: str,
-             what: str, fallback: str, smoke=None) -> bool:
+             what: str, fallback: str, smoke=None, more=()) -> bool:
     """Builds (``build()``: a library path, or None without a compiler), loads and
-    registers the FFI target ``target`` (the library's handler ``symbol``) on CPU, then
+    registers the FFI target ``target`` (the library's handler ``symbol``; ``more``: further
+    (target, symbol) pairs of the same library) on CPU, then
     runs ``smoke()`` (one small real call of the kernel on the CPU device that raises
     unless the answer is right; None: none), once per process (the answer is kept in
     ``state['ok']``). Returns True when it is available; False, with one warning naming
@@ -136,8 +138,9 @@ def register(state: dict, lock: threading.Lock, build, target: str, symbol: str,
                 else:
                     import jax  # noqa: PLC0415
                     lib = ctypes.cdll.LoadLibrary(str(path))
-                    jax.ffi.register_ffi_target(
-                        target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                    for t, sym in ((target, symbol), *more):
+                        jax.ffi.register_ffi_target(
+                            t, jax.ffi.pycapsule(getattr(lib, sym)), platform="cpu")
                     state["lib"] = lib
                     if smoke is not None:
                         try:
@@ -189,12 +192,13 @@ def _smoke() -> None:
 
 
 def load() -> bool:
-    """Builds (once per machine), loads and registers the FFI target :data:`TARGET` on
-    CPU, and runs one small call of it. Returns True when it is available; False (with
+    """Builds (once per machine), loads and registers the FFI targets :data:`TARGET` and
+    :data:`PAGED_TARGET` on CPU, and runs one small call of the first. Returns True when it is available; False (with
     one warning naming the cause) when there is no compiler or the build, load or smoke
     call failed. Set ``KVJAX_NATIVE=0`` to skip it."""
     return register(_state, _lock, library_path, TARGET, "KvjaxDecodeAttention",
-                    "kvjax native kernels", "using the XLA formulations", smoke=_smoke)
+                    "kvjax native kernels", "using the XLA formulations", smoke=_smoke,
+                    more=((PAGED_TARGET, "KvjaxPagedDecodeAttention"),))
 
 
 def num_threads() -> int:

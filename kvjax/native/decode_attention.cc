@@ -7,8 +7,16 @@
 // are spread over XLA's intra-op threads (pool.h); the partial results of a (b, k) are
 // merged at the end.
 //
-// Inputs:  q [B, K, G, H] f32; keys [B, K, S, H] (k_bksh=1) or [B, K, H, S] (k_bksh=0)
-//          f32; values [B, K, S, V] (v_bksh=1) or [B, K, V, S] f32; visible [B, S] pred.
+// Two targets share every loop below:
+//  * kvjax_decode_attention, a dense cache:
+//    q [B, K, G, H] f32; keys [B, K, S, H] (k_bksh=1) or [B, K, H, S] (k_bksh=0) f32;
+//    values [B, K, S, V] (v_bksh=1) or [B, K, V, S] f32; visible [B, S] pred.
+//  * kvjax_paged_decode_attention, a paged cache read in place (vLLM's PagedAttention,
+//    Kwon et al. 2023, sec. 4.1): keys [N, K, P, H] or [N, K, H, P] and values
+//    [N, K, P, V] or [N, K, V, P] are pools of N pages of P slots; block_table [B, M] s32
+//    names the page of each row's logical page (-1: none, its slots must be invisible);
+//    visible [B, M*P] pred over the row's logical slots (slot j = page j / P, offset j % P).
+//    A dense cache is the paged one with P = S and row b's table [b].
 // Outputs: o [B, K, G, V] f32 = sum_s exp(q.k_s*scale - m) v_s over visible slots,
 //          m [B, K, G] f32 = max visible score (-1e30 when no slot is visible),
 //          l [B, K, G] f32 = sum_s exp(score_s - m) (0 when no slot is visible).
@@ -36,25 +44,35 @@ constexpr int64_t kBlock = 64;  // slots per block (scores of a block stay in L1
 
 
 struct Shape {
-  int64_t B, K, G, H, V, S;
+  int64_t B, K, G, H, V, S;  // S: slots of a row (dense) or of its M logical pages (M * P)
+  int64_t P, M;              // slots per page, pages per row (dense: P = S, M = 1)
+  const int32_t* bt;         // [B, M] page of each logical page, -1: none (dense: nullptr)
   bool k_bksh, v_bksh;
   float scale;
 };
 
-// What every (b, k) work item starts from: its slices of the keys, values and
-// visibility, its G query rows pre-multiplied by the scale, and the statistics reset
-// (m = -1e30, l = 0, o = 0).
+// The page holding row b's logical slot s (-1: none; dense: page b, the row itself).
+static inline int64_t PageOf(const Shape& sh, int64_t b, int64_t s) {
+  return sh.bt ? sh.bt[b * sh.M + s / sh.P] : b;
+}
+
+// Start of page pg's slice for KV head k in a pool of X floats per slot ([N, K, P, X] or
+// [N, K, X, P]: P * X contiguous floats either way).
+static inline const float* PageBase(const Shape& sh, const float* pool, int64_t pg,
+                                    int64_t k, int64_t X) {
+  return pool + (pg * sh.K + k) * sh.P * X;
+}
+
+// What every (b, k) work item starts from: its row of the visibility, its G query rows
+// pre-multiplied by the scale, and the statistics reset (m = -1e30, l = 0, o = 0).
 struct ItemStart {
-  const float* kb;
-  const float* vb;
   const bool* visb;
   std::vector<float> qs;
 };
-static ItemStart StartItem(const Shape& sh, const float* q, const float* kc,
-                           const float* vc, const bool* vis, int64_t b, int64_t k,
-                           float* m, float* l, float* o) {
-  const int64_t G = sh.G, H = sh.H, V = sh.V, S = sh.S, bk = b * sh.K + k;
-  ItemStart st{kc + bk * S * H, vc + bk * S * V, vis + b * S, std::vector<float>(G * H)};
+static ItemStart StartItem(const Shape& sh, const float* q, const bool* vis, int64_t b,
+                           int64_t k, float* m, float* l, float* o) {
+  const int64_t G = sh.G, H = sh.H, V = sh.V, bk = b * sh.K + k;
+  ItemStart st{vis + b * sh.S, std::vector<float>(G * H)};
   const float* qg = q + bk * G * H;
   for (int64_t i = 0; i < G * H; ++i) st.qs[i] = qg[i] * sh.scale;
   for (int64_t g = 0; g < G; ++g) { m[g] = kNegInf; l[g] = 0.0f; }
@@ -62,22 +80,27 @@ static ItemStart StartItem(const Shape& sh, const float* q, const float* kc,
   return st;
 }
 
-// One (b, k, [s0, s1)) work item: writes m[G], l[G], o[G*V].
+// One (b, k, [s0, s1)) work item: writes m[G], l[G], o[G*V]. Blocks never cross a page.
 static void Item(const Shape& sh, const float* q, const float* kc, const float* vc,
                  const bool* vis, int64_t b, int64_t k, int64_t s0, int64_t s1,
                  float* m, float* l, float* o) {
-  const int64_t G = sh.G, H = sh.H, V = sh.V, S = sh.S;
-  const auto [kb, vb, visb, qs] = StartItem(sh, q, kc, vc, vis, b, k, m, l, o);
+  const int64_t G = sh.G, H = sh.H, V = sh.V, P = sh.P;
+  const auto [visb, qs] = StartItem(sh, q, vis, b, k, m, l, o);
   std::vector<float> sc(G * kBlock);
-  for (int64_t sb = s0; sb < s1; sb += kBlock) {
-    const int64_t n = std::min(kBlock, s1 - sb);
+  int64_t n = 0;
+  for (int64_t sb = s0; sb < s1; sb += n) {
+    const int64_t off = sb % P;
+    n = std::min({kBlock, s1 - sb, P - off});
     bool any = false;
     for (int64_t j = 0; j < n; ++j) any |= visb[sb + j];
-    if (!any) continue;
+    const int64_t pg = PageOf(sh, b, sb);
+    if (!any || pg < 0) continue;  // a slot on no page counts as invisible
+    const float* kb = PageBase(sh, kc, pg, k, H);
+    const float* vb = PageBase(sh, vc, pg, k, V);
     // Scores of the block: sc[g * kBlock + j].
     if (sh.k_bksh) {
       for (int64_t j = 0; j < n; ++j) {
-        const float* kr = kb + (sb + j) * H;
+        const float* kr = kb + (off + j) * H;
         for (int64_t g = 0; g < G; ++g) {
           const float* qr = qs.data() + g * H;
           float acc = 0.0f;
@@ -89,7 +112,7 @@ static void Item(const Shape& sh, const float* q, const float* kc, const float* 
     } else {
       for (int64_t g = 0; g < G; ++g) std::fill(&sc[g * kBlock], &sc[g * kBlock] + n, 0.0f);
       for (int64_t h = 0; h < H; ++h) {
-        const float* kr = kb + h * S + sb;
+        const float* kr = kb + h * P + off;
         for (int64_t g = 0; g < G; ++g) {
           const float qv = qs[g * H + h];
           float* sr = &sc[g * kBlock];
@@ -127,7 +150,7 @@ static void Item(const Shape& sh, const float* q, const float* kc, const float* 
     if (sh.v_bksh) {
       for (int64_t j = 0; j < n; ++j) {
         if (!visb[sb + j]) continue;
-        const float* vr = vb + (sb + j) * V;
+        const float* vr = vb + (off + j) * V;
         for (int64_t g = 0; g < G; ++g) {
           const float p = sc[g * kBlock + j];
           float* og = o + g * V;
@@ -137,7 +160,7 @@ static void Item(const Shape& sh, const float* q, const float* kc, const float* 
       }
     } else {
       for (int64_t h = 0; h < V; ++h) {
-        const float* vr = vb + h * S + sb;
+        const float* vr = vb + h * P + off;
         for (int64_t g = 0; g < G; ++g) {
           const float* pr = &sc[g * kBlock];
           float acc = 0.0f;
@@ -219,6 +242,10 @@ constexpr int64_t kSpan = 4096;  // slots per span (a multiple of VL)
 // 32 -> 22 us); 16 / 32 / 64 / 80 / 144 floats: 85 / 53 / 45 / 43 / 57 us.
 constexpr int64_t kScorePad = 48;
 constexpr int kRows = 8;         // key rows walked together
+constexpr int kNC = 4;           // chunks of VL slots scored together (ChunkScores)
+constexpr int64_t kLong = 8 * VL;  // segments at least this long stream by SpanScores
+constexpr int64_t kPfChunks = 2 * kNC;  // chunks ahead whose keys are prefetched
+constexpr int64_t kPfRows = 16;  // value rows ahead that are prefetched (ValuesRows)
 constexpr int64_t kSub = 64;     // slots per value sub-block (stays in L1 across groups)
 
 // sc[g * ld_sc + j] = q_g . k[:, j], j in [0, n) (n a multiple of VL), for the G heads at
@@ -257,20 +284,60 @@ static void SpanScores(const float* qs, int64_t G, int64_t H, const float* kp, i
   }
 }
 
-// o[gi][c0 .. c0 + NV*VL) += sum_{j < n} p[gi * ld_p + j] * v[j][...] for GB heads;
-// value row j at vp + j * vs. NV*GB <= kAcc accumulators in registers.
-// Rows j with mk[j] == 0 (masked slots) are skipped when mk is given: they contribute
-// nothing whatever they hold (issue 32).
+// Scores of NC chunks of VL slots, each wherever its page lies (key row h of chunk c at
+// kp[c] + h * ks): out[c][g * ld_sc + i] = q_g . k_c[:, i] for the G heads at qs ([G, H],
+// pre-scaled). The kAcc / NC heads' accumulators stay in registers over all H rows and
+// the NC chunks are loaded side by side, so a page of a few vectors costs no reload of sc
+// (SpanScores reloads it every kRows rows) and its lines are fetched with the other
+// chunks' in parallel. pf[c] (nullptr: none) is a chunk read later, prefetched one line
+// per row: a page's first lines miss otherwise (the hardware prefetchers follow a stream
+// inside a 4 KiB page, not from one pool page to the next).
+template <int NC>
+static void ChunkScores(const float* qs, int64_t G, int64_t H, const float* const* kp,
+                        int64_t ks, float* const* out, int64_t ld_sc,
+                        const float* const* pf) {
+  constexpr int kG = kAcc / NC;
+  for (int64_t g0 = 0; g0 < G; g0 += kG) {
+    const int64_t gb = std::min<int64_t>(kG, G - g0);
+    vf acc[kG][NC];
+    for (int gi = 0; gi < kG; ++gi)
+      for (int c = 0; c < NC; ++c) acc[gi][c] = vf{};
+    for (int64_t h = 0; h < H; ++h) {
+      vf k[NC];
+      for (int c = 0; c < NC; ++c) k[c] = reg(ld(kp[c] + h * ks));
+      if (g0 == 0)
+        for (int c = 0; c < NC; ++c)
+          if (pf[c]) __builtin_prefetch(pf[c] + h * ks, 0, 3);
+      for (int gi = 0; gi < kG; ++gi) {
+        if (gi >= gb) break;
+        const vf qv = bc(qs[(g0 + gi) * H + h]);
+        for (int c = 0; c < NC; ++c) acc[gi][c] += qv * k[c];
+      }
+    }
+    for (int gi = 0; gi < gb; ++gi)
+      for (int c = 0; c < NC; ++c) st(out[c] + (g0 + gi) * ld_sc, acc[gi][c]);
+  }
+}
+
+// o[gi][c0 .. c0 + NV*VL) += sum_{j < n} p[gi * ld_p + j] * rows[j][...] for GB heads
+// (rows[j]: the value row of slot j, wherever its page lies). NV*GB <= kAcc accumulators
+// in registers. Masked slots have no row (nullptr) and are skipped: they contribute
+// nothing whatever they hold (issue 32). rows[j + kPfRows] is prefetched while
+// j + kPfRows < npf (the rows the caller holds; 0: no prefetch), the same columns: a page's
+// first rows miss otherwise (see ChunkScores).
 template <int GB, int NV>
-static void ValuesRows(const float* p, int64_t ld_p, const float* vp, int64_t vs, int64_t n,
-                       int64_t c0, float* o, int64_t V, const float* mk) {
+static void ValuesRows(const float* p, int64_t ld_p, const float* const* rows, int64_t n,
+                       int64_t npf, int64_t c0, float* o, int64_t V) {
   vf acc[GB][NV];
   for (int gi = 0; gi < GB; ++gi)
     for (int c = 0; c < NV; ++c) acc[gi][c] = ld(o + gi * V + c0 + c * VL);
   for (int64_t j = 0; j < n; ++j) {
-    if (mk && mk[j] == 0.0f) continue;
+    if (j + kPfRows < npf && rows[j + kPfRows])
+      for (int c = 0; c < NV; ++c) __builtin_prefetch(rows[j + kPfRows] + c0 + c * VL, 0, 3);
+    const float* vr = rows[j];
+    if (!vr) continue;
     vf v[NV];
-    for (int c = 0; c < NV; ++c) v[c] = reg(ld(vp + j * vs + c0 + c * VL));
+    for (int c = 0; c < NV; ++c) v[c] = reg(ld(vr + c0 + c * VL));
     for (int gi = 0; gi < GB; ++gi) {
       const vf pb = bc(p[gi * ld_p + j]);
       for (int c = 0; c < NV; ++c) acc[gi][c] += pb * v[c];
@@ -281,16 +348,15 @@ static void ValuesRows(const float* p, int64_t ld_p, const float* vp, int64_t vs
 }
 
 template <int NV>
-static void ValuesRowsNV(int64_t gb, const float* p, int64_t ld_p, const float* vp,
-                         int64_t vs, int64_t n, int64_t c0, float* o, int64_t V,
-                         const float* mk) {
+static void ValuesRowsNV(int64_t gb, const float* p, int64_t ld_p, const float* const* rows,
+                         int64_t n, int64_t npf, int64_t c0, float* o, int64_t V) {
   switch (gb) {
-    case 1: ValuesRows<1, NV>(p, ld_p, vp, vs, n, c0, o, V, mk); break;
-    case 2: if constexpr (2 * NV <= kAcc) { ValuesRows<2, NV>(p, ld_p, vp, vs, n, c0, o, V, mk); } break;
-    case 3: if constexpr (3 * NV <= kAcc) { ValuesRows<3, NV>(p, ld_p, vp, vs, n, c0, o, V, mk); } break;
-    case 4: if constexpr (4 * NV <= kAcc) { ValuesRows<4, NV>(p, ld_p, vp, vs, n, c0, o, V, mk); } break;
-    case 5: if constexpr (5 * NV <= kAcc) { ValuesRows<5, NV>(p, ld_p, vp, vs, n, c0, o, V, mk); } break;
-    default: if constexpr (6 * NV <= kAcc) { ValuesRows<6, NV>(p, ld_p, vp, vs, n, c0, o, V, mk); } break;
+    case 1: ValuesRows<1, NV>(p, ld_p, rows, n, npf, c0, o, V); break;
+    case 2: if constexpr (2 * NV <= kAcc) { ValuesRows<2, NV>(p, ld_p, rows, n, npf, c0, o, V); } break;
+    case 3: if constexpr (3 * NV <= kAcc) { ValuesRows<3, NV>(p, ld_p, rows, n, npf, c0, o, V); } break;
+    case 4: if constexpr (4 * NV <= kAcc) { ValuesRows<4, NV>(p, ld_p, rows, n, npf, c0, o, V); } break;
+    case 5: if constexpr (5 * NV <= kAcc) { ValuesRows<5, NV>(p, ld_p, rows, n, npf, c0, o, V); } break;
+    default: if constexpr (6 * NV <= kAcc) { ValuesRows<6, NV>(p, ld_p, rows, n, npf, c0, o, V); } break;
   }
 }
 
@@ -303,56 +369,94 @@ static bool FastPathApplies(const Shape& sh) {
 }
 
 // Item() for FastPathApplies shapes: same inputs, outputs and semantics.
+//
+// A span of the row's slots lies on one page (dense: the row) or on several (paged);
+// each piece of it on one page is a segment, read where it lies: its keys are an [H, n]
+// matrix of row stride P, its values [n, V] rows (or [V, n] of stride P). A segment
+// whose length is not a multiple of VL (a dense row's ragged end, pages of P % VL != 0)
+// is copied into zero-padded buffers so that vector loads stay inside them.
 static void FastItem(const Shape& sh, const float* q, const float* kc, const float* vc,
                      const bool* vis, int64_t b, int64_t k, int64_t s0, int64_t s1,
                      float* m, float* l, float* o) {
-  const int64_t G = sh.G, H = sh.H, V = sh.V, S = sh.S;
-  const auto [kb, vb, visb, qs] = StartItem(sh, q, kc, vc, vis, b, k, m, l, o);
+  const int64_t G = sh.G, H = sh.H, V = sh.V, P = sh.P;
+  const auto [visb, qs] = StartItem(sh, q, vis, b, k, m, l, o);
   // Span length: sc[G][span] <= 256 KiB, a multiple of VL, no longer than the item's
   // slots (rounded up to VL): the buffers below are zeroed per item, and a batch of short
-  // rows (B = 16, S = 256) has many short items; rows ld_sc apart.
+  // rows (B = 16, S = 256) has many short items; rows ld_sc apart (the padding also
+  // holds what a padded segment writes past the span's end, < VL floats).
   const int64_t span = std::max<int64_t>(
       VL, std::min<int64_t>({kSpan, 65536 / G, (s1 - s0 + VL - 1) / VL * VL}) / VL * VL);
   const int64_t ld_sc = span + kScorePad;
-  std::vector<float> sc(G * ld_sc), mask(span);
-  std::vector<float> kpad, vpad;  // a span whose length is not a multiple of VL, padded
+  std::vector<float> sc(G * ld_sc), mask(span + VL);
+  std::vector<float> kpad, vpad;
+  std::vector<const float*> rows(sh.v_bksh ? span : 0), ck;
+  std::vector<float*> co;
   // Value columns per pass and heads per group: NV vectors of columns, gmax heads.
   const int64_t nv_all = V / VL;
   const int nv = nv_all % 4 == 0 && kAcc >= 4 ? 4 : (nv_all % 2 == 0 ? 2 : 1);
   const int64_t gcap = std::min<int64_t>(6, kAcc / nv);
   const int64_t gmax = (G + (G + gcap - 1) / gcap - 1) / ((G + gcap - 1) / gcap);  // balanced groups
+  struct Seg { int64_t j0, n, nvis; const float* kp; const float* vp; };
+  std::vector<Seg> segs;
   for (int64_t sb = s0; sb < s1; sb += span) {
     const int64_t n = std::min(span, s1 - sb);
     const int64_t np = (n + VL - 1) / VL * VL;
-    int64_t nvis = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      mask[j] = visb[sb + j] ? 1.0f : 0.0f;
-      nvis += visb[sb + j];
-    }
-    if (nvis == 0) continue;
-    for (int64_t j = n; j < np; ++j) mask[j] = 0.0f;
-    const float* kp = kb + sb;
-    int64_t ks = S;
-    const float* vp = sh.v_bksh ? vb + sb * V : vb + sb;
-    int64_t vs = sh.v_bksh ? V : S;
-    if (np != n) {  // copy the ragged end so vector loads stay inside the buffers
-      kpad.assign(H * np, 0.0f);
-      for (int64_t h = 0; h < H; ++h) std::memcpy(&kpad[h * np], kp + h * S, n * 4);
-      kp = kpad.data();
-      ks = np;
-      if (sh.v_bksh) {
-        vpad.assign(np * V, 0.0f);
-        std::memcpy(vpad.data(), vp, n * V * 4);
-      } else {
-        vpad.assign(V * np, 0.0f);
-        for (int64_t c = 0; c < V; ++c) std::memcpy(&vpad[c * np], vp + c * S, n * 4);
-        vs = np;
+    for (int64_t j = 0; j < n; ++j) mask[j] = visb[sb + j] ? 1.0f : 0.0f;
+    for (int64_t j = n; j < np + VL; ++j) mask[j] = 0.0f;
+    segs.clear();
+    for (int64_t j = 0, len = 0; j < n; j += len) {
+      const int64_t off = (sb + j) % P, pg = PageOf(sh, b, sb + j);
+      len = std::min(n - j, P - off);
+      int64_t nvis = 0;
+      for (int64_t i = j; i < j + len; ++i) nvis += mask[i] != 0.0f;
+      if (pg < 0) {  // a slot on no page counts as invisible
+        std::fill(&mask[j], &mask[j] + len, 0.0f);
+      } else if (nvis) {
+        segs.push_back({j, len, nvis, PageBase(sh, kc, pg, k, H) + off,
+                        PageBase(sh, vc, pg, k, V) + (sh.v_bksh ? off * V : off)});
       }
-      vp = vpad.data();
     }
-    SpanScores(qs.data(), G, H, kp, ks, np, sc.data(), ld_sc);
-    // Online softmax per head over the span; unnormalised probabilities into sc, and o
-    // rescaled to the new running max (Milakov & Gimelshein 2018).
+    if (segs.empty()) continue;
+    // Segments of a multiple of VL slots shorter than kLong are cut into chunks of VL
+    // slots, scored kNC at a time (ChunkScores) after the others: a padded segment writes
+    // up to len - n floats past its end, into the scores of a later segment (written after
+    // it) or the span's padding. Longer segments (a dense row) stream by SpanScores.
+    ck.clear();
+    co.clear();
+    for (const Seg& sg : segs) {
+      const float* kp = sg.kp;
+      int64_t ks = P, len = sg.n;
+      float* out = sc.data() + sg.j0;
+      if (len % VL == 0 && len < kLong) {
+        for (int64_t i = 0; i < len; i += VL) {
+          ck.push_back(kp + i);
+          co.push_back(out + i);
+        }
+        continue;
+      }
+      if (len % VL) {  // copy the segment so vector loads stay inside the buffer
+        len = (len + VL - 1) / VL * VL;
+        kpad.assign(H * len, 0.0f);
+        for (int64_t h = 0; h < H; ++h) std::memcpy(&kpad[h * len], kp + h * P, sg.n * 4);
+        kp = kpad.data();
+        ks = len;
+      }
+      SpanScores(qs.data(), G, H, kp, ks, len, out, ld_sc);
+    }
+    const int64_t nck = ck.size();
+    for (int64_t i = 0; i < nck; i += kNC) {
+      const float* pf[kNC];
+      for (int c = 0; c < kNC; ++c)
+        pf[c] = i + kPfChunks + c < nck ? ck[i + kPfChunks + c] : nullptr;
+      switch (std::min<int64_t>(kNC, nck - i)) {
+        case 4: ChunkScores<4>(qs.data(), G, H, &ck[i], P, &co[i], ld_sc, pf); break;
+        case 3: ChunkScores<3>(qs.data(), G, H, &ck[i], P, &co[i], ld_sc, pf); break;
+        case 2: ChunkScores<2>(qs.data(), G, H, &ck[i], P, &co[i], ld_sc, pf); break;
+        default: ChunkScores<1>(qs.data(), G, H, &ck[i], P, &co[i], ld_sc, pf); break;
+      }
+    }
+    // Online softmax per head over the span; unnormalised probabilities into sc (0 past
+    // the span), and o rescaled to the new running max (Milakov & Gimelshein 2018).
     for (int64_t g = 0; g < G; ++g) {
       float* sr = &sc[g * ld_sc];
       vf bm = bc(kNegInf);
@@ -368,56 +472,68 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
         st(sr + j, e);
         sum += e;
       }
+      std::fill(sr + np, sr + np + VL, 0.0f);
       l[g] = l[g] * alpha + hsum(sum);
       m[g] = mnew;
     }
     if (sh.v_bksh) {
-      // Sub-blocks of kSub slots: the first group reads them from memory, the others
-      // (and other column passes) from L1.
-      for (int64_t j0 = 0; j0 < np; j0 += kSub) {
-        const int64_t nj = std::min(kSub, np - j0);
-        // Masked slots are skipped (issue 32): a sub-block with none visible is not read,
-        // one with some masked passes the mask so that their rows are skipped.
-        int64_t sub_vis = 0;
-        for (int64_t j = j0; j < j0 + nj; ++j) sub_vis += mask[j] != 0.0f;
-        if (sub_vis == 0) continue;
-        const float* mk = sub_vis == nj ? nullptr : &mask[j0];
+      // The value row of each visible slot, wherever its page lies (nullptr: masked).
+      std::fill(rows.begin(), rows.begin() + np, nullptr);
+      for (const Seg& sg : segs)
+        for (int64_t j = sg.j0; j < sg.j0 + sg.n; ++j)
+          if (mask[j] != 0.0f) rows[j] = sg.vp + (j - sg.j0) * V;
+      // Sub-blocks of kSub slots: the first group reads them from memory, the others (and
+      // other column passes) from L1. A sub-block with no visible slot is not read.
+      for (int64_t j0 = 0; j0 < n; j0 += kSub) {
+        const int64_t nj = std::min(kSub, n - j0);
+        bool any = false;
+        for (int64_t j = j0; j < j0 + nj; ++j) any |= rows[j] != nullptr;
+        if (!any) continue;
         for (int64_t g0 = 0; g0 < G; g0 += gmax) {
           const int64_t gb = std::min(gmax, G - g0);
           const float* pp = sc.data() + g0 * ld_sc + j0;
-          const float* vv = vp + j0 * vs;
           float* oo = o + g0 * V;
+          const int64_t npf = g0 == 0 ? n - j0 : 0;  // the first group reads from memory
           for (int64_t c0 = 0; c0 < V; c0 += nv * VL) {
-            if (nv == 4) ValuesRowsNV<4>(gb, pp, ld_sc, vv, vs, nj, c0, oo, V, mk);
-            else if (nv == 2) ValuesRowsNV<2>(gb, pp, ld_sc, vv, vs, nj, c0, oo, V, mk);
-            else ValuesRowsNV<1>(gb, pp, ld_sc, vv, vs, nj, c0, oo, V, mk);
+            if (nv == 4) ValuesRowsNV<4>(gb, pp, ld_sc, &rows[j0], nj, npf, c0, oo, V);
+            else if (nv == 2) ValuesRowsNV<2>(gb, pp, ld_sc, &rows[j0], nj, npf, c0, oo, V);
+            else ValuesRowsNV<1>(gb, pp, ld_sc, &rows[j0], nj, npf, c0, oo, V);
           }
         }
       }
-    } else {
-      // Values [V, S]: o[g][c] += sum_j p[g][j] v[c][j], 4 value rows at a time. A span
-      // with masked slots selects its values by the mask (issue 32: 0 x NaN is NaN).
-      if (nvis < n) {
-        for (int64_t g = 0; g < G; ++g) {
-          const float* p = &sc[g * ld_sc];
-          float* og = o + g * V;
+      continue;
+    }
+    // Values [V, n] per segment: o[g][c] += sum_j p[g][j] v[c][j], 4 value rows at a time.
+    // A segment with masked slots selects its values by the mask (issue 32: 0 x NaN is
+    // NaN). Past a padded segment's end its values are 0 and its weights finite.
+    for (const Seg& sg : segs) {
+      const float* vp = sg.vp;
+      int64_t vs = P, len = sg.n;
+      if (len % VL) {
+        len = (len + VL - 1) / VL * VL;
+        vpad.assign(V * len, 0.0f);
+        for (int64_t c = 0; c < V; ++c) std::memcpy(&vpad[c * len], vp + c * P, sg.n * 4);
+        vp = vpad.data();
+        vs = len;
+      }
+      const float* mk = &mask[sg.j0];
+      for (int64_t g = 0; g < G; ++g) {
+        const float* p = &sc[g * ld_sc + sg.j0];
+        float* og = o + g * V;
+        if (sg.nvis < sg.n) {
           for (int64_t c = 0; c < V; ++c) {
             vf a0{};
-            for (int64_t j = 0; j < np; j += VL)
-              a0 += ld(p + j) * (ld(&mask[j]) > 0.0f ? ld(vp + c * vs + j) : vf{});
+            for (int64_t j = 0; j < len; j += VL)
+              a0 += ld(p + j) * (ld(mk + j) > 0.0f ? ld(vp + c * vs + j) : vf{});
             og[c] += hsum(a0);
           }
+          continue;
         }
-        continue;
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const float* p = &sc[g * ld_sc];
-        float* og = o + g * V;
         int64_t c = 0;
         for (; c + 4 <= V; c += 4) {
           vf a0{}, a1{}, a2{}, a3{};
           const float* v0 = vp + c * vs;
-          for (int64_t j = 0; j < np; j += VL) {
+          for (int64_t j = 0; j < len; j += VL) {
             const vf pj = ld(p + j);
             a0 += pj * ld(v0 + j);
             a1 += pj * ld(v0 + vs + j);
@@ -431,7 +547,7 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
         }
         for (; c < V; ++c) {
           vf a0{};
-          for (int64_t j = 0; j < np; j += VL) a0 += ld(p + j) * ld(vp + c * vs + j);
+          for (int64_t j = 0; j < len; j += VL) a0 += ld(p + j) * ld(vp + c * vs + j);
           og[c] += hsum(a0);
         }
       }
@@ -439,22 +555,11 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
   }
 }
 
-ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc,
-                               ffi::Buffer<ffi::F32> vc, ffi::Buffer<ffi::PRED> vis,
-                               ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
-                               ffi::ResultBuffer<ffi::F32> l, int64_t k_bksh, int64_t v_bksh,
-                               float scale, int64_t threads) {
-  auto qd = q.dimensions();
-  auto kd = kc.dimensions();
-  auto vd = vc.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || vis.dimensions().size() != 2)
-    return ffi::Error::InvalidArgument("kvjax_decode_attention: q, k, v must be rank 4, visible rank 2");
-  Shape sh{qd[0], qd[1], qd[2], qd[3], v_bksh ? vd[3] : vd[2], k_bksh ? kd[2] : kd[3],
-           k_bksh != 0, v_bksh != 0, scale};
-  if ((k_bksh ? kd[3] : kd[2]) != sh.H || (v_bksh ? vd[2] : vd[3]) != sh.S ||
-      kd[0] != sh.B || kd[1] != sh.K || vd[0] != sh.B || vd[1] != sh.K ||
-      vis.dimensions()[0] != sh.B || vis.dimensions()[1] != sh.S)
-    return ffi::Error::InvalidArgument("kvjax_decode_attention: inconsistent shapes");
+// Both targets: every (b, k, slot chunk) item over the threads, then the chunks of each
+// (b, k) merged into o, m, l.
+static void Run(ffi::ThreadPool& pool, const Shape& sh, const float* qp, const float* kp,
+                const float* vp, const bool* visp, float* oo, float* om, float* ol,
+                int64_t threads) {
   const int64_t G = sh.G, V = sh.V;
   const int64_t heads = sh.B * sh.K;
   // Chunks of the slot axis: enough work items for every thread, each >= 4 blocks.
@@ -465,10 +570,6 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   chunks = (sh.S + chunk - 1) / chunk;
   const int64_t items = heads * chunks;
   std::vector<float> pm(items * G), pl(items * G), po(items * G * V);
-  const float* qp = q.typed_data();
-  const float* kp = kc.typed_data();
-  const float* vp = vc.typed_data();
-  const bool* visp = vis.typed_data();
   const bool parallel = nthreads > 1 && items > 1 &&
                         sh.S * sh.H * heads >= (int64_t{1} << 16);
   // Items in contiguous ranges over XLA's intra-op pool (pool.h; an OpenMP team would
@@ -483,9 +584,6 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                &pm[it * G], &pl[it * G], &po[it * G * V]);
     }
   });
-  float* om = m->typed_data();
-  float* ol = l->typed_data();
-  float* oo = o->typed_data();
   for (int64_t bk = 0; bk < heads; ++bk) {
     for (int64_t g = 0; g < G; ++g) {
       float mx = kNegInf;
@@ -505,6 +603,57 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
       ol[bk * G + g] = lsum;
     }
   }
+}
+
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc,
+                               ffi::Buffer<ffi::F32> vc, ffi::Buffer<ffi::PRED> vis,
+                               ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
+                               ffi::ResultBuffer<ffi::F32> l, int64_t k_bksh, int64_t v_bksh,
+                               float scale, int64_t threads) {
+  auto qd = q.dimensions();
+  auto kd = kc.dimensions();
+  auto vd = vc.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || vis.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("kvjax_decode_attention: q, k, v must be rank 4, visible rank 2");
+  const int64_t S = k_bksh ? kd[2] : kd[3];
+  Shape sh{qd[0], qd[1], qd[2], qd[3], v_bksh ? vd[3] : vd[2], S, S, 1, nullptr,
+           k_bksh != 0, v_bksh != 0, scale};
+  if ((k_bksh ? kd[3] : kd[2]) != sh.H || (v_bksh ? vd[2] : vd[3]) != sh.S ||
+      kd[0] != sh.B || kd[1] != sh.K || vd[0] != sh.B || vd[1] != sh.K ||
+      vis.dimensions()[0] != sh.B || vis.dimensions()[1] != sh.S)
+    return ffi::Error::InvalidArgument("kvjax_decode_attention: inconsistent shapes");
+  Run(pool, sh, q.typed_data(), kc.typed_data(), vc.typed_data(), vis.typed_data(),
+      o->typed_data(), m->typed_data(), l->typed_data(), threads);
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                    ffi::Buffer<ffi::F32> kc, ffi::Buffer<ffi::F32> vc,
+                                    ffi::Buffer<ffi::PRED> vis, ffi::Buffer<ffi::S32> bt,
+                                    ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
+                                    ffi::ResultBuffer<ffi::F32> l, int64_t k_bksh,
+                                    int64_t v_bksh, float scale, int64_t threads) {
+  auto qd = q.dimensions();
+  auto kd = kc.dimensions();
+  auto vd = vc.dimensions();
+  auto bd = bt.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || vis.dimensions().size() != 2 ||
+      bd.size() != 2)
+    return ffi::Error::InvalidArgument(
+        "kvjax_paged_decode_attention: q, k, v must be rank 4, visible and block_table rank 2");
+  const int64_t P = k_bksh ? kd[2] : kd[3], M = bd[1], N = kd[0];
+  Shape sh{qd[0], qd[1], qd[2], qd[3], v_bksh ? vd[3] : vd[2], M * P, P, M,
+           bt.typed_data(), k_bksh != 0, v_bksh != 0, scale};
+  if ((k_bksh ? kd[3] : kd[2]) != sh.H || (v_bksh ? vd[2] : vd[3]) != P || vd[0] != N ||
+      kd[1] != sh.K || vd[1] != sh.K || bd[0] != sh.B ||
+      vis.dimensions()[0] != sh.B || vis.dimensions()[1] != sh.S)
+    return ffi::Error::InvalidArgument("kvjax_paged_decode_attention: inconsistent shapes");
+  for (int64_t i = 0; i < sh.B * M; ++i)
+    if (sh.bt[i] < -1 || sh.bt[i] >= N)
+      return ffi::Error::InvalidArgument(
+          "kvjax_paged_decode_attention: a block-table entry outside [-1, num_pages)");
+  Run(pool, sh, q.typed_data(), kc.typed_data(), vc.typed_data(), vis.typed_data(),
+      o->typed_data(), m->typed_data(), l->typed_data(), threads);
   return ffi::Error::Success();
 }
 
@@ -517,6 +666,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxDecodeAttention, DecodeAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("k_bksh")
+                                  .Attr<int64_t>("v_bksh")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPagedDecodeAttention, PagedDecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
