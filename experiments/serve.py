@@ -40,7 +40,8 @@ requests, one budget, no EOS) against the plain batched loop
 ``--config.speculative.drafter=ngram --config.speculative.k=N``: the engine runs verify
 rounds of N + 1 tokens with prompt-lookup drafts from each request's own tokens (greedy:
 the same tokens); the summary adds the acceptance rate and tokens per slot-round, and
-"decode steps" counts rounds.
+"decode steps" counts rounds. With ``--config.page_size=N`` the rounds run in the paged
+engine (rejected drafts taken back by the rows' lengths).
 """
 
 from __future__ import annotations
@@ -411,16 +412,13 @@ def main(argv):
         loaded = runner.load(run, progress=_PROGRESS.value)
         tok = loaded.tokenizer
         eos = tok.eos_token_ids if run.stop_at_eos else ()
-        if run.page_size and run.speculative.enabled:
-            raise ValueError(f"speculative.drafter={run.speculative.drafter!r} with "
-                             f"--config.page_size={run.page_size}; allowed: one of them "
-                             "(speculative rounds run in the slot engine)")
         if run.page_size:  # a pool of the dense engine's bytes, more rows over it
             eng = paged_engine.PagedEngine(
                 loaded.params, loaded.cfg, _MAX_ROWS.value or 4 * slots, run.max_seq_len,
                 run.page_size, pool_pages(run, slots),
                 sampling=run.sampling, eos_ids=eos, steps_per_sync=_STEPS_PER_SYNC.value,
-                seed=run.sampling.seed, prefix_cache=_PREFIX_CACHE.value)
+                seed=run.sampling.seed, prefix_cache=_PREFIX_CACHE.value,
+                speculative=run.speculative)
         elif _PREFIX_CACHE.value:
             raise ValueError("--prefix_cache with --config.page_size=0; allowed: "
                              "--config.page_size=N >= 1 (the prefix cache shares pages)")

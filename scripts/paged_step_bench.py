@@ -8,8 +8,12 @@ other formulations the gather of each row's pages into its dense view). Each ste
 its own plan (``planner.resolve``; the paged one with ``page_size``: its own shape
 classes), so 'auto' is the planner's pick for each, printed as dense/paged. The two are
 timed alternately, ``--repeats`` steps each per round over ``--rounds`` rounds, and the
-script prints the medians and their ratio (paged / dense: the overhead of paging), with
-XLA's compiled bytes of each (a native kernel's own reads are not in XLA's count).
+script prints the medians and their ratio (paged / dense: the overhead of paging), the
+compiled bytes of each (XLA's count plus the native kernels' operand bytes, the cost
+hook's "+kernels"), and the theory's bytes (``kvjax.analysis.theory.step_bytes`` for the
+dense step; ``kvjax.analysis.paging.paged_step_bytes`` for the paged one, in place for
+'native', else the gather, split into pages, block tables and the gathered view) with
+the paged step's achieved theory bytes per second.
 
 The model is the main job's (``configs/gqa.py``: SmolLM2-135M, GQA, float32, this
 backend's cache layouts). Weights are random (the timing does not depend on their values). Usage:
@@ -31,7 +35,7 @@ import numpy as np
 from configs import gqa
 from kvjax.config import run_config_from_dict
 from kvjax import planner
-from kvjax.analysis import costs, hardware, hlo_cost
+from kvjax.analysis import costs, hardware, hlo_cost, paging, theory
 from kvjax.cache import paged
 from kvjax.inference import decode
 from kvjax.kernels import names
@@ -88,8 +92,9 @@ def main(argv=None) -> int:
           f"float32, B = 1, page_size {a.page_size}; median of {a.rounds} x {a.repeats} "
           "steps per cache, timed alternately")
     print("| t | formulation (picked) | dense ms | paged ms | paged / dense | dense XLA MB "
-          "| paged XLA MB |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+          "| paged XLA MB | dense theory MB | paged theory MB | paged: pages MB / tables kB / "
+          "view MB | paged theory GB/s |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for t in contexts:
         for impl in impls:
             base = arch.replace(decode_attention=impl)
@@ -103,7 +108,8 @@ def main(argv=None) -> int:
             compiled, xla_mb, times = {}, {}, {k: [] for k in caches}
             for k, c in caches.items():
                 compiled[k] = decode.decode_step.lower(params, token, c, cfg=cfgs[k]).compile()
-                xla_mb[k] = hlo_cost.loop_aware_cost(compiled[k]).bytes / 1e6
+                rep = hlo_cost.loop_aware_cost(compiled[k])  # XLA's, + the kernels' operands
+                xla_mb[k] = (rep.bytes + rep.uncosted_bytes) / 1e6
             picked = "/".join("+".join(sorted({i for _, i in cfgs[k].plan.decode_attention}))
                               for k in caches) if impl == "auto" else impl
             for _ in range(a.rounds):
@@ -117,8 +123,16 @@ def main(argv=None) -> int:
                             times[k].append(time.perf_counter() - start)
                         caches[k] = caches[k].replace(length=jnp.asarray(length))
             d, p = (float(np.median(times[k])) * 1e3 for k in ("dense", "paged"))
+            dense_th = theory.step_bytes(arch, t).total
+            in_place = {i for _, i in cfgs["paged"].plan.decode_attention} == {"native"} \
+                if impl == "auto" else impl == "native"
+            th = paging.paged_step_bytes(arch, [t], a.page_size,
+                                         paged.pages_for(t, a.page_size),
+                                         "in_place" if in_place else "gather")
             print(f"| {t:,} | {impl} ({picked}) | {d:.1f} | {p:.1f} | {p / d:.2f} | "
-                  f"{xla_mb['dense']:,.1f} | {xla_mb['paged']:,.1f} |", flush=True)
+                  f"{xla_mb['dense']:,.1f} | {xla_mb['paged']:,.1f} | {dense_th / 1e6:,.1f} | "
+                  f"{th.total / 1e6:,.1f} | {th.pages / 1e6:,.3f} / {th.tables / 1e3:.2f} / "
+                  f"{th.view / 1e6:,.3f} | {th.total / p / 1e6:.1f} |", flush=True)
     return 0
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from kvjax import native
 from kvjax.cache import paged
-from kvjax.config import ConfigError, ModelConfig
+from kvjax.config import ConfigError, ModelConfig, SpeculativeConfig
 from kvjax.inference import engine, paged_engine
 from kvjax.models import model
 from kvjax.plan import Plan
@@ -259,6 +259,34 @@ def test_paged_engine_equals_dense_engine():
     assert shared.alloc.num_referenced == 0
 
 
+@pytest.mark.parametrize("name", ["gqa", "window_sinks"])
+def test_speculative_rounds_on_pages_keep_the_plain_tokens(name):
+    """N-gram speculative rounds in the paged engine (k = 3; rejected drafts taken back by
+    the rows' lengths) emit the dense engine's plain greedy tokens, request for request,
+    with a pool too small for all rows (preemption, recompute) and, for a window with
+    sinks, its slid-out pages freed between blocks; drafts were proposed and accepted."""
+    cfg = ModelConfig(**VARIANTS[name])
+    params = params_of(name)
+    rng = np.random.default_rng(5)
+    reqs = []
+    for i in range(5):  # prompts that repeat themselves: the n-gram drafter has matches
+        motif = list(rng.integers(0, 97, 3))
+        reqs.append(engine.Request(i, tuple(int(t) for t in motif * 3), int(rng.integers(8, 16))))
+    dense, _ = engine.Engine(params, cfg, num_slots=3, max_seq_len=32,
+                             steps_per_sync=4).run(reqs)
+    spec = SpeculativeConfig(drafter="ngram", k=3, ngram_max=2, ngram_min=1)
+    eng = paged_engine.PagedEngine(params, cfg, max_rows=3, max_seq_len=32, page_size=4,
+                                   num_pages=10, steps_per_sync=2, speculative=spec)
+    got, stats = eng.run(reqs)
+    assert [c.tokens for c in got] == [c.tokens for c in dense]
+    assert stats.proposed > 0 and stats.accepted > 0, (stats.proposed, stats.accepted)
+    assert stats.preemptions > 0
+    eng.alloc.check()
+    with pytest.raises(ValueError, match=r"speculative.drafter='self' in the paged engine"):
+        paged_engine.PagedEngine(params, cfg, 3, 32, 4, 10,
+                                 speculative=SpeculativeConfig(drafter="self", k=2))
+
+
 def test_bad_input_refused_by_name():
     cfg = ModelConfig(**VARIANTS["gqa"])
     for bad in (0, -3):
@@ -310,7 +338,11 @@ def test_theory_waste_and_capacity():
     assert cap.shared == (1000 - 32) // (72 - 32)
     assert cap.waste_fraction == pytest.approx((8 + 14 + 10 + 6) / (4 * 72))
     assert paging.paged_step_read_bytes(cfg, lens, 16, 16, "in_place") == \
-        288 * per_token + 4 * 16 * 4
+        288 * per_token + 4 * 16 * 4 * cfg.num_layers  # each layer reads the tables
+    gather = paging.paged_step_bytes(cfg, lens, 16, 16, "gather")
+    assert (gather.pages, gather.view) == (4 * 256 * per_token, 2 * 4 * 256 * per_token)
+    assert gather.kv_write == 4 * per_token
+    assert gather.total == theory.weight_bytes_per_step(cfg) + gather.kv_read + gather.kv_write
     with pytest.raises(ValueError, match="page_size=0"):
         paging.capacity(cfg, 1e6, lens, 256, 0)
     with pytest.raises(ValueError, match="prefix_len=41"):

@@ -76,7 +76,12 @@ def test_paged_step_bench_rows_are_consistent():
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
             if line.startswith("| 100 ")]
     assert len(rows) == 1
-    _, impl, dense, pag, ratio, dense_mb, paged_mb = (c.strip() for c in rows[0])
+    _, impl, dense, pag, ratio, dense_mb, paged_mb, dense_th, paged_th, split, gbps = (
+        c.strip() for c in rows[0])
+    pages, tables_kb, view = (float(x.replace(",", "")) for x in split.split(" / "))
+    assert view == pytest.approx(2 * pages, rel=0.01)  # the gathered view, written and read
+    assert tables_kb == pytest.approx(4 * 7 * 2 / 1e3, abs=0.006)  # 7 pages, 2 layers
+    assert float(paged_th.replace(",", "")) > float(dense_th.replace(",", "")) + view - 0.1
     assert impl == "xla (xla)"
     assert abs(float(pag) / float(dense) - float(ratio)) <= 0.011 + 0.06 * float(ratio)
     assert float(paged_mb.replace(",", "")) > float(dense_mb.replace(",", ""))

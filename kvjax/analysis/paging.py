@@ -26,7 +26,7 @@ from kvjax.analysis import theory
 from kvjax.config import ModelConfig
 
 __all__ = ["paged_tokens", "internal_waste", "shared_prefix_tokens", "PagingCapacity",
-           "capacity", "paged_step_read_bytes"]
+           "capacity", "PagedStepBytes", "paged_step_bytes", "paged_step_read_bytes"]
 
 
 def _check(page_size: int, lengths: Sequence[int]) -> list:
@@ -125,12 +125,73 @@ def capacity(cfg: ModelConfig, memory_bytes: float, lengths: Sequence[int],
         reserved_live_fraction=sum(lengths) / len(lengths) / max_seq_len)
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedStepBytes:
+    """Bytes one decode step over paged rows moves (every layer), by what they are.
+
+    Attributes:
+      weights: the weights read once (:func:`kvjax.analysis.theory.weight_bytes_per_step`).
+      pages: the rows' pages read: P·ceil(l/P) tokens per row in place; every one of a
+        row's M block-table entries for the gather (M·P tokens: missing pages read page
+        0, masked).
+      tables: the block tables read, 4·M bytes per row and layer.
+      view: the gather only: its dense view written and read again by attention,
+        2·M·P tokens per row.
+      kv_write: the new token's cache entries, one token per row.
+    """
+
+    weights: int
+    pages: int
+    tables: int
+    view: int
+    kv_write: int
+
+    @property
+    def kv_read(self) -> int:
+        """pages + tables + view: what the attention side reads."""
+        return self.pages + self.tables + self.view
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_read + self.kv_write
+
+
+def paged_step_bytes(cfg: ModelConfig, lengths: Sequence[int], page_size: int,
+                     max_pages: int, formulation: str = "gather") -> PagedStepBytes:
+    """:class:`PagedStepBytes` of one decode step over rows holding ``lengths`` tokens.
+
+    'in_place': a kernel that reads the pages where they lie (vLLM's PagedAttention,
+    Kwon et al. 2023, sec. 4.1; kvjax's native one). 'gather': the XLA formulation of
+    :mod:`kvjax.cache.paged` (every row's M pages gathered into a dense view, which
+    attention reads). The dense step's counterpart: :func:`kvjax.analysis.theory.step_bytes`
+    (blog, "The Fundamental Equation of Inference Throughput").
+
+    Raises:
+      ValueError: an unknown formulation, page_size below 1 or a negative length.
+    """
+    lengths = _check(page_size, lengths)
+    if formulation not in ("in_place", "gather"):
+        raise ValueError(f"formulation={formulation!r}; allowed: 'in_place' or 'gather'")
+    per_token = theory.kv_bytes_per_token(cfg)
+    rows = len(lengths)
+    if formulation == "in_place":
+        pages = sum(paged_tokens(x, page_size) for x in lengths) * per_token
+        view = 0
+    else:
+        pages = max_pages * page_size * rows * per_token
+        view = 2 * pages
+    return PagedStepBytes(weights=theory.weight_bytes_per_step(cfg), pages=int(pages),
+                          tables=4 * max_pages * rows * cfg.num_layers, view=int(view),
+                          kv_write=rows * per_token)
+
+
 def paged_step_read_bytes(cfg: ModelConfig, lengths: Sequence[int], page_size: int,
                           max_pages: int, formulation: str = "gather") -> int:
-    """KV bytes one decode step reads over a batch of paged rows (every layer).
+    """KV bytes one decode step reads over a batch of paged rows (every layer): the
+    ``kv_read`` of :func:`paged_step_bytes`.
 
     'in_place' (a kernel that reads the pages where they lie, as vLLM's): each row's
-    pages, P·ceil(l/P) tokens, plus its block table (4·max_pages bytes).
+    pages, P·ceil(l/P) tokens, plus its block table (4·max_pages bytes per layer).
     'gather' (the XLA formulation of :mod:`kvjax.cache.paged`): every row's max_pages
     pages are gathered into a dense view (read once, written once) and attention reads
     the view again: 3·max_pages·P tokens per row, plus the block table.
@@ -138,11 +199,4 @@ def paged_step_read_bytes(cfg: ModelConfig, lengths: Sequence[int], page_size: i
     Raises:
       ValueError: an unknown formulation, page_size below 1 or a negative length.
     """
-    lengths = _check(page_size, lengths)
-    per_token = theory.kv_bytes_per_token(cfg)
-    tables = 4 * max_pages * len(lengths)
-    if formulation == "in_place":
-        return int(sum(paged_tokens(x, page_size) for x in lengths) * per_token) + tables
-    if formulation == "gather":
-        return int(3 * max_pages * page_size * len(lengths) * per_token) + tables
-    raise ValueError(f"formulation={formulation!r}; allowed: 'in_place' or 'gather'")
+    return paged_step_bytes(cfg, lengths, page_size, max_pages, formulation).kv_read

@@ -11,7 +11,12 @@ block tables; a row takes pages as its request grows (vLLM, Kwon et al. 2023, se
   when a row is free and the pages of its prompt and its first decoded token fit; with ``prefix_cache`` its prompt's full pages already
   cached are referenced, not prefilled (the prefill starts after them).
 * **Growth**: before each decode block every running row takes the pages of its next
-  ``steps_per_sync`` tokens (copy on write of a shared page first).
+  ``steps_per_sync`` tokens (copy on write of a shared page first); with speculative
+  decoding (n-gram drafts, ``speculative``) the block is ``steps_per_sync`` verify rounds
+  and a row takes the pages of up to ``steps_per_sync`` x (k + 1) tokens. A rejected
+  draft is taken back by the row's length alone
+  (:func:`kvjax.inference.speculative.take_back`): its key stays unseen in the row's
+  page until a later token overwrites it.
 * **Preemption** (recompute, vLLM's default): when the pool runs out the newest running
   request is stopped, its pages released (their full pages stay cached with
   ``prefix_cache``) and it goes back to the head of the queue with its tokens kept; when
@@ -44,8 +49,9 @@ from kvjax import planner
 from kvjax.analysis import theory
 from kvjax.cache import paged
 from kvjax.cache.policy import written_tokens
-from kvjax.config import ModelConfig, SamplingConfig
+from kvjax.config import ModelConfig, SamplingConfig, SpeculativeConfig
 from kvjax.inference import ragged
+from kvjax.inference import speculative as spec_lib
 from kvjax.inference.engine import (Completion, EngineStats, Ledger, Request,
                                     decode_steps_program, prefill_bucket)
 from kvjax.inference.sampling import NONFINITE
@@ -141,16 +147,19 @@ class PagedEngine:
       sampling, eos_ids, steps_per_sync, seed: as :class:`kvjax.inference.engine.Engine`
         (``eos_ids``: one id or several; empty or -1: stop at budgets only).
       prefix_cache: reuse cached full pages of common prompt prefixes.
+      speculative: as :class:`kvjax.inference.engine.Engine`'s: a SpeculativeConfig
+        whose drafter is 'ngram' (or 'none'), each block ``steps_per_sync`` verify rounds
+        (:func:`kvjax.inference.speculative.engine_rounds_program`) over the pages.
     Raises:
       ValueError: page_size below 1, a non-positive max_rows, max_seq_len, num_pages or
-        steps_per_sync, or a pool smaller than one request of max_seq_len tokens (each
-        named with its value).
+        steps_per_sync, a pool smaller than one request of max_seq_len tokens, or a
+        drafter other than 'ngram' and 'none' (each named with its value).
     """
 
     def __init__(self, params, cfg: ModelConfig, max_rows: int, max_seq_len: int,
                  page_size: int, num_pages: int, sampling: SamplingConfig = SamplingConfig(),
                  eos_ids: int | Iterable[int] = (), steps_per_sync: int = 8, seed: int = 0,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, speculative: SpeculativeConfig | None = None):
         if isinstance(page_size, bool) or int(page_size) < 1:
             raise ValueError(f"page_size={page_size}; allowed: an integer >= 1 for the "
                              "paged engine (page_size 0 is the dense Engine)")
@@ -167,9 +176,18 @@ class PagedEngine:
                 f"{self.num_pages * self.page_size} tokens, too few for one request of "
                 f"max_seq_len={max_seq_len}; allowed: num_pages >= {self.max_pages}")
         self.view_len = self.max_pages * self.page_size
+        if speculative is not None and not speculative.enabled:
+            speculative = None
+        if speculative is not None and speculative.drafter != "ngram":
+            raise ValueError(f"speculative.drafter={speculative.drafter!r} in the paged "
+                             "engine; allowed: 'ngram' or 'none' (a draft model's cache "
+                             "is not kept per row)")
+        self.spec = speculative
         if cfg.plan is None:  # resolved on the host, for the step's paged classes
+            rows = () if self.spec is None else (self.max_rows * (self.spec.k + 1),)
             cfg = planner.resolve(cfg, max_seq_len=self.view_len,
-                                  batch_sizes=(self.max_rows,), page_size=self.page_size)
+                                  batch_sizes=(self.max_rows,), rows=rows,
+                                  page_size=self.page_size)
         self.params, self.cfg = params, cfg
         self._prefill_cfgs: dict[int, ModelConfig] = {}
         ids = [eos_ids] if isinstance(eos_ids, (int, np.integer)) else list(eos_ids)
@@ -274,14 +292,36 @@ class PagedEngine:
                 self.alloc.release("warmup")
         b = self.max_rows
         zeros = jnp.zeros(b, jnp.int32)
-        out = decode_steps_program(
-            self.params, self.cache, zeros, jnp.zeros(b, bool), zeros, zeros,
-            jax.vmap(self._key)(zeros), self._eos_array(), jnp.asarray(False),
-            cfg=self.cfg, sampling=self.sampling, steps=self.steps_per_sync)
+        hist, hist_len = self._empty_history()
+        out = self._decode(zeros, jnp.zeros(b, bool), zeros, zeros,
+                           jax.vmap(self._key)(zeros), jnp.asarray(False), hist, hist_len)
         self.cache = out[2]
         jax.block_until_ready(self.cache)
         self.alloc = paged.PageAllocator(self.num_pages, self.page_size, self.prefix_cache)
         return time.perf_counter() - t0
+
+    def _empty_history(self):
+        """Speculative: each row's tokens for the n-gram drafts ([B, H] int32, every token
+        a request can hold, and [B] lengths); (None, None) without."""
+        if self.spec is None:
+            return None, None
+        h = self.max_seq_len + self.spec.k + 2
+        return (jnp.zeros((self.max_rows, h), jnp.int32),
+                jnp.zeros(self.max_rows, jnp.int32))
+
+    def _decode(self, last, active, remaining, count, keys, stop_on_free, hist, hist_len):
+        """One compiled block over the pages: plain steps or verify rounds, as
+        :meth:`kvjax.inference.engine.Engine._decode` (the same 13 results)."""
+        if self.spec is None:
+            out = decode_steps_program(
+                self.params, self.cache, last, active, remaining, count, keys,
+                self._eos_array(), stop_on_free, cfg=self.cfg, sampling=self.sampling,
+                steps=self.steps_per_sync)
+            return out + (hist, hist_len, None, None)
+        return spec_lib.engine_rounds_program(
+            self.params, self.cache, last, active, remaining, count, keys,
+            self._eos_array(), hist, hist_len, stop_on_free, cfg=self.cfg, spec=self.spec,
+            sampling=self.sampling, rounds=self.steps_per_sync)
 
     def _eos_array(self) -> jax.Array:
         return jnp.asarray(sorted(self.eos_ids) or [-1], jnp.int32)
@@ -317,6 +357,8 @@ class PagedEngine:
         remaining = np.zeros(nr, np.int32)
         count = np.zeros(nr, np.int32)
         keys = jax.vmap(self._key)(jnp.zeros(nr, jnp.int32))
+        hist, hist_len = self._empty_history()
+        per_block = steps * (1 if self.spec is None else self.spec.k + 1)  # tokens at most
         stats = PagedStats(allocated_kv_bytes=self.num_pages * self.page_bytes,
                            num_slots=nr, page_size=self.page_size)
         queue = book.queue
@@ -360,6 +402,11 @@ class PagedEngine:
                 count[slot] = len(gen[req.id])
                 remaining[slot] = req.max_new_tokens - count[slot]
                 keys = keys.at[slot].set(self._key(req.id))
+                if hist is not None:
+                    row_hist = np.zeros(hist.shape[1], np.int32)
+                    row_hist[:len(tokens) + 1] = tokens + [nxt]
+                    hist = hist.at[slot].set(jnp.asarray(row_hist))
+                    hist_len = hist_len.at[slot].set(len(tokens) + 1)
             if not active.any():
                 book.wait_for_arrival()
                 continue
@@ -373,7 +420,7 @@ class PagedEngine:
                                       self.cfg.num_sink_tokens)
                 while r is not None and r is rows[slot]:  # None: preempted meanwhile
                     try:
-                        need = min(alloc.length(slot) + steps, r.final)
+                        need = min(alloc.length(slot) + per_block, r.final)
                         self._copy(alloc.ensure(slot, need))
                         break
                     except paged.PoolExhausted:
@@ -393,12 +440,15 @@ class PagedEngine:
                               for s in running)
             ref_pages = alloc.num_referenced
             t0 = time.perf_counter()
-            out = decode_steps_program(
-                self.params, self.cache, jnp.asarray(last), jnp.asarray(active),
-                jnp.asarray(remaining), jnp.asarray(count), keys, self._eos_array(),
-                jnp.asarray(bool(queue)), cfg=self.cfg, sampling=self.sampling, steps=steps)
-            buf, n, self.cache, last_d, active_d, rem_d, count_d = out[:7]
+            out = self._decode(jnp.asarray(last), jnp.asarray(active),
+                               jnp.asarray(remaining), jnp.asarray(count), keys,
+                               jnp.asarray(bool(queue)), hist, hist_len)
+            (buf, n, self.cache, last_d, active_d, rem_d, count_d, _, _, hist, hist_len,
+             acc, prop) = out
             buf = np.asarray(buf)
+            if acc is not None:
+                stats.accepted += int(np.sum(acc))
+                stats.proposed += int(np.sum(prop))
             stats.decode_s += time.perf_counter() - t0
             n = int(n)
             stats.steps += n
@@ -410,7 +460,7 @@ class PagedEngine:
             new_active = np.asarray(active_d)
             for slot in running:
                 r = rows[slot]
-                toks = buf[slot, :n]
+                toks = buf[slot]  # its tokens in order, -1 after
                 made = [int(t) for t in toks[(toks >= 0) | (toks == NONFINITE)]]
                 alloc.append(slot, ([int(last[slot])] + made)[:len(made)])  # the inputs
                 book.emit(r.req.id, made)

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
-from kvjax.cache import KVCache, policy_for
+from kvjax.cache import KVCache, paged, policy_for
 from kvjax.config import ConfigError, ModelConfig, SamplingConfig, SpeculativeConfig
 from kvjax.inference.sampling import (NONFINITE, is_stop, nonfinite_rows, sample_logits,
                                       sampling_probs)
@@ -327,8 +327,16 @@ def _emit(drafts, n, last):
     return jnp.where(j < n[:, None], padded, last[:, None])
 
 
-def take_back(cache: KVCache, length: jax.Array) -> KVCache:
-    """The cache with each row cut to ``length`` [B]: later slots marked empty."""
+def take_back(cache, length: jax.Array):
+    """The cache with each row cut to ``length`` [B]: later slots marked empty.
+
+    A dense or ragged :class:`KVCache` marks them in its positions; a
+    :class:`~kvjax.cache.paged.PagedKVCache` derives its positions from the lengths
+    (slots at or past a row's length are empty), so its rollback is the lengths alone:
+    the rejected drafts' keys stay in the row's pages, unseen, until later tokens
+    overwrite them (pages are not a ring: no live key was overwritten)."""
+    if isinstance(cache, paged.PagedKVCache):
+        return cache.replace(length=length)
     return cache.replace(length=length,
                          positions=jnp.where(cache.positions >= length[:, None], -1,
                                              cache.positions))
