@@ -23,7 +23,13 @@ W=512; kvjax.analysis.batch.lever_config) and t in ``--contexts``:
 6. the wall: ``theory.max_batch`` per lever and chip (units: sequences; the weights and a
    stated reserve subtracted), the blog's 625 = 60,000 MiB / 96 MiB, and on this machine
    caches allocated for real under ``--memory_budget_gb`` until the next sequence does not
-   fit, against theory for the same budget.
+   fit, against theory for the same budget;
+7. the wall for paged caches (``--page_size`` P): requests of lengths spread evenly
+   over 1..t, held at once under per-slot reservation (a row of t each), on pages
+   (P·ceil(l/P) tokens each; a window's rows free the pages that slide out) and on pages
+   with every request at t, per chip; and on this machine a page pool allocated for real
+   under the same budget, requests admitted through the paged engine's allocator until
+   the next does not fit, against the theory for the pool's bytes.
 
 A budget larger than the memory available, or too small for the weights and one
 sequence, is refused before anything is allocated, naming the budget and the bytes.
@@ -63,6 +69,7 @@ _MEASURE_LEVERS = flags.DEFINE_list("measure_levers", list(batch_lib.LEVERS), "L
 _MEASURE_CONTEXTS = flags.DEFINE_list("measure_contexts", ["1024", "32768"], "t timed here.")
 _RAGGED_BATCH = flags.DEFINE_integer("ragged_batch", 8, "B of the ragged vs lockstep check.")
 _WALL_CONTEXT = flags.DEFINE_integer("wall_context", 32768, "t of the measured wall.")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per page of the paged wall (7.).")
 _RESERVE = flags.DEFINE_float("reserve_fraction", 0.25,
                               "Stated reserve of each chip's HBM in the theory wall.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write every row as JSON here.")
@@ -90,7 +97,7 @@ def sweep(opts: dict, log=print) -> dict:
     data; ``log`` prints progress and the tables."""
     out: dict = {"machine": None, "theory": [], "xla": [], "measured": [], "ratios": {},
                  "ragged_vs_lockstep": None, "wall_theory": [], "wall_measured": [],
-                 "options": opts}
+                 "wall_paged_theory": [], "wall_paged_measured": [], "options": opts}
     budget = int(opts["memory_budget_gb"] * 2**30)
     batches = batch_lib.batch_sizes(opts["max_batch"])
     chips = [hardware.CHIPS[n] for n in ("A100-80GB", "H100-SXM", "H200")]
@@ -241,6 +248,33 @@ def sweep(opts: dict, log=print) -> dict:
         log(f"  blog {lever}: measured {w.measured}, theory {w.theory} "
             f"({w.per_sequence_bytes:,} B/seq; allocated {w.allocated_bytes:,} B of "
             f"{w.budget_bytes:,}; RSS grew {w.rss_growth_bytes or 0:,} B)")
+
+    # 7. the wall on pages.
+    p = opts["page_size"]
+    log(f"\n7. the wall on pages of {p} tokens: requests of 1..t tokens (evenly spread) "
+        "held at once, per-slot reservation (a row of t each) vs pages vs pages with "
+        "every request at t; float16, the chips' free bytes as in 6.")
+    for shape in opts["shapes"]:
+        for t in sorted({4096, *opts["contexts"]}):
+            rows = batch_lib.paged_wall_table(shape, t, p, chips, opts["reserve_fraction"])
+            out["wall_paged_theory"] += rows
+            log(format_table([(r["shape"], r["lever"], t, f"{r['mean_paged_tokens']:,.0f}",
+                               *(f"{r[c.name + '_reserved']} / {r[c.name + '_paged']} / "
+                                 f"{r[c.name + '_paged_full']}" for c in chips))
+                              for r in rows],
+                             ("shape", "lever", "t", "paged tokens/req",
+                              *(f"{c.name} reserved / paged / paged at t" for c in chips))))
+    log(f"measured here: one pool of pages of {p} under {opts['memory_budget_gb']} GiB "
+        f"(float32, weights allocated first), requests of 1..{opts['wall_context']} tokens "
+        "admitted until the next does not fit")
+    for lever in opts["levers"]:
+        cfg = batch_lib.lever_config("blog", lever, "float32")
+        w = batch_lib.measure_paged_wall(cfg, opts["wall_context"], budget, p)
+        r = {"shape": "blog", "lever": lever, "context": opts["wall_context"],
+             **w.__dict__}
+        out["wall_paged_measured"].append(r)
+        log(f"  blog {lever}: measured {w.measured}, theory {w.theory} on pages; "
+            f"{w.reserved} as rows of t ({w.num_pages:,} pages, {w.pool_bytes:,} B)")
     return out
 
 
@@ -330,6 +364,8 @@ def main(argv):
             if bad:
                 raise ConfigError(f"--{name}={','.join(vals)}: {bad[0]!r} unknown; allowed: "
                                   f"{', '.join(allowed)}")
+        if _PAGE_SIZE.value < 1:
+            raise ConfigError(f"--page_size={_PAGE_SIZE.value}; allowed: an integer >= 1")
         if not _BUDGET.value > 0:
             raise ConfigError(f"--memory_budget_gb={_BUDGET.value}; allowed: a number > 0")
         opts = {"shapes": _SHAPES.value, "levers": _LEVERS.value,
@@ -341,7 +377,8 @@ def main(argv):
                 "measure_levers": _MEASURE_LEVERS.value,
                 "measure_contexts": _ints(_MEASURE_CONTEXTS.value),
                 "ragged_batch": _RAGGED_BATCH.value, "wall_context": _WALL_CONTEXT.value,
-                "reserve_fraction": _RESERVE.value, "steps": (2, 6), "repeats": 2}
+                "reserve_fraction": _RESERVE.value, "page_size": _PAGE_SIZE.value,
+                "steps": (2, 6), "repeats": 2}
         if _QUICK.value:
             opts.update(shapes=["blog"], levers=["gqa", "mqa"], contexts=[1024],
                         max_batch=4, xla_batches=[1, 4], xla_contexts=[1024],

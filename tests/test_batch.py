@@ -77,3 +77,36 @@ def test_bad_names():
         batch.lever_config("gpt", "gqa")
     assert batch.batch_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
     assert batch.batch_sizes(12) == [1, 2, 4, 8, 12]
+
+
+def test_paged_wall_holds_about_twice_the_reserved_rows():
+    """Requests of 1..t tokens (mean about t / 2): pages hold about 2x the requests of
+    per-slot reservation at t, never more than 2t / (mean + P); requests all at t gain
+    at most the P - 1 tokens of waste (the same count here, t a multiple of P); a
+    window's rows hold their window however long the request."""
+    rows = {r["lever"]: r for r in batch.paged_wall_table("blog", 4096, 16)}
+    mha = rows["mha"]
+    assert mha["mean_length"] == pytest.approx(2048.5, abs=1)
+    for chip in ("A100-80GB", "H100-SXM", "H200"):
+        reserved, paged = mha[f"{chip}_reserved"], mha[f"{chip}_paged"]
+        assert 1.9 * reserved <= paged <= 4096 / mha["mean_paged_tokens"] * (reserved + 1)
+        assert mha[f"{chip}_paged_full"] == reserved
+    assert rows["window"]["mean_paged_tokens"] <= 512 + 16  # W = 512, pages freed
+    with pytest.raises(ValueError, match="t=0"):
+        batch.wall_lengths(0)
+
+
+def test_measured_paged_wall_matches_the_allocator_theory():
+    """A real pool under a 96 MiB budget (blog GQA, 2 layers): the requests admitted
+    through the paged allocator are within 2% of paging.capacity for the pool's bytes
+    (the order of lengths is seeded, capacity uses their mean), and about twice the
+    rows of t the same bytes hold; a budget too small is refused naming the bytes."""
+    cfg = batch.lever_config("blog", "gqa", "float32", vocab_size=1024, num_layers=2)
+    w = batch.measure_paged_wall(cfg, 2048, 96 * 2**20, 16)
+    assert w.pool_bytes <= 96 * 2**20 - w.weights_bytes
+    assert w.theory >= 30 and abs(w.measured - w.theory) <= max(1, 0.02 * w.theory)
+    assert 1.8 * w.reserved <= w.measured
+    with pytest.raises(memory.MemoryCheckError, match=r"on pages of 16 .* bytes\)"):
+        batch.measure_paged_wall(cfg, 2048, 2**20, 16)
+    with pytest.raises(ValueError, match="page_size=0"):
+        batch.measure_paged_wall(cfg, 2048, 48 * 2**20, 0)

@@ -13,7 +13,12 @@ memory wall: ``theory.max_batch``). This module gives, per lever and (B, t):
 * :func:`measure_point`: the loop's measured seconds per step here, tokens/s = B / step;
 * :func:`measure_ragged_vs_lockstep`: the ragged loop's step time over the lockstep one;
 * :func:`measure_wall`: caches allocated for real, one sequence at a time, under a byte
-  budget, until the next one does not fit, beside ``theory.max_batch``.
+  budget, until the next one does not fit, beside ``theory.max_batch``;
+* :func:`paged_wall_table`, :func:`measure_paged_wall`: the same wall for paged caches
+  (:mod:`kvjax.cache.paged`) serving requests of varying length: per-slot reservation
+  holds t tokens per request, pages hold P·ceil(l/P) (Kwon et al. 2023, sec. 4.2;
+  :func:`kvjax.analysis.paging.capacity`), and a real pool under the budget admits
+  requests through the engine's allocator until the next one does not fit.
 
 Units: bytes, FLOP, seconds; a "sequence" is one row of the batch holding ``t`` tokens.
 """
@@ -30,7 +35,8 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import presets
-from kvjax.analysis import costs, hardware, theory
+from kvjax.analysis import costs, hardware, paging, theory
+from kvjax.cache import paged
 from kvjax.config import ModelConfig
 from kvjax.inference import decode, memory, ragged
 from kvjax.config import SamplingConfig
@@ -38,7 +44,8 @@ from kvjax.models import model as model_lib
 
 __all__ = ["SHAPES", "LEVERS", "lever_config", "batch_sizes", "theory_point", "xla_point",
            "measure_point", "measure_ragged_vs_lockstep", "WallResult", "measure_wall",
-           "wall_table", "BLOG_FREE_BYTES"]
+           "wall_table", "wall_lengths", "paged_wall_table", "PagedWallResult",
+           "measure_paged_wall", "BLOG_FREE_BYTES"]
 
 SHAPES = ("blog", "smollm2")
 LEVERS = ("mha", "gqa", "mqa", "mla", "window")
@@ -318,3 +325,142 @@ def wall_table(shape: str, t: int, chips=None, reserve_fraction: float = 0.25,
     for row in rows:
         row["factor_over_mha"] = mha["kv_bytes_per_sequence"] / row["kv_bytes_per_sequence"]
     return rows
+
+
+def wall_lengths(t: int, n: int = 256) -> list[int]:
+    """Request lengths for the paged wall: ``n`` evenly spaced over 1..t (tokens held at
+    the end of each request; their mean is about t / 2). A stated distribution, not a
+    measured one: ``experiments.serve`` measures its own requests' lengths."""
+    if t < 1 or n < 1:
+        raise ValueError(f"t={t}, n={n}; allowed: integers >= 1")
+    return sorted({max(1, round(1 + i * (t - 1) / max(n - 1, 1))) for i in range(n)})
+
+
+def _held(cfg: ModelConfig, lengths) -> list[int]:
+    """Tokens a paged row holds for requests of ``lengths``: a window's row frees the
+    pages that slide out, so it holds its W (+ sinks) at most."""
+    return [theory.tokens_held(cfg, x) for x in lengths]
+
+
+def paged_wall_table(shape: str, t: int, page_size: int, chips=None,
+                     reserve_fraction: float = 0.25, dtype: str = "float16",
+                     lengths=None) -> list[dict]:
+    """The wall of :func:`wall_table` (same free bytes per chip) for requests of up to
+    ``t`` tokens whose lengths are ``lengths`` (default :func:`wall_lengths`), in counts
+    of requests held at once: 'reserved' (a row of t per request, as the dense slot
+    engine: ``theory.max_batch``), 'paged' (P·ceil(l/P) tokens each, the mean over
+    ``lengths``) and 'paged_full' (every request at t: paging alone buys at most P - 1
+    tokens per request). Raises ValueError for page_size < 1 or a bad reserve_fraction.
+    """
+    if not 0 <= reserve_fraction < 1:
+        raise ValueError(f"reserve_fraction={reserve_fraction}; allowed: a number in [0, 1)")
+    chips = chips or [hardware.CHIPS[n] for n in ("A100-80GB", "H100-SXM", "H200")]
+    lengths = wall_lengths(t) if lengths is None else list(lengths)
+    rows = []
+    for lever in LEVERS:
+        cfg = lever_config(shape, lever, dtype)
+        w = theory.weight_bytes(cfg)
+        held = _held(cfg, lengths)
+        row = {"shape": shape, "lever": lever, "context": t, "dtype": dtype,
+               "page_size": page_size, "mean_length": sum(lengths) / len(lengths),
+               "mean_paged_tokens": sum(paging.paged_tokens(x, page_size) for x in held)
+               / len(held)}
+        for chip in chips:
+            free = chip.hbm_capacity_bytes * (1 - reserve_fraction) - w
+            row[f"{chip.name}_reserved"] = theory.max_batch(cfg, t, free)
+            full = _held(cfg, [t])
+            if free <= 0:
+                row[f"{chip.name}_paged"] = row[f"{chip.name}_paged_full"] = 0
+                continue
+            row[f"{chip.name}_paged"] = paging.capacity(cfg, free, held, t, page_size).paged
+            row[f"{chip.name}_paged_full"] = paging.capacity(cfg, free, full, t,
+                                                             page_size).paged
+        rows.append(row)
+    return rows
+
+
+@dataclasses.dataclass
+class PagedWallResult:
+    """The paged memory wall measured: a pool allocated for real, requests admitted.
+
+    Attributes:
+      measured: requests admitted (:class:`kvjax.cache.paged.PageAllocator`, cycling
+        through the lengths) before the next did not fit the pool.
+      theory: :func:`kvjax.analysis.paging.capacity`'s ``paged`` for the pool's bytes.
+      reserved: requests of t tokens the same bytes hold as dense rows
+        (``theory.max_batch``).
+      num_pages: pages of the pool (per layer and tensor); page_size: P.
+      pool_bytes: the pool's bytes allocated; budget_bytes, weights_bytes: as given.
+      seconds: time spent.
+    """
+
+    measured: int
+    theory: int
+    reserved: int
+    num_pages: int
+    page_size: int
+    pool_bytes: int
+    budget_bytes: int
+    weights_bytes: int
+    seconds: float
+
+
+def measure_paged_wall(cfg: ModelConfig, t: int, budget_bytes: int, page_size: int,
+                       lengths=None, available: int | None = None) -> PagedWallResult:
+    """Allocates, for real, the weights and one page pool of the bytes left under
+    ``budget_bytes`` (zero-filled, so its memory is touched), then admits requests of
+    ``lengths`` (default :func:`wall_lengths` of ``t``; a window's rows hold their
+    window) one after another through the paged engine's allocator until the next does
+    not fit; frees it all.
+
+    Raises:
+      kvjax.inference.memory.MemoryCheckError: the budget exceeds the memory available
+        here, or cannot hold the weights and one request of t tokens (named), before
+        anything is allocated.
+      ValueError: page_size below 1.
+    """
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r}; allowed: an integer >= 1")
+    lengths = wall_lengths(t) if lengths is None else list(lengths)
+    per_page = paged.page_bytes(cfg, page_size)
+    weights = cache_lib.total_bytes(model_lib.param_shapes(cfg))
+    if available is None:
+        available, source = memory.available_bytes()
+    else:
+        source = "given"
+    if available is not None and budget_bytes > available:
+        raise memory.MemoryCheckError(
+            f"--memory_budget_gb asks for {budget_bytes:,} bytes; only {available:,} bytes "
+            f"are available ({source}); allowed: a budget <= the memory available")
+    held = _held(cfg, lengths)
+    one = paged.pages_for(theory.tokens_held(cfg, t), page_size) * per_page
+    if weights + one > budget_bytes:
+        raise memory.MemoryCheckError(
+            f"a budget of {budget_bytes:,} bytes cannot hold the weights ({weights:,} "
+            f"bytes) and one request of t={t} tokens on pages of {page_size} ({one:,} "
+            f"bytes); allowed: --memory_budget_gb >= {(weights + one) / 2**30:.3f}")
+    start = time.perf_counter()
+    params = model_lib.init_params(cfg, 0)
+    num_pages = int((budget_bytes - cache_lib.total_bytes(params)) // per_page)
+    max_pages = paged.pages_for(max(held), page_size)
+    pool = paged.init_paged_cache(cfg, 1, num_pages, page_size, max_pages)
+    jax.block_until_ready(pool)
+    pool_bytes = num_pages * per_page
+    alloc = paged.PageAllocator(num_pages, page_size)
+    order = np.random.default_rng(0).permutation(len(held))  # lengths in a seeded order
+    n = 0
+    try:
+        while n < 10_000_000:
+            x = held[order[n % len(held)]]
+            alloc.admit(n, [0] * x, x)
+            n += 1
+    except paged.PoolExhausted:
+        pass
+    alloc.check()
+    del pool, params
+    gc.collect()
+    return PagedWallResult(
+        measured=n, theory=paging.capacity(cfg, pool_bytes, held, max(held), page_size).paged,
+        reserved=theory.max_batch(cfg, t, pool_bytes), num_pages=num_pages,
+        page_size=page_size, pool_bytes=pool_bytes, budget_bytes=int(budget_bytes),
+        weights_bytes=weights, seconds=time.perf_counter() - start)
