@@ -39,8 +39,10 @@ requests, one budget, no EOS) against the plain batched loop
 
 ``--config.speculative.drafter=ngram --config.speculative.k=N``: the engine runs verify
 rounds of N + 1 tokens with prompt-lookup drafts from each request's own tokens (greedy:
-the same tokens); the summary adds the acceptance rate and tokens per slot-round, and
-"decode steps" counts rounds. With ``--config.page_size=N`` the rounds run in the paged
+the same tokens); ``drafter=self`` (the same weights over the config's cheap draft
+cache) and ``drafter=model`` (``--config.speculative.draft_config=configs/...``) keep
+the draft model's cache per slot. The summary adds the acceptance rate and tokens per
+slot-round, and "decode steps" counts rounds. With ``--config.page_size=N`` the rounds run in the paged
 engine (rejected drafts taken back by the rows' lengths).
 """
 
@@ -423,10 +425,14 @@ def main(argv):
             raise ValueError("--prefix_cache with --config.page_size=0; allowed: "
                              "--config.page_size=N >= 1 (the prefix cache shares pages)")
         else:
+            draft = None  # 'self' / 'model': the draft model, its cache kept per slot
+            if run.speculative.drafter in ("self", "model"):
+                draft = runner.draft_model(run, loaded, progress=_PROGRESS.value)
             eng = engine_lib.Engine(loaded.params, loaded.cfg, slots, run.max_seq_len,
                                     sampling=run.sampling, eos_ids=eos,
                                     steps_per_sync=_STEPS_PER_SYNC.value,
-                                    seed=run.sampling.seed, speculative=run.speculative)
+                                    seed=run.sampling.seed, speculative=run.speculative,
+                                    draft=draft)
         if _REQUESTS_FILE.value:
             reqs, skipped = file_requests(_REQUESTS_FILE.value, tok)
         else:

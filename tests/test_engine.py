@@ -117,13 +117,46 @@ def test_speculative_engine_sampled_tokens_do_not_depend_on_batch_mates():
     assert solo[0].tokens == done[0].tokens and len(done[0].tokens) == BUDGETS[0]
 
 
-def test_speculative_engine_refuses_a_draft_model():
+@pytest.mark.parametrize("drafter", ["self", "model"])
+def test_speculative_engine_with_a_draft_model_keeps_the_plain_tokens(drafter):
+    """The slot engine with a draft model kept per slot (issue 30): 'self' (the same
+    weights over a window of 4 with a sink, int8 keys and values, one layer) and 'model'
+    (here the target's own weights and config, so every draft is the target's greedy
+    token: rounds that accept all k leave the last draft pending in the draft's cache
+    across the engine's calls): every request's greedy tokens equal plain decoding
+    alone, with slots refilled mid-run; drafts proposed and accepted."""
     from kvjax.config import SpeculativeConfig  # noqa: PLC0415
     cfg = ModelConfig(**VARIANTS["gqa"])
-    with pytest.raises(ValueError, match=r"speculative.drafter='self' in the slot engine; "
-                                         r"allowed: 'ngram' or 'none'"):
-        engine.Engine(params_of("gqa"), cfg, 2, S, speculative=SpeculativeConfig(
-            drafter="self", k=2))
+    params = params_of("gqa")
+    spec = SpeculativeConfig(drafter=drafter, k=3, draft_window_size=4,
+                             draft_sink_tokens=1, draft_kv_dtype="int8",
+                             draft_num_layers=1) if drafter == "self" else \
+        SpeculativeConfig(drafter="model", k=2, draft_config="configs/mqa.py")
+    draft = None
+    if drafter == "model":
+        draft = (params, cfg)
+    reqs = requests()
+    eng = engine.Engine(params, cfg, num_slots=2, max_seq_len=S, steps_per_sync=2,
+                        speculative=spec, draft=draft)
+    done, stats = eng.run(reqs)
+    for c, r in zip(done, reqs):
+        assert c.tokens == alone(cfg, params, list(r.prompt), r.max_new_tokens), c.id
+    assert stats.proposed > 0 and 0 < stats.accepted <= stats.proposed
+    if drafter == "model":  # the target drafting for itself: only budgets cut a round
+        assert stats.accepted == stats.proposed, (stats.accepted, stats.proposed)
+
+
+def test_speculative_engine_refuses_drafts_it_cannot_build():
+    from kvjax.config import ConfigError, SpeculativeConfig  # noqa: PLC0415
+    cfg = ModelConfig(**VARIANTS["gqa"])
+    model = SpeculativeConfig(drafter="model", k=2, draft_config="configs/mqa.py")
+    with pytest.raises(ConfigError, match=r"speculative.drafter='model' needs a draft"):
+        engine.Engine(params_of("gqa"), cfg, 2, S, speculative=model)
+    other = ModelConfig(**{**VARIANTS["mqa"], "vocab_size": 50})
+    with pytest.raises(ConfigError, match=r"draft model vocab_size=50"):
+        engine.Engine(params_of("gqa"), cfg, 2, S, speculative=model, draft=({}, other))
+    with pytest.raises(ValueError, match=r"draft= without speculative="):
+        engine.Engine(params_of("gqa"), cfg, 2, S, draft=({}, other))
 
 
 @pytest.mark.parametrize("paged", [False, True])

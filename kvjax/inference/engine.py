@@ -288,31 +288,43 @@ class Engine:
       steps_per_sync: decode steps (speculative: verify rounds) per compiled call
         between host visits (>= 1).
       seed: base of the per-request sampling keys.
-      speculative: a SpeculativeConfig whose drafter is 'ngram' (prompt lookup over each
-        slot's own tokens): every call runs verify rounds of k + 1 tokens
+      speculative: a SpeculativeConfig: every call runs verify rounds of k + 1 tokens
         (:func:`kvjax.inference.speculative.engine_rounds_program`), a slot accepting its
         own number; greedy tokens equal plain decoding's, sampled ones follow the same
-        distribution with per-request keys. None or drafter 'none': plain steps.
+        distribution (the acceptance with per-request keys). Drafts: 'ngram' (prompt
+        lookup over each slot's own tokens), 'self' (the same weights over the config's
+        cheap cache) or 'model' (``draft``), whose cache is kept per slot beside the
+        target's, prefilled with each admitted prompt. None or drafter 'none': plain
+        steps.
+      draft: (draft params, draft config) for drafter 'model'
+        (:func:`kvjax.inference.runner.draft_model`); 'self' builds its own
+        (:func:`kvjax.inference.speculative.draft_config`) when None.
     Raises:
-      ValueError: a non-positive num_slots, max_seq_len or steps_per_sync, or a drafter
-        other than 'ngram' (the draft models' caches are not kept per slot).
+      ValueError: a non-positive num_slots, max_seq_len or steps_per_sync.
+      ConfigError: a drafter the config cannot build (:func:`check_draft`: 'model'
+        without ``draft``, a draft with another vocabulary), before any work.
     """
 
     def __init__(self, params, cfg: ModelConfig, num_slots: int, max_seq_len: int,
                  sampling: SamplingConfig = SamplingConfig(),
                  eos_ids: int | Sequence[int] = (),
                  steps_per_sync: int = 8, seed: int = 0,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, draft: tuple | None = None):
         for name, v in (("num_slots", num_slots), ("max_seq_len", max_seq_len),
                         ("steps_per_sync", steps_per_sync)):
             if int(v) < 1:
                 raise ValueError(f"{name}={v}; allowed: an integer >= 1")
         if speculative is not None and not speculative.enabled:
             speculative = None
-        if speculative is not None and speculative.drafter != "ngram":
-            raise ValueError(f"speculative.drafter={speculative.drafter!r} in the slot "
-                             "engine; allowed: 'ngram' or 'none' (a draft model's cache "
-                             "is not kept per slot)")
+        if speculative is not None and speculative.drafter == "self" and draft is None:
+            dcfg = spec_lib.draft_config(cfg.replace(plan=None), speculative)
+            draft = (model_lib.params_for(dcfg, spec_lib.draft_params(params, cfg, dcfg)),
+                     dcfg)
+        if speculative is not None:
+            spec_lib.check_draft(cfg, None if draft is None else draft[1], speculative)
+        elif draft is not None:
+            raise ValueError("draft= without speculative=; allowed: a draft with a "
+                             "SpeculativeConfig whose drafter is 'self' or 'model'")
         self.spec = speculative
         self.num_slots, self.max_seq_len = int(num_slots), int(max_seq_len)
         # the plans, resolved here on the host (never while tracing): the decode loop's
@@ -323,7 +335,19 @@ class Engine:
             cfg = planner.resolve(cfg, max_seq_len=self.max_seq_len,
                                   batch_sizes=(self.num_slots,), rows=rows)
         self.params, self.cfg = params, cfg
-        self._prefill_cfgs: dict[int, ModelConfig] = {}
+        self._prefill_cfgs: dict[tuple, ModelConfig] = {}
+        self.dparams = self.dcfg = self.draft_cache = None
+        if draft is not None:  # the draft's plan: its steps over num_slots rows
+            self.dparams, dcfg = draft
+            k = self.spec.k
+            self.dcfg = dcfg if dcfg.plan is not None else planner.resolve(
+                dcfg, max_seq_len=self.max_seq_len + k + 1, batch_sizes=(self.num_slots,),
+                rows=(2 * self.num_slots,))
+            self.draft_cache = spec_lib.init_draft_cache(self.dcfg, self.num_slots,
+                                                         self.max_seq_len, k)
+        self._pending = jnp.zeros(self.num_slots, jnp.int32)
+        self._has_pending = jnp.zeros(self.num_slots, bool)
+        self._calls = 0
         self.sampling = sampling
         self.eos_ids = tuple(int(i) for i in np.atleast_1d(eos_ids) if int(i) >= 0)
         self._eos = decode_lib.eos_array(self.eos_ids)
@@ -375,34 +399,46 @@ class Engine:
                 stop_on_free, cfg=self.cfg, sampling=self.sampling,
                 steps=self.steps_per_sync)
             return out + (hist, hist_len, None, None)
-        return spec_lib.engine_rounds_program(
-            self.params, self.cache, last, active, remaining, count, keys, self._eos,
-            hist, hist_len, stop_on_free, cfg=self.cfg, spec=self.spec,
+        self._calls += 1
+        rng = jax.random.fold_in(jax.random.key(self.seed), self._calls)
+        out = spec_lib.engine_rounds_program(
+            self.params, self.dparams, self.cache, self.draft_cache, last, active,
+            remaining, count, keys, self._eos, hist, hist_len, stop_on_free, self._pending,
+            self._has_pending, rng, cfg=self.cfg, draft_cfg=self.dcfg, spec=self.spec,
             sampling=self.sampling, rounds=self.steps_per_sync)
+        self.draft_cache, self._pending, self._has_pending = out[13:]
+        return out[:13]
 
     def _key(self, req_id: int) -> jax.Array:
         return jax.random.fold_in(jax.random.key(self.seed), req_id)
 
     def prefill(self, req: Request):
-        """(first token id, one-row ragged cache holding the prompt)."""
+        """(first token id, one-row ragged cache holding the prompt, and the draft
+        model's one-row cache holding it, or None)."""
         n = len(req.prompt)
         bucket = prefill_bucket(n)
         tokens, lengths = ragged.pad_prompts([req.prompt], length=bucket)
+        tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
         row = self._empty_cache(1)
         logits, row = ragged.prefill_ragged_program(
-            self.params, jnp.asarray(tokens), jnp.asarray(lengths), row,
-            cfg=self._prefill_cfg(bucket))
+            self.params, tokens, lengths, row, cfg=self._prefill_cfg(bucket))
         first = ragged.first_tokens(logits, self._key(req.id)[None], self.sampling)
-        return int(first[0]), row
+        drow = None
+        if self.dcfg is not None:
+            drow = spec_lib.init_draft_cache(self.dcfg, 1, self.max_seq_len, self.spec.k)
+            _, drow = ragged.prefill_ragged_program(
+                self.dparams, tokens, lengths, drow, cfg=self._prefill_cfg(bucket, True))
+        return int(first[0]), row, drow
 
-    def _prefill_cfg(self, bucket: int) -> ModelConfig:
-        """The config of a one-row prefill of ``bucket`` tokens, with its plan (resolved
-        once per bucket, on the host)."""
-        if bucket not in self._prefill_cfgs:
-            self._prefill_cfgs[bucket] = planner.resolve(  # no decode step: no B
-                self.cfg.replace(plan=None), max_seq_len=self.max_seq_len,
+    def _prefill_cfg(self, bucket: int, draft: bool = False) -> ModelConfig:
+        """The config of a one-row prefill of ``bucket`` tokens (the draft model's with
+        ``draft``), with its plan (resolved once per bucket, on the host)."""
+        if (bucket, draft) not in self._prefill_cfgs:
+            cfg = self.dcfg if draft else self.cfg
+            self._prefill_cfgs[bucket, draft] = planner.resolve(  # no decode step: no B
+                cfg.replace(plan=None), max_seq_len=self.max_seq_len,
                 batch_sizes=(), rows=(bucket,))
-        return self._prefill_cfgs[bucket]
+        return self._prefill_cfgs[bucket, draft]
 
     def warmup(self, requests: Sequence[Request]) -> float:
         """Compiles (by running once) the prefill of every length bucket ``requests``
@@ -410,9 +446,11 @@ class Engine:
         Leaves every slot free. Returns the seconds spent."""
         t0 = time.perf_counter()
         for bucket in sorted({prefill_bucket(len(r.prompt)) for r in requests}):
-            _, row = self.prefill(Request(0, (0,) * bucket, 1))
+            _, row, drow = self.prefill(Request(0, (0,) * bucket, 1))
         if requests:
             self.cache = insert_program(self.cache, row, jnp.int32(0))
+            if drow is not None:
+                self.draft_cache = insert_program(self.draft_cache, drow, jnp.int32(0))
             zeros = jnp.zeros(self.num_slots, jnp.int32)
             keys = jax.vmap(self._key)(zeros)
             hist = None if self.spec is None else jnp.zeros(
@@ -464,13 +502,18 @@ class Engine:
                 if active[slot] or book.next_arrived() is None:
                     continue
                 req = queue.popleft()
-                first, row = self.prefill(req)
+                first, row, drow = self.prefill(req)
                 stats.prefills += 1
                 book.emit(req.id, [first])
                 if first in self.eos_ids or first == NONFINITE or req.max_new_tokens == 1:
                     book.finish(req, _stop(first, self.eos_ids), None)
                     continue
                 self.cache = insert_program(self.cache, row, jnp.int32(slot))
+                if drow is not None:  # the draft's row, and no pending draft token
+                    self.draft_cache = insert_program(self.draft_cache, drow,
+                                                      jnp.int32(slot))
+                    self._pending = self._pending.at[slot].set(0)
+                    self._has_pending = self._has_pending.at[slot].set(False)
                 slot_req[slot] = req
                 last[slot], active[slot] = first, True
                 remaining[slot], count[slot] = req.max_new_tokens - 1, 1

@@ -318,10 +318,12 @@ class PagedEngine:
                 self._eos_array(), stop_on_free, cfg=self.cfg, sampling=self.sampling,
                 steps=self.steps_per_sync)
             return out + (hist, hist_len, None, None)
+        none = jnp.zeros(self.max_rows, jnp.int32)  # no draft model: no pending draft
         return spec_lib.engine_rounds_program(
-            self.params, self.cache, last, active, remaining, count, keys,
-            self._eos_array(), hist, hist_len, stop_on_free, cfg=self.cfg, spec=self.spec,
-            sampling=self.sampling, rounds=self.steps_per_sync)
+            self.params, None, self.cache, None, last, active, remaining, count, keys,
+            self._eos_array(), hist, hist_len, stop_on_free, none, none > 0,
+            jax.random.key(self.seed), cfg=self.cfg, draft_cfg=None, spec=self.spec,
+            sampling=self.sampling, rounds=self.steps_per_sync)[:13]
 
     def _eos_array(self) -> jax.Array:
         return jnp.asarray(sorted(self.eos_ids) or [-1], jnp.int32)

@@ -386,7 +386,7 @@ def speculative_program(params, dparams, first_token, cache, draft_cache, hist, 
 def speculative_loop(params, dparams, cache, draft_cache, last, active, remaining, hist,
                      hist_len, rng, eos_ids, *, cfg, draft_cfg, spec, sampling, buf_len,
                      max_rounds=None, stop_on_free=None, row_keys=None, index=None,
-                     stats=False) -> dict:
+                     stats=False, pending=None, has_pending=None) -> dict:
     """The speculative loop of :func:`speculative_program` and of the slot engine
     (:func:`engine_rounds_program`): verify rounds of the active rows until each has
     stopped. Traced (call it inside jit); clears both caches' never-written slots on
@@ -408,11 +408,16 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
         fold_in(row_keys[b], index[b]) (its tokens never depend on its batch-mates).
       index: [B] int32 each row's tokens so far (the key index; default 0).
       stats: (static) count occupied row-rounds and the tokens they held.
+      pending, has_pending: [B] int32 / bool, a draft model's state from an earlier call
+        (the last draft of a round that accepted all k, not yet in its cache; default
+        none): a caller that runs the loop a few rounds at a time (the slot engine)
+        passes back what the last call returned.
     Returns:
       dict: 'tokens' [B, buf_len] int32 (emitted this call, in order; -1 after each
       row's count), 'count' [B] emitted, 'rounds', 'accepted', 'proposed' [B] int32,
       'steps' [] rounds run, 'cache', 'draft_cache', 'last', 'active', 'remaining',
-      'hist', 'hist_len', 'occupied' [] and 'held' [] (0 without ``stats``).
+      'hist', 'hist_len', 'occupied' [] and 'held' [] (0 without ``stats``), 'pending'
+      and 'has_pending'.
     """
     b = last.shape[0]
     k = spec.k
@@ -428,8 +433,10 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
                  done=~active | (remaining <= 0), count=zeros, remaining=remaining,
                  index=zeros if index is None else index, freed=jnp.zeros((), bool),
                  occupied=zero, held=zero, rounds=zeros, accepted=zeros, proposed=zeros,
-                 hist=hist, hist_len=hist_len, pending=zeros,
-                 has_pending=jnp.zeros((b,), bool), rng=rng)
+                 hist=hist, hist_len=hist_len,
+                 pending=zeros if pending is None else pending,
+                 has_pending=jnp.zeros((b,), bool) if has_pending is None else has_pending,
+                 rng=rng)
 
     def cond(s):
         go = ~jnp.all(s["done"]) & ~(stop_on_free & s["freed"])
@@ -506,37 +513,49 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
                 accepted=s["accepted"], proposed=s["proposed"], steps=s["i"],
                 cache=s["cache"], draft_cache=s["dcache"], last=s["last"],
                 active=~s["done"], remaining=s["remaining"], hist=s["hist"],
-                hist_len=s["hist_len"], occupied=s["occupied"], held=s["held"])
+                hist_len=s["hist_len"], occupied=s["occupied"], held=s["held"],
+                pending=s["pending"], has_pending=s["has_pending"])
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "sampling", "rounds"),
-                   donate_argnames=("cache", "hist"))
-def engine_rounds_program(params, cache, last, active, remaining, count, keys, eos_ids,
-                          hist, hist_len, stop_on_free, *, cfg, spec, sampling, rounds):
-    """The slot engine's speculative decoding (n-gram drafts): up to ``rounds`` verify
-    rounds of every occupied slot (:func:`speculative_loop`), the engine's arguments and
-    results as :func:`kvjax.inference.engine.decode_steps_program`'s, with each slot's
-    history.
+@functools.partial(jax.jit, static_argnames=("cfg", "draft_cfg", "spec", "sampling",
+                                             "rounds"),
+                   donate_argnames=("cache", "draft_cache", "hist"))
+def engine_rounds_program(params, dparams, cache, draft_cache, last, active, remaining,
+                          count, keys, eos_ids, hist, hist_len, stop_on_free, pending,
+                          has_pending, rng, *, cfg, draft_cfg, spec, sampling, rounds):
+    """The slot engines' speculative decoding: up to ``rounds`` verify rounds of every
+    occupied slot (:func:`speculative_loop`), the engine's arguments and results as
+    :func:`kvjax.inference.engine.decode_steps_program`'s, with each slot's history and,
+    for a 'self' or 'model' drafter, the draft model's cache and state.
 
     Args:
+      dparams, draft_cache: the draft model's parameters and its ragged batch cache
+        (:func:`init_draft_cache`, each slot's row prefilled with its prompt; donated),
+        or None ('ngram').
       cache: the engine's ragged batch cache (:func:`init_target_cache`; donated).
       last, active, remaining, count, keys, eos_ids, stop_on_free: as
         ``decode_steps_program`` (``count`` indexes each slot's sampling key).
       hist: [B, H] int32 each slot's tokens (prompt, generated), valid below hist_len
         [B] (donated).
+      pending, has_pending: [B] the draft model's state the last call returned (zeros and
+        False for a slot just filled; unused for 'ngram').
+      rng: a key for the draft model's draws when sampling (a new one per call: the
+        acceptance draws with each slot's own keys).
     Returns:
       (tokens [B, rounds·(k + 1)] int32, each slot's emitted tokens in order, -1 after;
       rounds run [] int32; cache; last; active; remaining; count; occupied slot-rounds [];
-      held tokens []; hist; hist_len; accepted [B]; proposed [B]).
+      held tokens []; hist; hist_len; accepted [B]; proposed [B]; draft_cache; pending;
+      has_pending).
     """
-    out = speculative_loop(params, None, cache, None, last, active, remaining, hist,
-                           hist_len, jax.random.key(0), eos_ids, cfg=cfg, draft_cfg=None,
-                           spec=spec, sampling=sampling, buf_len=rounds * (spec.k + 1),
-                           max_rounds=rounds, stop_on_free=stop_on_free, row_keys=keys,
-                           index=count, stats=True)
+    out = speculative_loop(params, dparams, cache, draft_cache, last, active, remaining,
+                           hist, hist_len, rng, eos_ids, cfg=cfg, draft_cfg=draft_cfg, spec=spec, sampling=sampling,
+                           buf_len=rounds * (spec.k + 1), max_rounds=rounds,
+                           stop_on_free=stop_on_free, row_keys=keys, index=count,
+                           stats=True, pending=pending, has_pending=has_pending)
     return (out["tokens"], out["steps"], out["cache"], out["last"], out["active"],
             out["remaining"], count + out["count"], out["occupied"], out["held"],
-            out["hist"], out["hist_len"], out["accepted"], out["proposed"])
+            out["hist"], out["hist_len"], out["accepted"], out["proposed"],
+            out["draft_cache"], out["pending"], out["has_pending"])
 
 
 @dataclasses.dataclass
