@@ -55,10 +55,16 @@ def _ints(text: str, flag: str, low: int = 1) -> list[int]:
 
 def paged_full_cache(cfg, context: int, page_size: int, seed: int = 0):
     """A paged cache of one row holding ``context - 1`` tokens (a step at context t sees
-    it full) on pages of ``page_size`` in a shuffled order, plus 1 spare page."""
+    it full) on pages of ``page_size`` in a shuffled order, plus 1 spare page. With a
+    window W the pages that slid out of it are gone (entries -1, as the paged engine's
+    ``PageAllocator.drop_before``: every position below t - W, the sinks' pages kept)."""
     m = paged.pages_for(context, page_size)
     cache = paged.init_paged_cache(cfg, 1, m + 1, page_size, m)
     order = np.random.default_rng(seed).permutation(m + 1)[:m].astype(np.int32)
+    if cfg.window_size:
+        first = (context - cfg.window_size) // page_size  # the first page still seen
+        keep = paged.pages_for(cfg.num_sink_tokens, page_size)
+        order[keep:max(first, keep)] = -1
     return cache.replace(block_table=jnp.asarray(order[None]),
                          length=jnp.full((1,), context - 1, jnp.int32))
 
@@ -70,6 +76,10 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", default="auto,xla,native",
                     help=f"decode-attention formulations, of {names('decode_attention')}")
     ap.add_argument("--layers", type=int, default=0, help="layers (0: SmolLM2's 30)")
+    ap.add_argument("--window_size", type=int, default=0,
+                    help="a sliding window W (0: none): the dense cache is a ring of W "
+                         "slots, the paged row keeps the pages W covers")
+    ap.add_argument("--sinks", type=int, default=0, help="attention sinks beside W")
     ap.add_argument("--repeats", type=int, default=5, help="steps per round and cache")
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args(argv)
@@ -82,13 +92,21 @@ def main(argv=None) -> int:
                     ("rounds", a.rounds)):
         if v < 1:
             raise SystemExit(f"error: --{flag}={v}; allowed: an integer >= 1")
-    if a.layers < 0:
-        raise SystemExit(f"error: --layers={a.layers}; allowed: 0 or an integer >= 1")
+    for flag, v in (("layers", a.layers), ("window_size", a.window_size),
+                    ("sinks", a.sinks)):
+        if v < 0:
+            raise SystemExit(f"error: --{flag}={v}; allowed: 0 or an integer >= 1")
+    if a.sinks and not a.window_size:
+        raise SystemExit(f"error: --sinks={a.sinks} without --window_size; allowed: "
+                         "sinks beside a window")
     arch = run_config_from_dict(gqa.get_config()).model  # the main job's model
     if a.layers:
         arch = arch.replace(num_layers=a.layers)
+    if a.window_size:
+        arch = arch.replace(window_size=a.window_size, num_sink_tokens=a.sinks)
     params = model_lib.params_for(arch, model_lib.init_params(arch, 0))
-    print(f"machine: {hardware.device_name()}; {arch.name}, {arch.num_layers} layers, "
+    window = f", window {a.window_size} + {a.sinks} sinks" if a.window_size else ""
+    print(f"machine: {hardware.device_name()}; {arch.name}, {arch.num_layers} layers{window}, "
           f"float32, B = 1, page_size {a.page_size}; median of {a.rounds} x {a.repeats} "
           "steps per cache, timed alternately")
     print("| t | formulation (picked) | dense ms | paged ms | paged / dense | dense XLA MB "
@@ -126,7 +144,7 @@ def main(argv=None) -> int:
             dense_th = theory.step_bytes(arch, t).total
             in_place = {i for _, i in cfgs["paged"].plan.decode_attention} == {"native"} \
                 if impl == "auto" else impl == "native"
-            th = paging.paged_step_bytes(arch, [t], a.page_size,
+            th = paging.paged_step_bytes(arch, [theory.tokens_held(arch, t)], a.page_size,
                                          paged.pages_for(t, a.page_size),
                                          "in_place" if in_place else "gather")
             print(f"| {t:,} | {impl} ({picked}) | {d:.1f} | {p:.1f} | {p / d:.2f} | "
