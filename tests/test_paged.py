@@ -259,6 +259,32 @@ def test_paged_engine_equals_dense_engine():
     assert shared.alloc.num_referenced == 0
 
 
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_warmup_compiles_every_prefill_the_run_needs(prefix_cache):
+    """A request is prefilled from a cached page (prefix hits: fewer tokens than its
+    prompt, another bucket) or again with its generated tokens (preemption without the
+    prefix cache: more tokens): the warm-up compiles those buckets too, so the timed run
+    compiles no prefill."""
+    cfg = ModelConfig(**VARIANTS["gqa"])
+    params = params_of("gqa")
+    rng = np.random.default_rng(7)
+    system = list(rng.integers(0, 97, 16))  # 4 pages: prompts of 36-44 tokens (bucket
+    reqs = [engine.Request(i, tuple(int(t) for t in system + list(  # 64) leave 20-28
+        rng.integers(0, 97, rng.integers(20, 29)))), int(rng.integers(8, 17)))
+        for i in range(6)]  # (bucket 32) after a hit; a preempted row is re-prefilled whole
+    eng = paged_engine.PagedEngine(params, cfg, max_rows=3, max_seq_len=64, page_size=4,
+                                   num_pages=40 if prefix_cache else 24, steps_per_sync=4,
+                                   prefix_cache=prefix_cache)
+    eng.warmup(reqs)
+    compiled = paged_engine.paged_prefill_program._cache_size()
+    _, stats = eng.run(reqs, warmup=False)
+    if prefix_cache:
+        assert stats.prefix_hit_tokens > 0
+    else:
+        assert stats.preemptions > 0
+    assert paged_engine.paged_prefill_program._cache_size() == compiled
+
+
 @pytest.mark.parametrize("name", ["gqa", "window_sinks"])
 def test_speculative_rounds_on_pages_keep_the_plain_tokens(name):
     """N-gram speculative rounds in the paged engine (k = 3; rejected drafts taken back by

@@ -269,23 +269,29 @@ class PagedEngine:
             self.cache = copy_pages_program(self.cache, src, dst)
 
     def warmup(self, requests: Sequence[Request]) -> float:
-        """Compiles every prefill bucket ``requests`` need (fresh, and with
+        """Compiles every prefill bucket ``requests`` can need (fresh, and with
         ``prefix_cache`` after a cached page) and the decode loop; leaves the pool empty.
-        Returns the seconds spent."""
+        A request's prefill can be of any bucket up to its whole length: a prefix hit
+        leaves fewer tokens, a preempted request is prefilled again with its generated
+        tokens, so every bucket up to the longest request's is compiled. Returns the
+        seconds spent."""
         t0 = time.perf_counter()
         if not requests:
             return 0.0
-        longest: dict[int, int] = {}  # bucket -> its longest prompt (fits a row)
-        for r in requests:
-            b = prefill_bucket(len(r.prompt))
-            longest[b] = max(longest.get(b, 0), len(r.prompt))
+        most = max(written_tokens(len(r.prompt), r.max_new_tokens) for r in requests)
+        top = prefill_bucket(min(most, self.view_len))
+        buckets = [prefill_bucket(1)]  # prefill_bucket's powers of two, up to the longest request's
+        while buckets[-1] < top:
+            buckets.append(2 * buckets[-1])
         self.alloc = paged.PageAllocator(self.num_pages, self.page_size)  # no prefix hits
         p = self.page_size
-        for n in longest.values():
+        for b in buckets:
+            n = min(b, self.view_len)  # the longest prefill of bucket b that fits a row
             self.alloc.admit("warmup", [0] * n, n)
             self._prefill("warmup", [0] * n, 0, 0, 0)
             self.alloc.release("warmup")
-            if self.prefix_cache and n + p <= self.view_len:  # a prefill after a hit
+            n = min(b, self.view_len - p)
+            if self.prefix_cache and n >= 1 and prefill_bucket(n) == b:  # after a hit
                 self.alloc.admit("warmup", [0] * (n + p), n + p)
                 self.alloc.append("warmup", [0] * p)
                 self._prefill("warmup", [0] * (n + p), p, 0, 0)
