@@ -241,6 +241,22 @@ def _rss() -> int | None:
         return None
 
 
+def _check_budget(cfg: ModelConfig, budget_bytes: int, available: int | None) -> int:
+    """The weights' bytes of ``cfg``, after refusing (MemoryCheckError) a budget above the
+    memory available here (``available``, or :func:`memory.available_bytes`)."""
+    weights = cache_lib.total_bytes(model_lib.param_shapes(cfg))
+    if available is None:
+        available, source = memory.available_bytes()
+    else:
+        source = "given"
+    if available is not None and budget_bytes > available:
+        raise memory.MemoryCheckError(
+            f"--memory_budget_gb asks for {budget_bytes:,} bytes ({budget_bytes / 2**30:.3f} "
+            f"GiB); only {available:,} bytes are available ({source}); allowed: a budget "
+            "<= the memory available")
+    return weights
+
+
 def measure_wall(cfg: ModelConfig, t: int, budget_bytes: int, limit: int = 100_000,
                  available: int | None = None) -> WallResult:
     """Allocates, for real, the weights and then one cache of ``t`` tokens per sequence
@@ -254,16 +270,7 @@ def measure_wall(cfg: ModelConfig, t: int, budget_bytes: int, limit: int = 100_0
     """
 
     per_seq_spec = cache_lib.total_bytes(cache_lib.cache_spec(cfg, 1, t))
-    weights = cache_lib.total_bytes(model_lib.param_shapes(cfg))
-    if available is None:
-        available, source = memory.available_bytes()
-    else:
-        source = "given"
-    if available is not None and budget_bytes > available:
-        raise memory.MemoryCheckError(
-            f"--memory_budget_gb asks for {budget_bytes:,} bytes ({budget_bytes / 2**30:.3f} "
-            f"GiB); only {available:,} bytes are available ({source}); allowed: a budget "
-            "<= the memory available")
+    weights = _check_budget(cfg, budget_bytes, available)
     if weights + per_seq_spec > budget_bytes:
         raise memory.MemoryCheckError(
             f"a budget of {budget_bytes:,} bytes ({budget_bytes / 2**30:.2f} GiB) cannot hold "
@@ -423,15 +430,7 @@ def measure_paged_wall(cfg: ModelConfig, t: int, budget_bytes: int, page_size: i
         raise ValueError(f"page_size={page_size!r}; allowed: an integer >= 1")
     lengths = wall_lengths(t) if lengths is None else list(lengths)
     per_page = paged.page_bytes(cfg, page_size)
-    weights = cache_lib.total_bytes(model_lib.param_shapes(cfg))
-    if available is None:
-        available, source = memory.available_bytes()
-    else:
-        source = "given"
-    if available is not None and budget_bytes > available:
-        raise memory.MemoryCheckError(
-            f"--memory_budget_gb asks for {budget_bytes:,} bytes; only {available:,} bytes "
-            f"are available ({source}); allowed: a budget <= the memory available")
+    weights = _check_budget(cfg, budget_bytes, available)
     held = _held(cfg, lengths)
     one = paged.pages_for(theory.tokens_held(cfg, t), page_size) * per_page
     if weights + one > budget_bytes:
