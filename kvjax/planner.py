@@ -498,12 +498,15 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
     Raises:
       ValueError: ``max_seq_len`` or a batch size below 1, naming it.
     """
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) \
+            or page_size < 0:
+        raise ValueError(f"page_size={page_size!r}; allowed: an integer >= 0 (0: dense "
+                         "rows)")
     lengths = sorted({int(max_seq_len), *(int(x) for x in extra_seq_lens)})
-    if lengths[0] < 1 or any(int(b) < 1 for b in batch_sizes) or int(page_size) < 0:
+    if lengths[0] < 1 or any(int(b) < 1 for b in batch_sizes):
         raise ValueError(f"max_seq_len={max_seq_len!r}, extra_seq_lens="
-                         f"{tuple(extra_seq_lens)!r}, batch_sizes={tuple(batch_sizes)!r}, "
-                         f"page_size={page_size!r}; allowed: integers >= 1 (page_size "
-                         ">= 0)")
+                         f"{tuple(extra_seq_lens)!r}, batch_sizes={tuple(batch_sizes)!r}; "
+                         "allowed: integers >= 1")
     plan = Plan().on_mesh(mesh_axes or {}, manual_axes)
     mesh = plan.num_devices > 1
     loaded = set()

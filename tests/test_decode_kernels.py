@@ -175,6 +175,22 @@ def test_native_paged_refuses_a_page_outside_the_pool():
             "BKSH", block_table=jnp.asarray(table)))
 
 
+def test_native_with_no_slot_sees_nothing():
+    """A cache of 0 slots (a dense row of S = 0, a block table of 0 columns, pages of 0
+    slots): no slot visible, m = -1e30, l = 0, o = 0 (once a division by zero)."""
+    if not native.load():
+        pytest.skip("the native library could not be built here")
+    q = jnp.ones((2, 2, 3, 16), jnp.float32)
+    cases = [(jnp.ones((2, 2, 16, 0)), jnp.zeros((2, 0), bool), None),
+             (jnp.ones((8, 2, 16, 4)), jnp.zeros((2, 0), bool), jnp.zeros((2, 0), jnp.int32)),
+             (jnp.ones((8, 2, 16, 0)), jnp.zeros((2, 0), bool), jnp.zeros((2, 3), jnp.int32))]
+    for cache, vis, table in cases:
+        o, m, l = decode_kernels.partial_attention("native", q, cache, cache, vis, "BKHS",
+                                                   "BKHS", block_table=table)
+        assert o.shape == (2, 2, 3, 16) and not np.asarray(o).any()
+        assert (np.asarray(m) == -1e30).all() and not np.asarray(l).any()
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_pallas_gpu_kernel_in_interpret_mode(dtype):
     """JAX's Pallas GPU decode-attention kernel, run by the Pallas interpreter on CPU,

@@ -119,8 +119,9 @@ def test_paged_classes_are_measured_on_pages_and_read_by_the_paged_step(planner_
     v = jnp.zeros((1, 2, 1024, 64), jnp.float32)
     assert decode_kernels.choose(cfg, k, v, page_size=16) == pick
     assert decode_kernels.choose(cfg, k, v) == "xla"  # no dense class in this plan
-    with pytest.raises(ValueError, match="page_size=-1"):
-        planner.resolve(cfg, max_seq_len=64, page_size=-1)
+    for bad in (-1, 2.5, True, "4", None):
+        with pytest.raises(ValueError, match=f"page_size={bad!r}; allowed: an integer"):
+            planner.resolve(cfg, max_seq_len=64, page_size=bad)
 
 
 def test_gpu_config_on_a_cpu_gets_the_gpu_plan_and_no_cpu_kernel():

@@ -562,6 +562,12 @@ static void Run(ffi::ThreadPool& pool, const Shape& sh, const float* qp, const f
                 int64_t threads) {
   const int64_t G = sh.G, V = sh.V;
   const int64_t heads = sh.B * sh.K;
+  if (sh.S == 0) {  // no slot (S = 0 or pages of 0 slots): nothing visible
+    std::fill(om, om + heads * G, kNegInf);
+    std::fill(ol, ol + heads * G, 0.0f);
+    std::fill(oo, oo + heads * G * V, 0.0f);
+    return;
+  }
   // Chunks of the slot axis: enough work items for every thread, each >= 4 blocks.
   const int64_t nthreads = std::max<int64_t>(1, threads);
   int64_t chunks = std::max<int64_t>(1, (2 * nthreads + heads - 1) / heads);
