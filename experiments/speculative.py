@@ -222,8 +222,7 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk) -> lis
             spec = dataclasses.replace(run.speculative, drafter=drafter, k=k)
             dcfg = dparams = None
             if drafter == "self":
-                dcfg = S.draft_config(cfg0, spec)
-                dparams = model_lib.params_for(dcfg, S.draft_params(params, cfg0, dcfg))
+                dparams, dcfg = S.self_draft(params, cfg0, spec)
                 dcfg = planner.resolve(dcfg, max_seq_len=max_len + k + 1, batch_sizes=(b,),
                                        rows=rows_needed)
             f1, tcache = prefilled(cfg, params, k)

@@ -51,7 +51,6 @@ import numpy as np
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
 from kvjax import native
-from kvjax import ops
 from kvjax.analysis import hardware
 from kvjax.config import ModelConfig
 from kvjax.cache import paged
@@ -328,11 +327,8 @@ def _paged_step(q, k_pool, v_pool, mask, k_new, v_new, table, *, k_layout, v_lay
     if impl == "native":
         return attend_step(q, k_pool, v_pool, mask, k_new, v_new, k_layout, v_layout,
                            impl=impl, backend=backend, block_table=table)
-    seen = mask[:, 0]
-    views = []
-    for pool, lay in ((k_pool, k_layout), (v_pool, v_layout)):
-        axis = -1 if lay == "BKHS" else -2
-        views.append(ops.zero_unseen(paged.gather_view(pool, table, axis), seen, axis))
+    views = (paged.gather_view(pool, table, -1 if lay == "BKHS" else -2, mask[:, 0])
+             for pool, lay in ((k_pool, k_layout), (v_pool, v_layout)))
     return attend_step(q, *views, mask, k_new, v_new, k_layout, v_layout, impl=impl,
                        backend=backend)
 
@@ -521,7 +517,6 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
             loaded.add("rows_matmul")
     decode = {}
     if cfg.decode_attention == "auto" and not cfg.is_mla:
-        page_size = int(page_size)
         for b, s in sorted({(int(b), n if page_size else cache_lib.num_slots(cfg, n))
                             for b in batch_sizes for n in lengths}):
             name = decode_kernels.shape_class(cfg, b, s, decode_kernels.read_dtype(cfg),

@@ -133,8 +133,8 @@ class PagedKVCache:
         dropped from the compiled program."""
         axes = dict(self.axes)
         seen = self.positions >= 0  # [B, M·P]
-        views = {n: ops.zero_unseen(gather_view(t[i], self.block_table, axes[n]), seen,
-                                    axes[n]) for n, t in self.tensors.items()}
+        views = {n: gather_view(t[i], self.block_table, axes[n], seen)
+                 for n, t in self.tensors.items()}
         return PagedLayer(views, pools={n: t[i] for n, t in self.tensors.items()},
                           block_table=self.block_table, page_size=self.page_size)
 
@@ -154,7 +154,8 @@ class PagedLayer(dict):
         self.pools, self.block_table, self.page_size = pools, block_table, page_size
 
 
-def gather_view(pool: jax.Array, block_table: jax.Array, axis: int) -> jax.Array:
+def gather_view(pool: jax.Array, block_table: jax.Array, axis: int,
+                seen: jax.Array | None = None) -> jax.Array:
     """The rows' dense views of one layer's pool (the XLA formulation of paged reads).
 
     Args:
@@ -162,6 +163,9 @@ def gather_view(pool: jax.Array, block_table: jax.Array, axis: int) -> jax.Array
       block_table: [B, M] int32 pages (-1: none; its slots read page 0 and are masked
         by :attr:`PagedKVCache.positions`).
       axis: the slot axis of ``pool``.
+      seen: [B, M·P] bool or None: a float view is zero where not seen
+        (:func:`kvjax.ops.zero_unseen`; the select fuses into the gather's copy), so a
+        masked slot contributes nothing whatever its page holds (issue 32).
     Returns:
       [B, ..., M·P, X] (or [B, ..., X, M·P]): page m of row b at slots m·P .. m·P+P-1.
     """
@@ -169,7 +173,8 @@ def gather_view(pool: jax.Array, block_table: jax.Array, axis: int) -> jax.Array
     a = pool.ndim - 1 + axis  # slot axis inside rest
     g = jnp.moveaxis(g, 1, 1 + a)  # [B, ..., M, P, ...]
     shape = g.shape[:1 + a] + (g.shape[1 + a] * g.shape[2 + a],) + g.shape[3 + a:]
-    return g.reshape(shape)
+    view = g.reshape(shape)
+    return view if seen is None else ops.zero_unseen(view, seen, axis)
 
 
 def init_paged_cache(cfg: ModelConfig, batch_size: int, num_pages: int, page_size: int,

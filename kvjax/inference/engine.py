@@ -317,9 +317,7 @@ class Engine:
         if speculative is not None and not speculative.enabled:
             speculative = None
         if speculative is not None and speculative.drafter == "self" and draft is None:
-            dcfg = spec_lib.draft_config(cfg.replace(plan=None), speculative)
-            draft = (model_lib.params_for(dcfg, spec_lib.draft_params(params, cfg, dcfg)),
-                     dcfg)
+            draft = spec_lib.self_draft(params, cfg, speculative)
         if speculative is not None:
             spec_lib.check_draft(cfg, None if draft is None else draft[1], speculative)
         elif draft is not None:
@@ -385,10 +383,6 @@ class Engine:
             return spec_lib.init_target_cache(self.cfg, rows, self.max_seq_len, self.spec.k)
         return cache_lib.init_cache(self.cfg, rows, self.max_seq_len, ragged=True)
 
-    def _history_len(self) -> int:
-        """H, the n-gram history's length per slot: every token a request can hold."""
-        return self.max_seq_len + self.spec.k + 2
-
     def _decode(self, last, active, remaining, count, keys, stop_on_free, hist, hist_len):
         """One compiled call of plain steps or speculative rounds: (tokens [B, n'] (each
         slot's in order, -1 after), steps or rounds run, cache, last, active, remaining,
@@ -453,10 +447,10 @@ class Engine:
                 self.draft_cache = insert_program(self.draft_cache, drow, jnp.int32(0))
             zeros = jnp.zeros(self.num_slots, jnp.int32)
             keys = jax.vmap(self._key)(zeros)
-            hist = None if self.spec is None else jnp.zeros(
-                (self.num_slots, self._history_len()), jnp.int32)
+            hist, hist_len = spec_lib.slot_history(self.spec, self.num_slots,
+                                                   self.max_seq_len)
             out = self._decode(zeros, jnp.zeros(self.num_slots, bool), zeros, zeros, keys,
-                               jnp.asarray(False), hist, zeros)
+                               jnp.asarray(False), hist, hist_len)
             self.cache = out[2]
             jax.block_until_ready(self.cache)
         return time.perf_counter() - t0
@@ -488,10 +482,8 @@ class Engine:
         remaining = np.zeros(ns, np.int32)
         count = np.zeros(ns, np.int32)
         keys = jax.vmap(lambda i: self._key(i))(jnp.zeros(ns, jnp.int32))
-        hist = hist_len = None  # speculative: each slot's tokens, for the n-gram drafts
-        if self.spec is not None:
-            hist = jnp.zeros((ns, self._history_len()), jnp.int32)
-            hist_len = jnp.zeros(ns, jnp.int32)
+        # speculative: each slot's tokens, for the n-gram drafts
+        hist, hist_len = spec_lib.slot_history(self.spec, ns, self.max_seq_len)
         stats = EngineStats(allocated_kv_bytes=cache_lib.cache_bytes(self.cache),
                             num_slots=ns)
         queue = book.queue
@@ -519,10 +511,8 @@ class Engine:
                 remaining[slot], count[slot] = req.max_new_tokens - 1, 1
                 keys = keys.at[slot].set(self._key(req.id))
                 if hist is not None:
-                    row_hist = np.zeros(hist.shape[1], np.int32)
-                    row_hist[:len(req.prompt) + 1] = list(req.prompt) + [first]
-                    hist = hist.at[slot].set(jnp.asarray(row_hist))
-                    hist_len = hist_len.at[slot].set(len(req.prompt) + 1)
+                    hist, hist_len = spec_lib.put_slot_history(
+                        hist, hist_len, slot, list(req.prompt) + [first])
             if not active.any():
                 book.wait_for_arrival()
                 continue

@@ -298,22 +298,13 @@ class PagedEngine:
                 self.alloc.release("warmup")
         b = self.max_rows
         zeros = jnp.zeros(b, jnp.int32)
-        hist, hist_len = self._empty_history()
+        hist, hist_len = spec_lib.slot_history(self.spec, self.max_rows, self.max_seq_len)
         out = self._decode(zeros, jnp.zeros(b, bool), zeros, zeros,
                            jax.vmap(self._key)(zeros), jnp.asarray(False), hist, hist_len)
         self.cache = out[2]
         jax.block_until_ready(self.cache)
         self.alloc = paged.PageAllocator(self.num_pages, self.page_size, self.prefix_cache)
         return time.perf_counter() - t0
-
-    def _empty_history(self):
-        """Speculative: each row's tokens for the n-gram drafts ([B, H] int32, every token
-        a request can hold, and [B] lengths); (None, None) without."""
-        if self.spec is None:
-            return None, None
-        h = self.max_seq_len + self.spec.k + 2
-        return (jnp.zeros((self.max_rows, h), jnp.int32),
-                jnp.zeros(self.max_rows, jnp.int32))
 
     def _decode(self, last, active, remaining, count, keys, stop_on_free, hist, hist_len):
         """One compiled block over the pages: plain steps or verify rounds, as
@@ -365,7 +356,7 @@ class PagedEngine:
         remaining = np.zeros(nr, np.int32)
         count = np.zeros(nr, np.int32)
         keys = jax.vmap(self._key)(jnp.zeros(nr, jnp.int32))
-        hist, hist_len = self._empty_history()
+        hist, hist_len = spec_lib.slot_history(self.spec, self.max_rows, self.max_seq_len)
         per_block = steps * (1 if self.spec is None else self.spec.k + 1)  # tokens at most
         stats = PagedStats(allocated_kv_bytes=self.num_pages * self.page_bytes,
                            num_slots=nr, page_size=self.page_size)
@@ -411,10 +402,8 @@ class PagedEngine:
                 remaining[slot] = req.max_new_tokens - count[slot]
                 keys = keys.at[slot].set(self._key(req.id))
                 if hist is not None:
-                    row_hist = np.zeros(hist.shape[1], np.int32)
-                    row_hist[:len(tokens) + 1] = tokens + [nxt]
-                    hist = hist.at[slot].set(jnp.asarray(row_hist))
-                    hist_len = hist_len.at[slot].set(len(tokens) + 1)
+                    hist, hist_len = spec_lib.put_slot_history(hist, hist_len, slot,
+                                                               tokens + [nxt])
             if not active.any():
                 book.wait_for_arrival()
                 continue

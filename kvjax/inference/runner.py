@@ -410,9 +410,7 @@ def draft_model(run: RunConfig, loaded: LoadedModel, progress: bool = True):
     if spec.drafter == "ngram":
         return None, None
     if spec.drafter == "self":
-        dcfg = speculative.draft_config(loaded.cfg, spec)
-        dparams = speculative.draft_params(loaded.params, loaded.cfg, dcfg)
-        return model.params_for(dcfg, dparams), dcfg
+        return speculative.self_draft(loaded.params, loaded.cfg, spec)
     path = spec.draft_config
     if not os.path.isfile(path):
         raise ConfigError(f"invalid config: speculative.draft_config={path!r}; allowed: a "

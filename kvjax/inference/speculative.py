@@ -67,7 +67,8 @@ from kvjax.models import model as model_lib
 __all__ = ["draft_config", "draft_params", "check_draft", "init_target_cache",
            "init_draft_cache", "ngram_draft", "take_back", "accept_greedy", "accept_sampled",
            "speculative_program", "compile_program", "generate", "SpeculativeStats",
-           "history"]
+           "history", "slot_history", "put_slot_history", "self_draft",
+           "engine_rounds_program"]
 
 
 # --------------------------------------------------------------------------- drafters
@@ -588,6 +589,31 @@ class SpeculativeStats:
                 "proposed": self.proposed, "emitted": self.emitted,
                 "acceptance_rate": self.acceptance_rate,
                 "tokens_per_step": self.tokens_per_step}
+
+
+def slot_history(spec: SpeculativeConfig | None, num_slots: int, max_seq_len: int):
+    """The slot engines' n-gram history, empty: ([B, H] int32 zeros, [B] int32 zeros) with
+    H = max_seq_len + k + 2 (every token a request can hold, and a round's drafts);
+    (None, None) without speculative decoding."""
+    if spec is None:
+        return None, None
+    return (jnp.zeros((num_slots, max_seq_len + spec.k + 2), jnp.int32),
+            jnp.zeros(num_slots, jnp.int32))
+
+
+def put_slot_history(hist: jax.Array, hist_len: jax.Array, slot: int, tokens):
+    """(hist, hist_len) with slot ``slot``'s history set to ``tokens`` (a request's
+    prompt, generated tokens and the one sampled last), the rest of its row zero."""
+    row = np.zeros(hist.shape[1], np.int32)
+    row[:len(tokens)] = tokens
+    return hist.at[slot].set(jnp.asarray(row)), hist_len.at[slot].set(len(tokens))
+
+
+def self_draft(params, cfg: ModelConfig, spec: SpeculativeConfig):
+    """(draft params in the draft's layout, draft config without a plan) of the 'self'
+    drafter: :func:`draft_config` over the target's weights (:func:`draft_params`)."""
+    dcfg = draft_config(cfg.replace(plan=None), spec)
+    return model_lib.params_for(dcfg, draft_params(params, cfg, dcfg)), dcfg
 
 
 def history(prompts, max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:

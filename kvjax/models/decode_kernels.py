@@ -38,7 +38,6 @@ import numpy as np
 
 from kvjax import kernels, native
 from kvjax import plan as plan_lib
-from kvjax import ops
 from kvjax.cache import paged
 from kvjax.cache.policy import policy_for
 from kvjax.ops import NEG_INF, dot_operand
@@ -186,8 +185,7 @@ def partial_attention(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.
         return _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale, block_table)
     if block_table is not None:  # the XLA and Pallas formulations read the dense views
         k_cache, v_cache = (
-            ops.zero_unseen(paged.gather_view(x, block_table, -1 if lay == "BKHS" else -2),
-                            visible, -1 if lay == "BKHS" else -2)
+            paged.gather_view(x, block_table, -1 if lay == "BKHS" else -2, visible)
             for x, lay in ((k_cache, k_layout), (v_cache, v_layout)))
     if impl == "pallas":
         return _pallas(q, k_cache, v_cache, visible, k_layout, v_layout, scale, interpret)
