@@ -359,23 +359,20 @@ def paged_wall_table(shape: str, t: int, page_size: int, chips=None,
     ``lengths``) and 'paged_full' (every request at t: paging alone buys at most P - 1
     tokens per request). Raises ValueError for page_size < 1 or a bad reserve_fraction.
     """
-    if not 0 <= reserve_fraction < 1:
-        raise ValueError(f"reserve_fraction={reserve_fraction}; allowed: a number in [0, 1)")
     chips = chips or [hardware.CHIPS[n] for n in ("A100-80GB", "H100-SXM", "H200")]
+    walls = {r["lever"]: r for r in wall_table(shape, t, chips, reserve_fraction, dtype)}
     lengths = wall_lengths(t) if lengths is None else list(lengths)
     rows = []
     for lever in LEVERS:
         cfg = lever_config(shape, lever, dtype)
-        w = theory.weight_bytes(cfg)
-        held = _held(cfg, lengths)
+        held, full = _held(cfg, lengths), _held(cfg, [t])
         row = {"shape": shape, "lever": lever, "context": t, "dtype": dtype,
                "page_size": page_size, "mean_length": sum(lengths) / len(lengths),
                "mean_paged_tokens": sum(paging.paged_tokens(x, page_size) for x in held)
                / len(held)}
-        for chip in chips:
-            free = chip.hbm_capacity_bytes * (1 - reserve_fraction) - w
-            row[f"{chip.name}_reserved"] = theory.max_batch(cfg, t, free)
-            full = _held(cfg, [t])
+        for chip in chips:  # wall_table's free bytes (HBM less reserve and weights)
+            free = walls[lever][f"{chip.name}_free_bytes"]
+            row[f"{chip.name}_reserved"] = walls[lever][chip.name]
             if free <= 0:
                 row[f"{chip.name}_paged"] = row[f"{chip.name}_paged_full"] = 0
                 continue
