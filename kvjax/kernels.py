@@ -75,7 +75,10 @@ REGISTRY = (
                 "kvjax_decode_attention", "kvjax_paged_decode_attention"),
     Formulation("decode_attention", "pallas", ("gpu",),
                 "dense 'BKSH' caches (visible slots a prefix), head_dim a power of two "
-                ">= 16", "jax.experimental.pallas.ops.gpu.decode_attention", "pallas"),
+                ">= 16; paged float caches read in place (the paged-attention kernel's "
+                "body over kvjax's pools)",
+                "jax.experimental.pallas.ops.gpu.decode_attention, .paged_attention",
+                "pallas"),
     Formulation("weight_matmul", "xla", ("cpu", "gpu"), "every product: jnp.einsum",
                 "kvjax.models.weight_matmul.einsum"),
     Formulation("weight_matmul", "native", ("cpu",),

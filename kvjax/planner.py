@@ -261,7 +261,8 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
 
     With ``page_size`` P > 0 the cache is a page pool (:mod:`kvjax.cache.paged`) of
     B·ceil(s / P) pages in a shuffled order, and each formulation reads it as the model
-    does: 'native' in place (the block table handed to the kernel), the others over the
+    does: 'native' in place (the block table handed to the kernel; 'pallas' too, on GPU),
+    the others over the
     rows' gathered views (:func:`kvjax.cache.paged.gather_view`, zeroed where unseen).
 
     Returns {'choice': fastest name, 'gbps': {name: GB/s of cache read (B·K·S·(H+V)
@@ -322,9 +323,10 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
 def _paged_step(q, k_pool, v_pool, mask, k_new, v_new, table, *, k_layout, v_layout, impl,
                 backend):
     """One layer's decode attention over page pools as the model runs it
-    (:mod:`kvjax.models.attention`): 'native' reads the pages in place, the others the
+    (:mod:`kvjax.models.attention`): the formulations of
+    :data:`kvjax.models.decode_kernels.IN_PLACE` read the pages in place, the others the
     rows' gathered views, zeroed where unseen (:meth:`kvjax.cache.paged.PagedKVCache.layer`)."""
-    if impl == "native":
+    if impl in decode_kernels.IN_PLACE:
         return attend_step(q, k_pool, v_pool, mask, k_new, v_new, k_layout, v_layout,
                            impl=impl, backend=backend, block_table=table)
     views = (paged.gather_view(pool, table, -1 if lay == "BKHS" else -2, mask[:, 0])

@@ -22,6 +22,7 @@ PYTHONUNBUFFERED=1 python3 -m experiments.bench --gpu_check --max_cache_gb=40 \
 PYTHONUNBUFFERED=1 python3 -m experiments.speculative --contexts=4096,16384 --ks=2,4,8 \
   --batches=1,8 --repeats=3 --out_dir="${OUT:-results}/gpu_check/speculative"
 # The paged decode step against the dense one (issue 29), float32, t = 4K and 32K: XLA's
-# gather of the pages and the planner's pick (Pallas over the gathered view). ~1 minute.
+# gather of the pages, and the Pallas kernel reading them in place (the planner's pick on
+# GPU). ~1 minute.
 PYTHONUNBUFFERED=1 PYTHONPATH=. python3 scripts/paged_step_bench.py --contexts=4096,32768 \
-  --impls=auto,xla --repeats=5 --rounds=3
+  --impls=auto,xla,pallas --repeats=5 --rounds=3

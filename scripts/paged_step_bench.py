@@ -3,17 +3,18 @@
 For each context t and each ``--impls`` formulation, one decode step of the model is
 compiled twice: over a dense cache of t slots (``kvjax.analysis.costs.full_cache``) and
 over a paged cache holding the same t tokens in pages of ``--page_size`` taken from the
-pool in shuffled order (``kvjax.cache.paged``; 'native' reads the pages in place, the
-other formulations the gather of each row's pages into its dense view). Each step has
+pool in shuffled order (``kvjax.cache.paged``; 'native' and, on GPU, 'pallas' read the
+pages in place, the other formulations the gather of each row's pages into its dense
+view). Each step has
 its own plan (``planner.resolve``; the paged one with ``page_size``: its own shape
 classes), so 'auto' is the planner's pick for each, printed as dense/paged. The two are
 timed alternately, ``--repeats`` steps each per round over ``--rounds`` rounds, and the
 script prints the medians and their ratio (paged / dense: the overhead of paging), the
 compiled bytes of each (XLA's count plus the native kernels' operand bytes, the cost
 hook's "+kernels"), and the theory's bytes (``kvjax.analysis.theory.step_bytes`` for the
-dense step; ``kvjax.analysis.paging.paged_step_bytes`` for the paged one, in place for
-'native', else the gather, split into pages, block tables and the gathered view) with
-the paged step's achieved theory bytes per second.
+dense step; ``kvjax.analysis.paging.paged_step_bytes`` for the paged one: in place for
+'native' and 'pallas', else the gather; split into pages, block tables and the gathered
+view) with the paged step's achieved theory bytes per second.
 
 The model is the main job's (``configs/gqa.py``: SmolLM2-135M, GQA, float32, this
 backend's cache layouts). Weights are random (the timing does not depend on their values). Usage:
@@ -39,7 +40,7 @@ from kvjax.analysis import costs, hardware, hlo_cost, paging, theory
 from kvjax.cache import paged
 from kvjax.inference import decode
 from kvjax.kernels import names
-from kvjax.models import model as model_lib
+from kvjax.models import decode_kernels, model as model_lib
 
 
 def _ints(text: str, flag: str, low: int = 1) -> list[int]:
@@ -85,7 +86,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     contexts = _ints(a.contexts, "contexts", 2)
     impls = a.impls.split(",")
-    allowed = [n for n in names("decode_attention") if n != "pallas"]
+    allowed = [n for n in names("decode_attention")
+               if n != "pallas" or jax.default_backend() == "gpu"]  # Pallas: GPU only
     if not impls or any(i not in allowed for i in impls):
         raise SystemExit(f"error: --impls={a.impls}; allowed: a subset of {allowed}")
     for flag, v in (("page_size", a.page_size), ("repeats", a.repeats),
@@ -142,8 +144,9 @@ def main(argv=None) -> int:
                         caches[k] = caches[k].replace(length=jnp.asarray(length))
             d, p = (float(np.median(times[k])) * 1e3 for k in ("dense", "paged"))
             dense_th = theory.step_bytes(arch, t).total
-            in_place = {i for _, i in cfgs["paged"].plan.decode_attention} == {"native"} \
-                if impl == "auto" else impl == "native"
+            picks = {i for _, i in cfgs["paged"].plan.decode_attention} \
+                if impl == "auto" else {impl}
+            in_place = picks <= set(decode_kernels.IN_PLACE)
             th = paging.paged_step_bytes(arch, [theory.tokens_held(arch, t)], a.page_size,
                                          paged.pages_for(t, a.page_size),
                                          "in_place" if in_place else "gather")

@@ -204,6 +204,48 @@ def test_pallas_gpu_kernel_in_interpret_mode(dtype):
         np.testing.assert_allclose(np.asarray(o), np.asarray(r), **tol(dtype), err_msg=name)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("page_size,max_pages,g", [(1, 40, 3), (5, 9, 4), (16, 20, 20)])
+def test_pallas_paged_kernel_reads_pages_in_place(page_size, max_pages, g, dtype):
+    """JAX's Pallas GPU paged-attention kernel body over kvjax's [N, K, P, H] pools (Pallas
+    interpret mode on CPU) gives XLA's statistics over the gathered views: pages of 1
+    token (the kernel's 16-slot blocks span 16 pages), a page size that divides neither
+    16 nor the rows, more query rows than one 16-row block (G = 20, a verify chunk's
+    G·T), a page shared by two rows, -1 entries past a row's length, a row that sees
+    nothing, and finite garbage in every slot past each row's length."""
+    rng = np.random.default_rng(page_size)
+    b, k, h = 4, 2, 16
+    n = b * max_pages + 2
+    kp = jnp.asarray(3 * rng.standard_normal((n, k, page_size, h)), dtype)
+    vp = jnp.asarray(rng.standard_normal((n, k, page_size, h)), dtype)
+    table = rng.permutation(n)[:b * max_pages].reshape(b, max_pages).astype(np.int32)
+    lengths = np.array([max_pages * page_size, 2 * page_size + 1, 0, 7])
+    table[1, 0] = table[0, 0]  # shared read-only
+    for row, length in enumerate(lengths):
+        table[row, paged.pages_for(int(length), page_size) + (row == 3):] = -1
+    vis = jnp.asarray(np.arange(max_pages * page_size)[None] < lengths[:, None])
+    q = jnp.asarray(rng.standard_normal((b, k, g, h)), dtype)
+    args = (q, kp, vp, vis, "BKSH", "BKSH")
+    ref = decode_kernels.partial_attention("xla", *args, block_table=jnp.asarray(table))
+    out = decode_kernels.partial_attention("pallas", *args, block_table=jnp.asarray(table),
+                                           interpret=True)
+    seen = lengths[:, None, None] > 0
+    for name, r, o in zip("oml", ref, out):
+        r, o = np.asarray(r), np.asarray(o)
+        if name == "m":  # -1e30 (XLA) or about -3.4e38 (Pallas) where nothing is seen
+            assert (o[lengths == 0] < -1e30).all()
+            r, o = np.where(seen, r, 0), np.where(seen, o, 0)
+        np.testing.assert_allclose(o, r, **tol(dtype), err_msg=name)
+
+
+def test_pallas_paged_refuses_slot_major_pools():
+    q, kc, vc, mask, _, _ = problem(jnp.float32, "BKHS", "BKSH", h=16, s=64, prefix=True)
+    with pytest.raises(ValueError, match="over pages.*'BKSH' for both"):
+        decode_kernels.partial_attention("pallas", q[:, 0], kc, vc, mask[:, 0], "BKHS",
+                                         "BKSH", interpret=True,
+                                         block_table=jnp.zeros((2, 1), jnp.int32))
+
+
 def test_pallas_refuses_slot_major_values_and_cpu():
     q, kc, vc, mask, _, _ = problem(jnp.float32, "BKSH", "BKHS", h=16, s=64, prefix=True)
     with pytest.raises(ValueError, match="'BKSH' for both"):

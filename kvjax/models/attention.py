@@ -295,9 +295,10 @@ def _page_size(cached) -> int:
 
 def _in_place(cfg: ModelConfig, cached, impl: str, sink_s) -> tuple[dict, jax.Array | None]:
     """({'k': pool, 'v': pool}, block table) when the decode formulation reads this
-    layer's paged cache where its pages lie ('native' on a float cache, no sink scores:
+    layer's paged cache where its pages lie (one of
+    :data:`kvjax.models.decode_kernels.IN_PLACE` on a float cache, no sink scores:
     :class:`kvjax.cache.paged.PagedLayer`), else ({}, None): the dense views are read."""
-    if (isinstance(cached, paged_lib.PagedLayer) and impl == "native"
+    if (isinstance(cached, paged_lib.PagedLayer) and impl in decode_kernels.IN_PLACE
             and not cfg.kv_quantized and sink_s is None):
         return {n: cached.pools[n] for n in ("k", "v")}, cached.block_table
     return {}, None

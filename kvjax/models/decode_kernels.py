@@ -27,10 +27,19 @@ returns what :func:`kvjax.models.attention.attend_step` returns. The formulation
 * ``'pallas'``: JAX's Pallas GPU decode-attention kernel
   (``jax.experimental.pallas.ops.gpu.decode_attention``, Triton), for keys and values
   'BKSH' whose visible slots are a prefix [0, n) of each row (dense caches, no window);
-  on CPU only in Pallas interpret mode (tests).
+  on CPU only in Pallas interpret mode (tests). Over a paged float cache it reads the
+  pages where they lie: the body of JAX's Pallas GPU paged-attention kernel
+  (``jax.experimental.pallas.ops.gpu.paged_attention``, after vLLM's PagedAttention,
+  Kwon et al. 2023) over kvjax's [N, K, P, H] pools, its per-split statistics merged
+  here (:func:`_pallas_paged`).
+
+:data:`IN_PLACE` names the formulations that read a paged cache's pools through its
+block table; the others read the rows' gathered views.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +53,9 @@ from kvjax.ops import NEG_INF, dot_operand
 from kvjax.ops import layout_spec as _spec
 
 IMPLS = kernels.names("decode_attention", auto=False)  # the registry's (kvjax.kernels)
+IN_PLACE = ("native", "pallas")
+"""Formulations that read a paged float cache's pools in place (the block table handed
+to the kernel, :func:`partial_attention`); the others read gathered dense views."""
 
 
 def check_impl(impl: str) -> str:
@@ -168,9 +180,11 @@ def partial_attention(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.
       backend: the config's backend (2-byte operands are widened on CPU).
       interpret: 'pallas' only: run the kernel in Pallas interpret mode (CPU tests).
       block_table: [B, M] int32 pages of each row (-1: none; its slots must be
-        invisible), or None for a dense cache. 'native' reads the pages where they lie
-        (the paged target of ``decode_attention.cc``); the others gather the rows' dense
-        views first (:func:`kvjax.cache.paged.gather_view`, zeroed where invisible).
+        invisible), or None for a dense cache. The formulations of :data:`IN_PLACE` read
+        the pages where they lie ('native': the paged target of ``decode_attention.cc``;
+        'pallas': :func:`_pallas_paged`, pools 'BKSH', visible slots a prefix); the
+        others gather the rows' dense views first
+        (:func:`kvjax.cache.paged.gather_view`, zeroed where invisible).
     Returns:
       (o [B, K, G, V] float32, m [B, K, G] float32, l [B, K, G] float32), see the module
       docstring; m = -1e30 (native, XLA) or about -3.4e38 (Pallas) and l = 0 where no slot
@@ -183,7 +197,10 @@ def partial_attention(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.
     scale = q.shape[-1] ** -0.5
     if impl == "native":
         return _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale, block_table)
-    if block_table is not None:  # the XLA and Pallas formulations read the dense views
+    if impl == "pallas" and block_table is not None:
+        return _pallas_paged(q, k_cache, v_cache, visible, k_layout, v_layout, scale,
+                             interpret, block_table)
+    if block_table is not None:  # the XLA formulations read the dense views
         k_cache, v_cache = (
             paged.gather_view(x, block_table, -1 if lay == "BKHS" else -2, visible)
             for x, lay in ((k_cache, k_layout), (v_cache, v_layout)))
@@ -256,6 +273,75 @@ def _pallas(q, k_cache, v_cache, visible, k_layout, v_layout, scale, interpret):
     o, (l, m) = jax.vmap(per_head, in_axes=(0, 0, 0, 0))(
         q.astype(k_cache.dtype), k_cache, v_cache, lengths)
     return o.astype(jnp.float32), m, l
+
+
+def _pallas_paged(q, k_pool, v_pool, visible, k_layout, v_layout, scale, interpret,
+                  block_table):
+    """The Pallas GPU paged-attention kernel's body over kvjax's pools, returning the
+    softmax statistics :func:`merge_new` folds the new token into.
+
+    ``jax.experimental.pallas.ops.gpu.paged_attention`` wants pools [K, N, P, H] and
+    returns the normalised output only; kvjax's pools are [N, K, P, H] and the decode
+    step merges the new token after reading the old slots (the write comes after, so
+    the update stays in place). So the library's kernel (``paged_attention_kernel``) is
+    called here with block specs that select one KV head of the [N, K, P, H] pools (no
+    transposed copy), and its per-split (o, l, m) are merged without normalising.
+
+    The block table is padded with page 0 to a whole number of kernel blocks and its -1
+    entries read page 0: the kernel masks every slot at or past the row's length
+    (``visible`` must be a prefix of each row, as in a dense cache without a window).
+
+    Args:
+      q: [B, K, G, H]; k_pool, v_pool: [N, K, P, H] and [N, K, P, V] (V = H);
+      visible: [B, M·P] bool; block_table: [B, M] int32. Returns (o, m, l) as
+      :func:`partial_attention`.
+    Raises:
+      ValueError: layouts other than 'BKSH' or V != H.
+    """
+    # imported where used: Pallas' GPU module loads Triton lowering rules
+    from jax.experimental import pallas as pl  # noqa: PLC0415
+    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415
+    from jax.experimental.pallas.ops.gpu import paged_attention as ppa  # noqa: PLC0415
+    if k_layout != "BKSH" or v_layout != "BKSH" or k_pool.shape != v_pool.shape:
+        raise ValueError(f"decode_attention='pallas' over pages: layouts {k_layout!r}/"
+                         f"{v_layout!r}, pools {k_pool.shape}/{v_pool.shape}; allowed: "
+                         "'BKSH' for both, keys and values of one shape")
+    b, k, g, h = q.shape
+    n_pages, _, page, _ = k_pool.shape
+    block_h = 16
+    g_pad = -(-g // block_h) * block_h
+    per_block = max(1, -(-16 // page))  # a block of >= 16 slots for the kernel's dots
+    m_pages = block_table.shape[1]
+    splits = max(1, min(16, m_pages // per_block))
+    pad = -m_pages % (splits * per_block)
+    table = jnp.pad(jnp.maximum(block_table, 0), ((0, 0), (0, pad)))
+    table = table.reshape(b, splits, -1).astype(jnp.int32)
+    lengths = jnp.sum(visible, axis=-1).astype(jnp.int32)[:, None]  # a prefix [0, n)
+    qs = jnp.pad((q * scale).astype(k_pool.dtype), ((0, 0), (0, 0), (0, g_pad - g), (0, 0)))
+    kernel = functools.partial(ppa.paged_attention_kernel, num_heads=g,
+                               pages_per_compute_block=per_block,
+                               mask_value=ppa.DEFAULT_MASK_VALUE, attn_logits_soft_cap=None)
+    pool_spec = pl.BlockSpec((n_pages, None, page, h), lambda kh, i, j: (0, kh, 0, 0))
+    call = pl.pallas_call(
+        kernel, grid=(k, g_pad // block_h, splits),
+        in_specs=[pl.BlockSpec((None, block_h, h), lambda kh, i, j: (kh, i, 0)), pool_spec,
+                  None, pool_spec, None,
+                  pl.BlockSpec((None, table.shape[2]), lambda kh, i, j: (j, 0)),
+                  pl.BlockSpec((1,), lambda kh, i, j: (0,))],
+        out_specs=[pl.BlockSpec((None, None, block_h, h), lambda kh, i, j: (j, kh, i, 0)),
+                   pl.BlockSpec((None, None, block_h), lambda kh, i, j: (j, kh, i)),
+                   pl.BlockSpec((None, None, block_h), lambda kh, i, j: (j, kh, i))],
+        out_shape=[jax.ShapeDtypeStruct((splits, k, g_pad, h), k_pool.dtype),
+                   jax.ShapeDtypeStruct((splits, k, g_pad), jnp.float32),
+                   jax.ShapeDtypeStruct((splits, k, g_pad), jnp.float32)],
+        interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        name=f"kvjax_paged_attention_p{page}")
+    row = lambda qq, kk, vv, tt, nn: call(qq, kk, None, vv, None, tt, nn)  # noqa: E731
+    o, l, m = jax.vmap(row, in_axes=(0, None, None, 0, 0))(qs, k_pool, v_pool, table, lengths)
+    o, l, m = o[..., :g, :].astype(jnp.float32), l[..., :g], m[..., :g]  # [B, splits, K, G(, H)]
+    m_all = jnp.max(m, axis=1)
+    w = jnp.where(l > 0, jnp.exp(m - m_all[:, None]), 0.0)
+    return (jnp.sum(o * w[..., None], axis=1), m_all, jnp.sum(l * w, axis=1))
 
 
 def merge_new(o: jax.Array, m: jax.Array, l: jax.Array, s_new: jax.Array,
