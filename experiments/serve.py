@@ -43,7 +43,8 @@ the same tokens); ``drafter=self`` (the same weights over the config's cheap dra
 cache) and ``drafter=model`` (``--config.speculative.draft_config=configs/...``) keep
 the draft model's cache per slot. The summary adds the acceptance rate and tokens per
 slot-round, and "decode steps" counts rounds. With ``--config.page_size=N`` the rounds run in the paged
-engine (rejected drafts taken back by the rows' lengths).
+engine (rejected drafts taken back by the rows' lengths; a draft model's cache stays
+dense, one row per block-table row, outside the page budget).
 """
 
 from __future__ import annotations
@@ -414,20 +415,20 @@ def main(argv):
         loaded = runner.load(run, progress=_PROGRESS.value)
         tok = loaded.tokenizer
         eos = tok.eos_token_ids if run.stop_at_eos else ()
+        draft = None  # 'self' / 'model': the draft model, its cache kept per row
+        if run.speculative.drafter in ("self", "model"):
+            draft = runner.draft_model(run, loaded, progress=_PROGRESS.value)
         if run.page_size:  # a pool of the dense engine's bytes, more rows over it
             eng = paged_engine.PagedEngine(
                 loaded.params, loaded.cfg, _MAX_ROWS.value or 4 * slots, run.max_seq_len,
                 run.page_size, pool_pages(run, slots),
                 sampling=run.sampling, eos_ids=eos, steps_per_sync=_STEPS_PER_SYNC.value,
                 seed=run.sampling.seed, prefix_cache=_PREFIX_CACHE.value,
-                speculative=run.speculative)
+                speculative=run.speculative, draft=draft)
         elif _PREFIX_CACHE.value:
             raise ValueError("--prefix_cache with --config.page_size=0; allowed: "
                              "--config.page_size=N >= 1 (the prefix cache shares pages)")
         else:
-            draft = None  # 'self' / 'model': the draft model, its cache kept per slot
-            if run.speculative.drafter in ("self", "model"):
-                draft = runner.draft_model(run, loaded, progress=_PROGRESS.value)
             eng = engine_lib.Engine(loaded.params, loaded.cfg, slots, run.max_seq_len,
                                     sampling=run.sampling, eos_ids=eos,
                                     steps_per_sync=_STEPS_PER_SYNC.value,

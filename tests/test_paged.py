@@ -6,6 +6,7 @@ allocator keeps its invariants over thousands of random events; the paged engine
 greedy tokens equal the dense engine's, with preemption and shared prefixes; bad input
 is refused by name. Tiny random float32 models, CPU."""
 
+import dataclasses
 import functools
 
 import jax
@@ -308,9 +309,48 @@ def test_speculative_rounds_on_pages_keep_the_plain_tokens(name):
     assert stats.proposed > 0 and stats.accepted > 0, (stats.proposed, stats.accepted)
     assert stats.preemptions > 0
     eng.alloc.check()
-    with pytest.raises(ValueError, match=r"speculative.drafter='self' in the paged engine"):
-        paged_engine.PagedEngine(params, cfg, 3, 32, 4, 10,
-                                 speculative=SpeculativeConfig(drafter="self", k=2))
+
+
+@pytest.mark.parametrize("drafter", ["self", "model"])
+def test_draft_models_on_pages_keep_the_plain_tokens(drafter):
+    """The paged engine with a draft model whose dense cache rows sit beside the block-
+    table rows: 'self' (the same weights over a window of 4 with a sink, int8 keys and
+    values, one layer) and 'model' (the target's own weights and config: every draft is
+    its greedy token, so only budgets cut a round and the last draft stays pending
+    across blocks). With a pool too small for all rows, a preempted request's draft row
+    is prefilled again on readmission; every request's greedy tokens equal the dense
+    engine's plain ones; a wrong-vocabulary draft and draft= alone are refused."""
+    cfg = ModelConfig(**VARIANTS["gqa"])
+    params = params_of("gqa")
+    rng = np.random.default_rng(6)
+    reqs = [engine.Request(i, tuple(int(t) for t in rng.integers(0, 97, rng.integers(3, 9))),
+                           int(rng.integers(8, 16))) for i in range(5)]
+    dense, _ = engine.Engine(params, cfg, num_slots=3, max_seq_len=32,
+                             steps_per_sync=4).run(reqs)
+    spec = SpeculativeConfig(drafter="self", k=3, draft_window_size=4, draft_sink_tokens=1,
+                             draft_kv_dtype="int8", draft_num_layers=1) \
+        if drafter == "self" else SpeculativeConfig(drafter="model", k=2,
+                                                     draft_config="configs/mqa.py")
+    draft = (params, cfg) if drafter == "model" else None
+    eng = paged_engine.PagedEngine(params, cfg, max_rows=3, max_seq_len=32, page_size=4,
+                                   num_pages=10, steps_per_sync=2, speculative=spec,
+                                   draft=draft)
+    assert eng.draft_cache_bytes > 0
+    got, stats = eng.run(reqs)
+    assert [c.tokens for c in got] == [c.tokens for c in dense]
+    assert stats.preemptions > 0
+    assert stats.proposed > 0 and 0 < stats.accepted <= stats.proposed
+    if drafter == "model":
+        assert stats.accepted == stats.proposed, (stats.accepted, stats.proposed)
+    eng.alloc.check()
+    other = ModelConfig(**{**VARIANTS["mqa"], "vocab_size": 50})
+    with pytest.raises(ConfigError, match=r"draft model vocab_size=50"):
+        paged_engine.PagedEngine(params, cfg, 3, 32, 4, 10, speculative=spec if drafter ==
+                                 "model" else dataclasses.replace(spec, drafter="model",
+                                                                  draft_config="configs/mqa.py"),
+                                 draft=({}, other))
+    with pytest.raises(ValueError, match=r"draft= without speculative="):
+        paged_engine.PagedEngine(params, cfg, 3, 32, 4, 10, draft=({}, other))
 
 
 def test_bad_input_refused_by_name():

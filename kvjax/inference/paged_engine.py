@@ -12,7 +12,8 @@ block tables; a row takes pages as its request grows (vLLM, Kwon et al. 2023, se
   cached are referenced, not prefilled (the prefill starts after them).
 * **Growth**: before each decode block every running row takes the pages of its next
   ``steps_per_sync`` tokens (copy on write of a shared page first); with speculative
-  decoding (n-gram drafts, ``speculative``) the block is ``steps_per_sync`` verify rounds
+  decoding (``speculative``: n-gram drafts, or a draft model whose own dense cache rows
+  sit beside the block-table rows) the block is ``steps_per_sync`` verify rounds
   and a row takes the pages of up to ``steps_per_sync`` x (k + 1) tokens. A rejected
   draft is taken back by the row's length alone
   (:func:`kvjax.inference.speculative.take_back`): its key stays unseen in the row's
@@ -45,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import cache as cache_lib
 from kvjax import planner
 from kvjax.analysis import theory
 from kvjax.cache import paged
@@ -53,7 +55,7 @@ from kvjax.config import ModelConfig, SamplingConfig, SpeculativeConfig
 from kvjax.inference import ragged
 from kvjax.inference import speculative as spec_lib
 from kvjax.inference.engine import (Completion, EngineStats, Ledger, Request,
-                                    decode_steps_program, prefill_bucket)
+                                    decode_steps_program, insert_program, prefill_bucket)
 from kvjax.inference.sampling import NONFINITE
 from kvjax.models import model as model_lib
 
@@ -147,19 +149,29 @@ class PagedEngine:
       sampling, eos_ids, steps_per_sync, seed: as :class:`kvjax.inference.engine.Engine`
         (``eos_ids``: one id or several; empty or -1: stop at budgets only).
       prefix_cache: reuse cached full pages of common prompt prefixes.
-      speculative: as :class:`kvjax.inference.engine.Engine`'s: a SpeculativeConfig
-        whose drafter is 'ngram' (or 'none'), each block ``steps_per_sync`` verify rounds
-        (:func:`kvjax.inference.speculative.engine_rounds_program`) over the pages.
+      speculative: as :class:`kvjax.inference.engine.Engine`'s: a SpeculativeConfig,
+        each block ``steps_per_sync`` verify rounds
+        (:func:`kvjax.inference.speculative.engine_rounds_program`) over the pages. With
+        drafter 'self' or 'model' the draft model's cache is dense, one row per block-
+        table row (a window draft's ring of W + k + 1 slots is constant in the request's
+        length; a 'model' draft's rows hold max_seq_len + k + 1), prefilled with a
+        request's whole token list on admission (again after a preemption); it is not
+        part of the page budget (``draft_cache_bytes``).
+      draft: as :class:`kvjax.inference.engine.Engine`'s ((params, config) of drafter
+        'model'; 'self' builds its own when None).
     Raises:
       ValueError: page_size below 1, a non-positive max_rows, max_seq_len, num_pages or
-        steps_per_sync, a pool smaller than one request of max_seq_len tokens, or a
-        drafter other than 'ngram' and 'none' (each named with its value).
+        steps_per_sync, a pool smaller than one request of max_seq_len tokens, or
+        draft= without speculative= (each named with its value).
+      ConfigError: a drafter the config cannot build
+        (:func:`kvjax.inference.speculative.check_draft`), before any work.
     """
 
     def __init__(self, params, cfg: ModelConfig, max_rows: int, max_seq_len: int,
                  page_size: int, num_pages: int, sampling: SamplingConfig = SamplingConfig(),
                  eos_ids: int | Iterable[int] = (), steps_per_sync: int = 8, seed: int = 0,
-                 prefix_cache: bool = False, speculative: SpeculativeConfig | None = None):
+                 prefix_cache: bool = False, speculative: SpeculativeConfig | None = None,
+                 draft: tuple | None = None):
         if isinstance(page_size, bool) or int(page_size) < 1:
             raise ValueError(f"page_size={page_size}; allowed: an integer >= 1 for the "
                              "paged engine (page_size 0 is the dense Engine)")
@@ -178,10 +190,13 @@ class PagedEngine:
         self.view_len = self.max_pages * self.page_size
         if speculative is not None and not speculative.enabled:
             speculative = None
-        if speculative is not None and speculative.drafter != "ngram":
-            raise ValueError(f"speculative.drafter={speculative.drafter!r} in the paged "
-                             "engine; allowed: 'ngram' or 'none' (a draft model's cache "
-                             "is not kept per row)")
+        if speculative is not None and speculative.drafter == "self" and draft is None:
+            draft = spec_lib.self_draft(params, cfg, speculative)
+        if speculative is not None:
+            spec_lib.check_draft(cfg, None if draft is None else draft[1], speculative)
+        elif draft is not None:
+            raise ValueError("draft= without speculative=; allowed: a draft with a "
+                             "SpeculativeConfig whose drafter is 'self' or 'model'")
         self.spec = speculative
         if cfg.plan is None:  # resolved on the host, for the step's paged classes
             rows = () if self.spec is None else (self.max_rows * (self.spec.k + 1),)
@@ -189,7 +204,21 @@ class PagedEngine:
                                   batch_sizes=(self.max_rows,), rows=rows,
                                   page_size=self.page_size)
         self.params, self.cfg = params, cfg
-        self._prefill_cfgs: dict[int, ModelConfig] = {}
+        self._prefill_cfgs: dict[tuple, ModelConfig] = {}
+        self.dparams = self.dcfg = self.draft_cache = None
+        if draft is not None:  # the draft's plan and its dense rows, one per table row
+            self.dparams, dcfg = draft
+            k = self.spec.k
+            self.dcfg = dcfg if dcfg.plan is not None else planner.resolve(
+                dcfg, max_seq_len=self.max_seq_len + k + 1, batch_sizes=(self.max_rows,),
+                rows=(2 * self.max_rows,))
+            self.draft_cache = spec_lib.init_draft_cache(self.dcfg, self.max_rows,
+                                                         self.max_seq_len, k)
+        self.draft_cache_bytes = (0 if self.draft_cache is None
+                                  else cache_lib.cache_bytes(self.draft_cache))
+        self._pending = jnp.zeros(self.max_rows, jnp.int32)  # a draft model's next input
+        self._has_pending = jnp.zeros(self.max_rows, bool)
+        self._calls = 0
         ids = [eos_ids] if isinstance(eos_ids, (int, np.integer)) else list(eos_ids)
         self.eos_ids = frozenset(int(i) for i in ids if int(i) >= 0)
         self.sampling = sampling
@@ -233,12 +262,14 @@ class PagedEngine:
     def _key(self, req_id: int) -> jax.Array:
         return jax.random.fold_in(jax.random.key(self.seed), req_id)
 
-    def _prefill_cfg(self, bucket: int) -> ModelConfig:
-        if bucket not in self._prefill_cfgs:
-            self._prefill_cfgs[bucket] = planner.resolve(
-                self.cfg.replace(plan=None), max_seq_len=self.view_len, batch_sizes=(),
-                rows=(bucket,))
-        return self._prefill_cfgs[bucket]
+    def _prefill_cfg(self, bucket: int, draft: bool = False) -> ModelConfig:
+        """The plan of a one-row prefill of ``bucket`` tokens (the draft model's with
+        ``draft``), resolved once per bucket on the host."""
+        if (bucket, draft) not in self._prefill_cfgs:
+            cfg, slots = (self.dcfg, self.max_seq_len) if draft else (self.cfg, self.view_len)
+            self._prefill_cfgs[bucket, draft] = planner.resolve(
+                cfg.replace(plan=None), max_seq_len=slots, batch_sizes=(), rows=(bucket,))
+        return self._prefill_cfgs[bucket, draft]
 
     def _row_table(self, row) -> np.ndarray:
         bt = np.full(self.max_pages, -1, np.int32)
@@ -262,6 +293,19 @@ class PagedEngine:
         self.cache = self.cache.replace(tensors=one.tensors)
         self.alloc.append(row, tokens[start:])
         return int(first[0])
+
+    def _draft_prefill(self, row: int, tokens: Sequence[int]) -> None:
+        """The draft model's row ``row``: ``tokens`` prefilled into a fresh one-row cache
+        and put in place, with no pending draft input (as the slot engine's)."""
+        bucket = prefill_bucket(len(tokens))
+        toks, lengths = ragged.pad_prompts([list(tokens)], length=bucket)
+        drow = spec_lib.init_draft_cache(self.dcfg, 1, self.max_seq_len, self.spec.k)
+        _, drow = ragged.prefill_ragged_program(
+            self.dparams, jnp.asarray(toks), jnp.asarray(lengths), drow,
+            cfg=self._prefill_cfg(bucket, True))
+        self.draft_cache = insert_program(self.draft_cache, drow, jnp.int32(row))
+        self._pending = self._pending.at[row].set(0)
+        self._has_pending = self._has_pending.at[row].set(False)
 
     def _copy(self, copies) -> None:
         if copies:
@@ -296,6 +340,8 @@ class PagedEngine:
                 self.alloc.append("warmup", [0] * p)
                 self._prefill("warmup", [0] * (n + p), p, 0, 0)
                 self.alloc.release("warmup")
+            if self.dcfg is not None:  # a draft row is prefilled with the whole tokens
+                self._draft_prefill(0, [0] * min(b, self.max_seq_len))
         b = self.max_rows
         zeros = jnp.zeros(b, jnp.int32)
         hist, hist_len = spec_lib.slot_history(self.spec, self.max_rows, self.max_seq_len)
@@ -315,12 +361,15 @@ class PagedEngine:
                 self._eos_array(), stop_on_free, cfg=self.cfg, sampling=self.sampling,
                 steps=self.steps_per_sync)
             return out + (hist, hist_len, None, None)
-        none = jnp.zeros(self.max_rows, jnp.int32)  # no draft model: no pending draft
-        return spec_lib.engine_rounds_program(
-            self.params, None, self.cache, None, last, active, remaining, count, keys,
-            self._eos_array(), hist, hist_len, stop_on_free, none, none > 0,
-            jax.random.key(self.seed), cfg=self.cfg, draft_cfg=None, spec=self.spec,
-            sampling=self.sampling, rounds=self.steps_per_sync)[:13]
+        self._calls += 1
+        rng = jax.random.fold_in(jax.random.key(self.seed), self._calls)
+        out = spec_lib.engine_rounds_program(
+            self.params, self.dparams, self.cache, self.draft_cache, last, active,
+            remaining, count, keys, self._eos_array(), hist, hist_len, stop_on_free,
+            self._pending, self._has_pending, rng, cfg=self.cfg, draft_cfg=self.dcfg,
+            spec=self.spec, sampling=self.sampling, rounds=self.steps_per_sync)
+        self.draft_cache, self._pending, self._has_pending = out[13:]
+        return out[:13]
 
     def _eos_array(self) -> jax.Array:
         return jnp.asarray(sorted(self.eos_ids) or [-1], jnp.int32)
@@ -395,6 +444,8 @@ class PagedEngine:
                     alloc.release(slot)
                     book.finish(req, self._stop(nxt), None if not have else slot)
                     continue
+                if self.dcfg is not None:
+                    self._draft_prefill(slot, tokens)
                 rows[slot] = _Running(req, order, final)
                 order += 1
                 last[slot], active[slot] = nxt, True
