@@ -103,11 +103,19 @@ def test_speculative_engine_tokens_equal_alone(name):
     assert solo[0].tokens == done[4].tokens
 
 
-def test_speculative_engine_sampled_tokens_do_not_depend_on_batch_mates():
+@pytest.mark.parametrize("drafter", ["ngram", "self"])
+def test_speculative_engine_sampled_tokens_do_not_depend_on_batch_mates(drafter):
+    """Sampled (temperature 1): a request's tokens are the same beside two batch-mates,
+    in blocks of 2 rounds, as alone in blocks of 8: the acceptance and a draft model's
+    draws use the request's own keys, folded with its token count, never a key of the
+    engine's call."""
     from kvjax.config import SamplingConfig, SpeculativeConfig  # noqa: PLC0415
     cfg = ModelConfig(**VARIANTS["gqa"])
     params = params_of("gqa")
-    spec = SpeculativeConfig(drafter="ngram", k=2, ngram_max=2, ngram_min=1)
+    spec = SpeculativeConfig(drafter="ngram", k=2, ngram_max=2, ngram_min=1) \
+        if drafter == "ngram" else SpeculativeConfig(
+            drafter="self", k=2, draft_window_size=4, draft_sink_tokens=1,
+            draft_kv_dtype="int8", draft_num_layers=1)
     hot = SamplingConfig(temperature=1.0)
     eng = engine.Engine(params, cfg, num_slots=3, max_seq_len=S, sampling=hot,
                         speculative=spec, steps_per_sync=2)

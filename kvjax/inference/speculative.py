@@ -201,6 +201,8 @@ def _draft_with_model(dparams, dcfg: ModelConfig, dcache: KVCache, last, pending
     The draft cache holds the row's tokens before ``last``, except, after a round whose
     k drafts were all accepted, the last draft (``pending``, ``has_pending``): the first
     forward feeds [pending, last] (2 tokens) or [last] (1), the next k - 1 one token each.
+    ``key``: one PRNG key for the batch, or [B] keys, one per row (a row's drafts then
+    never depend on its batch-mates).
     Returns (drafts [B, k] int32, q [B, k, V] float32 or None when greedy, dcache).
     """
     pair = jnp.where(has_pending[:, None], jnp.stack([pending, last], 1),
@@ -211,15 +213,21 @@ def _draft_with_model(dparams, dcfg: ModelConfig, dcache: KVCache, last, pending
                                        last_only=True)
     one = active.astype(jnp.int32)
 
+    per_row = key.ndim == 1
+
     def pick(logits, key):
         if sampling.greedy:
-            return sample_logits(logits, key, sampling), None
+            return sample_logits(logits, key if not per_row else key[0], sampling), None
         q = sampling_probs(logits, sampling)
-        tok = jax.random.categorical(key, jnp.log(q), axis=-1).astype(jnp.int32)
-        tok = jnp.where(nonfinite_rows(logits), 0, tok)
+        if per_row:
+            tok = jax.vmap(jax.random.categorical)(key, jnp.log(q))
+        else:
+            tok = jax.random.categorical(key, jnp.log(q), axis=-1)
+        tok = jnp.where(nonfinite_rows(logits), 0, tok.astype(jnp.int32))
         return tok, q
 
-    keys = jax.random.split(key, k)
+    keys = (jnp.moveaxis(jax.vmap(lambda r: jax.random.split(r, k))(key), 0, 1) if per_row
+            else jax.random.split(key, k))  # [k, B] or [k]
     d, q = pick(logits[:, 0], keys[0])
     d = jnp.maximum(d, 0)  # a draft is a proposal: a non-finite draft row proposes 0
 
@@ -400,13 +408,15 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
       active: [B] bool rows that decode. remaining: [B] int32 tokens each may emit.
       hist: [B, H] int32 each row's tokens so far (prompt, emitted, ``last``), valid
         below hist_len [B].
-      rng: PRNG key (the draft model's draws; the acceptance's without ``row_keys``).
+      rng: PRNG key (the draws of the draft model and of the acceptance without
+        ``row_keys``).
       eos_ids: [E] int32.
       cfg, draft_cfg, spec, sampling: static configs. buf_len: static output length.
       max_rounds: (static) at most this many rounds (None: until every row stops).
       stop_on_free: [] bool or None: end after the round in which a row stops.
       row_keys: [B] keys or None: the acceptance of row b draws with
-        fold_in(row_keys[b], index[b]) (its tokens never depend on its batch-mates).
+        fold_in(row_keys[b], index[b]) and its draft model with a key folded from that
+        (its tokens never depend on its batch-mates).
       index: [B] int32 each row's tokens so far (the key index; default 0).
       stats: (static) count occupied row-rounds and the tokens they held.
       pending, has_pending: [B] int32 / bool, a draft model's state from an earlier call
@@ -448,6 +458,7 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
         rng, kd, ka = jax.random.split(s["rng"], 3)
         if row_keys is not None:  # per-row keys: a row's draws never depend on its batch
             ka = jax.vmap(jax.random.fold_in)(row_keys, s["index"])
+            kd = jax.vmap(jax.random.fold_in)(ka, jnp.ones_like(s["index"]))  # drafts
         limit = jnp.minimum(k + 1, s["remaining"])  # tokens this round may emit
         nv = jnp.where(active, jnp.maximum(limit, 1), 0)
         dcache, q = s["dcache"], None
@@ -540,8 +551,9 @@ def engine_rounds_program(params, dparams, cache, draft_cache, last, active, rem
         [B] (donated).
       pending, has_pending: [B] the draft model's state the last call returned (zeros and
         False for a slot just filled; unused for 'ngram').
-      rng: a key for the draft model's draws when sampling (a new one per call: the
-        acceptance draws with each slot's own keys).
+      rng: a PRNG key, unused by the draws (the draft model and the acceptance draw
+        with each slot's own keys, ``keys`` folded with ``count``); kept so a caller may
+        pass a new one per call.
     Returns:
       (tokens [B, rounds·(k + 1)] int32, each slot's emitted tokens in order, -1 after;
       rounds run [] int32; cache; last; active; remaining; count; occupied slot-rounds [];
