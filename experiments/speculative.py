@@ -221,7 +221,7 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk) -> lis
         return buf
 
     plain_s = _median(plain_loop, repeats)
-    plain_step_s, _ = time_step(params, cfg, _copy(base), 1, repeats)
+    plain_step_s = time_step(params, cfg, _copy(base), 1, repeats)[0]
     bw = theory.step_bytes(cfg, t, b).total / plain_step_s
     out = []
     for drafter in drafters:
@@ -242,17 +242,18 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk) -> lis
             def spec_loop():
                 d = None if dcfg is None else (dparams, dcfg, _copy(dcache))
                 res["out"] = S.generate(params, cfg, spec, prompts, f1, _copy(tcache), steps,
-                                        draft=d, sampling=sampling, compiled=compiled)
+                                        draft=d, sampling=sampling, compiled=compiled)[:2]
+                # (the caches it returns are dropped: at B = 8, t = 16K each is 6 GB)
                 return f1
 
             spec_s = _median(spec_loop, repeats)
             got, stats = res["out"][0], res["out"][1]
             equal = all(list(map(int, state["plain"][i, :steps])) == got[i]
                         for i in range(b))
-            verify_s, _ = time_step(params, cfg, _copy(tcache), k + 1, repeats)
+            verify_s = time_step(params, cfg, _copy(tcache), k + 1, repeats)[0]
             draft_s = 0.0
             if dcfg is not None:
-                draft_s, _ = time_step(dparams, dcfg, _copy(dcache), 1, repeats)
+                draft_s = time_step(dparams, dcfg, _copy(dcache), 1, repeats)[0]
             e = stats.tokens_per_step
             r = spec_theory.round_times(cfg, t, k, bw, draft_cfg=dcfg, batch=b)
             a_eff = spec_theory.acceptance_from_tokens_per_step(min(max(e, 1.0), k + 1), k)
