@@ -30,8 +30,7 @@ import os
 import statistics
 import time
 
-from absl import app, flags
-import jax
+from absl import flags
 import jax.numpy as jnp
 import numpy as np
 

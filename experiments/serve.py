@@ -278,11 +278,14 @@ def summarize(done, stats: engine_lib.EngineStats) -> dict:
 
 def paged_summary(stats) -> dict:
     """The paged engine's figures (:class:`kvjax.inference.paged_engine.PagedStats`):
-    pages referenced (mean bytes), rows running (mean, most), preemptions, prefix-cache
+    pages referenced (mean bytes; ``kv_bytes_active_pages_mean``: those of the rows still
+    running, without a stopped row's pages kept to the end of its block), rows running
+    (mean, most), preemptions, prefix-cache
     hit rate and prefill tokens saved; {} for the dense engine."""
     if not isinstance(stats, paged_engine.PagedStats):
         return {}
     return {"page_size": stats.page_size, "kv_bytes_pages_mean": stats.mean_page_kv_bytes,
+            "kv_bytes_active_pages_mean": stats.mean_active_page_kv_bytes,
             "running_mean": stats.mean_running, "running_max": stats.max_running,
             "row_pages_max": stats.max_row_pages,
             "preemptions": stats.preemptions, "prompt_tokens": stats.prompt_tokens,
@@ -382,7 +385,9 @@ def report(summary: dict, skipped) -> str:
         lines += [
             f"paged (page_size {summary['page_size']}): pages referenced "
             f"{summary['kv_bytes_pages_mean']:,.0f} bytes mean (live/referenced "
-            f"{summary['kv_bytes_live_mean'] / max(summary['kv_bytes_pages_mean'], 1):.1%}); "
+            f"{summary['kv_bytes_live_mean'] / max(summary['kv_bytes_pages_mean'], 1):.1%}; "
+            f"of the rows still running {summary['kv_bytes_active_pages_mean']:,.0f}, live/"
+            f"those {summary['kv_bytes_live_mean'] / max(summary['kv_bytes_active_pages_mean'], 1):.1%}); "
             f"requests running {summary['running_mean']:.2f} mean, "
             f"{summary['running_max']} most; {summary['preemptions']} preemptions; at most "
             f"{summary['row_pages_max']} pages held by one row",

@@ -44,7 +44,6 @@ import numpy as np
 from absl import app, flags
 
 from experiments import cli
-from kvjax import cache as cache_lib
 from kvjax import planner
 from kvjax.analysis import hardware, report, theory
 from kvjax.analysis import speculative as spec_theory

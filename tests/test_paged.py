@@ -241,8 +241,27 @@ def test_paged_engine_equals_dense_engine():
     reqs = [engine.Request(i, tuple(int(t) for t in system + list(
         rng.integers(0, 97, rng.integers(1, 6)))), int(rng.integers(6, 16)))
         for i in range(6)]
-    dense, _ = engine.Engine(params, cfg, num_slots=3, max_seq_len=32,
-                             steps_per_sync=4).run(reqs)
+    dense, dstats = engine.Engine(params, cfg, num_slots=3, max_seq_len=32,
+                                  steps_per_sync=4).run(reqs)
+    # a pool that holds every row runs the dense engine's schedule: the same steps and
+    # the same live tokens, counted step by step as rows grow inside a block
+    ample = paged_engine.PagedEngine(params, cfg, max_rows=3, max_seq_len=32, page_size=4,
+                                     num_pages=24, steps_per_sync=4)
+    got, stats = ample.run(reqs)
+    assert [c.tokens for c in got] == [c.tokens for c in dense]
+    assert stats.preemptions == 0 and stats.steps == dstats.steps
+    assert stats.live_kv_byte_steps == dstats.live_kv_byte_steps > 0
+    assert stats.running_steps == dstats.occupied_slot_steps
+    # the pages of running rows hold their live tokens, at most a page and the block's
+    # look-ahead more; every referenced page counts the stopped rows' too
+    assert stats.live_kv_byte_steps <= stats.active_page_kv_byte_steps \
+        <= stats.page_kv_byte_steps
+    # pages of one token, one step a block: the running rows' pages are their tokens
+    exact = paged_engine.PagedEngine(params, cfg, max_rows=3, max_seq_len=32, page_size=1,
+                                     num_pages=96, steps_per_sync=1)
+    got, stats = exact.run(reqs)
+    assert [c.tokens for c in got] == [c.tokens for c in dense]
+    assert stats.active_page_kv_byte_steps == stats.live_kv_byte_steps > 0
     tight = paged_engine.PagedEngine(params, cfg, max_rows=3, max_seq_len=32, page_size=4,
                                      num_pages=9, steps_per_sync=4)
     got, stats = tight.run(reqs)
@@ -425,15 +444,16 @@ def test_serve_reports_paged_figures():
                                  live_kv_byte_steps=400.0, allocated_kv_bytes=1000,
                                  num_slots=4, preemptions=1, prompt_tokens=40,
                                  prefix_hit_tokens=16, prefill_tokens=24,
-                                 page_kv_byte_steps=480.0, max_running=3, running_steps=8,
-                                 page_size=4)
+                                 page_kv_byte_steps=480.0, active_page_kv_byte_steps=440.0,
+                                 max_running=3, running_steps=8, page_size=4)
     s = serve.paged_summary(st)
-    assert (s["kv_bytes_pages_mean"], s["running_mean"], s["prefix_hit_rate"]) == \
-        (120.0, 2.0, 0.4)
+    assert (s["kv_bytes_pages_mean"], s["kv_bytes_active_pages_mean"], s["running_mean"],
+            s["prefix_hit_rate"]) == (120.0, 110.0, 2.0, 0.4)
     assert serve.paged_summary(engine.EngineStats()) == {}
     done = [engine.Completion(0, 5, [1, 2], "budget", 0, 0.1, 0.5)]
     text = serve.report(serve.summarize(done, st), [])
     assert "1 preemptions" in text and "hit rate 40.0%" in text and "24 prefilled" in text
+    assert "live/referenced 83.3%" in text and "live/those 90.9%" in text
 
 
 def test_window_pages_that_slide_out_are_freed():
@@ -461,12 +481,15 @@ def test_window_pages_that_slide_out_are_freed():
     params = params_of("window_sinks")
 
     def paged_equals_dense(reqs, max_rows, num_pages):
-        dense, _ = engine.Engine(params, cfg, num_slots=2, max_seq_len=40,
-                                 steps_per_sync=3).run(reqs)
+        dense, dstats = engine.Engine(params, cfg, num_slots=2, max_seq_len=40,
+                                      steps_per_sync=3).run(reqs)
         eng = paged_engine.PagedEngine(params, cfg, max_rows=max_rows, max_seq_len=40,
                                        page_size=2, num_pages=num_pages, steps_per_sync=3)
         got, stats = eng.run(reqs)
         assert [c.tokens for c in got] == [c.tokens for c in dense]
+        if max_rows == 2 and not stats.preemptions:  # the dense schedule: a window's
+            # live tokens are W at most, however many view slots a paged row has
+            assert stats.live_kv_byte_steps == dstats.live_kv_byte_steps > 0
         return eng, stats
 
     eng, stats = paged_equals_dense(

@@ -44,8 +44,7 @@ from kvjax.config import ModelConfig, SamplingConfig, SpeculativeConfig
 from kvjax.inference import ragged
 from kvjax.inference import speculative as spec_lib
 from kvjax.inference import decode as decode_lib
-from kvjax.inference.sampling import NONFINITE, is_stop
-from kvjax.models import model as model_lib
+from kvjax.inference.sampling import NONFINITE
 
 __all__ = ["Request", "Completion", "EngineStats", "Engine", "Ledger", "insert_program",
            "decode_steps_program", "prefill_bucket"]
@@ -400,7 +399,7 @@ class Engine:
             remaining, count, keys, self._eos, hist, hist_len, stop_on_free, self._pending,
             self._has_pending, rng, cfg=self.cfg, draft_cfg=self.dcfg, spec=self.spec,
             sampling=self.sampling, rounds=self.steps_per_sync)
-        self.draft_cache, self._pending, self._has_pending = out[13:]
+        self.draft_cache, self._pending, self._has_pending = out[13:16]
         return out[:13]
 
     def _key(self, req_id: int) -> jax.Array:

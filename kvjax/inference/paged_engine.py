@@ -36,7 +36,6 @@ Times are as :mod:`kvjax.inference.engine` (every request arrives at 0).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import time
@@ -48,7 +47,6 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import planner
-from kvjax.analysis import theory
 from kvjax.cache import paged
 from kvjax.cache.policy import written_tokens
 from kvjax.config import ModelConfig, SamplingConfig, SpeculativeConfig
@@ -69,7 +67,12 @@ class PagedStats(EngineStats):
     and found in the prefix cache (``prompt_tokens``, ``prefix_hit_tokens``: prefill
     tokens saved); tokens prefilled (``prefill_tokens``, recomputation after preemption
     included); referenced-page bytes summed over decode steps
-    (``page_kv_byte_steps``); the most rows running at once (``max_running``); the most
+    (``page_kv_byte_steps``: every page the allocator holds for running rows, a row that
+    stops inside a block keeping its pages until the block ends); the bytes of the pages
+    of the rows still running, step by step (``active_page_kv_byte_steps``: what the
+    rows' own lengths and the block's look-ahead take, without the rows that stopped);
+    rows running summed over steps (``running_steps``); the most rows running at once
+    (``max_running``); the most
     pages one row held (``max_row_pages``: constant in the row's length for a window,
     whose pages that slide out are freed); the pool's bytes (``allocated_kv_bytes``) and
     page size."""
@@ -79,6 +82,7 @@ class PagedStats(EngineStats):
     prefix_hit_tokens: int = 0
     prefill_tokens: int = 0
     page_kv_byte_steps: float = 0.0
+    active_page_kv_byte_steps: float = 0.0
     max_running: int = 0
     running_steps: int = 0
     page_size: int = 0
@@ -93,6 +97,11 @@ class PagedStats(EngineStats):
     def mean_page_kv_bytes(self) -> float:
         """Mean bytes of the pages rows reference, per decode step."""
         return self.page_kv_byte_steps / self.steps if self.steps else 0.0
+
+    @property
+    def mean_active_page_kv_bytes(self) -> float:
+        """Mean bytes of the pages of the rows still running, per decode step."""
+        return self.active_page_kv_byte_steps / self.steps if self.steps else 0.0
 
     @property
     def mean_running(self) -> float:
@@ -368,7 +377,7 @@ class PagedEngine:
             remaining, count, keys, self._eos_array(), hist, hist_len, stop_on_free,
             self._pending, self._has_pending, rng, cfg=self.cfg, draft_cfg=self.dcfg,
             spec=self.spec, sampling=self.sampling, rounds=self.steps_per_sync)
-        self.draft_cache, self._pending, self._has_pending = out[13:]
+        self.draft_cache, self._pending, self._has_pending, self._rounds = out[13:]
         return out[:13]
 
     def _eos_array(self) -> jax.Array:
@@ -483,16 +492,13 @@ class PagedEngine:
                 stats.max_row_pages = max(stats.max_row_pages, int((bt[slot] >= 0).sum()))
             self.cache = self.cache.replace(block_table=jnp.asarray(bt),
                                             length=jnp.asarray(lengths))
-            # tokens a row's queries see (its length + the step's own; a window's W)
-            live_tokens = sum(theory.tokens_held(self.cfg, int(lengths[s]) + 1)
-                              for s in running)
             ref_pages = alloc.num_referenced
             t0 = time.perf_counter()
             out = self._decode(jnp.asarray(last), jnp.asarray(active),
                                jnp.asarray(remaining), jnp.asarray(count), keys,
                                jnp.asarray(bool(queue)), hist, hist_len)
-            (buf, n, self.cache, last_d, active_d, rem_d, count_d, _, _, hist, hist_len,
-             acc, prop) = out
+            (buf, n, self.cache, last_d, active_d, rem_d, count_d, occ, held, hist,
+             hist_len, acc, prop) = out
             buf = np.asarray(buf)
             if acc is not None:
                 stats.accepted += int(np.sum(acc))
@@ -500,11 +506,19 @@ class PagedEngine:
             stats.decode_s += time.perf_counter() - t0
             n = int(n)
             stats.steps += n
-            stats.occupied_slot_steps += n * len(running)
-            stats.running_steps += n * len(running)
+            # rows running and the tokens their queries saw, step by step (a row grows
+            # inside a block and may stop before it ends; its pages were taken before)
+            stats.occupied_slot_steps += int(occ)
+            stats.running_steps += int(occ)
             stats.max_running = max(stats.max_running, len(running))
-            stats.live_kv_byte_steps += n * live_tokens * self.bytes_per_token
+            stats.live_kv_byte_steps += int(held) * self.bytes_per_token
             stats.page_kv_byte_steps += n * ref_pages * self.page_bytes
+            # steps (verify rounds) each row ran: a plain step emits one token
+            ran = (np.sum((buf >= 0) | (buf == NONFINITE), axis=1) if self.spec is None
+                   else np.asarray(self._rounds))
+            stats.active_page_kv_byte_steps += self.page_bytes * sum(
+                len(set().union(*(bt[s][bt[s] >= 0] for s in running if ran[s] > i)))
+                for i in range(n))
             new_active = np.asarray(active_d)
             for slot in running:
                 r = rows[slot]

@@ -27,7 +27,6 @@ tokens never depend on which other rows share the batch.
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import jax

@@ -16,7 +16,6 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from kvjax import cache as cache_lib
 from kvjax import checkpoints

@@ -379,7 +379,6 @@ def speculative_program(params, dparams, first_token, cache, draft_cache, hist, 
       'steps' [] int32 loop iterations, 'cache', 'draft_cache'. Both caches' never-written
       slots are cleared once on entry (``model.clear_masked_slots``).
     """
-    k = spec.k
     done0 = is_stop(first_token, eos_ids)
     h = hist.shape[1]
     hist = jnp.where(jnp.arange(h)[None, :] == hist_len[:, None], first_token[:, None], hist)
@@ -436,6 +435,7 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
     draft_cache = model_lib.clear_masked_slots(draft_cfg, draft_cache)
     h = hist.shape[1]
     num_slots = cache.num_slots
+    held_cap = num_slots if cfg.window_size is None else min(num_slots, cfg.window_size)
     buf = jnp.full((b, buf_len), -1, jnp.int32)
     zeros = jnp.zeros((b,), jnp.int32)
     zero = jnp.zeros((), jnp.int32)
@@ -510,7 +510,7 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
         occ, held = s["occupied"], s["held"]
         if stats:  # occupied row-rounds, and the tokens those rows held
             occ = occ + jnp.sum(active.astype(jnp.int32))
-            held = held + jnp.sum(jnp.where(active, jnp.minimum(length + 1, num_slots), 0))
+            held = held + jnp.sum(jnp.where(active, jnp.minimum(length + 1, held_cap), 0))
         return dict(i=s["i"] + 1, buf=buf, cache=cache, dcache=dcache, last=last,
                     done=s["done"] | finished, count=count, remaining=remaining,
                     index=s["index"] + n_emit, freed=s["freed"] | jnp.any(finished),
@@ -558,7 +558,7 @@ def engine_rounds_program(params, dparams, cache, draft_cache, last, active, rem
       (tokens [B, rounds·(k + 1)] int32, each slot's emitted tokens in order, -1 after;
       rounds run [] int32; cache; last; active; remaining; count; occupied slot-rounds [];
       held tokens []; hist; hist_len; accepted [B]; proposed [B]; draft_cache; pending;
-      has_pending).
+      has_pending; rounds each row ran [B] int32).
     """
     out = speculative_loop(params, dparams, cache, draft_cache, last, active, remaining,
                            hist, hist_len, rng, eos_ids, cfg=cfg, draft_cfg=draft_cfg, spec=spec, sampling=sampling,
@@ -568,7 +568,7 @@ def engine_rounds_program(params, dparams, cache, draft_cache, last, active, rem
     return (out["tokens"], out["steps"], out["cache"], out["last"], out["active"],
             out["remaining"], count + out["count"], out["occupied"], out["held"],
             out["hist"], out["hist_len"], out["accepted"], out["proposed"],
-            out["draft_cache"], out["pending"], out["has_pending"])
+            out["draft_cache"], out["pending"], out["has_pending"], out["rounds"])
 
 
 @dataclasses.dataclass
