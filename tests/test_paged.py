@@ -251,7 +251,7 @@ def test_paged_engine_equals_dense_engine():
     assert [c.tokens for c in got] == [c.tokens for c in dense]
     assert stats.preemptions == 0 and stats.steps == dstats.steps
     assert stats.live_kv_byte_steps == dstats.live_kv_byte_steps > 0
-    assert stats.running_steps == dstats.occupied_slot_steps
+    assert stats.occupied_slot_steps == dstats.occupied_slot_steps
     # the pages of running rows hold their live tokens, at most a page and the block's
     # look-ahead more; every referenced page counts the stopped rows' too
     assert stats.live_kv_byte_steps <= stats.active_page_kv_byte_steps \
@@ -445,7 +445,7 @@ def test_serve_reports_paged_figures():
                                  num_slots=4, preemptions=1, prompt_tokens=40,
                                  prefix_hit_tokens=16, prefill_tokens=24,
                                  page_kv_byte_steps=480.0, active_page_kv_byte_steps=440.0,
-                                 max_running=3, running_steps=8, page_size=4)
+                                 max_running=3, page_size=4)
     s = serve.paged_summary(st)
     assert (s["kv_bytes_pages_mean"], s["kv_bytes_active_pages_mean"], s["running_mean"],
             s["prefix_hit_rate"]) == (120.0, 110.0, 2.0, 0.4)

@@ -2,9 +2,10 @@
 
 A cache policy owns everything that depends on the cache *kind* (docs/DESIGN.md, "The
 cache contract"): the slot count for a given ``max_seq_len``, the slot of an absolute
-position, which tokens of a chunk survive the write, whether a chunk fits, how long the
-generate loop's token buffer must be, and the attention mask. No other module branches
-on ``window_size`` for cache mechanics; they ask :func:`policy_for`.
+position, which tokens of a chunk survive the write, whether a chunk fits, how many
+tokens a row holds, how long the generate loop's token buffer must be, and the attention
+mask. No other module branches on ``window_size`` for cache mechanics; they ask
+:func:`policy_for`.
 
 * :class:`DenseSlots`: full attention; position p lives in slot p, S = max_seq_len.
 * :class:`RingSlots`: a sliding window of W slots (lever 3 of the blog) with s attention
@@ -85,6 +86,11 @@ class DenseSlots:
         """[B] bool: the chunk would run past the last slot."""
         return length + new_tokens > num_slots
 
+    def held(self, length: jax.Array, num_slots: int) -> jax.Array:
+        """[B] int32 tokens a row's next query sees (``length`` cached + its own), at most
+        ``num_slots``."""
+        return jnp.minimum(length + 1, num_slots)
+
     def visible(self, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
         """[B, T, S] bool from q_positions [B, T] and k_positions [S] or [B, S]: key slot
         filled (k >= 0) and causal (k <= q)."""
@@ -160,6 +166,11 @@ class RingSlots:
         """A ring never fills."""
         del new_tokens, num_slots
         return jnp.zeros(jnp.shape(length), bool)
+
+    def held(self, length: jax.Array, num_slots: int) -> jax.Array:
+        """[B] int32 tokens a row's next query sees: at most W (blog "Lever 3"), whatever
+        slots the cache has beyond them (a ring's spare slots, a paged row's view)."""
+        return jnp.minimum(length + 1, min(num_slots, self.window_size))
 
     def visible(self, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
         """[B, T, S] bool: filled, causal and inside the window or a sink."""

@@ -287,10 +287,7 @@ def decode_loop(params, cfg: ModelConfig, cache: KVCache, last, active, remainin
       summed over steps; 0 without ``stats``).
     """
     b = last.shape[0]
-    # tokens a row holds: at most a window's W (a ring's spare slots and a paged row's
-    # M·P view slots hold no more)
     slots = cache.num_slots
-    held_cap = slots if cfg.window_size is None else min(slots, cfg.window_size)
     zero = jnp.zeros((), jnp.int32)
     stop_on_free = jnp.zeros((), bool) if stop_on_free is None else stop_on_free
 
@@ -302,8 +299,8 @@ def decode_loop(params, cfg: ModelConfig, cache: KVCache, last, active, remainin
         occ, held = s["occupied"], s["held"]
         if stats:
             occ = occ + jnp.sum(active.astype(jnp.int32))
-            held = held + jnp.sum(jnp.where(active, jnp.minimum(cache.length + 1, held_cap),
-                                            0))
+            held = held + jnp.sum(jnp.where(
+                active, policy_for(cfg).held(cache.length, slots), 0))
         logits, cache = model_lib.forward(
             params, cfg, s["last"][:, None], _positions(cache, 1), cache,
             num_valid=None if lockstep else active.astype(jnp.int32))

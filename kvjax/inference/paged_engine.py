@@ -71,8 +71,8 @@ class PagedStats(EngineStats):
     stops inside a block keeping its pages until the block ends); the bytes of the pages
     of the rows still running, step by step (``active_page_kv_byte_steps``: what the
     rows' own lengths and the block's look-ahead take, without the rows that stopped);
-    rows running summed over steps (``running_steps``); the most rows running at once
-    (``max_running``); the most
+    the most rows running at once (``max_running``; rows running summed over steps are
+    ``occupied_slot_steps``); the most
     pages one row held (``max_row_pages``: constant in the row's length for a window,
     whose pages that slide out are freed); the pool's bytes (``allocated_kv_bytes``) and
     page size."""
@@ -84,7 +84,6 @@ class PagedStats(EngineStats):
     page_kv_byte_steps: float = 0.0
     active_page_kv_byte_steps: float = 0.0
     max_running: int = 0
-    running_steps: int = 0
     page_size: int = 0
     max_row_pages: int = 0  # the most pages one running row held at a decode block
 
@@ -106,7 +105,7 @@ class PagedStats(EngineStats):
     @property
     def mean_running(self) -> float:
         """Mean rows running per decode step."""
-        return self.running_steps / self.steps if self.steps else 0.0
+        return self.occupied_slot_steps / self.steps if self.steps else 0.0
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -509,21 +508,19 @@ class PagedEngine:
             # rows running and the tokens their queries saw, step by step (a row grows
             # inside a block and may stop before it ends; its pages were taken before)
             stats.occupied_slot_steps += int(occ)
-            stats.running_steps += int(occ)
             stats.max_running = max(stats.max_running, len(running))
             stats.live_kv_byte_steps += int(held) * self.bytes_per_token
             stats.page_kv_byte_steps += n * ref_pages * self.page_bytes
+            emitted = (buf >= 0) | (buf == NONFINITE)  # [rows, tokens] in order
             # steps (verify rounds) each row ran: a plain step emits one token
-            ran = (np.sum((buf >= 0) | (buf == NONFINITE), axis=1) if self.spec is None
-                   else np.asarray(self._rounds))
+            ran = emitted.sum(axis=1) if self.spec is None else np.asarray(self._rounds)
             stats.active_page_kv_byte_steps += self.page_bytes * sum(
                 len(set().union(*(bt[s][bt[s] >= 0] for s in running if ran[s] > i)))
                 for i in range(n))
             new_active = np.asarray(active_d)
             for slot in running:
                 r = rows[slot]
-                toks = buf[slot]  # its tokens in order, -1 after
-                made = [int(t) for t in toks[(toks >= 0) | (toks == NONFINITE)]]
+                made = [int(t) for t in buf[slot][emitted[slot]]]  # its tokens in order
                 alloc.append(slot, ([int(last[slot])] + made)[:len(made)])  # the inputs
                 book.emit(r.req.id, made)
                 if not new_active[slot]:

@@ -435,7 +435,6 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
     draft_cache = model_lib.clear_masked_slots(draft_cfg, draft_cache)
     h = hist.shape[1]
     num_slots = cache.num_slots
-    held_cap = num_slots if cfg.window_size is None else min(num_slots, cfg.window_size)
     buf = jnp.full((b, buf_len), -1, jnp.int32)
     zeros = jnp.zeros((b,), jnp.int32)
     zero = jnp.zeros((), jnp.int32)
@@ -510,7 +509,8 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
         occ, held = s["occupied"], s["held"]
         if stats:  # occupied row-rounds, and the tokens those rows held
             occ = occ + jnp.sum(active.astype(jnp.int32))
-            held = held + jnp.sum(jnp.where(active, jnp.minimum(length + 1, held_cap), 0))
+            held = held + jnp.sum(jnp.where(active, policy_for(cfg).held(length, num_slots),
+                                          0))
         return dict(i=s["i"] + 1, buf=buf, cache=cache, dcache=dcache, last=last,
                     done=s["done"] | finished, count=count, remaining=remaining,
                     index=s["index"] + n_emit, freed=s["freed"] | jnp.any(finished),
