@@ -114,11 +114,14 @@ def run_dict(model: config_dict.ConfigDict, **fields) -> config_dict.ConfigDict:
     c.stop_at_eos = True
     # Speculative decoding (kvjax/inference/speculative.py): drafter none | ngram (prompt
     # lookup) | self (the same weights over a window/quantized/shallower cache) | model
-    # (draft_config, e.g. configs/mqa.py); k tokens drafted per verify step.
+    # (draft_config, e.g. configs/mqa.py); k tokens drafted per verify step. A 'self'
+    # window draft keeps its own cache (draft_kv_source='own') or copies the target's
+    # window every round ('target': no draft prefill, the full model's keys).
     c.speculative = config_dict.ConfigDict(dict(
         drafter="none", k=4, ngram_max=3, ngram_min=1, draft_window_size=256,
         draft_sink_tokens=4, draft_kv_dtype=config_dict.placeholder(str),
-        draft_num_layers=0, draft_config=config_dict.placeholder(str)))
+        draft_num_layers=0, draft_kv_source="own",
+        draft_config=config_dict.placeholder(str)))
     # Context at which the cost report compiles the step (None: max_seq_len, the run's).
     c.cost_context = config_dict.placeholder(int)
     c.measure_repeats = 5

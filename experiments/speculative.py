@@ -25,7 +25,9 @@ drafter and k (one compiled speculative loop: draft, verify, accept, take back).
 
 Drafters: 'ngram' (prompt lookup, no model) and 'self' (the same weights over a window of
 ``--config.speculative.draft_window_size`` with ``draft_sink_tokens`` sinks: constant in
-t). Writes ``<out_dir>/speculative.json`` and a plot of measured against predicted
+t; its own cache, prefilled by the windowed model, or with
+``--config.speculative.draft_kv_source=target`` a copy of the target's window made every
+round). Writes ``<out_dir>/speculative.json`` and a plot of measured against predicted
 speedup (``speculative.png``).
 """
 
@@ -44,6 +46,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments import cli
+from kvjax import cache as cache_lib
 from kvjax import planner
 from kvjax.analysis import hardware, report, theory
 from kvjax.analysis import speculative as spec_theory
@@ -194,18 +197,20 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk) -> lis
 
     k_max, prefills = max(ks), {}
 
-    def prefilled(c, p):
+    def prefilled(who, c, p):
         """The prompts prefilled into ``c``'s speculative cache (room for k_max drafts:
         enough for every k), once per model: the target's is also plain decoding's, and
-        every k reuses both. Callers copy it before donating it."""
-        who = "target" if p is params else "draft"
+        every k reuses both. Keyed by ``who``, not by ``p``: a 'self' draft keeping every
+        layer shares the target's very arrays, and its cache is another kind. Callers
+        copy it before donating it."""
         if who not in prefills:
-            cache = S.init_target_cache(c, b, max_len, k_max)
+            init = S.init_target_cache if who == "target" else S.init_draft_cache
+            cache = init(c, b, max_len, k_max)
             logits, cache = decode.prefill_chunked(p, c, tokens, cache, chunk)
             prefills[who] = jnp.argmax(logits, -1).astype(jnp.int32), cache
         return prefills[who]
 
-    first, base = prefilled(cfg, params)
+    first, base = prefilled("target", cfg, params)
     steps = new_tokens - 1
     prog = ragged.generate_ragged_program.lower(
         params, first, _copy(base), jnp.full((b,), steps, jnp.int32),
@@ -227,19 +232,21 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk) -> lis
         for k in ks:
             spec = dataclasses.replace(run.speculative, drafter=drafter, k=k)
             dcfg = dparams = None
-            if drafter == "self":
+            if drafter == "self":  # one draft config for every k: its cache is shared
                 dparams, dcfg = S.self_draft(params, cfg0, spec)
-                dcfg = planner.resolve(dcfg, max_seq_len=max_len + k + 1, batch_sizes=(b,),
-                                       rows=rows_needed)
-            f1, tcache = prefilled(cfg, params)
-            dcache = None if dcfg is None else prefilled(dcfg, dparams)[1]
+                dcfg = planner.resolve(dcfg, max_seq_len=max_len + k_max + 1,
+                                       batch_sizes=(b,), rows=rows_needed)
+            f1, tcache = prefilled("target", cfg, params)
+            shared = dcfg is not None and spec.draft_kv_source == "target"
+            dcache = None if dcfg is None or shared else prefilled("self", dcfg, dparams)[1]
             draft = None if dcfg is None else (dparams, dcfg, dcache)
             compiled = S.compile_program(params, cfg, spec, prompts, f1, tcache, steps,
                                          draft=draft, sampling=sampling)
             res = {}
 
             def spec_loop():
-                d = None if dcfg is None else (dparams, dcfg, _copy(dcache))
+                d = None if dcfg is None else (
+                    dparams, dcfg, None if shared else _copy(dcache))
                 res["out"] = S.generate(params, cfg, spec, prompts, f1, _copy(tcache), steps,
                                         draft=d, sampling=sampling, compiled=compiled)[:2]
                 # (the caches it returns are dropped: at B = 8, t = 16K each is 6 GB)
@@ -251,6 +258,8 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk) -> lis
                         for i in range(b))
             verify_s = time_step(params, cfg, _copy(tcache), k + 1, repeats)[0]
             draft_s = 0.0
+            if shared:  # the step over the window a round copies from the target
+                dcache = cache_lib.window_view(tcache, cfg, dcfg, dcfg.window_size + k + 1)
             if dcfg is not None:
                 draft_s = time_step(dparams, dcfg, _copy(dcache), 1, repeats)[0]
             e = stats.tokens_per_step
@@ -259,6 +268,8 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk) -> lis
             out.append({
                 "t": t, "batch": b, "drafter": drafter, "k": k,
                 "draft_window_size": dcfg.window_size if dcfg is not None else None,
+                "draft_cache_slots": dcache.num_slots if dcache is not None else None,
+                "draft_kv_source": spec.draft_kv_source if dcfg is not None else None,
                 "equal_to_plain": equal, "acceptance_rate": stats.acceptance_rate,
                 "tokens_per_step": e, "rounds": sum(stats.rounds),
                 "plain_loop_s": plain_s, "spec_loop_s": spec_s,

@@ -471,6 +471,7 @@ class SamplingConfig:
 
 
 DRAFTERS = ("none", "ngram", "self", "model")
+DRAFT_KV_SOURCES = ("own", "target")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -494,6 +495,12 @@ class SpeculativeConfig:
       draft_kv_dtype: 'self': the draft cache's element type (None: the target's), e.g.
         'int8' or 'int4'.
       draft_num_layers: 'self': the draft runs the first L' layers only (0: all).
+      draft_kv_source: 'self': where the draft's window comes from. 'own': a cache the
+        draft prefills and keeps itself (its window's keys computed by the windowed
+        model); 'target': each round copies the sinks and last W positions of the
+        target's cache (the keys the full model computed: MagicDec, Chen et al. 2024),
+        so the draft has no prefill and no cache of its own. 'target' needs a window and
+        the target's kv_dtype.
       draft_config: 'model': a config file of ``configs/`` (e.g. 'configs/mqa.py') whose
         model drafts; its weights come from the same checkpoint converted as that config
         says.
@@ -507,6 +514,7 @@ class SpeculativeConfig:
     draft_sink_tokens: int = 4
     draft_kv_dtype: str | None = None
     draft_num_layers: int = 0
+    draft_kv_source: str = "own"
     draft_config: str | None = None
 
     def __post_init__(self):
@@ -534,6 +542,19 @@ class SpeculativeConfig:
             _fail("speculative.draft_window_size", self.draft_window_size,
                   "a window > 0, a draft_kv_dtype or draft_num_layers > 0 with drafter="
                   "'self' (a draft as costly as the target buys nothing)")
+        if self.draft_kv_source not in DRAFT_KV_SOURCES:
+            _fail("speculative.draft_kv_source", self.draft_kv_source,
+                  f"one of {list(DRAFT_KV_SOURCES)}")
+        if self.draft_kv_source == "target" and self.drafter == "self" and (
+                not self.draft_window_size or self.draft_kv_dtype):
+            _fail("speculative.draft_kv_source", self.draft_kv_source,
+                  "'own' unless the draft has a window (draft_window_size > 0) and the "
+                  "target's element type (draft_kv_dtype=None): the draft copies the "
+                  f"target's window as it is (draft_window_size={self.draft_window_size}, "
+                  f"draft_kv_dtype={self.draft_kv_dtype!r})")
+        if self.draft_kv_source == "target" and self.drafter == "model":
+            _fail("speculative.draft_kv_source", self.draft_kv_source,
+                  "'own' with drafter='model' (another model cannot read the target's keys)")
         if self.drafter == "model" and not self.draft_config:
             _fail("speculative.draft_config", self.draft_config,
                   "a config file such as 'configs/mqa.py' with drafter='model'")

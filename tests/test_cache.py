@@ -204,3 +204,81 @@ def test_variant_pulls_each_lever_and_configs_build_from_presets():
     assert mqa.get_config().model.attention == "mqa"
     bw = blog_window.get_config().model
     assert (bw.num_kv_heads, bw.window_size, bw.d_model) == (2, 512, 512)
+
+
+def _slot_values(cfg, cache, row, slot):
+    """Every layer's cached values of one row's slot, as float32 arrays."""
+    out = []
+    for name, t in sorted(cache.tensors.items()):
+        for layer in (t if isinstance(t, tuple) else list(t)):
+            x = np.asarray(layer[row]).astype(np.float32)
+            out.append(np.take(x, slot, axis=cache_lib.slot_axis(cfg, name)))
+    return out
+
+
+@pytest.mark.parametrize("source,view", [
+    (dict(), dict(window_size=8, num_sink_tokens=2)),                 # dense -> ring
+    (dict(kv_dtype="int8"), dict(window_size=6, num_sink_tokens=1)),  # scales too
+    (dict(window_size=12, num_sink_tokens=3),                         # ring -> ring
+     dict(window_size=8, num_sink_tokens=3)),
+    (dict(scan_layers=False), dict(window_size=5, num_sink_tokens=0, num_layers=1)),
+    (dict(key_layout="BKSH"), dict(window_size=7, num_sink_tokens=2, key_layout="BKHS")),
+    ("mla", dict(window_size=6, num_sink_tokens=2)),
+    (dict(), dict(window_size=40, num_sink_tokens=2)),  # wider than the 30-slot rows
+])
+def test_window_view_holds_each_rows_sinks_and_last_positions(source, view):
+    """cache.window_view: each view slot j holds the newest position p < length with the
+    ring's slot_of(p) == j (p = j for a sink) that the source cache still holds, with the
+    source's values there; nothing else is visible. Ragged rows; an empty cache shows
+    nothing."""
+    from tests.conftest import tiny_mla_config  # noqa: PLC0415
+    cfg = tiny_mla_config() if source == "mla" else tiny_config(**source)
+    vcfg = cfg.replace(**view)
+    params = model.init_params(cfg, 0)
+    lengths = [23, 4, 1, 9]
+    cache = cache_lib.init_cache(cfg, 4, 30, ragged=True)
+    toks = np.zeros((4, 23), np.int32)
+    for b, n in enumerate(lengths):
+        toks[b, :n] = np.arange(1, n + 1) * (b + 3) % 97
+    from kvjax.inference import ragged  # noqa: PLC0415
+    _, cache = ragged.prefill_ragged(params, cfg, toks, np.asarray(lengths, np.int32), cache)
+    slots = vcfg.window_size + 3
+    empty = cache_lib.window_view(cache_lib.init_cache(cfg, 2, 30), cfg, vcfg, slots)
+    assert np.all(np.asarray(empty.positions) == -1)
+    got = cache_lib.window_view(cache, cfg, vcfg, slots)
+    assert got.num_slots == slots and got.ragged
+    assert got.layouts == cache_lib.layouts(vcfg)
+    np.testing.assert_array_equal(np.asarray(got.length), lengths)
+    ring_pol = cache_lib.policy_for(vcfg)
+    s, ring = vcfg.num_sink_tokens, slots - vcfg.num_sink_tokens
+    src_pos = np.asarray(cache.positions)
+    for b, n in enumerate(lengths):
+        held = set(int(p) for p in src_pos[b] if p >= 0)
+        want = {p for p in range(n) if p in held and (p < s or p >= max(s, n - ring))}
+        pos = np.asarray(got.positions[b])
+        assert set(int(p) for p in pos if p >= 0) == want, b
+        for j, p in enumerate(pos):
+            if p < 0:
+                continue
+            assert int(ring_pol.slot_of(jnp.int32(p), slots)) == j
+            src = int(np.nonzero(src_pos[b] == p)[0][0])
+            mine = _slot_values(vcfg, got, b, j)  # the first L' layers' of each tensor
+            theirs = [v for name, t in sorted(cache.tensors.items()) for i, v in enumerate(
+                _slot_values(cfg, cache_lib.KVCache({name: t}, cache.positions, cache.length),
+                             b, src)) if i < vcfg.num_layers]
+            assert len(mine) == len(theirs)
+            for x, y in zip(mine, theirs):
+                np.testing.assert_array_equal(x, y)
+
+
+def test_window_view_refuses_what_it_cannot_copy():
+    cfg = tiny_config()
+    cache = cache_lib.init_cache(cfg, 1, 16, ragged=True)
+    with pytest.raises(ValueError, match="window_size=None"):
+        cache_lib.window_view(cache, cfg, cfg, 8)
+    with pytest.raises(ValueError, match="kv_dtype='int8'"):
+        cache_lib.window_view(cache, cfg, cfg.replace(window_size=4, kv_dtype="int8"), 8)
+    with pytest.raises(ValueError, match="num_layers=3"):
+        cache_lib.window_view(cache, cfg, cfg.replace(window_size=4, num_layers=3), 8)
+    with pytest.raises(ValueError, match="num_slots_=2; allowed: more than the 2 sinks"):
+        cache_lib.window_view(cache, cfg, cfg.replace(window_size=4, num_sink_tokens=2), 2)

@@ -125,21 +125,26 @@ def test_speculative_engine_sampled_tokens_do_not_depend_on_batch_mates(drafter)
     assert solo[0].tokens == done[0].tokens and len(done[0].tokens) == BUDGETS[0]
 
 
-@pytest.mark.parametrize("drafter", ["self", "model"])
+@pytest.mark.parametrize("drafter", ["self", "self_target", "model"])
 def test_speculative_engine_with_a_draft_model_keeps_the_plain_tokens(drafter):
     """The slot engine with a draft model kept per slot (issue 30): 'self' (the same
-    weights over a window of 4 with a sink, int8 keys and values, one layer) and 'model'
-    (here the target's own weights and config, so every draft is the target's greedy
-    token: rounds that accept all k leave the last draft pending in the draft's cache
-    across the engine's calls): every request's greedy tokens equal plain decoding
-    alone, with slots refilled mid-run; drafts proposed and accepted."""
+    weights over a window of 4 with a sink, int8 keys and values, one layer), the same
+    window copied from each slot's target row every round ('self_target': no draft cache,
+    no draft prefill) and 'model' (here the target's own weights and config, so every
+    draft is the target's greedy token: rounds that accept all k leave the last draft
+    pending in the draft's cache across the engine's calls): every request's greedy
+    tokens equal plain decoding alone, with slots refilled mid-run; drafts proposed and
+    accepted."""
     from kvjax.config import SpeculativeConfig  # noqa: PLC0415
     cfg = ModelConfig(**VARIANTS["gqa"])
     params = params_of("gqa")
-    spec = SpeculativeConfig(drafter=drafter, k=3, draft_window_size=4,
-                             draft_sink_tokens=1, draft_kv_dtype="int8",
-                             draft_num_layers=1) if drafter == "self" else \
-        SpeculativeConfig(drafter="model", k=2, draft_config="configs/mqa.py")
+    spec = {"self": SpeculativeConfig(drafter="self", k=3, draft_window_size=4,
+                                      draft_sink_tokens=1, draft_kv_dtype="int8",
+                                      draft_num_layers=1),
+            "self_target": SpeculativeConfig(drafter="self", k=3, draft_window_size=4,
+                                             draft_sink_tokens=1, draft_kv_source="target"),
+            "model": SpeculativeConfig(drafter="model", k=2,
+                                       draft_config="configs/mqa.py")}[drafter]
     draft = None
     if drafter == "model":
         draft = (params, cfg)
@@ -150,6 +155,7 @@ def test_speculative_engine_with_a_draft_model_keeps_the_plain_tokens(drafter):
     for c, r in zip(done, reqs):
         assert c.tokens == alone(cfg, params, list(r.prompt), r.max_new_tokens), c.id
     assert stats.proposed > 0 and 0 < stats.accepted <= stats.proposed
+    assert (eng.draft_cache is None) == (drafter == "self_target")
     if drafter == "model":  # the target drafting for itself: only budgets cut a round
         assert stats.accepted == stats.proposed, (stats.accepted, stats.proposed)
 

@@ -48,6 +48,8 @@ def _draft(params, cfg, spec, prompts):
         return None
     dcfg = S.draft_config(cfg, spec)
     dparams = S.draft_params(params, cfg, dcfg)
+    if spec.draft_kv_source == "target":  # copied from the target's cache each round
+        return dparams, dcfg, None
     dcache = S.init_draft_cache(dcfg, len(prompts), MAX_LEN, spec.k)
     _, dcache = _prefill(dparams, dcfg, prompts, dcache)
     return dparams, dcfg, dcache
@@ -91,12 +93,15 @@ DRAFTERS = {
                                      draft_sink_tokens=1),
     "self_layers": SpeculativeConfig(drafter="self", k=4, draft_window_size=0,
                                      draft_num_layers=1),
+    "self_target": SpeculativeConfig(drafter="self", k=3, draft_window_size=6,
+                                     draft_sink_tokens=2, draft_kv_source="target"),
 }
 
 
 # each cache kind with a drafter
 CASES = [("gqa", "ngram"), ("ring_sinks", "self_window"), ("int8", "self_layers"),
-         ("mla", "ngram")]
+         ("mla", "ngram"), ("ring_sinks", "self_target"), ("int8", "self_target"),
+         ("mla", "self_target")]
 
 
 @pytest.mark.parametrize("name,drafter", CASES)
@@ -269,6 +274,22 @@ def test_bad_speculative_input_is_refused_naming_the_value():
     cache = init_cache(cfg, 1, MAX_LEN)  # lockstep
     with pytest.raises(ValueError, match="lockstep"):
         S.generate(params, cfg, DRAFTERS["ngram"], [[1, 2]], jnp.array([1]), cache, 4)
+    # a ring without k + 1 spare slots: a rejected draft would evict a key the window
+    # still shows (target's cache or the draft's)
+    rcfg = tiny_ring_config(8, 2)
+    rparams = model_lib.init_params(rcfg, 1)
+    spec = SpeculativeConfig(drafter="ngram", k=3)
+    with pytest.raises(ValueError, match=r"cache holds 8 slots for window_size=8; "
+                                         r"allowed: at least 12"):
+        S.generate(rparams, rcfg, spec, [[1, 2]], jnp.array([1]),
+                   init_cache(rcfg, 1, MAX_LEN, ragged=True), 4)
+    spec = SpeculativeConfig(drafter="self", k=3, draft_window_size=8, draft_sink_tokens=2)
+    dparams, dcfg = S.self_draft(params, cfg, spec)
+    with pytest.raises(ValueError, match=r"draft cache holds 11 slots for window_size=8"):
+        S.generate(params, cfg, spec, [[1, 2]], jnp.array([1]),
+                   S.init_target_cache(cfg, 1, MAX_LEN, 3), 4,
+                   draft=(dparams, dcfg, init_cache(dcfg, 1, MAX_LEN, ragged=True,
+                                                    spare_slots=3)))
 
 
 def test_expected_tokens_and_the_predicted_speedup():
@@ -319,6 +340,13 @@ def test_the_main_job_decodes_speculatively_as_it_decodes_plainly(cycle, tok):
     assert sp["accepted"][0] > 0 and sum(sp["rounds"]) < 11  # fewer verify steps than tokens
     gen = runner.decode_prompt(dataclasses.replace(spec, stop_at_eos=True), loaded)
     assert gen.stop_reason == "eos" and gen.stop_token == b and gen.generated_ids == [a]
+    for source in ("own", "target"):  # a window draft with its own cache, or the target's
+        run = dataclasses.replace(base, speculative=SpeculativeConfig(
+            drafter="self", k=2, draft_window_size=4, draft_sink_tokens=1,
+            draft_kv_source=source))
+        gen = runner.decode_prompt(run, loaded)
+        assert gen.generated_ids == plain.generated_ids, source
+        assert gen.speculative["config"]["draft_kv_source"] == source
 
 
 def test_chat_prompts_are_t_tokens_of_template_excerpt_and_question():
@@ -341,3 +369,75 @@ def test_chat_prompts_are_t_tokens_of_template_excerpt_and_question():
     assert len(users) == 3  # a different stretch of the stream per row
     with pytest.raises(ValueError, match=r"--contexts value 50 with --prompts=chat"):
         spec_exp.chat_prompts(tok, 50, 1, stream=stream)
+
+
+def test_experiment_point_drafts_over_the_window_cache_not_the_targets():
+    """experiments.speculative.point with a 'self' draft keeping every layer (its params
+    are the target's very arrays): the draft runs over its own ring of W + k_max + 1
+    slots, not the target's dense cache, and the tokens still equal plain decoding's."""
+    import types  # noqa: PLC0415
+
+    from tests.conftest import import_entry_point  # noqa: PLC0415
+    spec_exp = import_entry_point("speculative")
+    cfg = tiny_config(tie_embeddings=False)
+    params = model_lib.init_params(cfg, 3)
+    assert S.self_draft(params, cfg, SpeculativeConfig(drafter="self"))[0] is params
+    loaded = types.SimpleNamespace(cfg=cfg, params=params)
+    run = types.SimpleNamespace(speculative=SpeculativeConfig(
+        drafter="self", draft_window_size=8, draft_sink_tokens=2))  # point reads only this
+    prompts = [list(range(1, 41)), list(range(50, 90))]
+    rows = spec_exp.point(loaded, run, prompts, ["self"], [1, 3], 6, 1, 16)
+    assert [r["k"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["draft_window_size"] == 8
+        assert r["draft_cache_slots"] == 8 + 3 + 1  # W + k_max + 1 spare, not 40 + 6 + 1
+        assert r["equal_to_plain"]
+
+
+def test_a_draft_over_the_targets_window_that_sees_every_token_accepts_every_draft():
+    """draft_kv_source='target' with a window wider than the row: the draft attends to
+    exactly the target's own keys (copied each round), so it is the target and greedy
+    accepts every draft; with a narrow window it accepts fewer, still emitting the plain
+    tokens. Either way the draft keeps no cache (the loop returns None for it)."""
+    cfg = CONFIGS["gqa"]
+    params = model_lib.init_params(cfg, 1)
+    prompts = _prompts(2)
+    _, want, _ = _plain(params, cfg, prompts, 16)
+    wide = SpeculativeConfig(drafter="self", k=3, draft_window_size=64, draft_sink_tokens=0,
+                             draft_kv_source="target")
+    _, (got, stats, _, dcache) = _spec(params, cfg, wide, prompts, 16)
+    assert got == want and dcache is None
+    assert stats.accepted == stats.proposed and stats.tokens_per_step == 4.0
+    narrow = dataclasses.replace(wide, draft_window_size=3, draft_sink_tokens=1)
+    _, (got, stats, _, _) = _spec(params, cfg, narrow, prompts, 16)
+    assert got == want and stats.acceptance_rate < 1.0
+
+
+def test_a_draft_over_the_targets_window_is_refused_where_it_cannot_be_built():
+    with pytest.raises(ConfigError, match="speculative.draft_kv_source='copy'"):
+        SpeculativeConfig(drafter="self", draft_kv_source="copy")
+    with pytest.raises(ConfigError, match="draft_window_size=0"):
+        SpeculativeConfig(drafter="self", draft_window_size=0, draft_num_layers=1,
+                          draft_kv_source="target")
+    with pytest.raises(ConfigError, match="draft_kv_dtype='int4'"):
+        SpeculativeConfig(drafter="self", draft_kv_dtype="int4", draft_kv_source="target")
+    with pytest.raises(ConfigError, match="drafter='model'"):
+        SpeculativeConfig(drafter="model", draft_config="configs/mqa.py",
+                          draft_kv_source="target")
+    cfg = CONFIGS["gqa"]
+    params = model_lib.init_params(cfg, 1)
+    spec = DRAFTERS["self_target"]
+    own = dataclasses.replace(spec, draft_kv_source="own")
+    cache = S.init_target_cache(cfg, 1, MAX_LEN, spec.k)
+    with pytest.raises(ValueError, match="a draft cache of None slots with speculative."
+                                         "draft_kv_source='own'"):
+        S.generate(params, cfg, own, [[1, 2]], jnp.array([1]), cache, 4,
+                   draft=_draft(params, cfg, spec, [[1, 2]]))
+    with pytest.raises(ValueError, match="a draft cache of 10 slots with speculative."
+                                         "draft_kv_source='target'"):
+        S.generate(params, cfg, spec, [[1, 2]], jnp.array([1]), cache, 4,
+                   draft=_draft(params, cfg, own, [[1, 2]]))
+    from kvjax.inference.paged_engine import PagedEngine  # noqa: PLC0415
+    with pytest.raises(ConfigError, match="draft_kv_source='target' with page_size=4"):
+        PagedEngine(params, cfg, max_rows=2, max_seq_len=MAX_LEN, page_size=4, num_pages=40,
+                    speculative=spec)

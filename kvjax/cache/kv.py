@@ -39,7 +39,7 @@ from kvjax.plan import SEQ
 __all__ = ["KVCache", "TensorSpec", "tensor_specs", "slot_axis", "to_layout", "layouts",
            "check_layouts", "layer_shapes", "num_slots", "init_cache", "cache_spec",
            "cache_bytes", "total_bytes", "encode", "read", "row_scales", "channel_axis",
-           "write", "write_seq_sharded", "chunk_slots", "clear_unseen",
+           "write", "write_seq_sharded", "chunk_slots", "clear_unseen", "window_view",
            "advance", "ring_slots", "next_positions", "slot_of", "attention_mask",
            "policy_for", "DenseSlots", "RingSlots", "CacheOverflowError"]
 
@@ -249,6 +249,82 @@ def clear_unseen(cfg: ModelConfig, cache: KVCache) -> KVCache:
                else jax.vmap(lambda x, n=n: clear(x, n))(t)  # stacked: [L, B, ...]
                for n, t in cache.tensors.items()}
     return cache.replace(tensors=tensors)
+
+
+def window_view(cache: KVCache, cfg: ModelConfig, view_cfg: ModelConfig,
+                num_slots_: int) -> KVCache:
+    """A ring cache for ``view_cfg`` (a window W with s sinks, the first L' <= L layers of
+    ``cfg``, the same element types) holding what ``cache`` holds of each row's sinks and
+    last ``num_slots_ - s`` positions: a copy of the keys and values the full model
+    computed, which a window draft then attends to and writes after (MagicDec, Chen et
+    al. 2024, and TriForce, Sun et al. 2024: the draft's StreamingLLM window over the
+    target's own KV). Reads B x num_slots_ slots per layer, never the rest of the cache.
+
+    Args:
+      cache: a ragged or lockstep :class:`KVCache` of ``cfg`` (dense rows or a ring).
+      cfg: its config. view_cfg: the view's (``window_size`` > 0; its layouts may differ).
+      num_slots_: S_v, the view's slots (W plus the spare slots its writes need).
+    Returns:
+      A ragged :class:`KVCache` of S_v slots per row and ``view_cfg.num_layers`` layers;
+      ``length`` is ``cache.length``; a slot whose position ``cache`` does not hold (not
+      written yet, or evicted from a ring) has position -1 and never shows.
+    Raises:
+      ValueError: ``view_cfg`` without a window, with more layers than ``cfg`` or with
+        another kv_dtype; num_slots_ not above its sinks.
+    """
+    pol = policy_for(view_cfg)
+    if pol.kind != "ring" or view_cfg.num_layers > cfg.num_layers \
+            or view_cfg.kv_dtype != cfg.kv_dtype or view_cfg.is_mla != cfg.is_mla:
+        raise ValueError(
+            f"window_view of a cache for window_size={view_cfg.window_size}, num_layers="
+            f"{view_cfg.num_layers}, kv_dtype={view_cfg.kv_dtype!r}; allowed: a window > 0 "
+            f"over at most the cache's {cfg.num_layers} layers, its kv_dtype="
+            f"{cfg.kv_dtype!r} and attention kind")
+    sinks = pol.num_sink_tokens
+    if num_slots_ <= sinks:
+        raise ValueError(f"num_slots_={num_slots_}; allowed: more than the {sinks} sinks")
+    ring = num_slots_ - sinks
+    last = cache.length[:, None] - 1  # [B, 1] the newest position written
+    j = jnp.arange(num_slots_, dtype=jnp.int32)[None, :]
+    # the newest position p <= last with slot_of(p) == j (p = j for a sink slot)
+    p = jnp.where(j < sinks, j, last - jnp.mod(last - j, ring))
+    p = jnp.where((p >= 0) & (p <= last) & ((j < sinks) | (p >= sinks)), p, -1)
+    src = jnp.clip(policy_for(cfg).slot_of(jnp.maximum(p, 0), cache.num_slots),
+                   0, cache.num_slots - 1)
+    held = jnp.take_along_axis(cache.positions, src, axis=1)
+    p = jnp.where((p >= 0) & (held == p), p, -1)
+    n = view_cfg.num_layers
+    # Dense rows hold position p at slot p, so a row's last `ring` positions are one
+    # contiguous slab: slice it (a dynamic slice per row) and rotate it into ring order
+    # (slot s + m holds the slab's position congruent to s + m mod ring), instead of a
+    # gather of single slots. A ring source (or one too short) takes the gather.
+    slab = policy_for(cfg).kind != "ring" and cache.num_slots >= ring
+    start = jnp.clip(cache.length - ring, 0, cache.num_slots - ring)  # [B]
+    shift = jnp.mod(start - sinks, ring)
+
+    def rows(x, ax, batch_axis):  # [L?, B, ...] -> the sinks, then the rotated slab
+        def one(xr, st, sh):
+            lin = jax.lax.dynamic_slice_in_dim(xr, st, ring, axis=ax)
+            return jnp.roll(lin, sh, axis=ax)
+        out = jax.vmap(one, in_axes=(batch_axis, 0, 0), out_axes=batch_axis)(
+            x, start, shift)
+        return jnp.concatenate([jax.lax.slice_in_dim(x, 0, sinks, axis=ax), out], axis=ax)
+
+    def gather(x, name, stacked):  # x [L?, B, ...] with the slot axis of cfg's layout
+        ax = slot_axis(cfg, name)
+        if slab:
+            out = rows(x, ax, int(stacked))
+        else:
+            shape = [1] * x.ndim
+            shape[int(stacked)] = src.shape[0]
+            shape[ax] = num_slots_
+            out = jnp.take_along_axis(x, src.reshape(shape), axis=ax)
+        return out if slot_axis(view_cfg, name) == ax else jnp.swapaxes(out, -1, -2)
+
+    tensors = {name: tuple(gather(x, name, False) for x in t[:n]) if isinstance(t, tuple)
+               else gather(t[:n], name, True) for name, t in cache.tensors.items()}
+    return KVCache(tensors=tensors, positions=p, length=cache.length,
+                   layouts=layouts(view_cfg), ragged=True)
 
 
 def cache_spec(cfg: ModelConfig, batch_size: int, max_seq_len: int) -> KVCache:

@@ -340,8 +340,9 @@ class Engine:
             self.dcfg = dcfg if dcfg.plan is not None else planner.resolve(
                 dcfg, max_seq_len=self.max_seq_len + k + 1, batch_sizes=(self.num_slots,),
                 rows=(2 * self.num_slots,))
-            self.draft_cache = spec_lib.init_draft_cache(self.dcfg, self.num_slots,
-                                                         self.max_seq_len, k)
+            if self.spec.draft_kv_source == "own":  # 'target': copied from self.cache
+                self.draft_cache = spec_lib.init_draft_cache(self.dcfg, self.num_slots,
+                                                             self.max_seq_len, k)
         self._pending = jnp.zeros(self.num_slots, jnp.int32)
         self._has_pending = jnp.zeros(self.num_slots, bool)
         self._calls = 0
@@ -417,7 +418,7 @@ class Engine:
             self.params, tokens, lengths, row, cfg=self._prefill_cfg(bucket))
         first = ragged.first_tokens(logits, self._key(req.id)[None], self.sampling)
         drow = None
-        if self.dcfg is not None:
+        if self.draft_cache is not None:
             drow = spec_lib.init_draft_cache(self.dcfg, 1, self.max_seq_len, self.spec.k)
             _, drow = ragged.prefill_ragged_program(
                 self.dparams, tokens, lengths, drow, cfg=self._prefill_cfg(bucket, True))

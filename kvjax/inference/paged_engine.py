@@ -49,7 +49,7 @@ from kvjax import cache as cache_lib
 from kvjax import planner
 from kvjax.cache import paged
 from kvjax.cache.policy import written_tokens
-from kvjax.config import ModelConfig, SamplingConfig, SpeculativeConfig
+from kvjax.config import ConfigError, ModelConfig, SamplingConfig, SpeculativeConfig
 from kvjax.inference import ragged
 from kvjax.inference import speculative as spec_lib
 from kvjax.inference.engine import (Completion, EngineStats, Ledger, Request,
@@ -172,7 +172,8 @@ class PagedEngine:
         steps_per_sync, a pool smaller than one request of max_seq_len tokens, or
         draft= without speculative= (each named with its value).
       ConfigError: a drafter the config cannot build
-        (:func:`kvjax.inference.speculative.check_draft`), before any work.
+        (:func:`kvjax.inference.speculative.check_draft`), or a draft that copies the
+        target's window (``draft_kv_source='target'``: rows on pages), before any work.
     """
 
     def __init__(self, params, cfg: ModelConfig, max_rows: int, max_seq_len: int,
@@ -202,6 +203,11 @@ class PagedEngine:
             draft = spec_lib.self_draft(params, cfg, speculative)
         if speculative is not None:
             spec_lib.check_draft(cfg, None if draft is None else draft[1], speculative)
+            if draft is not None and speculative.draft_kv_source == "target":
+                raise ConfigError(
+                    "speculative.draft_kv_source='target' with page_size="
+                    f"{page_size}; allowed: 'own' on pages (the window copy reads dense "
+                    "or ring rows only), or 'target' with page_size=0")
         elif draft is not None:
             raise ValueError("draft= without speculative=; allowed: a draft with a "
                              "SpeculativeConfig whose drafter is 'self' or 'model'")

@@ -454,14 +454,15 @@ def decode_speculative(run: RunConfig, loaded: LoadedModel) -> Generation:
     if dcfg is not None:
         dcfg = planner.resolve(dcfg, max_seq_len=run.max_seq_len + k + 1, batch_sizes=(b,),
                                rows=(b * len(ids), 2 * b))
-        draft = speculative.init_draft_cache(dcfg, b, run.max_seq_len, k)
+        if spec.draft_kv_source == "own":  # 'target': the draft copies the target's window
+            draft = speculative.init_draft_cache(dcfg, b, run.max_seq_len, k)
     if run.prefill_chunk:
         prefill = functools.partial(decode.prefill_chunked, chunk=run.prefill_chunk)
     else:  # compiled ahead of time, so the prefill's time is the prefill's
         programs = {id(c): decode.prefill_program.lower(p, tokens, x, cfg=c,
                                                         fresh=True).compile()
                     for p, c, x in ((params, cfg, cache), (dparams, dcfg, draft))
-                    if c is not None}
+                    if x is not None}
 
         def prefill(p, c, tokens, x):
             return programs[id(c)](p, tokens, x)
@@ -472,7 +473,7 @@ def decode_speculative(run: RunConfig, loaded: LoadedModel) -> Generation:
     logits, cache = prefill(params, cfg, tokens, cache)
     if draft is not None:
         _, draft = prefill(dparams, dcfg, tokens, draft)
-        draft = (dparams, dcfg, draft)
+    draft = None if dcfg is None else (dparams, dcfg, draft)
     logits.block_until_ready()
     prefill_s = time.perf_counter() - start
     first = sampling.sample_logits(logits, key, run.sampling)

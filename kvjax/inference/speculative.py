@@ -195,20 +195,26 @@ def ngram_draft(hist: jax.Array, hist_len: jax.Array, k: int, ngram_max: int,
 
 
 def _draft_with_model(dparams, dcfg: ModelConfig, dcache: KVCache, last, pending,
-                      has_pending, active, k: int, sampling: SamplingConfig, key):
+                      has_pending, active, k: int, sampling: SamplingConfig, key,
+                      can_pend: bool = True):
     """k draft tokens from the draft model over its cache.
 
     The draft cache holds the row's tokens before ``last``, except, after a round whose
     k drafts were all accepted, the last draft (``pending``, ``has_pending``): the first
     forward feeds [pending, last] (2 tokens) or [last] (1), the next k - 1 one token each.
+    ``can_pend`` (static) False: no row can have a pending draft (a window copied from
+    the target's cache each round), so the first forward is a one-token step too.
     ``key``: one PRNG key for the batch, or [B] keys, one per row (a row's drafts then
     never depend on its batch-mates).
     Returns (drafts [B, k] int32, q [B, k, V] float32 or None when greedy, dcache).
     """
-    pair = jnp.where(has_pending[:, None], jnp.stack([pending, last], 1),
-                     jnp.stack([last, last], 1))
-    n0 = jnp.where(active, 1 + has_pending.astype(jnp.int32), 0)
-    pos = dcache.length[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
+    if can_pend:
+        pair = jnp.where(has_pending[:, None], jnp.stack([pending, last], 1),
+                         jnp.stack([last, last], 1))
+        n0 = jnp.where(active, 1 + has_pending.astype(jnp.int32), 0)
+    else:
+        pair, n0 = last[:, None], active.astype(jnp.int32)
+    pos = dcache.length[:, None] + jnp.arange(pair.shape[1], dtype=jnp.int32)[None, :]
     logits, dcache = model_lib.forward(dparams, dcfg, pair, pos, dcache, num_valid=n0,
                                        last_only=True)
     one = active.astype(jnp.int32)
@@ -402,7 +408,9 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
 
     Args:
       params, dparams: the target's and the draft model's parameters (None: 'ngram').
-      cache, draft_cache: the target's ragged cache and the draft's (or None).
+      cache, draft_cache: the target's ragged cache and the draft's (None for 'ngram',
+        and for a draft with ``spec.draft_kv_source='target'``, whose ring is copied
+        from ``cache`` every round: :func:`kvjax.cache.window_view`).
       last: [B] int32 each row's last token (emitted, not yet written).
       active: [B] bool rows that decode. remaining: [B] int32 tokens each may emit.
       hist: [B, H] int32 each row's tokens so far (prompt, emitted, ``last``), valid
@@ -431,6 +439,9 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
     """
     b = last.shape[0]
     k = spec.k
+    shared_window = draft_cfg is not None and spec.draft_kv_source == "target"
+    draft_slots = (policy_for(draft_cfg).num_slots(0) + _spare(draft_cfg, k)
+                   if shared_window else 0)  # init_draft_cache's ring
     cache = model_lib.clear_masked_slots(cfg, cache, k + 1)
     draft_cache = model_lib.clear_masked_slots(draft_cfg, draft_cache)
     h = hist.shape[1]
@@ -461,13 +472,16 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
         limit = jnp.minimum(k + 1, s["remaining"])  # tokens this round may emit
         nv = jnp.where(active, jnp.maximum(limit, 1), 0)
         dcache, q = s["dcache"], None
+        if shared_window:  # the draft's ring rebuilt from the target's cache every round
+            dcache = cache_lib.window_view(s["cache"], cfg, draft_cfg, draft_slots)
         if spec.drafter == "ngram":
             drafts, _ = ngram_draft(s["hist"], s["hist_len"], k, spec.ngram_max,
                                     spec.ngram_min)
         else:
             drafts, q, dcache = _draft_with_model(dparams, draft_cfg, dcache, s["last"],
                                                   s["pending"], s["has_pending"], active,
-                                                  k, sampling, kd)
+                                                  k, sampling, kd,
+                                                  can_pend=not shared_window)
         chunk = jnp.concatenate([s["last"][:, None], drafts], axis=1)
         length = s["cache"].length
         pos = length[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
@@ -495,7 +509,9 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
         last = jnp.where(active, jnp.take_along_axis(
             emitted, jnp.maximum(n_emit - 1, 0)[:, None], axis=1)[:, 0], s["last"])
         pending, has_pending = s["pending"], s["has_pending"]
-        if dcache is not None:
+        if shared_window:
+            dcache = None  # rebuilt next round from what the target kept
+        elif dcache is not None:
             # the draft cache holds [pending?, last, d_1..d_{k-1}]: all k accepted (and
             # the row goes on), it lacks d_k, fed first next round; else cut it back
             full = active & (n_emit == k + 1)
@@ -669,6 +685,25 @@ def _check(cfg, spec, cache, num_steps, draft):
         raise ValueError("a lockstep cache; allowed: init_target_cache(...) (ragged rows: "
                          "rows accept different numbers of drafts)")
     check_draft(cfg, None if draft is None else draft[1], spec)
+    if draft is not None and (draft[2] is None) != (spec.draft_kv_source == "target"):
+        raise ValueError(
+            f"a draft cache of {None if draft[2] is None else draft[2].num_slots} slots "
+            f"with speculative.draft_kv_source={spec.draft_kv_source!r}; allowed: None "
+            "with 'target' (the draft copies the target's window each round), a cache "
+            "from init_draft_cache with 'own'")
+    if spec.draft_kv_source == "target" and draft is not None and not isinstance(
+            cache, KVCache):
+        raise ValueError("speculative.draft_kv_source='target' over a paged cache; "
+                         "allowed: a dense or ring cache (init_target_cache)")
+    for name, c, kv in (("cache", cfg, cache),) + (
+            () if draft is None or draft[2] is None else
+            (("draft cache", draft[1], draft[2]),)):
+        if policy_for(c).kind == "ring" and kv.num_slots - c.window_size < _spare(c, spec.k):
+            raise ValueError(
+                f"{name} holds {kv.num_slots} slots for window_size={c.window_size}; "
+                f"allowed: at least {c.window_size + _spare(c, spec.k)} (k + 1 = "
+                f"{spec.k + 1} spare, so a rejected draft evicts no key the window shows: "
+                "init_target_cache / init_draft_cache)")
     cache_lib.policy_for(cfg).check_room(jax.device_get(cache.length), num_steps,
                                          cache.num_slots, "speculative generate")
 
@@ -700,8 +735,9 @@ def generate(params, cfg: ModelConfig, spec: SpeculativeConfig, prompts, first_t
       cache: the target's prefilled cache (:func:`init_target_cache`; donated).
       num_steps: tokens to emit after first_token per row (>= 0).
       draft: (draft_params, draft_cfg, draft_cache) for 'self'/'model': the draft cache
-        prefilled with the same prompts (:func:`init_draft_cache`; donated); None for
-        'ngram'.
+        prefilled with the same prompts (:func:`init_draft_cache`; donated), or None in
+        its place with ``spec.draft_kv_source='target'`` (the draft's window copied from
+        the target's cache each round); None for 'ngram'.
       rng: PRNG key (default key 0). sampling: the target's (static).
       eos_ids: end-of-generation ids (-1 entries never match).
       compiled: :func:`compile_program`'s result for these arguments (None: jit).
@@ -710,7 +746,9 @@ def generate(params, cfg: ModelConfig, spec: SpeculativeConfig, prompts, first_t
       SpeculativeStats; the target cache; the draft cache or None).
     Raises:
       ConfigError: drafter 'none', a draft missing or given wrongly, vocabularies differ.
-      ValueError: num_steps not an integer >= 0, or a cache that is not ragged.
+      ValueError: num_steps not an integer >= 0, a cache that is not ragged, a ring
+        cache (target's or draft's) with fewer than k + 1 slots beyond its window, or a
+        draft cache given with ``draft_kv_source='target'`` (or missing with 'own').
       CacheOverflowError: the tokens would not fit in the cache (plain decoding's rule:
         the same tokens are written).
     """
