@@ -46,7 +46,6 @@ import numpy as np
 from absl import app, flags
 
 from experiments import cli
-from kvjax import cache as cache_lib
 from kvjax import planner
 from kvjax.analysis import hardware, report, theory
 from kvjax.analysis import speculative as spec_theory
@@ -259,7 +258,7 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk) -> lis
             verify_s = time_step(params, cfg, _copy(tcache), k + 1, repeats)[0]
             draft_s = 0.0
             if shared:  # the step over the window a round copies from the target
-                dcache = cache_lib.window_view(tcache, cfg, dcfg, dcfg.window_size + k + 1)
+                dcache = S.draft_window(tcache, cfg, dcfg, k)
             if dcfg is not None:
                 draft_s = time_step(dparams, dcfg, _copy(dcache), 1, repeats)[0]
             e = stats.tokens_per_step

@@ -497,7 +497,7 @@ class SpeculativeConfig:
       draft_num_layers: 'self': the draft runs the first L' layers only (0: all).
       draft_kv_source: 'self': where the draft's window comes from. 'own': a cache the
         draft prefills and keeps itself (its window's keys computed by the windowed
-        model); 'target': each round copies the sinks and last W positions of the
+        model); 'target': each round copies the sinks and the window's positions of the
         target's cache (the keys the full model computed: MagicDec, Chen et al. 2024),
         so the draft has no prefill and no cache of its own. 'target' needs a window and
         the target's kv_dtype.

@@ -65,7 +65,8 @@ from kvjax.inference.sampling import (NONFINITE, is_stop, nonfinite_rows, sample
 from kvjax.models import model as model_lib
 
 __all__ = ["draft_config", "draft_params", "check_draft", "init_target_cache",
-           "init_draft_cache", "ngram_draft", "take_back", "accept_greedy", "accept_sampled",
+           "init_draft_cache", "draft_window", "ngram_draft", "take_back", "accept_greedy",
+           "accept_sampled",
            "speculative_program", "compile_program", "generate", "SpeculativeStats",
            "history", "slot_history", "put_slot_history", "self_draft",
            "engine_rounds_program"]
@@ -154,6 +155,16 @@ def init_draft_cache(draft_cfg: ModelConfig, batch_size: int, max_seq_len: int,
     dense = policy_for(draft_cfg).kind != "ring"
     return cache_lib.init_cache(draft_cfg, batch_size, max_seq_len + (k + 1) * dense,
                                 ragged=True, spare_slots=_spare(draft_cfg, k))
+
+
+def draft_window(cache: KVCache, cfg: ModelConfig, draft_cfg: ModelConfig,
+                 k: int) -> KVCache:
+    """The ring a draft with ``draft_kv_source='target'`` drafts over this round: each
+    row's sinks and last positions of ``cache`` (the target's, config ``cfg``) copied by
+    :func:`kvjax.cache.window_view` into the slots :func:`init_draft_cache` would give
+    it (W plus k + 1 spare)."""
+    return cache_lib.window_view(cache, cfg, draft_cfg,
+                                 cache_lib.num_slots(draft_cfg, 1) + _spare(draft_cfg, k))
 
 
 def ngram_draft(hist: jax.Array, hist_len: jax.Array, k: int, ngram_max: int,
@@ -440,8 +451,6 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
     b = last.shape[0]
     k = spec.k
     shared_window = draft_cfg is not None and spec.draft_kv_source == "target"
-    draft_slots = (policy_for(draft_cfg).num_slots(0) + _spare(draft_cfg, k)
-                   if shared_window else 0)  # init_draft_cache's ring
     cache = model_lib.clear_masked_slots(cfg, cache, k + 1)
     draft_cache = model_lib.clear_masked_slots(draft_cfg, draft_cache)
     h = hist.shape[1]
@@ -473,7 +482,7 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
         nv = jnp.where(active, jnp.maximum(limit, 1), 0)
         dcache, q = s["dcache"], None
         if shared_window:  # the draft's ring rebuilt from the target's cache every round
-            dcache = cache_lib.window_view(s["cache"], cfg, draft_cfg, draft_slots)
+            dcache = draft_window(s["cache"], cfg, draft_cfg, k)
         if spec.drafter == "ngram":
             drafts, _ = ngram_draft(s["hist"], s["hist_len"], k, spec.ngram_max,
                                     spec.ngram_min)
