@@ -236,7 +236,7 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk) -> lis
                 dcfg = planner.resolve(dcfg, max_seq_len=max_len + k_max + 1,
                                        batch_sizes=(b,), rows=rows_needed)
             f1, tcache = prefilled("target", cfg, params)
-            shared = dcfg is not None and spec.draft_kv_source == "target"
+            shared = spec.copies_target_window
             dcache = None if dcfg is None or shared else prefilled("self", dcfg, dparams)[1]
             draft = None if dcfg is None else (dparams, dcfg, dcache)
             compiled = S.compile_program(params, cfg, spec, prompts, f1, tcache, steps,

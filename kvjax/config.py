@@ -564,6 +564,14 @@ class SpeculativeConfig:
         """Whether decoding is speculative (a drafter other than 'none')."""
         return self.drafter != "none"
 
+    @property
+    def copies_target_window(self) -> bool:
+        """Whether the draft keeps no cache of its own: a 'self' draft with
+        ``draft_kv_source='target'``, whose window is copied from the target's cache
+        every round (``kvjax.cache.window_view``). False for 'ngram' (no cache at all),
+        which accepts and ignores the setting."""
+        return self.drafter == "self" and self.draft_kv_source == "target"
+
 
 MESH_AXES = ("data", "model", "seq")
 

@@ -48,7 +48,7 @@ def _draft(params, cfg, spec, prompts):
         return None
     dcfg = S.draft_config(cfg, spec)
     dparams = S.draft_params(params, cfg, dcfg)
-    if spec.draft_kv_source == "target":  # copied from the target's cache each round
+    if spec.copies_target_window:  # copied from the target's cache each round
         return dparams, dcfg, None
     dcache = S.init_draft_cache(dcfg, len(prompts), MAX_LEN, spec.k)
     _, dcache = _prefill(dparams, dcfg, prompts, dcache)
@@ -411,6 +411,14 @@ def test_a_draft_over_the_targets_window_that_sees_every_token_accepts_every_dra
     narrow = dataclasses.replace(wide, draft_window_size=3, draft_sink_tokens=1)
     _, (got, stats, _, _) = _spec(params, cfg, narrow, prompts, 16)
     assert got == want and stats.acceptance_rate < 1.0
+
+
+def test_only_a_self_draft_over_the_targets_window_keeps_no_cache_of_its_own():
+    assert DRAFTERS["self_target"].copies_target_window
+    assert not DRAFTERS["self_window"].copies_target_window  # 'own': its own cache
+    # 'ngram' accepts the setting and ignores it (it has no cache at all)
+    assert not SpeculativeConfig(drafter="ngram", draft_kv_source="target"
+                                 ).copies_target_window
 
 
 def test_a_draft_over_the_targets_window_is_refused_where_it_cannot_be_built():

@@ -340,7 +340,7 @@ class Engine:
             self.dcfg = dcfg if dcfg.plan is not None else planner.resolve(
                 dcfg, max_seq_len=self.max_seq_len + k + 1, batch_sizes=(self.num_slots,),
                 rows=(2 * self.num_slots,))
-            if self.spec.draft_kv_source == "own":  # 'target': copied from self.cache
+            if not self.spec.copies_target_window:  # else copied from self.cache
                 self.draft_cache = spec_lib.init_draft_cache(self.dcfg, self.num_slots,
                                                              self.max_seq_len, k)
         self._pending = jnp.zeros(self.num_slots, jnp.int32)

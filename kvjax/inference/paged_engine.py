@@ -203,7 +203,7 @@ class PagedEngine:
             draft = spec_lib.self_draft(params, cfg, speculative)
         if speculative is not None:
             spec_lib.check_draft(cfg, None if draft is None else draft[1], speculative)
-            if draft is not None and speculative.draft_kv_source == "target":
+            if speculative.copies_target_window:
                 raise ConfigError(
                     "speculative.draft_kv_source='target' with page_size="
                     f"{page_size}; allowed: 'own' on pages (the window copy reads dense "

@@ -454,7 +454,7 @@ def decode_speculative(run: RunConfig, loaded: LoadedModel) -> Generation:
     if dcfg is not None:
         dcfg = planner.resolve(dcfg, max_seq_len=run.max_seq_len + k + 1, batch_sizes=(b,),
                                rows=(b * len(ids), 2 * b))
-        if spec.draft_kv_source == "own":  # 'target': the draft copies the target's window
+        if not spec.copies_target_window:  # else the draft copies the target's window
             draft = speculative.init_draft_cache(dcfg, b, run.max_seq_len, k)
     if run.prefill_chunk:
         prefill = functools.partial(decode.prefill_chunked, chunk=run.prefill_chunk)

@@ -450,7 +450,7 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
     """
     b = last.shape[0]
     k = spec.k
-    shared_window = draft_cfg is not None and spec.draft_kv_source == "target"
+    shared_window = spec.copies_target_window
     cache = model_lib.clear_masked_slots(cfg, cache, k + 1)
     draft_cache = model_lib.clear_masked_slots(draft_cfg, draft_cache)
     h = hist.shape[1]
@@ -694,14 +694,13 @@ def _check(cfg, spec, cache, num_steps, draft):
         raise ValueError("a lockstep cache; allowed: init_target_cache(...) (ragged rows: "
                          "rows accept different numbers of drafts)")
     check_draft(cfg, None if draft is None else draft[1], spec)
-    if draft is not None and (draft[2] is None) != (spec.draft_kv_source == "target"):
+    if draft is not None and (draft[2] is None) != spec.copies_target_window:
         raise ValueError(
             f"a draft cache of {None if draft[2] is None else draft[2].num_slots} slots "
             f"with speculative.draft_kv_source={spec.draft_kv_source!r}; allowed: None "
             "with 'target' (the draft copies the target's window each round), a cache "
             "from init_draft_cache with 'own'")
-    if spec.draft_kv_source == "target" and draft is not None and not isinstance(
-            cache, KVCache):
+    if spec.copies_target_window and draft is not None and not isinstance(cache, KVCache):
         raise ValueError("speculative.draft_kv_source='target' over a paged cache; "
                          "allowed: a dense or ring cache (init_target_cache)")
     for name, c, kv in (("cache", cfg, cache),) + (
