@@ -118,11 +118,14 @@ def _speculative_lines(result: runner.DecodeResult, cfg, c) -> list:
     k, a = sp["k"], sp["acceptance_rate"]
     t = result.prompt_tokens + result.new_tokens // 2  # the run's mean context
     bw = c.step.theory_bytes / c.step_seconds_median  # the plain step's achieved B/s
-    dcfg = None
+    dcfg, copy_slots = None, 0
     if sp["drafter"] == "self":  # the draft as the run built it
-        dcfg = speculative.draft_config(cfg.replace(plan=None),
-                                        SpeculativeConfig(**sp["config"]))
-    r = spec_theory.round_times(cfg, t, k, bw, draft_cfg=dcfg, batch=c.step.batch)
+        spec = SpeculativeConfig(**sp["config"])
+        dcfg = speculative.draft_config(cfg.replace(plan=None), spec)
+        if spec.copies_target_window:  # its ring copied from the target's every round
+            copy_slots = speculative.draft_window_slots(dcfg, k)
+    r = spec_theory.round_times(cfg, t, k, bw, draft_cfg=dcfg, batch=c.step.batch,
+                                copy_slots=copy_slots)
     plain_s = c.loop_seconds_per_token
     spec_s = sp["seconds_per_emitted_token"]
     return [
@@ -140,6 +143,7 @@ def _speculative_lines(result: runner.DecodeResult, cfg, c) -> list:
         f"{bw / 1e9:.1f} GB/s: a verify step moves {r.verify_bytes:,} bytes (weights and "
         f"KV once, k + 1 positions written) against a plain step's {r.plain_bytes:,}"
         + (f", a draft step {r.draft_bytes:,}" if r.draft_bytes else "")
+        + (f", the round's window copy {r.copy_bytes:,}" if r.copy_bytes else "")
         + f"; {r.bytes_per_emitted_token(a):,.0f} bytes per emitted token; predicted "
         f"speedup {spec_theory.expected_tokens(a, k) * r.plain_s / r.round_s:.2f}x "
         "(memory-bound roofline: the verify step's k + 1 times the FLOPs are assumed "

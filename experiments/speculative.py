@@ -11,7 +11,8 @@ documents (the evaluation corpus: real text, different documents per row; with
 ``--new_tokens`` tokens, greedily, by plain decoding (one compiled loop) and by each
 drafter and k (one compiled speculative loop: draft, verify, accept, take back). Per point:
 
-* acceptance rate (drafts accepted / verified), tokens per verify step, the emitted tokens
+* acceptance rate (drafts accepted / verified; over the batch, and per row as
+  ``acceptance_per_row``: rows read different documents), tokens per verify step, the emitted tokens
   (checked equal to plain decoding's: greedy speculative decoding is exact);
 * measured loop time per emitted token (the compiled loop; compilation excluded), and the
   speedup over plain decoding's loop in the same run;
@@ -19,9 +20,16 @@ drafter and k (one compiled speculative loop: draft, verify, accept, take back).
   positions back, so it can be repeated): a plain step, a verify step of k + 1 positions,
   a draft step; the speedup those parts predict, E·T_step / (T_verify + k·T_draft), with
   E the measured tokens per verify step;
-* theory (``kvjax.analysis.speculative``): bytes of each step, and the predicted speedup
-  at the measured acceptance with every time from bytes at the plain step's achieved
-  bandwidth (the memory-bound roofline), so the row shows where measured and theory part.
+* theory (``kvjax.analysis.speculative``): bytes of each step (and of the window copy of
+  a draft over the target's keys), and the predicted speedup at the measured acceptance
+  with every time from bytes at the plain step's achieved bandwidth (memory-bound, the
+  blog's: ``speedup_theory``), so the row shows where measured and theory part. Beside
+  it the same with the machine's float32 peak (measured once before the first point,
+  ``kvjax.analysis.hardware.local_chip``): the roofline, reads and arithmetic
+  overlapped (``speedup_theory_roofline``), and serial, one after the other
+  (``speedup_theory_serial``, the bandwidth refitted so the plain step stays the
+  measured one): the verify step's k + 1 times the FLOPs is where a machine whose ridge
+  is a few FLOP/byte (a 2-core CPU) leaves the memory-bound theory.
 
 Drafters: 'ngram' (prompt lookup, no model) and 'self' (the same weights over a window of
 ``--config.speculative.draft_window_size`` with ``draft_sink_tokens`` sinks: constant in
@@ -183,8 +191,11 @@ def time_step(params, cfg, cache, t_tokens: int, repeats: int) -> float:
     return sec, state["cache"]
 
 
-def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk) -> list:
-    """Every (drafter, k) at one (t, B): rows of measured and predicted figures."""
+def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
+          flops_per_s: float | None = None) -> list:
+    """Every (drafter, k) at one (t, B): rows of measured and predicted figures.
+    ``flops_per_s``: the machine's float32 peak (FLOP/s; None: unknown), for the
+    roofline and serial theories beside the memory-bound one."""
     cfg0, params = loaded.cfg, loaded.params
     b, t = len(prompts), len(prompts[0])
     max_len = t + new_tokens + 1
@@ -262,41 +273,77 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk) -> lis
             if dcfg is not None:
                 draft_s = time_step(dparams, dcfg, _copy(dcache), 1, repeats)[0]
             e = stats.tokens_per_step
-            r = spec_theory.round_times(cfg, t, k, bw, draft_cfg=dcfg, batch=b)
+            copy_slots = S.draft_window_slots(dcfg, k) if shared else 0
+            r, roof, serial = theories(cfg, t, k, b, plain_step_s, flops_per_s, dcfg,
+                                       copy_slots)
             a_eff = spec_theory.acceptance_from_tokens_per_step(min(max(e, 1.0), k + 1), k)
+            e_th = spec_theory.expected_tokens(a_eff, k)
+            nan = float("nan")
             out.append({
                 "t": t, "batch": b, "drafter": drafter, "k": k,
                 "draft_window_size": dcfg.window_size if dcfg is not None else None,
                 "draft_cache_slots": dcache.num_slots if dcache is not None else None,
                 "draft_kv_source": spec.draft_kv_source if dcfg is not None else None,
                 "equal_to_plain": equal, "acceptance_rate": stats.acceptance_rate,
+                "acceptance_per_row": [a / max(p, 1) for a, p in zip(stats.accepted,
+                                                                     stats.proposed)],
                 "tokens_per_step": e, "rounds": sum(stats.rounds),
                 "plain_loop_s": plain_s, "spec_loop_s": spec_s,
                 "speedup_measured": plain_s / spec_s,
                 "plain_step_s": plain_step_s, "verify_step_s": verify_s,
                 "draft_step_s": draft_s,
                 "speedup_from_parts": e * plain_step_s / (verify_s + k * draft_s),
-                "speedup_theory": spec_theory.expected_tokens(a_eff, k) * r.plain_s
-                / r.round_s,
-                "achieved_bytes_per_s": bw,
+                "speedup_theory": e_th * r.plain_s / r.round_s,
+                "speedup_theory_roofline": e_th * roof.plain_s / roof.round_s if roof else nan,
+                "speedup_theory_serial": e_th * serial.plain_s / serial.round_s
+                if serial else nan,
+                "achieved_bytes_per_s": bw, "flops_per_s": flops_per_s,
                 "theory_plain_bytes": r.plain_bytes, "theory_verify_bytes": r.verify_bytes,
-                "theory_draft_bytes": r.draft_bytes,
+                "theory_draft_bytes": r.draft_bytes, "theory_copy_bytes": r.copy_bytes,
                 "theory_bytes_per_emitted_token": r.bytes_per_emitted_token(a_eff),
                 "verify_over_plain_measured": verify_s / plain_step_s,
                 "verify_over_plain_theory": r.verify_s / r.plain_s,
+                "verify_over_plain_roofline": roof.verify_s / roof.plain_s if roof else nan,
+                "verify_over_plain_serial": serial.verify_s / serial.plain_s
+                if serial else nan,
                 "draft_over_plain_measured": draft_s / plain_step_s,
                 "draft_over_plain_theory": r.draft_s / r.plain_s,
+                "draft_over_plain_serial": serial.draft_s / serial.plain_s
+                if serial else nan,
             })
             print(table(out[-1:]), flush=True)
     return out
+
+
+def theories(cfg, t: int, k: int, b: int, plain_step_s: float,
+             flops_per_s: float | None, dcfg, copy_slots: int):
+    """The round's times by three theories (:func:`kvjax.analysis.speculative.round_times`),
+    each fitted to the measured plain step: memory-bound (the blog's: bytes at the plain
+    step's achieved bandwidth), the roofline (the same bandwidth, FLOPs at
+    ``flops_per_s``, overlapped) and serial (FLOPs at ``flops_per_s`` added to the
+    reads, the bandwidth refitted so the plain step is still the measured one). The
+    last two are None without a peak, or (serial) where the plain step's FLOPs alone
+    take longer than it did."""
+    nbytes = theory.step_bytes(cfg, t, b).total
+    bw = nbytes / plain_step_s
+    kw = dict(draft_cfg=dcfg, batch=b, copy_slots=copy_slots)
+    r = spec_theory.round_times(cfg, t, k, bw, **kw)
+    if not flops_per_s:
+        return r, None, None
+    roof = spec_theory.round_times(cfg, t, k, bw, flops_per_s, **kw)
+    mem_s = plain_step_s - theory.step_flops(cfg, t + 1, b).total / flops_per_s
+    serial = None if mem_s <= 0 else spec_theory.round_times(
+        cfg, t, k, nbytes / mem_s, flops_per_s, overlap=False, **kw)
+    return r, roof, serial
 
 
 COLUMNS = (("t", "t"), ("batch", "B"), ("drafter", "drafter"), ("k", "k"),
            ("equal_to_plain", "= plain"), ("acceptance_rate", "accept"),
            ("tokens_per_step", "tok/step"), ("speedup_measured", "speedup"),
            ("speedup_from_parts", "from parts"), ("speedup_theory", "theory"),
+           ("speedup_theory_serial", "serial"),
            ("verify_over_plain_measured", "verify/step"),
-           ("verify_over_plain_theory", "theory"),
+           ("verify_over_plain_theory", "theory"), ("verify_over_plain_serial", "serial"),
            ("draft_over_plain_measured", "draft/step"), ("draft_over_plain_theory", "theory"))
 
 
@@ -349,13 +396,18 @@ def main(argv):
         run = run_config_from_dict(d)
         spec = dataclasses.replace(run.speculative, drafter="self")  # validates the draft
         loaded = runner.load(run, progress=False)
+        chip = hardware.local_chip(measure_flops=True)  # once, before any point
+        flops_per_s = chip.peak_flops("float32")
+        print(f"machine: {hardware.device_name()}; float32 peak "
+              f"{(flops_per_s or float('nan')) / 1e9:.0f} GFLOP/s ({chip.source})", flush=True)
         rows = []
         for t in contexts:
             for b in batches:
                 make = chat_prompts if _PROMPTS.value == "chat" else corpus_prompts
                 prompts = make(loaded.tokenizer, t, b)
                 got = point(loaded, dataclasses.replace(run, speculative=spec), prompts,
-                            _DRAFTERS.value, ks, new_tokens, repeats, _CHUNK.value)
+                            _DRAFTERS.value, ks, new_tokens, repeats, _CHUNK.value,
+                            flops_per_s)
                 rows += [dict(r, prompts=_PROMPTS.value) for r in got]
     except (ConfigError, WeightsError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -365,7 +417,8 @@ def main(argv):
     os.makedirs(_OUT.value, exist_ok=True)
     path = os.path.join(_OUT.value, "speculative.json")
     with open(path, "w") as f:
-        json.dump({"machine": hardware.device_name(), "prompts": _PROMPTS.value,
+        json.dump({"machine": hardware.device_name(), "flops_per_s": flops_per_s,
+                   "prompts": _PROMPTS.value,
                    "new_tokens": new_tokens,
                    "repeats": repeats, "rows": rows}, f, indent=2)
     plot(rows, os.path.join(_OUT.value, "speculative.png"))

@@ -322,6 +322,55 @@ def test_expected_tokens_and_the_predicted_speedup():
     assert spec_theory.predicted_speedup(cfg, t, k, a, bw, flops_per_s=1e3) < 1
 
 
+def test_the_window_copy_and_the_serial_theory():
+    cfg = tiny_config(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16)
+    dcfg = cfg.replace(window_size=32, num_sink_tokens=2)
+    t, k, b, bw, peak = 4096, 2, 3, 1e10, 2e10
+    kv = theory.kv_bytes_per_token(cfg)
+    assert spec_theory.window_copy_bytes(dcfg, 35, b) == 2 * b * 35 * kv
+    assert spec_theory.window_copy_bytes(None, 35, b) == 0
+    with pytest.raises(ValueError, match="slots=-1"):
+        spec_theory.window_copy_bytes(dcfg, -1)
+    own = spec_theory.round_times(cfg, t, k, bw, draft_cfg=dcfg, batch=b)
+    copy = spec_theory.round_times(cfg, t, k, bw, draft_cfg=dcfg, batch=b, copy_slots=35)
+    assert own.copy_s == 0 and copy.copy_s == pytest.approx(2 * b * 35 * kv / bw)
+    assert copy.round_s == pytest.approx(own.round_s + copy.copy_s)
+    assert copy.bytes_per_emitted_token(0.5) - own.bytes_per_emitted_token(0.5) == \
+        pytest.approx(copy.copy_bytes / spec_theory.expected_tokens(0.5, k))
+    # each step: memory-bound <= roofline (the max) <= serial (the sum), closed forms
+    vb = spec_theory.verify_bytes(cfg, t, k, b).total
+    vf = spec_theory.verify_flops(cfg, t, k, b)
+    roof = spec_theory.round_times(cfg, t, k, bw, peak, batch=b)
+    serial = spec_theory.round_times(cfg, t, k, bw, peak, batch=b, overlap=False)
+    assert roof.verify_s == pytest.approx(max(vb / bw, vf / peak))
+    assert serial.verify_s == pytest.approx(vb / bw + vf / peak)
+    assert own.verify_s <= roof.verify_s < serial.verify_s
+
+
+def test_the_experiments_theories_fit_the_measured_plain_step():
+    from tests.conftest import import_entry_point  # noqa: PLC0415
+    spec_exp = import_entry_point("speculative")
+    cfg = tiny_config(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16)
+    t, k, b, plain_s = 4096, 4, 2, 1e-3
+    flops = theory.step_flops(cfg, t + 1, b).total
+    peak = 4 * flops / plain_s  # the plain step's FLOPs take a quarter of its time
+    r, roof, serial = spec_exp.theories(cfg, t, k, b, plain_s, peak, None, 0)
+    # every theory's plain step is the measured one (the memory-bound and the roofline
+    # through the achieved bandwidth, serial through the refitted one)
+    for x in (r, roof, serial):
+        assert x.plain_s == pytest.approx(plain_s)
+    # the verify step's k + 1 = 5 times the FLOPs: 1.25 plain steps of arithmetic, over
+    # the reads (roofline) or after 0.75 of them (serial)
+    assert r.verify_s == pytest.approx(plain_s, rel=0.01)
+    assert roof.verify_s == pytest.approx(spec_theory.verify_flops(cfg, t, k, b) / peak)
+    assert serial.verify_s == pytest.approx(0.75 * plain_s * r.verify_bytes / r.plain_bytes
+                                            + spec_theory.verify_flops(cfg, t, k, b) / peak)
+    assert r.verify_s < roof.verify_s < serial.verify_s
+    assert spec_exp.theories(cfg, t, k, b, plain_s, None, None, 0)[1:] == (None, None)
+    # a plain step whose FLOPs alone take longer than it did: no serial fit
+    assert spec_exp.theories(cfg, t, k, b, plain_s, flops / plain_s / 2, None, 0)[2] is None
+
+
 def test_the_main_job_decodes_speculatively_as_it_decodes_plainly(cycle, tok):
     # the runner's speculative path (--config.speculative.drafter=ngram) on a model that
     # cycles A, B, C: the same ids and stops as plain decoding, the n-gram drafts accepted
@@ -392,6 +441,19 @@ def test_experiment_point_drafts_over_the_window_cache_not_the_targets():
         assert r["draft_window_size"] == 8
         assert r["draft_cache_slots"] == 8 + 3 + 1  # W + k_max + 1 spare, not 40 + 6 + 1
         assert r["equal_to_plain"]
+        assert r["theory_copy_bytes"] == 0  # its own cache: nothing copied
+        assert len(r["acceptance_per_row"]) == 2
+        assert min(r["acceptance_per_row"]) <= r["acceptance_rate"] \
+            <= max(r["acceptance_per_row"])
+    # over the target's window: each round copies W + k + 1 slots per row, read and
+    # written, into the theory; with a peak, the serial theory beside the memory-bound
+    run = types.SimpleNamespace(speculative=dataclasses.replace(
+        run.speculative, draft_kv_source="target"))
+    rows = spec_exp.point(loaded, run, prompts, ["self"], [2], 6, 1, 16, flops_per_s=1e11)
+    (r,) = rows
+    assert r["equal_to_plain"] and r["draft_kv_source"] == "target"
+    assert r["theory_copy_bytes"] == 2 * 2 * (8 + 2 + 1) * theory.kv_bytes_per_token(cfg)
+    assert r["flops_per_s"] == 1e11 and r["verify_over_plain_serial"] > 1.0
 
 
 def test_a_draft_over_the_targets_window_that_sees_every_token_accepts_every_draft():

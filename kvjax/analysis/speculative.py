@@ -17,7 +17,19 @@ eq. 1). A round costs T_verify + k·T_draft, so
 (Leviathan et al., Theorem 3.8 with c = T_draft / T_step, here with each time from the
 roofline). A draft over a window of W tokens reads weights + KV(min(t, W)): constant in t,
 so past the crossover t* = 6·D (the blog's, where the KV read equals the weights) the
-target's step keeps growing and the draft's does not: the speedup grows with t.
+target's step keeps growing and the draft's does not: the speedup grows with t. A draft
+that copies its window from the target's cache each round (MagicDec's draft,
+``draft_kv_source='target'``) adds the copy to the round: it reads and writes the copied
+slots once, T_copy = 2·B·slots·kv_bytes_per_token / bandwidth.
+
+Each time is the roofline max(bytes / bandwidth, FLOP / peak) (the reads and the
+arithmetic overlap), or with ``overlap=False`` their sum (the serial model of
+:func:`kvjax.analysis.theory.batched_steps`: neither hides the other, the roofline's
+upper bound). With the peak unknown both are the memory term, the blog's. The verify
+step does k + 1 times a plain step's FLOPs over the same bytes, so on a machine whose
+ridge (peak / bandwidth FLOP/byte) is near a plain step's ~1 FLOP/byte (a 2-core CPU:
+~7) it stops being memory-bound at small k; on a GPU (ridge in the hundreds) it stays
+one plain step's cost.
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ from kvjax.analysis import theory
 from kvjax.config import ModelConfig
 
 __all__ = ["expected_tokens", "verify_bytes", "verify_flops", "draft_bytes", "draft_flops",
-           "RoundTimes", "round_times", "predicted_speedup", "crossover_context", "best_k",
+           "window_copy_bytes", "RoundTimes", "round_times", "predicted_speedup", "crossover_context", "best_k",
            "acceptance_from_tokens_per_step"]
 
 
@@ -84,18 +96,39 @@ def draft_flops(draft_cfg: ModelConfig | None, t: int, batch: int = 1) -> int:
     return 0 if draft_cfg is None else theory.step_flops(draft_cfg, t, batch).total
 
 
+def window_copy_bytes(draft_cfg: ModelConfig | None, slots: int, batch: int = 1) -> int:
+    """Bytes of the copy a draft with ``draft_kv_source='target'`` makes each round:
+    ``slots`` slots per row (``kvjax.inference.speculative.draft_window``'s ring: W plus
+    k + 1 spare) read from the target's cache and written into the draft's ring,
+    2·B·slots·kv_bytes_per_token (bytes; the positions' int32 too are left out). 0 for
+    ``slots`` 0 or no draft.
+
+    Raises:
+      ValueError: ``slots`` or ``batch`` negative.
+    """
+    if slots < 0 or batch < 0:
+        raise ValueError(f"slots={slots}, batch={batch}; allowed: integers >= 0")
+    if draft_cfg is None or not slots:
+        return 0
+    return 2 * batch * slots * theory.kv_bytes_per_token(draft_cfg)
+
+
 def _time(num_bytes: float, flops: float, bytes_per_s: float,
-          flops_per_s: float | None) -> float:
-    """Roofline seconds: max(bytes / bandwidth, FLOP / peak) (memory term only when the
-    peak is unknown)."""
+          flops_per_s: float | None, overlap: bool = True) -> float:
+    """Seconds of a step: max(bytes / bandwidth, FLOP / peak) with ``overlap`` (the
+    roofline), their sum without (serial); the memory term only when the peak is
+    unknown."""
     mem = num_bytes / bytes_per_s
-    return mem if not flops_per_s else max(mem, flops / flops_per_s)
+    if not flops_per_s:
+        return mem
+    comp = flops / flops_per_s
+    return max(mem, comp) if overlap else mem + comp
 
 
 @dataclasses.dataclass(frozen=True)
 class RoundTimes:
-    """Roofline seconds of one plain step, one verify step and one draft step, and the
-    bytes behind them, at one (t, k, batch)."""
+    """Seconds of one plain step, one verify step, one draft step and the round's window
+    copy (0 without one), and the bytes behind them, at one (t, k, batch)."""
 
     plain_s: float
     verify_s: float
@@ -104,21 +137,26 @@ class RoundTimes:
     verify_bytes: int
     draft_bytes: int
     k: int
+    copy_s: float = 0.0
+    copy_bytes: int = 0
 
     @property
     def round_s(self) -> float:
-        """T_verify + k·T_draft."""
-        return self.verify_s + self.k * self.draft_s
+        """T_verify + k·T_draft + T_copy."""
+        return self.verify_s + self.k * self.draft_s + self.copy_s
 
     def bytes_per_emitted_token(self, a: float) -> float:
-        """Bytes a round moves per token it emits on average: (verify + k·draft) / E(a, k)."""
-        return (self.verify_bytes + self.k * self.draft_bytes) / expected_tokens(a, self.k)
+        """Bytes a round moves per token it emits on average:
+        (verify + k·draft + copy) / E(a, k)."""
+        return (self.verify_bytes + self.k * self.draft_bytes + self.copy_bytes) \
+            / expected_tokens(a, self.k)
 
 
 def round_times(cfg: ModelConfig, t: int, k: int, bytes_per_s: float,
                 flops_per_s: float | None = None, draft_cfg: ModelConfig | None = None,
-                batch: int = 1) -> RoundTimes:
-    """Roofline times of a plain step, a verify step and a draft step at context t.
+                batch: int = 1, copy_slots: int = 0, overlap: bool = True) -> RoundTimes:
+    """Times of a plain step, a verify step, a draft step and the window copy at
+    context t (module docstring).
 
     Args:
       cfg: the target. t: context (tokens cached). k: drafts per step.
@@ -126,16 +164,21 @@ def round_times(cfg: ModelConfig, t: int, k: int, bytes_per_s: float,
       flops_per_s: peak FLOP/s (None: memory term only).
       draft_cfg: the draft model (None: the n-gram drafter, free in this model).
       batch: B.
+      copy_slots: slots per row a draft over the target's window copies each round
+        (:func:`window_copy_bytes`; 0: none).
+      overlap: True: each step the roofline max(memory, compute); False: their sum.
     """
     pb = theory.step_bytes(cfg, t, batch).total
     pf = theory.step_flops(cfg, t + 1, batch).total
     vb = verify_bytes(cfg, t, k, batch).total
     vf = verify_flops(cfg, t, k, batch)
     db, df = draft_bytes(draft_cfg, t, batch), draft_flops(draft_cfg, t, batch)
-    return RoundTimes(plain_s=_time(pb, pf, bytes_per_s, flops_per_s),
-                      verify_s=_time(vb, vf, bytes_per_s, flops_per_s),
-                      draft_s=_time(db, df, bytes_per_s, flops_per_s) if db else 0.0,
-                      plain_bytes=pb, verify_bytes=vb, draft_bytes=db, k=k)
+    cb = window_copy_bytes(draft_cfg, copy_slots, batch)
+    return RoundTimes(plain_s=_time(pb, pf, bytes_per_s, flops_per_s, overlap),
+                      verify_s=_time(vb, vf, bytes_per_s, flops_per_s, overlap),
+                      draft_s=_time(db, df, bytes_per_s, flops_per_s, overlap) if db else 0.0,
+                      plain_bytes=pb, verify_bytes=vb, draft_bytes=db, k=k,
+                      copy_s=cb / bytes_per_s, copy_bytes=cb)
 
 
 def predicted_speedup(cfg: ModelConfig, t: int, k: int, a: float, bytes_per_s: float,

@@ -65,8 +65,8 @@ from kvjax.inference.sampling import (NONFINITE, is_stop, nonfinite_rows, sample
 from kvjax.models import model as model_lib
 
 __all__ = ["draft_config", "draft_params", "check_draft", "init_target_cache",
-           "init_draft_cache", "draft_window", "ngram_draft", "take_back", "accept_greedy",
-           "accept_sampled",
+           "init_draft_cache", "draft_window", "draft_window_slots", "ngram_draft",
+           "take_back", "accept_greedy", "accept_sampled",
            "speculative_program", "compile_program", "generate", "SpeculativeStats",
            "history", "slot_history", "put_slot_history", "self_draft",
            "engine_rounds_program"]
@@ -162,9 +162,14 @@ def draft_window(cache: KVCache, cfg: ModelConfig, draft_cfg: ModelConfig,
     """The ring a draft with ``draft_kv_source='target'`` drafts over this round: each
     row's sinks and last positions of ``cache`` (the target's, config ``cfg``) copied by
     :func:`kvjax.cache.window_view` into the slots :func:`init_draft_cache` would give
-    it (W plus k + 1 spare)."""
-    return cache_lib.window_view(cache, cfg, draft_cfg,
-                                 cache_lib.num_slots(draft_cfg, 1) + _spare(draft_cfg, k))
+    it (:func:`draft_window_slots`)."""
+    return cache_lib.window_view(cache, cfg, draft_cfg, draft_window_slots(draft_cfg, k))
+
+
+def draft_window_slots(draft_cfg: ModelConfig, k: int) -> int:
+    """Slots per row of :func:`draft_window`'s ring: the window W plus k + 1 spare (what
+    :func:`init_draft_cache` gives a ring), the count a round copies from the target."""
+    return cache_lib.num_slots(draft_cfg, 1) + _spare(draft_cfg, k)
 
 
 def ngram_draft(hist: jax.Array, hist_len: jax.Array, k: int, ngram_max: int,
