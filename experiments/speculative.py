@@ -278,7 +278,7 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
                                        copy_slots)
             a_eff = spec_theory.acceptance_from_tokens_per_step(min(max(e, 1.0), k + 1), k)
             e_th = spec_theory.expected_tokens(a_eff, k)
-            nan = float("nan")
+            nan = None  # no peak (or no serial fit): null in the JSON, '-' in the table
             out.append({
                 "t": t, "batch": b, "drafter": drafter, "k": k,
                 "draft_window_size": dcfg.window_size if dcfg is not None else None,
@@ -318,9 +318,10 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
 def theories(cfg, t: int, k: int, b: int, plain_step_s: float,
              flops_per_s: float | None, dcfg, copy_slots: int):
     """The round's times by three theories (:func:`kvjax.analysis.speculative.round_times`),
-    each fitted to the measured plain step: memory-bound (the blog's: bytes at the plain
+    each from the measured plain step: memory-bound (the blog's: bytes at the plain
     step's achieved bandwidth), the roofline (the same bandwidth, FLOPs at
-    ``flops_per_s``, overlapped) and serial (FLOPs at ``flops_per_s`` added to the
+    ``flops_per_s``, overlapped: its plain step is the measured one while that step is
+    memory-bound at this peak) and serial (FLOPs at ``flops_per_s`` added to the
     reads, the bandwidth refitted so the plain step is still the measured one). The
     last two are None without a peak, or (serial) where the plain step's FLOPs alone
     take longer than it did."""
@@ -348,7 +349,8 @@ COLUMNS = (("t", "t"), ("batch", "B"), ("drafter", "drafter"), ("k", "k"),
 
 
 def table(rows) -> str:
-    return report.format_table([tuple(r[c] for c, _ in COLUMNS) for r in rows],
+    return report.format_table([tuple("-" if r[c] is None else r[c] for c, _ in COLUMNS)
+                                for r in rows],
                                tuple(h for _, h in COLUMNS))
 
 

@@ -26,10 +26,11 @@ Each time is the roofline max(bytes / bandwidth, FLOP / peak) (the reads and the
 arithmetic overlap), or with ``overlap=False`` their sum (the serial model of
 :func:`kvjax.analysis.theory.batched_steps`: neither hides the other, the roofline's
 upper bound). With the peak unknown both are the memory term, the blog's. The verify
-step does k + 1 times a plain step's FLOPs over the same bytes, so on a machine whose
-ridge (peak / bandwidth FLOP/byte) is near a plain step's ~1 FLOP/byte (a 2-core CPU:
-~7) it stops being memory-bound at small k; on a GPU (ridge in the hundreds) it stays
-one plain step's cost.
+step does k + 1 times a plain step's FLOPs (~1 FLOP/byte) over the same bytes: the
+roofline keeps it at one plain step's cost until (k + 1) FLOP/byte reaches the ridge
+(peak / bandwidth; a 2-core CPU: ~7-20, a GPU: hundreds), while the serial model charges
+every one of its FLOPs, which is what a CPU whose cores add their arithmetic to their
+reads pays.
 """
 
 from __future__ import annotations
