@@ -6,20 +6,27 @@ import pytest
 from kvjax import native, planner
 
 
-def test_spread_is_the_interquartile_range_over_the_median():
-    assert planner.spread([1.0, 1.0]) == 0.0
-    assert planner.spread([1.0] * 9) == 0.0
-    assert planner.spread([0.8, 0.9, 1.0, 1.1, 1.2]) == pytest.approx(0.3, rel=0.2)
-
-
 def test_a_pick_inside_the_noise_keeps_the_reference():
-    secs = {"xla": 1.0, "native": 0.9}
-    assert planner._pick(secs) == "native"                          # 10% > 3%
-    assert planner._pick(secs, {"xla": 0.02, "native": 0.05}) == "native"
-    assert planner._pick(secs, {"xla": 0.15, "native": 0.01}) == "xla"  # 10% < 15%
-    assert planner._pick({"xla": 1.0, "native": 0.98}) == "xla"     # under MIN_GAIN
-    assert planner._pick({"xla": 0.9, "native": 1.0}, {"native": 0.5}) == "xla"
-    assert planner._pick({"native": 1.0, "xla_cache_left": 0.5}) == "xla_cache_left"
+    steady = lambda x: [x] * 5  # noqa: E731 (calls without spread)
+    assert planner._pick({"xla": steady(1.0), "native": steady(0.9)}) == "native"  # 10%
+    assert planner._pick({"xla": steady(1.0), "native": steady(0.98)}) == "xla"  # < 3%
+    assert planner._pick({"xla": steady(0.9), "native": steady(1.0)}) == "xla"  # slower
+    assert planner._pick({"native": steady(1.0), "xla_cache_left": steady(0.5)}) \
+        == "xla_cache_left"  # no reference timed: the fastest
+    # 10% faster in median, but the middle halves overlap (native's 75th percentile
+    # 0.915 above xla's 25th, 0.875): noise
+    assert planner._pick({"xla": [0.85, 0.9, 1.0, 1.1, 1.15],
+                          "native": [0.88, 0.89, 0.9, 0.91, 0.92]}) == "xla"
+    # fewer than 3 calls: the medians and MIN_GAIN alone
+    assert planner._pick({"xla": [1.0, 1.0], "native": [0.9, 0.9]}) == "native"
+
+
+def test_a_much_faster_kernel_with_a_wide_spread_is_picked():
+    """Measured on a 2-core Intel Xeon (docs/results): native 0.77 ms in median against
+    xla's 1.27 ms, native's calls spread over 57% of their median. The rule before (the
+    gain must beat the larger relative spread) kept xla; the middle halves are apart."""
+    calls = {"xla": [1.2, 1.25, 1.27, 1.3, 1.33], "native": [0.5, 0.6, 0.77, 0.95, 1.0]}
+    assert planner._pick(calls) == "native"
 
 
 @pytest.mark.parametrize("then,now,measured", [(9.0, 0.1, True), (9.0, 9.0, False),
