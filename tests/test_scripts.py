@@ -85,3 +85,11 @@ def test_paged_step_bench_rows_are_consistent():
     assert impl == "xla (xla)"
     assert abs(float(pag) / float(dense) - float(ratio)) <= 0.011 + 0.06 * float(ratio)
     assert float(paged_mb.replace(",", "")) > float(dense_mb.replace(",", ""))
+
+
+@pytest.mark.parametrize("flag", ["--queries=0", "--queries=a", "--queries="])
+def test_decode_attention_bench_refuses_bad_queries(flag):
+    proc = _script("decode_attention_bench.py", flag)
+    assert proc.returncode != 0
+    assert f"error: {flag}; allowed: integers >= 1" in proc.stderr
+    assert "machine:" not in proc.stdout  # refused before any work
