@@ -236,7 +236,6 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
 
     plain_s = _median(plain_loop, repeats)
     plain_step_s = time_step(params, cfg, _copy(base), 1, repeats)[0]
-    bw = theory.step_bytes(cfg, t, b).total / plain_step_s
     out = []
     for drafter in drafters:
         for k in ks:
@@ -278,7 +277,7 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
                                        copy_slots)
             a_eff = spec_theory.acceptance_from_tokens_per_step(min(max(e, 1.0), k + 1), k)
             e_th = spec_theory.expected_tokens(a_eff, k)
-            nan = None  # no peak (or no serial fit): null in the JSON, '-' in the table
+            missing = None  # no peak (or no serial fit): null in the JSON, '-' in the table
             out.append({
                 "t": t, "batch": b, "drafter": drafter, "k": k,
                 "draft_window_size": dcfg.window_size if dcfg is not None else None,
@@ -294,22 +293,23 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
                 "draft_step_s": draft_s,
                 "speedup_from_parts": e * plain_step_s / (verify_s + k * draft_s),
                 "speedup_theory": e_th * r.plain_s / r.round_s,
-                "speedup_theory_roofline": e_th * roof.plain_s / roof.round_s if roof else nan,
+                "speedup_theory_roofline": e_th * roof.plain_s / roof.round_s if roof else missing,
                 "speedup_theory_serial": e_th * serial.plain_s / serial.round_s
-                if serial else nan,
-                "achieved_bytes_per_s": bw, "flops_per_s": flops_per_s,
+                if serial else missing,
+                "achieved_bytes_per_s": r.plain_bytes / plain_step_s,
+                "flops_per_s": flops_per_s,
                 "theory_plain_bytes": r.plain_bytes, "theory_verify_bytes": r.verify_bytes,
                 "theory_draft_bytes": r.draft_bytes, "theory_copy_bytes": r.copy_bytes,
                 "theory_bytes_per_emitted_token": r.bytes_per_emitted_token(a_eff),
                 "verify_over_plain_measured": verify_s / plain_step_s,
                 "verify_over_plain_theory": r.verify_s / r.plain_s,
-                "verify_over_plain_roofline": roof.verify_s / roof.plain_s if roof else nan,
+                "verify_over_plain_roofline": roof.verify_s / roof.plain_s if roof else missing,
                 "verify_over_plain_serial": serial.verify_s / serial.plain_s
-                if serial else nan,
+                if serial else missing,
                 "draft_over_plain_measured": draft_s / plain_step_s,
                 "draft_over_plain_theory": r.draft_s / r.plain_s,
                 "draft_over_plain_serial": serial.draft_s / serial.plain_s
-                if serial else nan,
+                if serial else missing,
             })
             print(table(out[-1:]), flush=True)
     return out

@@ -41,8 +41,8 @@ from kvjax.analysis import theory
 from kvjax.config import ModelConfig
 
 __all__ = ["expected_tokens", "verify_bytes", "verify_flops", "draft_bytes", "draft_flops",
-           "window_copy_bytes", "RoundTimes", "round_times", "predicted_speedup", "crossover_context", "best_k",
-           "acceptance_from_tokens_per_step"]
+           "window_copy_bytes", "RoundTimes", "round_times", "predicted_speedup",
+           "crossover_context", "best_k", "acceptance_from_tokens_per_step"]
 
 
 def expected_tokens(a: float, k: int) -> float:
