@@ -21,6 +21,7 @@ import numpy as np
 from kvjax import native
 
 TARGET = "kvjax_rows_matmul"
+TARGET_INT8 = "kvjax_rows_matmul_int8"  # the same library: int8 weights, float32 rows
 SOURCE = pathlib.Path(__file__).with_name("rows_matmul.cc")
 MAX_ROWS = 256  # rows above which XLA's GEMM is used (the kernel targets decode's few rows)
 _lock = threading.Lock()
@@ -41,6 +42,13 @@ def _smoke() -> None:
     native.check_close("rows_matmul's smoke call (nk)",
                        _call(jnp.asarray(x), jnp.asarray(w.T.copy()), "nk", "columns", False),
                        x @ w)
+    q = (np.arange(128).reshape(8, 16) % 255 - 127).astype(np.int8)
+    native.check_close("rows_matmul's int8 smoke call (kn)",
+                       _call_int8(jnp.asarray(x), jnp.asarray(q), "kn"),
+                       x @ q.astype(np.float32), tol=1e-4)
+    native.check_close("rows_matmul's int8 smoke call (nk)",
+                       _call_int8(jnp.asarray(x), jnp.asarray(q.T.copy()), "nk"),
+                       x @ q.astype(np.float32), tol=1e-4)
 
 
 def load() -> bool:
@@ -48,7 +56,8 @@ def load() -> bool:
     product of each layout (:func:`kvjax.native.register`'s smoke call). True when
     available; False with one warning naming the cause otherwise."""
     return native.register(_state, _lock, library_path, TARGET, "KvjaxRowsMatmul",
-                           "kvjax rows_matmul", "weight products use XLA", smoke=_smoke)
+                           "kvjax rows_matmul", "weight products use XLA", smoke=_smoke,
+                           more=((TARGET_INT8, "KvjaxRowsMatmulInt8"),))
 
 
 SPLITS = ("columns", "k")
@@ -102,6 +111,46 @@ def rows_matmul(x: jax.Array, w: jax.Array, w_layout: str = "kn",
         raise RuntimeError("rows_matmul: the native library could not be built or loaded "
                            "(see the warning); use model.weight_matmul='xla'")
     return _product(x, w, w_layout, split, bool(lanes))
+
+
+def rows_matmul_int8(x: jax.Array, q: jax.Array, w_layout: str = "kn") -> jax.Array:
+    """``x @ q`` (``w_layout='kn'``, q [K, N]) or ``x @ q.T`` (``'nk'``, q [N, K]) for an
+    int8 weight, widened to float32 in registers: the weight's bytes are a quarter of
+    float32's. The product is unscaled (the caller applies the per-column scale:
+    :class:`kvjax.models.weight_matmul.Int8Weight`). Forward only (no gradient).
+
+    Args:
+      x: [M, K] float32.
+      q: [K, N] or [N, K] int8.
+      w_layout: 'kn' or 'nk'.
+    Returns:
+      [M, N] float32, equal to ``x @ q.astype(float32)`` up to float rounding.
+    Raises:
+      ValueError: x not a float32 matrix, q not an int8 one, mismatched K or a bad
+        w_layout, naming the value.
+      RuntimeError: the library could not be built or loaded (see the warning).
+    """
+    if w_layout not in ("kn", "nk"):
+        raise ValueError(f"w_layout={w_layout!r}; allowed: 'kn' (q [K, N]) or 'nk' (q [N, K])")
+    for name, a, dt in (("x", x, jnp.float32), ("q", q, jnp.int8)):
+        if a.ndim != 2 or a.dtype != dt:
+            raise ValueError(f"rows_matmul_int8: {name} is {a.dtype}{list(a.shape)}; "
+                             f"allowed: a {jnp.dtype(dt).name} matrix")
+    k = q.shape[0] if w_layout == "kn" else q.shape[1]
+    if x.shape[1] != k:
+        raise ValueError(f"rows_matmul_int8: x {list(x.shape)} and q {list(q.shape)} "
+                         f"({w_layout}) do not share K")
+    if not load():
+        raise RuntimeError("rows_matmul_int8: the native library could not be built or "
+                           "loaded (see the warning)")
+    return _call_int8(x, q, w_layout)
+
+
+def _call_int8(x: jax.Array, q: jax.Array, w_layout: str) -> jax.Array:
+    n = q.shape[1] if w_layout == "kn" else q.shape[0]
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_INT8, out, vmap_method="sequential")(
+        x, q, q_nk=np.int64(w_layout == "nk"), threads=np.int64(native.num_threads()))
 
 
 def _call(x: jax.Array, w: jax.Array, w_layout: str, split: str, lanes: bool) -> jax.Array:
