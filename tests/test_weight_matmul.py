@@ -460,3 +460,75 @@ def test_measure_refuses_unknown_or_empty_candidates():
     with pytest.raises(ValueError, match="none applies"):  # 'pallas' is GPU-only
         planner.measure(1, 2, 4, 64, 64, 512, jnp.float32, "BKHS", "BKSH",
                         candidates=("pallas",))
+
+
+# ----------------------------------------------------------------------- int8 weights
+
+
+@needs_native
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("k,n", [(576, 192), (37, 70), (1, 200), (1030, 300)])
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_native_int8_equals_float64_product(m, k, n, layout):
+    """The int8 kernel against float64: K not a multiple of 4 rows (37, 1030) nor of the
+    vector width, N with a ragged tail (70, 300), and (1030, 300) above the threading
+    threshold (split into parts)."""
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    q = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    ql = q if layout == "kn" else np.ascontiguousarray(q.T)
+    y = np.asarray(jax.jit(lambda a, b: rm.rows_matmul_int8(a, b, layout))(x, ql))
+    ref = x.astype(np.float64) @ q.astype(np.float64)
+    assert y.shape == (m, n) and y.dtype == np.float32
+    np.testing.assert_allclose(y, ref, atol=2e-5 * np.sqrt(k) * np.abs(ref).max(), rtol=0)
+
+
+def test_rows_matmul_int8_refuses_bad_operands():
+    x = jnp.ones((2, 8), jnp.float32)
+    with pytest.raises(ValueError, match="q is float32"):
+        rm.rows_matmul_int8(x, jnp.ones((8, 4), jnp.float32))
+    with pytest.raises(ValueError, match="do not share K"):
+        rm.rows_matmul_int8(x, jnp.ones((9, 4), jnp.int8))
+    with pytest.raises(ValueError, match="w_layout='kk'"):
+        rm.rows_matmul_int8(x, jnp.ones((8, 4), jnp.int8), "kk")
+
+
+def test_quantize_int8_error_is_half_a_step_per_output_channel():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 3, 5)).astype(np.float32) * np.arange(1, 6)  # [D, N, H]
+    qw = weight_matmul.quantize_int8(jnp.asarray(w), (-1,))
+    assert qw.q.dtype == jnp.int8 and qw.scale.shape == (1, 1, 5)
+    scale = np.abs(w).max(axis=(0, 1)) / 127
+    np.testing.assert_allclose(np.asarray(qw.scale).ravel(), scale, rtol=1e-6)
+    err = np.abs(np.asarray(qw.dequantize()) - w)
+    assert (err <= scale / 2 * (1 + 1e-5)).all()
+    assert np.abs(np.asarray(qw.q)).max() == 127  # each channel's absmax maps to 127
+    zero = weight_matmul.quantize_int8(jnp.zeros((4, 2)), (-1,))
+    assert (np.asarray(zero.scale) == 1).all() and (np.asarray(zero.q) == 0).all()
+    with pytest.raises(ValueError, match="keep=\\(3,\\)"):
+        weight_matmul.quantize_int8(jnp.asarray(w), (3,))
+
+
+@pytest.mark.parametrize("cfg", [tiny_config(), tiny_config(scan_layers=False),
+                                 tiny_mla_config()], ids=["stacked", "per_layer", "mla"])
+def test_int8_params_run_as_their_dequantized_copy(cfg):
+    """A model over quantize_params_int8's tree gives the logits of the same model over
+    the widened float32 weights, by XLA and by the native kernel (one-token decode), and
+    the tree holds about a quarter of the bytes."""
+    params = model.params_for(cfg, model.init_params(cfg, 0))
+    q = weight_matmul.quantize_params_int8(params, stacked=cfg.scan_layers)
+    is_q = lambda a: isinstance(a, weight_matmul.Int8Weight)  # noqa: E731
+    assert any(is_q(a) for a in jax.tree.leaves(q, is_leaf=is_q))
+    widened = jax.tree.map(lambda a: a.dequantize() if is_q(a) else a, q, is_leaf=is_q)
+    toks = jnp.array([[3, 1, 4, 1, 5]], jnp.int32)
+    pos = jnp.arange(5, dtype=jnp.int32)[None]
+    want, _ = model.forward(widened, cfg, toks, pos)
+    got, _ = model.forward(q, cfg, toks, pos)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+    if rm.load():
+        ncfg = _resolved(cfg.replace(weight_matmul="native"), 1, 1)
+        one, _ = model.forward(q, ncfg, toks[:, :1], pos[:, :1])
+        np.testing.assert_allclose(np.asarray(one), np.asarray(want[:, :1]), atol=2e-5,
+                                   rtol=1e-5)
+    full = weight_matmul.weight_bytes(params)
+    assert 0.25 * full < weight_matmul.weight_bytes(q) < 0.4 * full

@@ -53,7 +53,7 @@ class Einsum(nn.Module):
         kernel = self.param(
             "kernel", nn.initializers.normal(stddev=fan_in ** -0.5), tuple(self.shape),
             self.dtype)
-        if self.merge_in:
+        if self.merge_in:  # (an Int8Weight too: kvjax.models.weight_matmul)
             kernel = kernel.reshape(shape)
             x = x.reshape(x.shape[: x.ndim - self.merge_in] + (shape[0],))
         y = weight_matmul.einsum(self.eqn, x.astype(self.dtype), kernel, self.impl,

@@ -48,7 +48,7 @@ from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
 from kvjax import ops
 from kvjax.config import ModelConfig
-from kvjax.models import flash
+from kvjax.models import flash, weight_matmul
 from kvjax.models.layers import Einsum, RMSNorm, apply_rope
 from kvjax.ops import NEG_INF, weight_dtype
 from kvjax.plan import SEQ
@@ -58,7 +58,8 @@ from kvjax.plan import SEQ
 
 class Kernel(nn.Module):
     """A bare weight ``kernel`` of ``shape`` (normal, stddev fan_in^-1/2), for weights used in
-    more than one contraction (W_UK, W_UV)."""
+    more than one contraction (W_UK, W_UV); an int8 one (a draft's,
+    :class:`kvjax.models.weight_matmul.Int8Weight`) is widened here."""
 
     shape: Sequence[int]
     fan_in: int
@@ -66,8 +67,11 @@ class Kernel(nn.Module):
 
     @nn.compact
     def __call__(self) -> jax.Array:
-        return self.param("kernel", nn.initializers.normal(stddev=self.fan_in ** -0.5),
-                          tuple(self.shape), self.dtype)
+        kernel = self.param("kernel", nn.initializers.normal(stddev=self.fan_in ** -0.5),
+                            tuple(self.shape), self.dtype)
+        if isinstance(kernel, weight_matmul.Int8Weight):
+            return kernel.dequantize(self.dtype)
+        return kernel
 
 
 def _scores(q_main: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax.Array,

@@ -108,7 +108,7 @@ class DecoderLM(nn.Module):
             positions = jnp.where(real, positions, -1)
         embed = nn.Embed(c.vocab_size, c.d_model, param_dtype=dt, dtype=dt, name="embed",
                          embedding_init=nn.initializers.normal(stddev=1.0))
-        x = embed(tokens)
+        x = weight_matmul.take(embed.embedding, tokens, dt)  # (an Int8Weight too)
 
         if c.scan_layers:
             stack = nn.scan(functools.partial(_scan_body, fresh=fresh),

@@ -28,6 +28,14 @@ B = 1). Formulations:
 Which formulation runs is decided by :func:`choose`, from the plan alone: nothing is
 measured or built while a program is traced.
 
+Int8 weights (:class:`Int8Weight`, :func:`quantize_int8`: a self draft's cheap copy of
+the target's weights, ``speculative.draft_weight_dtype='int8'``) run on the native
+kernel's int8 variant wherever the plan has the kernel loaded and M is at most
+:data:`kvjax.native.rows_matmul.MAX_ROWS` (it reads a quarter of float32's bytes);
+elsewhere XLA multiplies by the widened weight. There is no choice to measure: XLA:CPU
+widens a [K, N] int8 weight into a float32 copy before its dot (SmolLM2's [576, 1536] at
+M = 1: ~1 GB/s of int8 read, against the kernel's ~24; docs/results/).
+
 :func:`einsum` takes the equation of a projection written as ``<rows><contracted>,
 <contracted><out>-><rows><out>`` (weights stored [in, out]: every :class:`Einsum`
 kernel) or ``<rows><contracted>,<out><contracted>-><rows><out>`` (stored [out, in]: the
@@ -41,6 +49,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
 from kvjax import kernels
 from kvjax import plan as plan_lib
@@ -131,7 +141,8 @@ def einsum(eqn: str, x: jax.Array, w: jax.Array, impl: str = "xla",
     Args:
       eqn: a projection's equation, e.g. 'BTD,DF->BTF' (w [D, F]) or 'BTD,VD->BTV'.
       x: [rows..., contracted...] activations.
-      w: the weight, [contracted..., out...] or [out..., contracted...].
+      w: the weight, [contracted..., out...] or [out..., contracted...], or an
+        :class:`Int8Weight` of that shape (see the module docstring).
       impl: one of :data:`IMPLS`.
       plan: the config's plan (:func:`choose`), or None.
     Returns:
@@ -140,6 +151,8 @@ def einsum(eqn: str, x: jax.Array, w: jax.Array, impl: str = "xla",
       ValueError: an unknown impl; a native one without a plan (:func:`choose`).
     """
     check_impl(impl)
+    if isinstance(w, Int8Weight):
+        return _einsum_int8(eqn, x, w, impl, plan)
     if impl == "xla" or x.dtype != jnp.float32 or w.dtype != jnp.float32:
         return jnp.einsum(eqn, x, w)
     split = split_eqn(eqn, x.ndim, w.ndim)
@@ -157,3 +170,140 @@ def einsum(eqn: str, x: jax.Array, w: jax.Array, impl: str = "xla",
     split = "k" if choice == "native_ksplit" else "columns"
     return rm.rows_matmul(x.reshape(m, k), w2, layout, split,
                           choice == "native_lanes").reshape(rows_shape + out_shape)
+
+
+# --------------------------------------------------------------------------- int8 weights
+
+
+@struct.dataclass
+class Int8Weight:
+    """A weight stored as int8 with a float32 scale per output channel: w ~ q · scale
+    (symmetric absmax quantization, the per-channel scheme of LLM.int8()'s vector-wise
+    quantization without its outlier split: Dettmers et al. 2022, eq. 1-3).
+
+    It stands where a float32 weight stands in the parameter tree (Flax compares its
+    first leaf, ``q``, with the parameter's shape).
+
+    Attributes:
+      q: int8, the weight's shape.
+      scale: float32, the weight's rank, size 1 on every axis the absmax reduced (all
+        but the output axis: the last of a stored-[in, out] kernel, the first of the
+        [V, D] embedding; a stacked kernel's layer axis is kept too).
+    """
+
+    q: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.q.ndim
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """q · scale in ``dtype``."""
+        return (self.q.astype(jnp.float32) * self.scale).astype(dtype)
+
+    def reshape(self, shape: tuple[int, ...]) -> "Int8Weight":
+        """The kernel reshaped to ``shape`` by merging leading axes (``Einsum.merge_in``);
+        the scale's last axis must be its only one above 1.
+
+        Raises:
+          ValueError: the scale varies along another axis than the last."""
+        if any(d != 1 for d in self.scale.shape[:-1]):
+            raise ValueError(f"Int8Weight.reshape: scale {list(self.scale.shape)} varies "
+                             "along more than the last axis; allowed: a per-last-axis scale")
+        return Int8Weight(self.q.reshape(shape),
+                          self.scale.reshape((1,) * (len(shape) - 1) + self.scale.shape[-1:]))
+
+
+def quantize_int8(w: jax.Array, keep: tuple[int, ...]) -> Int8Weight:
+    """Symmetric int8 quantization of ``w`` with one scale per index of the axes ``keep``
+    (absmax over the others / 127; an all-zero slice gets scale 1).
+
+    Args:
+      w: a float weight of any rank.
+      keep: the axes the scale varies along (negative allowed).
+    Returns:
+      :class:`Int8Weight` with ``q`` int8 of ``w``'s shape and ``scale`` float32.
+    Raises:
+      ValueError: an axis of ``keep`` outside ``w``'s rank.
+    """
+    w = jnp.asarray(w, jnp.float32)
+    if any(not -w.ndim <= a < w.ndim for a in keep):
+        raise ValueError(f"quantize_int8: keep={keep} for a weight of rank {w.ndim}; "
+                         f"allowed: axes in [-{w.ndim}, {w.ndim})")
+    kept = {a % w.ndim for a in keep}
+    reduce = tuple(a for a in range(w.ndim) if a not in kept)
+    amax = jnp.max(jnp.abs(w), axis=reduce, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(jnp.float32)
+    q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
+    return Int8Weight(q, scale)
+
+
+def quantize_params_int8(params, stacked: bool = False):
+    """``params`` with every matrix a self draft reads as :class:`Int8Weight`: each
+    'kernel' (stored [in..., out...]: one scale per index of its last axis) and the
+    'embedding' ([V, D]: one per vocabulary row, for the tied LM head and the lookup).
+    Norm scales and biases stay as they are.
+
+    Args:
+      params: a parameter tree (:func:`kvjax.models.model.init_params` or a converted
+        checkpoint).
+      stacked: the tree holds stacked layers (``scan_layers``: a leading layer axis under
+        'layers', kept by the scale).
+    Returns:
+      A tree of the same structure, weights in int8 (about a quarter of the bytes).
+    """
+    def one(path, leaf):
+        keys = [getattr(p, "key", str(p)) for p in path]
+        if keys[-1] == "embedding":
+            return quantize_int8(leaf, (0,))
+        if keys[-1] == "kernel" and np.ndim(leaf) >= 2:
+            keep = (0, -1) if stacked and keys[0] == "layers" else (-1,)
+            return quantize_int8(leaf, keep)
+        return leaf
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def weight_bytes(params) -> int:
+    """Bytes of a parameter tree's arrays (int8 weights and their scales as stored)."""
+    return int(sum(np.dtype(a.dtype).itemsize * math.prod(a.shape)
+                   for a in jax.tree.leaves(params)))
+
+
+def take(table, tokens: jax.Array, dtype) -> jax.Array:
+    """The embedding lookup ``table[tokens]`` in ``dtype`` for a float table or an
+    :class:`Int8Weight` (its rows widened and scaled): [..., D]."""
+    if isinstance(table, Int8Weight):
+        return (jnp.take(table.q, tokens, axis=0).astype(jnp.float32)
+                * jnp.take(table.scale, tokens, axis=0)).astype(dtype)
+    return jnp.take(table, tokens, axis=0).astype(dtype)
+
+
+def _einsum_int8(eqn: str, x: jax.Array, w: Int8Weight, impl: str,
+                 plan: plan_lib.Plan | None) -> jax.Array:
+    """:func:`einsum` for an int8 weight: (x times q) times the output channels' scale."""
+    split = split_eqn(eqn, x.ndim, w.ndim)
+    if split is None:
+        return jnp.einsum(eqn, x, w.dequantize(x.dtype))
+    nr, nc, layout = split
+    s_shape = w.scale.shape[nc:] if layout == "kn" else w.scale.shape[: w.ndim - nc]
+    c_scale = w.scale.shape[:nc] if layout == "kn" else w.scale.shape[w.ndim - nc:]
+    if any(d != 1 for d in c_scale):
+        raise ValueError(f"einsum {eqn!r}: the int8 weight's scale {list(w.scale.shape)} "
+                         "varies along a contracted axis; allowed: a scale per output channel")
+    rows_shape = x.shape[:nr]
+    m, k = math.prod(rows_shape), math.prod(x.shape[nr:])
+    out_shape = w.shape[nc:] if layout == "kn" else w.shape[: w.ndim - nc]
+    n = math.prod(out_shape)
+    native_ok = (impl != "xla" and plan is not None and plan.has_native("rows_matmul")
+                 and 0 < m <= rm.MAX_ROWS and x.dtype == jnp.float32)
+    if native_ok:
+        q2 = w.q.reshape((k, n) if layout == "kn" else (n, k))
+        y = rm.rows_matmul_int8(x.reshape(m, k), q2, layout).reshape(rows_shape + out_shape)
+    else:
+        y = jnp.einsum(eqn, x, w.q.astype(x.dtype))
+    return (y * w.scale.reshape((1,) * nr + s_shape).astype(y.dtype)).astype(x.dtype)
