@@ -116,11 +116,13 @@ def run_dict(model: config_dict.ConfigDict, **fields) -> config_dict.ConfigDict:
     # lookup) | self (the same weights over a window/quantized/shallower cache) | model
     # (draft_config, e.g. configs/mqa.py); k tokens drafted per verify step. A 'self'
     # window draft keeps its own cache (draft_kv_source='own') or copies the target's
-    # window every round ('target': no draft prefill, the full model's keys).
+    # window every round ('target': no draft prefill, the full model's keys);
+    # draft_weight_dtype='int8' runs it over an int8 copy of the weights.
     c.speculative = config_dict.ConfigDict(dict(
         drafter="none", k=4, ngram_max=3, ngram_min=1, draft_window_size=256,
         draft_sink_tokens=4, draft_kv_dtype=config_dict.placeholder(str),
-        draft_num_layers=0, draft_kv_source="own",
+        draft_num_layers=0, draft_weight_dtype=config_dict.placeholder(str),
+        draft_kv_source="own",
         draft_config=config_dict.placeholder(str)))
     # Context at which the cost report compiles the step (None: max_seq_len, the run's).
     c.cost_context = config_dict.placeholder(int)

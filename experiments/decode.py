@@ -118,14 +118,15 @@ def _speculative_lines(result: runner.DecodeResult, cfg, c) -> list:
     k, a = sp["k"], sp["acceptance_rate"]
     t = result.prompt_tokens + result.new_tokens // 2  # the run's mean context
     bw = c.step.theory_bytes / c.step_seconds_median  # the plain step's achieved B/s
-    dcfg, copy_slots = None, 0
+    dcfg, copy_slots, dweights = None, 0, None
     if sp["drafter"] == "self":  # the draft as the run built it
         spec = SpeculativeConfig(**sp["config"])
         dcfg = speculative.draft_config(cfg.replace(plan=None), spec)
+        dweights = speculative.draft_weight_bytes(dcfg, spec)
         if spec.copies_target_window:  # its ring copied from the target's every round
             copy_slots = speculative.draft_window_slots(dcfg, k)
     r = spec_theory.round_times(cfg, t, k, bw, draft_cfg=dcfg, batch=c.step.batch,
-                                copy_slots=copy_slots)
+                                copy_slots=copy_slots, draft_weights=dweights)
     plain_s = c.loop_seconds_per_token
     spec_s = sp["seconds_per_emitted_token"]
     return [

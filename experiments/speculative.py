@@ -35,7 +35,8 @@ Drafters: 'ngram' (prompt lookup, no model) and 'self' (the same weights over a 
 ``--config.speculative.draft_window_size`` with ``draft_sink_tokens`` sinks: constant in
 t; its own cache, prefilled by the windowed model, or with
 ``--config.speculative.draft_kv_source=target`` a copy of the target's window made every
-round). Writes ``<out_dir>/speculative.json`` and a plot of measured against predicted
+round; with ``--config.speculative.draft_weight_dtype=int8`` over an int8 copy of the
+weights, a quarter of their bytes). Writes ``<out_dir>/speculative.json`` and a plot of measured against predicted
 speedup (``speculative.png``).
 """
 
@@ -273,8 +274,9 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
                 draft_s = time_step(dparams, dcfg, _copy(dcache), 1, repeats)[0]
             e = stats.tokens_per_step
             copy_slots = S.draft_window_slots(dcfg, k) if shared else 0
+            dweights = None if dcfg is None else S.draft_weight_bytes(dcfg, spec)
             r, roof, serial = theories(cfg, t, k, b, plain_step_s, flops_per_s, dcfg,
-                                       copy_slots)
+                                       copy_slots, dweights)
             a_eff = spec_theory.acceptance_from_tokens_per_step(min(max(e, 1.0), k + 1), k)
             e_th = spec_theory.expected_tokens(a_eff, k)
             missing = None  # no peak (or no serial fit): null in the JSON, '-' in the table
@@ -283,6 +285,7 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
                 "draft_window_size": dcfg.window_size if dcfg is not None else None,
                 "draft_cache_slots": dcache.num_slots if dcache is not None else None,
                 "draft_kv_source": spec.draft_kv_source if dcfg is not None else None,
+                "draft_weight_dtype": spec.draft_weight_dtype if dcfg is not None else None,
                 "equal_to_plain": equal, "acceptance_rate": stats.acceptance_rate,
                 "acceptance_per_row": [a / max(p, 1) for a, p in zip(stats.accepted,
                                                                      stats.proposed)],
@@ -316,7 +319,8 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
 
 
 def theories(cfg, t: int, k: int, b: int, plain_step_s: float,
-             flops_per_s: float | None, dcfg, copy_slots: int):
+             flops_per_s: float | None, dcfg, copy_slots: int,
+             draft_weights: int | None = None):
     """The round's times by three theories (:func:`kvjax.analysis.speculative.round_times`),
     each from the measured plain step: memory-bound (the blog's: bytes at the plain
     step's achieved bandwidth), the roofline (the same bandwidth, FLOPs at
@@ -324,10 +328,11 @@ def theories(cfg, t: int, k: int, b: int, plain_step_s: float,
     memory-bound at this peak) and serial (FLOPs at ``flops_per_s`` added to the
     reads, the bandwidth refitted so the plain step is still the measured one). The
     last two are None without a peak, or (serial) where the plain step's FLOPs alone
-    take longer than it did."""
+    take longer than it did. ``draft_weights``: the draft's weight bytes where they are
+    not its config's dtype (an int8 draft's)."""
     nbytes = theory.step_bytes(cfg, t, b).total
     bw = nbytes / plain_step_s
-    kw = dict(draft_cfg=dcfg, batch=b, copy_slots=copy_slots)
+    kw = dict(draft_cfg=dcfg, batch=b, copy_slots=copy_slots, draft_weights=draft_weights)
     r = spec_theory.round_times(cfg, t, k, bw, **kw)
     if not flops_per_s:
         return r, None, None

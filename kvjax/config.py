@@ -472,6 +472,7 @@ class SamplingConfig:
 
 DRAFTERS = ("none", "ngram", "self", "model")
 DRAFT_KV_SOURCES = ("own", "target")
+DRAFT_WEIGHT_DTYPES = (None, "int8")  # SpeculativeConfig.draft_weight_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,6 +496,11 @@ class SpeculativeConfig:
       draft_kv_dtype: 'self': the draft cache's element type (None: the target's), e.g.
         'int8' or 'int4'.
       draft_num_layers: 'self': the draft runs the first L' layers only (0: all).
+      draft_weight_dtype: 'self': None (the target's weights as they are) or 'int8' (a
+        copy of them in int8 with a float32 scale per output channel, made once before
+        the loop: the draft step reads about a quarter of float32's weight bytes;
+        :func:`kvjax.models.weight_matmul.quantize_params_int8`). Verification is by the
+        target, so the emitted tokens do not change; the acceptance may.
       draft_kv_source: 'self': where the draft's window comes from. 'own': a cache the
         draft prefills and keeps itself (its window's keys computed by the windowed
         model); 'target': each round copies the sinks and the window's positions of the
@@ -514,6 +520,7 @@ class SpeculativeConfig:
     draft_sink_tokens: int = 4
     draft_kv_dtype: str | None = None
     draft_num_layers: int = 0
+    draft_weight_dtype: str | None = None
     draft_kv_source: str = "own"
     draft_config: str | None = None
 
@@ -537,11 +544,16 @@ class SpeculativeConfig:
         if self.draft_kv_dtype is not None and self.draft_kv_dtype not in KV_DTYPES:
             _fail("speculative.draft_kv_dtype", self.draft_kv_dtype,
                   f"None or one of {list(KV_DTYPES)}")
+        if self.draft_weight_dtype not in DRAFT_WEIGHT_DTYPES:
+            _fail("speculative.draft_weight_dtype", self.draft_weight_dtype,
+                  f"one of {list(DRAFT_WEIGHT_DTYPES)}")
         if self.drafter == "self" and not (self.draft_window_size or self.draft_kv_dtype
-                                           or self.draft_num_layers):
+                                           or self.draft_num_layers
+                                           or self.draft_weight_dtype):
             _fail("speculative.draft_window_size", self.draft_window_size,
-                  "a window > 0, a draft_kv_dtype or draft_num_layers > 0 with drafter="
-                  "'self' (a draft as costly as the target buys nothing)")
+                  "a window > 0, a draft_kv_dtype, draft_num_layers > 0 or a "
+                  "draft_weight_dtype with drafter='self' (a draft as costly as the target "
+                  "buys nothing)")
         if self.draft_kv_source not in DRAFT_KV_SOURCES:
             _fail("speculative.draft_kv_source", self.draft_kv_source,
                   f"one of {list(DRAFT_KV_SOURCES)}")

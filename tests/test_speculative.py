@@ -16,6 +16,7 @@ from kvjax.config import ConfigError, RunConfig, SamplingConfig, SpeculativeConf
 from kvjax.inference import ragged
 from kvjax.inference import speculative as S
 from kvjax.models import model as model_lib
+from kvjax.models import weight_matmul
 
 from tests.conftest import tiny_config, tiny_mla_config, tiny_ring_config
 from tests.test_stops import cycle, tok  # noqa: F401 (fixtures)
@@ -46,8 +47,7 @@ def _plain(params, cfg, prompts, n, eos_ids=()):
 def _draft(params, cfg, spec, prompts):
     if spec.drafter == "ngram":
         return None
-    dcfg = S.draft_config(cfg, spec)
-    dparams = S.draft_params(params, cfg, dcfg)
+    dparams, dcfg = S.self_draft(params, cfg, spec)
     if spec.copies_target_window:  # copied from the target's cache each round
         return dparams, dcfg, None
     dcache = S.init_draft_cache(dcfg, len(prompts), MAX_LEN, spec.k)
@@ -95,13 +95,15 @@ DRAFTERS = {
                                      draft_num_layers=1),
     "self_target": SpeculativeConfig(drafter="self", k=3, draft_window_size=6,
                                      draft_sink_tokens=2, draft_kv_source="target"),
+    "self_int8": SpeculativeConfig(drafter="self", k=3, draft_window_size=6,
+                                   draft_sink_tokens=1, draft_weight_dtype="int8"),
 }
 
 
 # each cache kind with a drafter
 CASES = [("gqa", "ngram"), ("ring_sinks", "self_window"), ("int8", "self_layers"),
          ("mla", "ngram"), ("ring_sinks", "self_target"), ("int8", "self_target"),
-         ("mla", "self_target")]
+         ("mla", "self_target"), ("gqa", "self_int8"), ("mla", "self_int8")]
 
 
 @pytest.mark.parametrize("name,drafter", CASES)
@@ -473,6 +475,40 @@ def test_a_draft_over_the_targets_window_that_sees_every_token_accepts_every_dra
     narrow = dataclasses.replace(wide, draft_window_size=3, draft_sink_tokens=1)
     _, (got, stats, _, _) = _spec(params, cfg, narrow, prompts, 16)
     assert got == want and stats.acceptance_rate < 1.0
+
+
+def test_an_int8_draft_that_sees_every_token_accepts_nearly_every_draft():
+    """draft_weight_dtype='int8' over the target's window, wider than the row: the draft
+    is the target with int8 weights, so greedy accepts nearly every draft (a scale on the
+    wrong axis would make it a random model, accepting ~1/V); the emitted tokens are the
+    plain ones. Its weights, as self_draft stores them, are the bytes the theory counts
+    (draft_weight_bytes), about a quarter of the target's."""
+    cfg = CONFIGS["gqa"]
+    params = model_lib.init_params(cfg, 1)
+    prompts = _prompts(2)
+    _, want, _ = _plain(params, cfg, prompts, 16)
+    spec = SpeculativeConfig(drafter="self", k=3, draft_window_size=64, draft_sink_tokens=0,
+                             draft_kv_source="target", draft_weight_dtype="int8")
+    _, (got, stats, _, _) = _spec(params, cfg, spec, prompts, 16)
+    assert got == want and stats.acceptance_rate >= 0.8
+    dparams, dcfg = S.self_draft(params, cfg, spec)
+    stored = weight_matmul.weight_bytes(dparams)
+    assert S.draft_weight_bytes(dcfg, spec) == stored
+    assert S.draft_weight_bytes(dcfg, dataclasses.replace(spec, draft_weight_dtype=None)) \
+        is None
+    full = theory.weight_bytes_per_step(cfg)
+    assert 0.25 * full < stored < 0.4 * full
+    r = spec_theory.round_times(cfg, 30, 3, 1e9, draft_cfg=dcfg, draft_weights=stored)
+    assert r.draft_bytes == theory.step_bytes(dcfg, 30, weights=stored).total
+    assert r.draft_bytes < spec_theory.round_times(cfg, 30, 3, 1e9, draft_cfg=dcfg).draft_bytes
+
+
+def test_a_draft_weight_dtype_is_refused_unless_int8():
+    with pytest.raises(ConfigError, match="draft_weight_dtype='int4'"):
+        SpeculativeConfig(drafter="self", draft_weight_dtype="int4")
+    # an int8 copy of the weights alone is a cheaper draft (no window needed)
+    assert SpeculativeConfig(drafter="self", draft_window_size=0,
+                             draft_weight_dtype="int8").draft_weight_dtype == "int8"
 
 
 def test_only_a_self_draft_over_the_targets_window_keeps_no_cache_of_its_own():

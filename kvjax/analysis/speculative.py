@@ -86,10 +86,15 @@ def verify_flops(cfg: ModelConfig, t: int, k: int, batch: int = 1) -> int:
     return sum(theory.step_flops(cfg, t + j + 1, batch).total for j in range(k + 1))
 
 
-def draft_bytes(draft_cfg: ModelConfig | None, t: int, batch: int = 1) -> int:
+def draft_bytes(draft_cfg: ModelConfig | None, t: int, batch: int = 1,
+                weights: int | None = None) -> int:
     """Bytes of one draft step: a decode step of the draft model at context t (a window
-    caps its keys at W: constant in t); 0 for the n-gram drafter (``draft_cfg`` None)."""
-    return 0 if draft_cfg is None else theory.step_bytes(draft_cfg, t, batch).total
+    caps its keys at W: constant in t); 0 for the n-gram drafter (``draft_cfg`` None).
+    ``weights``: the draft's weight bytes per step where they are not its config's dtype
+    (an int8 draft: :func:`kvjax.models.weight_matmul.weight_bytes` of its parameters);
+    None: :func:`kvjax.analysis.theory.weight_bytes_per_step`."""
+    return 0 if draft_cfg is None else theory.step_bytes(draft_cfg, t, batch,
+                                                         weights=weights).total
 
 
 def draft_flops(draft_cfg: ModelConfig | None, t: int, batch: int = 1) -> int:
@@ -155,7 +160,8 @@ class RoundTimes:
 
 def round_times(cfg: ModelConfig, t: int, k: int, bytes_per_s: float,
                 flops_per_s: float | None = None, draft_cfg: ModelConfig | None = None,
-                batch: int = 1, copy_slots: int = 0, overlap: bool = True) -> RoundTimes:
+                batch: int = 1, copy_slots: int = 0, overlap: bool = True,
+                draft_weights: int | None = None) -> RoundTimes:
     """Times of a plain step, a verify step, a draft step and the window copy at
     context t (module docstring).
 
@@ -168,12 +174,15 @@ def round_times(cfg: ModelConfig, t: int, k: int, bytes_per_s: float,
       copy_slots: slots per row a draft over the target's window copies each round
         (:func:`window_copy_bytes`; 0: none).
       overlap: True: each step the roofline max(memory, compute); False: their sum.
+      draft_weights: the draft's weight bytes per step (None: its config's dtype;
+        :func:`draft_bytes`).
     """
     pb = theory.step_bytes(cfg, t, batch).total
     pf = theory.step_flops(cfg, t + 1, batch).total
     vb = verify_bytes(cfg, t, k, batch).total
     vf = verify_flops(cfg, t, k, batch)
-    db, df = draft_bytes(draft_cfg, t, batch), draft_flops(draft_cfg, t, batch)
+    db = draft_bytes(draft_cfg, t, batch, draft_weights)
+    df = draft_flops(draft_cfg, t, batch)
     cb = window_copy_bytes(draft_cfg, copy_slots, batch)
     return RoundTimes(plain_s=_time(pb, pf, bytes_per_s, flops_per_s, overlap),
                       verify_s=_time(vb, vf, bytes_per_s, flops_per_s, overlap),

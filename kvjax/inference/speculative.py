@@ -63,12 +63,13 @@ from kvjax.config import ConfigError, ModelConfig, SamplingConfig, SpeculativeCo
 from kvjax.inference.sampling import (NONFINITE, is_stop, nonfinite_rows, sample_logits,
                                       sampling_probs)
 from kvjax.models import model as model_lib
+from kvjax.models import weight_matmul
 
 __all__ = ["draft_config", "draft_params", "check_draft", "init_target_cache",
            "init_draft_cache", "draft_window", "draft_window_slots", "ngram_draft",
            "take_back", "accept_greedy", "accept_sampled",
            "speculative_program", "compile_program", "generate", "SpeculativeStats",
-           "history", "slot_history", "put_slot_history", "self_draft",
+           "history", "slot_history", "put_slot_history", "self_draft", "draft_weight_bytes",
            "engine_rounds_program"]
 
 
@@ -653,9 +654,28 @@ def put_slot_history(hist: jax.Array, hist_len: jax.Array, slot: int, tokens):
 
 def self_draft(params, cfg: ModelConfig, spec: SpeculativeConfig):
     """(draft params in the draft's layout, draft config without a plan) of the 'self'
-    drafter: :func:`draft_config` over the target's weights (:func:`draft_params`)."""
+    drafter: :func:`draft_config` over the target's weights (:func:`draft_params`), in
+    int8 with ``spec.draft_weight_dtype='int8'``
+    (:func:`kvjax.models.weight_matmul.quantize_params_int8`, once, here)."""
     dcfg = draft_config(cfg.replace(plan=None), spec)
-    return model_lib.params_for(dcfg, draft_params(params, cfg, dcfg)), dcfg
+    dparams = model_lib.params_for(dcfg, draft_params(params, cfg, dcfg))
+    if spec.draft_weight_dtype == "int8":
+        dparams = weight_matmul.quantize_params_int8(dparams, stacked=dcfg.scan_layers)
+    return dparams, dcfg
+
+
+def draft_weight_bytes(draft_cfg: ModelConfig, spec: SpeculativeConfig) -> int | None:
+    """Bytes of the 'self' draft's weights as :func:`self_draft` stores them, where they
+    are not its config's dtype (``draft_weight_dtype='int8'``: int8 matrices, float32
+    scales and norms), for the theory's draft step
+    (:func:`kvjax.analysis.speculative.round_times`' ``draft_weights``); None otherwise.
+    From the parameters' shapes: nothing is allocated."""
+    if spec.drafter != "self" or spec.draft_weight_dtype != "int8":
+        return None
+    shapes = jax.eval_shape(
+        lambda p: weight_matmul.quantize_params_int8(p, stacked=draft_cfg.scan_layers),
+        model_lib.param_shapes(draft_cfg))
+    return weight_matmul.weight_bytes(shapes)
 
 
 def history(prompts, max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
