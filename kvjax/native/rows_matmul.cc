@@ -458,10 +458,12 @@ static void Int8RowsKN(const float* x, int64_t M, int64_t K, const int8_t* q, in
   for (; k + 4 <= k1; k += 4) {
     const int8_t* w0 = q + k * N;
     for (int64_t n = 0; n < nv; n += VW) {
-      __builtin_prefetch(w0 + 8 * N + n, 0, 2);
-      __builtin_prefetch(w0 + 9 * N + n, 0, 2);
-      __builtin_prefetch(w0 + 10 * N + n, 0, 2);
-      __builtin_prefetch(w0 + 11 * N + n, 0, 2);
+      if ((n & 63) == 0) {  // a line of each of the four rows two passes ahead
+        __builtin_prefetch(w0 + 8 * N + n, 0, 2);
+        __builtin_prefetch(w0 + 9 * N + n, 0, 2);
+        __builtin_prefetch(w0 + 10 * N + n, 0, 2);
+        __builtin_prefetch(w0 + 11 * N + n, 0, 2);
+      }
       const vf b0 = reg(loadq(w0 + n)), b1 = reg(loadq(w0 + N + n));
       const vf b2 = reg(loadq(w0 + 2 * N + n)), b3 = reg(loadq(w0 + 3 * N + n));
       for (int64_t m = 0; m < M; ++m) {
@@ -492,23 +494,47 @@ static void Int8RowsKN(const float* x, int64_t M, int64_t K, const int8_t* q, in
   }
 }
 
-// y[:, n] for n in [n0, n1) (q [N, K]): one dot product per output row and row of x.
+// y[:, n] for n in [n0, n1) (q [N, K]): dot products, four output rows at a time (four
+// independent accumulator chains sharing each load of x, four weight streams, one
+// horizontal sum each at the end), the rows four ahead prefetched a line at a time.
 static void Int8RowsNK(const float* x, int64_t M, int64_t K, const int8_t* q, int64_t N,
                        int64_t n0, int64_t n1, float* y) {
   const int64_t kv = K / VW * VW;
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* wr = q + n * K;
-    __builtin_prefetch(wr + 4 * K, 0, 2);
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const int8_t* w0 = q + n * K;
+    const bool ahead = n + 8 <= n1;
     for (int64_t m = 0; m < M; ++m) {
       const float* xr = x + m * K;
-      vf a0 = zero(), a1 = zero();
+      vf a0 = zero(), a1 = zero(), a2 = zero(), a3 = zero();
       int64_t k = 0;
-      for (; k + 2 * VW <= kv; k += 2 * VW) {
-        a0 = fma(load(xr + k), loadq(wr + k), a0);
-        a1 = fma(load(xr + k + VW), loadq(wr + k + VW), a1);
+      for (; k < kv; k += VW) {
+        if (m == 0 && ahead && (k & 63) == 0) {
+          __builtin_prefetch(w0 + 4 * K + k, 0, 2);
+          __builtin_prefetch(w0 + 5 * K + k, 0, 2);
+          __builtin_prefetch(w0 + 6 * K + k, 0, 2);
+          __builtin_prefetch(w0 + 7 * K + k, 0, 2);
+        }
+        const vf xv = load(xr + k);
+        a0 = fma(xv, loadq(w0 + k), a0);
+        a1 = fma(xv, loadq(w0 + K + k), a1);
+        a2 = fma(xv, loadq(w0 + 2 * K + k), a2);
+        a3 = fma(xv, loadq(w0 + 3 * K + k), a3);
       }
+      float s[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+      for (; k < K; ++k)
+        for (int j = 0; j < 4; ++j) s[j] += xr[k] * w0[j * K + k];
+      for (int j = 0; j < 4; ++j) y[m * N + n + j] = s[j];
+    }
+  }
+  for (; n < n1; ++n) {
+    const int8_t* wr = q + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xr = x + m * K;
+      vf a0 = zero();
+      int64_t k = 0;
       for (; k < kv; k += VW) a0 = fma(load(xr + k), loadq(wr + k), a0);
-      float s = hsum(a0 + a1);
+      float s = hsum(a0);
       for (; k < K; ++k) s += xr[k] * wr[k];
       y[m * N + n] = s;
     }
