@@ -9,6 +9,9 @@ planner), interleaved round by round (medians). Each layer's input depends on th
 layer's output, as in the model. Prints per formulation and M: milliseconds, GB/s of
 weight read (538 MB per chain), GFLOP/s (2·M per weight element), and the time over
 the first formulation's at the same M; then, with ``--head_only``, the LM head alone.
+With ``--int8`` it times 'xla' and 'native' over the same weights in int8 too
+(``weight_matmul.Int8Weight``: an int8 draft's, ``speculative.draft_weight_dtype``),
+GB/s then of the int8 bytes and their scales.
 
   PYTHONPATH=. python scripts/weight_chain_bench.py --batch_sizes=1,4,16
 
@@ -37,6 +40,7 @@ _IMPLS = flags.DEFINE_list("impls", ["xla", "native", "native_ksplit", "native_l
 _ROUNDS = flags.DEFINE_integer("rounds", 9, "Interleaved rounds.")
 _LAYERS = flags.DEFINE_integer("layers", 30, "Layers of the chain (SmolLM2: 30).")
 _HEAD_ONLY = flags.DEFINE_bool("head_only", False, "Time the LM head alone.")
+_INT8 = flags.DEFINE_bool("int8", False, "Also time 'xla' and 'native' over int8 weights.")
 
 D, F, KV, VOCAB = 576, 1536, 192, 49152
 
@@ -92,22 +96,30 @@ def main(argv):
                      for s in shapes) for _ in range(layers))
     head = jnp.asarray(0.02 * rng.standard_normal((VOCAB, D), dtype=np.float32))
     elems = layers * sum(a * b for a, b in shapes) + VOCAB * D
+    weights = {False: (ws, head)}
+    if _INT8.value:  # the int8 draft's layout: a scale per output column / vocabulary row
+        weights[True] = (tuple(tuple(weight_matmul.quantize_int8(w, (-1,)) for w in layer)
+                               for layer in ws), weight_matmul.quantize_int8(head, (0,)))
+    nbytes = {i8: weight_matmul.weight_bytes(w) for i8, w in weights.items()}
+    variants = [(impl, False) for impl in impls] + [
+        (impl, True) for impl in impls if _INT8.value and impl in ("xla", "native")]
     fns, times, ref = {}, {}, {}
     for m in batches:
         x = jnp.asarray(rng.standard_normal((m, D), dtype=np.float32))
-        for impl in impls:
-            f = jax.jit(chain(impl, layers, _HEAD_ONLY.value)).lower(x, ws, head).compile()
-            y = np.asarray(f(x, ws, head))
-            if m in ref:  # every formulation computes the same product
-                np.testing.assert_allclose(y, ref[m], rtol=2e-3,
-                                           atol=2e-3 * np.abs(ref[m]).max())
-            ref.setdefault(m, y)
-            fns[impl, m] = (f, x)
-            times[impl, m] = []
+        for impl, i8 in variants:
+            w, h = weights[i8]
+            f = jax.jit(chain(impl, layers, _HEAD_ONLY.value)).lower(x, w, h).compile()
+            y = np.asarray(f(x, w, h))
+            if (m, i8) in ref:  # every formulation computes the same product
+                np.testing.assert_allclose(y, ref[m, i8], rtol=2e-3,
+                                           atol=2e-3 * np.abs(ref[m, i8]).max())
+            ref.setdefault((m, i8), y)
+            fns[impl, i8, m] = (f, x, w, h)
+            times[impl, i8, m] = []
     for _ in range(_ROUNDS.value):
-        for key, (f, x) in fns.items():
+        for key, (f, x, w, h) in fns.items():
             start = time.perf_counter()
-            f(x, ws, head).block_until_ready()
+            f(x, w, h).block_until_ready()
             times[key].append(time.perf_counter() - start)
     what = ("the LM head alone" if _HEAD_ONLY.value
             else f"{layers} layer{'' if layers == 1 else 's'} + the LM head")
@@ -116,12 +128,12 @@ def main(argv):
     print(f"{'impl':>14} {'M':>3} {'ms':>8} {'GB/s':>6} {'GFLOP/s':>8} "
           f"{'x ' + impls[0]:>12}")
     for m in batches:
-        base = statistics.median(times[impls[0], m])
-        for impl in impls:
-            s = statistics.median(times[impl, m])
-            print(f"{impl:>14} {m:>3} {s * 1e3:8.2f} {4 * elems / s / 1e9:6.1f} "
-                  f"{2 * m * elems / s / 1e9:8.1f} {s / base:12.2f}")
-
+        base = statistics.median(times[impls[0], False, m])
+        for impl, i8 in variants:
+            t = statistics.median(times[impl, i8, m])
+            name = impl + ("+int8" if i8 else "")
+            print(f"{name:>14} {m:>3} {t * 1e3:8.2f} {nbytes[i8] / t / 1e9:6.1f} "
+                  f"{2 * m * elems / t / 1e9:8.1f} {t / base:12.2f}")
 
 if __name__ == "__main__":
     app.run(main)
