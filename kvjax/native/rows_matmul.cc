@@ -362,46 +362,64 @@ static void RangeNK(const float* x, int64_t M, int64_t K, const float* w, int64_
     }
 }
 
+// M, K, N of x [M, K] times w [K, N] (nk: w [N, K]) into y [M, N]; false if the ranks
+// or shapes disagree.
+template <typename D>
+static bool Shapes(const D& xd, const D& wd, const D& yd, int64_t nk, int64_t* M,
+                   int64_t* K, int64_t* N) {
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) return false;
+  *M = xd[0];
+  *K = xd[1];
+  *N = nk ? wd[0] : wd[1];
+  return (nk ? wd[1] : wd[0]) == *K && yd[0] == *M && yd[1] == *N;
+}
+
+// An empty product: nothing to do (M or N is 0) or y = 0 (K = 0). True when handled.
+static bool Trivial(int64_t M, int64_t K, int64_t N, float* y) {
+  if (M == 0 || N == 0) return true;
+  if (K == 0) std::fill(y, y + M * N, 0.0f);
+  return K == 0;
+}
+
+// A K split: part p of up to ``want`` (each >= 64 weight rows; one part per thread:
+// finer parts measured slower) runs part(yo, ka, kb), its rows [ka, kb) into its own
+// partial y (part 0 into y itself), and the partials are added into y.
+template <typename Part>
+static void SplitK(ffi::ThreadPool& pool, int64_t want, int64_t M, int64_t K, int64_t N,
+                   float* y, Part part) {
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(want, K / 64));
+  const int64_t size = M * N;  // floats of y per part
+  std::unique_ptr<float[]> partial(parts > 1 ? new float[(parts - 1) * size] : nullptr);
+  float* pp = partial.get();
+  kvjax_native::ParallelFor(pool, parts, [=](int64_t p) {
+    part(p ? pp + (p - 1) * size : y, K * p / parts, K * (p + 1) / parts);
+  });
+  for (int64_t p = 1; p < parts; ++p)
+    for (int64_t i = 0; i < size; ++i) y[i] += pp[(p - 1) * size + i];
+}
+
 ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                           ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,
                           int64_t w_nk, int64_t threads, int64_t split, int64_t lanes) {
-  auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2)
-    return ffi::Error::InvalidArgument("kvjax_rows_matmul: x and w must be rank 2");
-  const int64_t M = xd[0], K = xd[1];
-  const int64_t N = w_nk ? wd[0] : wd[1];
-  if ((w_nk ? wd[1] : wd[0]) != K || y->dimensions()[0] != M || y->dimensions()[1] != N)
-    return ffi::Error::InvalidArgument("kvjax_rows_matmul: inconsistent shapes");
+  int64_t M, K, N;
+  if (!Shapes(x.dimensions(), w.dimensions(), y->dimensions(), w_nk, &M, &K, &N))
+    return ffi::Error::InvalidArgument(
+        "kvjax_rows_matmul: x [M, K], w [K, N] (w_nk: [N, K]) and y [M, N] expected");
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  if (K == 0) {
-    std::fill(yp, yp + M * N, 0.0f);
-    return ffi::Error::Success();
-  }
+  if (Trivial(M, K, N, yp)) return ffi::Error::Success();
   const int64_t want = (K * N >= kMinSplit) ? std::max<int64_t>(1, threads) : 1;
   if (!w_nk && (split || (M == 1 && N <= kWalkCols))) {
-    // A K split: each part runs a contiguous range of >= 64 weight rows (one part per
-    // thread: finer parts measured slower) into its own partial y, which the caller
-    // adds. One row walks its rows start to end (WalkRowsKN); several rows (split = 1)
-    // take every column in blocks of kSplitRowBlock rows (RangeKN).
-    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(want, K / 64));
-    const int64_t size = M * N;  // floats of y per part
-    std::unique_ptr<float[]> partial(parts > 1 ? new float[(parts - 1) * size] : nullptr);
-    float* pp = partial.get();
+    // A K split (SplitK). One row walks its rows start to end (WalkRowsKN); several
+    // rows (split = 1) take every column in blocks of kSplitRowBlock rows (RangeKN).
     const bool walk = M == 1 && N <= kWalkCols;
-    kvjax_native::ParallelFor(pool, parts, [=](int64_t p) {
-      float* yo = p ? pp + (p - 1) * size : yp;
-      const int64_t ka = K * p / parts, kb = K * (p + 1) / parts;
+    SplitK(pool, want, M, K, N, yp, [=](float* yo, int64_t ka, int64_t kb) {
       if (walk)
         WalkRowsKN(xp, wp, N, ka, kb, yo);
       else
         RangeKN(xp, M, K, wp, N, 0, N, yo, ka, kb, kSplitRowBlock);
     });
-    for (int64_t p = 1; p < parts; ++p)
-      for (int64_t i = 0; i < size; ++i) yp[i] += pp[(p - 1) * size + i];
     return ffi::Error::Success();
   }
   // Units of work: column panels (w_nk = 0) or groups of NRT weight rows (w_nk = 1).
@@ -544,22 +562,14 @@ static void Int8RowsNK(const float* x, int64_t M, int64_t K, const int8_t* q, in
 ffi::Error RowsMatmulInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                               ffi::Buffer<ffi::S8> q, ffi::ResultBuffer<ffi::F32> y,
                               int64_t q_nk, int64_t threads) {
-  auto xd = x.dimensions();
-  auto qd = q.dimensions();
-  if (xd.size() != 2 || qd.size() != 2)
-    return ffi::Error::InvalidArgument("kvjax_rows_matmul_int8: x and q must be rank 2");
-  const int64_t M = xd[0], K = xd[1];
-  const int64_t N = q_nk ? qd[0] : qd[1];
-  if ((q_nk ? qd[1] : qd[0]) != K || y->dimensions()[0] != M || y->dimensions()[1] != N)
-    return ffi::Error::InvalidArgument("kvjax_rows_matmul_int8: inconsistent shapes");
+  int64_t M, K, N;
+  if (!Shapes(x.dimensions(), q.dimensions(), y->dimensions(), q_nk, &M, &K, &N))
+    return ffi::Error::InvalidArgument(
+        "kvjax_rows_matmul_int8: x [M, K], q [K, N] (q_nk: [N, K]) and y [M, N] expected");
   const float* xp = x.typed_data();
   const int8_t* qp = q.typed_data();
   float* yp = y->typed_data();
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  if (K == 0) {
-    std::fill(yp, yp + M * N, 0.0f);
-    return ffi::Error::Success();
-  }
+  if (Trivial(M, K, N, yp)) return ffi::Error::Success();
   const int64_t want = (K * N >= 4 * kMinSplit) ? std::max<int64_t>(1, threads) : 1;
   if (q_nk) {
     const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(want, N));
@@ -568,16 +578,9 @@ ffi::Error RowsMatmulInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     });
     return ffi::Error::Success();
   }
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(want, K / 64));
-  const int64_t size = M * N;
-  std::unique_ptr<float[]> partial(parts > 1 ? new float[(parts - 1) * size] : nullptr);
-  float* pp = partial.get();
-  kvjax_native::ParallelFor(pool, parts, [=](int64_t p) {
-    float* yo = p ? pp + (p - 1) * size : yp;
-    Int8RowsKN(xp, M, K, qp, N, K * p / parts, K * (p + 1) / parts, yo);
+  SplitK(pool, want, M, K, N, yp, [=](float* yo, int64_t ka, int64_t kb) {
+    Int8RowsKN(xp, M, K, qp, N, ka, kb, yo);
   });
-  for (int64_t p = 1; p < parts; ++p)
-    for (int64_t i = 0; i < size; ++i) yp[i] += pp[(p - 1) * size + i];
   return ffi::Error::Success();
 }
 

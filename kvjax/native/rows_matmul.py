@@ -99,17 +99,8 @@ def rows_matmul(x: jax.Array, w: jax.Array, w_layout: str = "kn",
     if lanes and w_layout != "nk":
         raise ValueError("lanes=True with w_layout='kn'; allowed: lanes=True for an 'nk' "
                          "weight")
-    for name, a in (("x", x), ("w", w)):
-        if a.ndim != 2 or a.dtype != jnp.float32:
-            raise ValueError(f"rows_matmul: {name} is {a.dtype}{list(a.shape)}; "
-                             "allowed: a float32 matrix")
-    k = w.shape[0] if w_layout == "kn" else w.shape[1]
-    if x.shape[1] != k:
-        raise ValueError(f"rows_matmul: x {list(x.shape)} and w {list(w.shape)} "
-                         f"({w_layout}) do not share K")
-    if not load():
-        raise RuntimeError("rows_matmul: the native library could not be built or loaded "
-                           "(see the warning); use model.weight_matmul='xla'")
+    _check_operands("rows_matmul", x, ("w", w, jnp.float32), w_layout,
+                    "; use model.weight_matmul='xla'")
     return _product(x, w, w_layout, split, bool(lanes))
 
 
@@ -132,18 +123,27 @@ def rows_matmul_int8(x: jax.Array, q: jax.Array, w_layout: str = "kn") -> jax.Ar
     """
     if w_layout not in ("kn", "nk"):
         raise ValueError(f"w_layout={w_layout!r}; allowed: 'kn' (q [K, N]) or 'nk' (q [N, K])")
-    for name, a, dt in (("x", x, jnp.float32), ("q", q, jnp.int8)):
+    _check_operands("rows_matmul_int8", x, ("q", q, jnp.int8), w_layout)
+    return _call_int8(x, q, w_layout)
+
+
+def _check_operands(fn: str, x: jax.Array, weight: tuple, w_layout: str,
+                    hint: str = "") -> None:
+    """Raises ValueError unless x is a float32 matrix and the weight (name, array, dtype)
+    a matrix of that dtype sharing x's K in ``w_layout``; RuntimeError (ending in
+    ``hint``) if the library could not be built or loaded."""
+    name, w, dtype = weight
+    for n, a, dt in (("x", x, jnp.float32), (name, w, dtype)):
         if a.ndim != 2 or a.dtype != dt:
-            raise ValueError(f"rows_matmul_int8: {name} is {a.dtype}{list(a.shape)}; "
+            raise ValueError(f"{fn}: {n} is {a.dtype}{list(a.shape)}; "
                              f"allowed: a {jnp.dtype(dt).name} matrix")
-    k = q.shape[0] if w_layout == "kn" else q.shape[1]
+    k = w.shape[0] if w_layout == "kn" else w.shape[1]
     if x.shape[1] != k:
-        raise ValueError(f"rows_matmul_int8: x {list(x.shape)} and q {list(q.shape)} "
+        raise ValueError(f"{fn}: x {list(x.shape)} and {name} {list(w.shape)} "
                          f"({w_layout}) do not share K")
     if not load():
-        raise RuntimeError("rows_matmul_int8: the native library could not be built or "
-                           "loaded (see the warning)")
-    return _call_int8(x, q, w_layout)
+        raise RuntimeError(f"{fn}: the native library could not be built or loaded "
+                           f"(see the warning){hint}")
 
 
 def _call_int8(x: jax.Array, q: jax.Array, w_layout: str) -> jax.Array:
