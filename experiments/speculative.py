@@ -13,7 +13,10 @@ drafter and k (one compiled speculative loop: draft, verify, accept, take back).
 
 * acceptance rate (drafts accepted / verified; over the batch, and per row as
   ``acceptance_per_row``: rows read different documents), tokens per verify step, the emitted tokens
-  (checked equal to plain decoding's: greedy speculative decoding is exact);
+  (checked equal to plain decoding's: greedy speculative decoding is exact), and the
+  distinct tokens of each row's plain continuation (``plain_distinct_tokens_per_row``;
+  a note is printed where a row holds at most :data:`DEGENERATE_DISTINCT`: a repeated
+  token, which any draft predicts);
 * measured loop time per emitted token (the compiled loop; compilation excluded), and the
   speedup over plain decoding's loop in the same run;
 * the parts, each compiled on its own and timed on the prefilled cache (each takes its
@@ -192,6 +195,16 @@ def time_step(params, cfg, cache, t_tokens: int, repeats: int) -> float:
     return sec, state["cache"]
 
 
+DEGENERATE_DISTINCT = 2
+"""A plain continuation with at most this many distinct tokens is degenerate text (e.g.
+SmolLM2-135M's 64 newlines after a 16K chat prompt): every draft is accepted there."""
+
+
+def distinct_tokens(tokens) -> list[int]:
+    """Distinct token ids of each row of ``tokens`` [B, N] (int)."""
+    return [len(set(map(int, row))) for row in np.asarray(tokens)]
+
+
 def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
           flops_per_s: float | None = None) -> list:
     """Every (drafter, k) at one (t, B): rows of measured and predicted figures.
@@ -237,6 +250,13 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
 
     plain_s = _median(plain_loop, repeats)
     plain_step_s = time_step(params, cfg, _copy(base), 1, repeats)[0]
+    distinct = distinct_tokens(state["plain"][:, :steps])
+    few = [i for i, n in enumerate(distinct) if n <= DEGENERATE_DISTINCT]
+    if few and steps >= 8:
+        print(f"note: t={t}: the plain continuation of row(s) {few} holds at most "
+              f"{DEGENERATE_DISTINCT} distinct tokens ({distinct}): any draft accepts a "
+              "repeated token, so those rows' acceptance and speedup do not measure "
+              "drafting on real text", flush=True)
     out = []
     for drafter in drafters:
         for k in ks:
@@ -286,7 +306,8 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
                 "draft_cache_slots": dcache.num_slots if dcache is not None else None,
                 "draft_kv_source": spec.draft_kv_source if dcfg is not None else None,
                 "draft_weight_dtype": spec.draft_weight_dtype if dcfg is not None else None,
-                "equal_to_plain": equal, "acceptance_rate": stats.acceptance_rate,
+                "equal_to_plain": equal, "plain_distinct_tokens_per_row": distinct,
+                "acceptance_rate": stats.acceptance_rate,
                 "acceptance_per_row": [a / max(p, 1) for a, p in zip(stats.accepted,
                                                                      stats.proposed)],
                 "tokens_per_step": e, "rounds": sum(stats.rounds),

@@ -439,6 +439,12 @@ def test_experiment_point_drafts_over_the_window_cache_not_the_targets():
     prompts = [list(range(1, 41)), list(range(50, 90))]
     rows = spec_exp.point(loaded, run, prompts, ["self"], [1, 3], 6, 1, 16)
     assert [r["k"] for r in rows] == [1, 3]
+    cache = init_cache(cfg, 2, 40 + 6 + 1, ragged=True)  # plain: 5 tokens after the first
+    first, cache = _prefill(params, cfg, prompts, cache)
+    buf, _, _ = ragged.generate_ragged(params, cfg, first, cache, [5, 5])
+    want = [list(map(int, buf[i, :5])) for i in range(2)]
+    assert rows[0]["plain_distinct_tokens_per_row"] == [len(set(w)) for w in want]
+    assert spec_exp.distinct_tokens([[10, 10, 10, 10], [1, 2, 1, 3]]) == [1, 3]
     for r in rows:
         assert r["draft_window_size"] == 8
         assert r["draft_cache_slots"] == 8 + 3 + 1  # W + k_max + 1 spare, not 40 + 6 + 1
