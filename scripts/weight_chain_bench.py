@@ -135,5 +135,6 @@ def main(argv):
             print(f"{name:>14} {m:>3} {t * 1e3:8.2f} {nbytes[i8] / t / 1e9:6.1f} "
                   f"{2 * m * elems / t / 1e9:8.1f} {t / base:12.2f}")
 
+
 if __name__ == "__main__":
     app.run(main)

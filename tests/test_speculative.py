@@ -2,6 +2,7 @@
 probabilities; its theory (kvjax.analysis.speculative) against closed forms."""
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -507,6 +508,30 @@ def test_an_int8_draft_that_sees_every_token_accepts_nearly_every_draft():
     r = spec_theory.round_times(cfg, 30, 3, 1e9, draft_cfg=dcfg, draft_weights=stored)
     assert r.draft_bytes == theory.step_bytes(dcfg, 30, weights=stored).total
     assert r.draft_bytes < spec_theory.round_times(cfg, 30, 3, 1e9, draft_cfg=dcfg).draft_bytes
+
+
+def test_an_int8_draft_that_would_run_widened_weights_warns():
+    """check_draft warns where a resolved int8 self draft cannot run the int8 kernel
+    (weight_matmul='xla'), and not where it can."""
+    from kvjax import planner  # noqa: PLC0415
+    from kvjax.native import rows_matmul  # noqa: PLC0415
+    spec = SpeculativeConfig(drafter="self", k=2, draft_window_size=6, draft_sink_tokens=1,
+                             draft_weight_dtype="int8")
+    cfg = CONFIGS["gqa"]
+    params = model_lib.init_params(cfg, 1)
+    for impl, warns in (("xla", True), ("native", False)):
+        if impl == "native" and not rows_matmul.load():
+            continue
+        c = planner.resolve(cfg.replace(weight_matmul=impl), max_seq_len=MAX_LEN)
+        dcfg = planner.resolve(S.self_draft(params, c, spec)[1], max_seq_len=MAX_LEN)
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            S.check_draft(c, dcfg, spec)
+        assert any("weight_matmul='xla'" in str(w.message) for w in got) == warns
+    # without a plan (not resolved yet) nothing is known: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        S.check_draft(cfg, S.self_draft(params, cfg, spec)[1], spec)
 
 
 def test_a_draft_weight_dtype_is_refused_unless_int8():

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -118,6 +119,10 @@ def check_draft(cfg: ModelConfig, draft_cfg: ModelConfig | None,
                 spec: SpeculativeConfig) -> None:
     """Refuses a drafter the config cannot build, before any work.
 
+    Warns (UserWarning) where an int8 'self' draft (``draft_weight_dtype='int8'``) with a
+    resolved plan would not run the native int8 kernel on CPU: XLA then multiplies by
+    weights widened to float32 every step, slower than the float32 draft.
+
     Raises:
       ConfigError: a draft model with another vocabulary, a 'self'/'model' drafter
         without a draft config, or an 'ngram' drafter given one.
@@ -132,6 +137,17 @@ def check_draft(cfg: ModelConfig, draft_cfg: ModelConfig | None,
                 f"vocab_size={cfg.vocab_size} (the drafter must share the tokenizer)")
     elif draft_cfg is not None:
         raise ConfigError(f"speculative.drafter={spec.drafter!r} takes no draft model")
+    if (spec.drafter == "self" and spec.draft_weight_dtype == "int8"
+            and draft_cfg.plan is not None and draft_cfg.backend == "cpu"
+            and not (draft_cfg.weight_matmul != "xla" and draft_cfg.dtype == "float32"
+                     and draft_cfg.plan.has_native("rows_matmul"))):
+        warnings.warn(
+            f"speculative.draft_weight_dtype='int8' with model.weight_matmul="
+            f"{draft_cfg.weight_matmul!r}, dtype={draft_cfg.dtype!r} and native kernels "
+            f"{list(draft_cfg.plan.native)}: the draft multiplies by its int8 weights "
+            "widened to float32 in XLA every step, slower than a float32 draft on CPU; the "
+            "int8 kernel needs weight_matmul other than 'xla', dtype 'float32' and the "
+            "native rows_matmul loaded", stacklevel=2)
 
 
 def _spare(cfg: ModelConfig, k: int) -> int:

@@ -33,8 +33,8 @@ the target's weights, ``speculative.draft_weight_dtype='int8'``) run on the nati
 kernel's int8 variant wherever the plan has the kernel loaded and M is at most
 :data:`kvjax.native.rows_matmul.MAX_ROWS` (it reads a quarter of float32's bytes);
 elsewhere XLA multiplies by the widened weight. There is no choice to measure: XLA:CPU
-widens a [K, N] int8 weight into a float32 copy before its dot (SmolLM2's [576, 1536] at
-M = 1: ~1 GB/s of int8 read, against the kernel's ~24; docs/results/).
+widens a [K, N] int8 weight into a float32 copy before its dot, which reads and writes
+more bytes than the float32 weight would (figures in docs/results/).
 
 :func:`einsum` takes the equation of a projection written as ``<rows><contracted>,
 <contracted><out>-><rows><out>`` (weights stored [in, out]: every :class:`Einsum`
@@ -146,9 +146,11 @@ def einsum(eqn: str, x: jax.Array, w: jax.Array, impl: str = "xla",
       impl: one of :data:`IMPLS`.
       plan: the config's plan (:func:`choose`), or None.
     Returns:
-      The einsum's result in ``x``'s dtype promoted with ``w``'s (as ``jnp.einsum``).
+      The einsum's result in ``x``'s dtype promoted with ``w``'s (as ``jnp.einsum``);
+      in ``x``'s dtype for an :class:`Int8Weight` (which runs XLA without a plan).
     Raises:
-      ValueError: an unknown impl; a native one without a plan (:func:`choose`).
+      ValueError: an unknown impl; a native one without a plan (:func:`choose`) for a
+        float weight; an :class:`Int8Weight` whose scale varies along a contracted axis.
     """
     check_impl(impl)
     if isinstance(w, Int8Weight):
@@ -177,7 +179,7 @@ def einsum(eqn: str, x: jax.Array, w: jax.Array, impl: str = "xla",
 
 @struct.dataclass
 class Int8Weight:
-    """A weight stored as int8 with a float32 scale per output channel: w ~ q · scale
+    """A weight stored as int8 with float32 scales: w ~ q · scale
     (symmetric absmax quantization, the per-channel scheme of LLM.int8()'s vector-wise
     quantization without its outlier split: Dettmers et al. 2022, eq. 1-3).
 
@@ -187,8 +189,11 @@ class Int8Weight:
     Attributes:
       q: int8, the weight's shape.
       scale: float32, the weight's rank, size 1 on every axis the absmax reduced (all
-        but the output axis: the last of a stored-[in, out] kernel, the first of the
-        [V, D] embedding; a stacked kernel's layer axis is kept too).
+        but one output axis: the last of a stored-[in, out] kernel, so one scale per
+        output channel of a [D, F] or [N, H, D] kernel but, for q/k/v [D, N, H], one
+        per head-dim index shared by the N heads; the first of the [V, D] embedding; a
+        stacked kernel's layer axis is kept too). Any axis kept must be an output axis
+        of the product (:func:`einsum` raises otherwise).
     """
 
     q: jax.Array

@@ -476,7 +476,7 @@ static void Int8RowsKN(const float* x, int64_t M, int64_t K, const int8_t* q, in
   for (; k + 4 <= k1; k += 4) {
     const int8_t* w0 = q + k * N;
     for (int64_t n = 0; n < nv; n += VW) {
-      if ((n & 63) == 0) {  // a line of each of the four rows two passes ahead
+      if (k + 12 <= k1 && (n & 63) == 0) {  // a line of each row two passes ahead
         __builtin_prefetch(w0 + 8 * N + n, 0, 2);
         __builtin_prefetch(w0 + 9 * N + n, 0, 2);
         __builtin_prefetch(w0 + 10 * N + n, 0, 2);

@@ -34,7 +34,8 @@ def library_path() -> pathlib.Path | None:
 
 
 def _smoke() -> None:
-    """One product of each layout, [2, 8] x [8, 16], against numpy."""
+    """One product of each layout, [2, 8] x [8, 16] in float32 and [2, 32] x [32, 16] in
+    int8, against numpy."""
     x = np.arange(16, dtype=np.float32).reshape(2, 8) / 16
     w = np.arange(128, dtype=np.float32).reshape(8, 16) / 128 - 0.5
     native.check_close("rows_matmul's smoke call (kn)",
@@ -42,13 +43,15 @@ def _smoke() -> None:
     native.check_close("rows_matmul's smoke call (nk)",
                        _call(jnp.asarray(x), jnp.asarray(w.T.copy()), "nk", "columns", False),
                        x @ w)
-    q = (np.arange(128).reshape(8, 16) % 255 - 127).astype(np.int8)
+    # int8: K = 32, so the [N, K] form's vector loop runs (VW <= 16); the sums are exact
+    x8 = np.arange(64, dtype=np.float32).reshape(2, 32) / 64
+    q = (np.arange(512).reshape(32, 16) % 255 - 127).astype(np.int8)
+    want8 = x8.astype(np.float64) @ q.astype(np.float64)
     native.check_close("rows_matmul's int8 smoke call (kn)",
-                       _call_int8(jnp.asarray(x), jnp.asarray(q), "kn"),
-                       x @ q.astype(np.float32), tol=1e-4)
+                       _call_int8(jnp.asarray(x8), jnp.asarray(q), "kn"), want8, tol=1e-4)
     native.check_close("rows_matmul's int8 smoke call (nk)",
-                       _call_int8(jnp.asarray(x), jnp.asarray(q.T.copy()), "nk"),
-                       x @ q.astype(np.float32), tol=1e-4)
+                       _call_int8(jnp.asarray(x8), jnp.asarray(q.T.copy()), "nk"), want8,
+                       tol=1e-4)
 
 
 def load() -> bool:
