@@ -502,7 +502,8 @@ def test_quantize_int8_error_is_half_a_step_per_output_channel():
     np.testing.assert_allclose(np.asarray(qw.scale).ravel(), scale, rtol=1e-6)
     err = np.abs(np.asarray(qw.dequantize()) - w)
     assert (err <= scale / 2 * (1 + 1e-5)).all()
-    assert (np.abs(np.asarray(qw.q)).max(axis=(0, 1)) == 127).all()  # each channel's
+    # each output channel's absmax maps to 127
+    assert (np.abs(np.asarray(qw.q)).max(axis=(0, 1)) == 127).all()
     zero = weight_matmul.quantize_int8(jnp.zeros((4, 2)), (-1,))
     assert (np.asarray(zero.scale) == 1).all() and (np.asarray(zero.q) == 0).all()
     with pytest.raises(ValueError, match="keep=\\(3,\\)"):

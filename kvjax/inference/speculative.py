@@ -139,8 +139,8 @@ def check_draft(cfg: ModelConfig, draft_cfg: ModelConfig | None,
         raise ConfigError(f"speculative.drafter={spec.drafter!r} takes no draft model")
     if (spec.drafter == "self" and spec.draft_weight_dtype == "int8"
             and draft_cfg.plan is not None and draft_cfg.backend == "cpu"
-            and not (draft_cfg.weight_matmul != "xla" and draft_cfg.dtype == "float32"
-                     and draft_cfg.plan.has_native("rows_matmul"))):
+            and not weight_matmul.int8_runs_native(draft_cfg.weight_matmul, draft_cfg.plan,
+                                                   draft_cfg.dtype)):
         warnings.warn(
             f"speculative.draft_weight_dtype='int8' with model.weight_matmul="
             f"{draft_cfg.weight_matmul!r}, dtype={draft_cfg.dtype!r} and native kernels "

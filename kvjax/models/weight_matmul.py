@@ -288,6 +288,14 @@ def take(table, tokens: jax.Array, dtype) -> jax.Array:
     return jnp.take(table, tokens, axis=0).astype(dtype)
 
 
+def int8_runs_native(impl: str, plan: plan_lib.Plan | None, dtype) -> bool:
+    """Whether :func:`einsum` runs an :class:`Int8Weight` on the native int8 kernel for
+    formulation ``impl``, ``plan`` and activation dtype ``dtype`` (for M from 1 to
+    :data:`kvjax.native.rows_matmul.MAX_ROWS`); else XLA over the widened weight."""
+    return (impl != "xla" and plan is not None and plan.has_native("rows_matmul")
+            and jnp.dtype(dtype) == jnp.float32)
+
+
 def _einsum_int8(eqn: str, x: jax.Array, w: Int8Weight, impl: str,
                  plan: plan_lib.Plan | None) -> jax.Array:
     """:func:`einsum` for an int8 weight: (x times q) times the output channels' scale."""
@@ -304,9 +312,7 @@ def _einsum_int8(eqn: str, x: jax.Array, w: Int8Weight, impl: str,
     m, k = math.prod(rows_shape), math.prod(x.shape[nr:])
     out_shape = w.shape[nc:] if layout == "kn" else w.shape[: w.ndim - nc]
     n = math.prod(out_shape)
-    native_ok = (impl != "xla" and plan is not None and plan.has_native("rows_matmul")
-                 and 0 < m <= rm.MAX_ROWS and x.dtype == jnp.float32)
-    if native_ok:
+    if int8_runs_native(impl, plan, x.dtype) and 0 < m <= rm.MAX_ROWS:
         q2 = w.q.reshape((k, n) if layout == "kn" else (n, k))
         y = rm.rows_matmul_int8(x.reshape(m, k), q2, layout).reshape(rows_shape + out_shape)
     else:
