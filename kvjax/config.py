@@ -497,7 +497,7 @@ class SpeculativeConfig:
         'int8' or 'int4'.
       draft_num_layers: 'self': the draft runs the first L' layers only (0: all).
       draft_weight_dtype: 'self': None (the target's weights as they are) or 'int8' (a
-        copy of them in int8 with a float32 scale per index of each kernel's last axis
+        copy of them in int8 with a float32 scale per output channel
         (:class:`kvjax.models.weight_matmul.Int8Weight`), made once before
         the loop: the draft step reads about a quarter of float32's weight bytes;
         :func:`kvjax.models.weight_matmul.quantize_params_int8`). Verification is by the

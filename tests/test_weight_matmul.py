@@ -535,3 +535,36 @@ def test_int8_params_run_as_their_dequantized_copy(cfg):
                                    rtol=1e-5)
     full = weight_matmul.weight_bytes(params)
     assert 0.25 * full < weight_matmul.weight_bytes(q) < 0.4 * full
+
+
+@pytest.mark.parametrize("cfg", [tiny_config(), tiny_config(scan_layers=False),
+                                 tiny_mla_config()], ids=["stacked", "per_layer", "mla"])
+def test_int8_params_scale_every_output_channel(cfg):
+    """quantize_params_int8 gives each output channel its own scale: q/k/v [D, N, H] one
+    per (head, head-dim), [N, H, D] output projections one per D, the embedding one per
+    row; each channel's absmax is 127 (a scale shared by several channels leaves the
+    smaller ones below it)."""
+    params = model.params_for(cfg, model.init_params(cfg, 0))
+    q = weight_matmul.quantize_params_int8(params, stacked=cfg.scan_layers)
+    is_q = lambda a: isinstance(a, weight_matmul.Int8Weight)  # noqa: E731
+    seen = set()
+    for path, w in jax.tree_util.tree_flatten_with_path(q, is_leaf=is_q)[0]:
+        if not is_q(w):
+            continue
+        keys = [getattr(p, "key", str(p)) for p in path]
+        lead = int(cfg.scan_layers and keys[0] == "layers")
+        name = keys[-2] if keys[-1] == "kernel" else keys[-1]
+        seen.add(name)
+        if keys[-1] == "embedding":
+            inputs = (w.ndim - 1,)
+        elif name in weight_matmul.MERGED_INPUT_KERNELS:
+            inputs = tuple(range(lead, w.ndim - 1))
+        else:
+            inputs = (lead,)
+        want = tuple(1 if i in inputs else n for i, n in enumerate(w.shape))
+        assert w.scale.shape == want, (keys, w.scale.shape, want)
+        absmax = np.abs(np.asarray(w.q)).max(axis=inputs)
+        assert (absmax == 127).all(), keys
+    assert {"embedding"} < seen
+    if cfg.attention != "mla":
+        assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= seen

@@ -188,12 +188,11 @@ class Int8Weight:
 
     Attributes:
       q: int8, the weight's shape.
-      scale: float32, the weight's rank, size 1 on every axis the absmax reduced (all
-        but one output axis: the last of a stored-[in, out] kernel, so one scale per
-        output channel of a [D, F] or [N, H, D] kernel but, for q/k/v [D, N, H], one
-        per head-dim index shared by the N heads; the first of the [V, D] embedding; a
-        stacked kernel's layer axis is kept too). Any axis kept must be an output axis
-        of the product (:func:`einsum` raises otherwise).
+      scale: float32, the weight's rank, size 1 on every axis the absmax reduced (the
+        product's input axes: :func:`quantize_params_int8` keeps every output axis, so
+        one scale per output channel, e.g. [1, N, H] for q/k/v [D, N, H]; [V, 1] for
+        the [V, D] embedding; a stacked kernel's layer axis is kept too). Any axis kept
+        must be an output axis of the product (:func:`einsum` raises otherwise).
     """
 
     q: jax.Array
@@ -248,10 +247,17 @@ def quantize_int8(w: jax.Array, keep: tuple[int, ...]) -> Int8Weight:
     return Int8Weight(q, scale)
 
 
+MERGED_INPUT_KERNELS = ("o_proj", "wo")
+"""Kernels stored [N, H, D] whose first two axes are the product's input (attention's
+output projections, ``Einsum.merge_in``); every other kernel's input is its first axis."""
+
+
 def quantize_params_int8(params, stacked: bool = False):
     """``params`` with every matrix a self draft reads as :class:`Int8Weight`: each
-    'kernel' (stored [in..., out...]: one scale per index of its last axis) and the
-    'embedding' ([V, D]: one per vocabulary row, for the tied LM head and the lookup).
+    'kernel' (one scale per output channel: per index of every axis after the first of
+    a stored-[in, out...] kernel, e.g. per (head, head-dim) of q/k/v [D, N, H]; per
+    index of the last axis of :data:`MERGED_INPUT_KERNELS`) and the 'embedding' ([V, D]:
+    one per vocabulary row, for the tied LM head and the lookup).
     Norm scales and biases stay as they are.
 
     Args:
@@ -267,8 +273,12 @@ def quantize_params_int8(params, stacked: bool = False):
         if keys[-1] == "embedding":
             return quantize_int8(leaf, (0,))
         if keys[-1] == "kernel" and np.ndim(leaf) >= 2:
-            keep = (0, -1) if stacked and keys[0] == "layers" else (-1,)
-            return quantize_int8(leaf, keep)
+            lead = 1 if stacked and keys[0] == "layers" else 0  # a stacked layer axis
+            if len(keys) >= 2 and keys[-2] in MERGED_INPUT_KERNELS:
+                out = (np.ndim(leaf) - 1,)  # [N, H, D]: the last axis alone is output
+            else:  # [in, out...]: every axis after the input's
+                out = tuple(range(lead + 1, np.ndim(leaf)))
+            return quantize_int8(leaf, tuple(range(lead)) + out)
         return leaf
     return jax.tree_util.tree_map_with_path(one, params)
 
