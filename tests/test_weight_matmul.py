@@ -39,12 +39,13 @@ def _resolved(cfg, batch, rows):
 
 
 @needs_native
-@pytest.mark.parametrize("m", [1, 4, 6, 7, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 7, 16])
 @pytest.mark.parametrize("k,n", [(576, 192), (37, 70), (1, 200)])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 def test_native_equals_float64_product(m, k, n, layout):
     """Row tiles of every size the kernel dispatches (1..6 and tails), column panels with
-    a ragged last panel (200, 70), K not a multiple of the vector width (37, 1)."""
+    a ragged last panel (200, 70), K not a multiple of the vector width (37, 1); against
+    [N, K] with K = 576, up to 4 rows read each weight row once (RowDotsNK, 1..4 rows)."""
     rng = np.random.default_rng(m * 1000 + k + n)
     x = rng.standard_normal((m, k), dtype=np.float32)
     w = rng.standard_normal((k, n), dtype=np.float32)
@@ -86,12 +87,16 @@ def test_one_row_walk_splits_k_over_threads(monkeypatch, threads, k, n):
 @needs_native
 @pytest.mark.parametrize("threads", ["1", "2", "3"])
 @pytest.mark.parametrize("m,k,n", [(2, 300, 1000), (16, 576, 576), (7, 200, 70),
-                                   (16, 1536, 192), (5, 63, 130), (3, 130, 4100)])
+                                   (16, 1536, 192), (5, 63, 130), (3, 130, 4100),
+                                   (3, 131, 70), (4, 576, 1536), (2, 67, 4096)])
 def test_k_split_equals_float64_product(monkeypatch, threads, m, k, n):
     """split='k' ('native_ksplit'): several rows against a [K, N] weight, K split into
     contiguous ranges of >= 64 rows per thread (blocks of 64 rows, a ragged last block:
     300, 130, 1536 with 3 threads), partial rows added by the caller; row tiles 1..6,
-    ragged column panels (1000, 70, 130, 4100); K < 64 (63) runs as one part."""
+    ragged column panels (1000, 70, 130, 4100); K < 64 (63) runs as one part. Up to 4
+    rows with N <= 4096 walk the weight rows four a pass (WalkRowsKN): a part's rows not
+    a multiple of four (131, 67, 300 over 3 threads), N with a tail under a vector (70,
+    1000), rows padded apart (1536: 4K aliasing), the widest walked (4096)."""
     monkeypatch.setenv("KVJAX_NATIVE_THREADS", threads)
     rng = np.random.default_rng(m * 7 + k + n)
     x = rng.standard_normal((m, k), dtype=np.float32)

@@ -256,32 +256,87 @@ static void RangeKN(const float* x, int64_t M, int64_t K, const float* w, int64_
   }
 }
 
-// One row, w stored [K, N] with N <= kWalkCols: y[0:N] = sum over k in [k0, k1) of
-// x[k] w[k, :], the weight rows [k0, k1) read start to end as one sequential stream
-// while y stays in L1. Measured on a 2-core AMD EPYC (AVX-512F), 30 layers of SmolLM2
-// shapes from DRAM, one thread: one weight row per pass 22 GB/s; blocks of 2 / 4 / 8
-// rows read together 13 / 15 / 18 GB/s (RangeKN's column panels: ~16). Wider weights
-// keep the panels (whole rows of [576, 49152], y out of L1: 0.65x XLA's speed).
-constexpr int64_t kWalkCols = 4096;  // 16 KiB of y
-static void WalkRowsKN(const float* x, const float* w, int64_t N, int64_t k0, int64_t k1,
-                       float* y) {
-  std::fill(y, y + N, 0.0f);
+// y[0:MR, 0:N] += sum over k in [k0, k1) of x[:, k] w[k, :] (w stored [K, N], y at row
+// stride ld), KR weight rows a pass: the rows [k0, k1) are read start to end while y
+// stays in L1; each loaded weight vector updates all MR rows, and y is loaded and
+// stored once per pass. Returns the first k not done (k1 - (k1 - k0) % KR).
+template <int MR, int KR>
+static int64_t WalkPass(const float* x, int64_t K, const float* w, int64_t N, int64_t k0,
+                        int64_t k1, float* y, int64_t ld) {
+  constexpr int S = MR == 1 ? 4 : 2;  // vectors of each weight row per step
   const int64_t nv = N / VW * VW;
-  for (int64_t k = k0; k < k1; ++k) {
-    const vf a = splat(x[k]);
+  int64_t k = k0;
+  for (; k + KR <= k1; k += KR) {
+    vf a[KR][MR];
+#pragma GCC unroll 4
+    for (int i = 0; i < KR; ++i)
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) a[i][r] = splat(x[r * K + k + i]);
     const float* wr = w + k * N;
     int64_t n = 0;
-    for (; n + 4 * VW <= nv; n += 4 * VW) {
-      __builtin_prefetch(wr + n + kWalkPrefetch, 0, 2);
-      store(y + n, fma(a, load(wr + n), load(y + n)));
-      store(y + n + VW, fma(a, load(wr + n + VW), load(y + n + VW)));
-      store(y + n + 2 * VW, fma(a, load(wr + n + 2 * VW), load(y + n + 2 * VW)));
-      store(y + n + 3 * VW, fma(a, load(wr + n + 3 * VW), load(y + n + 3 * VW)));
+    for (; n + S * VW <= nv; n += S * VW) {
+      vf b[KR][S];
+#pragma GCC unroll 4
+      for (int i = 0; i < KR; ++i) {
+        __builtin_prefetch(wr + i * N + n + kWalkPrefetch, 0, 2);
+#pragma GCC unroll 4
+        for (int j = 0; j < S; ++j) b[i][j] = load(wr + i * N + n + j * VW);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        float* yr = y + r * ld + n;
+#pragma GCC unroll 4
+        for (int j = 0; j < S; ++j) {
+          vf acc = load(yr + j * VW);
+#pragma GCC unroll 4
+          for (int i = 0; i < KR; ++i) acc = fma(a[i][r], b[i][j], acc);
+          store(yr + j * VW, acc);
+        }
+      }
     }
-    for (; n < nv; n += VW) store(y + n, fma(a, load(wr + n), load(y + n)));
-    for (; n < N; ++n) y[n] += x[k] * wr[n];
+    for (; n < N; ++n)
+      for (int r = 0; r < MR; ++r)
+        for (int i = 0; i < KR; ++i) y[r * ld + n] += x[r * K + k + i] * wr[i * N + n];
   }
+  return k;
 }
+
+// Up to kWalkRows rows against w [K, N] with N <= kWalkCols (WalkRowsKN). One row takes
+// one weight row a pass: one thread, 30 layers of SmolLM2 shapes from DRAM, 2-core AMD
+// EPYC: 22 GB/s; blocks of 2 / 4 / 8 rows read together 13 / 15 / 18 GB/s (RangeKN's
+// column panels: ~16). Wider weights keep the panels (whole rows of [576, 49152], y out
+// of L1: 0.65x XLA's speed). Several rows walk only with split = 1 ('native_ksplit'):
+// the planner measures the walk against the panels ('native') per class.
+constexpr int64_t kWalkCols = 4096;  // 16 KiB of y per row
+constexpr int64_t kWalkRows = 4;
+template <int MR>
+static void WalkRowsKN(const float* x, int64_t K, const float* w, int64_t N, int64_t k0,
+                       int64_t k1, float* out) {
+  // Several rows accumulate at a padded stride: rows N floats apart alias in the low 12
+  // address bits when 4·N is a multiple of 2 KiB (SmolLM2's N = 1536 at M = 3, 4), and a
+  // load after a store to an aliasing address waits for it ("4K aliasing"; before the
+  // pad, [576, 1536] at M = 3 read at 17 GB/s against 24 for the column panels). They
+  // take four weight rows a pass (a quarter of y's loads and stores): SmolLM2's 30-layer
+  // chain with its head, from DRAM, 2-core AMD EPYC (AVX-512F), one interleaved run, at
+  // M = 1 / 2 / 3 / 4: one weight row a pass 17.6 / 19.0 / 26.0 / 28.3 ms, two 18.0 /
+  // 20.0 / 21.8 / 24.4, four (M > 1) 19.0 / 20.2 / 20.9.
+  const int64_t ld = MR > 1 ? N + 32 : N;
+  std::unique_ptr<float[]> pad(MR > 1 ? new float[MR * ld] : nullptr);
+  float* y = MR > 1 ? pad.get() : out;
+  std::fill(y, y + MR * ld, 0.0f);
+  const int64_t k = MR > 1 ? WalkPass<MR, 4>(x, K, w, N, k0, k1, y, ld) : k0;
+  WalkPass<MR, 1>(x, K, w, N, k, k1, y, ld);
+  if (MR > 1)
+    for (int r = 0; r < MR; ++r) std::memcpy(out + r * N, y + r * ld, N * sizeof(float));
+}
+
+template <int R>
+struct Walk {
+  static void Run(const float* x, int64_t K, const float* w, int64_t N, int64_t,
+                  float* y, int64_t k0, int64_t k1, int64_t) {
+    WalkRowsKN<R>(x, K, w, N, k0, k1, y);
+  }
+};
 
 // Weight rows per register tile of the lane-transposed [N, K] product (RangeNKT).
 constexpr int NRL = VW == 16 ? 24 : 12;
@@ -329,25 +384,51 @@ static void RangeNKT(const float* x, int64_t M, int64_t K, const float* w, int64
   }
 }
 
-// Output columns [c0, c1) of y, w stored [N, K]. A single row reads each weight row
-// start to end (tiles of NRT rows read the tied LM head at half XLA's GB/s for M = 1).
+// y[0:MR, n] for n in [c0, c1), w stored [N, K], K a multiple of 4·VW: each weight
+// row read start to end once, as one stream, against all MR rows of x (in L1).
+template <int MR>
+static void RowDotsNK(const float* x, int64_t K, const float* w, int64_t N, int64_t c0,
+                      int64_t c1, float* y) {
+  for (int64_t n = c0; n < c1; ++n) {
+    const float* wr = w + n * K;
+    vf a[MR][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = zero();
+    for (int64_t k = 0; k < K; k += 4 * VW) {
+      const vf b0 = reg(load(wr + k)), b1 = reg(load(wr + k + VW)),
+               b2 = reg(load(wr + k + 2 * VW)), b3 = reg(load(wr + k + 3 * VW));
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        const float* xr = x + r * K + k;
+        a[r][0] = fma(load(xr), b0, a[r][0]);
+        a[r][1] = fma(load(xr + VW), b1, a[r][1]);
+        a[r][2] = fma(load(xr + 2 * VW), b2, a[r][2]);
+        a[r][3] = fma(load(xr + 3 * VW), b3, a[r][3]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) y[r * N + n] = hsum((a[r][0] + a[r][1]) + (a[r][2] + a[r][3]));
+  }
+}
+
+template <int R>
+struct Dots {
+  static void Run(const float* x, int64_t K, const float* w, int64_t N, int64_t c0,
+                  float* y, int64_t c1, int64_t, int64_t) {
+    RowDotsNK<R>(x, K, w, N, c0, c1, y);
+  }
+};
+
+// Output columns [c0, c1) of y, w stored [N, K]. Up to kWalkRows rows read each weight
+// row start to end (RowDotsNK). Tiles of NRT rows read 4 weight rows at once: the tied
+// LM head at half XLA's GB/s for M = 1; SmolLM2's head from DRAM on a 2-core AMD EPYC
+// at M = 2 / 3 / 4: the dots 3.7 / 3.5 / 3.8 ms (as M = 1: 3.7), the lanes 5.1-5.2,
+// the tiles about 6 (another run).
 static void RangeNK(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
                     int64_t c0, int64_t c1, float* y) {
   int64_t n = c0;
-  if (M == 1 && K % (4 * VW) == 0) {  // one row: each weight row read start to end
-    for (; n < c1; ++n) {
-      const float* wr = w + n * K;
-      vf a0 = zero(), a1 = zero(), a2 = zero(), a3 = zero();
-      for (int64_t k = 0; k < K; k += 4 * VW) {
-        a0 = fma(load(x + k), load(wr + k), a0);
-        a1 = fma(load(x + k + VW), load(wr + k + VW), a1);
-        a2 = fma(load(x + k + 2 * VW), load(wr + k + 2 * VW), a2);
-        a3 = fma(load(x + k + 3 * VW), load(wr + k + 3 * VW), a3);
-      }
-      y[n] = hsum((a0 + a1) + (a2 + a3));
-    }
-    return;
-  }
+  if (M <= kWalkRows && K % (4 * VW) == 0)
+    return RunRows<Dots, kWalkRows>(static_cast<int>(M), x, K, w, N, c0, y, c1);
   for (; n + NRT <= c1; n += NRT) {
     for (int64_t m = 0; m < M; m += MBT) {
       const int r = static_cast<int>(std::min<int64_t>(MBT, M - m));
@@ -411,12 +492,13 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (Trivial(M, K, N, yp)) return ffi::Error::Success();
   const int64_t want = (K * N >= kMinSplit) ? std::max<int64_t>(1, threads) : 1;
   if (!w_nk && (split || (M == 1 && N <= kWalkCols))) {
-    // A K split (SplitK). One row walks its rows start to end (WalkRowsKN); several
-    // rows (split = 1) take every column in blocks of kSplitRowBlock rows (RangeKN).
-    const bool walk = M == 1 && N <= kWalkCols;
+    // A K split (SplitK). One row, or with split = 1 up to kWalkRows rows, walks its
+    // weight rows start to end (WalkRowsKN); more rows (split = 1) take every column in
+    // blocks of kSplitRowBlock rows (RangeKN).
+    const bool walk = M <= kWalkRows && N <= kWalkCols;
     SplitK(pool, want, M, K, N, yp, [=](float* yo, int64_t ka, int64_t kb) {
       if (walk)
-        WalkRowsKN(xp, wp, N, ka, kb, yo);
+        RunRows<Walk, kWalkRows>(static_cast<int>(M), xp, K, wp, N, 0, yo, ka, kb, 0);
       else
         RangeKN(xp, M, K, wp, N, 0, N, yo, ka, kb, kSplitRowBlock);
     });
