@@ -122,9 +122,7 @@ def _speculative_lines(result: runner.DecodeResult, cfg, c) -> list:
     if sp["drafter"] == "self":  # the draft as the run built it
         spec = SpeculativeConfig(**sp["config"])
         dcfg = speculative.draft_config(cfg.replace(plan=None), spec)
-        dweights = speculative.draft_weight_bytes(dcfg, spec)
-        if spec.copies_target_window:  # its ring copied from the target's every round
-            copy_slots = speculative.draft_window_slots(dcfg, k)
+        copy_slots, dweights = speculative.draft_costs(dcfg, spec, k)
     r = spec_theory.round_times(cfg, t, k, bw, draft_cfg=dcfg, batch=c.step.batch,
                                 copy_slots=copy_slots, draft_weights=dweights)
     plain_s = c.loop_seconds_per_token

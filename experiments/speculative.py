@@ -16,7 +16,9 @@ drafter and k (one compiled speculative loop: draft, verify, accept, take back).
   (checked equal to plain decoding's: greedy speculative decoding is exact), and the
   distinct tokens of each row's plain continuation (``plain_distinct_tokens_per_row``;
   a note is printed where a row holds at most :data:`DEGENERATE_DISTINCT`: a repeated
-  token, which any draft predicts);
+  token, which any draft predicts); ``beyond_context_length`` where t + new_tokens
+  passes the positions the checkpoint was trained for (a note too: past them the
+  model's continuation is not real text);
 * measured loop time per emitted token (the compiled loop; compilation excluded), and the
   speedup over plain decoding's loop in the same run;
 * the parts, each compiled on its own and timed on the prefilled cache (each takes its
@@ -200,6 +202,23 @@ DEGENERATE_DISTINCT = 2
 SmolLM2-135M's 64 newlines after a 16K chat prompt): every draft is accepted there."""
 
 
+def past_context_length(context_length: int | None, t: int, new_tokens: int) -> bool:
+    """Whether t + new_tokens positions pass the checkpoint's trained ``context_length``
+    (None: unknown, False); prints a note where they do. The main job refuses such a
+    dense cache (``runner.check_checkpoint``); this experiment times it, but past the
+    trained positions the model's text is not real text (SmolLM2-135M, trained for
+    8,192, continues the first 16,384 held-out tokens with newlines only), so such
+    rows' acceptance and speedup do not measure drafting on real text: JSON key
+    ``beyond_context_length``."""
+    past = bool(context_length) and t + new_tokens > context_length
+    if past:
+        print(f"note: t={t} + {new_tokens} new tokens pass the checkpoint's "
+              f"context_length={context_length} (positions past it were never trained): "
+              "the continuation is not real text, so acceptance and speedup there do not "
+              "measure drafting on real text", flush=True)
+    return past
+
+
 def distinct_tokens(tokens) -> list[int]:
     """Distinct token ids of each row of ``tokens`` [B, N] (int)."""
     return [len(set(map(int, row))) for row in np.asarray(tokens)]
@@ -293,8 +312,7 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
             if dcfg is not None:
                 draft_s = time_step(dparams, dcfg, _copy(dcache), 1, repeats)[0]
             e = stats.tokens_per_step
-            copy_slots = S.draft_window_slots(dcfg, k) if shared else 0
-            dweights = None if dcfg is None else S.draft_weight_bytes(dcfg, spec)
+            copy_slots, dweights = S.draft_costs(dcfg, spec, k)
             r, roof, serial = theories(cfg, t, k, b, plain_step_s, flops_per_s, dcfg,
                                        copy_slots, dweights)
             a_eff = spec_theory.acceptance_from_tokens_per_step(min(max(e, 1.0), k + 1), k)
@@ -433,10 +451,12 @@ def main(argv):
             for b in batches:
                 make = chat_prompts if _PROMPTS.value == "chat" else corpus_prompts
                 prompts = make(loaded.tokenizer, t, b)
+                past = past_context_length(loaded.context_length, t, new_tokens)
                 got = point(loaded, dataclasses.replace(run, speculative=spec), prompts,
                             _DRAFTERS.value, ks, new_tokens, repeats, _CHUNK.value,
                             flops_per_s)
-                rows += [dict(r, prompts=_PROMPTS.value) for r in got]
+                rows += [dict(r, prompts=_PROMPTS.value, beyond_context_length=past)
+                         for r in got]
     except (ConfigError, WeightsError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

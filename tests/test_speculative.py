@@ -446,6 +446,10 @@ def test_experiment_point_drafts_over_the_window_cache_not_the_targets():
     want = [list(map(int, buf[i, :5])) for i in range(2)]
     assert rows[0]["plain_distinct_tokens_per_row"] == [len(set(w)) for w in want]
     assert spec_exp.distinct_tokens([[10, 10, 10, 10], [1, 2, 1, 3]]) == [1, 3]
+    # rows past the checkpoint's trained positions are flagged (SmolLM2: 8,192)
+    assert not spec_exp.past_context_length(8192, 8128, 64)
+    assert spec_exp.past_context_length(8192, 8129, 64)
+    assert not spec_exp.past_context_length(None, 16384, 64)
     for r in rows:
         assert r["draft_window_size"] == 8
         assert r["draft_cache_slots"] == 8 + 3 + 1  # W + k_max + 1 spare, not 40 + 6 + 1
@@ -503,6 +507,12 @@ def test_an_int8_draft_that_sees_every_token_accepts_nearly_every_draft():
     assert S.draft_weight_bytes(dcfg, spec) == stored
     assert S.draft_weight_bytes(dcfg, dataclasses.replace(spec, draft_weight_dtype=None)) \
         is None
+    # the theory's draft arguments: the ring (W + k + 1 slots) copied each round, or
+    # nothing over a cache of its own; no draft config ('ngram'): nothing
+    assert S.draft_costs(dcfg, spec, 3) == (64 + 3 + 1, stored)
+    assert S.draft_costs(dcfg, dataclasses.replace(spec, draft_kv_source="own"), 3) \
+        == (0, stored)
+    assert S.draft_costs(None, dataclasses.replace(spec, drafter="ngram"), 3) == (0, None)
     full = theory.weight_bytes_per_step(cfg)
     assert 0.25 * full < stored < 0.4 * full
     r = spec_theory.round_times(cfg, 30, 3, 1e9, draft_cfg=dcfg, draft_weights=stored)

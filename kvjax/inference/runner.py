@@ -34,11 +34,15 @@ from kvjax.parallel import programs
 
 @dataclasses.dataclass
 class LoadedModel:
-    """Parameters in cfg's layout plus the tokenizer that goes with them."""
+    """Parameters in cfg's layout plus the tokenizer that goes with them, and the
+    positions the checkpoint was trained for (``context_length``: its
+    max_position_embeddings / llama.context_length; None for random weights or where
+    the checkpoint does not say)."""
 
     cfg: ModelConfig
     params: dict
     tokenizer: checkpoints.Tokenizer
+    context_length: int | None = None
 
 
 def load(run: RunConfig, progress: bool = True, check_prompt: bool = False) -> LoadedModel:
@@ -102,7 +106,7 @@ def load(run: RunConfig, progress: bool = True, check_prompt: bool = False) -> L
     except ValueError as e:
         raise ConfigError(f"invalid config: {e}") from None
     params = jax.tree.map(jnp.asarray, model.params_for(cfg, params))
-    return LoadedModel(cfg, params, tokenizer[0])
+    return LoadedModel(cfg, params, tokenizer[0], h.get("context_length") or None)
 
 
 def check_checkpoint(run: RunConfig, hparams: dict) -> None:

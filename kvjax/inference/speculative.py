@@ -694,6 +694,20 @@ def draft_weight_bytes(draft_cfg: ModelConfig, spec: SpeculativeConfig) -> int |
     return weight_matmul.weight_bytes(shapes)
 
 
+def draft_costs(draft_cfg: ModelConfig | None, spec: SpeculativeConfig,
+                k: int) -> tuple[int, int | None]:
+    """(copy_slots, draft_weights): what the theory's round
+    (:func:`kvjax.analysis.speculative.round_times`) needs beside ``draft_cfg`` for the
+    draft ``spec`` builds at k drafts a round: the slots per row a round copies from
+    the target's window (:func:`draft_window_slots` where
+    ``spec.copies_target_window``, else 0) and :func:`draft_weight_bytes`. (0, None)
+    without a draft config ('ngram')."""
+    if draft_cfg is None:
+        return 0, None
+    copy_slots = draft_window_slots(draft_cfg, k) if spec.copies_target_window else 0
+    return copy_slots, draft_weight_bytes(draft_cfg, spec)
+
+
 def history(prompts, max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """The n-gram drafter's history buffer: [B, H] int32 prompts (right-padded with 0)
     and [B] lengths, H = longest prompt + :func:`buffer_len` (max_new_tokens) + 1."""
