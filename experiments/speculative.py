@@ -448,10 +448,10 @@ def main(argv):
               f"{(flops_per_s or float('nan')) / 1e9:.0f} GFLOP/s ({chip.source})", flush=True)
         rows = []
         for t in contexts:
+            past = past_context_length(loaded.context_length, t, new_tokens)  # once per t
             for b in batches:
                 make = chat_prompts if _PROMPTS.value == "chat" else corpus_prompts
                 prompts = make(loaded.tokenizer, t, b)
-                past = past_context_length(loaded.context_length, t, new_tokens)
                 got = point(loaded, dataclasses.replace(run, speculative=spec), prompts,
                             _DRAFTERS.value, ks, new_tokens, repeats, _CHUNK.value,
                             flops_per_s)
