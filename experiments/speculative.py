@@ -234,7 +234,8 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
     max_len = t + new_tokens + 1
     rows_needed = tuple(sorted({b * min(chunk, t), b * (t % chunk or chunk), b}
                                | {b * (k + 1) for k in ks} | {2 * b}))
-    cfg = planner.resolve(cfg0, max_seq_len=max_len, batch_sizes=(b,), rows=rows_needed)
+    cfg = planner.resolve(cfg0, max_seq_len=max_len, batch_sizes=(b,), rows=rows_needed,
+                          queries=tuple(k + 1 for k in ks))
     tokens = jnp.asarray(prompts, jnp.int32)
     sampling = SamplingConfig()
 

@@ -109,10 +109,10 @@ class Plan:
         """Whether native kernel ``kernel`` (one of :data:`NATIVE_KERNELS`) is loaded."""
         return kernel in self.native
 
-    def decode_attention_for(self, name: str) -> str:
-        """The formulation for decode-attention class ``name`` ('xla' if the plan has
-        none)."""
-        return dict(self.decode_attention).get(name, "xla")
+    def decode_attention_for(self, name: str, default: str = "xla") -> str:
+        """The formulation for decode-attention class ``name`` (``default`` if the plan
+        has none)."""
+        return dict(self.decode_attention).get(name, default)
 
     def weight_matmul_for(self, name: str) -> str:
         """The formulation for weight-product class ``name`` ('xla' if the plan has

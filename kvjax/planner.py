@@ -56,7 +56,7 @@ from kvjax.config import ModelConfig
 from kvjax.cache import paged
 from kvjax.models import decode_kernels
 from kvjax.models import weight_matmul as wm
-from kvjax.models.attention import attend_step
+from kvjax.models.attention import SMALL_CHUNK, attend_step
 from kvjax.native import prefill as native_prefill
 from kvjax.native import rows_matmul as rm
 from kvjax.plan import Plan, weight_class
@@ -402,13 +402,15 @@ def _when(e: dict) -> str:
         if under_load(load) else "")
 
 
-def _decode_pick(cfg: ModelConfig, b: int, s: int, mesh: bool, page_size: int = 0) -> str:
+def _decode_pick(cfg: ModelConfig, b: int, s: int, mesh: bool, page_size: int = 0,
+                 queries: int = 1) -> str:
     """The 'auto' decode-attention formulation of ``cfg``'s cache class with ``b`` rows
-    of ``s`` slots, on pages of ``page_size`` (0: dense rows; see the module docstring);
-    measured once per class and machine."""
+    of ``s`` slots, on pages of ``page_size`` (0: dense rows; see the module docstring),
+    read by ``queries`` positions per row (G·T query rows per KV head); measured once
+    per class and machine."""
     k_layout, v_layout = cfg.cache_layout("k"), cfg.cache_layout("v")
     prefix = cache_lib.policy_for(cfg).kind == "dense"
-    k, g, h = cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
+    k, g, h = cfg.num_kv_heads, cfg.num_groups * int(queries), cfg.head_dim
     dtype = decode_kernels.read_dtype(cfg)
     if cfg.backend == "gpu":
         ok = decode_kernels.supports("pallas", "gpu", dtype, k_layout, v_layout, prefix, h, s)
@@ -417,7 +419,7 @@ def _decode_pick(cfg: ModelConfig, b: int, s: int, mesh: bool, page_size: int = 
         return "xla"
     if b * k * s * 2 * h * jnp.dtype(dtype).itemsize < MIN_MEASURED_BYTES:
         return "xla"
-    name = decode_kernels.shape_class(cfg, b, s, dtype, page_size)  # the plan's key too
+    name = decode_kernels.shape_class(cfg, b, s, dtype, page_size, queries)  # the plan's key
     with _lock:
         if name in _memo:
             return _memo[name]["choice"]
@@ -474,7 +476,7 @@ def _weight_pick(m: int, k: int, n: int, layout: str) -> str:
 
 def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
             extra_seq_lens=(), mesh_axes: dict | None = None,
-            manual_axes=(), page_size: int = 0) -> ModelConfig:
+            manual_axes=(), page_size: int = 0, queries=()) -> ModelConfig:
     """``cfg`` with its execution plan (``plan``), resolved now, before any trace.
 
     Loads the native kernels ``cfg`` may use (CPU configs in a CPU process: the decode
@@ -490,6 +492,11 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
       batch_sizes: the cache's batch sizes B of the decode steps (decode rows M = B); ()
         for programs without one (a prefill alone).
       rows: further M = B·T row counts of weight products (prefill chunks, verify steps).
+      queries: positions T > 1 of the small chunks the decode programs run over the
+        cache (a speculative verify step: k + 1): decode attention is also picked for
+        their G·T query rows per KV head (:func:`decode_kernels.shape_class`), which a
+        one-position call does not measure (1 and values above
+        ``kvjax.models.attention.SMALL_CHUNK`` add nothing).
       extra_seq_lens: further cache lengths the programs use (e.g. a cost context).
       mesh_axes: {axis name: size} of the mesh the programs run under (None: one
         device); on more than one device every 'auto' pick is 'xla'.
@@ -528,13 +535,15 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
             loaded.add("rows_matmul")
     decode = {}
     if cfg.decode_attention == "auto" and not cfg.is_mla:
+        widths = sorted({1} | {int(t) for t in queries if 1 < int(t) <= SMALL_CHUNK})
         for b, s in sorted({(int(b), n if page_size else cache_lib.num_slots(cfg, n))
                             for b in batch_sizes for n in lengths}):
-            name = decode_kernels.shape_class(cfg, b, s, decode_kernels.read_dtype(cfg),
-                                              page_size)
-            pick = _decode_pick(cfg, b, s, mesh, page_size)
-            decode[name] = "xla" if pick == "native" and "decode_attention" not in loaded \
-                else pick
+            for t in widths:
+                name = decode_kernels.shape_class(cfg, b, s, decode_kernels.read_dtype(cfg),
+                                                  page_size, t)
+                pick = _decode_pick(cfg, b, s, mesh, page_size, t)
+                decode[name] = "xla" if pick == "native" and "decode_attention" not in \
+                    loaded else pick
     weights = {}
     if cfg.weight_matmul == "auto" and "rows_matmul" in loaded and not mesh:
         for m in sorted({int(x) for x in tuple(batch_sizes) + tuple(rows)}):

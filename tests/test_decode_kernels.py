@@ -387,6 +387,36 @@ def test_planner_measures_once_then_reads_its_cache(planner_home, monkeypatch):
     planner.clear_memo()
 
 
+def test_verify_chunks_get_their_own_class(planner_home, monkeypatch):
+    """queries=(T,): decode attention is also measured for the G·T query rows of a chunk
+    of T positions (a verify step of k + 1), and a chunk of T takes that pick; a chunk
+    whose width was not resolved takes the one-position class's; T = 1 and T above
+    SMALL_CHUNK add no class."""
+    calls = []
+
+    def measure(b, k, g, h, v, s, dtype, kl, vl, **_):
+        calls.append((b, k, g, s))
+        pick = "xla_cache_left" if g > 4 else "xla"  # the wide chunk's pick differs
+        return {"choice": pick, "gbps": {"xla": 1.0, "xla_cache_left": 1.0},
+                "seconds": {"xla": 1.0, "xla_cache_left": 1.0}, "slots": s}
+
+    monkeypatch.setattr(planner, "measure", measure)
+    planner.clear_memo()
+    cfg = presets.blog_model("float32", num_kv_heads=2, attention="gqa", backend="cpu",
+                             decode_attention="auto")
+    k = jax.ShapeDtypeStruct((1, 2, 64, 4096), jnp.float32)
+    v = jax.ShapeDtypeStruct((1, 2, 4096, 64), jnp.float32)
+    resolved = planner.resolve(cfg, max_seq_len=4096, batch_sizes=(1,),
+                               queries=(1, 3, attention.SMALL_CHUNK + 1))
+    wide = CLASS.replace("-G4-", "-G12-")
+    assert dict(resolved.plan.decode_attention) == {CLASS: "xla", wide: "xla_cache_left"}
+    assert sorted(calls) == [(1, 2, 4, 4096), (1, 2, 12, 4096)]
+    assert decode_kernels.choose(resolved, k, v) == "xla"
+    assert decode_kernels.choose(resolved, k, v, queries=3) == "xla_cache_left"
+    assert decode_kernels.choose(resolved, k, v, queries=2) == "xla"  # not resolved
+    planner.clear_memo()
+
+
 def test_planner_cache_dir_follows_its_own_variable(tmp_path, monkeypatch):
     """$KVJAX_PLANNER_CACHE moves the planner's files alone (the suite sets it, so its
     picks never reach the user's cache); unset, they live under $KVJAX_CACHE/planner."""

@@ -328,9 +328,11 @@ class Engine:
         # for num_slots rows (and its verify chunks), each prefill bucket's when first
         # used (_prefill_cfg)
         if cfg.plan is None:
-            rows = () if self.spec is None else (self.num_slots * (self.spec.k + 1),)
+            verify = () if self.spec is None else (self.spec.k + 1,)
             cfg = planner.resolve(cfg, max_seq_len=self.max_seq_len,
-                                  batch_sizes=(self.num_slots,), rows=rows)
+                                  batch_sizes=(self.num_slots,),
+                                  rows=tuple(self.num_slots * t for t in verify),
+                                  queries=verify)
         self.params, self.cfg = params, cfg
         self._prefill_cfgs: dict[tuple, ModelConfig] = {}
         self.dparams = self.dcfg = self.draft_cache = None

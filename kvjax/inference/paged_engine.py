@@ -213,10 +213,11 @@ class PagedEngine:
                              "SpeculativeConfig whose drafter is 'self' or 'model'")
         self.spec = speculative
         if cfg.plan is None:  # resolved on the host, for the step's paged classes
-            rows = () if self.spec is None else (self.max_rows * (self.spec.k + 1),)
+            verify = () if self.spec is None else (self.spec.k + 1,)
             cfg = planner.resolve(cfg, max_seq_len=self.view_len,
-                                  batch_sizes=(self.max_rows,), rows=rows,
-                                  page_size=self.page_size)
+                                  batch_sizes=(self.max_rows,),
+                                  rows=tuple(self.max_rows * t for t in verify),
+                                  page_size=self.page_size, queries=verify)
         self.params, self.cfg = params, cfg
         self._prefill_cfgs: dict[tuple, ModelConfig] = {}
         self.dparams = self.dcfg = self.draft_cache = None

@@ -544,7 +544,7 @@ class Attention(nn.Module):
                 # the decode step's formulation with the T queries as extra group rows,
                 # so the cache is read once as in a plain step (docs/DESIGN.md).
                 # Masked values as in a decode step (model.clear_masked_slots).
-                impl = decode_kernels.choose(c, k_old, v_old, _page_size(cached))
+                impl = decode_kernels.choose(c, k_old, v_old, _page_size(cached), queries=t)
                 v_step = v_seen() if c.kv_quantized and impl != "native" else v_old
                 pools, table = _in_place(c, cached, impl, None)
                 out = _zero_padded(positions, attend_small_chunk(

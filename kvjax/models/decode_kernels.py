@@ -100,17 +100,21 @@ def read_dtype(cfg):
     return cfg.jnp_dtype if cfg.kv_quantized else cfg.cache_dtype
 
 
-def shape_class(cfg, b: int, s: int, dtype, page_size: int = 0) -> str:
+def shape_class(cfg, b: int, s: int, dtype, page_size: int = 0, queries: int = 1) -> str:
     """The decode-attention shape class (:func:`kvjax.plan.decode_attention_class`) of
     ``cfg``'s cache with B = ``b`` rows of ``s`` slots of element type ``dtype``, on
-    pages of ``page_size`` slots (0: dense rows)."""
+    pages of ``page_size`` slots (0: dense rows), read by ``queries`` positions per row
+    (T > 1: a small chunk such as a speculative verify step, whose G·T query rows per
+    KV head read the cache once, as a decode step's G rows do: the class of G·T
+    groups)."""
     k_layout, v_layout = cfg.cache_layout("k"), cfg.cache_layout("v")
     return plan_lib.decode_attention_class(
-        b, cfg.num_kv_heads, cfg.num_groups, cfg.head_dim, cfg.head_dim, s, jnp.dtype(dtype).name,
+        b, cfg.num_kv_heads, cfg.num_groups * int(queries), cfg.head_dim, cfg.head_dim, s,
+        jnp.dtype(dtype).name,
         k_layout, v_layout, policy_for(cfg).kind == "dense", page_size)
 
 
-def choose(cfg, k_cache, v_cache, page_size: int = 0) -> str:
+def choose(cfg, k_cache, v_cache, page_size: int = 0, queries: int = 1) -> str:
     """The formulation of one layer's decode attention of ``cfg`` over caches shaped like
     ``k_cache``/``v_cache`` (only shapes and dtypes are read; a paged cache's dense views,
     ``page_size`` > 0), from the config and its plan (``cfg.execution``); nothing is
@@ -118,7 +122,9 @@ def choose(cfg, k_cache, v_cache, page_size: int = 0) -> str:
 
     ``cfg.decode_attention`` other than 'auto' is returned after checking that it applies;
     'auto' is the plan's pick for the shape class (:func:`shape_class`), 'xla' where the
-    plan has none (a config without a plan: the reference).
+    plan has none (a config without a plan: the reference). ``queries`` T > 1 (a small
+    chunk over the cache): the pick for the class of G·T rows where the plan measured
+    it (``planner.resolve(queries=...)``), else the one-position class's.
 
     Raises:
       ValueError: a formulation that cannot run this attention (e.g. 'native' with a
@@ -129,7 +135,11 @@ def choose(cfg, k_cache, v_cache, page_size: int = 0) -> str:
     b, _, s, h, _ = cache_dims(k_cache, v_cache, k_layout, v_layout)
     plan = cfg.execution
     if cfg.decode_attention == "auto":
-        return plan.decode_attention_for(shape_class(cfg, b, s, k_cache.dtype, page_size))
+        pick = plan.decode_attention_for(shape_class(cfg, b, s, k_cache.dtype, page_size))
+        if queries > 1:
+            pick = plan.decode_attention_for(
+                shape_class(cfg, b, s, k_cache.dtype, page_size, queries), pick)
+        return pick
     impl = cfg.decode_attention
     prefix = policy_for(cfg).kind == "dense"
     ok = supports(impl, cfg.backend, k_cache.dtype, k_layout, v_layout, prefix, h, s)
