@@ -20,11 +20,13 @@ drafter and k (one compiled speculative loop: draft, verify, accept, take back).
   passes the positions the checkpoint was trained for (a note too: past them the
   model's continuation is not real text);
 * measured loop time per emitted token (the compiled loop; compilation excluded), and the
-  speedup over plain decoding's loop in the same run;
+  speedup over plain decoding's loop;
 * the parts, each compiled on its own and timed on the prefilled cache (each takes its
   positions back, so it can be repeated): a plain step, a verify step of k + 1 positions,
   a draft step; the speedup those parts predict, E·T_step / (T_verify + k·T_draft), with
-  E the measured tokens per verify step;
+  E the measured tokens per verify step. Each (drafter, k) times its five programs (both
+  loops, the three steps) in turn, ``--repeats`` rounds after a warm-up, and takes
+  medians: the ratios then compare programs timed in the same minutes;
 * theory (``kvjax.analysis.speculative``): bytes of each step (and of the window copy of
   a draft over the target's keys), and the predicted speedup at the measured acceptance
   with every time from bytes at the plain step's achieved bandwidth (memory-bound, the
@@ -156,13 +158,20 @@ def corpus_prompts(tokenizer, t: int, batch: int) -> list:
     return [list(map(int, stream[s:s + t])) for s in starts]
 
 
-def _median(fn, repeats):
-    out = []
-    for _ in range(repeats + 1):  # one warm-up
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        out.append(time.perf_counter() - start)
-    return statistics.median(out[1:])
+def _interleaved(fns: dict, repeats: int) -> dict:
+    """Median seconds of each of ``fns`` ({name: fn returning arrays}), timed in turn:
+    one warm-up round, then ``repeats`` rounds calling each once. Timed in turn, not
+    each program's repeats in a row: this VM's speed moves between minutes (one chain
+    read in 12 ms in some minutes and 17 in others), and a drift then falls on every
+    program alike, so their ratios (speedup, verify / plain step) hold."""
+    out = {n: [] for n in fns}
+    for r in range(repeats + 1):
+        for n, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            if r:
+                out[n].append(time.perf_counter() - start)
+    return {n: statistics.median(t) for n, t in out.items()}
 
 
 def _copy(cache):
@@ -183,18 +192,17 @@ def step_program(params, tokens, cache, *, cfg):
 _step = jax.jit(step_program, static_argnames=("cfg",), donate_argnames=("cache",))
 
 
-def time_step(params, cfg, cache, t_tokens: int, repeats: int) -> float:
-    """Median seconds of :func:`step_program` with a chunk of ``t_tokens`` tokens."""
-    b = cache.batch_size
-    tokens = jnp.ones((b, t_tokens), jnp.int32)
-    state = {"cache": cache}
+def step_runner(params, cfg, state: dict, t_tokens: int):
+    """A call of :func:`step_program` with a chunk of ``t_tokens`` tokens over
+    ``state['cache']`` (donated and put back: the step takes its positions back, so
+    steps of any T can share one cache)."""
+    tokens = jnp.ones((state["cache"].batch_size, t_tokens), jnp.int32)
 
     def run():
         out, state["cache"] = _step(params, tokens, state["cache"], cfg=cfg)
         return out
 
-    sec = _median(run, repeats)
-    return sec, state["cache"]
+    return run
 
 
 DEGENERATE_DISTINCT = 2
@@ -268,8 +276,7 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
         state["plain"] = np.asarray(buf)
         return buf
 
-    plain_s = _median(plain_loop, repeats)
-    plain_step_s = time_step(params, cfg, _copy(base), 1, repeats)[0]
+    plain_loop()  # its tokens (each row's timing below runs it again, in turn)
     distinct = distinct_tokens(state["plain"][:, :steps])
     few = [i for i, n in enumerate(distinct) if n <= DEGENERATE_DISTINCT]
     if few and steps >= 8:
@@ -302,16 +309,26 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
                 # (the caches it returns are dropped: at B = 8, t = 16K each is 6 GB)
                 return f1
 
-            spec_s = _median(spec_loop, repeats)
+            # every program of the row timed in turn (_interleaved): the loops, and the
+            # parts over one copy of the prefilled cache (each step takes its positions
+            # back); the draft step over its own cache or the window a round copies
+            steps_state = {"cache": _copy(tcache)}
+            fns = {"plain": plain_loop, "spec": spec_loop,
+                   "step": step_runner(params, cfg, steps_state, 1),
+                   "verify": step_runner(params, cfg, steps_state, k + 1)}
+            dwin = None
+            if dcfg is not None:
+                # (copied: the window may hold the target cache's own length array)
+                dwin = _copy(S.draft_window(tcache, cfg, dcfg, k) if shared else dcache)
+                fns["draft"] = step_runner(dparams, dcfg, {"cache": dwin}, 1)
+            sec = _interleaved(fns, repeats)
+            del steps_state, fns
+            plain_s, spec_s = sec["plain"], sec["spec"]
+            plain_step_s, verify_s = sec["step"], sec["verify"]
+            draft_s = sec.get("draft", 0.0)
             got, stats = res["out"][0], res["out"][1]
             equal = all(list(map(int, state["plain"][i, :steps])) == got[i]
                         for i in range(b))
-            verify_s = time_step(params, cfg, _copy(tcache), k + 1, repeats)[0]
-            draft_s = 0.0
-            if shared:  # the step over the window a round copies from the target
-                dcache = S.draft_window(tcache, cfg, dcfg, k)
-            if dcfg is not None:
-                draft_s = time_step(dparams, dcfg, _copy(dcache), 1, repeats)[0]
             e = stats.tokens_per_step
             copy_slots, dweights = S.draft_costs(dcfg, spec, k)
             r, roof, serial = theories(cfg, t, k, b, plain_step_s, flops_per_s, dcfg,
@@ -322,7 +339,7 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
             out.append({
                 "t": t, "batch": b, "drafter": drafter, "k": k,
                 "draft_window_size": dcfg.window_size if dcfg is not None else None,
-                "draft_cache_slots": dcache.num_slots if dcache is not None else None,
+                "draft_cache_slots": dwin.num_slots if dwin is not None else None,
                 "draft_kv_source": spec.draft_kv_source if dcfg is not None else None,
                 "draft_weight_dtype": spec.draft_weight_dtype if dcfg is not None else None,
                 "equal_to_plain": equal, "plain_distinct_tokens_per_row": distinct,

@@ -423,6 +423,28 @@ def test_chat_prompts_are_t_tokens_of_template_excerpt_and_question():
         spec_exp.chat_prompts(tok, 50, 1, stream=stream)
 
 
+def test_the_experiments_programs_are_timed_in_turn(monkeypatch):
+    """experiments.speculative._interleaved calls the programs in turn (a warm-up round,
+    then the timed ones), so a drift of the machine's speed falls on all of them, and
+    returns the median of each one's timed calls (the warm-up left out)."""
+    import types  # noqa: PLC0415
+
+    from tests.conftest import import_entry_point  # noqa: PLC0415
+    spec_exp = import_entry_point("speculative")
+    clock = iter([0.0, 1.0,                  # the warm-up round: started, not timed
+                  10.0, 10.1, 10.1, 10.4,    # a 0.1, b 0.3
+                  20.0, 20.3, 20.3, 20.7,    # a 0.3, b 0.4
+                  30.0, 30.2, 30.2, 30.3])   # a 0.2, b 0.1
+    monkeypatch.setattr(spec_exp, "time", types.SimpleNamespace(
+        perf_counter=lambda: next(clock)))
+    calls = []
+    sec = spec_exp._interleaved({"a": lambda: calls.append("a"),
+                                 "b": lambda: calls.append("b")}, 3)
+    assert calls == ["a", "b"] * 4
+    assert sec == pytest.approx({"a": 0.2, "b": 0.3})
+    assert next(clock, None) is None  # every reading used: none left, none missing
+
+
 def test_experiment_point_drafts_over_the_window_cache_not_the_targets():
     """experiments.speculative.point with a 'self' draft keeping every layer (its params
     are the target's very arrays): the draft runs over its own ring of W + k_max + 1
@@ -465,6 +487,7 @@ def test_experiment_point_drafts_over_the_window_cache_not_the_targets():
     rows = spec_exp.point(loaded, run, prompts, ["self"], [2], 6, 1, 16, flops_per_s=1e11)
     (r,) = rows
     assert r["equal_to_plain"] and r["draft_kv_source"] == "target"
+    assert r["draft_cache_slots"] == 8 + 2 + 1  # the window a round copies
     assert r["theory_copy_bytes"] == 2 * 2 * (8 + 2 + 1) * theory.kv_bytes_per_token(cfg)
     assert r["flops_per_s"] == 1e11 and r["verify_over_plain_serial"] > 1.0
 
