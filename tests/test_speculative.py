@@ -526,7 +526,12 @@ def test_an_int8_draft_that_sees_every_token_accepts_nearly_every_draft():
     _, (got, stats, _, _) = _spec(params, cfg, spec, prompts, 16)
     assert got == want and stats.acceptance_rate >= 0.8
     dparams, dcfg = S.self_draft(params, cfg, spec)
-    stored = weight_matmul.weight_bytes(dparams)
+    # untied (this config): the embedding table is a lookup (a row per token), not
+    # read whole per step, so the step's bytes are the stored ones less the table's
+    assert not cfg.tie_embeddings
+    table = weight_matmul.weight_bytes(dparams["embed"])
+    assert table >= cfg.vocab_size * cfg.d_model  # int8 codes, plus scales
+    stored = weight_matmul.weight_bytes(dparams) - table
     assert S.draft_weight_bytes(dcfg, spec) == stored
     assert S.draft_weight_bytes(dcfg, dataclasses.replace(spec, draft_weight_dtype=None)) \
         is None
@@ -541,6 +546,10 @@ def test_an_int8_draft_that_sees_every_token_accepts_nearly_every_draft():
     r = spec_theory.round_times(cfg, 30, 3, 1e9, draft_cfg=dcfg, draft_weights=stored)
     assert r.draft_bytes == theory.step_bytes(dcfg, 30, weights=stored).total
     assert r.draft_bytes < spec_theory.round_times(cfg, 30, 3, 1e9, draft_cfg=dcfg).draft_bytes
+    # tied: the table is the LM head too, read whole: every stored byte counts
+    tcfg = tiny_config(tie_embeddings=True)
+    tparams, tdcfg = S.self_draft(model_lib.init_params(tcfg, 2), tcfg, spec)
+    assert S.draft_weight_bytes(tdcfg, spec) == weight_matmul.weight_bytes(tparams)
 
 
 def test_an_int8_draft_that_would_run_widened_weights_warns():

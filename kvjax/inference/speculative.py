@@ -685,12 +685,17 @@ def draft_weight_bytes(draft_cfg: ModelConfig, spec: SpeculativeConfig) -> int |
     are not its config's dtype (``draft_weight_dtype='int8'``: int8 matrices, float32
     scales and norms), for the theory's draft step
     (:func:`kvjax.analysis.speculative.round_times`' ``draft_weights``); None otherwise.
-    From the parameters' shapes: nothing is allocated."""
+    From the parameters' shapes: nothing is allocated. An untied model's embedding
+    table is left out: a step gathers one of its rows per token, as
+    :func:`kvjax.analysis.theory.weight_bytes_per_step` counts it (tied, the table is
+    the LM head, read whole)."""
     if spec.drafter != "self" or spec.draft_weight_dtype != "int8":
         return None
     shapes = jax.eval_shape(
         lambda p: weight_matmul.quantize_params_int8(p, stacked=draft_cfg.scan_layers),
         model_lib.param_shapes(draft_cfg))
+    if not draft_cfg.tie_embeddings:
+        shapes = {n: v for n, v in shapes.items() if n != "embed"}
     return weight_matmul.weight_bytes(shapes)
 
 
