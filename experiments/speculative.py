@@ -161,9 +161,9 @@ def corpus_prompts(tokenizer, t: int, batch: int) -> list:
 def _interleaved(fns: dict, repeats: int) -> dict:
     """Median seconds of each of ``fns`` ({name: fn returning arrays}), timed in turn:
     one warm-up round, then ``repeats`` rounds calling each once. Timed in turn, not
-    each program's repeats in a row: this VM's speed moves between minutes (one chain
-    read in 12 ms in some minutes and 17 in others), and a drift then falls on every
-    program alike, so their ratios (speedup, verify / plain step) hold."""
+    each program's repeats in a row: a shared machine's speed can move between minutes
+    (docs/results/amd-epyc-avx512-2core.md), and a drift then falls on every program
+    alike, so their ratios (speedup, verify / plain step) hold."""
     out = {n: [] for n in fns}
     for r in range(repeats + 1):
         for n, fn in fns.items():
@@ -240,8 +240,7 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
     cfg0, params = loaded.cfg, loaded.params
     b, t = len(prompts), len(prompts[0])
     max_len = t + new_tokens + 1
-    rows_needed = tuple(sorted({b * min(chunk, t), b * (t % chunk or chunk), b}
-                               | {b * (k + 1) for k in ks} | {2 * b}))
+    rows_needed = tuple(sorted({b * min(chunk, t), b * (t % chunk or chunk), b, 2 * b}))
     cfg = planner.resolve(cfg0, max_seq_len=max_len, batch_sizes=(b,), rows=rows_needed,
                           queries=tuple(k + 1 for k in ks))
     tokens = jnp.asarray(prompts, jnp.int32)

@@ -491,11 +491,12 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
       max_seq_len: the cache's length; decode attention is picked for its slot count.
       batch_sizes: the cache's batch sizes B of the decode steps (decode rows M = B); ()
         for programs without one (a prefill alone).
-      rows: further M = B·T row counts of weight products (prefill chunks, verify steps).
+      rows: further M = B·T row counts of weight products (prefill chunks).
       queries: positions T > 1 of the small chunks the decode programs run over the
-        cache (a speculative verify step: k + 1): decode attention is also picked for
-        their G·T query rows per KV head (:func:`decode_kernels.shape_class`), which a
-        one-position call does not measure (1 and values above
+        cache (a speculative verify step: k + 1): their B·T rows are weight-product
+        rows too (for every B of ``batch_sizes``), and decode attention is also picked
+        for their G·T query rows per KV head (:func:`decode_kernels.shape_class`),
+        which a one-position call does not measure (for attention, 1 and values above
         ``kvjax.models.attention.SMALL_CHUNK`` add nothing).
       extra_seq_lens: further cache lengths the programs use (e.g. a cost context).
       mesh_axes: {axis name: size} of the mesh the programs run under (None: one
@@ -546,7 +547,8 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
                     loaded else pick
     weights = {}
     if cfg.weight_matmul == "auto" and "rows_matmul" in loaded and not mesh:
-        for m in sorted({int(x) for x in tuple(batch_sizes) + tuple(rows)}):
+        chunks = {int(b) * int(t) for b in batch_sizes for t in queries}
+        for m in sorted({int(x) for x in tuple(batch_sizes) + tuple(rows)} | chunks):
             if not 0 < m <= rm.MAX_ROWS:
                 continue
             for k, n, layout in weight_shapes(cfg):

@@ -391,7 +391,7 @@ def test_verify_chunks_get_their_own_class(planner_home, monkeypatch):
     """queries=(T,): decode attention is also measured for the G·T query rows of a chunk
     of T positions (a verify step of k + 1), and a chunk of T takes that pick; a chunk
     whose width was not resolved takes the one-position class's; T = 1 and T above
-    SMALL_CHUNK add no class."""
+    SMALL_CHUNK add no class. The chunk's B·T rows get weight-product picks."""
     calls = []
 
     def measure(b, k, g, h, v, s, dtype, kl, vl, **_):
@@ -414,6 +414,14 @@ def test_verify_chunks_get_their_own_class(planner_home, monkeypatch):
     assert decode_kernels.choose(resolved, k, v) == "xla"
     assert decode_kernels.choose(resolved, k, v, queries=3) == "xla_cache_left"
     assert decode_kernels.choose(resolved, k, v, queries=2) == "xla"  # not resolved
+    # the chunks' B·T rows are weight-product rows too, without listing them in rows
+    weight_rows = set()
+    monkeypatch.setattr(planner.rm, "load", lambda: True)
+    monkeypatch.setattr(planner, "_weight_pick",
+                        lambda m, *_: weight_rows.add(m) or "xla")
+    planner.resolve(cfg.replace(weight_matmul="auto"), max_seq_len=4096,
+                    batch_sizes=(1, 2), queries=(3,))
+    assert weight_rows == {1, 2, 3, 6}
     planner.clear_memo()
 
 

@@ -330,9 +330,7 @@ class Engine:
         if cfg.plan is None:
             verify = () if self.spec is None else (self.spec.k + 1,)
             cfg = planner.resolve(cfg, max_seq_len=self.max_seq_len,
-                                  batch_sizes=(self.num_slots,),
-                                  rows=tuple(self.num_slots * t for t in verify),
-                                  queries=verify)
+                                  batch_sizes=(self.num_slots,), queries=verify)
         self.params, self.cfg = params, cfg
         self._prefill_cfgs: dict[tuple, ModelConfig] = {}
         self.dparams = self.dcfg = self.draft_cache = None

@@ -216,7 +216,6 @@ class PagedEngine:
             verify = () if self.spec is None else (self.spec.k + 1,)
             cfg = planner.resolve(cfg, max_seq_len=self.view_len,
                                   batch_sizes=(self.max_rows,),
-                                  rows=tuple(self.max_rows * t for t in verify),
                                   page_size=self.page_size, queries=verify)
         self.params, self.cfg = params, cfg
         self._prefill_cfgs: dict[tuple, ModelConfig] = {}

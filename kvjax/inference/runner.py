@@ -451,9 +451,8 @@ def decode_speculative(run: RunConfig, loaded: LoadedModel) -> Generation:
     dparams, dcfg = draft_model(run, loaded)
     speculative.check_draft(cfg, dcfg, spec)
     start = time.perf_counter()
-    rows = (b * len(ids), b * (k + 1))
-    cfg = planner.resolve(cfg, max_seq_len=run.max_seq_len, batch_sizes=(b,), rows=rows,
-                          queries=(k + 1,))
+    cfg = planner.resolve(cfg, max_seq_len=run.max_seq_len, batch_sizes=(b,),
+                          rows=(b * len(ids),), queries=(k + 1,))
     cache = speculative.init_target_cache(cfg, b, run.max_seq_len, k)
     draft = None
     if dcfg is not None:
