@@ -41,6 +41,9 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     # Rotary positions of the sinks: 'absolute' or 'cache' (StreamingLLM: within the
     # cache, so the query-to-sink distance stays below the window).
     m.rope_positions = "absolute"
+    # Where a window's keys live: 'ring' (W slots) or 'dense' (max_seq_len slots, the
+    # window a mask over them; only the 'native' decode attention then reads W of them).
+    m.window_cache = "ring"
     # MLA sizes (lever 2), used when attention='mla'.
     m.kv_lora_rank = config_dict.placeholder(int)
     m.qk_rope_head_dim = config_dict.placeholder(int)

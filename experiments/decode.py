@@ -79,7 +79,7 @@ def report(result: runner.DecodeResult) -> str:
            f"per step (one token for each of the B = {s.batch} rows)")
         + f", at context {s.context} (cache of "
         f"{cache_lib.num_slots(cfg, s.context)} slots"
-        + ("" if policy.kind == "dense" else
+        + ("" if policy.kind != "ring" else
            f": a ring of W={cfg.window_size}, {cfg.num_sink_tokens} sinks, reading "
            f"{theory.tokens_held(cfg, s.context)} keys") + "):",
         report_lib.cost_table(loop, c.loop_seconds_per_token),
@@ -122,7 +122,8 @@ def _speculative_lines(result: runner.DecodeResult, cfg, c) -> list:
     if sp["drafter"] == "self":  # the draft as the run built it
         spec = SpeculativeConfig(**sp["config"])
         dcfg = speculative.draft_config(cfg.replace(plan=None), spec)
-        copy_slots, dweights = speculative.draft_costs(dcfg, spec, k)
+        copy_slots, dweights = speculative.draft_costs(dcfg, spec, k,
+                                                       in_place=sp["draft_in_place"])
     r = spec_theory.round_times(cfg, t, k, bw, draft_cfg=dcfg, batch=c.step.batch,
                                 copy_slots=copy_slots, draft_weights=dweights)
     plain_s = c.loop_seconds_per_token

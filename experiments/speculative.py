@@ -41,8 +41,9 @@ drafter and k (one compiled speculative loop: draft, verify, accept, take back).
 Drafters: 'ngram' (prompt lookup, no model) and 'self' (the same weights over a window of
 ``--config.speculative.draft_window_size`` with ``draft_sink_tokens`` sinks: constant in
 t; its own cache, prefilled by the windowed model, or with
-``--config.speculative.draft_kv_source=target`` a copy of the target's window made every
-round; with ``--config.speculative.draft_weight_dtype=int8`` over an int8 copy of the
+``--config.speculative.draft_kv_source=target`` the target's own keys: read in place,
+a mask over its dense rows, where the native decode attention runs (JSON key
+``draft_in_place``), else a copy of the target's window made every round; with ``--config.speculative.draft_weight_dtype=int8`` over an int8 copy of the
 weights, a quarter of their bytes). Writes ``<out_dir>/speculative.json`` and a plot of measured against predicted
 speedup (``speculative.png``).
 """
@@ -316,7 +317,12 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
                    "step": step_runner(params, cfg, steps_state, 1),
                    "verify": step_runner(params, cfg, steps_state, k + 1)}
             dwin = None
-            if dcfg is not None:
+            icfg = None if dcfg is None else S.draft_in_place(cfg, dcfg, spec, b,
+                                                              tcache.num_slots)
+            if icfg is not None:  # the draft step over the target's slots, in place
+                dwin = _copy(tcache)
+                fns["draft"] = step_runner(dparams, icfg, {"cache": dwin}, 1)
+            elif dcfg is not None:
                 # (copied: the window may hold the target cache's own length array)
                 dwin = _copy(S.draft_window(tcache, cfg, dcfg, k) if shared else dcache)
                 fns["draft"] = step_runner(dparams, dcfg, {"cache": dwin}, 1)
@@ -329,7 +335,7 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
             equal = all(list(map(int, state["plain"][i, :steps])) == got[i]
                         for i in range(b))
             e = stats.tokens_per_step
-            copy_slots, dweights = S.draft_costs(dcfg, spec, k)
+            copy_slots, dweights = S.draft_costs(dcfg, spec, k, in_place=icfg is not None)
             r, roof, serial = theories(cfg, t, k, b, plain_step_s, flops_per_s, dcfg,
                                        copy_slots, dweights)
             a_eff = spec_theory.acceptance_from_tokens_per_step(min(max(e, 1.0), k + 1), k)
@@ -340,6 +346,7 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
                 "draft_window_size": dcfg.window_size if dcfg is not None else None,
                 "draft_cache_slots": dwin.num_slots if dwin is not None else None,
                 "draft_kv_source": spec.draft_kv_source if dcfg is not None else None,
+                "draft_in_place": icfg is not None,
                 "draft_weight_dtype": spec.draft_weight_dtype if dcfg is not None else None,
                 "equal_to_plain": equal, "plain_distinct_tokens_per_row": distinct,
                 "acceptance_rate": stats.acceptance_rate,

@@ -47,6 +47,7 @@ class ConfigError(ValueError):
 
 KV_LAYOUTS = ("auto", "BKSH", "BKHS")
 ROPE_POSITIONS = ("absolute", "cache")
+WINDOW_CACHES = ("ring", "dense")
 # The formulations each field selects: the kernel registry's names (kvjax.kernels).
 DECODE_ATTENTION = kernels.names("decode_attention")
 WEIGHT_MATMUL = kernels.names("weight_matmul")
@@ -87,7 +88,8 @@ MODEL_FIELD_KINDS = {
                      "head_dim", "mlp_dim", "mlp_type", "attention", "rope_theta",
                      "norm_eps", "tie_embeddings", "qkv_bias", "kv_lora_rank",
                      "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank"),
-    "lever": ("window_size", "num_sink_tokens", "rope_positions", "dtype", "kv_dtype"),
+    "lever": ("window_size", "num_sink_tokens", "rope_positions", "window_cache", "dtype",
+              "kv_dtype"),
     "execution": ("mla_absorb", "key_layout", "value_layout", "scan_layers",
                   "prefill_impl", "prefill_block_q", "prefill_block_k", "backend",
                   "decode_attention", "weight_matmul", "plan"),
@@ -126,6 +128,10 @@ class ModelConfig:
         'cache' (StreamingLLM, Xiao et al. 2023, sec. 3.2: positions within the cache,
         so the query-to-sink distance stays below W). Ring keys are at the same
         distance either way. 'cache' needs sinks; not implemented for MLA.
+      window_cache: where a window's keys live: 'ring' (W slots, constant in t: lever 3)
+        or 'dense' (max_seq_len slots, position p in slot p, the window a mask over them:
+        the cache a draft reads in place from its target's, kvjax.inference.speculative;
+        only a formulation that skips masked slots, 'native', reads just the window).
       kv_lora_rank: C, MLA's latent width: the cache holds C + R values per token and
         layer (DeepSeek-V2, Liu et al. 2024, sec. 2.1).
       qk_rope_head_dim: R, MLA's decoupled rotary key width (shared by all heads).
@@ -214,6 +220,7 @@ class ModelConfig:
     window_size: int | None = None
     num_sink_tokens: int = 0
     rope_positions: str = "absolute"
+    window_cache: str = "ring"
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
     qk_nope_head_dim: int | None = None
@@ -361,6 +368,10 @@ def validate_model_config(c: ModelConfig) -> None:
     if c.window_size is not None and c.num_sink_tokens >= c.window_size:
         _fail("model.num_sink_tokens", c.num_sink_tokens,
               f"an integer below window_size={c.window_size}")
+    if c.window_cache not in WINDOW_CACHES or (c.window_cache == "dense"
+                                               and not c.window_size):
+        _fail("model.window_cache", c.window_cache,
+              f"one of {list(WINDOW_CACHES)}, 'dense' only with model.window_size")
     if c.rope_positions not in ROPE_POSITIONS:
         _fail("model.rope_positions", c.rope_positions, f"one of {list(ROPE_POSITIONS)}")
     if c.rope_positions == "cache" and (not c.num_sink_tokens or c.attention == "mla"):

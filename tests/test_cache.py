@@ -229,15 +229,15 @@ def _slot_values(cfg, cache, row, slot):
 def test_window_view_holds_each_rows_sinks_and_last_positions(source, view):
     """cache.window_view: each view slot j holds the newest position p < length with the
     ring's slot_of(p) == j (p = j for a sink) that the source cache still holds, with the
-    source's values there; nothing else is visible. Ragged rows; an empty cache shows
-    nothing."""
+    source's values there; nothing else is visible. Ragged rows, full rows and rows
+    whose ring's second slab would pass the row's end; an empty cache shows nothing."""
     from tests.conftest import tiny_mla_config  # noqa: PLC0415
     cfg = tiny_mla_config() if source == "mla" else tiny_config(**source)
     vcfg = cfg.replace(**view)
     params = model.init_params(cfg, 0)
-    lengths = [23, 4, 1, 9]
-    cache = cache_lib.init_cache(cfg, 4, 30, ragged=True)
-    toks = np.zeros((4, 23), np.int32)
+    lengths = [23, 4, 1, 9, 30, 28]  # the last two end within a ring of the row's end
+    cache = cache_lib.init_cache(cfg, 6, 30, ragged=True)
+    toks = np.zeros((6, 30), np.int32)
     for b, n in enumerate(lengths):
         toks[b, :n] = np.arange(1, n + 1) * (b + 3) % 97
     from kvjax.inference import ragged  # noqa: PLC0415

@@ -21,6 +21,8 @@ GOOD = dict(vocab_size=10, num_layers=1, d_model=8, num_heads=4, num_kv_heads=2,
     ("attention", "linear", r"model.attention='linear'; allowed: one of"),
     ("mlp_type", "relu", r"model.mlp_type='relu'"),
     ("window_size", 0, r"model.window_size=0"),
+    ("window_cache", "paged", r"model.window_cache='paged'; allowed: one of \['ring', 'dense'\]"),
+    ("window_cache", "dense", r"model.window_cache='dense'; allowed: .*only with model.window_size"),
     ("key_layout", "BSKH", r"model.key_layout='BSKH'; allowed: one of \['auto', 'BKSH', 'BKHS'\]"),
     ("value_layout", "bksh", r"model.value_layout='bksh'; allowed: one of"),
 ])

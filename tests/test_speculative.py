@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax import cache as cache_lib
+from kvjax import native, planner
 from kvjax.analysis import speculative as spec_theory
 from kvjax.analysis import theory
 from kvjax.cache import init_cache, policy_for, slot_axis
@@ -509,6 +511,58 @@ def test_a_draft_over_the_targets_window_that_sees_every_token_accepts_every_dra
     narrow = dataclasses.replace(wide, draft_window_size=3, draft_sink_tokens=1)
     _, (got, stats, _, _) = _spec(params, cfg, narrow, prompts, 16)
     assert got == want and stats.acceptance_rate < 1.0
+
+
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+def test_a_draft_over_the_targets_slots_in_place_drafts_as_the_copy():
+    """draft_kv_source='target' whose decode attention skips masked slots ('native'):
+    the draft reads the window as a mask over the target's own dense rows
+    (window_cache='dense'), writes its drafts after each row's length, and the verify
+    step overwrites them. Its drafts are the copied window's (the same acceptance, row
+    by row), the tokens and the cache are plain decoding's; with 'xla' (which would
+    read every slot) the round copies the window instead."""
+    cfg = planner.resolve(CONFIGS["gqa"].replace(decode_attention="native"),
+                          max_seq_len=MAX_LEN, batch_sizes=(2,), rows=(2,))
+    params = model_lib.init_params(cfg, 1)
+    prompts = _prompts()
+    _, want, plain_cache = _plain(params, cfg, prompts, 20)
+    spec = DRAFTERS["self_target"]
+    dparams, dcfg = S.self_draft(params, cfg, spec)
+    runs = {}
+    for impl in ("native", "xla"):
+        d = planner.resolve(dcfg.replace(decode_attention=impl), max_seq_len=MAX_LEN,
+                            batch_sizes=(2,), rows=(2,))
+        icfg = S.draft_in_place(cfg, d, spec, 2, MAX_LEN + spec.k + 1)
+        assert (icfg is not None) == (impl == "native")
+        if icfg is not None:
+            assert policy_for(icfg).kind == "dense_window" and icfg.window_size == 6
+        _, runs[impl] = _spec(params, cfg, spec, prompts, 20, draft=(dparams, d, None))
+    got, stats, cache, _ = runs["native"]
+    assert got == want and stats.accepted == runs["xla"][1].accepted
+    assert 0 < stats.acceptance_rate < 1.0  # a narrow window: some drafts rejected
+    for row in range(2):
+        a, b = _visible(cache, cfg, row), _visible(plain_cache, cfg, row)
+        assert sorted(a) == sorted(b)
+        for p in a:
+            for x, y in zip(a[p], b[p]):
+                np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
+    # the theory's round copies nothing in place
+    assert S.draft_costs(dcfg, spec, 3, in_place=True)[0] == 0
+
+
+def test_a_window_over_dense_slots_shows_what_the_ring_shows():
+    """DenseWindowSlots: slot p holds position p (the dense policy's writes and room), the
+    mask is the ring's: sinks and the last W - s positions."""
+    dense = tiny_ring_config(8, 2).replace(window_cache="dense")
+    pol, ring = policy_for(dense), policy_for(dense.replace(window_cache="ring"))
+    assert cache_lib.num_slots(dense, 40) == 40 and pol.kind == "dense_window"
+    np.testing.assert_array_equal(pol.slot_of(jnp.arange(40), 40), np.arange(40))
+    q = jnp.asarray([[30], [5]], jnp.int32)
+    k = jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (2, 40))
+    want = [[p < 2 or 24 < p <= 30 for p in range(40)], [p <= 5 for p in range(40)]]
+    np.testing.assert_array_equal(pol.visible(q, k)[:, 0], want)
+    np.testing.assert_array_equal(ring.visible(q, k)[:, 0], want)
+    np.testing.assert_array_equal(pol.held(jnp.asarray([30, 5]), 40), [8, 6])
 
 
 def test_an_int8_draft_that_sees_every_token_accepts_nearly_every_draft():

@@ -12,6 +12,11 @@ mask. No other module branches on ``window_size`` for cache mechanics; they ask
   sinks (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks"):
   p < s lives in slot p, p >= s in slot s + (p - s) mod (W - s). A query at q sees the
   sinks and the last W - s positions (q - k < W - s); without sinks, the last W.
+* :class:`DenseWindowSlots` (``window_cache='dense'``): the same window as a mask over
+  dense slots (position p in slot p, S = max_seq_len): what a draft that reads the
+  target's own cache in place attends to (:mod:`kvjax.inference.speculative`). Only a
+  formulation that skips masked slots reads fewer than S of them
+  (:data:`kvjax.models.decode_kernels.IN_PLACE`).
 
 A paged policy (block tables) would be a third class with the same methods.
 
@@ -225,9 +230,32 @@ def write_rows(buf: jax.Array, new: jax.Array, slots: jax.Array, axis: int, laye
     return buf.at[tuple(index)].set(value, mode=mode)
 
 
-def policy_for(cfg) -> DenseSlots | RingSlots:
-    """The slot policy of a :class:`kvjax.config.ModelConfig` (window_size, sinks)."""
+@dataclasses.dataclass(frozen=True)
+class DenseWindowSlots(DenseSlots):
+    """A window of W with s sinks (as :class:`RingSlots` shows it) over dense slots:
+    slots, writes and room as :class:`DenseSlots`, the mask and the tokens seen as the
+    ring's."""
+
+    window_size: int
+    num_sink_tokens: int = 0
+    kind = "dense_window"
+
+    def held(self, length: jax.Array, num_slots: int) -> jax.Array:
+        """[B] int32 tokens a row's next query sees: at most W."""
+        return jnp.minimum(length + 1, min(num_slots, self.window_size))
+
+    def visible(self, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
+        """[B, T, S] bool: filled, causal and inside the window or a sink."""
+        return RingSlots(self.window_size, self.num_sink_tokens).visible(q_positions,
+                                                                        k_positions)
+
+
+def policy_for(cfg) -> DenseSlots | RingSlots | DenseWindowSlots:
+    """The slot policy of a :class:`kvjax.config.ModelConfig` (window_size, sinks,
+    window_cache)."""
     if cfg.window_size:
+        if cfg.window_cache == "dense":
+            return DenseWindowSlots(cfg.window_size, cfg.num_sink_tokens)
         return RingSlots(cfg.window_size, cfg.num_sink_tokens)
     return DenseSlots()
 

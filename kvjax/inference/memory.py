@@ -246,7 +246,7 @@ def check(cfg: ModelConfig, batch_size: int, max_seq_len: int, *, what: str,
         return plan(cfg, b, s, weights_bytes, temp_bytes, prompt_tokens).total
 
     fits = []
-    if cache_lib.policy_for(cfg).kind == "dense":  # a ring's size does not depend on max_seq_len
+    if cache_lib.policy_for(cfg).kind != "ring":  # a ring's size does not depend on max_seq_len
         s = _largest(lambda n: total(batch_size, n) <= available, max_seq_len)
         fits.append(f"max_seq_len <= {s:,} at batch_size={batch_size}" if s else
                     f"no max_seq_len at batch_size={batch_size}")

@@ -27,9 +27,10 @@ block tables; a row takes pages as its request grows (vLLM, Kwon et al. 2023, se
 The prefill is one row at a time into the shared pools (padded to a power-of-two bucket
 of the tokens not cached); the decode loop (the slot engine's
 :func:`kvjax.inference.engine.decode_steps_program`, on pages) runs every
-row for up to ``steps_per_sync`` steps and returns early when a row finishes while
-requests wait. Host-side bookkeeping (:class:`kvjax.cache.paged.PageAllocator`) never
-traces.
+row for up to ``steps_per_sync`` steps and returns early when a row finishes, so its
+pages go back to the pool at once (pages a finished row held to the block's end would
+be allocated bytes nothing reads). Host-side bookkeeping
+(:class:`kvjax.cache.paged.PageAllocator`) never traces.
 
 Times are as :mod:`kvjax.inference.engine` (every request arrives at 0).
 """
@@ -67,9 +68,9 @@ class PagedStats(EngineStats):
     and found in the prefix cache (``prompt_tokens``, ``prefix_hit_tokens``: prefill
     tokens saved); tokens prefilled (``prefill_tokens``, recomputation after preemption
     included); referenced-page bytes summed over decode steps
-    (``page_kv_byte_steps``: every page the allocator holds for running rows, a row that
-    stops inside a block keeping its pages until the block ends); the bytes of the pages
-    of the rows still running, step by step (``active_page_kv_byte_steps``: what the
+    (``page_kv_byte_steps``: every page the allocator holds for running rows; a block
+    ends at the step a row stops, which frees its pages); the bytes of the pages of the
+    rows still running, step by step (``active_page_kv_byte_steps``: what the
     rows' own lengths and the block's look-ahead take, without the rows that stopped);
     the most rows running at once (``max_running``; rows running summed over steps are
     ``occupied_slot_steps``); the most
@@ -501,7 +502,7 @@ class PagedEngine:
             t0 = time.perf_counter()
             out = self._decode(jnp.asarray(last), jnp.asarray(active),
                                jnp.asarray(remaining), jnp.asarray(count), keys,
-                               jnp.asarray(bool(queue)), hist, hist_len)
+                               jnp.asarray(True), hist, hist_len)
             (buf, n, self.cache, last_d, active_d, rem_d, count_d, occ, held, hist,
              hist_len, acc, prop) = out
             buf = np.asarray(buf)

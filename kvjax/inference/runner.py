@@ -133,7 +133,7 @@ def check_checkpoint(run: RunConfig, hparams: dict) -> None:
             raise ConfigError(f"invalid config: chat_template=True but {e}; allowed: "
                               "chat_template=False (raw completion)") from None
     ctx = hparams.get("context_length")
-    dense = cache_lib.policy_for(run.model).kind == "dense"
+    dense = cache_lib.policy_for(run.model).kind != "ring"
     if ctx and dense and run.max_seq_len > ctx:
         key = ("config.json max_position_embeddings" if run.weights == "hf"
                else "llama.context_length")
@@ -497,8 +497,10 @@ def decode_speculative(run: RunConfig, loaded: LoadedModel) -> Generation:
     out, text, stop, stop_token, nonfinite_at, held, notes = _stopped(
         out, eos.tolist(), tok, chat)
     ran = max(stats.emitted) if stats.emitted else 0
+    in_place = dcfg is not None and speculative.draft_in_place(
+        cfg, dcfg, spec, b, cache.num_slots) is not None
     info = {"drafter": spec.drafter, "k": k, "config": dataclasses.asdict(spec),
-            **stats.as_dict(),
+            **stats.as_dict(), "draft_in_place": in_place,
             "draft_model": None if dcfg is None else naming.variant_name(dcfg),
             "seconds_per_emitted_token": decode_s / max(sum(stats.emitted), 1) * b}
     return Generation(

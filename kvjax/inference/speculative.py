@@ -63,6 +63,7 @@ from kvjax.cache import KVCache, paged, policy_for
 from kvjax.config import ConfigError, ModelConfig, SamplingConfig, SpeculativeConfig
 from kvjax.inference.sampling import (NONFINITE, is_stop, nonfinite_rows, sample_logits,
                                       sampling_probs)
+from kvjax.models import decode_kernels
 from kvjax.models import model as model_lib
 from kvjax.models import weight_matmul
 
@@ -181,6 +182,32 @@ def draft_window(cache: KVCache, cfg: ModelConfig, draft_cfg: ModelConfig,
     :func:`kvjax.cache.window_view` into the slots :func:`init_draft_cache` would give
     it (:func:`draft_window_slots`)."""
     return cache_lib.window_view(cache, cfg, draft_cfg, draft_window_slots(draft_cfg, k))
+
+
+def draft_in_place(cfg: ModelConfig, draft_cfg: ModelConfig, spec: SpeculativeConfig,
+                   batch_size: int, num_slots: int) -> ModelConfig | None:
+    """The config of a draft with ``draft_kv_source='target'`` that reads the target's
+    dense cache where it lies, or None where a round copies the window instead
+    (:func:`draft_window`).
+
+    In place, the draft attends to each row's sinks and last positions as a mask over
+    the target's own slots (``window_cache='dense'``: the same keys the copy would
+    hold, so the same drafts) and writes its k - 1 draft keys after the row's length,
+    where the verify step then writes the target's own. That needs dense target rows
+    (``batch_size`` x ``num_slots`` slots), every layer, the target's cache layouts
+    and a decode formulation that reads only the visible slots
+    (:data:`kvjax.models.decode_kernels.IN_PLACE`: 'native' on CPU); with any of them
+    missing the copy reads and writes fewer bytes than a draft step over all slots.
+    """
+    if (not spec.copies_target_window or policy_for(cfg).kind != "dense" or cfg.is_mla
+            or draft_cfg.num_layers != cfg.num_layers):
+        return None
+    icfg = draft_cfg.replace(window_cache="dense")
+    if cache_lib.layouts(icfg) != cache_lib.layouts(cfg):
+        return None
+    specs = cache_lib.tensor_specs(icfg, batch_size, num_slots)
+    k, v = (jax.ShapeDtypeStruct(specs[n].shape, specs[n].dtype) for n in ("k", "v"))
+    return icfg if decode_kernels.choose(icfg, k, v) in decode_kernels.IN_PLACE else None
 
 
 def draft_window_slots(draft_cfg: ModelConfig, k: int) -> int:
@@ -473,6 +500,7 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
     b = last.shape[0]
     k = spec.k
     shared_window = spec.copies_target_window
+    in_place_cfg = draft_in_place(cfg, draft_cfg, spec, b, cache.num_slots)
     cache = model_lib.clear_masked_slots(cfg, cache, k + 1)
     draft_cache = model_lib.clear_masked_slots(draft_cfg, draft_cache)
     h = hist.shape[1]
@@ -502,21 +530,25 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
             kd = jax.vmap(jax.random.fold_in)(ka, jnp.ones_like(s["index"]))  # drafts
         limit = jnp.minimum(k + 1, s["remaining"])  # tokens this round may emit
         nv = jnp.where(active, jnp.maximum(limit, 1), 0)
-        dcache, q = s["dcache"], None
-        if shared_window:  # the draft's ring rebuilt from the target's cache every round
-            dcache = draft_window(s["cache"], cfg, draft_cfg, k)
+        dcache, q, cache = s["dcache"], None, s["cache"]
+        if in_place_cfg:  # the draft over the target's own slots, writing after its length
+            dcache = cache
+        elif shared_window:  # the draft's ring rebuilt from the target's cache every round
+            dcache = draft_window(cache, cfg, draft_cfg, k)
         if spec.drafter == "ngram":
             drafts, _ = ngram_draft(s["hist"], s["hist_len"], k, spec.ngram_max,
                                     spec.ngram_min)
         else:
-            drafts, q, dcache = _draft_with_model(dparams, draft_cfg, dcache, s["last"],
-                                                  s["pending"], s["has_pending"], active,
-                                                  k, sampling, kd,
-                                                  can_pend=not shared_window)
+            drafts, q, dcache = _draft_with_model(dparams, in_place_cfg or draft_cfg, dcache,
+                                                  s["last"], s["pending"],
+                                                  s["has_pending"], active, k, sampling,
+                                                  kd, can_pend=not shared_window)
+        length = cache.length
+        if in_place_cfg:  # the draft's keys taken back: the verify step overwrites them
+            cache = take_back(dcache, length)
         chunk = jnp.concatenate([s["last"][:, None], drafts], axis=1)
-        length = s["cache"].length
         pos = length[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-        logits, cache = model_lib.forward(params, cfg, chunk, pos, s["cache"], num_valid=nv)
+        logits, cache = model_lib.forward(params, cfg, chunk, pos, cache, num_valid=nv)
         if sampling.greedy:
             emitted, n = accept_greedy(drafts, logits, nv)
         else:
@@ -700,16 +732,18 @@ def draft_weight_bytes(draft_cfg: ModelConfig, spec: SpeculativeConfig) -> int |
 
 
 def draft_costs(draft_cfg: ModelConfig | None, spec: SpeculativeConfig,
-                k: int) -> tuple[int, int | None]:
+                k: int, in_place: bool = False) -> tuple[int, int | None]:
     """(copy_slots, draft_weights): what the theory's round
     (:func:`kvjax.analysis.speculative.round_times`) needs beside ``draft_cfg`` for the
     draft ``spec`` builds at k drafts a round: the slots per row a round copies from
     the target's window (:func:`draft_window_slots` where
-    ``spec.copies_target_window``, else 0) and :func:`draft_weight_bytes`. (0, None)
-    without a draft config ('ngram')."""
+    ``spec.copies_target_window``, else 0; 0 too with ``in_place``, a draft reading the
+    target's slots where they lie, :func:`draft_in_place`) and
+    :func:`draft_weight_bytes`. (0, None) without a draft config ('ngram')."""
     if draft_cfg is None:
         return 0, None
-    copy_slots = draft_window_slots(draft_cfg, k) if spec.copies_target_window else 0
+    copies = spec.copies_target_window and not in_place
+    copy_slots = draft_window_slots(draft_cfg, k) if copies else 0
     return copy_slots, draft_weight_bytes(draft_cfg, spec)
 
 

@@ -122,7 +122,9 @@ def choose(cfg, k_cache, v_cache, page_size: int = 0, queries: int = 1) -> str:
 
     ``cfg.decode_attention`` other than 'auto' is returned after checking that it applies;
     'auto' is the plan's pick for the shape class (:func:`shape_class`), 'xla' where the
-    plan has none (a config without a plan: the reference). ``queries`` T > 1 (a small
+    plan has none (a config without a plan: the reference); for a window over dense
+    slots (``window_cache='dense'``) 'native' where the plan has the kernel (the one
+    formulation here that reads only the window's slots). ``queries`` T > 1 (a small
     chunk over the cache): the pick for the class of G·T rows where the plan measured
     it (``planner.resolve(queries=...)``), else the one-position class's.
 
@@ -134,6 +136,12 @@ def choose(cfg, k_cache, v_cache, page_size: int = 0, queries: int = 1) -> str:
     k_layout, v_layout = cfg.cache_layout("k"), cfg.cache_layout("v")
     b, _, s, h, _ = cache_dims(k_cache, v_cache, k_layout, v_layout)
     plan = cfg.execution
+    if (cfg.decode_attention == "auto" and policy_for(cfg).kind == "dense_window"
+            and plan.has_native("decode_attention")
+            and supports("native", cfg.backend, k_cache.dtype, k_layout, v_layout, False)):
+        # a window over dense slots: only a formulation that skips masked slots reads
+        # W of the S slots, whatever the plan measured for dense rows of S
+        return "native"
     if cfg.decode_attention == "auto":
         pick = plan.decode_attention_for(shape_class(cfg, b, s, k_cache.dtype, page_size))
         if queries > 1:
