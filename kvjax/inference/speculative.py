@@ -305,11 +305,22 @@ def _draft_with_model(dparams, dcfg: ModelConfig, dcache: KVCache, last, pending
         nd = jnp.maximum(nd, 0)
         return (dcache, nd), (nd, q)
 
-    (dcache, _), (rest, qs) = jax.lax.scan(step, (dcache, d), keys[1:])
-    drafts = jnp.concatenate([d[:, None], jnp.moveaxis(rest, 0, 1)], axis=1)
-    if sampling.greedy:
-        return drafts, None, dcache
-    q_all = jnp.concatenate([q[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
+    # The k - 1 later steps: a loop whose trip count XLA cannot fold (none when no row
+    # is active, whose drafts go unused). A loop of 0 or 1 trips would be inlined, and XLA
+    # would then fuse the draft's cache writes into the verify step's reads of the same
+    # buffer (a draft over the target's slots in place), copying the cache each round.
+    drafts = jnp.zeros((d.shape[0], k), jnp.int32).at[:, 0].set(d)
+    q_all = None if sampling.greedy else jnp.zeros(
+        (d.shape[0], k) + q.shape[1:], q.dtype).at[:, 0].set(q)
+
+    def body(i, carry):
+        dcache, d, drafts, q_all = carry
+        (dcache, d), (_, q) = step((dcache, d), keys[i])
+        drafts = drafts.at[:, i].set(d)
+        return dcache, d, drafts, None if q_all is None else q_all.at[:, i].set(q)
+
+    dcache, _, drafts, q_all = jax.lax.fori_loop(
+        1, jnp.where(jnp.any(active), k, 0), body, (dcache, d, drafts, q_all))
     return drafts, q_all, dcache
 
 
