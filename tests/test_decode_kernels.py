@@ -114,6 +114,31 @@ def test_native_fast_path_spans_equal_xla(kg, v, vl):
                                    err_msg=name)
 
 
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+@pytest.mark.parametrize("vl", ["BKSH", "BKHS"])
+def test_native_window_over_a_dense_row_equals_xla(vl):
+    """A window with sinks as a mask over long dense rows (window_cache='dense'): runs of
+    visible slots thousands apart, in one span or two, cut into segments of their own
+    (the keys between them are not read), and gaps of 63 and 64 masked slots (read
+    through, resp. cut): (o, m, l) equal XLA's."""
+    s, h, v = 9000, 64, 64
+    rng = np.random.default_rng(11)
+    q = jnp.asarray(rng.standard_normal((3, 3, 3, h)), jnp.float32)
+    kc = jnp.asarray(3 * rng.standard_normal((3, 3, h, s)), jnp.float32)
+    vshape = (3, 3, s, v) if vl == "BKSH" else (3, 3, v, s)
+    vc = jnp.asarray(rng.standard_normal(vshape), jnp.float32)
+    vis = np.zeros((3, s), bool)
+    vis[0, :4] = vis[0, 8100:8133] = True  # sinks, then a window two spans on
+    vis[1, :4] = vis[1, 1000:1301] = True  # both in the first span
+    vis[2, 100:200] = vis[2, 263:300] = vis[2, 364:401] = True  # gaps of 63 and 64
+    vis = jnp.asarray(vis)
+    ref = decode_kernels.partial_attention("xla", q, kc, vc, vis, "BKHS", vl)
+    out = decode_kernels.partial_attention("native", q, kc, vc, vis, "BKHS", vl)
+    for name, r, o in zip("oml", ref, out):
+        np.testing.assert_allclose(np.asarray(o), np.asarray(r), atol=3e-5, rtol=3e-5,
+                                   err_msg=name)
+
+
 def _pages(rng, b, k, h, v, page_size, max_pages, kl, vl):
     """Pools of 2·b·max_pages pages (NaN in every page no row holds), a shuffled block
     table whose last entry of row 0 is missing (-1) and whose rows 0 and 1 share their

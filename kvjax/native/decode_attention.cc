@@ -91,8 +91,7 @@ static void Item(const Shape& sh, const float* q, const float* kc, const float* 
   for (int64_t sb = s0; sb < s1; sb += n) {
     const int64_t off = sb % P;
     n = std::min({kBlock, s1 - sb, P - off});
-    bool any = false;
-    for (int64_t j = 0; j < n; ++j) any |= visb[sb + j];
+    const bool any = std::memchr(visb + sb, 1, n) != nullptr;
     const int64_t pg = PageOf(sh, b, sb);
     if (!any || pg < 0) continue;  // a slot on no page counts as invisible
     const float* kb = PageBase(sh, kc, pg, k, H);
@@ -400,6 +399,9 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
   std::vector<Seg> segs;
   for (int64_t sb = s0; sb < s1; sb += span) {
     const int64_t n = std::min(span, s1 - sb);
+    // A span with no visible slot costs one scan of its flags (a window's mask over a
+    // dense row leaves most spans so), not the per-slot masks and segments below.
+    if (!std::memchr(visb + sb, 1, n)) continue;
     const int64_t np = (n + VL - 1) / VL * VL;
     for (int64_t j = 0; j < n; ++j) mask[j] = visb[sb + j] ? 1.0f : 0.0f;
     for (int64_t j = n; j < np + VL; ++j) mask[j] = 0.0f;
@@ -412,8 +414,26 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
       if (pg < 0) {  // a slot on no page counts as invisible
         std::fill(&mask[j], &mask[j] + len, 0.0f);
       } else if (nvis) {
-        segs.push_back({j, len, nvis, PageBase(sh, kc, pg, k, H) + off,
-                        PageBase(sh, vc, pg, k, V) + (sh.v_bksh ? off * V : off)});
+        // Runs of visible slots, cut where kBlock slots in a row are masked (a window
+        // and its sinks over a dense row: the keys between them are never read), each
+        // widened to whole vectors inside the segment.
+        const float* kb = PageBase(sh, kc, pg, k, H) + off;
+        const float* vb = PageBase(sh, vc, pg, k, V) + (sh.v_bksh ? off * V : off);
+        for (int64_t i = j, e = j + len; i < e;) {
+          while (i < e && mask[i] == 0.0f) ++i;
+          if (i == e) break;
+          int64_t last = i, r = i;
+          for (int64_t gap = 0; r < e && gap < kBlock; ++r) {
+            if (mask[r] != 0.0f) last = r, gap = 0;
+            else ++gap;
+          }
+          const int64_t a = j + (i - j) / VL * VL;
+          const int64_t z = std::min(e, j + (last + 1 - j + VL - 1) / VL * VL);
+          int64_t cnt = 0;
+          for (int64_t x = a; x < z; ++x) cnt += mask[x] != 0.0f;
+          segs.push_back({a, z - a, cnt, kb + (a - j), vb + (sh.v_bksh ? (a - j) * V : a - j)});
+          i = z;
+        }
       }
     }
     if (segs.empty()) continue;
@@ -455,18 +475,21 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
         default: ChunkScores<1>(qs.data(), G, H, &ck[i], P, &co[i], ld_sc, pf); break;
       }
     }
-    // Online softmax per head over the span; unnormalised probabilities into sc (0 past
-    // the span), and o rescaled to the new running max (Milakov & Gimelshein 2018).
+    // Online softmax per head over the segments' slots [lo, hi) of the span (the rest is
+    // masked); unnormalised probabilities into sc (0 past the span), and o rescaled to the
+    // new running max (Milakov & Gimelshein 2018).
+    const int64_t lo = segs.front().j0;
+    const int64_t hi = std::min(np, (segs.back().j0 + segs.back().n + VL - 1) / VL * VL);
     for (int64_t g = 0; g < G; ++g) {
       float* sr = &sc[g * ld_sc];
       vf bm = bc(kNegInf);
-      for (int64_t j = 0; j < np; j += VL)
+      for (int64_t j = lo; j < hi; j += VL)
         bm = vmax(bm, ld(&mask[j]) > 0.0f ? ld(sr + j) : bc(kNegInf));
       const float mnew = std::max(m[g], hmax(bm));
       const float alpha = fast_exp(m[g] - mnew);  // m = -1e30 before any slot: o, l are 0
       for (int64_t c = 0; c < V; ++c) o[g * V + c] *= alpha;
       vf sum = vf{};
-      for (int64_t j = 0; j < np; j += VL) {
+      for (int64_t j = lo; j < hi; j += VL) {
         // a select, not a product with the mask: a masked score may be NaN or inf
         const vf e = ld(&mask[j]) > 0.0f ? vexp(ld(sr + j) - mnew) : vf{};
         st(sr + j, e);
@@ -478,14 +501,15 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
     }
     if (sh.v_bksh) {
       // The value row of each visible slot, wherever its page lies (nullptr: masked).
-      std::fill(rows.begin(), rows.begin() + np, nullptr);
+      const int64_t end = std::min(n, hi);
+      std::fill(rows.begin() + lo, rows.begin() + end, nullptr);
       for (const Seg& sg : segs)
         for (int64_t j = sg.j0; j < sg.j0 + sg.n; ++j)
           if (mask[j] != 0.0f) rows[j] = sg.vp + (j - sg.j0) * V;
       // Sub-blocks of kSub slots: the first group reads them from memory, the others (and
       // other column passes) from L1. A sub-block with no visible slot is not read.
-      for (int64_t j0 = 0; j0 < n; j0 += kSub) {
-        const int64_t nj = std::min(kSub, n - j0);
+      for (int64_t j0 = lo; j0 < end; j0 += kSub) {
+        const int64_t nj = std::min(kSub, end - j0);
         bool any = false;
         for (int64_t j = j0; j < j0 + nj; ++j) any |= rows[j] != nullptr;
         if (!any) continue;
@@ -493,7 +517,7 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
           const int64_t gb = std::min(gmax, G - g0);
           const float* pp = sc.data() + g0 * ld_sc + j0;
           float* oo = o + g0 * V;
-          const int64_t npf = g0 == 0 ? n - j0 : 0;  // the first group reads from memory
+          const int64_t npf = g0 == 0 ? end - j0 : 0;  // the first group reads from memory
           for (int64_t c0 = 0; c0 < V; c0 += nv * VL) {
             if (nv == 4) ValuesRowsNV<4>(gb, pp, ld_sc, &rows[j0], nj, npf, c0, oo, V);
             else if (nv == 2) ValuesRowsNV<2>(gb, pp, ld_sc, &rows[j0], nj, npf, c0, oo, V);
