@@ -258,8 +258,7 @@ def window_view(cache: KVCache, cfg: ModelConfig, view_cfg: ModelConfig,
     last ``num_slots_ - s`` positions: a copy of the keys and values the full model
     computed, which a window draft then attends to and writes after (MagicDec, Chen et
     al. 2024, and TriForce, Sun et al. 2024: the draft's StreamingLLM window over the
-    target's own KV). Reads at most B x (2·num_slots_ - s) slots per layer from dense
-    rows (two slabs a row), B x num_slots_ from a ring, never the rest of the cache.
+    target's own KV). Reads B x num_slots_ slots per layer, never the rest of the cache.
 
     Args:
       cache: a ragged or lockstep :class:`KVCache` of ``cfg`` (dense rows or a ring).
@@ -295,33 +294,21 @@ def window_view(cache: KVCache, cfg: ModelConfig, view_cfg: ModelConfig,
     held = jnp.take_along_axis(cache.positions, src, axis=1)
     p = jnp.where((p >= 0) & (held == p), p, -1)
     n = view_cfg.num_layers
-    # Dense rows hold position p at slot p. Ring slot s + m (m < ring) holds the newest
-    # p <= last with p = a + m or p = a + ring + m, where a = s + ring·q is the aligned
-    # position with last + 1 - 2·ring < a <= last + 1 - ring: the second when
-    # m < shift = last + 1 - ring - a. So the ring is two contiguous slabs of the row,
-    # lo = x[a : a + ring] and hi = x[a + ring : a + 2·ring], selected slot by slot: one
-    # dynamic slice each, per row (a vmapped slice would lower to a gather), no
-    # rotation. Where hi would pass the row's end (a + 2·ring > S) the slice is clamped
-    # to x[S - ring : S], which holds the same positions moved by d = (s - S) mod ring
-    # (a and S are fixed mod ring), a static rotation. (lo and hi start below 0 only
-    # for slots that show nothing.) A ring source, or one too short, takes the gather.
+    # Dense rows hold position p at slot p, so a row's last `ring` positions are one
+    # contiguous slab: slice it (a dynamic slice per row) and rotate it into ring order
+    # (slot s + m holds the slab's position congruent to s + m mod ring), instead of a
+    # gather of single slots. A ring source (or one too short) takes the gather.
     slab = policy_for(cfg).kind != "ring" and cache.num_slots >= ring
-    a = sinks + ring * jnp.floor_divide(cache.length - ring - sinks, ring)  # [B]
-    shift = cache.length - ring - a  # [B] in [0, ring)
-    hi_fits = a + 2 * ring <= cache.num_slots  # [B]
-    d = (sinks - cache.num_slots) % ring
+    start = jnp.clip(cache.length - ring, 0, cache.num_slots - ring)  # [B]
+    shift = jnp.mod(start - sinks, ring)
 
-    def rows(x, ax, batch_axis):  # [L?, B, ...] -> the sinks, then the ring's slabs
-        m = jnp.arange(ring).reshape([ring] + [1] * (-ax - 1))
-        out = []
-        for b in range(x.shape[batch_axis]):
-            xr = jax.lax.slice_in_dim(x, b, b + 1, axis=batch_axis)
-            lo = jax.lax.dynamic_slice_in_dim(xr, a[b], ring, axis=ax)
-            hi = jax.lax.dynamic_slice_in_dim(xr, a[b] + ring, ring, axis=ax)
-            hi = jnp.where(hi_fits[b], hi, jnp.roll(hi, -d, axis=ax))  # d static
-            out.append(jnp.concatenate([jax.lax.slice_in_dim(xr, 0, sinks, axis=ax),
-                                        jnp.where(m < shift[b], hi, lo)], axis=ax))
-        return jnp.concatenate(out, axis=batch_axis)
+    def rows(x, ax, batch_axis):  # [L?, B, ...] -> the sinks, then the rotated slab
+        def one(xr, st, sh):
+            lin = jax.lax.dynamic_slice_in_dim(xr, st, ring, axis=ax)
+            return jnp.roll(lin, sh, axis=ax)
+        out = jax.vmap(one, in_axes=(batch_axis, 0, 0), out_axes=batch_axis)(
+            x, start, shift)
+        return jnp.concatenate([jax.lax.slice_in_dim(x, 0, sinks, axis=ax), out], axis=ax)
 
     def gather(x, name, stacked):  # x [L?, B, ...] with the slot axis of cfg's layout
         ax = slot_axis(cfg, name)
