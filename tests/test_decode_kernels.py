@@ -88,6 +88,15 @@ def test_native_long_rows_split_over_threads():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
+def _native_matches_xla(q, kc, vc, vis, vl):
+    """(o, m, l) of the native kernel equal XLA's over keys 'BKHS' and values ``vl``."""
+    ref = decode_kernels.partial_attention("xla", q, kc, vc, vis, "BKHS", vl)
+    out = decode_kernels.partial_attention("native", q, kc, vc, vis, "BKHS", vl)
+    for name, r, o in zip("oml", ref, out):
+        np.testing.assert_allclose(np.asarray(o), np.asarray(r), atol=3e-5, rtol=3e-5,
+                                   err_msg=name)
+
+
 @pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
 @pytest.mark.parametrize("vl", ["BKSH", "BKHS"])
 @pytest.mark.parametrize("kg,v", [((1, 1), 64), ((2, 4), 64), ((1, 8), 64), ((1, 9), 32)],
@@ -107,11 +116,7 @@ def test_native_fast_path_spans_equal_xla(kg, v, vl):
     vis[0, 4096:8192] = False  # row 0: its whole second span is invisible
     vis[1, :8990] = False  # row 1: only slots in the ragged end are visible
     vis = jnp.asarray(vis)
-    ref = decode_kernels.partial_attention("xla", q, kc, vc, vis, "BKHS", vl)
-    out = decode_kernels.partial_attention("native", q, kc, vc, vis, "BKHS", vl)
-    for name, r, o in zip("oml", ref, out):
-        np.testing.assert_allclose(np.asarray(o), np.asarray(r), atol=3e-5, rtol=3e-5,
-                                   err_msg=name)
+    _native_matches_xla(q, kc, vc, vis, vl)
 
 
 @pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
@@ -132,11 +137,7 @@ def test_native_window_over_a_dense_row_equals_xla(vl):
     vis[1, :4] = vis[1, 1000:1301] = True  # both in the first span
     vis[2, 100:200] = vis[2, 263:300] = vis[2, 364:401] = True  # gaps of 63 and 64
     vis = jnp.asarray(vis)
-    ref = decode_kernels.partial_attention("xla", q, kc, vc, vis, "BKHS", vl)
-    out = decode_kernels.partial_attention("native", q, kc, vc, vis, "BKHS", vl)
-    for name, r, o in zip("oml", ref, out):
-        np.testing.assert_allclose(np.asarray(o), np.asarray(r), atol=3e-5, rtol=3e-5,
-                                   err_msg=name)
+    _native_matches_xla(q, kc, vc, vis, vl)
 
 
 def _pages(rng, b, k, h, v, page_size, max_pages, kl, vl):
