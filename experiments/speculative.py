@@ -43,8 +43,9 @@ Drafters: 'ngram' (prompt lookup, no model) and 'self' (the same weights over a 
 t; its own cache, prefilled by the windowed model, or with
 ``--config.speculative.draft_kv_source=target`` the target's own keys: read in place,
 a mask over its dense rows, where the native decode attention runs (JSON key
-``draft_in_place``), else a copy of the target's window made every round; with ``--config.speculative.draft_weight_dtype=int8`` over an int8 copy of the
-weights, a quarter of their bytes). Writes ``<out_dir>/speculative.json`` and a plot of measured against predicted
+``draft_in_place``), else a copy of the target's window made every round; with
+``--config.speculative.draft_weight_dtype=int8`` over an int8 copy of the weights, a
+quarter of their bytes). Writes ``<out_dir>/speculative.json`` and a plot of measured against predicted
 speedup (``speculative.png``).
 """
 

@@ -241,13 +241,16 @@ class DenseWindowSlots(DenseSlots):
     kind = "dense_window"
 
     def held(self, length: jax.Array, num_slots: int) -> jax.Array:
-        """[B] int32 tokens a row's next query sees: at most W."""
-        return jnp.minimum(length + 1, min(num_slots, self.window_size))
+        """[B] int32 tokens a row's next query sees: at most W (:meth:`RingSlots.held`)."""
+        return self._ring().held(length, num_slots)
 
     def visible(self, q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
-        """[B, T, S] bool: filled, causal and inside the window or a sink."""
-        return RingSlots(self.window_size, self.num_sink_tokens).visible(q_positions,
-                                                                        k_positions)
+        """[B, T, S] bool: filled, causal and inside the window or a sink
+        (:meth:`RingSlots.visible`)."""
+        return self._ring().visible(q_positions, k_positions)
+
+    def _ring(self) -> RingSlots:
+        return RingSlots(self.window_size, self.num_sink_tokens)
 
 
 def policy_for(cfg) -> DenseSlots | RingSlots | DenseWindowSlots:
