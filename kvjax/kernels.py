@@ -70,7 +70,9 @@ REGISTRY = (
                 "kvjax.models.decode_kernels.partial_attention"),
     Formulation("decode_attention", "native", ("cpu",),
                 "float32 caches, either layout: one pass over each block of 64 slots for "
-                "all G heads of a group, masked slots skipped; paged caches read in place",
+                "all G heads of a group, masked slots skipped (visible runs 64 or more "
+                "masked slots apart are read alone: a window over dense rows reads the "
+                "window); paged caches read in place",
                 "kvjax/native/decode_attention.cc", "custom call",
                 "kvjax_decode_attention", "kvjax_paged_decode_attention"),
     Formulation("decode_attention", "pallas", ("gpu",),
