@@ -188,11 +188,18 @@ static void Item(const Shape& sh, const float* q, const float* kc, const float* 
 // cache reads).
 #if defined(__AVX512F__)
 constexpr int VL = 16;
-constexpr int kAcc = 24;    // accumulators kept in registers (of 32 zmm)
+constexpr int kRegs = 32;   // vector registers (zmm)
 #else
 constexpr int VL = 8;
-constexpr int kAcc = 12;    // of 16 ymm
+constexpr int kRegs = 16;   // ymm
 #endif
+// Accumulators that stay in registers beside n loaded vectors and one broadcast (AccFor):
+// one more and GCC spills one, whose store-to-load round trip each slot then bounds a
+// loop that is not waiting on memory (AVX2: ValuesRows over a dense row's run, 3 heads x 4
+// vectors = 17 of 16 ymm). kAcc: the loops whose per-slot pointers, tests and prefetches
+// hide that spill (the paged and masked paths; measured no faster at AccFor).
+constexpr int AccFor(int n) { return kRegs - n - 1; }
+constexpr int kAcc = kRegs == 32 ? 24 : 12;
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vfu __attribute__((vector_size(VL * 4), aligned(4), may_alias));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
@@ -319,22 +326,30 @@ static void ChunkScores(const float* qs, int64_t G, int64_t H, const float* cons
 }
 
 // o[gi][c0 .. c0 + NV*VL) += sum_{j < n} p[gi * ld_p + j] * rows[j][...] for GB heads
-// (rows[j]: the value row of slot j, wherever its page lies). NV*GB <= kAcc accumulators
-// in registers. Masked slots have no row (nullptr) and are skipped: they contribute
-// nothing whatever they hold (issue 32). rows[j + kPfRows] is prefetched while
+// (rows[j]: the value row of slot j, wherever its page lies). NV*GB accumulators in
+// registers (<= AccFor(NV) for kContig, else <= kAcc). Masked slots have no row (nullptr) and are skipped: they
+// contribute nothing whatever they hold (issue 32). rows[j + kPfRows] is prefetched while
 // j + kPfRows < npf (the rows the caller holds; 0: no prefetch), the same columns: a page's
-// first rows miss otherwise (see ChunkScores).
-template <int GB, int NV>
+// first rows miss otherwise (see ChunkScores). kContig: every row visible and row j at
+// rows[0] + j * V (a dense row's run): no per-slot pointer, test or prefetch (the
+// hardware prefetchers follow the stream), which left AVX2 issuing more scalar than
+// vector work per slot (one thread, G = 15 over 8,128 slots: 13.3 -> 10 ms).
+template <int GB, int NV, bool kContig>
 static void ValuesRows(const float* p, int64_t ld_p, const float* const* rows, int64_t n,
                        int64_t npf, int64_t c0, float* o, int64_t V) {
   vf acc[GB][NV];
   for (int gi = 0; gi < GB; ++gi)
     for (int c = 0; c < NV; ++c) acc[gi][c] = ld(o + gi * V + c0 + c * VL);
+  const float* vr = kContig ? rows[0] : nullptr;
   for (int64_t j = 0; j < n; ++j) {
-    if (j + kPfRows < npf && rows[j + kPfRows])
-      for (int c = 0; c < NV; ++c) __builtin_prefetch(rows[j + kPfRows] + c0 + c * VL, 0, 3);
-    const float* vr = rows[j];
-    if (!vr) continue;
+    if constexpr (kContig) {
+      if (j) vr += V;
+    } else {
+      if (j + kPfRows < npf && rows[j + kPfRows])
+        for (int c = 0; c < NV; ++c) __builtin_prefetch(rows[j + kPfRows] + c0 + c * VL, 0, 3);
+      vr = rows[j];
+      if (!vr) continue;
+    }
     vf v[NV];
     for (int c = 0; c < NV; ++c) v[c] = reg(ld(vr + c0 + c * VL));
     for (int gi = 0; gi < GB; ++gi) {
@@ -346,17 +361,28 @@ static void ValuesRows(const float* p, int64_t ld_p, const float* const* rows, i
     for (int c = 0; c < NV; ++c) st(o + gi * V + c0 + c * VL, acc[gi][c]);
 }
 
-template <int NV>
+template <int NV, bool kContig>
 static void ValuesRowsNV(int64_t gb, const float* p, int64_t ld_p, const float* const* rows,
                          int64_t n, int64_t npf, int64_t c0, float* o, int64_t V) {
+#define KVJAX_VALUES_ROWS(GB) ValuesRows<GB, NV, kContig>(p, ld_p, rows, n, npf, c0, o, V)
   switch (gb) {
-    case 1: ValuesRows<1, NV>(p, ld_p, rows, n, npf, c0, o, V); break;
-    case 2: if constexpr (2 * NV <= kAcc) { ValuesRows<2, NV>(p, ld_p, rows, n, npf, c0, o, V); } break;
-    case 3: if constexpr (3 * NV <= kAcc) { ValuesRows<3, NV>(p, ld_p, rows, n, npf, c0, o, V); } break;
-    case 4: if constexpr (4 * NV <= kAcc) { ValuesRows<4, NV>(p, ld_p, rows, n, npf, c0, o, V); } break;
-    case 5: if constexpr (5 * NV <= kAcc) { ValuesRows<5, NV>(p, ld_p, rows, n, npf, c0, o, V); } break;
-    default: if constexpr (6 * NV <= kAcc) { ValuesRows<6, NV>(p, ld_p, rows, n, npf, c0, o, V); } break;
+    case 1: KVJAX_VALUES_ROWS(1); break;
+    case 2: if constexpr (2 * NV <= (kContig ? AccFor(NV) : kAcc)) { KVJAX_VALUES_ROWS(2); } break;
+    case 3: if constexpr (3 * NV <= (kContig ? AccFor(NV) : kAcc)) { KVJAX_VALUES_ROWS(3); } break;
+    case 4: if constexpr (4 * NV <= (kContig ? AccFor(NV) : kAcc)) { KVJAX_VALUES_ROWS(4); } break;
+    case 5: if constexpr (5 * NV <= (kContig ? AccFor(NV) : kAcc)) { KVJAX_VALUES_ROWS(5); } break;
+    default: if constexpr (6 * NV <= (kContig ? AccFor(NV) : kAcc)) { KVJAX_VALUES_ROWS(6); } break;
   }
+#undef KVJAX_VALUES_ROWS
+}
+
+template <bool kContig>
+static void ValuesRowsAny(int nv, int64_t gb, const float* p, int64_t ld_p,
+                          const float* const* rows, int64_t n, int64_t npf, int64_t c0,
+                          float* o, int64_t V) {
+  if (nv == 4) ValuesRowsNV<4, kContig>(gb, p, ld_p, rows, n, npf, c0, o, V);
+  else if (nv == 2) ValuesRowsNV<2, kContig>(gb, p, ld_p, rows, n, npf, c0, o, V);
+  else ValuesRowsNV<1, kContig>(gb, p, ld_p, rows, n, npf, c0, o, V);
 }
 
 static bool FastPathApplies(const Shape& sh) {
@@ -392,9 +418,18 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
   std::vector<float*> co;
   // Value columns per pass and heads per group: NV vectors of columns, gmax heads.
   const int64_t nv_all = V / VL;
-  const int nv = nv_all % 4 == 0 && kAcc >= 4 ? 4 : (nv_all % 2 == 0 ? 2 : 1);
-  const int64_t gcap = std::min<int64_t>(6, kAcc / nv);
-  const int64_t gmax = (G + (G + gcap - 1) / gcap - 1) / ((G + gcap - 1) / gcap);  // balanced groups
+  // The widest NV (4, 2 or 1 vectors dividing V / VL), then as many heads as fit beside
+  // it: over a dense row's run (contiguous rows) AccFor(NV) / NV (AVX-512: 6 heads x 4
+  // vectors; AVX2: 2 x 4), else kAcc / NV (6 x 4; AVX2 3 x 4). Both threads, G heads over
+  // 8,128 dense slots, 90 heads, AVX2 EPYC, ms for 2 x 4 / 6 x 2 / 3 x 4: G = 3 17.4 /
+  // 19.9 / 18.2, G = 9 25.1 / 26.7 / 27.8, G = 15 34.9 / 35.7 / 40.5; over pages of 16
+  // slots 3 x 4 stayed fastest at G = 3 (16.7 against 19.1 ms).
+  const int nv = nv_all % 4 == 0 ? 4 : (nv_all % 2 == 0 ? 2 : 1);
+  const auto groups = [G](int64_t cap) {  // heads per group, the groups balanced
+    return (G + (G + cap - 1) / cap - 1) / ((G + cap - 1) / cap);
+  };
+  const int64_t gmax_contig = groups(std::max(1, std::min(6, AccFor(nv) / nv)));
+  const int64_t gmax_rows = groups(std::min(6, kAcc / nv));
   struct Seg { int64_t j0, n, nvis; const float* kp; const float* vp; };
   std::vector<Seg> segs;
   for (int64_t sb = s0; sb < s1; sb += span) {
@@ -510,18 +545,21 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
       // other column passes) from L1. A sub-block with no visible slot is not read.
       for (int64_t j0 = lo; j0 < end; j0 += kSub) {
         const int64_t nj = std::min(kSub, end - j0);
-        bool any = false;
-        for (int64_t j = j0; j < j0 + nj; ++j) any |= rows[j] != nullptr;
+        bool any = false, contig = true;
+        for (int64_t j = j0; j < j0 + nj; ++j) {
+          any |= rows[j] != nullptr;
+          contig &= rows[j] != nullptr && (j == j0 || rows[j] == rows[j - 1] + V);
+        }
         if (!any) continue;
+        const int64_t gmax = contig ? gmax_contig : gmax_rows;
         for (int64_t g0 = 0; g0 < G; g0 += gmax) {
           const int64_t gb = std::min(gmax, G - g0);
           const float* pp = sc.data() + g0 * ld_sc + j0;
           float* oo = o + g0 * V;
           const int64_t npf = g0 == 0 ? end - j0 : 0;  // the first group reads from memory
           for (int64_t c0 = 0; c0 < V; c0 += nv * VL) {
-            if (nv == 4) ValuesRowsNV<4>(gb, pp, ld_sc, &rows[j0], nj, npf, c0, oo, V);
-            else if (nv == 2) ValuesRowsNV<2>(gb, pp, ld_sc, &rows[j0], nj, npf, c0, oo, V);
-            else ValuesRowsNV<1>(gb, pp, ld_sc, &rows[j0], nj, npf, c0, oo, V);
+            if (contig) ValuesRowsAny<true>(nv, gb, pp, ld_sc, &rows[j0], nj, npf, c0, oo, V);
+            else ValuesRowsAny<false>(nv, gb, pp, ld_sc, &rows[j0], nj, npf, c0, oo, V);
           }
         }
       }
