@@ -104,7 +104,8 @@ def _native_matches_xla(q, kc, vc, vis, vl):
 def test_native_fast_path_spans_equal_xla(kg, v, vl):
     """The register-blocked path (keys [H, S], H = 64): several 4,096-slot spans, a span
     no query sees, a ragged last span (S not a multiple of the vector width), head groups
-    larger than the registers hold (G = 8, 9) and V = 32: (o, m, l) equal XLA's."""
+    larger than the registers hold (G = 8, 9), V = 32, and a run of visible slots
+    (the values loop over contiguous rows): (o, m, l) equal XLA's."""
     k, g = kg
     s, h = 9000, 64
     rng = np.random.default_rng(7)
@@ -114,6 +115,7 @@ def test_native_fast_path_spans_equal_xla(kg, v, vl):
     vc = jnp.asarray(rng.standard_normal(vshape), jnp.float32)
     vis = rng.random((2, s)) < 0.7
     vis[0, 4096:8192] = False  # row 0: its whole second span is invisible
+    vis[0, 1000:3000] = True  # and a run of 2,000 visible slots
     vis[1, :8990] = False  # row 1: only slots in the ragged end are visible
     vis = jnp.asarray(vis)
     _native_matches_xla(q, kc, vc, vis, vl)
