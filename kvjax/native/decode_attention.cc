@@ -412,7 +412,8 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
   const int64_t span = std::max<int64_t>(
       VL, std::min<int64_t>({kSpan, 65536 / G, (s1 - s0 + VL - 1) / VL * VL}) / VL * VL);
   const int64_t ld_sc = span + kScorePad;
-  std::vector<float> sc(G * ld_sc), mask(span + VL);
+  std::vector<float> sc(G * ld_sc), mask(span + 2 * VL);
+  std::vector<std::pair<int64_t, int64_t>> nopage;  // a span's slots on no page
   std::vector<float> kpad, vpad;
   std::vector<const float*> rows(sh.v_bksh ? span : 0), ck;
   std::vector<float*> co;
@@ -438,38 +439,57 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
     // dense row leaves most spans so), not the per-slot masks and segments below.
     if (!std::memchr(visb + sb, 1, n)) continue;
     const int64_t np = (n + VL - 1) / VL * VL;
-    for (int64_t j = 0; j < n; ++j) mask[j] = visb[sb + j] ? 1.0f : 0.0f;
-    for (int64_t j = n; j < np + VL; ++j) mask[j] = 0.0f;
+    const bool* vs = visb + sb;  // the span's flags
     segs.clear();
+    nopage.clear();
     for (int64_t j = 0, len = 0; j < n; j += len) {
       const int64_t off = (sb + j) % P, pg = PageOf(sh, b, sb + j);
       len = std::min(n - j, P - off);
-      int64_t nvis = 0;
-      for (int64_t i = j; i < j + len; ++i) nvis += mask[i] != 0.0f;
       if (pg < 0) {  // a slot on no page counts as invisible
-        std::fill(&mask[j], &mask[j] + len, 0.0f);
-      } else if (nvis) {
-        // Runs of visible slots, cut where kBlock slots in a row are masked (a window
-        // and its sinks over a dense row: the keys between them are never read), each
-        // widened to whole vectors inside the segment.
-        const float* kb = PageBase(sh, kc, pg, k, H) + off;
-        const float* vb = PageBase(sh, vc, pg, k, V) + (sh.v_bksh ? off * V : off);
-        for (int64_t i = j, e = j + len; i < e;) {
-          while (i < e && mask[i] == 0.0f) ++i;
-          if (i == e) break;
-          int64_t last = i, r = i;
-          for (int64_t gap = 0; r < e && gap < kBlock; ++r) {
-            if (mask[r] != 0.0f) last = r, gap = 0;
-            else ++gap;
-          }
-          const int64_t a = j + (i - j) / VL * VL;
-          const int64_t z = std::min(e, j + (last + 1 - j + VL - 1) / VL * VL);
-          int64_t cnt = 0;
-          for (int64_t x = a; x < z; ++x) cnt += mask[x] != 0.0f;
-          segs.push_back({a, z - a, cnt, kb + (a - j), vb + (sh.v_bksh ? (a - j) * V : a - j)});
-          i = z;
-        }
+        nopage.push_back({j, j + len});
+        continue;
       }
+      // Runs of visible slots, cut where kBlock slots in a row are masked (a window and
+      // its sinks over a dense row: the keys between them are never read), each widened
+      // to whole vectors inside the segment. Found with memchr over the flags: a window
+      // of W slots at the end of a 4,096-slot span costs a few scans, not a loop over
+      // every slot.
+      const float* kb = PageBase(sh, kc, pg, k, H) + off;
+      const float* vb = PageBase(sh, vc, pg, k, V) + (sh.v_bksh ? off * V : off);
+      for (int64_t i = j, e = j + len; i < e;) {
+        const void* f = std::memchr(vs + i, 1, e - i);
+        if (!f) break;
+        i = static_cast<const bool*>(f) - vs;
+        int64_t last = e - 1;
+        for (int64_t r = i; r < e;) {
+          const void* g = std::memchr(vs + r, 0, e - r);  // the next masked slot
+          if (!g) break;
+          const int64_t r0 = static_cast<const bool*>(g) - vs;
+          last = r0 - 1;
+          const int64_t lim = std::min(e, r0 + kBlock);
+          const void* h = std::memchr(vs + r0, 1, lim - r0);  // visible again within kBlock?
+          if (!h) break;
+          r = static_cast<const bool*>(h) - vs;
+          last = e - 1;
+        }
+        const int64_t a = j + (i - j) / VL * VL;
+        const int64_t z = std::min(e, j + (last + 1 - j + VL - 1) / VL * VL);
+        int64_t cnt = 0;
+        for (int64_t x = a; x < z; ++x) cnt += vs[x];
+        segs.push_back({a, z - a, cnt, kb + (a - j), vb + (sh.v_bksh ? (a - j) * V : a - j)});
+        i = z;
+      }
+    }
+    if (segs.empty()) continue;
+    // The float mask over the segments' range and a vector past it (the loops below read
+    // [lo, hi) a vector at a time, padded segments up to a vector past their end); 0
+    // past the span's end and on slots with no page.
+    {
+      const int64_t m0 = segs.front().j0;
+      const int64_t m1 = std::min(np + VL, segs.back().j0 + segs.back().n + 2 * VL);
+      for (int64_t j = m0; j < m1; ++j) mask[j] = j < n && vs[j] ? 1.0f : 0.0f;
+      for (const auto& [x0, x1] : nopage)
+        for (int64_t j = std::max(x0, m0); j < std::min(x1, m1); ++j) mask[j] = 0.0f;
     }
     if (segs.empty()) continue;
     // Segments of a multiple of VL slots shorter than kLong are cut into chunks of VL
