@@ -327,13 +327,13 @@ static void ChunkScores(const float* qs, int64_t G, int64_t H, const float* cons
 
 // o[gi][c0 .. c0 + NV*VL) += sum_{j < n} p[gi * ld_p + j] * rows[j][...] for GB heads
 // (rows[j]: the value row of slot j, wherever its page lies). NV*GB accumulators in
-// registers (<= AccFor(NV) for kContig, else <= kAcc). Masked slots have no row (nullptr) and are skipped: they
-// contribute nothing whatever they hold (issue 32). rows[j + kPfRows] is prefetched while
-// j + kPfRows < npf (the rows the caller holds; 0: no prefetch), the same columns: a page's
-// first rows miss otherwise (see ChunkScores). kContig: every row visible and row j at
-// rows[0] + j * V (a dense row's run): no per-slot pointer, test or prefetch (the
-// hardware prefetchers follow the stream), which left AVX2 issuing more scalar than
-// vector work per slot (one thread, G = 15 over 8,128 slots: 13.3 -> 10 ms).
+// registers (<= AccFor(NV) for kContig, else <= kAcc). Masked slots have no row (nullptr)
+// and are skipped: they contribute nothing whatever they hold (issue 32). rows[j +
+// kPfRows] is prefetched while j + kPfRows < npf (the rows the caller holds; 0: no
+// prefetch), the same columns: a page's first rows miss otherwise (see ChunkScores).
+// kContig: every row visible and row j at rows[0] + j * V (a dense row's run): no
+// per-slot pointer, test or prefetch (the hardware prefetchers follow the stream), which
+// left AVX2 issuing more scalar than vector work per slot.
 template <int GB, int NV, bool kContig>
 static void ValuesRows(const float* p, int64_t ld_p, const float* const* rows, int64_t n,
                        int64_t npf, int64_t c0, float* o, int64_t V) {
@@ -491,7 +491,6 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
       for (const auto& [x0, x1] : nopage)
         for (int64_t j = std::max(x0, m0); j < std::min(x1, m1); ++j) mask[j] = 0.0f;
     }
-    if (segs.empty()) continue;
     // Segments of a multiple of VL slots shorter than kLong are cut into chunks of VL
     // slots, scored kNC at a time (ChunkScores) after the others: a padded segment writes
     // up to len - n floats past its end, into the scores of a later segment (written after
