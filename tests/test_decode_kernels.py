@@ -142,6 +142,51 @@ def test_native_window_over_a_dense_row_equals_xla(vl):
     _native_matches_xla(q, kc, vc, vis, vl)
 
 
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+def test_native_chunks_cut_at_equal_shares_of_visible_slots():
+    """Rows of one KV head are cut into chunks of equal visible slots, not equal slots: a
+    window and sinks (the window's slots shared by the chunks), a row whose visible slots
+    all lie in its last block (chunks with no slot at all), one with a single visible slot
+    and one with none: (o, m, l) equal XLA's."""
+    s, h, v = 9000, 64, 64
+    rng = np.random.default_rng(13)
+    q = jnp.asarray(rng.standard_normal((4, 1, 3, h)), jnp.float32)
+    kc = jnp.asarray(3 * rng.standard_normal((4, 1, h, s)), jnp.float32)
+    vc = jnp.asarray(rng.standard_normal((4, 1, s, v)), jnp.float32)
+    vis = np.zeros((4, s), bool)
+    vis[0, :4] = vis[0, s - 1024:] = True  # sinks and a window at the row's end
+    vis[1, s - 10:] = True  # the last block only
+    vis[2, 5000] = True
+    for b in range(4):  # one (b, k) a call: 2 chunks or more for any thread count
+        _native_matches_xla(q[b:b + 1], kc[b:b + 1], vc[b:b + 1], jnp.asarray(vis[b:b + 1]),
+                            "BKSH")
+
+
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+@pytest.mark.parametrize("vl", ["BKSH", "BKHS"])
+def test_native_scratch_buffers_carry_nothing_between_calls(vl):
+    """The kernel's threads keep their scratch buffers (scores, mask, value rows) from
+    call to call unzeroed. A call whose every score and value is NaN leaves them full of
+    NaN and of rows into its own arrays; the next call, with gaps, windows and a ragged
+    end, must still equal XLA's (every float it reads was written for it)."""
+    s, h, v = 9000, 64, 64
+    rng = np.random.default_rng(17)
+    vshape = (1, 1, s, v) if vl == "BKSH" else (1, 1, v, s)
+    q = jnp.asarray(rng.standard_normal((1, 1, 9, h)), jnp.float32)
+    # (kept alive to the end: value rows left in the buffers still point at NaN)
+    nan_k, nan_v = jnp.full((1, 1, h, s), jnp.nan), jnp.full(vshape, jnp.nan)
+    kc = jnp.asarray(3 * rng.standard_normal((1, 1, h, s)), jnp.float32)
+    vc = jnp.asarray(rng.standard_normal(vshape), jnp.float32)
+    vis = np.zeros((1, s), bool)
+    vis[0, :4] = vis[0, 700:790] = vis[0, 5000:6100] = vis[0, s - 5:] = True
+    for _ in range(4):  # (which pool thread runs which chunk varies from call to call)
+        out = decode_kernels.partial_attention("native", q, nan_k, nan_v,
+                                               jnp.ones((1, s), bool), "BKHS", vl)
+        assert np.isnan(np.asarray(out[0])).all()
+        _native_matches_xla(q, kc, vc, jnp.asarray(vis), vl)
+    del nan_k, nan_v
+
+
 def _pages(rng, b, k, h, v, page_size, max_pages, kl, vl):
     """Pools of 2·b·max_pages pages (NaN in every page no row holds), a shuffled block
     table whose last entry of row 0 is missing (-1) and whose rows 0 and 1 share their
