@@ -546,6 +546,41 @@ static inline vf loadq(const int8_t* p) {
 }
 #endif
 
+// y[0, n] += sum over j < 4 of x[k + j] q[k + j, n] for the vectors of n in [0, nv), one
+// row (M = 1): x's four elements broadcast once per pass, not once per vector, and two
+// vectors of y a step (no loop over rows inside the loop over n). SmolLM2's int8 draft
+// at M = 1, 30 layers of its 7 products and the head (134 MB), AMD EPYC (AVX2), 2 threads:
+// 7.42 -> 6.82 ms from DRAM, 5.88 -> 4.61 with the layers' weights in cache.
+static inline void Int8Row4KN(const float* x, const int8_t* w0, int64_t N, int64_t nv,
+                              bool pf, float* y) {
+  const vf x0 = splat(x[0]), x1 = splat(x[1]), x2 = splat(x[2]), x3 = splat(x[3]);
+  int64_t n = 0;
+  for (; n + 2 * VW <= nv; n += 2 * VW) {
+    if (pf && (n & 63) == 0) {  // a line of each row two passes ahead
+      __builtin_prefetch(w0 + 8 * N + n, 0, 2);
+      __builtin_prefetch(w0 + 9 * N + n, 0, 2);
+      __builtin_prefetch(w0 + 10 * N + n, 0, 2);
+      __builtin_prefetch(w0 + 11 * N + n, 0, 2);
+    }
+    vf a0 = fma(x0, loadq(w0 + n), load(y + n));
+    vf a1 = fma(x0, loadq(w0 + n + VW), load(y + n + VW));
+    a0 = fma(x1, loadq(w0 + N + n), a0);
+    a1 = fma(x1, loadq(w0 + N + n + VW), a1);
+    a0 = fma(x2, loadq(w0 + 2 * N + n), a0);
+    a1 = fma(x2, loadq(w0 + 2 * N + n + VW), a1);
+    a0 = fma(x3, loadq(w0 + 3 * N + n), a0);
+    a1 = fma(x3, loadq(w0 + 3 * N + n + VW), a1);
+    store(y + n, a0);
+    store(y + n + VW, a1);
+  }
+  for (; n < nv; n += VW) {
+    vf a0 = fma(x0, loadq(w0 + n), load(y + n));
+    a0 = fma(x1, loadq(w0 + N + n), a0);
+    a0 = fma(x2, loadq(w0 + 2 * N + n), a0);
+    store(y + n, fma(x3, loadq(w0 + 3 * N + n), a0));
+  }
+}
+
 // y[0:M, 0:N] = sum over k in [k0, k1) of x[:, k] q[k, :] (q [K, N]); y M x N floats.
 // Four weight rows at a time, so y is loaded and stored once per four rows: SmolLM2's
 // 30 [576, 1536] products at M = 1 from DRAM, 2-core Intel Xeon (AVX-512): one row per
@@ -555,6 +590,14 @@ static void Int8RowsKN(const float* x, int64_t M, int64_t K, const int8_t* q, in
   std::fill(y, y + M * N, 0.0f);
   const int64_t nv = N / VW * VW;
   int64_t k = k0;
+  if (M == 1) {
+    for (; k + 4 <= k1; k += 4) {
+      const int8_t* w0 = q + k * N;
+      Int8Row4KN(x + k, w0, N, nv, k + 12 <= k1, y);
+      for (int64_t n = nv; n < N; ++n)
+        for (int j = 0; j < 4; ++j) y[n] += x[k + j] * w0[j * N + n];
+    }
+  }
   for (; k + 4 <= k1; k += 4) {
     const int8_t* w0 = q + k * N;
     for (int64_t n = 0; n < nv; n += VW) {
