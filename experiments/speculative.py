@@ -165,12 +165,16 @@ def _interleaved(fns: dict, repeats: int) -> dict:
     one warm-up round, then ``repeats`` rounds calling each once. Timed in turn, not
     each program's repeats in a row: a shared machine's speed can move between minutes
     (docs/results/amd-epyc-avx512-2core.md), and a drift then falls on every program
-    alike, so their ratios (speedup, verify / plain step) hold."""
+    alike, so their ratios (speedup, verify / plain step) hold. A value of ``fns`` may be
+    a pair (prepare, run): ``prepare()`` runs untimed (a copy of the prefilled cache that
+    a loop donates) and only ``run(prepare())`` is timed."""
     out = {n: [] for n in fns}
     for r in range(repeats + 1):
         for n, fn in fns.items():
+            prepare, run = fn if isinstance(fn, tuple) else (None, fn)
+            args = () if prepare is None else (jax.block_until_ready(prepare()),)
             start = time.perf_counter()
-            jax.block_until_ready(fn())
+            jax.block_until_ready(run(*args))
             if r:
                 out[n].append(time.perf_counter() - start)
     return {n: statistics.median(t) for n, t in out.items()}
@@ -271,13 +275,13 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
         sampling=sampling, buf_len=steps).compile()
     state = {}
 
-    def plain_loop():
-        buf, count, cache = prog(params, first, _copy(base), jnp.full((b,), steps, jnp.int32),
+    def plain_loop(cache):  # (a copy of the prefilled cache: the program donates it)
+        buf, count, cache = prog(params, first, cache, jnp.full((b,), steps, jnp.int32),
                                  ragged.row_keys_for(None, b), jnp.asarray([-1], jnp.int32))
         state["plain"] = np.asarray(buf)
         return buf
 
-    plain_loop()  # its tokens (each row's timing below runs it again, in turn)
+    plain_loop(_copy(base))  # its tokens (each row's timing below runs it again, in turn)
     distinct = distinct_tokens(state["plain"][:, :steps])
     few = [i for i, n in enumerate(distinct) if n <= DEGENERATE_DISTINCT]
     if few and steps >= 8:
@@ -302,10 +306,13 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
                                          draft=draft, sampling=sampling)
             res = {}
 
-            def spec_loop():
-                d = None if dcfg is None else (
-                    dparams, dcfg, None if shared else _copy(dcache))
-                res["out"] = S.generate(params, cfg, spec, prompts, f1, _copy(tcache), steps,
+            def spec_caches():  # copies of the prefilled caches, made untimed
+                return _copy(tcache), None if dcfg is None or shared else _copy(dcache)
+
+            def spec_loop(caches):
+                tc, dc = caches
+                d = None if dcfg is None else (dparams, dcfg, dc)
+                res["out"] = S.generate(params, cfg, spec, prompts, f1, tc, steps,
                                         draft=d, sampling=sampling, compiled=compiled)[:2]
                 # (the caches it returns are dropped: at B = 8, t = 16K each is 6 GB)
                 return f1
@@ -314,7 +321,9 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
             # parts over one copy of the prefilled cache (each step takes its positions
             # back); the draft step over its own cache or the window a round copies
             steps_state = {"cache": _copy(tcache)}
-            fns = {"plain": plain_loop, "spec": spec_loop,
+            # (the loops donate their caches: each call's copy is made untimed)
+            fns = {"plain": (lambda: _copy(base), plain_loop),
+                   "spec": (spec_caches, spec_loop),
                    "step": step_runner(params, cfg, steps_state, 1),
                    "verify": step_runner(params, cfg, steps_state, k + 1)}
             dwin = None
