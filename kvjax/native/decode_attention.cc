@@ -615,12 +615,26 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
         }
         if (!any) continue;
         const int64_t gmax = contig ? gmax_contig : gmax_rows;
+        // The next sub-block's value rows are prefetched a share at a time before each
+        // call after the first (which reads this sub-block from memory; the others read
+        // it from L1): the first call then finds them in cache, not a DRAM stream that
+        // no arithmetic overlaps. One thread, 45 heads of 8,192 slots, AVX2 EPYC: G = 9
+        // 10.9 -> 8.1 ms, G = 3 7.4 -> 6.3.
+        const int64_t calls = (G + gmax - 1) / gmax * ((V + nv * VL - 1) / (nv * VL));
+        const int64_t next = j0 + kSub, next_n = std::min(kSub, end - next);
+        const int64_t row_lines = (V + 15) / 16, lines = next_n > 0 ? next_n * row_lines : 0;
+        int64_t call = 0;
         for (int64_t g0 = 0; g0 < G; g0 += gmax) {
           const int64_t gb = std::min(gmax, G - g0);
           const float* pp = scp + g0 * ld_sc + j0;
           float* oo = o + g0 * V;
           const int64_t npf = g0 == 0 ? end - j0 : 0;  // the first group reads from memory
-          for (int64_t c0 = 0; c0 < V; c0 += nv * VL) {
+          for (int64_t c0 = 0; c0 < V; c0 += nv * VL, ++call) {
+            if (call > 0 && lines > 0)
+              for (int64_t ln = (call - 1) * lines / (calls - 1),
+                           ln1 = call * lines / (calls - 1); ln < ln1; ++ln)
+                if (const float* r = rows[next + ln / row_lines])
+                  __builtin_prefetch(r + ln % row_lines * 16, 0, 3);
             if (contig) ValuesRowsAny<true>(nv, gb, pp, ld_sc, &rows[j0], nj, npf, c0, oo, V);
             else ValuesRowsAny<false>(nv, gb, pp, ld_sc, &rows[j0], nj, npf, c0, oo, V);
           }
