@@ -590,17 +590,10 @@ static void Int8RowsKN(const float* x, int64_t M, int64_t K, const int8_t* q, in
   std::fill(y, y + M * N, 0.0f);
   const int64_t nv = N / VW * VW;
   int64_t k = k0;
-  if (M == 1) {
-    for (; k + 4 <= k1; k += 4) {
-      const int8_t* w0 = q + k * N;
-      Int8Row4KN(x + k, w0, N, nv, k + 12 <= k1, y);
-      for (int64_t n = nv; n < N; ++n)
-        for (int j = 0; j < 4; ++j) y[n] += x[k + j] * w0[j * N + n];
-    }
-  }
   for (; k + 4 <= k1; k += 4) {
     const int8_t* w0 = q + k * N;
-    for (int64_t n = 0; n < nv; n += VW) {
+    if (M == 1) Int8Row4KN(x + k, w0, N, nv, k + 12 <= k1, y);  // (its vectors of n)
+    else for (int64_t n = 0; n < nv; n += VW) {
       if (k + 12 <= k1 && (n & 63) == 0) {  // a line of each row two passes ahead
         __builtin_prefetch(w0 + 8 * N + n, 0, 2);
         __builtin_prefetch(w0 + 9 * N + n, 0, 2);
