@@ -723,9 +723,10 @@ static void Run(ffi::ThreadPool& pool, const Shape& sh, const float* qp, const f
   for (int64_t b = 0; b < sh.B; ++b) {
     int64_t* cb = &cut[b * (chunks + 1)];
     const bool* vb = visp + b * sh.S;
-    const int64_t total = std::count(vb, vb + sh.S, true);
     cb[0] = 0;
     cb[chunks] = sh.S;
+    if (chunks == 1) continue;  // (a batch of many heads: nothing to cut, no scan)
+    const int64_t total = std::count(vb, vb + sh.S, true);
     for (int64_t c = 1, s = 0, seen = 0; c < chunks; ++c) {
       if (total == 0) {
         cb[c] = std::min(sh.S, c * chunk);
