@@ -7,8 +7,8 @@ every backend-dependent decision reads that field through the functions here, ne
 laptop compiles and costs the program a GPU run would use (its layouts and layer stack),
 and the CPU's choices never leak into it.
 
-The choices rest on measurements kept in docs/results/ (with their commands and
-machines); re-measure on yours (``python scripts/layout_bench.py`` for the layouts):
+The choices rest on measurements, each recorded in docs/decisions/ (with its evidence in
+docs/results/); re-measure on yours (``python scripts/layout_bench.py`` for the layouts):
 
 * :func:`scan_layers`: scanned layer stack or unrolled;
 * :func:`kv_layout`: the memory layout of cached keys and values;
@@ -40,8 +40,8 @@ def scan_layers(backend: str) -> bool:
 
     On CPU, XLA copies each layer's slice of stacked parameters and caches out of the
     scan's buffers before its dots (several times the theory bytes against about 1x
-    unrolled; docs/results/). On accelerators the scan keeps compile time independent
-    of L.
+    unrolled; docs/decisions/0002-unrolled-layer-stack-on-cpu.md). On accelerators the
+    scan keeps compile time independent of L.
     """
     return check(backend) != "cpu"
 
@@ -50,9 +50,10 @@ def kv_layout(backend: str, name: str, num_groups: int) -> str:
     """'auto' cache layouts resolve here (``name`` 'k' or 'v', G = num_groups).
 
     On CPU, XLA lowers the decode step's two products to Eigen/YNNPACK kernels whose
-    speed depends on which operand is contiguous (``python scripts/layout_bench.py``,
-    figures in docs/results/): q·K^T read keys [H, S] faster than [S, H] for every G,
-    and p·V read values [H, S] faster for G = 1 but far slower for G >= 2. So keys
+    speed depends on which operand is contiguous (``python scripts/layout_bench.py``;
+    docs/decisions/0003-cpu-cache-layouts.md): q·K^T read keys [H, S] faster than
+    [S, H] for every G, and p·V read values [H, S] faster for G = 1 but far slower for
+    G >= 2. So keys
     'BKHS' always and values 'BKHS' only when G = 1. Other backends get the
     conventional 'BKSH' (not measured here).
     """
@@ -79,7 +80,8 @@ def analysis_compiler_options(backend: str) -> dict | None:
 
     On CPU, ``xla_backend_optimization_level=0`` skips LLVM's optimisation of the machine
     code; the optimised HLO, and so every cost and memory figure read from it, is
-    identical (checked in tests/test_costs_sweep.py), and compiling takes ~2.5x less
-    time. Elsewhere: None (the backend's defaults).
+    identical (checked in tests/test_costs_sweep.py), and compiling takes less time
+    (docs/decisions/0026-analysis-compiles-unoptimised.md). Elsewhere: None (the
+    backend's defaults).
     """
     return {"xla_backend_optimization_level": 0} if check(backend) == "cpu" else None

@@ -149,7 +149,7 @@ class ModelConfig:
         and a stacked cache (compile time independent of L); False unrolls it over
         per-layer arrays. On CPU the unrolled stack decodes faster: inside the scan XLA
         copies each layer's cache slice out of the stacked buffer before its dot
-        (measured in README "Results"). None: the backend's default
+        (docs/decisions/0002-unrolled-layer-stack-on-cpu.md). None: the backend's default
         (:func:`kvjax.backend.scan_layers`), resolved when the config is built.
       prefill_impl: attention of chunks of T > 1 tokens (the prompt): 'tiled' (an
         online softmax over blocks of queries and keys, :mod:`kvjax.models.flash`; no
@@ -183,7 +183,8 @@ class ModelConfig:
         (:mod:`kvjax.models.decode_kernels`). Default 'xla' here, so a library call
         compiles a pure-XLA program whose costs XLA can analyse; the experiment configs
         (``configs/base.py``) and ``experiments.bench`` default to 'auto' (~1 s of
-        measurement per new shape class; picks per machine in docs/results/).
+        measurement per new shape class;
+        docs/decisions/0006-decode-attention-measured-per-machine.md).
       weight_matmul: the formulation of the products of a decode step's few rows (M =
         B·T <= 256) with float32 weight matrices (projections, MLP, LM head), one of
         :data:`WEIGHT_MATMUL`: 'xla' (``jnp.einsum``), 'native' (CPU FFI kernel
@@ -191,7 +192,8 @@ class ModelConfig:
         several rows split over the threads by output columns), 'native_ksplit' (the
         same kernel, several rows against [K, N] weights split by the weight's K rows),
         'native_lanes' (the same kernel, several rows against [N, K] weights held in
-        the vector lanes; each is faster on some CPUs, docs/results/) or 'auto': the
+        the vector lanes; each is faster on some CPUs,
+        docs/decisions/0018-weight-splits-per-machine.md) or 'auto': the
         fastest measured on this machine per (M, K, N, layout) class, picked by
         :func:`kvjax.planner.resolve` (cached like decode_attention; 'xla' inside a
         multi-device mesh). Default 'xla' here; ``configs/base.py`` and

@@ -98,8 +98,8 @@ def zero_unseen(x: jax.Array, seen: jax.Array, slot_axis: int) -> jax.Array:
       returned as is.
 
     One elementwise pass over ``x``: XLA:CPU does not fuse a select into the dot that
-    reads it (measured, jax 0.10.2), so this costs a copy of ``x`` where no other pass
-    (a dtype convert) exists to fuse into.
+    reads it (jax 0.10.2; docs/decisions/0024-clear-masked-slots-once.md), so this costs
+    a copy of ``x`` where no other pass (a dtype convert) exists to fuse into.
     """
     if jnp.issubdtype(x.dtype, jnp.integer):
         return x

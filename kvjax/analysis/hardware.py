@@ -4,8 +4,8 @@ The blog ("The GPU Memory Hierarchy", "The Roofline Model") reasons with the NVI
 312e12 FLOP/s fp16 tensor-core peak, ~2e12 B/s HBM, 40-80 GB HBM, ~20 MB on-chip SRAM,
 ridge point 312e12 / 2e12 = 156 FLOP/byte. :data:`CHIPS` holds those figures and the
 Hopper parts; :func:`measure_read_bandwidth` and :func:`local_chip` give the same
-quantities for whatever device JAX runs on here (the 2-core CPU: 20-35 GB/s, at times
-~50, depending on what else the shared host runs).
+quantities for whatever device JAX runs on here (a shared CPU's bandwidth moves with
+what else the host runs: docs/decisions/0028-bandwidth-probed-per-run.md).
 
 Units: FLOP/s, bytes/s, bytes. Peaks are dense (no 2:4 sparsity), keyed by dtype name
 ('float16', 'bfloat16', 'float32').
@@ -257,11 +257,11 @@ def measure_read_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 7,
     Each kernel is a jitted streaming read of one ``num_bytes`` array that writes almost
     nothing: ``jnp.sum`` (a scalar), a row sum ([n/64, 64] -> [n/64]) and a vector-matrix
     product ([64] x [64, n/64], the shape of decode's q·K^T). XLA:CPU lowers these to
-    different loops, which reach different bandwidths (20-35 GB/s on the 2-core CI CPU,
-    each varying run to run on a shared host), so the roofline is the fastest kernel's
-    median: the best sustained read JAX achieved here. The array must be much larger
-    than the caches (the 256 MiB default is). Two warm-up runs precede ``repeats`` timed
-    ones per kernel.
+    different loops, which reach different bandwidths (each varying run to run on a shared
+    host; docs/decisions/0028-bandwidth-probed-per-run.md), so the roofline is the fastest
+    kernel's median: the best sustained read JAX achieved here. The array must be much
+    larger than the caches (the 256 MiB default is). Two warm-up runs precede ``repeats``
+    timed ones per kernel.
 
     Raises:
       ValueError: repeats < 1, num_bytes too small for the kernels, or an unknown kernel.
@@ -336,9 +336,10 @@ def measure_fma_flops(repeats: int = 5) -> float | None:
     split over the cores), 32 products per call (2·48·512·512 FLOP each), so memory
     is out of the picture: the fused multiply-add rate this CPU sustains in a register
     tiled loop (48 rows in tiles of 6), the compute ceiling of the roofline (Williams
-    et al. 2009) for the products of a decode step. On the shared 2-core AMD EPYC
-    (issue 18) it read 45-69 GFLOP/s and XLA's 1024^3 matmul (:func:`measure_matmul_flops`)
-    45-200, depending on the load from other jobs: :func:`local_chip` takes the faster.
+    et al. 2009) for the products of a decode step. On a shared host either this or
+    XLA's 1024^3 matmul (:func:`measure_matmul_flops`) may read faster, depending on the
+    load from other jobs (docs/decisions/0027-serial-roofline.md): :func:`local_chip`
+    takes the faster.
 
     Returns None where the native kernel is unavailable (no compiler, not a CPU)."""
     if jax.devices()[0].platform != "cpu" or not rm.load():

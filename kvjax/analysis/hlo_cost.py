@@ -1,9 +1,9 @@
 """Loop-aware, attributed XLA cost analysis of compiled programs.
 
-XLA's ``cost_analysis()`` counts the body of a while loop once (docs/DESIGN.md: a 12-layer
-``lax.scan`` reported 1/12 of the unrolled FLOPs). This module corrects that soundly with
-XLA's own cost model (``HloCostAnalysis``, via ``hlo_module_cost_analysis``), two ways
-that must agree:
+XLA's ``cost_analysis()`` counts the body of a while loop once (a 12-layer ``lax.scan``
+reported 1/12 of the unrolled FLOPs; docs/decisions/0001-loop-aware-hlo-costs.md). This
+module corrects that soundly with XLA's own cost model (``HloCostAnalysis``, via
+``hlo_module_cost_analysis``), two ways that must agree:
 
 * :func:`loop_aware_cost` splits the optimised HLO module into its while-loop bodies,
   costs each body as a module of its own and multiplies by the trip count the compiled

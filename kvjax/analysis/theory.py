@@ -570,8 +570,9 @@ def batched_steps(cfg: ModelConfig, t: int, batches, bytes_per_s: float,
       ``bytes_per_s`` with bytes = weights (read once) + B·KV (:func:`step_bytes`);
     * the roofline (Williams et al. 2009): step = max(bytes / ``bytes_per_s``, FLOP /
       ``flops_per_s``) with FLOP = :func:`step_flops` (2 per weight per row, plus
-      attention): on a CPU whose float32 peak is ~100-200 GFLOP/s the weight products
-      become compute-bound near B = peak / (bandwidth · 0.5 FLOP/byte), 8-16 rows;
+      attention): the weight products become compute-bound near B = peak / (bandwidth
+      · 0.5 FLOP/byte), on the 2-core CPUs 8-16 rows
+      (docs/decisions/0027-serial-roofline.md);
     * serial (no overlap): step = bytes / ``bytes_per_s`` + FLOP / ``flops_per_s``, the
       arithmetic and the reads one after the other, the roofline's upper bound. It is
       what a core whose FMAs and memory stream add up instead of overlapping reaches at

@@ -258,7 +258,9 @@ def window_view(cache: KVCache, cfg: ModelConfig, view_cfg: ModelConfig,
     last ``num_slots_ - s`` positions: a copy of the keys and values the full model
     computed, which a window draft then attends to and writes after (MagicDec, Chen et
     al. 2024, and TriForce, Sun et al. 2024: the draft's StreamingLLM window over the
-    target's own KV). Reads B x num_slots_ slots per layer, never the rest of the cache.
+    target's own KV). Reads B x num_slots_ slots per layer, never the rest of the cache:
+    a slice of each row rotated into ring order
+    (docs/decisions/0022-window-view-slice-and-rotate.md).
 
     Args:
       cache: a ragged or lockstep :class:`KVCache` of ``cfg`` (dense rows or a ring).
@@ -466,7 +468,8 @@ def write_seq_sharded(policy, buf: jax.Array, new: jax.Array, chunk_positions: j
     token), keeps those in its own range as local indices and scatters them into its
     shard with ``mode='drop'``; the others go to the out-of-range index S/n and are
     dropped. A global write (``dynamic_update_slice`` or scatter on the whole
-    [.., S, ..] array) made GSPMD all-gather every cache tensor of a seq-sharded prefill.
+    [.., S, ..] array) made GSPMD all-gather every cache tensor of a seq-sharded prefill
+    (docs/decisions/0025-seq-sharded-cache.md).
 
     Args:
       policy: the slot policy (:func:`kvjax.cache.policy.policy_for`).

@@ -20,7 +20,7 @@ returns what :func:`kvjax.models.attention.attend_step` returns. The formulation
   left operand: ``BKGH,<keys>->BKGS``, ``BKGS,<values>->BKGV``): the reference.
 * ``'xla_cache_left'``: the cache as the left operand (``<keys>,BKGH->BKSG``,
   ``<values>,BKSG->BKGV``): a tall [S, H] x [H, G] product XLA:CPU reads faster on
-  some machines (issue 18: 15-17 GB/s against 7-9 for G = 4 on an AMD EPYC).
+  some machines (docs/decisions/0006-decode-attention-measured-per-machine.md).
 * ``'native'``: one XLA FFI custom call (``kvjax/native/decode_attention.cc``, float32
   caches on CPU): each block of 64 slots is read once while all G heads use it, online
   softmax, slot chunks over the cores. Built on first use; absent without a compiler.

@@ -33,7 +33,8 @@ kv_a_layernorm), w_kr [D, R], w_uk [N, C, nope], w_uv [N, C, V], wo [N, V, D].
 
 W_UK and W_UV are stored head-major, [N, C, ·], not [C, N, ·]: the absorbed path contracts
 them per head (a dot batched over N), and XLA:CPU wants the batch axis major; with
-[C, N, ·] it copied a transposed W_UK and W_UV every step (3.05x their bytes, measured).
+[C, N, ·] it copied a transposed W_UK and W_UV every step
+(docs/decisions/0005-mla-head-major-up-projections.md).
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def _mix(probs: jax.Array, c_kv: jax.Array, w_uv: jax.Array, absorb: bool) -> ja
       c_kv: [B, S, C]. w_uv: [N, C, V] (naive path only).
     """
     if absorb:
-        # Latent first: with (probs, c_kv) XLA:CPU copies a transposed c_kv (3x bytes).
+        # Latent first: with (probs, c_kv) XLA:CPU copies a transposed c_kv
+        # (docs/decisions/0005-mla-head-major-up-projections.md).
         return jnp.einsum("BSC,BNTS->BTNC", c_kv, probs, preferred_element_type=jnp.float32)
     v = jnp.einsum("BSC,NCV->BNSV", c_kv, w_uv)  # rebuilt values
     return jnp.einsum("BNTS,BNSV->BTNV", probs, v, preferred_element_type=jnp.float32)
@@ -312,7 +314,8 @@ class MLAttention(nn.Module):
             # Latents of old slots no query sees are zeroed before they serve as values
             # (issue 32): they contribute nothing whatever they hold, on the chunk paths
             # and in a decode step over a dequantized cache; not in a float decode step
-            # (a copy of the latent cache per step under XLA:CPU, docs/results). The
+            # (a copy of the latent cache per step under XLA:CPU,
+            # docs/decisions/0024-clear-masked-slots-once.md). The
             # scores select masked slots on every path.
             c_seen = lambda: ops.zero_unseen(c_old, jnp.any(mask_old, axis=1), -2)
             if c.execution.seq_shards > 1:  # cache split over the mesh's 'seq' axis

@@ -8,7 +8,7 @@ stacked on a leading L axis; compile time independent of L) or unrolled over per
 arrays. Each layer reads its cache slots first, then the new tokens are written in place
 with a data dependency on the attention output, which lets XLA update the donated buffer
 without copying it (without the dependency XLA cannot order the read before the in-place
-write and copies the whole cache, measured 5x the bytes).
+write and copies the whole cache: docs/decisions/0004-read-before-write.md).
 """
 
 from __future__ import annotations
@@ -288,7 +288,8 @@ def step_ignores_masked_values(cfg: ModelConfig, cache) -> bool:
     (:meth:`kvjax.cache.paged.PagedKVCache.layer`), the 'seq'-sharded step zeroes its
     shards. The float XLA step ('xla', 'xla_cache_left', MLA, sinks scored at cache
     positions) does not: a select there costs a copy of the value cache every step
-    (docs/results). Reads shapes and the plan only (traceable)."""
+    (docs/decisions/0024-clear-masked-slots-once.md). Reads shapes and the plan only
+    (traceable)."""
     if isinstance(cache, paged_lib.PagedKVCache) or cfg.kv_quantized:
         return True
     if cfg.is_mla or cfg.execution.seq_shards > 1:

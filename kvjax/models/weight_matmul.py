@@ -16,7 +16,8 @@ B = 1). Formulations:
 * ``'native_ksplit'``: the same kernel, several rows against a [K, N] weight split by
   the weight's K rows (each thread reads one contiguous stretch; partial rows added at
   the end; up to 4 rows against N <= 4096 columns walk the weight rows start to end).
-  Faster than the column split on some CPUs and row counts (docs/results/). One row, and
+  Faster than the column split on some CPUs and row counts
+  (docs/decisions/0018-weight-splits-per-machine.md). One row, and
   [N, K] weights, run as under 'native'.
 * ``'native_lanes'``: the same kernel, several rows against an [N, K] weight (the tied
   LM head) held in the vector lanes, each weight element broadcast once, instead of

@@ -177,13 +177,13 @@ static void Item(const Shape& sh, const float* q, const float* kc, const float* 
 // The fast path: keys [B, K, H, S] (the CPU default, kvjax/backend.py), H a multiple of
 // the vector width VL; values [B, K, S, V] with V a multiple of VL, or [B, K, V, S].
 //
-// Read pattern first (measured on a 2-core AMD EPYC, one thread, 128 MiB of keys, read
-// only): walking [H, S] in 64-slot blocks (64 strided 256-byte pieces) reads at 5-9 GB/s;
-// 8 rows at a time over 4,096 slots (16 KiB contiguous per row) at ~25 GB/s, near a plain
-// sequential read (~28-30 GB/s). So the slot axis is taken in spans of up to kSpan
-// slots: scores of a span are accumulated 8 key rows at a time into sc[G][span] (kept in
-// L2), then one online-softmax update per span (Milakov & Gimelshein 2018), then the
-// values of the span, row by row, with the G heads' accumulators in registers (a value
+// Read pattern first: walking [H, S] in 64-slot blocks (64 strided 256-byte pieces) reads
+// at a fraction of the bandwidth that 8 rows at a time over 4,096 slots (16 KiB contiguous
+// per row) reach, near a plain sequential read
+// (docs/decisions/0010-decode-kernel-spans.md). So the slot axis is taken in spans of up
+// to kSpan slots: scores of a span are accumulated 8 key rows at a time into sc[G][span]
+// (kept in L2), then one online-softmax update per span (Milakov & Gimelshein 2018), then
+// the values of the span, row by row, with the G heads' accumulators in registers (a value
 // vector is loaded once and used by every head of the group: the G heads cost FMAs, not
 // cache reads).
 #if defined(__AVX512F__)
@@ -197,7 +197,8 @@ constexpr int kRegs = 16;   // ymm
 // one more and GCC spills one, whose store-to-load round trip each slot then bounds a
 // loop that is not waiting on memory (AVX2: ValuesRows over a dense row's run, 3 heads x 4
 // vectors = 17 of 16 ymm). kAcc: the loops whose per-slot pointers, tests and prefetches
-// hide that spill (the paged and masked paths; measured no faster at AccFor).
+// hide that spill (the paged and masked paths; no faster at AccFor:
+// docs/decisions/0013-decode-values-in-registers.md).
 constexpr int AccFor(int n) { return kRegs - n - 1; }
 constexpr int kAcc = kRegs == 32 ? 24 : 12;
 typedef float vf __attribute__((vector_size(VL * 4)));
@@ -206,7 +207,8 @@ typedef int32_t vi __attribute__((vector_size(VL * 4)));
 static inline vf ld(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 static inline void st(float* p, vf x) { *reinterpret_cast<vfu*>(p) = x; }
 // Keeps a loaded vector in a register: without it GCC folds the load into every FMA that
-// uses it (one load per head instead of one per row), and the loop becomes load-bound.
+// uses it (one load per head instead of one per row), and the loop becomes load-bound
+// (docs/decisions/0017-keep-loads-in-registers.md).
 static inline vf reg(vf x) {
 #if defined(__GNUC__)
   asm("" : "+x"(x));
@@ -243,9 +245,8 @@ static inline vf vexp(vf x) {
 constexpr int64_t kSpan = 4096;  // slots per span (a multiple of VL)
 // Floats between the end of one head's row of sc and the next head's: rows a multiple of
 // 4 KiB apart fall in the same L1 sets as each other and as the key rows (whose stride S
-// is one too), more lines than the 8 ways hold. One thread, SpanScores on a 4,096-slot
-// span in L2, AMD EPYC (AVX-512): G = 8 162 -> 45 us with 48 floats of padding (G = 3:
-// 32 -> 22 us); 16 / 32 / 64 / 80 / 144 floats: 85 / 53 / 45 / 43 / 57 us.
+// is one too), more lines than the 8 ways hold; 48 floats of padding scored fastest
+// (docs/decisions/0011-decode-score-padding.md).
 constexpr int64_t kScorePad = 48;
 constexpr int kRows = 8;         // key rows walked together
 constexpr int kNC = 4;           // chunks of VL slots scored together (ChunkScores)
@@ -281,10 +282,8 @@ static inline void ScoresBlock(const float* qs, int64_t G, int64_t H, int64_t h,
 // Segments at least this long (a dense row's span) take SpanScores' blocked walk: 4 key
 // rows x 3 vectors of slots, no software prefetch (the hardware prefetchers follow 4 long
 // rows). Shorter ones (pages of 64-1,023 slots) walk 8 rows a vector at a time with the
-// next 8 rows prefetched: a page's rows are short, and the blocked walk read them slower.
-// One thread, scores of 45 heads of 8,192 slots from DRAM, AMD EPYC (AVX2): G = 3 7.0 ->
-// 4.1 ms, G = 9 12.4 -> 7.7 ms; both threads, whole kernel, 90 heads: G = 3 18.5 -> 16.6,
-// G = 9 26.6 -> 23.2; pages of 256 slots at G = 9 28.9 (8 rows) against 34.0 (blocked).
+// next 8 rows prefetched: a page's rows are short, and the blocked walk read them slower
+// (docs/decisions/0012-decode-blocked-scores.md).
 constexpr int64_t kBlockedScores = 1024;
 constexpr int kScoreRows = 4, kScoreVecs = 3;
 
@@ -305,9 +304,8 @@ static void SpanScores(const float* qs, int64_t G, int64_t H, const float* kp, i
   for (; h + kRows <= H; h += kRows) {
     const float* kr = kp + h * ks;
     // The next block of key rows is prefetched into L2 while this one is used, one line
-    // per row every 16 slots (the hardware prefetchers lag 8 strided rows). Whole kernel,
-    // t = 32K from DRAM, 2 threads, AMD EPYC: G = 8 21.3 -> 24.6 GB/s with kScorePad,
-    // 26.7 with the prefetch; G = 4 31.3 -> 32.0 -> 34.9.
+    // per row every 16 slots (the hardware prefetchers lag 8 strided rows;
+    // docs/decisions/0011-decode-score-padding.md).
     const bool pf = h + 2 * kRows <= H;
     for (int64_t j = 0; j < n; j += VL) {
       if (pf && j % 16 == 0)
@@ -446,9 +444,8 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
   // by the softmax over [lo, hi), rows over [lo, end)), and scores of masked slots are
   // dropped by selects, never multiplied. What a buffer grows by is poisoned (scores NaN,
   // mask 1: visible), so a read of a float not written for its span shows in the tests.
-  // Vectors allocated and zeroed per item (100 KiB at G = 3) cost a W = 1,024 window over
-  // 8,200 slots (3 heads, 2 chunks each, 2 threads, AMD EPYC AVX2) 10% of its time: 30
-  // layers 2.79 -> 2.58 ms, G = 9 3.95 -> 3.58.
+  // Vectors allocated and zeroed per item (100 KiB at G = 3) were a visible share of a
+  // window's time (docs/decisions/0016-decode-scratch-buffers-kept.md).
   thread_local std::vector<float> sc_buf, mask_buf;
   thread_local std::vector<const float*> rows_buf;
   if (sc_buf.size() < size_t(G * ld_sc)) sc_buf.resize(G * ld_sc, std::nanf(""));
@@ -465,10 +462,8 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
   const int64_t nv_all = V / VL;
   // The widest NV (4, 2 or 1 vectors dividing V / VL), then as many heads as fit beside
   // it: over a dense row's run (contiguous rows) AccFor(NV) / NV (AVX-512: 6 heads x 4
-  // vectors; AVX2: 2 x 4), else kAcc / NV (6 x 4; AVX2 3 x 4). Both threads, G heads over
-  // 8,128 dense slots, 90 heads, AVX2 EPYC, ms for 2 x 4 / 6 x 2 / 3 x 4: G = 3 17.4 /
-  // 19.9 / 18.2, G = 9 25.1 / 26.7 / 27.8, G = 15 34.9 / 35.7 / 40.5; over pages of 16
-  // slots 3 x 4 stayed fastest at G = 3 (16.7 against 19.1 ms).
+  // vectors; AVX2: 2 x 4), else kAcc / NV (6 x 4; AVX2 3 x 4); over pages 3 x 4 stayed
+  // fastest (docs/decisions/0013-decode-values-in-registers.md).
   const int nv = nv_all % 4 == 0 ? 4 : (nv_all % 2 == 0 ? 2 : 1);
   const auto groups = [G](int64_t cap) {  // heads per group, the groups balanced
     return (G + (G + cap - 1) / cap - 1) / ((G + cap - 1) / cap);
@@ -618,8 +613,7 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
         // The next sub-block's value rows are prefetched a share at a time before each
         // call after the first (which reads this sub-block from memory; the others read
         // it from L1): the first call then finds them in cache, not a DRAM stream that
-        // no arithmetic overlaps. One thread, 45 heads of 8,192 slots, AVX2 EPYC: G = 9
-        // 10.9 -> 8.1 ms, G = 3 7.4 -> 6.3.
+        // no arithmetic overlaps (docs/decisions/0014-decode-values-prefetch.md).
         const int64_t calls = (G + gmax - 1) / gmax * ((V + nv * VL - 1) / (nv * VL));
         const int64_t next = j0 + kSub, next_n = std::min(kSub, end - next);
         const int64_t row_lines = (V + 15) / 16, lines = next_n > 0 ? next_n * row_lines : 0;
@@ -717,8 +711,8 @@ static void Run(ffi::ThreadPool& pool, const Shape& sh, const float* qp, const f
   // Row b's chunk c is [cut[b][c], cut[b][c + 1]): equal shares of its visible slots, cut
   // at whole blocks (a row with none: equal shares of its slots). Equal slot ranges left
   // a window's work to one chunk of each head: a W = 1,024 draft over 8,200 slots (3 heads,
-  // 2 chunks, 2 threads) gave one thread two windows and the other one. 30 such calls in
-  // one program, AMD EPYC (AVX2): 2.95 -> 2.79 ms with the blocked scores above.
+  // 2 chunks, 2 threads) gave one thread two windows and the other one
+  // (docs/decisions/0015-decode-chunks-by-visible-slots.md).
   std::vector<int64_t> cut(sh.B * (chunks + 1));
   for (int64_t b = 0; b < sh.B; ++b) {
     int64_t* cb = &cut[b * (chunks + 1)];

@@ -11,19 +11,18 @@
 // the same panel from L2), so the step costs max(weight bytes / bandwidth, 2·M·K·N /
 // FLOP peak) (the roofline, Williams et al. 2009) instead of one pass per row.
 //
-// The columns (w_nk = 0) or output rows (w_nk = 1) are split into contiguous ranges
-// over XLA's own intra-op thread pool (pool.h: no second thread pool spinning beside
-// XLA's); one row against a [K, N] weight (B = 1 decode) splits the K rows instead, so
-// that each thread reads one contiguous stretch of the weight (WalkRowsKN). With the
-// attribute split = 1, several rows against a [K, N] weight split K too (each part's
-// partial rows added at the end): which split is faster depends on the machine (2-core
-// AMD EPYC: no better than the columns; 2-core Intel Xeon, SmolLM2's chain at M = 16:
-// 0.66-0.71x the columns' time), so model.weight_matmul='auto' measures both
-// ('native', 'native_ksplit'; kvjax/planner.py). Several rows against an [N, K] weight
-// (the tied LM head) are register tiles of dot products summed across the lanes at the
-// end, or with lanes = 1 the rows sit in the vector lanes and each weight element is
-// broadcast once (RangeNKT; 'native_lanes'): one thread, M = 16, [49152, 576] from
-// DRAM on the Intel Xeon: 11.1 ms against 18.9; 'auto' measures both.
+// The columns (w_nk = 0) or output rows (w_nk = 1) are split into contiguous ranges over
+// XLA's own intra-op thread pool (pool.h: no second thread pool spinning beside XLA's);
+// one row against a [K, N] weight (B = 1 decode) splits the K rows instead, so that each
+// thread reads one contiguous stretch of the weight (WalkRowsKN). With the attribute split
+// = 1, several rows against a [K, N] weight split K too (each part's partial rows added at
+// the end): which split is faster depends on the machine (faster on a 2-core Intel Xeon,
+// no better on a 2-core AMD EPYC; docs/decisions/0018-weight-splits-per-machine.md), so
+// model.weight_matmul='auto' measures both ('native', 'native_ksplit'; kvjax/planner.py).
+// Several rows against an [N, K] weight (the tied LM head) are register tiles of dot
+// products summed across the lanes at the end, or with lanes = 1 the rows sit in the
+// vector lanes and each weight element is broadcast once (RangeNKT; 'native_lanes';
+// docs/decisions/0018-weight-splits-per-machine.md); 'auto' measures both.
 //
 // Vectors: GCC vector extensions, 16 floats with AVX-512F, else 8 (AVX2 / others);
 // built with -march=native by kvjax/native/rows_matmul.py.
@@ -60,14 +59,11 @@ constexpr int NB = VW * NV;       // columns per panel (w_nk = 0)
 #define KROWS 16
 #endif
 constexpr int64_t kRowBlock = KROWS;  // weight rows per block (w_nk = 0, column split)
-// Weight rows per block of the K split (split = 1, w_nk = 0): one interleaved run of
-// SmolLM2's 30-layer chain at M = 16 on a 2-core Intel Xeon (AVX-512, 2 FMA ports):
-// blocks of 4 / 16 / 32 / 48 / 64 / 128 / 288 rows took 1.34 / 1.08 / 0.98 / 0.96 / 1 /
-// 1.32 / 1.46x the time of 64 (32-64 within noise of each other).
+// Weight rows per block of the K split (split = 1, w_nk = 0): 32-64 rows ran fastest
+// (docs/decisions/0018-weight-splits-per-machine.md).
 constexpr int64_t kSplitRowBlock = 64;
-// The one-row walk prefetches this many floats (4 KiB) ahead of its stream into L2:
-// SmolLM2's 30-layer chain at B = 1, 2-core Intel Xeon, one interleaved run: 1 / 4 / 8
-// KiB ahead took 0.99 / 0.95 / 0.95x the time without (into L1: 0.96x).
+// The one-row walk prefetches this many floats (4 KiB) ahead of its stream into L2
+// (docs/decisions/0020-one-row-weight-walk.md).
 constexpr int64_t kWalkPrefetch = 1024;
 #ifndef KN_PREFETCH
 #define KN_PREFETCH 1
@@ -118,8 +114,8 @@ static inline float hsum(vf v) {
 
 // Keeps a loaded weight vector in a register. Without it GCC 12 folds TileNK's weight
 // loads into every FMA that uses them (MR loads per vector instead of one: 20 loads per
-// 16 FMAs in the 4 x 4 tile; one thread, [49152, 576] from DRAM, M = 16: 30.4 -> 27.1
-// ms). decode_attention.cc does the same.
+// 16 FMAs in the 4 x 4 tile; docs/decisions/0017-keep-loads-in-registers.md).
+// decode_attention.cc does the same.
 static inline vf reg(vf v) {
 #if defined(__GNUC__) && (defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)))
   asm("" : "+x"(v));
@@ -215,13 +211,15 @@ static inline void RunRows(int r, const float* x, int64_t K, const float* w, int
 
 // Columns [c0, c1) of y (w_nk = 0: c0 a multiple of NB). The weight is read in blocks
 // of kRowBlock rows, each row's segment [c0, c1) contiguous (a few sequential streams,
-// which the hardware prefetchers follow; a panel walk down all K rows was 2-3x slower
-// from DRAM), chunk by chunk of NB columns; every row tile re-reads the chunk from L1.
+// which the hardware prefetchers follow; a panel walk down all K rows was slower from
+// DRAM: docs/decisions/0019-weight-row-block-streams.md), chunk by chunk of NB
+// columns; every row tile re-reads the chunk from L1.
 static void RangeKN(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
                     int64_t c0, int64_t c1, float* y, int64_t ka, int64_t kb,
                     int64_t block) {
   // Row tiles of MB rows, or balanced ones when they all keep >= MB - 1 rows (16 rows:
-  // 6, 5, 5 rather than 6, 6, 4: tiles of few rows run at about half the FMA rate).
+  // 6, 5, 5 rather than 6, 6, 4: tiles of few rows run at a lower FMA rate;
+  // docs/decisions/0019-weight-row-block-streams.md).
   const int64_t tiles = (M + MB - 1) / MB;
   const bool balanced = M / tiles >= MB - 1;
   const int64_t full = c0 + (c1 - c0) / NB * NB;
@@ -230,9 +228,9 @@ static void RangeKN(const float* x, int64_t M, int64_t K, const float* w, int64_
     for (int64_t n = c0; n < full; n += NB) {
 #if KN_PREFETCH
       // the chunk kPrefetchChunks ahead, every row of the block, into L2: 16 row
-      // segments at once are more streams than the hardware prefetchers follow (one
-      // thread from DRAM, interleaved A/B: 0.73x the time at M = 4, 0.8-0.9x at 8)
-      if (M > 1 && n + kPrefetchChunks * NB < full)  // (one row: no gain measured)
+      // segments at once are more streams than the hardware prefetchers follow
+      // (docs/decisions/0019-weight-row-block-streams.md; one row: no gain)
+      if (M > 1 && n + kPrefetchChunks * NB < full)
         for (int64_t k = k0; k < k1; ++k)
           for (int j = 0; j < NB; j += 16)
             __builtin_prefetch(w + k * N + n + kPrefetchChunks * NB + j, 0, 2);
@@ -302,11 +300,11 @@ static int64_t WalkPass(const float* x, int64_t K, const float* w, int64_t N, in
 }
 
 // Up to kWalkRows rows against w [K, N] with N <= kWalkCols (WalkRowsKN). One row takes
-// one weight row a pass: one thread, 30 layers of SmolLM2 shapes from DRAM, 2-core AMD
-// EPYC: 22 GB/s; blocks of 2 / 4 / 8 rows read together 13 / 15 / 18 GB/s (RangeKN's
-// column panels: ~16). Wider weights keep the panels (whole rows of [576, 49152], y out
-// of L1: 0.65x XLA's speed). Several rows walk only with split = 1 ('native_ksplit'):
-// the planner measures the walk against the panels ('native') per class.
+// one weight row a pass, which streamed faster than blocks of rows read together or
+// RangeKN's column panels (docs/decisions/0020-one-row-weight-walk.md). Wider weights
+// keep the panels (whole rows of [576, 49152] put y out of L1, slower than XLA). Several
+// rows walk only with split = 1 ('native_ksplit'): the planner measures the walk against
+// the panels ('native') per class.
 constexpr int64_t kWalkCols = 4096;  // 16 KiB of y per row
 constexpr int64_t kWalkRows = 4;
 template <int MR>
@@ -314,12 +312,9 @@ static void WalkRowsKN(const float* x, int64_t K, const float* w, int64_t N, int
                        int64_t k1, float* out) {
   // Several rows accumulate at a padded stride: rows N floats apart alias in the low 12
   // address bits when 4·N is a multiple of 2 KiB (SmolLM2's N = 1536 at M = 3, 4), and a
-  // load after a store to an aliasing address waits for it ("4K aliasing"; before the
-  // pad, [576, 1536] at M = 3 read at 17 GB/s against 24 for the column panels). They
-  // take four weight rows a pass (a quarter of y's loads and stores): SmolLM2's 30-layer
-  // chain with its head, from DRAM, 2-core AMD EPYC (AVX-512F), one interleaved run, at
-  // M = 1 / 2 / 3 / 4: one weight row a pass 17.6 / 19.0 / 26.0 / 28.3 ms, two 18.0 /
-  // 20.0 / 21.8 / 24.4, four (M > 1) 19.0 / 20.2 / 20.9.
+  // load after a store to an aliasing address waits for it ("4K aliasing"). They take
+  // four weight rows a pass (a quarter of y's loads and stores;
+  // docs/decisions/0020-one-row-weight-walk.md).
   const int64_t ld = MR > 1 ? N + 32 : N;
   std::unique_ptr<float[]> pad(MR > 1 ? new float[MR * ld] : nullptr);
   float* y = MR > 1 ? pad.get() : out;
@@ -419,11 +414,9 @@ struct Dots {
   }
 };
 
-// Output columns [c0, c1) of y, w stored [N, K]. Up to kWalkRows rows read each weight
-// row start to end (RowDotsNK). Tiles of NRT rows read 4 weight rows at once: the tied
-// LM head at half XLA's GB/s for M = 1; SmolLM2's head from DRAM on a 2-core AMD EPYC
-// at M = 2 / 3 / 4: the dots 3.7 / 3.5 / 3.8 ms (as M = 1: 3.7), the lanes 5.1-5.2,
-// the tiles about 6 (another run).
+// Output columns [c0, c1) of y, w stored [N, K]. Up to kWalkRows rows read each weight row
+// start to end (RowDotsNK): as fast at 2-4 rows as at one, faster than the lanes or tiles
+// of NRT rows reading 4 weight rows at once (docs/decisions/0020-one-row-weight-walk.md).
 static void RangeNK(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
                     int64_t c0, int64_t c1, float* y) {
   int64_t n = c0;
@@ -463,7 +456,7 @@ static bool Trivial(int64_t M, int64_t K, int64_t N, float* y) {
 }
 
 // A K split: part p of up to ``want`` (each >= 64 weight rows; one part per thread:
-// finer parts measured slower) runs part(yo, ka, kb), its rows [ka, kb) into its own
+// finer parts were slower) runs part(yo, ka, kb), its rows [ka, kb) into its own
 // partial y (part 0 into y itself), and the partials are added into y.
 template <typename Part>
 static void SplitK(ffi::ThreadPool& pool, int64_t want, int64_t M, int64_t K, int64_t N,
@@ -548,9 +541,8 @@ static inline vf loadq(const int8_t* p) {
 
 // y[0, n] += sum over j < 4 of x[k + j] q[k + j, n] for the vectors of n in [0, nv), one
 // row (M = 1): x's four elements broadcast once per pass, not once per vector, and two
-// vectors of y a step (no loop over rows inside the loop over n). SmolLM2's int8 draft
-// at M = 1, 30 layers of its 7 products and the head (134 MB), AMD EPYC (AVX2), 2 threads:
-// 7.42 -> 6.82 ms from DRAM, 5.88 -> 4.61 with the layers' weights in cache.
+// vectors of y a step (no loop over rows inside the loop over n;
+// docs/decisions/0021-int8-weight-walk.md).
 static inline void Int8Row4KN(const float* x, const int8_t* w0, int64_t N, int64_t nv,
                               bool pf, float* y) {
   const vf x0 = splat(x[0]), x1 = splat(x[1]), x2 = splat(x[2]), x3 = splat(x[3]);
@@ -582,9 +574,8 @@ static inline void Int8Row4KN(const float* x, const int8_t* w0, int64_t N, int64
 }
 
 // y[0:M, 0:N] = sum over k in [k0, k1) of x[:, k] q[k, :] (q [K, N]); y M x N floats.
-// Four weight rows at a time, so y is loaded and stored once per four rows: SmolLM2's
-// 30 [576, 1536] products at M = 1 from DRAM, 2-core Intel Xeon (AVX-512): one row per
-// pass 1.58 ms, four 1.11 ms (float32 weights, WalkRowsKN: 2.76 ms).
+// Four weight rows at a time, so y is loaded and stored once per four rows
+// (docs/decisions/0021-int8-weight-walk.md).
 static void Int8RowsKN(const float* x, int64_t M, int64_t K, const int8_t* q, int64_t N,
                        int64_t k0, int64_t k1, float* y) {
   std::fill(y, y + M * N, 0.0f);
