@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 
 from absl import flags
@@ -39,7 +40,8 @@ from kvjax import presets
 from kvjax.analysis import costs, hardware, theory
 from kvjax.inference import decode
 from kvjax.models import model
-from kvjax.config import DECODE_ATTENTION, WEIGHT_MATMUL, ModelConfig, default_scan_layers
+from kvjax.config import (DECODE_ATTENTION, WEIGHT_MATMUL, ConfigError, ModelConfig,
+                          default_scan_layers)
 
 _MODELS = flags.DEFINE_list("models", ["blog", "smollm2"], "blog and/or smollm2.")
 _VARIANTS = flags.DEFINE_list("variants", ["mha", "gqa", "mqa", "window"],
@@ -111,10 +113,13 @@ def interleaved_ratio(a: tuple[ModelConfig, int], b: tuple[ModelConfig, int],
                       repeats: int) -> float:
     """Median over ``repeats`` of step time of ``a`` / step time of ``b`` (each a config
     and a context), the two steps timed back to back (two warm-up pairs first), so drift
-    of the shared host cancels in each ratio."""
+    of the shared host cancels in each ratio. Each config's plan is resolved for its own
+    context first (:func:`kvjax.analysis.costs.planned`), so a forced formulation
+    ('native', 'flash', ...) runs as it does in :func:`time_point`."""
     token = jnp.zeros((1, 1), jnp.int32)
     runs = []
     for cfg, t in (a, b):
+        cfg = costs.planned(cfg, 1, t)
         params = model.init_params(cfg, 0)
         cache = costs.full_cache(cfg, 1, t)
         step = decode.decode_step.lower(params, token, cache, cfg=cfg).compile()
@@ -212,6 +217,13 @@ def main(argv):
         models, variants, dtype = ["blog", "smollm2"], ["mha", "gqa", "mqa"], "bfloat16"
         contexts, repeats, peer_names, scan_modes = [4096, 32768, 131072], 5, [], [False, True]
 
+    try:  # every point's config, checked before any probe, measurement or compile
+        for model_name in models:
+            for variant in {*variants, "mha"}:
+                variant_cfg(model_name, variant, dtype, scan_modes[0])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return cli.USAGE_EXIT
     chip = hardware.local_chip()
     start_roof = chip.hbm_bytes_per_s
     # A measured device: pair every step with a read by its probe's fastest kernel.

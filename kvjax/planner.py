@@ -10,8 +10,11 @@ is traced: the models only read the plan.
 
 A pick times every formulation that applies on the class's own shapes (interleaved
 rounds, the median of each, every timed call from memory after an untimed flush of the
-caches, :data:`FLUSH_BYTES`; about a second per class) and keeps the fastest, or the
-reference 'xla' when the fastest beats it by less than 3%. Picks are cached on disk:
+caches, :data:`FLUSH_BYTES`; about a second per class) and keeps the fastest when it
+beats the reference 'xla' beyond the noise, by the rule of :func:`_decide` (calls that
+overlap xla's are timed for more rounds until a rank test decides, within a budget).
+The rule that decided, and the calls it took, are cached with the pick and printed.
+Picks are cached on disk:
 one JSON file per machine under ``$KVJAX_CACHE/planner`` (default
 ``~/.cache/kvjax/planner``; ``$KVJAX_PLANNER_CACHE`` moves it alone), never in git. Its
 key (:func:`machine_key`): CPU model and vector ISA, usable cores, backend, jax and
@@ -35,6 +38,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import operator
 import os
 import pathlib
@@ -43,6 +47,7 @@ import sys
 import threading
 import time
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -181,11 +186,12 @@ operand is in the CPU's caches when the call starts, as in a decode step: betwee
 step's read of a layer's weights or cache and the next step's, the rest of the step
 (~0.5 GB for SmolLM2 in float32) has evicted them. Measured warm, a one-layer cache or
 a 48 MB weight stream is read partly from the last-level cache, far faster than a step
-reads it (docs/results/). 256 MiB: :class:`kvjax.analysis.hardware.ReadProbe`'s read."""
-MEASURE_METHOD = f"cold-{FLUSH_BYTES >> 20}MiB-chain-iqr"
+reads it (docs/decisions/0007-planner-times-cold.md). 256 MiB:
+:class:`kvjax.analysis.hardware.ReadProbe`'s read."""
+MEASURE_METHOD = f"cold-{FLUSH_BYTES >> 20}MiB-chain-iqr-mannwhitney"
 """How picks are measured and decided (flushed caches, chained weight products, the
-interquartile test of :func:`_pick`): part of the cache key (:func:`machine_key`), so
-picks measured or decided another way are measured again."""
+rule of :func:`_decide`): part of the cache key (:func:`machine_key`), so picks
+measured or decided another way are measured again."""
 
 
 def _flusher():
@@ -196,10 +202,11 @@ def _flusher():
 
 
 def _time_all(fns: dict, args: tuple, rounds: int, budget_s: float,
-              flush=None) -> dict[str, list[float]]:
-    """Seconds of each timed call of each compiled fn, in interleaved rounds after 2
-    warm-ups; ``flush()`` (untimed) before every timed call when given."""
-    for _ in range(2):
+              flush=None, warmups: int = 2) -> dict[str, list[float]]:
+    """Seconds of each timed call of each compiled fn, in interleaved rounds after
+    ``warmups`` untimed ones; ``flush()`` (untimed) before every timed call when given.
+    At least 3 rounds, then rounds until ``rounds`` or ``budget_s`` seconds."""
+    for _ in range(warmups):
         for f in fns.values():
             jax.block_until_ready(f(*args))
     times: dict[str, list[float]] = {n: [] for n in fns}
@@ -225,29 +232,114 @@ def _time(fns: dict, args: tuple, rounds: int, budget_s: float,
 
 MIN_GAIN = 0.03
 """The least relative gain over 'xla' a pick must show, whatever its calls' spread."""
+ALPHA = 0.002
+"""One-sided level of :func:`_decide`'s rank test at each look. :func:`_measure` looks
+after every batch of rounds, at most :data:`MAX_CALLS` / rounds times (9 at the default
+7 rounds), so a formulation no faster than xla is picked by chance in under 2% of
+measurements (tests/test_planner_noise.py counts it)."""
+TIE_CALLS = 21
+"""Calls per candidate before medians within :data:`MIN_GAIN` count as a tie."""
+MAX_CALLS = 63
+"""Timed calls per candidate after which an undecided pick stops measuring (and keeps
+'xla'); :data:`EXTRA_BUDGET_S` bounds the added rounds' time as well."""
+EXTRA_BUDGET_S = 6.0
 
 
-def _pick(calls: dict[str, list[float]]) -> str:
-    """The fastest of ``calls`` ({name: its timed calls' seconds}, by median), or 'xla'
-    when it was timed and the fastest does not beat it beyond the noise: by less than
-    :data:`MIN_GAIN`, or with the middle halves of the two candidates' calls
-    overlapping (the fastest's 75th percentile not below xla's 25th; with fewer than 3
-    calls a candidate's quartiles are its median). A pick inside the noise measured
-    nothing but the noise: keep the reference.
+class Decision(NamedTuple):
+    """What :func:`_decide` concluded from the timed calls: the formulation, the rule
+    that chose it (one line, printed and cached), whether the calls decided it (False:
+    still inside the noise, 'xla' kept for now), and the rank test's p-value (None where
+    no test ran)."""
+    choice: str
+    rule: str
+    decided: bool
+    p_value: float | None = None
 
-    The test is the overlap, not the gain against the larger of the two relative
-    spreads (interquartile range over median), the rule before: a kernel 1.6x faster
-    than xla in median, whose calls spread over 57% of their median because a few ran
-    slow after the flush, was kept at xla by that rule about once in six measurements
-    on a 2-core Intel Xeon, and the pick is cached
-    (docs/results/intel-xeon-avx512-2core.md)."""
+
+def mann_whitney_p(faster: list[float], slower: list[float]) -> float:
+    """One-sided p-value of the Mann-Whitney U test (Mann and Whitney 1947) that the
+    calls of ``faster`` take less time than those of ``slower`` (seconds; any lengths >=
+    1): the chance of a rank sum this low were both drawn from one distribution, by the
+    normal approximation with the tie correction and a continuity correction of 1/2.
+    Returns 1.0 where every call ties."""
+    n1, n2 = len(faster), len(slower)
+    both = np.asarray(list(faster) + list(slower), float)
+    order = np.argsort(both, kind="stable")
+    ranks = np.empty(len(both))
+    ranks[order] = np.arange(1, len(both) + 1)
+    _, inverse, counts = np.unique(both, return_inverse=True, return_counts=True)
+    sums = np.zeros(len(counts))
+    np.add.at(sums, inverse, ranks)
+    ranks = (sums / counts)[inverse]  # tied calls share their mean rank
+    u = ranks[:n1].sum() - n1 * (n1 + 1) / 2
+    n = n1 + n2
+    var = n1 * n2 / 12 * ((n + 1) - float((counts ** 3 - counts).sum()) / (n * (n - 1)))
+    if var <= 0:
+        return 1.0
+    z = (u - n1 * n2 / 2 + 0.5) / math.sqrt(var)
+    return 0.5 * (1 + math.erf(z / math.sqrt(2)))
+
+
+def _decide(calls: dict[str, list[float]]) -> Decision:
+    """The formulation of ``calls`` ({name: its timed calls' seconds}) a pick keeps, and
+    the rule that kept it. ``alt``, the fastest other than 'xla' by median, against
+    'xla', in this order:
+
+    1. no 'xla' timed: the fastest median;
+    2. the one-sided Mann-Whitney test (:func:`mann_whitney_p`) that the calls of the
+       lower median are faster, at level :data:`ALPHA`: when it passes, the faster,
+       unless it is ``alt`` and beats xla's median by less than :data:`MIN_GAIN`;
+    3. medians within :data:`MIN_GAIN` of each other after :data:`TIE_CALLS` calls
+       each: 'xla' (nothing to gain);
+    4. else undecided: 'xla' for now, and :func:`_measure` times more rounds
+       (docs/decisions/0009-planner-noise-rule.md).
+    """
     secs = {n: statistics.median(t) for n, t in calls.items()}
-    best = min(secs, key=secs.get)
-    if "xla" in secs and best != "xla":
-        if secs[best] > (1 - MIN_GAIN) * secs["xla"] or \
-                _quartiles(calls[best])[1] >= _quartiles(calls["xla"])[0]:
-            best = "xla"
-    return best
+    n_calls = min(len(t) for t in calls.values())
+    if "xla" not in secs or len(secs) == 1:
+        best = min(secs, key=secs.get)
+        return Decision(best, f"fastest median over {n_calls} calls each", True)
+    alt = min((n for n in secs if n != "xla"), key=secs.get)
+    gain = 1 - secs[alt] / secs["xla"]
+    fast, slow = (alt, "xla") if gain > 0 else ("xla", alt)
+    what = f"{alt} {gain:+.0%} in median against xla"
+    p = mann_whitney_p(calls[fast], calls[slow])
+    test = f"Mann-Whitney p = {p:.2g} {'<' if p < ALPHA else '>='} {ALPHA}, {n_calls} calls"
+    if p < ALPHA:
+        if fast == alt and gain < MIN_GAIN:
+            return Decision("xla", f"{what} ({test}), under the {MIN_GAIN:.0%} a pick "
+                                   "must gain: xla kept", True, p)
+        return Decision(fast, f"{what} ({test}): {fast}", True, p)
+    if abs(gain) < MIN_GAIN and n_calls >= TIE_CALLS:
+        return Decision("xla", f"{what} ({test}), within {MIN_GAIN:.0%}: xla kept",
+                        True, p)
+    return Decision("xla", f"{what}, undecided ({test}): xla kept", False, p)
+
+
+def _measure(fns: dict, args: tuple, rounds: int, budget_s: float,
+             flush=None) -> tuple[dict[str, list[float]], Decision]:
+    """The timed calls of ``fns`` (:func:`_time_all`) and their :func:`_decide`; while
+    undecided, more rounds of ``rounds`` are added until it decides, :data:`MAX_CALLS`
+    calls per candidate or :data:`EXTRA_BUDGET_S` seconds."""
+    calls = _time_all(fns, args, rounds, budget_s, flush)
+    decision = _decide(calls)
+    start = time.perf_counter()
+    while (not decision.decided and min(map(len, calls.values())) < MAX_CALLS
+           and time.perf_counter() - start < EXTRA_BUDGET_S):
+        more = _time_all(fns, args, rounds, budget_s, flush, warmups=0)
+        for n, t in more.items():
+            calls[n].extend(t)
+        decision = _decide(calls)
+    return calls, decision
+
+
+def _decided(entry: dict, calls: dict[str, list[float]], decision: Decision) -> dict:
+    """``entry`` with the decision's choice, rule, calls per candidate and p-value."""
+    entry.update(choice=decision.choice, rule=decision.rule, decided=decision.decided,
+                 calls=min(map(len, calls.values())))
+    if decision.p_value is not None:
+        entry["p_value"] = round(decision.p_value, 4)
+    return entry
 
 
 def _quartiles(times: list[float]) -> tuple[float, float]:
@@ -274,9 +366,9 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
     the others over the
     rows' gathered views (:func:`kvjax.cache.paged.gather_view`, zeroed where unseen).
 
-    Returns {'choice': fastest name, 'gbps': {name: GB/s of cache read (B·K·S·(H+V)
-    elements x their bytes / median seconds / 1e9)}, 'seconds': {name: median s},
-    'slots': s}.
+    Returns {'choice': the pick, 'rule', 'decided', 'calls', 'p_value' (the decision of
+    :func:`_decide`), 'gbps': {name: GB/s of cache read (B·K·S·(H+V) elements x their
+    bytes / median seconds / 1e9)}, 'seconds': {name: median s}, 'slots': s}.
 
     Raises:
       ValueError: an unknown candidate (before any allocation), or none that applies
@@ -321,12 +413,13 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
             raise ValueError(f"candidates={tuple(candidates)!r}: none applies to this "
                              f"attention ({jnp.dtype(dtype).name} {k_layout}/{v_layout}, "
                              f"backend {backend}); allowed: 'xla' always applies")
-        calls = _time_all(fns, args, rounds, budget_s, _flusher() if cold else None)
+        calls, decision = _measure(fns, args, rounds, budget_s,
+                                   _flusher() if cold else None)
     secs = {n: statistics.median(t) for n, t in calls.items()}
     nbytes = b * k * s * (h + v) * jnp.dtype(dtype).itemsize
-    best = _pick(calls)
-    return {"choice": best, "gbps": {n: round(nbytes / t / 1e9, 2) for n, t in secs.items()},
-            "seconds": {n: t for n, t in secs.items()}, "slots": s}
+    return _decided({"gbps": {n: round(nbytes / t / 1e9, 2) for n, t in secs.items()},
+                     "seconds": {n: t for n, t in secs.items()}, "slots": s},
+                    calls, decision)
 
 
 def _paged_step(q, k_pool, v_pool, mask, k_new, v_new, table, *, k_layout, v_layout, impl,
@@ -400,6 +493,12 @@ def _when(e: dict) -> str:
                    if isinstance(load, (int, float)) else "") + (
         " (measured under load: measured again when the machine is quiet)"
         if under_load(load) else "")
+
+
+def _why(e: dict) -> str:
+    """' by rule: ...' for a measured pick (:func:`_decide`'s rule), '' for one taken
+    unmeasured."""
+    return f" by rule: {e['rule']}" if e.get("rule") else ""
 
 
 def _decode_pick(cfg: ModelConfig, b: int, s: int, mesh: bool, page_size: int = 0,
@@ -561,22 +660,24 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
 
 def report_lines() -> list[str]:
     """One line per decode-attention and weight-product choice made in this process: the
-    shape class, the formulation, the measured GB/s of each candidate and whether it was
-    measured now or read from the cache (with its date), and the machine."""
+    shape class, the formulation, the rule that decided it (:func:`_decide`), the
+    measured GB/s of each candidate and whether it was measured now or read from the
+    cache (with its date), and the machine."""
     model, isa = _cpu()
     lines = [f"decode-attention planner on {model} ({', '.join(isa)}; "
              f"{native.num_threads()} cores), jax {jax.__version__}:"] if _memo else []
     for name, e in sorted(_memo.items()):
         rates = ", ".join(f"{n} {r:.1f}" for n, r in e["gbps"].items())
-        lines.append(f"  {name}: {e['choice']} (GB/s of cache read: {rates}; {_when(e)})")
+        lines.append(f"  {name}: {e['choice']}{_why(e)} (GB/s of cache read: {rates}; "
+                     f"{_when(e)})")
     if _wmemo:
         lines.append(f"weight-product planner on {model} ({', '.join(isa)}; "
                      f"{native.num_threads()} cores), jax {jax.__version__}:")
     for name, e in sorted(_wmemo.items()):
         if "gbps" in e:
             rates = ", ".join(f"{n} {r:.1f}" for n, r in e["gbps"].items())
-            lines.append(f"  {name}: {e['choice']} (GB/s of weight read: {rates}; "
-                         f"{_when(e)})")
+            lines.append(f"  {name}: {e['choice']}{_why(e)} (GB/s of weight read: "
+                         f"{rates}; {_when(e)})")
     return lines
 
 
@@ -618,9 +719,10 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
     weights; the caches are flushed before every timed call (:data:`FLUSH_BYTES`;
     ``cold=False``: not). Each product's input depends on the previous one's output, as
     in a step: XLA runs independent dots concurrently, which flattered 'xla'
-    (docs/results/).
+    (docs/decisions/0008-planner-weight-chain.md).
 
-    Returns {'choice': fastest name, 'gbps': {name: GB/s of weight read}, 'gflops':
+    Returns {'choice', 'rule', 'decided', 'calls', 'p_value' (as :func:`measure`),
+    'gbps': {name: GB/s of weight read}, 'gflops':
     {name: GFLOP/s (2·M·K·N per copy)}, 'seconds': {name: median s per call}, 'copies'}.
     Candidates that run as another (:func:`applies`) or cannot run are skipped.
 
@@ -667,13 +769,14 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
         if not fns:
             raise ValueError(f"candidates={tuple(candidates)!r}: none applies to M={m}, "
                              f"layout={layout!r}; allowed: {WEIGHT_CANDIDATES}")
-        calls = _time_all(fns, (x, w), rounds, budget_s, _flusher() if cold else None)
+        calls, decision = _measure(fns, (x, w), rounds, budget_s,
+                                   _flusher() if cold else None)
     secs = {n_: statistics.median(t) for n_, t in calls.items()}
     nbytes = 4 * k * n * copies
-    best = _pick(calls)
-    return {"choice": best, "gbps": {n_: round(nbytes / t / 1e9, 2) for n_, t in secs.items()},
-            "gflops": {n_: round(2 * m * nbytes / 4 / t / 1e9, 2) for n_, t in secs.items()},
-            "seconds": dict(secs), "copies": copies}
+    return _decided(
+        {"gbps": {n_: round(nbytes / t / 1e9, 2) for n_, t in secs.items()},
+         "gflops": {n_: round(2 * m * nbytes / 4 / t / 1e9, 2) for n_, t in secs.items()},
+         "seconds": dict(secs), "copies": copies}, calls, decision)
 
 
 def weight_chain(prod, x: jax.Array, ws, coupling: float = 1e-6) -> jax.Array:

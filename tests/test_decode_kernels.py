@@ -532,15 +532,16 @@ def test_planner_flushes_the_caches_before_every_timed_call(monkeypatch, cold):
     monkeypatch.setattr(planner, "_flusher", flusher)
     real_time = planner._time_all
 
-    def spy(fns, args, rounds, budget_s, flush=None):
+    def spy(fns, args, rounds, budget_s, flush=None, warmups=2):
         wrapped = {}
         for n, f in fns.items():
             def call(*a, f=f, n=n):
                 events.append(n)
                 return f(*a)
             wrapped[n] = call
-        return real_time(wrapped, args, rounds, budget_s, flush)
+        return real_time(wrapped, args, rounds, budget_s, flush, warmups)
     monkeypatch.setattr(planner, "_time_all", spy)
+    monkeypatch.setattr(planner, "MAX_CALLS", 3)  # one batch of rounds, decided or not
     planner.measure(1, 2, 4, 64, 64, 512, jnp.float32, "BKHS", "BKSH", rounds=3,
                     budget_s=0.0, cold=cold)
     timed = events[events.index("flush"):] if cold else events[6:]  # after 2 warm-ups

@@ -135,6 +135,32 @@ def test_bench_entry_point_smoke(tmp_path):
     assert result["device"].startswith("CPU: ") and "(id 0)" not in result["device"]
 
 
+@pytest.mark.parametrize("decode_attention,weight_matmul", [
+    ("native", "native_lanes"), ("xla_cache_left", "native_ksplit"), ("xla", "native")])
+def test_bench_times_every_forced_formulation(decode_attention, weight_matmul):
+    """Every value --decode_attention and --weight_matmul offer on CPU runs through a
+    timed point and the interleaved speedup over MHA, which compiled its steps without a
+    plan and so refused a forced 'native' before (a 2-layer blog model, t = 256)."""
+    from kvjax import presets
+    bench = import_entry_point("bench")
+    base = presets.blog_model("float32", vocab_size=512).replace(
+        num_layers=2, decode_attention=decode_attention, weight_matmul=weight_matmul)
+    mha, gqa = (presets.variant(base, num_kv_heads=k, name=f"blog-{k}") for k in (8, 2))
+    seconds, _, _ = bench.time_point(gqa, 256, 1)
+    ratio = bench.interleaved_ratio((mha, 256), (gqa, 256), 1)
+    assert seconds > 0 and math.isfinite(ratio) and ratio > 0
+
+
+def test_bench_refuses_a_formulation_this_backend_lacks_before_any_work(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.bench", "--models=blog", "--variants=gqa",
+         "--contexts=256", "--peers=", f"--out_dir={tmp_path}", "--decode_attention=pallas"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "model.decode_attention='pallas'; allowed:" in proc.stderr
+    assert "Traceback" not in proc.stderr and "device:" not in proc.stdout
+
+
 def test_bench_crossover_fit_is_robust_to_one_outlier():
     fit_crossover = import_entry_point("bench").fit_crossover
     t = [1024, 4096, 16384, 32768, 65536]
