@@ -34,6 +34,9 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     m.tie_embeddings = True
     # Biases on the query/key/value projections (Qwen2 checkpoints).
     m.qkv_bias = False
+    # Scaled rotary frequencies a checkpoint states ((key, value) pairs, kvjax.rope):
+    # rope_type 'llama3' (Llama 3.1+); None = plain rotary.
+    m.rope_scaling = config_dict.placeholder(tuple)
     # Sliding window W (lever 3); None = full attention.
     m.window_size = config_dict.placeholder(int)
     # Attention sinks kept beside the window (Xiao et al. 2023).

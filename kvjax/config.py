@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import backend as backend_lib
-from kvjax import kernels
+from kvjax import kernels, rope
 from kvjax.checkpoints import hf
 from kvjax.checkpoints.fetch import WeightsError
 from kvjax.plan import REFERENCE, Plan
@@ -86,7 +86,7 @@ def dtype_bytes(dtype: str) -> int:
 MODEL_FIELD_KINDS = {
     "architecture": ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads",
                      "head_dim", "mlp_dim", "mlp_type", "attention", "rope_theta",
-                     "norm_eps", "tie_embeddings", "qkv_bias", "kv_lora_rank",
+                     "norm_eps", "tie_embeddings", "qkv_bias", "rope_scaling", "kv_lora_rank",
                      "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank"),
     "lever": ("window_size", "num_sink_tokens", "rope_positions", "window_cache", "dtype",
               "kv_dtype"),
@@ -120,6 +120,10 @@ class ModelConfig:
       tie_embeddings: LM head shares the token embedding matrix.
       qkv_bias: the query, key and value projections carry biases (Qwen2; MHA/GQA/MQA
         only), added before the rotary embedding.
+      rope_scaling: the checkpoint's scaled rotary frequencies as sorted (key, value)
+        pairs (a dict is accepted and converted; :func:`kvjax.rope.rope_scaling_pairs`):
+        ``rope_type`` 'llama3' (Llama 3.1+; factor, low_freq_factor, high_freq_factor,
+        original_max_position_embeddings); None: plain rotary.
       window_size: W, sliding-window length in tokens; None for full attention.
       num_sink_tokens: attention sinks kept besides the window (needs window_size).
       rope_positions: how sinks are placed for rotary embeddings: 'absolute' (each token
@@ -217,6 +221,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     qkv_bias: bool = False
+    rope_scaling: tuple | None = None
     window_size: int | None = None
     num_sink_tokens: int = 0
     rope_positions: str = "absolute"
@@ -249,6 +254,12 @@ class ModelConfig:
             _fail("model.backend", self.backend, f"one of {list(backend_lib.BACKENDS)}")
         if self.scan_layers is None:
             object.__setattr__(self, "scan_layers", backend_lib.scan_layers(self.backend))
+        if self.rope_scaling is not None:  # a dict (config.json's) -> hashable pairs
+            try:
+                object.__setattr__(self, "rope_scaling",
+                                   rope.rope_scaling_pairs(self.rope_scaling))
+            except (TypeError, ValueError) as e:
+                _fail("model.rope_scaling", self.rope_scaling, str(e))
         validate_model_config(self)
 
     replace = dataclasses.replace

@@ -22,10 +22,40 @@ def rms_norm(x, scale, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
 
 
-def rotary(x, positions, theta):
+def llama3_frequencies(freqs, factor, low_freq_factor, high_freq_factor,
+                       original_max_position_embeddings):
+    """Llama 3.1's scaled rotary frequencies, as Meta's reference ``apply_scaling``
+    (meta-llama/llama-models, ``llama/model.py``) writes them: one frequency at a time."""
+    old = original_max_position_embeddings
+    low_wavelen, high_wavelen = old / low_freq_factor, old / high_freq_factor
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(freq)
+        elif wavelen > low_wavelen:
+            out.append(freq / factor)
+        else:
+            smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return np.array(out)
+
+
+def frequencies(h, theta, scaling=None):
+    """[H/2] inverse frequencies theta^(-2i/H), scaled as ``scaling`` (a dict or pairs
+    with rope_type 'llama3') says."""
+    inv = theta ** (-np.arange(0, h, 2) / h)
+    s = dict(scaling or ())
+    if s.get("rope_type") == "llama3":
+        inv = llama3_frequencies(inv, s["factor"], s["low_freq_factor"],
+                                 s["high_freq_factor"], s["original_max_position_embeddings"])
+    return inv
+
+
+def rotary(x, positions, theta, scaling=None):
     """x [T, n, H] rotated at ``positions`` [T]; pairs i and i + H/2."""
     h = x.shape[-1]
-    inv = theta ** (-np.arange(0, h, 2) / h)
+    inv = frequencies(h, theta, scaling)
     ang = np.asarray(positions, np.float64)[:, None, None] * inv  # [T, 1, H/2]
     x1, x2 = x[..., : h // 2], x[..., h // 2:]
     return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang),
@@ -77,8 +107,9 @@ def gqa_attention(y, lay, cfg, pos, mask):
         out = np.einsum("td,dnh->tnh", y, lay[x])
         return out + lay[f"{x}_bias"] if f"{x}_bias" in lay else out
 
-    q = rotary(proj("q"), pos, cfg.rope_theta)
-    k = rotary(proj("k"), pos, cfg.rope_theta)
+    scaling = getattr(cfg, "rope_scaling", None)
+    q = rotary(proj("q"), pos, cfg.rope_theta, scaling)
+    k = rotary(proj("k"), pos, cfg.rope_theta, scaling)
     v = proj("v")
     return np.einsum("tnh,nhd->td", attend(q, k, v, mask), lay["o"])
 
@@ -160,10 +191,12 @@ def llama_logits(ckpt, ids):
     """Reference logits [T, V] (float64) of a full causal forward of a llama-family
     checkpoint (``kvjax.checkpoints.LlamaGGUF`` from a GGUF or a Hugging Face folder: HF
     orientation, Q/K rows in half-split order; optional q/k/v biases ``bq``/``bk``/``bv``,
-    an untied ``lm_head`` and a sliding window ``hparams['window_size']``)."""
+    an untied ``lm_head``, a sliding window ``hparams['window_size']`` and a rope scaling
+    ``hparams['rope_scaling']``)."""
     hp, t = ckpt.hparams, ckpt.tensors
     n, k, h, d = hp["num_heads"], hp["num_kv_heads"], hp["head_dim"], hp["d_model"]
     cfg = types.SimpleNamespace(rope_theta=hp["rope_theta"], norm_eps=hp["norm_eps"],
+                                rope_scaling=hp.get("rope_scaling"),
                                 window_size=hp.get("window_size"), num_sink_tokens=0,
                                 mlp_type="swiglu", attention="gqa")
 

@@ -1,4 +1,5 @@
-"""Reading a Hugging Face checkpoint folder (Llama, Mistral, Qwen2) into HF-layout arrays.
+"""Reading a Hugging Face checkpoint folder (Llama 2/3.x, Mistral, Qwen2) into HF-layout
+arrays.
 
 The folder is what ``transformers``' ``save_pretrained`` writes: ``config.json``, the
 weights as ``model.safetensors`` or as shards listed in ``model.safetensors.index.json``
@@ -12,11 +13,12 @@ special tokens and Jinja ``chat_template``; or a ``chat_template.jinja`` beside 
 The arrays are in the same orientation and under the same names as
 :func:`kvjax.checkpoints.gguf_reader.read_llama_gguf`'s (``[out, in]``, Q/K rows in
 HF's half-split rotary order, which is what HF stores: no permutation to undo), plus the
-Qwen2 biases ``bq`` [L, N·H], ``bk``/``bv`` [L, K·H]. Everything kvjax does not implement
-(another architecture, a rope scaling, output/MLP biases, per-layer windows, quantized
-weights) is refused from ``config.json`` before any tensor is read; a missing shard or a
-tensor of the wrong shape or dtype from the safetensors headers, also before any tensor is
-read. Every failure is a one-line :class:`~kvjax.checkpoints.fetch.WeightsError`.
+Qwen2 biases ``bq`` [L, N·H], ``bk``/``bv`` [L, K·H]. Llama 3.x's rope scaling
+('llama3') becomes ``hparams['rope_scaling']`` (:mod:`kvjax.rope`). Everything kvjax does
+not implement (another architecture, another rope scaling, output/MLP biases, per-layer
+windows, quantized weights) is refused from ``config.json`` before any tensor is read; a
+missing shard or a tensor of the wrong shape or dtype from the safetensors headers, also
+before any tensor is read. Every failure is a one-line :class:`~kvjax.checkpoints.fetch.WeightsError`.
 """
 
 from __future__ import annotations
@@ -34,11 +36,13 @@ from tokenizers import Tokenizer as HFTokenizer
 from kvjax.checkpoints.fetch import SMOLLM2_ARCHITECTURE, WeightsError
 from kvjax.checkpoints.gguf_reader import LlamaGGUF
 from kvjax.checkpoints.tokenizer import Tokenizer
+from kvjax.rope import ROPE_SCALINGS, rope_scaling_pairs
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                            "Qwen2ForCausalLM": "qwen2"}
-# rope_scaling / rope_parameters kinds kvjax implements (plain rotary, Su et al. 2021).
-ROPE_TYPES = (None, "default")
+# rope_scaling / rope_parameters kinds kvjax implements (plain rotary, Su et al. 2021,
+# and the scalings of kvjax.rope).
+ROPE_TYPES = (None, "default", *ROPE_SCALINGS)
 DTYPES = ("F32", "F16", "BF16")  # safetensors element types read
 
 # ModelConfig field -> the config.json key it comes from (the messages of
@@ -54,6 +58,7 @@ CONFIG_KEYS = {
     "norm_eps": "config.json rms_norm_eps",
     "tie_embeddings": "config.json tie_word_embeddings",
     "qkv_bias": "the architecture: Qwen2 has q/k/v biases",
+    "rope_scaling": "config.json rope_scaling",
     "num_kv_heads": "config.json num_key_value_heads",
 }
 
@@ -113,14 +118,15 @@ def read_hf_hparams(path: str | os.PathLike) -> dict:
       the keys of ``LlamaGGUF.hparams`` (``vocab_size`` ... ``norm_eps``,
       ``context_length`` = max_position_embeddings, ``bos_token_id``/``eos_token_id``
       from config.json or None, ``tie_embeddings``) plus ``qkv_bias`` (Qwen2),
-      ``window_size`` (Mistral's ``sliding_window``, or None), ``architecture``
+      ``rope_scaling`` (:func:`kvjax.rope.rope_scaling_pairs` of config.json's, or
+      None), ``window_size`` (Mistral's ``sliding_window``, or None), ``architecture``
       ('llama', 'mistral' or 'qwen2'), ``name`` (the folder's name) and
       ``chat_template`` (str or None).
 
     Raises:
       WeightsError: no folder or no config.json; an architecture other than
         LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM; a field kvjax does not
-        implement (a rope scaling other than the default, output or MLP biases, an
+        implement (a rope scaling other than the default and 'llama3', output or MLP biases, an
         activation other than SiLU, per-layer sliding windows, partial rotary,
         quantized weights), each naming the field and its value.
     """
@@ -138,16 +144,18 @@ def read_hf_hparams(path: str | os.PathLike) -> dict:
                            f"allowed: {allowed}")
 
     rope = c.get("rope_scaling") or c.get("rope_parameters") or None
-    rope_type = None
-    if rope is not None:
-        if not isinstance(rope, dict):
-            refuse("rope_scaling", rope, "null or {'rope_type': 'default'}")
-        rope_type = rope.get("rope_type", rope.get("type"))
-        if rope_type not in ROPE_TYPES:
-            key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
-            refuse(f"{key}.rope_type", rope_type,
-                   "null or 'default' (plain rotary; linear, dynamic, yarn, longrope and "
-                   "llama3 scaling are not implemented)")
+    rope_key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
+    if rope is not None and not isinstance(rope, dict):
+        refuse(rope_key, rope, "null or an object with a rope_type")
+    try:
+        rope_scaling = rope_scaling_pairs(rope)
+    except ValueError as e:  # names the key; kinds not implemented say so
+        kind = rope.get("rope_type", rope.get("type"))
+        if kind not in ROPE_TYPES:
+            refuse(f"{rope_key}.rope_type", kind,
+                   f"null, 'default' or {', '.join(map(repr, ROPE_SCALINGS))} (linear, "
+                   "dynamic, yarn and longrope scaling are not implemented)")
+        raise WeightsError(f"{where}: {str(e).replace('rope_scaling', rope_key)}") from None
     for key, ok in (("attention_bias", False), ("mlp_bias", False)):
         if arch != "qwen2" and c.get(key, ok) != ok:
             refuse(key, c[key], f"{ok} (kvjax's llama blocks have no output/MLP biases)")
@@ -187,6 +195,7 @@ def read_hf_hparams(path: str | os.PathLike) -> dict:
             eos_token_id=_first_id(c.get("eos_token_id")),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2",
+            rope_scaling=rope_scaling,
             window_size=window,
             architecture=arch,
             name=folder.resolve().name,
@@ -222,10 +231,11 @@ def read_chat_template(path: str | os.PathLike) -> str | None:
 def model_fields(hparams: dict) -> dict:
     """The ``ModelConfig`` fields a checkpoint states (:func:`read_hf_hparams`):
     vocab_size, num_layers, d_model, num_heads, num_kv_heads, head_dim, mlp_dim,
-    rope_theta, norm_eps, tie_embeddings, qkv_bias, window_size and name."""
+    rope_theta, norm_eps, tie_embeddings, qkv_bias, rope_scaling, window_size and
+    name."""
     keys = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
             "mlp_dim", "rope_theta", "norm_eps", "tie_embeddings", "qkv_bias",
-            "window_size", "name")
+            "rope_scaling", "window_size", "name")
     return {k: hparams[k] for k in keys}
 
 
@@ -262,7 +272,7 @@ def checkpoint_model(model: dict, weights_path: str | os.PathLike | None) -> dic
     hparams = read_hf_hparams(weights_path)
     stated = model_fields(hparams)
     published = dict(SMOLLM2_ARCHITECTURE, name="smollm2-135m", qkv_bias=False,
-                     window_size=None)
+                     rope_scaling=None, window_size=None)
     out = dict(model)
 
     def same(a: Any, b: Any) -> bool:

@@ -464,10 +464,11 @@ class Attention(nn.Module):
         # Sinks at cache positions (StreamingLLM): sink keys are scored with the queries
         # rotated at their cache positions instead of their absolute ones.
         sink_q = sink_query_positions(c, positions)
-        q_sink = None if sink_q is None else apply_rope(
-            q, sink_q, c.rope_theta).reshape(b, t, k, g, h)
-        q = apply_rope(q, positions, c.rope_theta).reshape(b, t, k, g, h)
-        kk = jnp.swapaxes(apply_rope(kk, positions, c.rope_theta), 1, 2)  # [B, K, T, H]
+        rot = dict(theta=c.rope_theta, scaling=c.rope_scaling)
+        q_sink = None if sink_q is None else apply_rope(q, sink_q, **rot).reshape(
+            b, t, k, g, h)
+        q = apply_rope(q, positions, **rot).reshape(b, t, k, g, h)
+        kk = jnp.swapaxes(apply_rope(kk, positions, **rot), 1, 2)  # [B, K, T, H]
         vv = jnp.swapaxes(vv, 1, 2)
 
         k_layout, v_layout = c.cache_layout("k"), c.cache_layout("v")

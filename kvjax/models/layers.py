@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import rope
 from kvjax.models import weight_matmul
 from kvjax.plan import Plan
 
@@ -82,7 +83,8 @@ class RMSNorm(nn.Module):
         return (y * jnp.expand_dims(scale.astype(jnp.float32), range(y.ndim - 1))).astype(self.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float,
+               scaling: tuple | None = None) -> jax.Array:
     """Rotary position embedding (Su et al. 2021), half-split ('rotate_half') convention.
 
     Pairs dimension i with i + H/2 (the HF llama layout; llama.cpp's GGUF rows are
@@ -92,11 +94,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
       x: [B, T, ..., H] queries or keys (any dtype; H even).
       positions: [B, T] int32 absolute positions.
       theta: rotary base (SmolLM2: 1e5).
+      scaling: ``ModelConfig.rope_scaling`` (a checkpoint's scaled frequencies,
+        :func:`kvjax.rope.inverse_frequencies`), or None for plain rotary.
     Returns:
       [B, T, ..., H], same dtype as x.
     """
     h = x.shape[-1]
-    inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
+    if scaling is None:
+        inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
+    else:  # config constants: computed in float64 once, at trace time
+        inv_freq = jnp.asarray(rope.inverse_frequencies(h, theta, scaling), jnp.float32)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq[None, None]  # [B, T, H/2]
     angles = angles.reshape(angles.shape[:2] + (1,) * (x.ndim - 3) + angles.shape[-1:])
     cos, sin = jnp.cos(angles), jnp.sin(angles)

@@ -244,12 +244,14 @@ class MLAttention(nn.Module):
         else:
             q = self.w_uq(self.q_norm(self.w_dq(x)))
         nope = c.qk_nope_head_dim
-        return q[..., :nope], apply_rope(q[..., nope:], positions, c.rope_theta)
+        return q[..., :nope], apply_rope(q[..., nope:], positions, c.rope_theta,
+                                         c.rope_scaling)
 
     def latents(self, x: jax.Array, positions: jax.Array):
         """What the cache stores for x: (c_kv [B, T, C], k_rope [B, T, R]) in cfg.dtype."""
         c_kv = self.kv_norm(self.w_dkv(x))
-        k_rope = apply_rope(self.w_kr(x), positions, self.cfg.rope_theta)
+        k_rope = apply_rope(self.w_kr(x), positions, self.cfg.rope_theta,
+                            self.cfg.rope_scaling)
         return c_kv, k_rope
 
     def scores(self, x_q: jax.Array, q_positions: jax.Array, x_k: jax.Array,
