@@ -34,6 +34,8 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     m.tie_embeddings = True
     # Biases on the query/key/value projections (Qwen2 checkpoints).
     m.qkv_bias = False
+    # RMSNorm of each query and key head before the rotary embedding (Qwen3).
+    m.qk_norm = False
     # Scaled rotary frequencies a checkpoint states ((key, value) pairs, kvjax.rope):
     # rope_type 'llama3' (Llama 3.1+); None = plain rotary.
     m.rope_scaling = config_dict.placeholder(tuple)

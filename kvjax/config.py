@@ -86,7 +86,8 @@ def dtype_bytes(dtype: str) -> int:
 MODEL_FIELD_KINDS = {
     "architecture": ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads",
                      "head_dim", "mlp_dim", "mlp_type", "attention", "rope_theta",
-                     "norm_eps", "tie_embeddings", "qkv_bias", "rope_scaling", "kv_lora_rank",
+                     "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm", "rope_scaling",
+                     "kv_lora_rank",
                      "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank"),
     "lever": ("window_size", "num_sink_tokens", "rope_positions", "window_cache", "dtype",
               "kv_dtype"),
@@ -120,6 +121,9 @@ class ModelConfig:
       tie_embeddings: LM head shares the token embedding matrix.
       qkv_bias: the query, key and value projections carry biases (Qwen2; MHA/GQA/MQA
         only), added before the rotary embedding.
+      qk_norm: queries and keys go through an RMSNorm over each head's H values (one
+        scale [H] each, shared by the heads) before the rotary embedding (Qwen3;
+        MHA/GQA/MQA only).
       rope_scaling: the checkpoint's scaled rotary frequencies as sorted (key, value)
         pairs (a dict is accepted and converted; :func:`kvjax.rope.rope_scaling_pairs`):
         ``rope_type`` 'llama3' (Llama 3.1+; factor, low_freq_factor, high_freq_factor,
@@ -221,6 +225,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     qkv_bias: bool = False
+    qk_norm: bool = False
     rope_scaling: tuple | None = None
     window_size: int | None = None
     num_sink_tokens: int = 0
@@ -355,6 +360,9 @@ def validate_model_config(c: ModelConfig) -> None:
     if not isinstance(c.qkv_bias, bool) or (c.qkv_bias and c.attention == "mla"):
         _fail("model.qkv_bias", c.qkv_bias,
               "True or False, and False for attention='mla' (MLA has no q/k/v biases)")
+    if not isinstance(c.qk_norm, bool) or (c.qk_norm and c.attention == "mla"):
+        _fail("model.qk_norm", c.qk_norm,
+              "True or False, and False for attention='mla' (MLA normalises its latents)")
     if c.num_heads % c.num_kv_heads:
         _fail("model.num_kv_heads", c.num_kv_heads,
               f"a divisor of model.num_heads={c.num_heads}")

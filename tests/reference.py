@@ -102,14 +102,18 @@ def mlp(y, lay, mlp_type="swiglu"):
 def gqa_attention(y, lay, cfg, pos, mask):
     """One MHA/GQA/MQA layer's attention: lay has q [D, N, H], k, v [D, K, H], o [N, H, D]
     and optionally the biases q_bias [N, H], k_bias, v_bias [K, H] (Qwen2), added to the
-    projections before the rotary embedding."""
+    projections before the rotary embedding, and the per-head norm scales q_norm, k_norm
+    [H] (Qwen3), applied after them."""
     def proj(x):
         out = np.einsum("td,dnh->tnh", y, lay[x])
         return out + lay[f"{x}_bias"] if f"{x}_bias" in lay else out
 
     scaling = getattr(cfg, "rope_scaling", None)
-    q = rotary(proj("q"), pos, cfg.rope_theta, scaling)
-    k = rotary(proj("k"), pos, cfg.rope_theta, scaling)
+    q, k = proj("q"), proj("k")
+    if "q_norm" in lay:  # Qwen3: an RMSNorm over each head's H values, before rotary
+        q, k = rms_norm(q, lay["q_norm"], cfg.norm_eps), rms_norm(k, lay["k_norm"], cfg.norm_eps)
+    q = rotary(q, pos, cfg.rope_theta, scaling)
+    k = rotary(k, pos, cfg.rope_theta, scaling)
     v = proj("v")
     return np.einsum("tnh,nhd->td", attend(q, k, v, mask), lay["o"])
 
@@ -177,6 +181,7 @@ def logits(params, cfg, tokens):
             attn = {x: a[f"{x}_proj"]["kernel"][i] for x in "qkvo"}
             attn.update({f"{x}_bias": a[f"{x}_proj"]["bias"][i] for x in "qkv"
                          if "bias" in a[f"{x}_proj"]})
+            attn.update({n: a[n]["scale"][i] for n in ("q_norm", "k_norm") if n in a})
         return {"attn_norm": lay["attn_norm"]["scale"][i],
                 "mlp_norm": lay["mlp_norm"]["scale"][i],
                 "attn": attn, "mlp": kernels(lay["mlp"], i)}
@@ -206,6 +211,8 @@ def llama_logits(ckpt, ids):
         for x, heads in (("q", n), ("k", k), ("v", k)):
             if f"b{x}" in t:
                 attn[f"{x}_bias"] = t[f"b{x}"][i].reshape(heads, h)
+        if "q_norm" in t:
+            attn.update(q_norm=t["q_norm"][i], k_norm=t["k_norm"][i])
         return {"attn_norm": t["attn_norm"][i], "mlp_norm": t["mlp_norm"][i], "attn": attn,
                 "mlp": {"gate": t["w_gate"][i].T, "up": t["w_up"][i].T, "down": t["w_down"][i].T}}
 

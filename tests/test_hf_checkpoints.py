@@ -32,7 +32,7 @@ from tests.test_checkpoints import TINY, write_tiny_gguf
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-         "qwen2": "Qwen2ForCausalLM"}
+         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # a Llama-3-style template: BOS from the special tokens, contents trimmed
 TRIM_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role'] + "
@@ -58,7 +58,8 @@ def hf_tensors(w: dict, tied: bool) -> dict:
     out = {"model.embed_tokens.weight": w["embed"], "model.norm.weight": w["final_norm"]}
     if not tied:
         out["lm_head.weight"] = w["lm_head"]
-    names = {v: k for k, v in {**hf._LAYER_TENSORS, **hf._BIAS_TENSORS}.items()}
+    names = {v: k for k, v in {**hf._LAYER_TENSORS, **hf._BIAS_TENSORS,
+                               **hf._QK_NORM_TENSORS}.items()}
     for ours, a in w.items():
         if ours in names:
             for i in range(a.shape[0]):

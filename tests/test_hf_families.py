@@ -1,5 +1,5 @@
 """The families of issue 53 from Hugging Face folders written here (random weights in
-each family's HF layout): Llama 3.x (rope scaling 'llama3'). Each: load from config.json
+each family's HF layout): Llama 3.x (rope scaling 'llama3'), Qwen3 (q/k norm). Each: load from config.json
 + safetensors + tokenizer.json, logits within 1e-4 of tests/reference.py (float64)
 through the cache (a prefill, then steps) and equal to the cache-free forward, greedy
 tokens through the main job's compiled loop equal to the reference's argmax
@@ -19,7 +19,7 @@ from kvjax.config import ConfigError, ModelConfig
 from kvjax.inference import runner
 from kvjax.models.layers import apply_rope
 from tests import reference
-from tests.test_hf_checkpoints import (SIZES, kvjax_logits, loaded_params, random_weights,
+from tests.test_hf_checkpoints import (IDS, SIZES, kvjax_logits, loaded_params, random_weights,
                                        run_for, write_hf_checkpoint)
 
 # Llama 3.1 8B's published rope_scaling (config.json), rope_theta 5e5, head_dim 128.
@@ -110,3 +110,34 @@ def test_rope_scaling_refusals(tmp_path):
     with pytest.raises(ConfigError, match=r"model.rope_scaling=.*original_max_position"):
         ModelConfig(vocab_size=8, num_layers=1, d_model=8, num_heads=2, num_kv_heads=2,
                     head_dim=4, mlp_dim=8, rope_scaling={"rope_type": "llama3", "factor": 8})
+
+
+# --------------------------------------------------------------------------- Qwen3
+
+
+def test_qwen3_checkpoint(tmp_path):
+    """A Qwen3 folder: per-head q/k RMSNorm scales [H] before the rotary embedding,
+    head_dim 8 with D / N = 4 (N·H = 32 != D = 16), tied head, no biases; through
+    lever 1 too (K = 2 -> 4 duplicated heads: the same function)."""
+    sizes = dict(SIZES, H=8)
+    w = random_weights(sizes, seed=12)
+    rng = np.random.default_rng(12)
+    w.update(q_norm=(1 + 0.3 * rng.standard_normal((sizes["L"], 8))).astype(np.float32),
+             k_norm=(1 + 0.3 * rng.standard_normal((sizes["L"], 8))).astype(np.float32))
+    folder = write_hf_checkpoint(tmp_path / "Qwen3-tiny", w, sizes, arch="qwen3", tied=True)
+    cfg = family_checks(folder, IDS, prefill=3, prompt="abc hi")
+    assert cfg.qk_norm and not cfg.qkv_bias and cfg.head_dim * cfg.num_heads != cfg.d_model
+    ckpt = hf.read_hf_checkpoint(folder, progress=False)
+    mha = run_for(folder, **{"model.num_kv_heads": 4, "model.attention": "mha"}).model
+    np.testing.assert_allclose(kvjax_logits(loaded_params(ckpt, mha), mha, IDS),
+                               reference.llama_logits(ckpt, IDS), atol=1e-4, rtol=1e-4)
+    # the norms matter: without them the reference is another function
+    plain = dict(ckpt.tensors)
+    del plain["q_norm"], plain["k_norm"]
+    assert np.abs(reference.llama_logits(dataclasses.replace(ckpt, tensors=plain), IDS)
+                  - reference.llama_logits(ckpt, IDS)).max() > 1e-2
+
+
+def test_qwen3_refusals(tmp_path):
+    refused(tmp_path, r"use_sliding_window=True is not implemented", arch="qwen3",
+            config_extra={"use_sliding_window": True})

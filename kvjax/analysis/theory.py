@@ -193,7 +193,8 @@ def attention_params_per_layer(cfg: ModelConfig) -> int:
     """Attention parameters of one layer.
 
     MHA/GQA/MQA: W_Q D·N·H + W_K, W_V D·K·H each + W_O N·H·D, plus with ``qkv_bias``
-    (Qwen2) the biases N·H + 2·K·H.
+    (Qwen2) the biases N·H + 2·K·H and with ``qk_norm`` (Qwen3) the two per-head norm
+    scales 2·H.
     MLA (DeepSeek-V2 sec. 2.1): W_DKV D·C, W_KR D·R, W_UK C·N·nope, W_UV C·N·v,
     W_Q D·N·(nope+R) (or W_DQ D·q_lora + W_UQ/W_QR q_lora·N·(nope+R) plus the q-latent
     norm q_lora), W_O N·v·D, and the kv-latent RMSNorm C.
@@ -202,7 +203,8 @@ def attention_params_per_layer(cfg: ModelConfig) -> int:
     if not cfg.is_mla:
         h, k = cfg.head_dim, cfg.num_kv_heads
         bias = (n * h + 2 * k * h) if cfg.qkv_bias else 0
-        return d * n * h + 2 * d * k * h + n * h * d + bias
+        norms = 2 * h if cfg.qk_norm else 0
+        return d * n * h + 2 * d * k * h + n * h * d + bias + norms
     c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
     qk = n * (nope + r)

@@ -1,5 +1,5 @@
-"""Reading a Hugging Face checkpoint folder (Llama 2/3.x, Mistral, Qwen2) into HF-layout
-arrays.
+"""Reading a Hugging Face checkpoint folder (Llama 2/3.x, Mistral, Qwen2, Qwen3) into
+HF-layout arrays.
 
 The folder is what ``transformers``' ``save_pretrained`` writes: ``config.json``, the
 weights as ``model.safetensors`` or as shards listed in ``model.safetensors.index.json``
@@ -13,7 +13,8 @@ special tokens and Jinja ``chat_template``; or a ``chat_template.jinja`` beside 
 The arrays are in the same orientation and under the same names as
 :func:`kvjax.checkpoints.gguf_reader.read_llama_gguf`'s (``[out, in]``, Q/K rows in
 HF's half-split rotary order, which is what HF stores: no permutation to undo), plus the
-Qwen2 biases ``bq`` [L, N·H], ``bk``/``bv`` [L, K·H]. Llama 3.x's rope scaling
+Qwen2 biases ``bq`` [L, N·H], ``bk``/``bv`` [L, K·H] and Qwen3's per-head norm scales
+``q_norm``/``k_norm`` [L, H] (its head_dim may differ from D / N). Llama 3.x's rope scaling
 ('llama3') becomes ``hparams['rope_scaling']`` (:mod:`kvjax.rope`). Everything kvjax does
 not implement (another architecture, another rope scaling, output/MLP biases, per-layer
 windows, quantized weights) is refused from ``config.json`` before any tensor is read; a
@@ -39,7 +40,7 @@ from kvjax.checkpoints.tokenizer import Tokenizer
 from kvjax.rope import ROPE_SCALINGS, rope_scaling_pairs
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                           "Qwen2ForCausalLM": "qwen2"}
+                           "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 # rope_scaling / rope_parameters kinds kvjax implements (plain rotary, Su et al. 2021,
 # and the scalings of kvjax.rope).
 ROPE_TYPES = (None, "default", *ROPE_SCALINGS)
@@ -58,6 +59,7 @@ CONFIG_KEYS = {
     "norm_eps": "config.json rms_norm_eps",
     "tie_embeddings": "config.json tie_word_embeddings",
     "qkv_bias": "the architecture: Qwen2 has q/k/v biases",
+    "qk_norm": "the architecture: Qwen3 normalises each query and key head",
     "rope_scaling": "config.json rope_scaling",
     "num_kv_heads": "config.json num_key_value_heads",
 }
@@ -76,6 +78,7 @@ _LAYER_TENSORS = {
 }
 _BIAS_TENSORS = {"self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk",
                  "self_attn.v_proj.bias": "bv"}
+_QK_NORM_TENSORS = {"self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"}
 _GLOBAL_TENSORS = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer older checkpoints saved
 
@@ -118,17 +121,17 @@ def read_hf_hparams(path: str | os.PathLike) -> dict:
       the keys of ``LlamaGGUF.hparams`` (``vocab_size`` ... ``norm_eps``,
       ``context_length`` = max_position_embeddings, ``bos_token_id``/``eos_token_id``
       from config.json or None, ``tie_embeddings``) plus ``qkv_bias`` (Qwen2),
-      ``rope_scaling`` (:func:`kvjax.rope.rope_scaling_pairs` of config.json's, or
-      None), ``window_size`` (Mistral's ``sliding_window``, or None), ``architecture``
-      ('llama', 'mistral' or 'qwen2'), ``name`` (the folder's name) and
+      ``qk_norm`` (Qwen3), ``rope_scaling`` (:func:`kvjax.rope.rope_scaling_pairs` of
+      config.json's, or None), ``window_size`` (Mistral's ``sliding_window``, or None),
+      ``architecture`` ('llama', 'mistral', 'qwen2' or 'qwen3'), ``name`` (the folder's name) and
       ``chat_template`` (str or None).
 
     Raises:
       WeightsError: no folder or no config.json; an architecture other than
-        LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM; a field kvjax does not
-        implement (a rope scaling other than the default and 'llama3', output or MLP biases, an
-        activation other than SiLU, per-layer sliding windows, partial rotary,
-        quantized weights), each naming the field and its value.
+        LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; a field
+        kvjax does not implement (a rope scaling other than the default and 'llama3',
+        output or MLP biases, an activation other than SiLU, per-layer sliding windows,
+        partial rotary, quantized weights), each naming the field and its value.
     """
     folder = _folder(path)
     c = _json(folder / "config.json")
@@ -166,9 +169,9 @@ def read_hf_hparams(path: str | os.PathLike) -> dict:
     if c.get("quantization_config"):
         refuse("quantization_config", c["quantization_config"].get("quant_method", "?"),
                "none (float32, float16 or bfloat16 safetensors)")
-    if arch == "qwen2" and c.get("use_sliding_window"):
+    if arch in ("qwen2", "qwen3") and c.get("use_sliding_window"):
         refuse("use_sliding_window", True,
-               "false (Qwen2's window applies to some layers only; kvjax's window, "
+               "false (Qwen2's / Qwen3's window applies to some layers only; kvjax's window, "
                "model.window_size, applies to every layer)")
     types = set(c.get("layer_types") or [])
     if len(types) > 1:
@@ -195,6 +198,7 @@ def read_hf_hparams(path: str | os.PathLike) -> dict:
             eos_token_id=_first_id(c.get("eos_token_id")),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
             rope_scaling=rope_scaling,
             window_size=window,
             architecture=arch,
@@ -231,10 +235,10 @@ def read_chat_template(path: str | os.PathLike) -> str | None:
 def model_fields(hparams: dict) -> dict:
     """The ``ModelConfig`` fields a checkpoint states (:func:`read_hf_hparams`):
     vocab_size, num_layers, d_model, num_heads, num_kv_heads, head_dim, mlp_dim,
-    rope_theta, norm_eps, tie_embeddings, qkv_bias, rope_scaling, window_size and
-    name."""
+    rope_theta, norm_eps, tie_embeddings, qkv_bias, qk_norm, rope_scaling, window_size
+    and name."""
     keys = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
-            "mlp_dim", "rope_theta", "norm_eps", "tie_embeddings", "qkv_bias",
+            "mlp_dim", "rope_theta", "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm",
             "rope_scaling", "window_size", "name")
     return {k: hparams[k] for k in keys}
 
@@ -272,7 +276,7 @@ def checkpoint_model(model: dict, weights_path: str | os.PathLike | None) -> dic
     hparams = read_hf_hparams(weights_path)
     stated = model_fields(hparams)
     published = dict(SMOLLM2_ARCHITECTURE, name="smollm2-135m", qkv_bias=False,
-                     rope_scaling=None, window_size=None)
+                     qk_norm=False, rope_scaling=None, window_size=None)
     out = dict(model)
 
     def same(a: Any, b: Any) -> bool:
@@ -337,6 +341,8 @@ def expected_shapes(hp: dict) -> dict[str, tuple]:
              "self_attn.v_proj.weight": (K * H, D), "self_attn.o_proj.weight": (D, N * H),
              "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D),
              "mlp.down_proj.weight": (D, F)}
+    if hp.get("qk_norm"):
+        layer.update({"self_attn.q_norm.weight": (H,), "self_attn.k_norm.weight": (H,)})
     if hp.get("qkv_bias"):
         layer.update({"self_attn.q_proj.bias": (N * H,), "self_attn.k_proj.bias": (K * H,),
                       "self_attn.v_proj.bias": (K * H,)})
@@ -351,7 +357,7 @@ def expected_shapes(hp: dict) -> dict[str, tuple]:
 def read_hf_checkpoint(path: str | os.PathLike, dtype: Any = np.float32,
                        progress: bool = True,
                        check: Callable[[dict], None] | None = None) -> LlamaGGUF:
-    """Reads a Hugging Face Llama / Mistral / Qwen2 checkpoint folder.
+    """Reads a Hugging Face Llama / Mistral / Qwen2 / Qwen3 checkpoint folder.
 
     Every tensor is read with ``safetensors`` (float32, float16 or bfloat16) and cast to
     ``dtype``. HF stores Q/K rows in half-split rotary order, kvjax's
@@ -367,7 +373,8 @@ def read_hf_checkpoint(path: str | os.PathLike, dtype: Any = np.float32,
     Returns:
       a :class:`~kvjax.checkpoints.gguf_reader.LlamaGGUF` (hparams as
       :func:`read_hf_hparams`; tensors under gguf_reader's names and shapes, plus
-      ``lm_head`` [V, D] when untied and ``bq``/``bk``/``bv`` for Qwen2; path the folder).
+      ``lm_head`` [V, D] when untied and ``bq``/``bk``/``bv`` for Qwen2,
+      ``q_norm``/``k_norm`` for Qwen3; path the folder).
 
     Raises:
       WeightsError: as :func:`read_hf_hparams`; a shard named by the index is missing; a
@@ -411,7 +418,8 @@ def read_hf_checkpoint(path: str | os.PathLike, dtype: Any = np.float32,
     tensors = {ours: get(name) for name, ours in _GLOBAL_TENSORS.items()}
     if not hp["tie_embeddings"]:
         tensors["lm_head"] = get("lm_head.weight")
-    per_layer = dict(_LAYER_TENSORS, **(_BIAS_TENSORS if hp["qkv_bias"] else {}))
+    per_layer = dict(_LAYER_TENSORS, **(_BIAS_TENSORS if hp["qkv_bias"] else {}),
+                     **(_QK_NORM_TENSORS if hp["qk_norm"] else {}))
     stacked: dict[str, np.ndarray] = {}
     L = hp["num_layers"]
     for i in tqdm.trange(L, desc=f"reading {folder.name}", unit="layer", disable=not progress):

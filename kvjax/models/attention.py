@@ -23,7 +23,7 @@ from kvjax.cache import paged as paged_lib
 from kvjax.cache.policy import policy_for
 from kvjax.config import ModelConfig
 from kvjax.models import decode_kernels, flash
-from kvjax.models.layers import Einsum, apply_rope
+from kvjax.models.layers import Einsum, RMSNorm, apply_rope
 from kvjax.native import prefill as native_prefill
 from kvjax.ops import NEG_INF, weight_dtype
 from kvjax.ops import layout_spec as _spec
@@ -425,12 +425,26 @@ def attend_cached_seq(plan, q, k_old, v_old, mask_old, k_new, v_new, mask_new,
     return ops.finish(ops.merge(old, new)).astype(v_new.dtype)
 
 
+def norm_heads(c: ModelConfig, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Queries [B, T, N, H] and keys [B, T, K, H] through their per-head RMSNorms
+    (parameters 'q_norm', 'k_norm': one scale [H] each) when ``c.qk_norm`` (Qwen3,
+    ``Qwen3Attention``: after the projections, before the rotary embedding); else as
+    they are. Called inside :class:`Attention`'s compact scope."""
+    if not c.qk_norm:
+        return q, k
+    dt = c.jnp_dtype
+    return (RMSNorm(c.norm_eps, dt, name="q_norm")(q),
+            RMSNorm(c.norm_eps, dt, name="k_norm")(k))
+
+
 class Attention(nn.Module):
     """Grouped-query attention layer with a functional KV cache.
 
     Parameters: q_proj [D, N, H], k_proj [D, K, H], v_proj [D, K, H], o_proj [N, H, D]
     ('kernel'), and with ``cfg.qkv_bias`` (Qwen2) a 'bias' of q_proj [N, H], k_proj and
-    v_proj [K, H], added before the rotary embedding.
+    v_proj [K, H], added before the rotary embedding; with ``cfg.qk_norm`` (Qwen3)
+    q_norm and k_norm 'scale' [H], an RMSNorm of each head (:func:`norm_heads`) before
+    the rotary embedding.
     """
 
     cfg: ModelConfig
@@ -461,6 +475,7 @@ class Attention(nn.Module):
         q = Einsum((c.d_model, n, h), "BTD,DNH->BTNH", dt, name="q_proj", **proj)(x)
         kk = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="k_proj", **proj)(x)
         vv = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="v_proj", **proj)(x)
+        q, kk = norm_heads(c, q, kk)
         # Sinks at cache positions (StreamingLLM): sink keys are scored with the queries
         # rotated at their cache positions instead of their absolute ones.
         sink_q = sink_query_positions(c, positions)

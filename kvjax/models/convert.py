@@ -92,7 +92,8 @@ def params_from_gguf(tensors: dict, num_heads: int, num_kv_heads: int, head_dim:
       num_heads, num_kv_heads, head_dim: N, K, H of the checkpoint.
       tied: LM head shares the embedding (SmolLM2); else ``tensors['lm_head']`` [V, D].
         Optional ``bq`` [L, N·H], ``bk``/``bv`` [L, K·H]: q/k/v biases (Qwen2), which
-        become the projections' 'bias' [L, N, H] / [L, K, H].
+        become the projections' 'bias' [L, N, H] / [L, K, H]; ``q_norm``/``k_norm``
+        [L, H]: the per-head norm scales (Qwen3), 'q_norm'/'k_norm' 'scale'.
     Returns:
       The parameter pytree with a leading L axis under 'layers'.
     """
@@ -124,6 +125,9 @@ def params_from_gguf(tensors: dict, num_heads: int, num_kv_heads: int, head_dim:
             b = tensors[name]
             layers["attn"][proj]["bias"] = np.ascontiguousarray(
                 b.reshape(b.shape[0], n, head_dim))
+    for name in ("q_norm", "k_norm"):
+        if name in tensors:
+            layers["attn"][name] = {"scale": tensors[name]}
     params = {"embed": {"embedding": tensors["embed"]},
               "final_norm": {"scale": tensors["final_norm"]}, "layers": layers}
     if not tied:
