@@ -151,14 +151,34 @@ def tokens_held(cfg: ModelConfig, t: int) -> int:
     return t if cfg.window_size is None else min(t, cfg.window_size)
 
 
+def layer_tokens_held(cfg: ModelConfig, t: int) -> list:
+    """[min(t, W_i)] per layer: tokens each layer's cache holds at context ``t``, with
+    ``cfg.layer_windows`` (a local layer its window W_i, a global one t); else L times
+    :func:`tokens_held`."""
+    return [tokens_held(cfg.layer_config(i), t) for i in range(cfg.num_layers)]
+
+
 def kv_cache_bytes(cfg: ModelConfig, t: int, batch: int = 1,
                    element_bytes: int | None = None) -> int:
     """Bytes of the KV caches of ``batch`` sequences at context ``t``.
 
     B·kv_bytes_per_token·min(t, W). Blog: 24,576·4,096 = 100,663,296 B ("96 MB");
-    at 128,000 tokens 3,145,728,000 B ("3 GB").
+    at 128,000 tokens 3,145,728,000 B ("3 GB"). With ``cfg.layer_windows`` the sum over
+    layers B·(kv_bytes_per_token / L)·sum_i min(t, W_i) (Gemma 3, Team 2025 sec. 2.2:
+    local layers of W = 1024 hold a constant cache, global ones grow with t).
     """
-    return batch * kv_bytes_per_token(cfg, element_bytes) * tokens_held(cfg, t)
+    per_layer = kv_bytes_per_token(cfg, element_bytes) // cfg.num_layers
+    return batch * per_layer * sum(layer_tokens_held(cfg, t))
+
+
+def kv_bytes_per_context_token(cfg: ModelConfig, t: int,
+                               element_bytes: int | None = None) -> float:
+    """KV bytes per token of context at ``t``: kv_cache_bytes(t) / t. Equal to
+    :func:`kv_bytes_per_token` for full attention; falls as 1/t once the windows
+    fill (a window, or the local layers of ``layer_windows``)."""
+    if t <= 0:
+        raise ValueError(f"t={t}; allowed: an integer >= 1")
+    return kv_cache_bytes(cfg, t, 1, element_bytes) / t
 
 
 # --------------------------------------------------------------------------- weights
@@ -169,7 +189,8 @@ class ParamCounts:
     """Parameter counts (elements) by part.
 
     attention: every attention weight of all layers (MLA: its projections and latent norms).
-    mlp: FFN weights of all layers. norms: 2 RMSNorm scales per layer + the final one.
+    mlp: FFN weights of all layers. norms: 2 RMSNorm scales per layer (4 with Gemma's
+    post-norms) + the final one.
     embedding: V·D token table. lm_head: V·D if untied, else 0 (it is the embedding).
     """
 
@@ -216,8 +237,14 @@ def attention_params_per_layer(cfg: ModelConfig) -> int:
 
 
 def mlp_params_per_layer(cfg: ModelConfig) -> int:
-    """FFN parameters of one layer: SwiGLU 3·D·F (gate, up, down), GELU 2·D·F (W1, W2)."""
-    return (3 if cfg.mlp_type == "swiglu" else 2) * cfg.d_model * cfg.mlp_dim
+    """FFN parameters of one layer: SwiGLU / GeGLU 3·D·F (gate, up, down), GELU 2·D·F
+    (W1, W2); a mixture of experts (``num_experts`` E) D·E (router) + E·3·D·Fe + the
+    shared experts' 3·D·(n_shared·Fe)."""
+    if cfg.num_experts:
+        shared = cfg.num_shared_experts * cfg.moe_mlp_dim
+        return cfg.d_model * (cfg.num_experts + 3 * cfg.num_experts * cfg.moe_mlp_dim
+                              + 3 * shared)
+    return (2 if cfg.mlp_type == "gelu" else 3) * cfg.d_model * cfg.mlp_dim
 
 
 def param_counts(cfg: ModelConfig) -> ParamCounts:
@@ -226,8 +253,8 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     d, v, l = cfg.d_model, cfg.vocab_size, cfg.num_layers
     return ParamCounts(
         attention=l * attention_params_per_layer(cfg),
-        mlp=l * mlp_params_per_layer(cfg),
-        norms=2 * d * l + d,
+        mlp=sum(mlp_params_per_layer(cfg.layer_config(i)) for i in range(l)),
+        norms=(4 if cfg.post_norms else 2) * d * l + d,
         embedding=v * d,
         lm_head=0 if cfg.tie_embeddings else v * d,
     )
@@ -406,6 +433,9 @@ def step_flops(cfg: ModelConfig, t: int, batch: int = 1,
         h, k = cfg.head_dim, cfg.num_kv_heads
         proj = 2 * d * (n * h + 2 * k * h) + 2 * n * h * d
         attn = n * attention_flops_per_head(h, h, keys) + 2 * n * h * _cache_sinks(cfg)
+        if cfg.layer_windows is not None:  # each layer over its own keys: the mean
+            attn = sum(n * attention_flops_per_head(h, h, x)
+                       for x in layer_tokens_held(cfg, t)) / l
     else:
         absorbed = cfg.mla_absorb if absorbed is None else absorbed
         c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -419,11 +449,11 @@ def step_flops(cfg: ModelConfig, t: int, batch: int = 1,
         else:
             rebuild = 2 * keys * c * n * (nope + v)
             attn = n * attention_flops_per_head(nope + r, v, keys)
-    mlp = (6 if cfg.mlp_type == "swiglu" else 4) * d * cfg.mlp_dim
+    mlp = (4 if cfg.mlp_type == "gelu" else 6) * d * cfg.mlp_dim
     return StepFlops(
         proj=batch * l * proj,
         kv_rebuild=batch * l * rebuild,
-        attn=batch * l * attn,
+        attn=int(round(batch * l * attn)),
         mlp=batch * l * mlp,
         lm_head=batch * 2 * d * cfg.vocab_size,
     )
@@ -457,6 +487,10 @@ def prefill_flops(cfg: ModelConfig, t: int, batch: int = 1, lm_head_positions: i
         raise ValueError(f"t={t}; allowed: an integer >= 1")
     if not 0 <= lm_head_positions <= t:
         raise ValueError(f"lm_head_positions={lm_head_positions}; allowed: 0..t={t}")
+    if cfg.layer_windows is not None:  # each layer at its own window: the layer mean
+        parts = [prefill_flops(cfg.layer_config(i), t, batch, lm_head_positions)
+                 for i in range(cfg.num_layers)]
+        return int(round(sum(parts) / cfg.num_layers))
     w = t if cfg.window_size is None else min(t, cfg.window_size)
     f1 = step_flops(cfg, 1, batch)
     slope = step_flops(cfg, 2, batch).total - f1.total
@@ -475,6 +509,9 @@ def prefill_attention_flops(cfg: ModelConfig, t: int, batch: int = 1) -> int:
     if t <= 0:
         raise ValueError(f"t={t}; allowed: an integer >= 1")
     sd, vd, n, _ = _attention_dims(cfg)
+    if cfg.layer_windows is not None:  # each layer at its own window
+        return sum(prefill_attention_flops(cfg.layer_config(i), t, batch)
+                   for i in range(cfg.num_layers)) // cfg.num_layers
     w = t if cfg.window_size is None else min(t, cfg.window_size)
     keys = w * (w + 1) // 2 + (t - w) * w
     return batch * cfg.num_layers * n * attention_flops_per_head(sd, vd, keys)
@@ -527,7 +564,7 @@ def prefill_activation_bytes(cfg: ModelConfig, t: int, batch: int = 1,
         return None
     d, f, nh, kh = cfg.d_model, cfg.mlp_dim, cfg.num_heads * cfg.head_dim, \
         cfg.num_kv_heads * cfg.head_dim
-    mlp = (2 * (d + f) + 3 * f + f + d) if cfg.mlp_type == "swiglu" else (d + f + 2 * f + f + d)
+    mlp = (d + f + 2 * f + f + d) if cfg.mlp_type == "gelu" else (2 * (d + f) + 3 * f + f + d)
     per_layer = (2 * d + 3 * d + nh + 2 * kh + 2 * (nh + kh) + nh + d + 3 * d + 2 * d + mlp
                  + 3 * d)
     return batch * t * (cfg.num_layers * per_layer + d) * _b(cfg, element_bytes)
@@ -625,6 +662,17 @@ def crossover_context(cfg: ModelConfig, weights: int | None = None,
     t_star = w / kv_bytes_per_token(cfg, element_bytes)
     if cfg.window_size is not None and cfg.window_size < t_star:
         return math.inf
+    if cfg.layer_windows is not None:  # the smallest t where the per-layer sum reaches w
+        lo, hi = 1, 1
+        while kv_cache_bytes(cfg, hi, 1, element_bytes) < w:
+            if all(x is not None for x in cfg.layer_windows) and hi > max(cfg.layer_windows):
+                return math.inf
+            lo, hi = hi, hi * 2
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if kv_cache_bytes(cfg, mid, 1, element_bytes) < w \
+                else (lo, mid)
+        return float(lo)
     return t_star
 
 
@@ -701,7 +749,8 @@ def batch_fit(cfg: ModelConfig, t: int, memory_bytes: float, reserve_bytes: floa
     free = memory_bytes - reserve_bytes
     batch = max(0, math.floor(free / per_seq))
     per_token = kv_bytes_per_token(cfg, element_bytes)
-    if batch >= 1 and cfg.window_size is not None:
+    if batch >= 1 and (cfg.window_size is not None or (
+            cfg.layer_windows is not None and None not in cfg.layer_windows)):
         max_context = None
     else:
         max_context = max(0, math.floor(free / per_token))

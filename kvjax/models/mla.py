@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
-from kvjax import ops
+from kvjax import ops, rope
 from kvjax.config import ModelConfig
 from kvjax.models import flash, weight_matmul
 from kvjax.models.layers import Einsum, RMSNorm, apply_rope
@@ -234,7 +234,10 @@ class MLAttention(nn.Module):
 
     @property
     def scale(self) -> float:
-        return (self.cfg.qk_nope_head_dim + self.cfg.qk_rope_head_dim) ** -0.5
+        """1/sqrt(nope + R), times DeepSeek's YaRN factor mscale^2 with a yarn
+        ``rope_scaling`` (:func:`kvjax.rope.softmax_factor`)."""
+        return ((self.cfg.qk_nope_head_dim + self.cfg.qk_rope_head_dim) ** -0.5
+                * rope.softmax_factor(self.cfg.rope_scaling))
 
     def queries(self, x: jax.Array, positions: jax.Array):
         """(q_nope [B, T, N, nope], rotated q_rope [B, T, N, R]) in cfg.dtype."""
