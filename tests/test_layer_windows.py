@@ -152,3 +152,17 @@ def test_cost_hook_compiled_bytes_follow_the_per_layer_theory():
     assert step.theory_parts["bytes"]["kv_read"] == theory.kv_cache_bytes(cfg, 2048, 4)
     assert 0.9 <= step.bytes_ratio <= 1.3, step.bytes_ratio
     assert step.as_dict(nested=False)["layer_windows"] == [64] * 5 + [None]
+
+
+def test_perplexity_through_the_cache_equals_the_full_forward():
+    """The evaluation path the ablation's 'layer windows' rows run (kvjax.training.
+    evaluate): chunked cached NLL equals the full forward's, each layer in its band."""
+    from kvjax.training import evaluate  # noqa: PLC0415
+
+    cfg = tiny()
+    p = params(cfg, seed=2)
+    w = np.random.default_rng(2).integers(0, 64, (2, 12)).astype(np.int32)
+    cached, c = evaluate.nll_cached(p, cfg, w, chunk=4)
+    np.testing.assert_allclose(cached, evaluate.nll_full(p, cfg, w), atol=2e-5)
+    assert [x.shape[cache_lib.slot_axis(cfg, "k")] for x in c.tensors["k"]] == \
+        [3, 5, 3, 5, 3, 12]
