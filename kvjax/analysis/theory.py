@@ -424,7 +424,8 @@ def step_flops(cfg: ModelConfig, t: int, batch: int = 1,
         attention (2·N·C·v), both per token in ``proj``; attention per head over C+R score
         dims and C value dims.
     ``absorbed`` defaults to ``cfg.mla_absorb``.
-    MLP: SwiGLU 6·D·F, GELU 4·D·F. LM head 2·D·V once per token. Everything scales with B.
+    MLP: SwiGLU / GeGLU 6·D·F, GELU 4·D·F, MoE :func:`_mlp_flops`. LM head 2·D·V once
+    per token. Everything scales with B.
     """
     d, n, l = cfg.d_model, cfg.num_heads, cfg.num_layers
     keys = tokens_held(cfg, t)
@@ -449,14 +450,25 @@ def step_flops(cfg: ModelConfig, t: int, batch: int = 1,
         else:
             rebuild = 2 * keys * c * n * (nope + v)
             attn = n * attention_flops_per_head(nope + r, v, keys)
-    mlp = (4 if cfg.mlp_type == "gelu" else 6) * d * cfg.mlp_dim
+    mlp = sum(_mlp_flops(cfg.layer_config(i)) for i in range(l)) / l
     return StepFlops(
         proj=batch * l * proj,
         kv_rebuild=batch * l * rebuild,
         attn=int(round(batch * l * attn)),
-        mlp=batch * l * mlp,
+        mlp=int(round(batch * l * mlp)),
         lm_head=batch * 2 * d * cfg.vocab_size,
     )
+
+
+def _mlp_flops(cfg: ModelConfig) -> int:
+    """One layer's MLP FLOP per token: SwiGLU / GeGLU 6·D·F, GELU 4·D·F; a mixture of
+    experts as kvjax computes it (:class:`kvjax.models.layers.MoE`: every expert, then
+    weighted) 2·D·E (router) + E·6·D·Fe + 6·D·(n_shared·Fe)."""
+    d = cfg.d_model
+    if cfg.num_experts:
+        e, fe = cfg.num_experts, cfg.moe_mlp_dim
+        return 2 * d * e + 6 * d * fe * (e + cfg.num_shared_experts)
+    return (4 if cfg.mlp_type == "gelu" else 6) * d * cfg.mlp_dim
 
 
 # --------------------------------------------------------------------------- prefill

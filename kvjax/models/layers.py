@@ -117,6 +117,20 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float,
     return out.astype(x.dtype)
 
 
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """(values, indices) [..., k] of the k largest entries of x [..., E], largest first,
+    the lower index first among equals: k rounds of argmax (k is a handful). Not
+    ``jax.lax.top_k``: on CPU it lowers to a TopK custom call whose comparator XLA's
+    cost analysis of a re-parsed module cannot find (kvjax.analysis.hlo_cost)."""
+    vals, idxs = [], []
+    for _ in range(k):
+        i = jnp.argmax(x, axis=-1)
+        vals.append(jnp.take_along_axis(x, i[..., None], axis=-1)[..., 0])
+        idxs.append(i)
+        x = jnp.where(jax.nn.one_hot(i, x.shape[-1], dtype=bool), -jnp.inf, x)
+    return jnp.stack(vals, axis=-1), jnp.stack(idxs, axis=-1)
+
+
 class MoE(nn.Module):
     """Mixture-of-experts SwiGLU MLP with shared experts (DeepSeekMoE, Dai et al. 2024;
     DeepSeek-V2, Liu et al. 2024, sec. 2.2, eq. 20-23): out = shared(x) +
@@ -152,11 +166,11 @@ class MoE(nn.Module):
         pick = scores
         if self.groups > 1:  # keep the experts of the topk_groups best groups
             best = jnp.max(scores.reshape(scores.shape[:-1] + (self.groups, -1)), axis=-1)
-            _, top_groups = jax.lax.top_k(best, self.topk_groups)
+            _, top_groups = top_k(best, self.topk_groups)
             keep = jnp.sum(jax.nn.one_hot(top_groups, self.groups), axis=-2) > 0
             keep = jnp.repeat(keep, e // self.groups, axis=-1)
             pick = jnp.where(keep, scores, 0.0)
-        weight, idx = jax.lax.top_k(pick, self.top_k)  # [B, T, k]
+        weight, idx = top_k(pick, self.top_k)  # [B, T, k]
         if self.norm_topk and self.top_k > 1:
             weight = weight / (jnp.sum(weight, axis=-1, keepdims=True) + 1e-20)
         else:
