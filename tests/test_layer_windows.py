@@ -166,3 +166,15 @@ def test_perplexity_through_the_cache_equals_the_full_forward():
     np.testing.assert_allclose(cached, evaluate.nll_full(p, cfg, w), atol=2e-5)
     assert [x.shape[cache_lib.slot_axis(cfg, "k")] for x in c.tensors["k"]] == \
         [3, 5, 3, 5, 3, 12]
+
+
+def test_paged_cache_is_refused_by_name():
+    """Paged rows hold one block table for every layer; per-layer rings are refused
+    there, naming the field, before anything runs."""
+    from kvjax.cache import paged  # noqa: PLC0415
+
+    cfg = tiny()
+    cache = paged.init_paged_cache(cfg.replace(layer_windows=None), 1, 4, 8, 4)
+    with pytest.raises(ValueError, match=r"a paged cache with model.layer_windows="):
+        model.forward(params(cfg), cfg, jnp.zeros((1, 1), jnp.int32),
+                      jnp.zeros((1, 1), jnp.int32), cache)
