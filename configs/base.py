@@ -34,8 +34,25 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     m.tie_embeddings = True
     # Biases on the query/key/value projections (Qwen2 checkpoints).
     m.qkv_bias = False
+    # RMSNorm of each query and key head before the rotary embedding (Qwen3).
+    m.qk_norm = False
+    # Gemma 2 / 3 (kvjax.config.ModelConfig): embeddings times sqrt(D), norms after the
+    # attention and the MLP too, the attention scale query_pre_attn_scalar^-1/2,
+    # soft-capped attention scores and logits, the rotary base of windowed layers.
+    m.embed_scale = False
+    m.post_norms = False
+    m.query_pre_attn_scalar = config_dict.placeholder(float)
+    m.attn_logit_softcap = config_dict.placeholder(float)
+    m.final_logit_softcap = config_dict.placeholder(float)
+    m.rope_local_theta = config_dict.placeholder(float)
+    # Scaled rotary frequencies a checkpoint states ((key, value) pairs, kvjax.rope):
+    # rope_type 'llama3' (Llama 3.1+); None = plain rotary.
+    m.rope_scaling = config_dict.placeholder(tuple)
     # Sliding window W (lever 3); None = full attention.
     m.window_size = config_dict.placeholder(int)
+    # A window per layer (lever 3 per layer): L entries or a repeated pattern, e.g.
+    # '512,512,512,512,512,global' (Gemma 3's 5:1); None = window_size on every layer.
+    m.layer_windows = config_dict.placeholder(object)
     # Attention sinks kept beside the window (Xiao et al. 2023).
     m.num_sink_tokens = 0
     # Rotary positions of the sinks: 'absolute' or 'cache' (StreamingLLM: within the
@@ -50,6 +67,17 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     m.qk_nope_head_dim = config_dict.placeholder(int)
     m.v_head_dim = config_dict.placeholder(int)
     m.q_lora_rank = config_dict.placeholder(int)
+    # Mixture-of-experts MLP (DeepSeek-V2): E routed experts, k per token, each of width
+    # Fe, shared experts, the first layers dense; 0 experts = a dense MLP everywhere.
+    m.num_experts = 0
+    m.num_experts_per_tok = 0
+    m.moe_mlp_dim = 0
+    m.num_shared_experts = 0
+    m.first_dense_layers = 0
+    m.routed_scaling_factor = 1.0
+    m.norm_topk_prob = False
+    m.moe_groups = 1
+    m.moe_topk_groups = 1
     m.mla_absorb = True
     # Cache memory layout of keys / values: 'auto' (by backend and G), 'BKSH' or 'BKHS'
     # (kvjax.config.default_kv_layout). Must stay 'auto' for MLA.

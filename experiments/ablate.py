@@ -11,7 +11,8 @@ of the blog's three levers and scored on the held-out split of the Django docs
 
 * KV heads: K = 9 (duplicated, exact), 3 (original), 1 (mean-pooled, Ainslie et al. 2023);
 * sliding windows W in ``--windows`` with 0 and ``--sinks`` attention sinks (a config
-  change: the ring-buffer cache);
+  change: the ring-buffer cache); per-layer windows ``--layer_windows`` (local rings and
+  global layers, ``model.layer_windows``; default Gemma 3's 5:1 with W = 128);
 * MLA by low-rank factorisation (``convert.gqa_to_mla``) with a latent rank sweep;
 * uptraining (``kvjax.train``) of the K = 1 model on the training split, and of the
   original K = 3 model with the same budget as a control (training on the corpus alone
@@ -68,6 +69,10 @@ _OUT = flags.DEFINE_string("out_dir", "results/ablate", "Output folder.")
 _KV = flags.DEFINE_list("kv_heads", ["9", "3", "1"], "KV-head variants.")
 _WINDOWS = flags.DEFINE_list("windows", ["64", "128", "256", "512", "1024"], "Windows W.")
 _SINKS = flags.DEFINE_integer("sinks", 4, "Attention sinks of the '+sinks' window rows.")
+_LAYER_WINDOWS = flags.DEFINE_multi_string(
+    "layer_windows", ["128,128,128,128,128,global"],
+    "Per-layer window patterns (model.layer_windows, repeated over the layers; Gemma 3's "
+    "5:1 by default), one row each; repeat the flag for more.")
 _MLA = flags.DEFINE_list("mla_ranks", ["64", "128", "320"], "MLA latent ranks C.")
 _UPTRAIN = flags.DEFINE_list("uptrain_kv_heads", ["1", "3"],
                              "KV-head variants to uptrain (3 = the control).")
@@ -83,7 +88,8 @@ _RESUME = flags.DEFINE_bool("resume", False, "Reuse rows already in out_dir/abla
 _PLOT_ONLY = flags.DEFINE_bool("plot_only", False,
                                "Only redraw pareto.png and print the table from ablate.json.")
 
-FIELDS = ["name", "lever", "kv_heads", "window", "sinks", "mla_rank", "kv_dtype",
+FIELDS = ["name", "lever", "kv_heads", "window", "layer_windows", "sinks", "mla_rank",
+          "kv_dtype",
           "uptrain_steps", "kv_bytes_per_token", "kv_scale_bytes_per_token", "tokens_held", "kv_bytes_theory", "kv_bytes_measured",
           "cache_slots", "ppl", "bits_per_byte", "ppl_vs_gqa", "tokens_scored",
           "ppl_vs_float32", "check_rel_diff", "same_as", "seconds"]
@@ -109,6 +115,8 @@ def row_for(name, lever, cfg, ctx, res=None, **extra) -> dict:
     row = dict(
         name=name, lever=lever, kv_heads=None if cfg.is_mla else cfg.num_kv_heads,
         window=cfg.window_size, sinks=cfg.num_sink_tokens,
+        layer_windows=None if cfg.layer_windows is None else ",".join(
+            "global" if w is None else str(w) for w in cfg.layer_windows),
         mla_rank=cfg.kv_lora_rank, kv_dtype=cfg.kv_dtype or cfg.dtype, uptrain_steps=0,
         kv_bytes_per_token=theory.kv_bytes_per_token(cfg),
         kv_scale_bytes_per_token=theory.kv_scale_bytes_per_token(cfg),
@@ -142,7 +150,8 @@ def plot_pareto(rows: list, path: pathlib.Path, ctx: int, title: str) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     style = {"kv heads": ("o", "C0"), "window": ("s", "C1"), "window+sinks": ("^", "C2"),
-             "mla": ("D", "C3"), "uptrained": ("*", "C4"), "quantized": ("P", "C5")}
+             "mla": ("D", "C3"), "uptrained": ("*", "C4"), "quantized": ("P", "C5"),
+             "layer windows": ("X", "C6")}
     fig, ax = plt.subplots(figsize=(9, 6))
     for lever, (marker, color) in style.items():
         rs = [r for r in rows if r["lever"] == lever]
@@ -271,6 +280,8 @@ def main(argv):
                              "(this entry point trains on the rest of the corpus)")
         kv_heads = [int(k) for k in _KV.value]
         windows = [int(w) for w in _WINDOWS.value]
+        layer_cfgs = [run.model.replace(layer_windows=p, window_size=None, scan_layers=False,
+                                        name=f"layers {p}") for p in _LAYER_WINDOWS.value]
         ranks = [int(c) for c in _MLA.value]
         uptrain = [int(k) for k in _UPTRAIN.value]
         kv_dtypes = check_kv_dtypes(_KV_DTYPES.value, "kv_dtypes")
@@ -356,6 +367,12 @@ def main(argv):
                 print(f"{cfg.name}: W >= context {ctx}: same function as {gqa_row['name']}")
                 continue
             score(cfg.name, lever, cfg, lambda: base)
+
+    # Lever 3 per layer: local rings and global layers (model.layer_windows).
+    for lc in layer_cfgs:  # validated before the load; on the loaded config here
+        cfg = base_cfg.replace(layer_windows=lc.layer_windows, window_size=None,
+                               num_sink_tokens=0, scan_layers=False, name=lc.name)
+        score(cfg.name, "layer windows", cfg, lambda: base)
 
     # Lever 2: MLA by low-rank factorisation, calibrated on training text.
     if ranks:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import backend as backend_lib
-from kvjax import kernels
+from kvjax import kernels, rope
 from kvjax.checkpoints import hf
 from kvjax.checkpoints.fetch import WeightsError
 from kvjax.plan import REFERENCE, Plan
@@ -30,7 +30,7 @@ DTYPES = {
     "float16": jnp.float16,
 }
 ATTENTION_TYPES = ("mha", "gqa", "mqa", "mla")
-MLP_TYPES = ("swiglu", "gelu")
+MLP_TYPES = ("swiglu", "gelu", "geglu")
 WEIGHTS = ("smollm2", "random", "hf")
 # Element types a KV cache can hold (kvjax.cache.encode converts into them). The
 # quantized ones carry float32 scale tensors (kvjax.cache.quant: formats and scales).
@@ -86,10 +86,15 @@ def dtype_bytes(dtype: str) -> int:
 MODEL_FIELD_KINDS = {
     "architecture": ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads",
                      "head_dim", "mlp_dim", "mlp_type", "attention", "rope_theta",
-                     "norm_eps", "tie_embeddings", "qkv_bias", "kv_lora_rank",
-                     "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank"),
-    "lever": ("window_size", "num_sink_tokens", "rope_positions", "window_cache", "dtype",
-              "kv_dtype"),
+                     "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm", "rope_scaling",
+                     "embed_scale", "post_norms", "query_pre_attn_scalar",
+                     "attn_logit_softcap", "final_logit_softcap", "rope_local_theta",
+                     "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                     "q_lora_rank", "num_experts", "num_experts_per_tok", "moe_mlp_dim",
+                     "num_shared_experts", "first_dense_layers", "routed_scaling_factor",
+                     "norm_topk_prob", "moe_groups", "moe_topk_groups"),
+    "lever": ("window_size", "layer_windows", "num_sink_tokens", "rope_positions",
+              "window_cache", "dtype", "kv_dtype"),
     "execution": ("mla_absorb", "key_layout", "value_layout", "scan_layers",
                   "prefill_impl", "prefill_block_q", "prefill_block_k", "backend",
                   "decode_attention", "weight_matmul", "plan"),
@@ -112,7 +117,8 @@ class ModelConfig:
       num_kv_heads: K, key/value heads; must divide N (MHA: K = N, MQA: K = 1).
       head_dim: H, per-head width of queries, keys and values (MHA/GQA/MQA).
       mlp_dim: F, FFN hidden width.
-      mlp_type: 'swiglu' (gate, up, down: 3·D·F params, llama) or 'gelu'
+      mlp_type: 'swiglu' (gate, up, down: 3·D·F params, llama), 'geglu' (the same
+        with GELU's tanh approximation in place of SiLU, Shazeer 2020; Gemma) or 'gelu'
         (W1, W2: 2·D·F params, the blog's FFN).
       attention: 'mha' (K = N), 'mqa' (K = 1), 'gqa' (any K dividing N) or 'mla'.
       rope_theta: rotary base (SmolLM2: 1e5).
@@ -120,7 +126,35 @@ class ModelConfig:
       tie_embeddings: LM head shares the token embedding matrix.
       qkv_bias: the query, key and value projections carry biases (Qwen2; MHA/GQA/MQA
         only), added before the rotary embedding.
+      qk_norm: queries and keys go through an RMSNorm over each head's H values (one
+        scale [H] each, shared by the heads) before the rotary embedding (Qwen3;
+        MHA/GQA/MQA only).
+      embed_scale: the token embeddings are multiplied by sqrt(D) (rounded to the model
+        dtype) before the first layer (Gemma).
+      post_norms: each block also normalises its attention and MLP outputs before they
+        join the residual ('post_attn_norm', 'post_mlp_norm'; Gemma 2 and 3).
+      query_pre_attn_scalar: attention scores are scaled by query_pre_attn_scalar^-1/2
+        instead of H^-1/2 (Gemma 2 and 3); None: H.
+      attn_logit_softcap: c, attention scores s become c·tanh(s / c) before the mask and
+        softmax (Gemma 2, Team 2024 sec. 2); None: none. Runs the dense prompt
+        attention and the XLA decode step.
+      final_logit_softcap: the same for the LM head's logits (Gemma 2); None: none.
+      rope_local_theta: the rotary base of windowed layers (``layer_windows``), without
+        ``rope_scaling`` (Gemma 3's rope_local_base_freq); None: rope_theta and
+        rope_scaling on every layer.
+      rope_scaling: the checkpoint's scaled rotary frequencies as sorted (key, value)
+        pairs (a dict is accepted and converted; :func:`kvjax.rope.rope_scaling_pairs`):
+        ``rope_type`` 'llama3' (Llama 3.1+; factor, low_freq_factor, high_freq_factor,
+        original_max_position_embeddings) or 'linear' (factor: positions divided by it,
+        Gemma 3's global layers); None: plain rotary.
       window_size: W, sliding-window length in tokens; None for full attention.
+      layer_windows: a window per layer (lever 3 applied per layer, Gemma 2 / 3): a
+        tuple of L entries, each W_i (a local layer: a ring of W_i slots) or None (a
+        global layer: the full context), or a pattern repeated over the layers, as a
+        tuple or a string such as '512,512,512,512,512,global' (Gemma 3's 5:1). The
+        cache's bytes are the sum over layers. Needs window_size None, no sinks and the
+        unrolled layer stack (scan_layers False; None resolves to it). None: every
+        layer has ``window_size``.
       num_sink_tokens: attention sinks kept besides the window (needs window_size).
       rope_positions: how sinks are placed for rotary embeddings: 'absolute' (each token
         at its own position, as Mistral-style models trained with a window expect; past
@@ -138,6 +172,20 @@ class ModelConfig:
       qk_nope_head_dim: MLA's per-head query/key width without rotary.
       v_head_dim: MLA's per-head value width.
       q_lora_rank: MLA's optional query low-rank width; None projects queries directly.
+      num_experts: E, routed experts of a mixture-of-experts MLP (DeepSeek-V2, sec. 2.2;
+        :class:`kvjax.models.layers.MoE`); 0: a dense MLP of mlp_dim on every layer.
+      num_experts_per_tok: k, experts each token is routed to.
+      moe_mlp_dim: Fe, each expert's SwiGLU width.
+      num_shared_experts: experts every token passes through (one SwiGLU of
+        num_shared_experts·Fe).
+      first_dense_layers: the first layers keep a dense MLP of mlp_dim (DeepSeek's
+        first_k_dense_replace); needs scan_layers False when 0 < it < L.
+      routed_scaling_factor: the routed experts' weights are multiplied by it (unless
+        norm_topk_prob).
+      norm_topk_prob: the k routing weights are renormalised to sum 1.
+      moe_groups, moe_topk_groups: 'group_limited_greedy' routing: experts in
+        moe_groups groups, a token routed within its moe_topk_groups best groups (by their
+        best score); 1, 1: plain top-k.
       mla_absorb: MLA decode path, False = naive (rebuild K/V), True = absorbed.
       key_layout, value_layout: memory layout of one layer's cached keys / values (MHA,
         GQA, MQA): 'BKSH' (slot-major rows, [B, K, S, H]), 'BKHS' (slot axis last,
@@ -219,7 +267,16 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: tuple | None = None
+    embed_scale: bool = False
+    post_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    rope_local_theta: float | None = None
     window_size: int | None = None
+    layer_windows: tuple | str | None = None
     num_sink_tokens: int = 0
     rope_positions: str = "absolute"
     window_cache: str = "ring"
@@ -228,6 +285,15 @@ class ModelConfig:
     qk_nope_head_dim: int | None = None
     v_head_dim: int | None = None
     q_lora_rank: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_mlp_dim: int = 0
+    num_shared_experts: int = 0
+    first_dense_layers: int = 0
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = False
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
     mla_absorb: bool = True
     key_layout: str = "auto"
     value_layout: str = "auto"
@@ -249,11 +315,40 @@ class ModelConfig:
             object.__setattr__(self, "backend", backend_lib.current())
         if self.backend not in backend_lib.BACKENDS:
             _fail("model.backend", self.backend, f"one of {list(backend_lib.BACKENDS)}")
+        if self.layer_windows is not None:  # a pattern -> L entries (W or None)
+            object.__setattr__(self, "layer_windows",
+                               _layer_windows(self.layer_windows, self.num_layers))
+            if self.scan_layers is None:  # layers of different slot counts: unrolled
+                object.__setattr__(self, "scan_layers", False)
+        if self.scan_layers is None and self.num_experts and \
+                0 < self.first_dense_layers < self.num_layers:  # dense and MoE layers
+            object.__setattr__(self, "scan_layers", False)
         if self.scan_layers is None:
             object.__setattr__(self, "scan_layers", backend_lib.scan_layers(self.backend))
+        if self.rope_scaling is not None:  # a dict (config.json's) -> hashable pairs
+            try:
+                object.__setattr__(self, "rope_scaling",
+                                   rope.rope_scaling_pairs(self.rope_scaling))
+            except (TypeError, ValueError) as e:
+                _fail("model.rope_scaling", self.rope_scaling, str(e))
         validate_model_config(self)
 
     replace = dataclasses.replace
+
+    def layer_config(self, i: int) -> "ModelConfig":
+        """The config layer ``i`` runs with: a dense MLP (num_experts 0) below
+        ``first_dense_layers``; without ``layer_windows`` the config itself; with them, one window (``window_size`` = W_i or None) and that layer's
+        rotary base (``rope_local_theta`` without scaling on a local layer when set)."""
+        if self.num_experts and i < self.first_dense_layers:  # a dense MLP here
+            return self.replace(num_experts=0, first_dense_layers=0).layer_config(i)
+        if self.layer_windows is None:
+            return self
+        w = self.layer_windows[i]
+        local = w is not None and self.rope_local_theta is not None
+        return self.replace(
+            layer_windows=None, window_size=w,
+            rope_theta=self.rope_local_theta if local else self.rope_theta,
+            rope_scaling=None if local else self.rope_scaling)
 
     def fields_of(self, kind: str) -> dict:
         """{field: value} of the fields of one kind of :data:`MODEL_FIELD_KINDS`
@@ -319,6 +414,35 @@ class ModelConfig:
         return layout
 
 
+def _layer_windows(value: Any, num_layers: Any) -> tuple:
+    """``ModelConfig.layer_windows`` as L entries (a positive int W, or None: global):
+    from a tuple/list of entries or a comma-separated string ('global', 'none' or 0 for
+    a global layer), a pattern shorter than L repeated over the layers."""
+    items = value.strip("()[] ").split(",") if isinstance(value, str) else value
+    allowed = ("a tuple of per-layer windows (a positive integer, or None / 0 / 'global' "
+               "for a global layer), or a comma-separated string of them, of num_layers "
+               "entries or a pattern repeated over them")
+    try:
+        items = list(items)
+    except TypeError:
+        _fail("model.layer_windows", value, allowed)
+    out = []
+    for x in items:
+        x = x.strip().lower() if isinstance(x, str) else x
+        if x is None or x in ("global", "none", "") or (_is_int(x) and x == 0):
+            out.append(None)
+        elif isinstance(x, str) and x.isdigit() and int(x) > 0:
+            out.append(int(x))
+        elif _is_int(x) and x > 0:
+            out.append(int(x))
+        else:
+            _fail("model.layer_windows", value, allowed)
+    if not out or not _is_int(num_layers) or num_layers % len(out):
+        _fail("model.layer_windows", value, f"{allowed}; a pattern's length must divide "
+              f"num_layers={num_layers}")
+    return tuple(out * (num_layers // len(out)))
+
+
 def validate_model_config(c: ModelConfig) -> None:
     """Raises ConfigError naming the first invalid field of ``c``."""
     for f in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads",
@@ -346,6 +470,9 @@ def validate_model_config(c: ModelConfig) -> None:
     if not isinstance(c.qkv_bias, bool) or (c.qkv_bias and c.attention == "mla"):
         _fail("model.qkv_bias", c.qkv_bias,
               "True or False, and False for attention='mla' (MLA has no q/k/v biases)")
+    if not isinstance(c.qk_norm, bool) or (c.qk_norm and c.attention == "mla"):
+        _fail("model.qk_norm", c.qk_norm,
+              "True or False, and False for attention='mla' (MLA normalises its latents)")
     if c.num_heads % c.num_kv_heads:
         _fail("model.num_kv_heads", c.num_kv_heads,
               f"a divisor of model.num_heads={c.num_heads}")
@@ -364,6 +491,50 @@ def validate_model_config(c: ModelConfig) -> None:
         _positive("model.window_size", c.window_size)
     if isinstance(c.num_sink_tokens, bool) or c.num_sink_tokens < 0:
         _fail("model.num_sink_tokens", c.num_sink_tokens, "an integer >= 0")
+    if c.layer_windows is not None and (c.window_size is not None or c.num_sink_tokens
+                                         or c.is_mla or c.scan_layers
+                                         or c.window_cache != "ring"):
+        _fail("model.layer_windows", c.layer_windows,
+              "None unless window_size is None, num_sink_tokens 0, window_cache 'ring', "
+              "attention not 'mla' and scan_layers False (each layer its own window: set "
+              "one or the other)")
+    if c.num_experts:
+        for f in ("num_experts_per_tok", "moe_mlp_dim", "moe_groups", "moe_topk_groups"):
+            _positive(f"model.{f}", getattr(c, f))
+        if c.num_experts_per_tok > c.num_experts:
+            _fail("model.num_experts_per_tok", c.num_experts_per_tok,
+                  f"at most num_experts={c.num_experts}")
+        if c.num_experts % c.moe_groups or c.moe_topk_groups > c.moe_groups or \
+                c.num_experts_per_tok > c.num_experts // c.moe_groups * c.moe_topk_groups:
+            _fail("model.moe_groups", (c.moe_groups, c.moe_topk_groups),
+                  f"groups dividing num_experts={c.num_experts}, topk_groups <= groups, "
+                  "and k experts within the chosen groups")
+        if c.mlp_type != "swiglu":
+            _fail("model.mlp_type", c.mlp_type, "'swiglu' with num_experts (SwiGLU experts)")
+        if isinstance(c.num_shared_experts, bool) or c.num_shared_experts < 0 or \
+                isinstance(c.first_dense_layers, bool) or not \
+                0 <= c.first_dense_layers <= c.num_layers:
+            _fail("model.first_dense_layers", (c.num_shared_experts, c.first_dense_layers),
+                  "num_shared_experts >= 0 and first_dense_layers in 0..num_layers")
+        if c.scan_layers and 0 < c.first_dense_layers < c.num_layers:
+            _fail("model.scan_layers", c.scan_layers,
+                  "False (or None) with first_dense_layers between 0 and num_layers: dense "
+                  "and MoE layers hold different parameters")
+        if not (_is_real(c.routed_scaling_factor) and c.routed_scaling_factor > 0):
+            _fail("model.routed_scaling_factor", c.routed_scaling_factor, "a positive number")
+    elif not _is_int(c.num_experts) or c.num_experts < 0:
+        _fail("model.num_experts", c.num_experts, "an integer >= 0 (0: a dense MLP)")
+    for f in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
+              "rope_local_theta"):
+        v = getattr(c, f)
+        if v is not None and not (_is_real(v) and v > 0):
+            _fail(f"model.{f}", v, "None or a positive number")
+    for f in ("embed_scale", "post_norms"):
+        if not isinstance(getattr(c, f), bool):
+            _fail(f"model.{f}", getattr(c, f), "True or False")
+    if c.attn_logit_softcap is not None and c.is_mla:
+        _fail("model.attn_logit_softcap", c.attn_logit_softcap,
+              "None for attention='mla'")
     if c.num_sink_tokens and not c.window_size:
         _fail("model.num_sink_tokens", c.num_sink_tokens,
               "0 unless model.window_size is set (sinks are kept beside a window)")

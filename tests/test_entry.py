@@ -414,7 +414,7 @@ def test_ablate_entry_point_writes_table_and_plots(tmp_path):
            "--kv_heads=6,3,1", "--windows=8,16", "--sinks=2", "--mla_ranks=8",
            "--uptrain_kv_heads=1", "--train.steps=2", "--train.warmup_steps=1",
            "--train.seq_len=16", "--calib_tokens=256", "--kv_dtypes=int8",
-           "--mla_kv_dtypes=float8_e4m3fn", f"--out_dir={out}"]
+           "--mla_kv_dtypes=float8_e4m3fn", "--layer_windows=8", f"--out_dir={out}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((out / "ablate.json").read_text())["rows"]
@@ -422,7 +422,7 @@ def test_ablate_entry_point_writes_table_and_plots(tmp_path):
     # quantized rows: the GQA model, the best window with sinks (W=16 >= context is
     # the full-attention function, not scored), the best MLA conversion
     assert names == ["MHA K=6 (duplicated)", "GQA K=3 (original)", "MQA K=1 (mean-pooled)",
-                     "W=8", "W=16", "W=8+2 sinks", "W=16+2 sinks", "MLA C=8",
+                     "W=8", "W=16", "W=8+2 sinks", "W=16+2 sinks", "layers 8", "MLA C=8",
                      "GQA K=3 (original) int8", "W=8+2 sinks int8", "MLA C=8 float8_e4m3fn",
                      "MQA K=1 + uptrain 2 steps"]
     by = {r["name"]: r for r in rows}

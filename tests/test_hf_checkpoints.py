@@ -32,7 +32,8 @@ from tests.test_checkpoints import TINY, write_tiny_gguf
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-         "qwen2": "Qwen2ForCausalLM"}
+         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # a Llama-3-style template: BOS from the special tokens, contents trimmed
 TRIM_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role'] + "
@@ -53,12 +54,16 @@ def byte_level_tokenizer() -> HFTokenizer:
     return tok
 
 
-def hf_tensors(w: dict, tied: bool) -> dict:
+def hf_tensors(w: dict, tied: bool, gemma: bool = False) -> dict:
     """kvjax/gguf_reader names (HF orientation) -> HF safetensors names."""
     out = {"model.embed_tokens.weight": w["embed"], "model.norm.weight": w["final_norm"]}
     if not tied:
         out["lm_head.weight"] = w["lm_head"]
-    names = {v: k for k, v in {**hf._LAYER_TENSORS, **hf._BIAS_TENSORS}.items()}
+    names = {v: k for k, v in {**hf._LAYER_TENSORS, **hf._BIAS_TENSORS,
+                               **hf._QK_NORM_TENSORS}.items()}
+    if gemma:
+        names = {v: k for k, v in hf.layer_tensors(dict(architecture="gemma2",
+                                                        qk_norm=True)).items()}
     for ours, a in w.items():
         if ours in names:
             for i in range(a.shape[0]):
@@ -84,7 +89,8 @@ def write_hf_checkpoint(folder, w: dict, sizes: dict, arch="llama", tied=True, d
         config["sliding_window"] = window
     config.update(config_extra or {})
     (folder / "config.json").write_text(json.dumps(config))
-    tensors = {k: np.ascontiguousarray(v.astype(dtype)) for k, v in hf_tensors(w, tied).items()}
+    tensors = {k: np.ascontiguousarray(v.astype(dtype))
+               for k, v in hf_tensors(w, tied, arch.startswith("gemma")).items()}
     if shards == 1:
         save_file(tensors, str(folder / "model.safetensors"))
     else:
@@ -301,7 +307,8 @@ def test_refusals_are_one_line_and_before_any_tensor(tmp_path, monkeypatch):
     refused(r"architectures=\['GPT2LMHeadModel'\]; kvjax reads one of LlamaForCausalLM",
             config_extra={"architectures": ["GPT2LMHeadModel"]})
     refused(r"rope_scaling.rope_type='yarn' is not implemented",
-            config_extra={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+            config_extra={"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                           "original_max_position_embeddings": 32}})
     refused(r"attention_bias=True is not implemented",
             config_extra={"attention_bias": True})
     refused(r"use_sliding_window=True is not implemented", arch="qwen2",

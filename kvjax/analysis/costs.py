@@ -88,7 +88,7 @@ class StepCost:
         """The one serialisation of a program's cost (JSON files, CSV rows, reports).
 
         Flat keys: what was compiled (model, variant, attention, num_kv_heads, window /
-        window_size, num_sink_tokens, mla_absorb, scan_layers, kv_layout, dtype, kv_dtype,
+        window_size, layer_windows (a window or None per layer), num_sink_tokens, mla_absorb, scan_layers, kv_layout, dtype, kv_dtype,
         backend, batch, context, name); theory_* (bytes, FLOP and the byte terms
         weights / kv_read / kv_write); jaxpr_* (dots only, loop-corrected); xla_* (loop-
         corrected and raw, plus the attribution's byte parts ``xla_<part>``); ratios;
@@ -105,6 +105,7 @@ class StepCost:
             "name": self.name, "model": c.name, "variant": variant,
             "attention": c.attention, "num_kv_heads": c.num_kv_heads,
             "window": c.window_size, "window_size": c.window_size,
+            "layer_windows": None if c.layer_windows is None else list(c.layer_windows),
             "num_sink_tokens": c.num_sink_tokens,
             "mla_absorb": c.mla_absorb if c.is_mla else None,
             "scan_layers": c.scan_layers,

@@ -151,14 +151,34 @@ def tokens_held(cfg: ModelConfig, t: int) -> int:
     return t if cfg.window_size is None else min(t, cfg.window_size)
 
 
+def layer_tokens_held(cfg: ModelConfig, t: int) -> list:
+    """[min(t, W_i)] per layer: tokens each layer's cache holds at context ``t``, with
+    ``cfg.layer_windows`` (a local layer its window W_i, a global one t); else L times
+    :func:`tokens_held`."""
+    return [tokens_held(cfg.layer_config(i), t) for i in range(cfg.num_layers)]
+
+
 def kv_cache_bytes(cfg: ModelConfig, t: int, batch: int = 1,
                    element_bytes: int | None = None) -> int:
     """Bytes of the KV caches of ``batch`` sequences at context ``t``.
 
     B·kv_bytes_per_token·min(t, W). Blog: 24,576·4,096 = 100,663,296 B ("96 MB");
-    at 128,000 tokens 3,145,728,000 B ("3 GB").
+    at 128,000 tokens 3,145,728,000 B ("3 GB"). With ``cfg.layer_windows`` the sum over
+    layers B·(kv_bytes_per_token / L)·sum_i min(t, W_i) (Gemma 3, Team 2025 sec. 2.2:
+    local layers of W = 1024 hold a constant cache, global ones grow with t).
     """
-    return batch * kv_bytes_per_token(cfg, element_bytes) * tokens_held(cfg, t)
+    per_layer = kv_bytes_per_token(cfg, element_bytes) // cfg.num_layers
+    return batch * per_layer * sum(layer_tokens_held(cfg, t))
+
+
+def kv_bytes_per_context_token(cfg: ModelConfig, t: int,
+                               element_bytes: int | None = None) -> float:
+    """KV bytes per token of context at ``t``: kv_cache_bytes(t) / t. Equal to
+    :func:`kv_bytes_per_token` for full attention; falls as 1/t once the windows
+    fill (a window, or the local layers of ``layer_windows``)."""
+    if t <= 0:
+        raise ValueError(f"t={t}; allowed: an integer >= 1")
+    return kv_cache_bytes(cfg, t, 1, element_bytes) / t
 
 
 # --------------------------------------------------------------------------- weights
@@ -169,7 +189,8 @@ class ParamCounts:
     """Parameter counts (elements) by part.
 
     attention: every attention weight of all layers (MLA: its projections and latent norms).
-    mlp: FFN weights of all layers. norms: 2 RMSNorm scales per layer + the final one.
+    mlp: FFN weights of all layers. norms: 2 RMSNorm scales per layer (4 with Gemma's
+    post-norms) + the final one.
     embedding: V·D token table. lm_head: V·D if untied, else 0 (it is the embedding).
     """
 
@@ -193,7 +214,8 @@ def attention_params_per_layer(cfg: ModelConfig) -> int:
     """Attention parameters of one layer.
 
     MHA/GQA/MQA: W_Q D·N·H + W_K, W_V D·K·H each + W_O N·H·D, plus with ``qkv_bias``
-    (Qwen2) the biases N·H + 2·K·H.
+    (Qwen2) the biases N·H + 2·K·H and with ``qk_norm`` (Qwen3) the two per-head norm
+    scales 2·H.
     MLA (DeepSeek-V2 sec. 2.1): W_DKV D·C, W_KR D·R, W_UK C·N·nope, W_UV C·N·v,
     W_Q D·N·(nope+R) (or W_DQ D·q_lora + W_UQ/W_QR q_lora·N·(nope+R) plus the q-latent
     norm q_lora), W_O N·v·D, and the kv-latent RMSNorm C.
@@ -202,7 +224,8 @@ def attention_params_per_layer(cfg: ModelConfig) -> int:
     if not cfg.is_mla:
         h, k = cfg.head_dim, cfg.num_kv_heads
         bias = (n * h + 2 * k * h) if cfg.qkv_bias else 0
-        return d * n * h + 2 * d * k * h + n * h * d + bias
+        norms = 2 * h if cfg.qk_norm else 0
+        return d * n * h + 2 * d * k * h + n * h * d + bias + norms
     c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
     qk = n * (nope + r)
@@ -214,8 +237,14 @@ def attention_params_per_layer(cfg: ModelConfig) -> int:
 
 
 def mlp_params_per_layer(cfg: ModelConfig) -> int:
-    """FFN parameters of one layer: SwiGLU 3·D·F (gate, up, down), GELU 2·D·F (W1, W2)."""
-    return (3 if cfg.mlp_type == "swiglu" else 2) * cfg.d_model * cfg.mlp_dim
+    """FFN parameters of one layer: SwiGLU / GeGLU 3·D·F (gate, up, down), GELU 2·D·F
+    (W1, W2); a mixture of experts (``num_experts`` E) D·E (router) + E·3·D·Fe + the
+    shared experts' 3·D·(n_shared·Fe)."""
+    if cfg.num_experts:
+        shared = cfg.num_shared_experts * cfg.moe_mlp_dim
+        return cfg.d_model * (cfg.num_experts + 3 * cfg.num_experts * cfg.moe_mlp_dim
+                              + 3 * shared)
+    return (2 if cfg.mlp_type == "gelu" else 3) * cfg.d_model * cfg.mlp_dim
 
 
 def param_counts(cfg: ModelConfig) -> ParamCounts:
@@ -224,8 +253,8 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     d, v, l = cfg.d_model, cfg.vocab_size, cfg.num_layers
     return ParamCounts(
         attention=l * attention_params_per_layer(cfg),
-        mlp=l * mlp_params_per_layer(cfg),
-        norms=2 * d * l + d,
+        mlp=sum(mlp_params_per_layer(cfg.layer_config(i)) for i in range(l)),
+        norms=(4 if cfg.post_norms else 2) * d * l + d,
         embedding=v * d,
         lm_head=0 if cfg.tie_embeddings else v * d,
     )
@@ -395,7 +424,8 @@ def step_flops(cfg: ModelConfig, t: int, batch: int = 1,
         attention (2·N·C·v), both per token in ``proj``; attention per head over C+R score
         dims and C value dims.
     ``absorbed`` defaults to ``cfg.mla_absorb``.
-    MLP: SwiGLU 6·D·F, GELU 4·D·F. LM head 2·D·V once per token. Everything scales with B.
+    MLP: SwiGLU / GeGLU 6·D·F, GELU 4·D·F, MoE :func:`_mlp_flops`. LM head 2·D·V once
+    per token. Everything scales with B.
     """
     d, n, l = cfg.d_model, cfg.num_heads, cfg.num_layers
     keys = tokens_held(cfg, t)
@@ -404,6 +434,9 @@ def step_flops(cfg: ModelConfig, t: int, batch: int = 1,
         h, k = cfg.head_dim, cfg.num_kv_heads
         proj = 2 * d * (n * h + 2 * k * h) + 2 * n * h * d
         attn = n * attention_flops_per_head(h, h, keys) + 2 * n * h * _cache_sinks(cfg)
+        if cfg.layer_windows is not None:  # each layer over its own keys: the mean
+            attn = sum(n * attention_flops_per_head(h, h, x)
+                       for x in layer_tokens_held(cfg, t)) / l
     else:
         absorbed = cfg.mla_absorb if absorbed is None else absorbed
         c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -417,14 +450,25 @@ def step_flops(cfg: ModelConfig, t: int, batch: int = 1,
         else:
             rebuild = 2 * keys * c * n * (nope + v)
             attn = n * attention_flops_per_head(nope + r, v, keys)
-    mlp = (6 if cfg.mlp_type == "swiglu" else 4) * d * cfg.mlp_dim
+    mlp = sum(_mlp_flops(cfg.layer_config(i)) for i in range(l)) / l
     return StepFlops(
         proj=batch * l * proj,
         kv_rebuild=batch * l * rebuild,
-        attn=batch * l * attn,
-        mlp=batch * l * mlp,
+        attn=int(round(batch * l * attn)),
+        mlp=int(round(batch * l * mlp)),
         lm_head=batch * 2 * d * cfg.vocab_size,
     )
+
+
+def _mlp_flops(cfg: ModelConfig) -> int:
+    """One layer's MLP FLOP per token: SwiGLU / GeGLU 6·D·F, GELU 4·D·F; a mixture of
+    experts as kvjax computes it (:class:`kvjax.models.layers.MoE`: every expert, then
+    weighted) 2·D·E (router) + E·6·D·Fe + 6·D·(n_shared·Fe)."""
+    d = cfg.d_model
+    if cfg.num_experts:
+        e, fe = cfg.num_experts, cfg.moe_mlp_dim
+        return 2 * d * e + 6 * d * fe * (e + cfg.num_shared_experts)
+    return (4 if cfg.mlp_type == "gelu" else 6) * d * cfg.mlp_dim
 
 
 # --------------------------------------------------------------------------- prefill
@@ -455,6 +499,10 @@ def prefill_flops(cfg: ModelConfig, t: int, batch: int = 1, lm_head_positions: i
         raise ValueError(f"t={t}; allowed: an integer >= 1")
     if not 0 <= lm_head_positions <= t:
         raise ValueError(f"lm_head_positions={lm_head_positions}; allowed: 0..t={t}")
+    if cfg.layer_windows is not None:  # each layer at its own window: the layer mean
+        parts = [prefill_flops(cfg.layer_config(i), t, batch, lm_head_positions)
+                 for i in range(cfg.num_layers)]
+        return int(round(sum(parts) / cfg.num_layers))
     w = t if cfg.window_size is None else min(t, cfg.window_size)
     f1 = step_flops(cfg, 1, batch)
     slope = step_flops(cfg, 2, batch).total - f1.total
@@ -473,6 +521,9 @@ def prefill_attention_flops(cfg: ModelConfig, t: int, batch: int = 1) -> int:
     if t <= 0:
         raise ValueError(f"t={t}; allowed: an integer >= 1")
     sd, vd, n, _ = _attention_dims(cfg)
+    if cfg.layer_windows is not None:  # each layer at its own window
+        return sum(prefill_attention_flops(cfg.layer_config(i), t, batch)
+                   for i in range(cfg.num_layers)) // cfg.num_layers
     w = t if cfg.window_size is None else min(t, cfg.window_size)
     keys = w * (w + 1) // 2 + (t - w) * w
     return batch * cfg.num_layers * n * attention_flops_per_head(sd, vd, keys)
@@ -525,7 +576,7 @@ def prefill_activation_bytes(cfg: ModelConfig, t: int, batch: int = 1,
         return None
     d, f, nh, kh = cfg.d_model, cfg.mlp_dim, cfg.num_heads * cfg.head_dim, \
         cfg.num_kv_heads * cfg.head_dim
-    mlp = (2 * (d + f) + 3 * f + f + d) if cfg.mlp_type == "swiglu" else (d + f + 2 * f + f + d)
+    mlp = (d + f + 2 * f + f + d) if cfg.mlp_type == "gelu" else (2 * (d + f) + 3 * f + f + d)
     per_layer = (2 * d + 3 * d + nh + 2 * kh + 2 * (nh + kh) + nh + d + 3 * d + 2 * d + mlp
                  + 3 * d)
     return batch * t * (cfg.num_layers * per_layer + d) * _b(cfg, element_bytes)
@@ -624,6 +675,17 @@ def crossover_context(cfg: ModelConfig, weights: int | None = None,
     t_star = w / kv_bytes_per_token(cfg, element_bytes)
     if cfg.window_size is not None and cfg.window_size < t_star:
         return math.inf
+    if cfg.layer_windows is not None:  # the smallest t where the per-layer sum reaches w
+        lo, hi = 1, 1
+        while kv_cache_bytes(cfg, hi, 1, element_bytes) < w:
+            if all(x is not None for x in cfg.layer_windows) and hi > max(cfg.layer_windows):
+                return math.inf
+            lo, hi = hi, hi * 2
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if kv_cache_bytes(cfg, mid, 1, element_bytes) < w \
+                else (lo, mid)
+        return float(lo)
     return t_star
 
 
@@ -700,7 +762,8 @@ def batch_fit(cfg: ModelConfig, t: int, memory_bytes: float, reserve_bytes: floa
     free = memory_bytes - reserve_bytes
     batch = max(0, math.floor(free / per_seq))
     per_token = kv_bytes_per_token(cfg, element_bytes)
-    if batch >= 1 and cfg.window_size is not None:
+    if batch >= 1 and (cfg.window_size is not None or (
+            cfg.layer_windows is not None and None not in cfg.layer_windows)):
         max_context = None
     else:
         max_context = max(0, math.floor(free / per_token))

@@ -18,6 +18,12 @@ The contract (docs/DESIGN.md, "The cache contract"):
   wraps can never expose a stale or future key.
 * Which slot holds which position is the **slot policy's** business
   (:mod:`kvjax.cache.policy`: dense, or a ring of W slots with sinks).
+* **Per-layer windows** (``cfg.layer_windows``, Gemma 2 / 3, lever 3 per layer): a local
+  layer holds its own ring of W_i slots, a global layer the full context, so the
+  per-layer tensors differ in S (the unrolled stack) and the cache's bytes are the sum
+  over layers. ``positions`` are then the full-context slots' (the model's policy is
+  dense); a ring layer's slot positions follow from ``length`` alone
+  (:func:`layer_positions`), since each row writes positions 0, 1, ... in order.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from kvjax.config import ModelConfig
 from kvjax.plan import SEQ
 
 __all__ = ["KVCache", "TensorSpec", "tensor_specs", "slot_axis", "to_layout", "layouts",
-           "check_layouts", "layer_shapes", "num_slots", "init_cache", "cache_spec",
+           "check_layouts", "layer_shapes", "num_slots", "layer_num_slots",
+           "layer_positions", "init_cache", "cache_spec",
            "cache_bytes", "total_bytes", "encode", "read", "row_scales", "channel_axis",
            "write", "write_seq_sharded", "chunk_slots", "clear_unseen", "window_view",
            "advance", "ring_slots", "next_positions", "slot_of", "attention_mask",
@@ -190,19 +197,42 @@ def num_slots(cfg: ModelConfig, max_seq_len: int) -> int:
     return policy_for(cfg).num_slots(max_seq_len)
 
 
+def layer_num_slots(cfg: ModelConfig, max_seq_len: int) -> list:
+    """[S_i] slots of each layer: :func:`num_slots` of ``cfg.layer_config(i)`` (a local
+    layer's ring, a global layer's max_seq_len); all equal without ``layer_windows``."""
+    return [num_slots(cfg.layer_config(i), max_seq_len) for i in range(cfg.num_layers)]
+
+
+def layer_positions(cfg: ModelConfig, cache: KVCache, i: int) -> jax.Array:
+    """[B, S_i] int32 absolute position held by each slot of layer ``i`` (-1: empty):
+    ``cache.positions``, or for a local layer of ``cfg.layer_windows`` (a ring of S_i
+    slots, no sinks) the newest position p < length with p mod S_i equal to the slot,
+    derived from ``cache.length`` (rows write positions 0, 1, ... in order)."""
+    ci = cfg.layer_config(i)
+    if cfg.layer_windows is None or ci.window_size is None:
+        return cache.positions
+    s = next(iter(cache.layer(i).values())).shape[slot_axis(ci, "k")]
+    last = cache.length[:, None] - 1  # [B, 1]
+    p = last - jnp.mod(last - jnp.arange(s, dtype=jnp.int32)[None, :], s)
+    return jnp.where(p >= 0, p, -1).astype(jnp.int32)
+
+
 def init_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int,
                ragged: bool = False, spare_slots: int = 0) -> KVCache:
     """An empty cache for ``batch_size`` sequences of up to ``max_seq_len`` tokens.
 
     Tensors are zero-filled per :func:`tensor_specs`, positions [B, S] -1 and length [B]
-    0. S = window_size when set, else max_seq_len, plus ``spare_slots``. ``ragged``: rows
+    0. S = window_size when set, else max_seq_len, plus ``spare_slots``; with
+    ``cfg.layer_windows`` each layer has its own S_i (:func:`layer_num_slots`) and
+    ``positions`` the full context's max_seq_len slots. ``ragged``: rows
     may take different lengths (:class:`KVCache`). ``spare_slots``: slots beyond the
     policy's S; a speculative ring keeps k + 1 of them so that writing a chunk of k + 1
     tokens evicts no key the window still shows (``kvjax.inference.speculative``); the mask is the
     window's either way.
 
     Raises:
-      ValueError: non-positive batch_size or max_seq_len, negative spare_slots.
+      ValueError: non-positive batch_size or max_seq_len, negative spare_slots; spare
+        slots with ``layer_windows``.
     """
     if batch_size <= 0 or max_seq_len <= 0:
         raise ValueError(
@@ -212,7 +242,16 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int,
     quant.check_supported(cfg)
     s = num_slots(cfg, max_seq_len) + spare_slots
     tensors = {}
-    for name, spec in tensor_specs(cfg, batch_size, s).items():
+    if cfg.layer_windows is not None:  # unrolled: each layer its own slots
+        if spare_slots:
+            raise ValueError(f"spare_slots={spare_slots} with model.layer_windows; "
+                             "allowed: 0 (per-layer rings keep no spare slots)")
+        per_layer = [tensor_specs(cfg, batch_size, si)
+                     for si in layer_num_slots(cfg, max_seq_len)]
+        tensors = {name: tuple(jnp.zeros(sp[name].shape, sp[name].dtype) for sp in per_layer)
+                   for name in per_layer[0]}
+    for name, spec in (tensor_specs(cfg, batch_size, s).items()
+                       if cfg.layer_windows is None else ()):
         if cfg.scan_layers:
             tensors[name] = jnp.zeros((cfg.num_layers,) + spec.shape, spec.dtype)
         else:
@@ -242,9 +281,13 @@ def clear_unseen(cfg: ModelConfig, cache: KVCache) -> KVCache:
     """
     seen = cache.positions >= 0  # [B, S]
 
-    def clear(x, name):  # one layer's tensor, batch axis 0 (ops.zero_unseen)
+    def clear(x, name, seen=seen):  # one layer's tensor, batch axis 0 (ops.zero_unseen)
         return ops.zero_unseen(x, seen, slot_axis(cfg, name))
 
+    if cfg.layer_windows is not None:  # each layer's own slots
+        return cache.replace(tensors={
+            n: tuple(clear(x, n, layer_positions(cfg, cache, i) >= 0)
+                     for i, x in enumerate(t)) for n, t in cache.tensors.items()})
     tensors = {n: tuple(clear(x, n) for x in t) if isinstance(t, tuple)
                else jax.vmap(lambda x, n=n: clear(x, n))(t)  # stacked: [L, B, ...]
                for n, t in cache.tensors.items()}

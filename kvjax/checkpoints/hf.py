@@ -1,4 +1,5 @@
-"""Reading a Hugging Face checkpoint folder (Llama, Mistral, Qwen2) into HF-layout arrays.
+"""Reading a Hugging Face checkpoint folder (Llama 2/3.x, Mistral, Qwen2, Qwen3) into
+HF-layout arrays.
 
 The folder is what ``transformers``' ``save_pretrained`` writes: ``config.json``, the
 weights as ``model.safetensors`` or as shards listed in ``model.safetensors.index.json``
@@ -12,11 +13,13 @@ special tokens and Jinja ``chat_template``; or a ``chat_template.jinja`` beside 
 The arrays are in the same orientation and under the same names as
 :func:`kvjax.checkpoints.gguf_reader.read_llama_gguf`'s (``[out, in]``, Q/K rows in
 HF's half-split rotary order, which is what HF stores: no permutation to undo), plus the
-Qwen2 biases ``bq`` [L, N·H], ``bk``/``bv`` [L, K·H]. Everything kvjax does not implement
-(another architecture, a rope scaling, output/MLP biases, per-layer windows, quantized
-weights) is refused from ``config.json`` before any tensor is read; a missing shard or a
-tensor of the wrong shape or dtype from the safetensors headers, also before any tensor is
-read. Every failure is a one-line :class:`~kvjax.checkpoints.fetch.WeightsError`.
+Qwen2 biases ``bq`` [L, N·H], ``bk``/``bv`` [L, K·H] and Qwen3's per-head norm scales
+``q_norm``/``k_norm`` [L, H] (its head_dim may differ from D / N). Llama 3.x's rope scaling
+('llama3') becomes ``hparams['rope_scaling']`` (:mod:`kvjax.rope`). Everything kvjax does
+not implement (another architecture, another rope scaling, output/MLP biases, per-layer
+windows, quantized weights) is refused from ``config.json`` before any tensor is read; a
+missing shard or a tensor of the wrong shape or dtype from the safetensors headers, also
+before any tensor is read. Every failure is a one-line :class:`~kvjax.checkpoints.fetch.WeightsError`.
 """
 
 from __future__ import annotations
@@ -34,11 +37,32 @@ from tokenizers import Tokenizer as HFTokenizer
 from kvjax.checkpoints.fetch import SMOLLM2_ARCHITECTURE, WeightsError
 from kvjax.checkpoints.gguf_reader import LlamaGGUF
 from kvjax.checkpoints.tokenizer import Tokenizer
+from kvjax.rope import ROPE_SCALINGS, rope_scaling_pairs
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                           "Qwen2ForCausalLM": "qwen2"}
-# rope_scaling / rope_parameters kinds kvjax implements (plain rotary, Su et al. 2021).
-ROPE_TYPES = (None, "default")
+                           "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                           "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+                           "DeepseekV2ForCausalLM": "deepseek_v2"}
+GEMMA = ("gemma2", "gemma3")
+# ModelConfig fields a Gemma checkpoint states (:func:`_gemma_fields`), with their values
+# in every other family.
+_NOT_GEMMA = dict(mlp_type="swiglu", embed_scale=False, post_norms=False,
+                  query_pre_attn_scalar=None, attn_logit_softcap=None,
+                  final_logit_softcap=None, rope_local_theta=None, layer_windows=None)
+GEMMA_FIELDS = tuple(_NOT_GEMMA)
+# ModelConfig fields a DeepSeek-V2 checkpoint states (:func:`_deepseek_fields`), with
+# their values in every other family.
+_NOT_DEEPSEEK = dict(attention="gqa", kv_lora_rank=None, qk_rope_head_dim=None,
+                     qk_nope_head_dim=None, v_head_dim=None, q_lora_rank=None,
+                     num_experts=0, num_experts_per_tok=0, moe_mlp_dim=0,
+                     num_shared_experts=0, first_dense_layers=0, routed_scaling_factor=1.0,
+                     norm_topk_prob=False, moe_groups=1, moe_topk_groups=1)
+DEEPSEEK_FIELDS = tuple(_NOT_DEEPSEEK)
+# Gemma's MLP activation (GELU's tanh approximation): config.json's names for it.
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
+# rope_scaling / rope_parameters kinds kvjax implements (plain rotary, Su et al. 2021,
+# and the scalings of kvjax.rope).
+ROPE_TYPES = (None, "default", *ROPE_SCALINGS)
 DTYPES = ("F32", "F16", "BF16")  # safetensors element types read
 
 # ModelConfig field -> the config.json key it comes from (the messages of
@@ -54,6 +78,30 @@ CONFIG_KEYS = {
     "norm_eps": "config.json rms_norm_eps",
     "tie_embeddings": "config.json tie_word_embeddings",
     "qkv_bias": "the architecture: Qwen2 has q/k/v biases",
+    "qk_norm": "the architecture: Qwen3 normalises each query and key head",
+    "rope_scaling": "config.json rope_scaling",
+    "mlp_type": "config.json hidden_activation (Gemma: GeGLU)",
+    "embed_scale": "the architecture: Gemma scales its embeddings by sqrt(hidden_size)",
+    "post_norms": "the architecture: Gemma 2 / 3 normalise attention and MLP outputs",
+    "query_pre_attn_scalar": "config.json query_pre_attn_scalar",
+    "attn_logit_softcap": "config.json attn_logit_softcapping",
+    "final_logit_softcap": "config.json final_logit_softcapping",
+    "rope_local_theta": "config.json rope_local_base_freq",
+    "attention": "config.json architectures (DeepSeek-V2: 'mla')",
+    "kv_lora_rank": "config.json kv_lora_rank",
+    "qk_rope_head_dim": "config.json qk_rope_head_dim",
+    "qk_nope_head_dim": "config.json qk_nope_head_dim",
+    "v_head_dim": "config.json v_head_dim",
+    "q_lora_rank": "config.json q_lora_rank",
+    "num_experts": "config.json n_routed_experts",
+    "num_experts_per_tok": "config.json num_experts_per_tok",
+    "moe_mlp_dim": "config.json moe_intermediate_size",
+    "num_shared_experts": "config.json n_shared_experts",
+    "first_dense_layers": "config.json first_k_dense_replace",
+    "routed_scaling_factor": "config.json routed_scaling_factor",
+    "norm_topk_prob": "config.json norm_topk_prob",
+    "moe_groups": "config.json n_group (topk_method 'group_limited_greedy')",
+    "moe_topk_groups": "config.json topk_group",
     "num_kv_heads": "config.json num_key_value_heads",
 }
 
@@ -71,7 +119,28 @@ _LAYER_TENSORS = {
 }
 _BIAS_TENSORS = {"self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk",
                  "self_attn.v_proj.bias": "bv"}
+_QK_NORM_TENSORS = {"self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"}
+# Gemma 2 / 3: post_attention_layernorm normalises the attention output (not the MLP
+# input, as in llama), pre_/post_feedforward_layernorm the MLP's input and output.
+_GEMMA_NORMS = {"input_layernorm.weight": "attn_norm",
+                "post_attention_layernorm.weight": "post_attn_norm",
+                "pre_feedforward_layernorm.weight": "mlp_norm",
+                "post_feedforward_layernorm.weight": "post_mlp_norm"}
 _GLOBAL_TENSORS = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm"}
+
+
+def layer_tensors(hp: dict) -> dict[str, str]:
+    """HF tensor name per layer (after "model.layers.{i}.") -> kvjax's name, for the
+    family of ``hp`` (:func:`read_hf_hparams`)."""
+    out = dict(_LAYER_TENSORS)
+    if hp.get("architecture") in GEMMA:
+        del out["post_attention_layernorm.weight"]
+        out.update(_GEMMA_NORMS)
+    if hp.get("qkv_bias"):
+        out.update(_BIAS_TENSORS)
+    if hp.get("qk_norm"):
+        out.update(_QK_NORM_TENSORS)
+    return out
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer older checkpoints saved
 
 
@@ -113,16 +182,17 @@ def read_hf_hparams(path: str | os.PathLike) -> dict:
       the keys of ``LlamaGGUF.hparams`` (``vocab_size`` ... ``norm_eps``,
       ``context_length`` = max_position_embeddings, ``bos_token_id``/``eos_token_id``
       from config.json or None, ``tie_embeddings``) plus ``qkv_bias`` (Qwen2),
-      ``window_size`` (Mistral's ``sliding_window``, or None), ``architecture``
-      ('llama', 'mistral' or 'qwen2'), ``name`` (the folder's name) and
+      ``qk_norm`` (Qwen3), ``rope_scaling`` (:func:`kvjax.rope.rope_scaling_pairs` of
+      config.json's, or None), ``window_size`` (Mistral's ``sliding_window``, or None),
+      ``architecture`` ('llama', 'mistral', 'qwen2' or 'qwen3'), ``name`` (the folder's name) and
       ``chat_template`` (str or None).
 
     Raises:
       WeightsError: no folder or no config.json; an architecture other than
-        LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM; a field kvjax does not
-        implement (a rope scaling other than the default, output or MLP biases, an
-        activation other than SiLU, per-layer sliding windows, partial rotary,
-        quantized weights), each naming the field and its value.
+        LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; a field
+        kvjax does not implement (a rope scaling other than the default and 'llama3',
+        output or MLP biases, an activation other than SiLU, per-layer sliding windows,
+        partial rotary, quantized weights), each naming the field and its value.
     """
     folder = _folder(path)
     c = _json(folder / "config.json")
@@ -138,36 +208,48 @@ def read_hf_hparams(path: str | os.PathLike) -> dict:
                            f"allowed: {allowed}")
 
     rope = c.get("rope_scaling") or c.get("rope_parameters") or None
-    rope_type = None
-    if rope is not None:
-        if not isinstance(rope, dict):
-            refuse("rope_scaling", rope, "null or {'rope_type': 'default'}")
-        rope_type = rope.get("rope_type", rope.get("type"))
-        if rope_type not in ROPE_TYPES:
-            key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
-            refuse(f"{key}.rope_type", rope_type,
-                   "null or 'default' (plain rotary; linear, dynamic, yarn, longrope and "
-                   "llama3 scaling are not implemented)")
+    rope_key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
+    if rope is not None and not isinstance(rope, dict):
+        refuse(rope_key, rope, "null or an object with a rope_type")
+    try:
+        rope_scaling = rope_scaling_pairs(rope)
+    except ValueError as e:  # names the key; kinds not implemented say so
+        kind = rope.get("rope_type", rope.get("type"))
+        if kind not in ROPE_TYPES:
+            refuse(f"{rope_key}.rope_type", kind,
+                   f"null, 'default' or {', '.join(map(repr, ROPE_SCALINGS))} (dynamic, "
+                   "yarn and longrope scaling are not implemented)")
+        raise WeightsError(f"{where}: {str(e).replace('rope_scaling', rope_key)}") from None
+    if rope_scaling is not None and dict(rope_scaling)["rope_type"] == "yarn" \
+            and arch != "deepseek_v2":
+        refuse(f"{rope_key}.rope_type", "yarn", "null, 'default', 'llama3' or 'linear' "
+               "(yarn is implemented as DeepSeek-V2 writes it, for DeepseekV2ForCausalLM)")
+    deepseek = _deepseek_fields(c, refuse) if arch == "deepseek_v2" else {}
     for key, ok in (("attention_bias", False), ("mlp_bias", False)):
         if arch != "qwen2" and c.get(key, ok) != ok:
             refuse(key, c[key], f"{ok} (kvjax's llama blocks have no output/MLP biases)")
-    if c.get("hidden_act", "silu") != "silu":
+    if arch in GEMMA:
+        act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in GEMMA_ACTIVATIONS:
+            refuse("hidden_activation", act, "'gelu_pytorch_tanh' (GeGLU MLP)")
+    elif c.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", c["hidden_act"], "'silu' (SwiGLU MLP)")
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         refuse("partial_rotary_factor", c["partial_rotary_factor"], "1.0 (full rotary)")
     if c.get("quantization_config"):
         refuse("quantization_config", c["quantization_config"].get("quant_method", "?"),
                "none (float32, float16 or bfloat16 safetensors)")
-    if arch == "qwen2" and c.get("use_sliding_window"):
+    if arch in ("qwen2", "qwen3") and c.get("use_sliding_window"):
         refuse("use_sliding_window", True,
-               "false (Qwen2's window applies to some layers only; kvjax's window, "
+               "false (Qwen2's / Qwen3's window applies to some layers only; kvjax's window, "
                "model.window_size, applies to every layer)")
     types = set(c.get("layer_types") or [])
-    if len(types) > 1:
+    if len(types) > 1 and arch not in GEMMA:
         refuse("layer_types", sorted(types), "one attention kind on every layer")
-    window = c.get("sliding_window") if arch == "mistral" else None
+    window = c.get("sliding_window") if arch in ("mistral", *GEMMA) else None
     if window is not None and (not isinstance(window, int) or window <= 0):
         refuse("sliding_window", window, "null or a positive integer")
+    gemma = _gemma_fields(c, arch, window, refuse) if arch in GEMMA else {}
 
     try:
         d_model = int(c["hidden_size"])
@@ -187,7 +269,9 @@ def read_hf_hparams(path: str | os.PathLike) -> dict:
             eos_token_id=_first_id(c.get("eos_token_id")),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2",
-            window_size=window,
+            qk_norm=arch == "qwen3",
+            rope_scaling=rope_scaling,
+            window_size=None if arch in GEMMA else window,
             architecture=arch,
             name=folder.resolve().name,
         )
@@ -196,11 +280,83 @@ def read_hf_hparams(path: str | os.PathLike) -> dict:
             from None
     except (TypeError, ValueError) as e:
         raise WeightsError(f"{where}: a size field is not a number ({e})") from None
+    hp.update(_NOT_GEMMA, **gemma)
+    hp.update(_NOT_DEEPSEEK, **deepseek)
+    if arch == "gemma3":
+        hp["qk_norm"] = True
     if hp["num_heads"] % hp["num_kv_heads"]:
         raise WeightsError(f"{where}: num_attention_heads={hp['num_heads']} do not group "
                            f"into num_key_value_heads={hp['num_kv_heads']}")
     hp["chat_template"] = read_chat_template(folder)
     return hp
+
+
+def _deepseek_fields(c: dict, refuse) -> dict:
+    """The ModelConfig fields of a DeepSeek-V2 / V2-Lite config.json: MLA's sizes
+    (num_kv_heads = N, head_dim = nope + R: kvjax.presets' convention) and the MoE's
+    (routed and shared experts, top-k routing 'greedy' or 'group_limited_greedy' over
+    softmax scores, the first first_k_dense_replace layers dense, an MoE MLP on every
+    later layer)."""
+    if c.get("scoring_func", "softmax") != "softmax":
+        refuse("scoring_func", c["scoring_func"], "'softmax'")
+    method = c.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        refuse("topk_method", method, "'greedy' or 'group_limited_greedy'")
+    if c.get("moe_layer_freq", 1) != 1:
+        refuse("moe_layer_freq", c["moe_layer_freq"], "1 (an MoE MLP on every layer "
+               "after first_k_dense_replace)")
+    n = int(c["num_attention_heads"])
+    nope, r = int(c["qk_nope_head_dim"]), int(c["qk_rope_head_dim"])
+    experts = int(c.get("n_routed_experts") or 0)
+    grouped = method == "group_limited_greedy"
+    out = dict(attention="mla", num_kv_heads=n, head_dim=nope + r,
+               kv_lora_rank=int(c["kv_lora_rank"]), qk_rope_head_dim=r,
+               qk_nope_head_dim=nope, v_head_dim=int(c["v_head_dim"]),
+               q_lora_rank=None if c.get("q_lora_rank") is None else int(c["q_lora_rank"]))
+    if experts:
+        out.update(num_experts=experts, num_experts_per_tok=int(c["num_experts_per_tok"]),
+                   moe_mlp_dim=int(c["moe_intermediate_size"]),
+                   num_shared_experts=int(c.get("n_shared_experts") or 0),
+                   first_dense_layers=int(c.get("first_k_dense_replace") or 0),
+                   routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+                   norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+                   moe_groups=int(c.get("n_group") or 1) if grouped else 1,
+                   moe_topk_groups=int(c.get("topk_group") or 1) if grouped else 1)
+    return out
+
+
+def _gemma_fields(c: dict, arch: str, window: int | None, refuse) -> dict:
+    """The ModelConfig fields of a Gemma 2 / 3 config.json beside the llama ones:
+    GeGLU, embeddings times sqrt(D), post-norms, query_pre_attn_scalar, the soft-caps
+    (Gemma 2), the local layers' rotary base (Gemma 3's rope_local_base_freq) and the
+    per-layer windows: ``layer_types`` when stated, else transformers' defaults (Gemma 2:
+    even layers sliding; Gemma 3: every layer but each sliding_window_pattern-th)."""
+    n = int(c["num_hidden_layers"])
+    kinds = c.get("layer_types")
+    if kinds is None:
+        every = 2 if arch == "gemma2" else int(c.get("sliding_window_pattern", 6))
+        kinds = ["sliding_attention" if (i + 1) % every else "full_attention"
+                 for i in range(n)]
+    bad = sorted(set(kinds) - {"sliding_attention", "full_attention"})
+    if bad or len(kinds) != n:
+        refuse("layer_types", bad or len(kinds),
+               f"{n} entries of 'sliding_attention' / 'full_attention'")
+    if "sliding_attention" in kinds and window is None:
+        refuse("sliding_window", None, "a positive integer (the sliding layers' window)")
+    layer_windows = tuple(window if k == "sliding_attention" else None for k in kinds)
+
+    def cap(key: str) -> float | None:
+        v = c.get(key)
+        return None if v is None else float(v)
+
+    return dict(
+        mlp_type="geglu", embed_scale=True, post_norms=True,
+        query_pre_attn_scalar=cap("query_pre_attn_scalar"),
+        attn_logit_softcap=cap("attn_logit_softcapping"),
+        final_logit_softcap=cap("final_logit_softcapping"),
+        rope_local_theta=cap("rope_local_base_freq") if arch == "gemma3" else None,
+        layer_windows=None if all(w is None for w in layer_windows) else layer_windows,
+        tie_embeddings=bool(c.get("tie_word_embeddings", True)))
 
 
 def read_chat_template(path: str | os.PathLike) -> str | None:
@@ -222,16 +378,17 @@ def read_chat_template(path: str | os.PathLike) -> str | None:
 def model_fields(hparams: dict) -> dict:
     """The ``ModelConfig`` fields a checkpoint states (:func:`read_hf_hparams`):
     vocab_size, num_layers, d_model, num_heads, num_kv_heads, head_dim, mlp_dim,
-    rope_theta, norm_eps, tie_embeddings, qkv_bias, window_size and name."""
+    rope_theta, norm_eps, tie_embeddings, qkv_bias, qk_norm, rope_scaling, window_size,
+    name and Gemma's :data:`GEMMA_FIELDS`."""
     keys = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
-            "mlp_dim", "rope_theta", "norm_eps", "tie_embeddings", "qkv_bias",
-            "window_size", "name")
+            "mlp_dim", "rope_theta", "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm",
+            "rope_scaling", "window_size", "name", *GEMMA_FIELDS, *DEEPSEEK_FIELDS)
     return {k: hparams[k] for k in keys}
 
 
 # Fields a checkpoint states whose config value may differ from it: levers applied to the
 # checkpoint's weights (kvjax.models.convert) rather than facts about them.
-_LEVERS = ("num_kv_heads", "window_size", "name")
+_LEVERS = ("num_kv_heads", "window_size", "layer_windows", "name", "attention")
 
 
 def checkpoint_model(model: dict, weights_path: str | os.PathLike | None) -> dict:
@@ -262,7 +419,8 @@ def checkpoint_model(model: dict, weights_path: str | os.PathLike | None) -> dic
     hparams = read_hf_hparams(weights_path)
     stated = model_fields(hparams)
     published = dict(SMOLLM2_ARCHITECTURE, name="smollm2-135m", qkv_bias=False,
-                     window_size=None)
+                     qk_norm=False, rope_scaling=None, window_size=None, **_NOT_GEMMA,
+                     **{k: v for k, v in _NOT_DEEPSEEK.items() if k != "attention"})
     out = dict(model)
 
     def same(a: Any, b: Any) -> bool:
@@ -317,19 +475,61 @@ def _open(path: pathlib.Path):
                            f"({type(e).__name__}: {e})") from None
 
 
+def _deepseek_layer_shapes(hp: dict, i: int) -> dict[str, tuple]:
+    """DeepSeek-V2 layer ``i``'s HF tensor names (after "model.layers.{i}.") and
+    shapes: MLA (q_proj, or q_a_proj / q_a_layernorm / q_b_proj with q_lora_rank;
+    kv_a_proj_with_mqa [C + R, D], kv_a_layernorm, kv_b_proj [N·(nope + v), C], o_proj)
+    and a dense MLP below first_dense_layers, else the router mlp.gate [E, D], E experts
+    and the shared experts' SwiGLU."""
+    D, N, F = hp["d_model"], hp["num_heads"], hp["mlp_dim"]
+    C, R, P, V = (hp[k] for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                                  "v_head_dim"))
+    Q = hp["q_lora_rank"]
+    out = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
+           "self_attn.kv_a_proj_with_mqa.weight": (C + R, D),
+           "self_attn.kv_a_layernorm.weight": (C,),
+           "self_attn.kv_b_proj.weight": (N * (P + V), C),
+           "self_attn.o_proj.weight": (D, N * V)}
+    if Q is None:
+        out["self_attn.q_proj.weight"] = (N * (P + R), D)
+    else:
+        out.update({"self_attn.q_a_proj.weight": (Q, D), "self_attn.q_a_layernorm.weight": (Q,),
+                    "self_attn.q_b_proj.weight": (N * (P + R), Q)})
+    swiglu = lambda pre, f: {f"{pre}.gate_proj.weight": (f, D),  # noqa: E731
+                             f"{pre}.up_proj.weight": (f, D),
+                             f"{pre}.down_proj.weight": (D, f)}
+    if not hp["num_experts"] or i < hp["first_dense_layers"]:
+        out.update(swiglu("mlp", F))
+        return out
+    E, Fe = hp["num_experts"], hp["moe_mlp_dim"]
+    out["mlp.gate.weight"] = (E, D)
+    for j in range(E):
+        out.update(swiglu(f"mlp.experts.{j}", Fe))
+    if hp["num_shared_experts"]:
+        out.update(swiglu("mlp.shared_experts", hp["num_shared_experts"] * Fe))
+    return out
+
+
 def expected_shapes(hp: dict) -> dict[str, tuple]:
     """HF tensor name -> the shape the hyper-parameters imply (HF ``[out, in]``)."""
     V, L, D, N, K, H, F = (hp[k] for k in (
         "vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
         "mlp_dim"))
-    layer = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
-             "self_attn.q_proj.weight": (N * H, D), "self_attn.k_proj.weight": (K * H, D),
-             "self_attn.v_proj.weight": (K * H, D), "self_attn.o_proj.weight": (D, N * H),
-             "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D),
-             "mlp.down_proj.weight": (D, F)}
-    if hp.get("qkv_bias"):
-        layer.update({"self_attn.q_proj.bias": (N * H,), "self_attn.k_proj.bias": (K * H,),
-                      "self_attn.v_proj.bias": (K * H,)})
+    if hp.get("architecture") == "deepseek_v2":
+        out = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+        if not hp["tie_embeddings"]:
+            out["lm_head.weight"] = (V, D)
+        for i in range(L):
+            out.update({f"model.layers.{i}.{n}": s
+                        for n, s in _deepseek_layer_shapes(hp, i).items()})
+        return out
+    shapes = {"self_attn.q_proj.weight": (N * H, D), "self_attn.k_proj.weight": (K * H, D),
+              "self_attn.v_proj.weight": (K * H, D), "self_attn.o_proj.weight": (D, N * H),
+              "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D),
+              "mlp.down_proj.weight": (D, F), "self_attn.q_norm.weight": (H,),
+              "self_attn.k_norm.weight": (H,), "self_attn.q_proj.bias": (N * H,),
+              "self_attn.k_proj.bias": (K * H,), "self_attn.v_proj.bias": (K * H,)}
+    layer = {n: shapes.get(n, (D,)) for n in layer_tensors(hp)}  # the rest: norms [D]
     out = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
     if not hp["tie_embeddings"]:
         out["lm_head.weight"] = (V, D)
@@ -341,7 +541,7 @@ def expected_shapes(hp: dict) -> dict[str, tuple]:
 def read_hf_checkpoint(path: str | os.PathLike, dtype: Any = np.float32,
                        progress: bool = True,
                        check: Callable[[dict], None] | None = None) -> LlamaGGUF:
-    """Reads a Hugging Face Llama / Mistral / Qwen2 checkpoint folder.
+    """Reads a Hugging Face Llama / Mistral / Qwen2 / Qwen3 checkpoint folder.
 
     Every tensor is read with ``safetensors`` (float32, float16 or bfloat16) and cast to
     ``dtype``. HF stores Q/K rows in half-split rotary order, kvjax's
@@ -357,7 +557,12 @@ def read_hf_checkpoint(path: str | os.PathLike, dtype: Any = np.float32,
     Returns:
       a :class:`~kvjax.checkpoints.gguf_reader.LlamaGGUF` (hparams as
       :func:`read_hf_hparams`; tensors under gguf_reader's names and shapes, plus
-      ``lm_head`` [V, D] when untied and ``bq``/``bk``/``bv`` for Qwen2; path the folder).
+      ``lm_head`` [V, D] when untied and ``bq``/``bk``/``bv`` for Qwen2,
+      ``q_norm``/``k_norm`` for Qwen3 and Gemma 3, ``post_attn_norm``/``post_mlp_norm``
+      [L, D] for Gemma 2 / 3, whose norm scales are returned as the (1 + w) its RMSNorm
+      multiplies by; DeepSeek-V2: ``layers``, a list of per-layer dicts under the HF
+      names after "model.layers.{i}." (:func:`kvjax.models.convert.params_from_deepseek`);
+      path the folder).
 
     Raises:
       WeightsError: as :func:`read_hf_hparams`; a shard named by the index is missing; a
@@ -401,9 +606,15 @@ def read_hf_checkpoint(path: str | os.PathLike, dtype: Any = np.float32,
     tensors = {ours: get(name) for name, ours in _GLOBAL_TENSORS.items()}
     if not hp["tie_embeddings"]:
         tensors["lm_head"] = get("lm_head.weight")
-    per_layer = dict(_LAYER_TENSORS, **(_BIAS_TENSORS if hp["qkv_bias"] else {}))
-    stacked: dict[str, np.ndarray] = {}
     L = hp["num_layers"]
+    if hp["architecture"] == "deepseek_v2":  # layers differ (dense / MoE): a list
+        tensors["layers"] = [
+            {n: get(f"model.layers.{i}.{n}") for n in _deepseek_layer_shapes(hp, i)}
+            for i in tqdm.trange(L, desc=f"reading {folder.name}", unit="layer",
+                                 disable=not progress)]
+        return LlamaGGUF(hparams=hp, tensors=tensors, path=folder)
+    per_layer = layer_tensors(hp)
+    stacked: dict[str, np.ndarray] = {}
     for i in tqdm.trange(L, desc=f"reading {folder.name}", unit="layer", disable=not progress):
         for hname, ours in per_layer.items():
             a = get(f"model.layers.{i}.{hname}")
@@ -411,6 +622,10 @@ def read_hf_checkpoint(path: str | os.PathLike, dtype: Any = np.float32,
                 stacked[ours] = np.empty((L, *a.shape), dtype)
             stacked[ours][i] = a
     tensors.update(stacked)
+    if hp["architecture"] in GEMMA:  # Gemma's RMSNorm multiplies by (1 + w)
+        for name in ("final_norm", *_GEMMA_NORMS.values(), *_QK_NORM_TENSORS.values()):
+            if name in tensors:
+                tensors[name] = (1 + tensors[name].astype(np.float32)).astype(dtype)
     return LlamaGGUF(hparams=hp, tensors=tensors, path=folder)
 
 

@@ -99,12 +99,15 @@ def load(run: RunConfig, progress: bool = True, check_prompt: bool = False) -> L
             check_tokenizer=lambda fields: tokenizer.append(
                 fits(checkpoints.tokenizer_from_fields(fields, path))))
     h = ckpt.hparams
-    params = convert.params_from_gguf(ckpt.tensors, h["num_heads"], h["num_kv_heads"],
-                                      h["head_dim"], tied="lm_head" not in ckpt.tensors)
-    try:
-        params = convert.convert_kv_heads(params, cfg.num_kv_heads)
-    except ValueError as e:
-        raise ConfigError(f"invalid config: {e}") from None
+    if h.get("architecture") == "deepseek_v2":  # MLA (+ MoE): its own layout
+        params = convert.params_from_deepseek(ckpt.tensors, h)
+    else:
+        params = convert.params_from_gguf(ckpt.tensors, h["num_heads"], h["num_kv_heads"],
+                                          h["head_dim"], tied="lm_head" not in ckpt.tensors)
+        try:
+            params = convert.convert_kv_heads(params, cfg.num_kv_heads)
+        except ValueError as e:
+            raise ConfigError(f"invalid config: {e}") from None
     params = jax.tree.map(jnp.asarray, model.params_for(cfg, params))
     return LoadedModel(cfg, params, tokenizer[0], h.get("context_length") or None)
 

@@ -23,7 +23,7 @@ from kvjax.cache import paged as paged_lib
 from kvjax.cache.policy import policy_for
 from kvjax.config import ModelConfig
 from kvjax.models import decode_kernels, flash
-from kvjax.models.layers import Einsum, apply_rope
+from kvjax.models.layers import Einsum, RMSNorm, apply_rope
 from kvjax.native import prefill as native_prefill
 from kvjax.ops import NEG_INF, weight_dtype
 from kvjax.ops import layout_spec as _spec
@@ -47,9 +47,16 @@ def dot_operand(x: jax.Array, backend: str | None = None) -> jax.Array:
     return ops.dot_operand(x, backend or backend_lib.current())
 
 
+def softcap(x: jax.Array, cap: float) -> jax.Array:
+    """Soft-capping cap·tanh(x / cap) (Gemma 2, Team 2024 sec. 2: attention scores and
+    final logits): x's shape and dtype, values in (-cap, cap)."""
+    return cap * jnp.tanh(x / cap)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
            k_layout: str = "BKSH", v_layout: str = "BKSH",
-           backend: str | None = None, sinks: tuple | None = None) -> jax.Array:
+           backend: str | None = None, sinks: tuple | None = None,
+           logit_softcap: float | None = None) -> jax.Array:
     """Softmax attention of grouped queries over one layer's keys and values.
 
     Args:
@@ -62,6 +69,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
       sinks: (q_sink [B, T, K, G, H], is_sink [B, S] bool) or None: keys flagged as
         attention sinks are scored with ``q_sink`` (the queries rotated at their cache
         positions, StreamingLLM) instead of ``q``.
+      logit_softcap: c, or None: the scaled scores s become c·tanh(s / c)
+        (:func:`softcap`) before the mask.
     Returns:
       [B, T, K, G, Hv] in v's dtype. Scores, softmax weights and the value product are
       float32 (the weights are not rounded to v's dtype: in bf16 that erred by 1.7e-3 on
@@ -79,6 +88,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
         s_sink = jnp.einsum(f"BTKGH,{_spec(k_layout)}->BKGTS", dot_operand(q_sink, backend),
                             dot_operand(k, backend), preferred_element_type=jnp.float32)
         scores = jnp.where(is_sink[:, None, None, None, :], s_sink * scale, scores)
+    if logit_softcap is not None:
+        scores = softcap(scores, logit_softcap)
     visible = mask[:, None, None, :, :]
     scores = jnp.where(visible, scores, NEG_INF)
     m = jnp.max(scores, axis=-1, keepdims=True)
@@ -288,6 +299,34 @@ def _attend_step_kernel(q1, k_cache, v_cache, mask, k_new, v_new, k_layout, v_la
     return out[:, None].astype(v_cache.dtype)
 
 
+def _attend_softcapped(c: ModelConfig, q, k_cur, v_cur, positions, cached,
+                       cached_positions):
+    """Attention with soft-capped scores (``c.attn_logit_softcap``, Gemma 2): the dense
+    formulation (:func:`attend`) over (the layer's cached slots ++ the chunk), for
+    prompts and decode steps alike; slots no query sees contribute nothing (their
+    values zeroed). q [B, T, K, G, H]; returns [B, T, K, G, H]."""
+    k_layout, v_layout = c.cache_layout("k"), c.cache_layout("v")
+    mask = cache_lib.attention_mask(positions, positions, c)
+    k, v = k_cur, v_cur
+    if cached is not None:
+        k_old, v_old = cache_lib.read(c, cached, "k"), cache_lib.read(c, cached, "v")
+        mask_old = cache_lib.attention_mask(positions, cached_positions, c)
+        v_old = ops.zero_unseen(v_old, jnp.any(mask_old, axis=1), cache_lib.slot_axis(c, "v"))
+        k = jnp.concatenate([k_old, k_cur], axis=cache_lib.slot_axis(c, "k"))
+        v = jnp.concatenate([v_old, v_cur], axis=cache_lib.slot_axis(c, "v"))
+        mask = jnp.concatenate([mask_old, mask], axis=2)
+    return attend(q, k, v, mask, k_layout, v_layout, backend=c.backend,
+                  logit_softcap=c.attn_logit_softcap)
+
+
+def query_scale(c: ModelConfig) -> float:
+    """The factor queries are multiplied by so that attention's H^-1/2 becomes
+    ``query_pre_attn_scalar``^-1/2 (Gemma 2 / 3); 1.0 without it."""
+    if c.query_pre_attn_scalar is None:
+        return 1.0
+    return (c.head_dim / c.query_pre_attn_scalar) ** 0.5
+
+
 def _page_size(cached) -> int:
     """P of a paged layer (:class:`kvjax.cache.paged.PagedLayer`), 0 for a dense one."""
     return cached.page_size if isinstance(cached, paged_lib.PagedLayer) else 0
@@ -425,12 +464,26 @@ def attend_cached_seq(plan, q, k_old, v_old, mask_old, k_new, v_new, mask_new,
     return ops.finish(ops.merge(old, new)).astype(v_new.dtype)
 
 
+def norm_heads(c: ModelConfig, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Queries [B, T, N, H] and keys [B, T, K, H] through their per-head RMSNorms
+    (parameters 'q_norm', 'k_norm': one scale [H] each) when ``c.qk_norm`` (Qwen3,
+    ``Qwen3Attention``: after the projections, before the rotary embedding); else as
+    they are. Called inside :class:`Attention`'s compact scope."""
+    if not c.qk_norm:
+        return q, k
+    dt = c.jnp_dtype
+    return (RMSNorm(c.norm_eps, dt, name="q_norm")(q),
+            RMSNorm(c.norm_eps, dt, name="k_norm")(k))
+
+
 class Attention(nn.Module):
     """Grouped-query attention layer with a functional KV cache.
 
     Parameters: q_proj [D, N, H], k_proj [D, K, H], v_proj [D, K, H], o_proj [N, H, D]
     ('kernel'), and with ``cfg.qkv_bias`` (Qwen2) a 'bias' of q_proj [N, H], k_proj and
-    v_proj [K, H], added before the rotary embedding.
+    v_proj [K, H], added before the rotary embedding; with ``cfg.qk_norm`` (Qwen3)
+    q_norm and k_norm 'scale' [H], an RMSNorm of each head (:func:`norm_heads`) before
+    the rotary embedding.
     """
 
     cfg: ModelConfig
@@ -461,13 +514,18 @@ class Attention(nn.Module):
         q = Einsum((c.d_model, n, h), "BTD,DNH->BTNH", dt, name="q_proj", **proj)(x)
         kk = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="k_proj", **proj)(x)
         vv = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="v_proj", **proj)(x)
+        q, kk = norm_heads(c, q, kk)
         # Sinks at cache positions (StreamingLLM): sink keys are scored with the queries
         # rotated at their cache positions instead of their absolute ones.
         sink_q = sink_query_positions(c, positions)
-        q_sink = None if sink_q is None else apply_rope(
-            q, sink_q, c.rope_theta).reshape(b, t, k, g, h)
-        q = apply_rope(q, positions, c.rope_theta).reshape(b, t, k, g, h)
-        kk = jnp.swapaxes(apply_rope(kk, positions, c.rope_theta), 1, 2)  # [B, K, T, H]
+        rot = dict(theta=c.rope_theta, scaling=c.rope_scaling)
+        q_sink = None if sink_q is None else apply_rope(q, sink_q, **rot).reshape(
+            b, t, k, g, h)
+        q = apply_rope(q, positions, **rot).reshape(b, t, k, g, h)
+        if c.query_pre_attn_scalar is not None:  # the scale query_pre_attn_scalar^-1/2
+            q = q * jnp.asarray(query_scale(c), q.dtype)
+            q_sink = None if q_sink is None else q_sink * jnp.asarray(query_scale(c), q.dtype)
+        kk = jnp.swapaxes(apply_rope(kk, positions, **rot), 1, 2)  # [B, K, T, H]
         vv = jnp.swapaxes(vv, 1, 2)
 
         k_layout, v_layout = c.cache_layout("k"), c.cache_layout("v")
@@ -484,7 +542,9 @@ class Attention(nn.Module):
                       k_layout=k_layout, v_layout=v_layout)
         # The chunk attends to its own entries as the cache will hold them.
         k_cur, v_cur = cache_lib.read(c, new, "k"), cache_lib.read(c, new, "v")
-        if cached is None:  # no cache, or an empty one (a fresh prefill)
+        if c.attn_logit_softcap is not None:  # Gemma 2: the dense formulation
+            out = _attend_softcapped(c, q, k_cur, v_cur, positions, cached, cached_positions)
+        elif cached is None:  # no cache, or an empty one (a fresh prefill)
             if path == "cudnn":
                 out = flash.attend_chunk_sdpa(q, k_cur, v_cur, positions, k_layout=k_layout,
                                               v_layout=v_layout, window_size=c.window_size)

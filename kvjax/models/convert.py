@@ -64,8 +64,9 @@ def check_compatible(cfg: ModelConfig, hparams: dict, keys: dict | None = None) 
         arch = hparams.get("architecture", "llama")
         keys = {f: k.replace("llama.", f"{arch}.") for f, k in CHECKPOINT_FIELDS.items()}
     for f, key in keys.items():
-        if f not in hparams or f == "num_kv_heads":
-            continue
+        if f not in hparams or f == "num_kv_heads" or (
+                f == "attention" and "mla" not in (cfg.attention, hparams[f])):
+            continue  # mha / gqa / mqa: lever 1 on the same weights
         ours, theirs = getattr(cfg, f), hparams[f]
         if not _same(f, ours, theirs):
             raise ValueError(
@@ -76,10 +77,12 @@ def check_compatible(cfg: ModelConfig, hparams: dict, keys: dict | None = None) 
         raise ValueError(
             f"model.num_kv_heads={k} cannot be made from the checkpoint's {k_file} KV heads "
             f"({keys['num_kv_heads']}); allowed: a multiple or a divisor of {k_file}")
-    if cfg.mlp_type != "swiglu" or cfg.attention == "mla":
+    if cfg.mlp_type not in ("swiglu", "geglu") or (
+            cfg.attention == "mla") != (hparams.get("attention") == "mla"):
         raise ValueError(
             f"model.mlp_type={cfg.mlp_type!r}, attention={cfg.attention!r}: the llama "
-            "checkpoint needs mlp_type='swiglu' and attention in mha/gqa/mqa")
+            "checkpoint needs mlp_type='swiglu' (Gemma: 'geglu') and attention in "
+            "mha/gqa/mqa (DeepSeek-V2: 'mla')")
 
 
 def params_from_gguf(tensors: dict, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -92,7 +95,9 @@ def params_from_gguf(tensors: dict, num_heads: int, num_kv_heads: int, head_dim:
       num_heads, num_kv_heads, head_dim: N, K, H of the checkpoint.
       tied: LM head shares the embedding (SmolLM2); else ``tensors['lm_head']`` [V, D].
         Optional ``bq`` [L, N·H], ``bk``/``bv`` [L, K·H]: q/k/v biases (Qwen2), which
-        become the projections' 'bias' [L, N, H] / [L, K, H].
+        become the projections' 'bias' [L, N, H] / [L, K, H]; ``q_norm``/``k_norm``
+        [L, H]: the per-head norm scales (Qwen3, Gemma 3), 'q_norm'/'k_norm' 'scale';
+        ``post_attn_norm``/``post_mlp_norm`` [L, D]: Gemma's post-norms.
     Returns:
       The parameter pytree with a leading L axis under 'layers'.
     """
@@ -124,6 +129,12 @@ def params_from_gguf(tensors: dict, num_heads: int, num_kv_heads: int, head_dim:
             b = tensors[name]
             layers["attn"][proj]["bias"] = np.ascontiguousarray(
                 b.reshape(b.shape[0], n, head_dim))
+    for name in ("q_norm", "k_norm"):
+        if name in tensors:
+            layers["attn"][name] = {"scale": tensors[name]}
+    for name in ("post_attn_norm", "post_mlp_norm"):
+        if name in tensors:
+            layers[name] = {"scale": tensors[name]}
     params = {"embed": {"embedding": tensors["embed"]},
               "final_norm": {"scale": tensors["final_norm"]}, "layers": layers}
     if not tied:
@@ -330,3 +341,67 @@ def gqa_to_mla(params: dict, cfg: ModelConfig, kv_lora_rank: int,
     }
     layers = dict(params["layers"], attn=new_attn)
     return mcfg, dict(params, layers=layers)
+
+
+def params_from_deepseek(tensors: dict, hparams: dict) -> dict:
+    """A DeepSeek-V2 / V2-Lite checkpoint (:func:`kvjax.checkpoints.hf.read_hf_checkpoint`:
+    embed, final_norm, lm_head and ``layers``, per-layer dicts under HF's names) -> the
+    per-layer ('layers_i') DecoderLM params of an MLA model (:mod:`kvjax.models.mla`)
+    with dense or MoE MLPs (:class:`kvjax.models.layers.MoE`).
+
+    DeepSeek rotates interleaved pairs (2i, 2i + 1) of q_pe and k_pe (its
+    ``apply_rotary_pos_emb`` regroups them before rotate_half); kvjax rotates i with
+    i + R/2. The R rotary rows of q_proj / q_b_proj (per head) and of
+    kv_a_proj_with_mqa are reordered [0, 2, ..., R-2, 1, 3, ..., R-1] on load, which
+    gives the same scores (queries and keys reordered alike).
+
+    Returns numpy arrays in the checkpoint's dtype.
+    """
+    n, c, r = hparams["num_heads"], hparams["kv_lora_rank"], hparams["qk_rope_head_dim"]
+    p, v = hparams["qk_nope_head_dim"], hparams["v_head_dim"]
+    perm = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
+    rows = np.concatenate([np.arange(p), p + perm])  # one head's query rows, reordered
+    t = lambda a: np.ascontiguousarray(np.swapaxes(a, -1, -2))  # noqa: E731 [out,in]->[in,out]
+
+    def q_heads(w):  # [N·(P + R), in] -> [in, N, P + R], rotary rows reordered
+        w = w.reshape(n, p + r, -1)[:, rows]
+        return np.ascontiguousarray(np.transpose(w, (2, 0, 1)))
+
+    def swiglu(lay, pre):
+        return {"gate": {"kernel": t(lay[f"{pre}.gate_proj.weight"])},
+                "up": {"kernel": t(lay[f"{pre}.up_proj.weight"])},
+                "down": {"kernel": t(lay[f"{pre}.down_proj.weight"])}}
+
+    out = {"embed": {"embedding": tensors["embed"]},
+           "final_norm": {"scale": tensors["final_norm"]}}
+    if "lm_head" in tensors:
+        out["lm_head"] = {"kernel": t(tensors["lm_head"])}
+    for i, lay in enumerate(tensors["layers"]):
+        kv_a = lay["self_attn.kv_a_proj_with_mqa.weight"]  # [C + R, D]
+        kv_b = lay["self_attn.kv_b_proj.weight"].reshape(n, p + v, c)
+        attn = {"w_dkv": {"kernel": t(kv_a[:c])},
+                "kv_norm": {"scale": lay["self_attn.kv_a_layernorm.weight"]},
+                "w_kr": {"kernel": t(kv_a[c:][perm])},
+                "w_uk": {"kernel": t(kv_b[:, :p])}, "w_uv": {"kernel": t(kv_b[:, p:])},
+                "wo": {"kernel": np.ascontiguousarray(
+                    t(lay["self_attn.o_proj.weight"]).reshape(n, v, -1))}}
+        if "self_attn.q_proj.weight" in lay:
+            attn["w_q"] = {"kernel": q_heads(lay["self_attn.q_proj.weight"])}
+        else:
+            attn.update(w_dq={"kernel": t(lay["self_attn.q_a_proj.weight"])},
+                        q_norm={"scale": lay["self_attn.q_a_layernorm.weight"]},
+                        w_uq={"kernel": q_heads(lay["self_attn.q_b_proj.weight"])})
+        if "mlp.gate.weight" in lay:
+            e = lay["mlp.gate.weight"].shape[0]
+            experts = [swiglu(lay, f"mlp.experts.{j}") for j in range(e)]
+            mlp = {"router": {"kernel": t(lay["mlp.gate.weight"])},
+                   **{f"experts_{k}": np.stack([x[k]["kernel"] for x in experts])
+                      for k in ("gate", "up", "down")}}
+            if "mlp.shared_experts.gate_proj.weight" in lay:
+                mlp["shared"] = swiglu(lay, "mlp.shared_experts")
+        else:
+            mlp = swiglu(lay, "mlp")
+        out[f"layers_{i}"] = {"attn_norm": {"scale": lay["input_layernorm.weight"]},
+                              "mlp_norm": {"scale": lay["post_attention_layernorm.weight"]},
+                              "attn": attn, "mlp": mlp}
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import flax.linen as nn
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import rope
 from kvjax.models import weight_matmul
 from kvjax.plan import Plan
 
@@ -82,7 +84,8 @@ class RMSNorm(nn.Module):
         return (y * jnp.expand_dims(scale.astype(jnp.float32), range(y.ndim - 1))).astype(self.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float,
+               scaling: tuple | None = None) -> jax.Array:
     """Rotary position embedding (Su et al. 2021), half-split ('rotate_half') convention.
 
     Pairs dimension i with i + H/2 (the HF llama layout; llama.cpp's GGUF rows are
@@ -92,24 +95,106 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
       x: [B, T, ..., H] queries or keys (any dtype; H even).
       positions: [B, T] int32 absolute positions.
       theta: rotary base (SmolLM2: 1e5).
+      scaling: ``ModelConfig.rope_scaling`` (a checkpoint's scaled frequencies,
+        :func:`kvjax.rope.inverse_frequencies`), or None for plain rotary.
     Returns:
       [B, T, ..., H], same dtype as x.
     """
     h = x.shape[-1]
-    inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
+    if scaling is None:
+        inv_freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)  # [H/2]
+    else:  # config constants: computed in float64 once, at trace time
+        inv_freq = jnp.asarray(rope.inverse_frequencies(h, theta, scaling), jnp.float32)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq[None, None]  # [B, T, H/2]
     angles = angles.reshape(angles.shape[:2] + (1,) * (x.ndim - 3) + angles.shape[-1:])
     cos, sin = jnp.cos(angles), jnp.sin(angles)
+    amplitude = rope.rotary_amplitude(scaling)  # YaRN's mscale ratio; 1 otherwise
+    if amplitude != 1.0:
+        cos, sin = cos * amplitude, sin * amplitude
     x32 = x.astype(jnp.float32)
     x1, x2 = x32[..., : h // 2], x32[..., h // 2:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
 
 
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """(values, indices) [..., k] of the k largest entries of x [..., E], largest first,
+    the lower index first among equals: k rounds of argmax (k is a handful). Not
+    ``jax.lax.top_k``: on CPU it lowers to a TopK custom call whose comparator XLA's
+    cost analysis of a re-parsed module cannot find (kvjax.analysis.hlo_cost)."""
+    vals, idxs = [], []
+    for _ in range(k):
+        i = jnp.argmax(x, axis=-1)
+        vals.append(jnp.take_along_axis(x, i[..., None], axis=-1)[..., 0])
+        idxs.append(i)
+        x = jnp.where(jax.nn.one_hot(i, x.shape[-1], dtype=bool), -jnp.inf, x)
+    return jnp.stack(vals, axis=-1), jnp.stack(idxs, axis=-1)
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts SwiGLU MLP with shared experts (DeepSeekMoE, Dai et al. 2024;
+    DeepSeek-V2, Liu et al. 2024, sec. 2.2, eq. 20-23): out = shared(x) +
+    sum over the top-k routed experts of g_e(x)·expert_e(x), with router scores
+    s = softmax(x·W_router) [E], the top k of them (``groups`` > 1: only among the
+    experts of the ``topk_groups`` groups with the highest best score, DeepSeek's
+    'group_limited_greedy'), renormalised to sum 1 with ``norm_topk`` else times
+    ``routed_scale``.
+
+    Parameters: router [D, E]; experts_gate, experts_up [E, D, Fe], experts_down
+    [E, Fe, D]; with ``shared_dim`` > 0 a SwiGLU 'shared' MLP of width shared_dim.
+    Every expert is computed and weighted by its routing weight (0 when not selected):
+    the same function as running only the chosen ones, at E/k times their FLOP.
+    Input/output [B, T, D].
+    """
+
+    d_model: int
+    expert_dim: int
+    num_experts: int
+    top_k: int
+    shared_dim: int = 0
+    routed_scale: float = 1.0
+    norm_topk: bool = False
+    groups: int = 1
+    topk_groups: int = 1
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d, f, e, dt = self.d_model, self.expert_dim, self.num_experts, self.dtype
+        scores = jax.nn.softmax(Einsum((d, e), "BTD,DE->BTE", dt, name="router")(x)
+                                .astype(jnp.float32), axis=-1)  # [B, T, E]
+        pick = scores
+        if self.groups > 1:  # keep the experts of the topk_groups best groups
+            best = jnp.max(scores.reshape(scores.shape[:-1] + (self.groups, -1)), axis=-1)
+            _, top_groups = top_k(best, self.topk_groups)
+            keep = jnp.sum(jax.nn.one_hot(top_groups, self.groups), axis=-2) > 0
+            keep = jnp.repeat(keep, e // self.groups, axis=-1)
+            pick = jnp.where(keep, scores, 0.0)
+        weight, idx = top_k(pick, self.top_k)  # [B, T, k]
+        if self.norm_topk and self.top_k > 1:
+            weight = weight / (jnp.sum(weight, axis=-1, keepdims=True) + 1e-20)
+        else:
+            weight = weight * self.routed_scale
+        gates = jnp.sum(jax.nn.one_hot(idx, e) * weight[..., None], axis=-2)  # [B, T, E]
+        init = nn.initializers.normal(stddev=d ** -0.5)
+        w_gate = self.param("experts_gate", init, (e, d, f), dt)
+        w_up = self.param("experts_up", init, (e, d, f), dt)
+        w_down = self.param("experts_down", nn.initializers.normal(stddev=f ** -0.5),
+                            (e, f, d), dt)
+        h = jax.nn.silu(jnp.einsum("BTD,EDF->BTEF", x, w_gate)) * jnp.einsum(
+            "BTD,EDF->BTEF", x, w_up)
+        out = jnp.einsum("BTEF,EFD->BTED", h, w_down)
+        y = jnp.einsum("BTE,BTED->BTD", gates.astype(out.dtype), out)
+        if self.shared_dim:
+            y = y + MLP(d, self.shared_dim, "swiglu", dt, name="shared")(x)
+        return y.astype(x.dtype)
+
+
 class MLP(nn.Module):
     """Feed-forward block.
 
     'swiglu': down(silu(gate(x)) * up(x)) (Shazeer 2020; llama/SmolLM2), 3·D·F params.
+    'geglu':  down(gelu_tanh(gate(x)) * up(x)) (Shazeer 2020; Gemma), 3·D·F params.
     'gelu':   down(gelu(up(x))), 2·D·F params (the blog's W1, W2).
     Input/output [B, T, D].
     """
@@ -125,10 +210,12 @@ class MLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         d, f, wm, pl = self.d_model, self.mlp_dim, self.weight_matmul, self.plan
         up = Einsum((d, f), "BTD,DF->BTF", self.dtype, name="up", impl=wm, plan=pl)(x)
-        if self.mlp_type == "swiglu":
+        if self.mlp_type in ("swiglu", "geglu"):
             gate = Einsum((d, f), "BTD,DF->BTF", self.dtype, name="gate", impl=wm,
                           plan=pl)(x)
-            hidden = jax.nn.silu(gate) * up
+            act = jax.nn.silu if self.mlp_type == "swiglu" else functools.partial(
+                jax.nn.gelu, approximate=True)
+            hidden = act(gate) * up
         else:
             hidden = jax.nn.gelu(up)
         return Einsum((f, d), "BTF,FD->BTD", self.dtype, name="down", impl=wm,

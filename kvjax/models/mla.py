@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
-from kvjax import ops
+from kvjax import ops, rope
 from kvjax.config import ModelConfig
 from kvjax.models import flash, weight_matmul
 from kvjax.models.layers import Einsum, RMSNorm, apply_rope
@@ -236,7 +236,10 @@ class MLAttention(nn.Module):
 
     @property
     def scale(self) -> float:
-        return (self.cfg.qk_nope_head_dim + self.cfg.qk_rope_head_dim) ** -0.5
+        """1/sqrt(nope + R), times DeepSeek's YaRN factor mscale^2 with a yarn
+        ``rope_scaling`` (:func:`kvjax.rope.softmax_factor`)."""
+        return ((self.cfg.qk_nope_head_dim + self.cfg.qk_rope_head_dim) ** -0.5
+                * rope.softmax_factor(self.cfg.rope_scaling))
 
     def queries(self, x: jax.Array, positions: jax.Array):
         """(q_nope [B, T, N, nope], rotated q_rope [B, T, N, R]) in cfg.dtype."""
@@ -246,12 +249,14 @@ class MLAttention(nn.Module):
         else:
             q = self.w_uq(self.q_norm(self.w_dq(x)))
         nope = c.qk_nope_head_dim
-        return q[..., :nope], apply_rope(q[..., nope:], positions, c.rope_theta)
+        return q[..., :nope], apply_rope(q[..., nope:], positions, c.rope_theta,
+                                         c.rope_scaling)
 
     def latents(self, x: jax.Array, positions: jax.Array):
         """What the cache stores for x: (c_kv [B, T, C], k_rope [B, T, R]) in cfg.dtype."""
         c_kv = self.kv_norm(self.w_dkv(x))
-        k_rope = apply_rope(self.w_kr(x), positions, self.cfg.rope_theta)
+        k_rope = apply_rope(self.w_kr(x), positions, self.cfg.rope_theta,
+                            self.cfg.rope_scaling)
         return c_kv, k_rope
 
     def scores(self, x_q: jax.Array, q_positions: jax.Array, x_k: jax.Array,

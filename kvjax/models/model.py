@@ -22,10 +22,10 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax.cache import paged as paged_lib
-from kvjax.models.attention import SMALL_CHUNK, Attention
+from kvjax.models.attention import SMALL_CHUNK, Attention, softcap
 from kvjax.config import ModelConfig
 from kvjax.models import decode_kernels, weight_matmul
-from kvjax.models.layers import MLP, Einsum, RMSNorm
+from kvjax.models.layers import MLP, Einsum, MoE, RMSNorm
 from kvjax.models.mla import MLAttention
 
 
@@ -34,7 +34,9 @@ def _attention_cls(cfg: ModelConfig):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)); x + mlp(norm(x)).
+    """Pre-norm transformer block: x + attn(norm(x)); x + mlp(norm(x)); with
+    ``cfg.post_norms`` (Gemma 2 / 3) x + post_attn_norm(attn(norm(x))) and
+    x + post_mlp_norm(mlp(norm(x))).
 
     Returns (x [B, T, D], the chunk's new cache entries {name: [B, ..., T, X]}).
     """
@@ -47,10 +49,20 @@ class Block(nn.Module):
         dt = c.jnp_dtype
         h = RMSNorm(c.norm_eps, dt, name="attn_norm")(x)
         h, new = _attention_cls(c)(c, name="attn")(h, positions, cached, cached_positions)
+        if c.post_norms:
+            h = RMSNorm(c.norm_eps, dt, name="post_attn_norm")(h)
         x = x + h
         h = RMSNorm(c.norm_eps, dt, name="mlp_norm")(x)
-        x = x + MLP(c.d_model, c.mlp_dim, c.mlp_type, dt, name="mlp",
+        if c.num_experts:  # DeepSeek's MoE layers
+            h = MoE(c.d_model, c.moe_mlp_dim, c.num_experts, c.num_experts_per_tok,
+                    c.num_shared_experts * c.moe_mlp_dim, c.routed_scaling_factor,
+                    c.norm_topk_prob, c.moe_groups, c.moe_topk_groups, dt, name="mlp")(h)
+        else:
+            h = MLP(c.d_model, c.mlp_dim, c.mlp_type, dt, name="mlp",
                     weight_matmul=c.weight_matmul, plan=c.plan)(h)
+        if c.post_norms:
+            h = RMSNorm(c.norm_eps, dt, name="post_mlp_norm")(h)
+        x = x + h
         # The write must follow this layer's read of the cache: tie it to the output, row
         # by row (a NaN in one row must not reach another row's cache entries).
         # min(|x|, 0) is 0 for any finite or infinite x; XLA does not fold it away.
@@ -109,6 +121,8 @@ class DecoderLM(nn.Module):
         embed = nn.Embed(c.vocab_size, c.d_model, param_dtype=dt, dtype=dt, name="embed",
                          embedding_init=nn.initializers.normal(stddev=1.0))
         x = weight_matmul.take(embed.embedding, tokens, dt)  # (an Int8Weight too)
+        if c.embed_scale:  # Gemma: sqrt(D) rounded to the model dtype, as its normalizer
+            x = x * jnp.asarray(c.d_model ** 0.5, dt)
 
         if c.scan_layers:
             stack = nn.scan(functools.partial(_scan_body, fresh=fresh),
@@ -121,12 +135,14 @@ class DecoderLM(nn.Module):
             tensors = {n: list(t) for n, t in cache.tensors.items()} if cache else None
             for i in range(c.num_layers):
                 read = cache is not None and not fresh
-                x, new = Block(c, name=f"layers_{i}")(
+                ci = c.layer_config(i)  # its own window and rotary base (layer_windows)
+                x, new = Block(ci, name=f"layers_{i}")(
                     x, positions, cache.layer(i) if read else None,
-                    cache.positions if read else None)
+                    cache_lib.layer_positions(c, cache, i) if read else None)
                 if cache is not None:
                     for n in tensors:
-                        tensors[n][i] = _write(cache, tensors[n][i], new[n], positions, c, n)
+                        tensors[n][i] = _write(cache, tensors[n][i], new[n], positions, ci,
+                                               n)
             new_cache = None if cache is None else cache.replace(
                 tensors={n: tuple(t) for n, t in tensors.items()})
 
@@ -141,6 +157,8 @@ class DecoderLM(nn.Module):
             logits = Einsum((c.d_model, c.vocab_size), "BTD,DV->BTV", dt, name="lm_head",
                             impl=c.weight_matmul, plan=c.plan)(x)
         logits = logits.astype(jnp.float32)
+        if c.final_logit_softcap is not None:  # Gemma 2: c·tanh(logits / c)
+            logits = softcap(logits, c.final_logit_softcap)
 
         if cache is None:
             return logits, None
@@ -166,7 +184,8 @@ def _init_std(path: tuple, cfg: ModelConfig) -> float | None:
     fan_in = {"o_proj": cfg.num_heads * cfg.head_dim, "down": cfg.mlp_dim,
               "wo": cfg.num_heads * (cfg.v_head_dim or cfg.head_dim),
               "w_uk": cfg.kv_lora_rank, "w_uv": cfg.kv_lora_rank,
-              "w_uq": cfg.q_lora_rank}.get(name) or cfg.d_model
+              "w_uq": cfg.q_lora_rank, "experts_down": cfg.moe_mlp_dim}.get(name) \
+        or cfg.d_model
     return fan_in ** -0.5
 
 
@@ -263,12 +282,17 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
       NaN logits (never a clamped write); ``decode.prefill`` / ``generate`` check lengths
       on the host and raise before running.
     Raises:
-      ValueError: the cache records key/value layouts other than ``cfg``'s, or (checked
+      ValueError: a paged cache with ``cfg.layer_windows``; the cache records key/value
+        layouts other than ``cfg``'s, or (checked
         on the host when positions and the cache's lengths are concrete arrays, i.e.
         outside jit) a row's positions do not continue its cache; the message names the
         row.
     """
     if cache is not None:
+        if cfg.layer_windows is not None and isinstance(cache, paged_lib.PagedKVCache):
+            raise ValueError(
+                f"a paged cache with model.layer_windows={cfg.layer_windows}; allowed: a "
+                "dense cache (init_cache: each layer its own ring) or no layer_windows")
         cache_lib.check_layouts(cache, cfg)
         check_positions(positions, cache)
         if num_valid is not None and not cache.ragged:
