@@ -340,7 +340,6 @@ def decode_steps_program(params, cache, last, active, remaining, count, keys, eo
             out["remaining"], out["count"], out["occupied"], out["held"])
 
 
-
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def copy_pages_program(cache, src, dst):
     """:func:`kvjax.cache.paged.copy_pages` compiled, the pools donated."""
@@ -372,9 +371,9 @@ class DenseRows:
     """``num_rows`` rows of ``max_seq_len`` cache slots, one reserved per request.
 
     The row-store interface :class:`Engine` runs on (:class:`PagedRows` is the other):
-    ``cache`` (the target's rows, [R rows]), ``view_len`` (cache slots a row's attention
-    sees: the plan's ``max_seq_len``), ``page_size`` (0: no pages), ``bytes_per_token``
-    and ``allocated_bytes`` (bytes), and
+    ``cache`` (the target's rows, B = ``num_rows``), ``view_len`` (cache slots a row's
+    attention sees: the plan's ``max_seq_len``), ``page_size`` (0: no pages),
+    ``bytes_per_token`` and ``allocated_bytes`` (bytes), and
 
     * ``allocate(cfg, spec)``: the empty cache of the planned ``cfg``;
     * ``check(req)``: raises ValueError when the request can never fit a row;
@@ -587,7 +586,7 @@ class PagedRows:
                                         length=jnp.asarray(lengths))
 
     def account(self, stats: EngineStats, running, steps: int, ran) -> None:
-        """The block's page figures; ``ran``: [R] steps (verify rounds) each row ran."""
+        """The block's page figures; ``ran``: [B] int, steps (verify rounds) each row ran."""
         bt = self._bound
         stats.max_row_pages = max([stats.max_row_pages] +
                                   [int((bt[s] >= 0).sum()) for s in running])
