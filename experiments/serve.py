@@ -19,9 +19,9 @@ JSONL file, one ``{"prompt": "...", "max_new_tokens": N}`` per line (a malformed
 reported by its number and skipped; the other requests still run). Prompts are raw text
 (no chat template): the model continues the documentation.
 
-With ``--config.page_size=N`` the engine is the paged one
-(:mod:`kvjax.inference.paged_engine`): a pool of ``--slots`` x max_seq_len tokens (the
-dense engine's bytes) in pages of N tokens, up to ``--max_rows`` requests at once, the
+With ``--config.page_size=N`` the engine's rows are pages
+(:class:`kvjax.inference.engine.PagedRows`): a pool of ``--slots`` x max_seq_len tokens
+(the dense rows' bytes) in pages of N tokens, up to ``--max_rows`` requests at once, the
 newest preempted when the pool runs out; ``--prefix_cache`` shares the cached pages of
 common prompt prefixes. ``--config.chat_template=True`` makes each request's text the
 user's turn of the checkpoint's chat template (every prompt then starts with the same
@@ -42,8 +42,8 @@ rounds of N + 1 tokens with prompt-lookup drafts from each request's own tokens 
 the same tokens); ``drafter=self`` (the same weights over the config's cheap draft
 cache) and ``drafter=model`` (``--config.speculative.draft_config=configs/...``) keep
 the draft model's cache per slot. The summary adds the acceptance rate and tokens per
-slot-round, and "decode steps" counts rounds. With ``--config.page_size=N`` the rounds run in the paged
-engine (rejected drafts taken back by the rows' lengths; a draft model's cache stays
+slot-round, and "decode steps" counts rounds. With ``--config.page_size=N`` the rounds
+run on pages (rejected drafts taken back by the rows' lengths; a draft model's cache stays
 dense, one row per block-table row, outside the page budget).
 """
 
@@ -62,7 +62,7 @@ from kvjax import cache as cache_lib
 from kvjax.checkpoints import WeightsError
 from kvjax.config import ConfigError, run_config_from_dict
 from kvjax.inference import engine as engine_lib
-from kvjax.inference import memory, paged_engine, runner
+from kvjax.inference import memory, runner
 
 _CONFIG = cli.DEFINE_config_file(
     "config", "configs/gqa.py", cli.config_help("Experiment config file (get_config())."),
@@ -197,7 +197,7 @@ def file_requests(path: str, tokenizer):
 
 
 def pool_pages(run, slots: int) -> int:
-    """Pages of the paged engine's pool: the dense engine's bytes, ``slots`` rows of the
+    """Pages of the engine's pool on pages: the dense rows' bytes, ``slots`` rows of the
     cache's slots (max_seq_len, or a window's ring of W), in pages of page_size; at
     least the pages of one request of max_seq_len tokens (a window's prompt is
     prefilled whole before its old pages are freed)."""
@@ -277,12 +277,12 @@ def summarize(done, stats: engine_lib.EngineStats) -> dict:
 
 
 def paged_summary(stats) -> dict:
-    """The paged engine's figures (:class:`kvjax.inference.paged_engine.PagedStats`):
+    """The figures of a run on pages (:class:`kvjax.inference.engine.EngineStats`):
     pages referenced (mean bytes; ``kv_bytes_active_pages_mean``: those of the rows still
     running, without a stopped row's pages kept to the end of its block), rows running
     (mean, most), preemptions, prefix-cache
     hit rate and prefill tokens saved; {} for the dense engine."""
-    if not isinstance(stats, paged_engine.PagedStats):
+    if not stats.page_size:
         return {}
     return {"page_size": stats.page_size, "kv_bytes_pages_mean": stats.mean_page_kv_bytes,
             "kv_bytes_active_pages_mean": stats.mean_active_page_kv_bytes,
@@ -423,22 +423,17 @@ def main(argv):
         draft = None  # 'self' / 'model': the draft model, its cache kept per row
         if run.speculative.drafter in ("self", "model"):
             draft = runner.draft_model(run, loaded, progress=_PROGRESS.value)
-        if run.page_size:  # a pool of the dense engine's bytes, more rows over it
-            eng = paged_engine.PagedEngine(
-                loaded.params, loaded.cfg, _MAX_ROWS.value or 4 * slots, run.max_seq_len,
-                run.page_size, pool_pages(run, slots),
-                sampling=run.sampling, eos_ids=eos, steps_per_sync=_STEPS_PER_SYNC.value,
-                seed=run.sampling.seed, prefix_cache=_PREFIX_CACHE.value,
-                speculative=run.speculative, draft=draft)
-        elif _PREFIX_CACHE.value:
+        if _PREFIX_CACHE.value and not run.page_size:
             raise ValueError("--prefix_cache with --config.page_size=0; allowed: "
                              "--config.page_size=N >= 1 (the prefix cache shares pages)")
-        else:
-            eng = engine_lib.Engine(loaded.params, loaded.cfg, slots, run.max_seq_len,
-                                    sampling=run.sampling, eos_ids=eos,
-                                    steps_per_sync=_STEPS_PER_SYNC.value,
-                                    seed=run.sampling.seed, speculative=run.speculative,
-                                    draft=draft)
+        # on pages: a pool of the dense rows' bytes, more rows over it
+        eng = engine_lib.Engine(
+            loaded.params, loaded.cfg, (_MAX_ROWS.value or 4 * slots) if run.page_size
+            else slots, run.max_seq_len, sampling=run.sampling, eos_ids=eos,
+            steps_per_sync=_STEPS_PER_SYNC.value, seed=run.sampling.seed,
+            speculative=run.speculative, draft=draft, page_size=run.page_size,
+            num_pages=pool_pages(run, slots) if run.page_size else 0,
+            prefix_cache=_PREFIX_CACHE.value)
         if _REQUESTS_FILE.value:
             reqs, skipped = file_requests(_REQUESTS_FILE.value, tok)
         else:

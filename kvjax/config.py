@@ -903,7 +903,7 @@ class RunConfig:
         peak memory, more passes over the weights.
       page_size: 0 (the default): the slot engine reserves a dense row of max_seq_len
         slots per request; N >= 1: its KV cache is a pool of pages of N tokens with a
-        block table per row (``kvjax.inference.paged_engine``, ``kvjax.cache.paged``).
+        block table per row (``kvjax.inference.engine.PagedRows``, ``kvjax.cache.paged``).
       mesh: MeshConfig, the device mesh (default one device).
       distributed: DistributedConfig, ``jax.distributed`` settings (default one process).
       speculative: SpeculativeConfig (default plain decoding).

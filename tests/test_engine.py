@@ -11,7 +11,7 @@ import pytest
 from kvjax import cache as cache_lib
 from kvjax.cache.policy import CacheOverflowError
 from kvjax.config import ModelConfig
-from kvjax.inference import decode, engine, paged_engine
+from kvjax.inference import decode, engine
 from tests.test_ragged import VARIANTS, params_of
 
 S = 32
@@ -184,8 +184,8 @@ def test_arrivals_gate_admission_and_keep_the_tokens(paged):
 
     def make():
         if paged:
-            return paged_engine.PagedEngine(params, cfg, max_rows=2, max_seq_len=S,
-                                            page_size=4, num_pages=16, steps_per_sync=2)
+            return engine.Engine(params, cfg, num_slots=2, max_seq_len=S, page_size=4,
+                                 num_pages=16, steps_per_sync=2)
         return engine.Engine(params, cfg, num_slots=2, max_seq_len=S, steps_per_sync=2)
 
     at_once, _ = make().run(requests())

@@ -1,5 +1,5 @@
 """The paged KV cache (kvjax/cache/paged.py) and the paged engine
-(kvjax/inference/paged_engine.py): a model run over page pools and block tables gives the
+(kvjax/inference/engine.py): a model run over page pools and block tables gives the
 logits of the cache-free forward for every attention variant and cache kind, page size
 and page layout (rows over many pages, pages shared by two rows, copy on write); the host
 allocator keeps its invariants over thousands of random events; the paged engine's
@@ -17,7 +17,7 @@ import pytest
 from kvjax import native
 from kvjax.cache import paged
 from kvjax.config import ConfigError, ModelConfig, SpeculativeConfig
-from kvjax.inference import engine, paged_engine
+from kvjax.inference import engine
 from kvjax.models import model
 from kvjax.plan import Plan
 from tests.test_ragged import VARIANTS, params_of
@@ -156,7 +156,7 @@ def test_shared_prefix_pages_and_copy_on_write():
     alloc.ensure(0, L)
     alloc.check()
     before = {n: np.asarray(t[:, alloc.block_table(0)[:3]]) for n, t in cache.tensors.items()}
-    cache = paged_engine.copy_pages_program(cache, *(jnp.asarray(x) for x in zip(*copies)))
+    cache = engine.copy_pages_program(cache, *(jnp.asarray(x) for x in zip(*copies)))
     cache = cache.replace(block_table=_table(alloc, [0, 1, 2], m),
                           length=jnp.asarray([13, 8, 13], jnp.int32))
     seqs[2][13:] = list(np.random.default_rng(5).integers(0, 97, L - 13))
@@ -245,8 +245,8 @@ def test_paged_engine_equals_dense_engine():
                                   steps_per_sync=4).run(reqs)
     # a pool that holds every row runs the dense engine's schedule: the same steps and
     # the same live tokens, counted step by step as rows grow inside a block
-    ample = paged_engine.PagedEngine(params, cfg, max_rows=3, max_seq_len=32, page_size=4,
-                                     num_pages=24, steps_per_sync=4)
+    ample = engine.Engine(params, cfg, num_slots=3, max_seq_len=32, page_size=4,
+                          num_pages=24, steps_per_sync=4)
     got, stats = ample.run(reqs)
     assert [c.tokens for c in got] == [c.tokens for c in dense]
     assert stats.preemptions == 0 and stats.steps == dstats.steps
@@ -257,26 +257,26 @@ def test_paged_engine_equals_dense_engine():
     assert stats.live_kv_byte_steps <= stats.active_page_kv_byte_steps \
         <= stats.page_kv_byte_steps
     # pages of one token, one step a block: the running rows' pages are their tokens
-    exact = paged_engine.PagedEngine(params, cfg, max_rows=3, max_seq_len=32, page_size=1,
-                                     num_pages=96, steps_per_sync=1)
+    exact = engine.Engine(params, cfg, num_slots=3, max_seq_len=32, page_size=1,
+                          num_pages=96, steps_per_sync=1)
     got, stats = exact.run(reqs)
     assert [c.tokens for c in got] == [c.tokens for c in dense]
     assert stats.active_page_kv_byte_steps == stats.live_kv_byte_steps > 0
-    tight = paged_engine.PagedEngine(params, cfg, max_rows=3, max_seq_len=32, page_size=4,
-                                     num_pages=9, steps_per_sync=4)
+    tight = engine.Engine(params, cfg, num_slots=3, max_seq_len=32, page_size=4,
+                          num_pages=9, steps_per_sync=4)
     got, stats = tight.run(reqs)
     assert stats.preemptions > 0
     assert [c.tokens for c in got] == [c.tokens for c in dense]
-    shared = paged_engine.PagedEngine(params, cfg, max_rows=3, max_seq_len=32, page_size=4,
-                                      num_pages=9, steps_per_sync=4, prefix_cache=True)
+    shared = engine.Engine(params, cfg, num_slots=3, max_seq_len=32, page_size=4,
+                           num_pages=9, steps_per_sync=4, prefix_cache=True)
     got, stats = shared.run(reqs)
     assert [c.tokens for c in got] == [c.tokens for c in dense]
     # later requests find the system turn's 2 full pages cached
     assert stats.prefix_hit_tokens >= 8 * 2 and stats.prefix_hit_tokens % 4 == 0
     assert stats.prefill_tokens == stats.prompt_tokens - stats.prefix_hit_tokens
     assert stats.max_running <= 3
-    shared.alloc.check()
-    assert shared.alloc.num_referenced == 0
+    shared.rows.alloc.check()
+    assert shared.rows.alloc.num_referenced == 0
 
 
 @pytest.mark.parametrize("prefix_cache", [True, False])
@@ -292,17 +292,17 @@ def test_warmup_compiles_every_prefill_the_run_needs(prefix_cache):
     reqs = [engine.Request(i, tuple(int(t) for t in system + list(  # 64) leave 20-28
         rng.integers(0, 97, rng.integers(20, 29)))), int(rng.integers(8, 17)))
         for i in range(6)]  # (bucket 32) after a hit; a preempted row is re-prefilled whole
-    eng = paged_engine.PagedEngine(params, cfg, max_rows=3, max_seq_len=64, page_size=4,
-                                   num_pages=40 if prefix_cache else 24, steps_per_sync=4,
-                                   prefix_cache=prefix_cache)
+    eng = engine.Engine(params, cfg, num_slots=3, max_seq_len=64, page_size=4,
+                        num_pages=40 if prefix_cache else 24, steps_per_sync=4,
+                        prefix_cache=prefix_cache)
     eng.warmup(reqs)
-    compiled = paged_engine.paged_prefill_program._cache_size()
+    compiled = engine.paged_prefill_program._cache_size()
     _, stats = eng.run(reqs, warmup=False)
     if prefix_cache:
         assert stats.prefix_hit_tokens > 0
     else:
         assert stats.preemptions > 0
-    assert paged_engine.paged_prefill_program._cache_size() == compiled
+    assert engine.paged_prefill_program._cache_size() == compiled
 
 
 @pytest.mark.parametrize("name", ["gqa", "window_sinks"])
@@ -321,13 +321,13 @@ def test_speculative_rounds_on_pages_keep_the_plain_tokens(name):
     dense, _ = engine.Engine(params, cfg, num_slots=3, max_seq_len=32,
                              steps_per_sync=4).run(reqs)
     spec = SpeculativeConfig(drafter="ngram", k=3, ngram_max=2, ngram_min=1)
-    eng = paged_engine.PagedEngine(params, cfg, max_rows=3, max_seq_len=32, page_size=4,
-                                   num_pages=10, steps_per_sync=2, speculative=spec)
+    eng = engine.Engine(params, cfg, num_slots=3, max_seq_len=32, page_size=4,
+                        num_pages=10, steps_per_sync=2, speculative=spec)
     got, stats = eng.run(reqs)
     assert [c.tokens for c in got] == [c.tokens for c in dense]
     assert stats.proposed > 0 and stats.accepted > 0, (stats.proposed, stats.accepted)
     assert stats.preemptions > 0
-    eng.alloc.check()
+    eng.rows.alloc.check()
 
 
 @pytest.mark.parametrize("drafter", ["self", "model"])
@@ -351,9 +351,9 @@ def test_draft_models_on_pages_keep_the_plain_tokens(drafter):
         if drafter == "self" else SpeculativeConfig(drafter="model", k=2,
                                                      draft_config="configs/mqa.py")
     draft = (params, cfg) if drafter == "model" else None
-    eng = paged_engine.PagedEngine(params, cfg, max_rows=3, max_seq_len=32, page_size=4,
-                                   num_pages=10, steps_per_sync=2, speculative=spec,
-                                   draft=draft)
+    eng = engine.Engine(params, cfg, num_slots=3, max_seq_len=32, page_size=4,
+                        num_pages=10, steps_per_sync=2, speculative=spec,
+                        draft=draft)
     assert eng.draft_cache_bytes > 0
     got, stats = eng.run(reqs)
     assert [c.tokens for c in got] == [c.tokens for c in dense]
@@ -361,15 +361,15 @@ def test_draft_models_on_pages_keep_the_plain_tokens(drafter):
     assert stats.proposed > 0 and 0 < stats.accepted <= stats.proposed
     if drafter == "model":
         assert stats.accepted == stats.proposed, (stats.accepted, stats.proposed)
-    eng.alloc.check()
+    eng.rows.alloc.check()
     other = ModelConfig(**{**VARIANTS["mqa"], "vocab_size": 50})
     with pytest.raises(ConfigError, match=r"draft model vocab_size=50"):
-        paged_engine.PagedEngine(params, cfg, 3, 32, 4, 10, speculative=spec if drafter ==
-                                 "model" else dataclasses.replace(spec, drafter="model",
-                                                                  draft_config="configs/mqa.py"),
-                                 draft=({}, other))
+        engine.Engine(params, cfg, 3, 32, page_size=4, num_pages=10,
+                      speculative=spec if drafter == "model" else dataclasses.replace(
+                          spec, drafter="model", draft_config="configs/mqa.py"),
+                      draft=({}, other))
     with pytest.raises(ValueError, match=r"draft= without speculative="):
-        paged_engine.PagedEngine(params, cfg, 3, 32, 4, 10, draft=({}, other))
+        engine.Engine(params, cfg, 3, 32, page_size=4, num_pages=10, draft=({}, other))
 
 
 def test_bad_input_refused_by_name():
@@ -380,13 +380,13 @@ def test_bad_input_refused_by_name():
         with pytest.raises(ValueError, match=f"page_size={bad}"):
             paged.PageAllocator(4, bad)
         with pytest.raises(ValueError, match=f"page_size={bad}"):
-            paged_engine.PagedEngine({}, cfg, 2, 32, bad, 8)
+            engine.Engine({}, cfg, 2, 32, page_size=bad, num_pages=8)
     with pytest.raises(ValueError, match="num_pages=3 .* max_seq_len=32"):
-        paged_engine.PagedEngine({}, cfg, 2, 32, 4, 3)
-    eng = paged_engine.PagedEngine({}, cfg, 2, 32, 4, 8)
+        engine.Engine({}, cfg, 2, 32, page_size=4, num_pages=3)
+    eng = engine.Engine({}, cfg, 2, 32, page_size=4, num_pages=8)
     with pytest.raises(ValueError, match="request 7 .* max_seq_len=32"):
         eng.check(engine.Request(7, (1,) * 30, 5))
-    eng.max_seq_len = 64  # a row longer than the pool: the pool names itself
+    eng.rows.max_seq_len = 64  # a row longer than the pool: the pool names itself
     with pytest.raises(ValueError, match="request 8 .* num_pages=8"):
         eng.check(engine.Request(8, (1,) * 40, 1))
     with pytest.raises(paged.PoolExhausted):
@@ -440,12 +440,12 @@ def test_serve_reports_paged_figures():
     run's summary has none of them."""
     from tests.conftest import import_entry_point  # noqa: PLC0415
     serve = import_entry_point("serve")
-    st = paged_engine.PagedStats(wall_s=2.0, tokens=10, steps=4, occupied_slot_steps=8,
-                                 live_kv_byte_steps=400.0, allocated_kv_bytes=1000,
-                                 num_slots=4, preemptions=1, prompt_tokens=40,
-                                 prefix_hit_tokens=16, prefill_tokens=24,
-                                 page_kv_byte_steps=480.0, active_page_kv_byte_steps=440.0,
-                                 max_running=3, page_size=4)
+    st = engine.EngineStats(wall_s=2.0, tokens=10, steps=4, occupied_slot_steps=8,
+                            live_kv_byte_steps=400.0, allocated_kv_bytes=1000,
+                            num_slots=4, preemptions=1, prompt_tokens=40,
+                            prefix_hit_tokens=16, prefill_tokens=24,
+                            page_kv_byte_steps=480.0, active_page_kv_byte_steps=440.0,
+                            max_running=3, page_size=4)
     s = serve.paged_summary(st)
     assert (s["kv_bytes_pages_mean"], s["kv_bytes_active_pages_mean"], s["running_mean"],
             s["prefix_hit_rate"]) == (120.0, 110.0, 2.0, 0.4)
@@ -483,8 +483,8 @@ def test_window_pages_that_slide_out_are_freed():
     def paged_equals_dense(reqs, max_rows, num_pages):
         dense, dstats = engine.Engine(params, cfg, num_slots=2, max_seq_len=40,
                                       steps_per_sync=3).run(reqs)
-        eng = paged_engine.PagedEngine(params, cfg, max_rows=max_rows, max_seq_len=40,
-                                       page_size=2, num_pages=num_pages, steps_per_sync=3)
+        eng = engine.Engine(params, cfg, num_slots=max_rows, max_seq_len=40,
+                            page_size=2, num_pages=num_pages, steps_per_sync=3)
         got, stats = eng.run(reqs)
         assert [c.tokens for c in got] == [c.tokens for c in dense]
         if max_rows == 2 and not stats.preemptions:  # the dense schedule: a window's
@@ -497,10 +497,10 @@ def test_window_pages_that_slide_out_are_freed():
     # the sink page + the pages of the window and one block ahead (W - 1 + 3 = 8
     # positions: at most 5 pages of 2) , against up to 20 pages of 2 for 36 tokens
     assert stats.max_row_pages <= 1 + 5
-    eng.alloc.check()
-    assert eng.alloc.num_referenced == 0
+    eng.rows.alloc.check()
+    assert eng.rows.alloc.num_referenced == 0
     # three rows of 16-token prompts on 20 pages of 2: preemption amid freed pages
     tight, stats = paged_equals_dense(
         [engine.Request(i, tuple(range(3 + i, 19 + i)), 18) for i in range(4)], 3, 20)
     assert stats.preemptions > 0
-    tight.alloc.check()
+    tight.rows.alloc.check()

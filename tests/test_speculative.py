@@ -674,7 +674,7 @@ def test_a_draft_over_the_targets_window_is_refused_where_it_cannot_be_built():
                                          "draft_kv_source='target'"):
         S.generate(params, cfg, spec, [[1, 2]], jnp.array([1]), cache, 4,
                    draft=_draft(params, cfg, own, [[1, 2]]))
-    from kvjax.inference.paged_engine import PagedEngine  # noqa: PLC0415
+    from kvjax.inference.engine import Engine  # noqa: PLC0415
     with pytest.raises(ConfigError, match="draft_kv_source='target' with page_size=4"):
-        PagedEngine(params, cfg, max_rows=2, max_seq_len=MAX_LEN, page_size=4, num_pages=40,
-                    speculative=spec)
+        Engine(params, cfg, num_slots=2, max_seq_len=MAX_LEN, page_size=4, num_pages=40,
+               speculative=spec)

@@ -1,20 +1,42 @@
-"""A slot-based decode engine: requests prefilled on their own, inserted into free rows
-of one batch cache while the other rows keep decoding.
+"""The serving engine: requests prefilled one at a time into the rows of one batch cache
+while the other rows keep decoding; the rows are dense slots or pages.
 
 The pattern of JetStream / MaxText's offline engine ("prefill, then insert into a slot";
-github.com/AI-Hypercomputer/JetStream, ``engine_api.Engine.insert``): the batch cache
-holds ``num_slots`` rows (a ragged cache, :mod:`kvjax.inference.ragged`); a request's
-prompt is prefilled alone into a one-row cache (padded to a power-of-two bucket, so few
-lengths compile), its first token is sampled, and the row is copied into a free slot
-(:func:`insert_program`, one compile for any slot). :func:`decode_steps_program` then
-advances every occupied slot by up to ``steps_per_sync`` tokens in one compiled loop;
-empty slots are fed ``num_valid`` 0 (no write, no advance), so the same program serves
-any occupancy. The loop returns early when a slot frees while requests wait, and the
-host refills it.
+github.com/AI-Hypercomputer/JetStream, ``engine_api.Engine.insert``). :class:`Engine`
+runs the host loop (admission, decode blocks, emission, preemption) over a row store
+chosen at one site (:func:`row_store`: ``page_size`` 0 or not), siblings behind one
+small interface as jax-llm-examples' ``KVCache`` / ``PagedKVCache`` or llama.cpp's
+``llama_memory_i``:
 
-A request's tokens do not depend on its batch-mates or its slot: each row attends only
-to its own cache, and its sampling key is ``fold_in(fold_in(seed, request id), j)`` for
-its j-th token (greedy decoding uses no key).
+* :class:`DenseRows`: ``num_slots`` rows of ``max_seq_len`` slots each (a ragged cache,
+  :mod:`kvjax.inference.ragged`), one reserved per request. A prompt is prefilled alone
+  into a one-row cache (padded to a power-of-two bucket, so few lengths compile) and
+  copied into a free row (:func:`insert_program`, one compile for any row).
+* :class:`PagedRows`: one pool of ``num_pages`` pages of ``page_size`` tokens per layer
+  and tensor (:mod:`kvjax.cache.paged`) under ``num_slots`` rows of block tables; a row
+  takes pages as its request grows (vLLM, Kwon et al. 2023, sec. 4.3). **Admission**
+  (first come, first served): the head of the queue starts when a row is free and the
+  pages of its prompt and its first decoded token fit; with ``prefix_cache`` its
+  prompt's full pages already cached are referenced, not prefilled. **Growth**: before
+  each decode block every running row takes the pages of its next block (copy on write
+  of a shared page first; a window's pages that slid out are freed). **Preemption**
+  (recompute, vLLM's default): when the pool runs out the newest running request is
+  stopped, its pages released (full pages stay cached with ``prefix_cache``) and it goes
+  back to the head of the queue with its tokens kept; readmitted, its prompt and
+  generated tokens are prefilled again and it goes on sampling from there.
+
+:func:`decode_steps_program` then advances every running row by up to
+``steps_per_sync`` tokens in one compiled loop (speculative decoding: verify rounds,
+:func:`kvjax.inference.speculative.engine_rounds_program`; a rejected draft is taken back
+by the row's length alone, on pages too); free rows are fed ``num_valid`` 0 (no write,
+no advance), so the same program serves any occupancy. The loop returns early when a row
+frees while requests wait (on pages: always, so its pages go back to the pool at once),
+and the host refills it. Host bookkeeping (:class:`Ledger`,
+:class:`kvjax.cache.paged.PageAllocator`) never traces.
+
+A request's tokens do not depend on its batch-mates, its row or the row store: each row
+attends only to its own cache, and its sampling key is ``fold_in(fold_in(seed, request
+id), j)`` for its j-th token (greedy decoding uses no key).
 
 Times are host wall-clock seconds from the start of :meth:`Engine.run`. A request arrives
 at its ``arrival_s`` (0 for all: an offline batch; ``experiments.serve --arrival_rate``
@@ -39,15 +61,18 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import planner
+from kvjax.cache import paged
 from kvjax.cache.policy import written_tokens
-from kvjax.config import ModelConfig, SamplingConfig, SpeculativeConfig
+from kvjax.config import ConfigError, ModelConfig, SamplingConfig, SpeculativeConfig
 from kvjax.inference import ragged
 from kvjax.inference import speculative as spec_lib
 from kvjax.inference import decode as decode_lib
 from kvjax.inference.sampling import NONFINITE
+from kvjax.models import model as model_lib
 
-__all__ = ["Request", "Completion", "EngineStats", "Engine", "Ledger", "insert_program",
-           "decode_steps_program", "prefill_bucket"]
+__all__ = ["Request", "Completion", "EngineStats", "Engine", "Ledger", "DenseRows",
+           "PagedRows", "row_store", "insert_program", "decode_steps_program",
+           "paged_prefill_program", "copy_pages_program", "prefill_bucket"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +133,22 @@ class Completion:
 @dataclasses.dataclass
 class EngineStats:
     """Totals of one :meth:`Engine.run`: wall seconds, tokens generated, decode steps
-    run, slot-steps occupied (sum over steps of occupied slots), live KV bytes summed
-    over steps (occupied rows' held tokens x bytes per token), allocated KV bytes, slots."""
+    run, slot-steps occupied (sum over steps of running rows), live KV bytes summed over
+    steps (running rows' held tokens x bytes per token), allocated KV bytes (on pages:
+    the pool's), rows (``num_slots``), prefills, decode seconds; speculative decoding's
+    drafts accepted and proposed; the prompt tokens prefills looked up
+    (``prompt_tokens``) and found cached (``prefix_hit_tokens``: prefill tokens saved),
+    tokens prefilled (``prefill_tokens``, recomputation after preemption included), the
+    most rows running at once (``max_running``).
+
+    On pages (``page_size`` >= 1; 0: dense rows, and the page figures stay 0):
+    ``preemptions``; referenced-page bytes summed over decode steps
+    (``page_kv_byte_steps``: every page the allocator holds for running rows; a block
+    ends at the step a row stops, which frees its pages); the bytes of the pages of the
+    rows still running, step by step (``active_page_kv_byte_steps``: what the rows' own
+    lengths and the block's look-ahead take, without the rows that stopped); the most
+    pages one row held at a decode block (``max_row_pages``: constant in the row's
+    length for a window, whose pages that slide out are freed)."""
 
     wall_s: float = 0.0
     tokens: int = 0
@@ -122,6 +161,15 @@ class EngineStats:
     decode_s: float = 0.0
     accepted: int = 0  # speculative decoding: drafts accepted and verified
     proposed: int = 0
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefill_tokens: int = 0
+    max_running: int = 0
+    page_size: int = 0
+    preemptions: int = 0
+    page_kv_byte_steps: float = 0.0
+    active_page_kv_byte_steps: float = 0.0
+    max_row_pages: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -143,10 +191,30 @@ class EngineStats:
         """Mean bytes of KV held by occupied rows per decode step."""
         return self.live_kv_byte_steps / self.steps if self.steps else 0.0
 
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of looked-up prompt tokens served from cached pages."""
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def mean_page_kv_bytes(self) -> float:
+        """Mean bytes of the pages rows reference, per decode step."""
+        return self.page_kv_byte_steps / self.steps if self.steps else 0.0
+
+    @property
+    def mean_active_page_kv_bytes(self) -> float:
+        """Mean bytes of the pages of the rows still running, per decode step."""
+        return self.active_page_kv_byte_steps / self.steps if self.steps else 0.0
+
+    @property
+    def mean_running(self) -> float:
+        """Mean rows running per decode step."""
+        return self.occupied_slot_steps / self.steps if self.steps else 0.0
+
 
 class Ledger:
-    """The host bookkeeping both engines share for one run: the clock (seconds since the
-    run started), the requests waiting in arrival order, each request's tokens with the
+    """The engine's host bookkeeping for one run: the clock (seconds since the run
+    started), the requests waiting in arrival order, each request's tokens with the
     time each reached the host, and its :class:`Completion`.
 
     Args:
@@ -272,66 +340,380 @@ def decode_steps_program(params, cache, last, active, remaining, count, keys, eo
             out["remaining"], out["count"], out["occupied"], out["held"])
 
 
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def copy_pages_program(cache, src, dst):
+    """:func:`kvjax.cache.paged.copy_pages` compiled, the pools donated."""
+    return paged.copy_pages(cache, src, dst)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "fresh"),
+                   donate_argnames=("cache",))
+def paged_prefill_program(params, cache, tokens, num_valid, key, count, *, cfg, sampling,
+                          fresh):
+    """One row's prompt (or the part not cached) written into its pages.
+
+    Args:
+      cache: a one-row :class:`~kvjax.cache.paged.PagedKVCache` over the shared pools
+        (donated), length = tokens already held (cached prefix).
+      tokens: [1, T] int32 right-padded; num_valid: [1] int32 real tokens.
+      key: the request's key; count: [] int32 index of the token to sample.
+      fresh: (static) the row holds no token yet (no page is read).
+    Returns:
+      (token [1] int32 sampled from the last real token's logits, cache).
+    """
+    pos = cache.length[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    logits, cache = model_lib.forward(params, cfg, tokens, pos, cache, num_valid=num_valid,
+                                      fresh=fresh, last_only=True)
+    return ragged.sample_rows(logits[:, 0], key[None], count[None], sampling), cache
+
+
+class DenseRows:
+    """``num_rows`` rows of ``max_seq_len`` cache slots, one reserved per request.
+
+    The row-store interface :class:`Engine` runs on (:class:`PagedRows` is the other):
+    ``cache`` (the target's rows, B = ``num_rows``), ``view_len`` (cache slots a row's
+    attention sees: the plan's ``max_seq_len``), ``page_size`` (0: no pages),
+    ``bytes_per_token`` and ``allocated_bytes`` (bytes), and
+
+    * ``allocate(cfg, spec)``: the empty cache of the planned ``cfg``;
+    * ``check(req)``: raises ValueError when the request can never fit a row;
+    * ``reset()``: every row free, before a run;
+    * ``admit(row, tokens, need)``: room for ``need`` tokens whose first are ``tokens``;
+      returns how many of ``tokens`` are cached already, or None: no room now;
+    * ``prefill(params, cfg, sampling, row, tokens, start, count, key)``: writes
+      ``tokens[start:]`` into the row, returns the token sampled after them (key index
+      ``count``);
+    * ``grow(row, tokens, final)``: room for ``tokens`` more (at most ``final`` in all);
+      False: none left (the engine preempts);
+    * ``bind(running)``, ``account(stats, running, steps, ran)``: the cache pointed at
+      the running rows before a decode block; the block's figures after it;
+    * ``append(row, tokens)``: records the tokens a block wrote; ``release(row)``;
+    * ``stop_on_free(waiting)``: whether a block returns when a row frees;
+    * ``warmup(requests, prefill)``: compiles every prefill ``requests`` can need
+      (``prefill(row, tokens, start)``); returns the buckets compiled.
+    """
+
+    page_size = 0
+
+    def __init__(self, num_rows: int, max_seq_len: int):
+        self.num_rows, self.max_seq_len = num_rows, max_seq_len
+        self.view_len = max_seq_len
+
+    def allocate(self, cfg: ModelConfig, spec: SpeculativeConfig | None) -> None:
+        self.cfg, self.spec = cfg, spec
+        self.cache = self._empty(self.num_rows)
+        self.allocated_bytes = cache_lib.cache_bytes(self.cache)
+        self.bytes_per_token = self.allocated_bytes / (self.num_rows * self.cache.num_slots)
+
+    def _empty(self, rows: int):
+        """An empty ragged cache of ``rows`` rows (a speculative ring keeps k + 1 spare
+        slots: :func:`kvjax.inference.speculative.init_target_cache`)."""
+        if self.spec is not None:
+            return spec_lib.init_target_cache(self.cfg, rows, self.max_seq_len, self.spec.k)
+        return cache_lib.init_cache(self.cfg, rows, self.max_seq_len, ragged=True)
+
+    def check(self, req: Request) -> None:
+        """Raises CacheOverflowError (a ValueError) when prompt + budget do not fit a row
+        (the cache's slot policy decides: a ring never fills)."""
+        cache_lib.policy_for(self.cfg).check_room(
+            0, written_tokens(len(req.prompt), req.max_new_tokens), self.cache.num_slots,
+            f"request {req.id} ({len(req.prompt)} prompt tokens + "
+            f"{req.max_new_tokens} new)")
+
+    def prefill(self, params, cfg, sampling, row, tokens, start, count, key) -> int:
+        """The prompt prefilled alone into a one-row cache and copied into ``row``
+        (``start`` and ``count`` are 0: dense rows cache no prefix and never preempt)."""
+        toks, lengths = ragged.pad_prompts([list(tokens)], length=prefill_bucket(len(tokens)))
+        logits, one = ragged.prefill_ragged_program(
+            params, jnp.asarray(toks), jnp.asarray(lengths), self._empty(1), cfg=cfg)
+        self.cache = insert_program(self.cache, one, jnp.int32(row))
+        return int(ragged.first_tokens(logits, key[None], sampling)[0])
+
+    def warmup(self, requests: Sequence[Request], prefill) -> list:
+        buckets = sorted({prefill_bucket(len(r.prompt)) for r in requests})
+        for b in buckets:
+            prefill(0, [0] * b, 0)
+        return buckets
+
+    def admit(self, row, tokens, need) -> int:
+        return 0
+
+    def grow(self, row, tokens, final) -> bool:
+        return True
+
+    def stop_on_free(self, waiting: bool) -> bool:
+        return waiting
+
+    def reset(self) -> None: ...
+    def bind(self, running) -> None: ...
+    def account(self, stats, running, steps, ran) -> None: ...
+    def append(self, row, tokens) -> None: ...
+    def release(self, row) -> None: ...
+
+
+class PagedRows:
+    """``num_rows`` rows of block tables over one pool of ``num_pages`` pages of
+    ``page_size`` tokens (the interface of :class:`DenseRows`): a row takes pages as it
+    grows, shares the cached full pages of common prompt prefixes with ``prefix_cache``,
+    and frees the pages that slide out of a window. Raises ValueError for a non-positive
+    ``num_pages`` or a pool smaller than one request of ``max_seq_len`` tokens (so the
+    oldest request can always finish)."""
+
+    def __init__(self, num_rows: int, max_seq_len: int, page_size: int, num_pages: int,
+                 prefix_cache: bool = False):
+        if int(num_pages) < 1:
+            raise ValueError(f"num_pages={num_pages}; allowed: an integer >= 1")
+        self.num_rows, self.max_seq_len = num_rows, max_seq_len
+        self.page_size, self.num_pages = int(page_size), int(num_pages)
+        self.max_pages = paged.pages_for(max_seq_len, self.page_size)
+        if self.num_pages < self.max_pages:
+            raise ValueError(
+                f"num_pages={num_pages} pages of {page_size} tokens hold "
+                f"{self.num_pages * self.page_size} tokens, too few for one request of "
+                f"max_seq_len={max_seq_len}; allowed: num_pages >= {self.max_pages}")
+        self.view_len = self.max_pages * self.page_size
+        self.prefix_cache = bool(prefix_cache)
+        self.reset()
+
+    def allocate(self, cfg: ModelConfig, spec: SpeculativeConfig | None) -> None:
+        self.cfg = cfg
+        self.cache = paged.init_paged_cache(cfg, self.num_rows, self.num_pages,
+                                            self.page_size, self.max_pages)
+        self.page_bytes = paged.page_bytes(cfg, self.page_size)
+        self.bytes_per_token = self.page_bytes / self.page_size
+        self.allocated_bytes = self.num_pages * self.page_bytes
+
+    def reset(self, prefix_cache: bool | None = None) -> None:
+        self.alloc = paged.PageAllocator(
+            self.num_pages, self.page_size,
+            self.prefix_cache if prefix_cache is None else prefix_cache)
+
+    def check(self, req: Request) -> None:
+        """Raises ValueError when the request writes more tokens than a row or the pool
+        holds."""
+        need = written_tokens(len(req.prompt), req.max_new_tokens)
+        pages = paged.pages_for(need, self.page_size)
+        if need > self.max_seq_len:
+            raise ValueError(
+                f"request {req.id} ({len(req.prompt)} prompt tokens + {req.max_new_tokens} "
+                f"new) writes {need} tokens, more than max_seq_len={self.max_seq_len}; "
+                f"allowed: at most {self.max_seq_len} (raise max_seq_len)")
+        if pages > self.num_pages:
+            raise ValueError(
+                f"request {req.id} ({len(req.prompt)} prompt tokens + {req.max_new_tokens} "
+                f"new) writes {need} tokens = {pages} pages of {self.page_size}, more than "
+                f"the pool's num_pages={self.num_pages}; allowed: at most "
+                f"{self.num_pages * self.page_size} tokens")
+
+    def _table(self, row) -> np.ndarray:
+        bt = np.full(self.max_pages, -1, np.int32)
+        pages = self.alloc.block_table(row)
+        bt[:len(pages)] = pages
+        return bt
+
+    def admit(self, row, tokens, need) -> int | None:
+        try:
+            return self.alloc.admit(row, tokens, need)
+        except paged.PoolExhausted:
+            return None
+
+    def prefill(self, params, cfg, sampling, row, tokens, start, count, key) -> int:
+        """``tokens[start:]`` written into ``row``'s pages (the first ``start`` are
+        cached) by a one-row view of the pools."""
+        n = len(tokens) - start
+        toks = np.zeros((1, prefill_bucket(n)), np.int32)
+        toks[0, :n] = tokens[start:]
+        one = self.cache.replace(block_table=jnp.asarray(self._table(row)[None]),
+                                 length=jnp.full((1,), start, jnp.int32))
+        first, one = paged_prefill_program(
+            params, one, jnp.asarray(toks), jnp.asarray([n], jnp.int32), key,
+            jnp.int32(count), cfg=cfg, sampling=sampling, fresh=start == 0)
+        self.cache = self.cache.replace(tensors=one.tensors)
+        self.alloc.append(row, tokens[start:])
+        return int(first[0])
+
+    def warmup(self, requests: Sequence[Request], prefill) -> list:
+        """A request's prefill can be of any bucket up to its whole length: a prefix hit
+        leaves fewer tokens, a preempted request is prefilled again with its generated
+        tokens, so every bucket up to the longest request's is compiled, fresh and (with
+        ``prefix_cache``) after a cached page."""
+        most = max(written_tokens(len(r.prompt), r.max_new_tokens) for r in requests)
+        top = prefill_bucket(min(most, self.view_len))
+        buckets = [prefill_bucket(1)]  # prefill_bucket's powers of two, up to top
+        while buckets[-1] < top:
+            buckets.append(2 * buckets[-1])
+        self.reset(prefix_cache=False)  # no prefix hits
+        p = self.page_size
+        for b in buckets:
+            n = min(b, self.view_len)  # the longest prefill of bucket b that fits a row
+            self.alloc.admit("warmup", [0] * n, n)
+            prefill("warmup", [0] * n, 0)
+            self.alloc.release("warmup")
+            n = min(b, self.view_len - p)
+            if self.prefix_cache and n >= 1 and prefill_bucket(n) == b:  # after a hit
+                self.alloc.admit("warmup", [0] * (n + p), n + p)
+                self.alloc.append("warmup", [0] * p)
+                prefill("warmup", [0] * (n + p), p)
+                self.alloc.release("warmup")
+        return buckets
+
+    def grow(self, row, tokens, final) -> bool:
+        """Frees the pages no query of the block sees (a window), then takes the pages of
+        the next ``tokens`` (copy on write of a shared page first)."""
+        if self.cfg.window_size:
+            self.alloc.drop_before(row, self.alloc.length(row) - self.cfg.window_size + 1,
+                                   self.cfg.num_sink_tokens)
+        try:
+            copies = self.alloc.ensure(row, min(self.alloc.length(row) + tokens, final))
+        except paged.PoolExhausted:
+            return False
+        if copies:
+            src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*copies))
+            self.cache = copy_pages_program(self.cache, src, dst)
+        return True
+
+    def stop_on_free(self, waiting: bool) -> bool:
+        return True  # a stopped row's pages go back to the pool at once
+
+    def bind(self, running) -> None:
+        self._bound = np.full((self.num_rows, self.max_pages), -1, np.int32)
+        lengths = np.zeros(self.num_rows, np.int32)
+        for row in running:
+            self._bound[row] = self._table(row)
+            lengths[row] = self.alloc.length(row)
+        self._referenced = self.alloc.num_referenced
+        self.cache = self.cache.replace(block_table=jnp.asarray(self._bound),
+                                        length=jnp.asarray(lengths))
+
+    def account(self, stats: EngineStats, running, steps: int, ran) -> None:
+        """The block's page figures; ``ran``: [B] int, steps (verify rounds) each row ran."""
+        bt = self._bound
+        stats.max_row_pages = max([stats.max_row_pages] +
+                                  [int((bt[s] >= 0).sum()) for s in running])
+        stats.page_kv_byte_steps += steps * self._referenced * self.page_bytes
+        stats.active_page_kv_byte_steps += self.page_bytes * sum(
+            len(set().union(*(bt[s][bt[s] >= 0] for s in running if ran[s] > i)))
+            for i in range(steps))
+
+    def append(self, row, tokens) -> None:
+        self.alloc.append(row, tokens)
+
+    def release(self, row) -> None:
+        self.alloc.release(row)
+
+
+def row_store(num_rows: int, max_seq_len: int, page_size: int = 0, num_pages: int = 0,
+              prefix_cache: bool = False):
+    """The one site choosing the rows: :class:`DenseRows` for ``page_size`` 0, else
+    :class:`PagedRows` of ``num_pages`` pages of ``page_size`` tokens.
+
+    Raises:
+      ValueError: a negative ``page_size``, or pages (``num_pages``, ``prefix_cache``)
+        asked for with page_size 0; a bad pool (:class:`PagedRows`).
+    """
+    if isinstance(page_size, bool) or int(page_size) < 0:
+        raise ValueError(f"page_size={page_size}; allowed: 0 (dense rows) or an integer "
+                         ">= 1 (tokens per page)")
+    if int(page_size):
+        return PagedRows(num_rows, max_seq_len, page_size, num_pages, prefix_cache)
+    if num_pages or prefix_cache:
+        raise ValueError(f"num_pages={num_pages}, prefix_cache={prefix_cache} with "
+                         "page_size=0; allowed: a pool and a prefix cache with page_size "
+                         ">= 1 (dense rows have neither)")
+    return DenseRows(num_rows, max_seq_len)
+
+
+@dataclasses.dataclass
+class _Running:
+    req: Request
+    order: int          # admission counter: the largest is the newest
+    final: int          # tokens the request writes in all (written_tokens)
+
+
 class Engine:
-    """Serves requests through ``num_slots`` rows of one ragged cache.
+    """Serves requests through ``num_slots`` rows of one batch cache: dense rows, or rows
+    of block tables over a page pool (``page_size`` >= 1; :func:`row_store`).
 
     Args:
       params: parameters in cfg's layout.
       cfg: the model.
-      num_slots: rows of the batch cache (>= 1).
+      num_slots: rows, the most requests running at once (>= 1).
       max_seq_len: cache length per row in tokens (prompt + max_new_tokens must fit a
-        dense cache; a window holds W).
+        dense cache; a window holds W); on pages the longest request (prompt +
+        max_new_tokens - 1), a block table having ceil(max_seq_len / page_size) entries.
       sampling: SamplingConfig (greedy by default).
       eos_ids: the end-of-generation ids (``Tokenizer.eos_token_ids``; one int is one
-        id; empty: stop at budgets only).
+        id; empty or -1: stop at budgets only).
       steps_per_sync: decode steps (speculative: verify rounds) per compiled call
         between host visits (>= 1).
       seed: base of the per-request sampling keys.
       speculative: a SpeculativeConfig: every call runs verify rounds of k + 1 tokens
-        (:func:`kvjax.inference.speculative.engine_rounds_program`), a slot accepting its
-        own number; greedy tokens equal plain decoding's, sampled ones follow the same
-        distribution (the acceptance with per-request keys). Drafts: 'ngram' (prompt
-        lookup over each slot's own tokens), 'self' (the same weights over the config's
-        cheap cache) or 'model' (``draft``), whose cache is kept per slot beside the
-        target's, prefilled with each admitted prompt. None or drafter 'none': plain
-        steps.
+        (:func:`kvjax.inference.speculative.engine_rounds_program`), a row accepting its
+        own number (on pages a row takes the pages of up to steps_per_sync x (k + 1)
+        tokens a block); greedy tokens equal plain decoding's, sampled ones follow the
+        same distribution (the acceptance with per-request keys). Drafts: 'ngram'
+        (prompt lookup over each row's own tokens), 'self' (the same weights over the
+        config's cheap cache) or 'model' (``draft``), whose dense cache is kept per row
+        beside the target's (a window draft's ring of W + k + 1 slots, a 'model'
+        draft's max_seq_len + k + 1), prefilled with a request's tokens on admission
+        (again after a preemption), outside the page budget (``draft_cache_bytes``).
+        None or drafter 'none': plain steps.
       draft: (draft params, draft config) for drafter 'model'
         (:func:`kvjax.inference.runner.draft_model`); 'self' builds its own
         (:func:`kvjax.inference.speculative.draft_config`) when None.
+      page_size: tokens per page; 0: dense rows.
+      num_pages: pages in the pool (per layer and tensor), with page_size >= 1; at least
+        one request of ``max_seq_len`` tokens must fit, so the oldest request can
+        always finish.
+      prefix_cache: reuse cached full pages of common prompt prefixes (pages only).
     Raises:
-      ValueError: a non-positive num_slots, max_seq_len or steps_per_sync.
-      ConfigError: a drafter the config cannot build (:func:`check_draft`: 'model'
-        without ``draft``, a draft with another vocabulary), before any work.
+      ValueError: a non-positive num_slots, max_seq_len or steps_per_sync, a bad
+        page_size or pool (:func:`row_store`), or draft= without speculative= (each
+        named with its value).
+      ConfigError: a drafter the config cannot build
+        (:func:`kvjax.inference.speculative.check_draft`: 'model' without ``draft``, a
+        draft with another vocabulary), or a draft that copies the target's window
+        (``draft_kv_source='target'``) on pages, before any work.
     """
 
     def __init__(self, params, cfg: ModelConfig, num_slots: int, max_seq_len: int,
                  sampling: SamplingConfig = SamplingConfig(),
                  eos_ids: int | Sequence[int] = (),
                  steps_per_sync: int = 8, seed: int = 0,
-                 speculative: SpeculativeConfig | None = None, draft: tuple | None = None):
+                 speculative: SpeculativeConfig | None = None, draft: tuple | None = None,
+                 page_size: int = 0, num_pages: int = 0, prefix_cache: bool = False):
         for name, v in (("num_slots", num_slots), ("max_seq_len", max_seq_len),
                         ("steps_per_sync", steps_per_sync)):
             if int(v) < 1:
                 raise ValueError(f"{name}={v}; allowed: an integer >= 1")
+        self.num_slots, self.max_seq_len = int(num_slots), int(max_seq_len)
+        self.rows = row_store(self.num_slots, self.max_seq_len, page_size, num_pages,
+                              prefix_cache)
         if speculative is not None and not speculative.enabled:
             speculative = None
         if speculative is not None and speculative.drafter == "self" and draft is None:
             draft = spec_lib.self_draft(params, cfg, speculative)
         if speculative is not None:
             spec_lib.check_draft(cfg, None if draft is None else draft[1], speculative)
+            if speculative.copies_target_window and self.rows.page_size:
+                raise ConfigError(
+                    "speculative.draft_kv_source='target' with page_size="
+                    f"{page_size}; allowed: 'own' on pages (the window copy reads dense "
+                    "or ring rows only), or 'target' with page_size=0")
         elif draft is not None:
             raise ValueError("draft= without speculative=; allowed: a draft with a "
                              "SpeculativeConfig whose drafter is 'self' or 'model'")
         self.spec = speculative
-        self.num_slots, self.max_seq_len = int(num_slots), int(max_seq_len)
         # the plans, resolved here on the host (never while tracing): the decode loop's
         # for num_slots rows (and its verify chunks), each prefill bucket's when first
         # used (_prefill_cfg)
         if cfg.plan is None:
             verify = () if self.spec is None else (self.spec.k + 1,)
-            cfg = planner.resolve(cfg, max_seq_len=self.max_seq_len,
-                                  batch_sizes=(self.num_slots,), queries=verify)
+            cfg = planner.resolve(cfg, max_seq_len=self.rows.view_len,
+                                  batch_sizes=(self.num_slots,),
+                                  page_size=self.rows.page_size, queries=verify)
         self.params, self.cfg = params, cfg
+        self.rows.allocate(cfg, self.spec)
         self._prefill_cfgs: dict[tuple, ModelConfig] = {}
         self.dparams = self.dcfg = self.draft_cache = None
         if draft is not None:  # the draft's plan: its steps over num_slots rows
@@ -340,26 +722,24 @@ class Engine:
             self.dcfg = dcfg if dcfg.plan is not None else planner.resolve(
                 dcfg, max_seq_len=self.max_seq_len + k + 1, batch_sizes=(self.num_slots,),
                 rows=(2 * self.num_slots,))
-            if not self.spec.copies_target_window:  # else copied from self.cache
+            if not self.spec.copies_target_window:  # else copied from the target's rows
                 self.draft_cache = spec_lib.init_draft_cache(self.dcfg, self.num_slots,
                                                              self.max_seq_len, k)
-        self._pending = jnp.zeros(self.num_slots, jnp.int32)
+        self.draft_cache_bytes = (0 if self.draft_cache is None
+                                  else cache_lib.cache_bytes(self.draft_cache))
+        self._pending = jnp.zeros(self.num_slots, jnp.int32)  # a draft model's next input
         self._has_pending = jnp.zeros(self.num_slots, bool)
         self._calls = 0
         self.sampling = sampling
         self.eos_ids = tuple(int(i) for i in np.atleast_1d(eos_ids) if int(i) >= 0)
         self._eos = decode_lib.eos_array(self.eos_ids)
         self.steps_per_sync, self.seed = int(steps_per_sync), int(seed)
-        self.cache = self._empty_cache(self.num_slots)
-        self.num_cache_slots = self.cache.num_slots
-        self.bytes_per_token = cache_lib.cache_bytes(self.cache) / (
-            self.num_slots * self.num_cache_slots)
 
     # ------------------------------------------------------------------ checks
 
     def check(self, req: Request) -> None:
         """Raises ValueError (naming the request) for an id < 0, an empty prompt, a budget < 1, or a
-        prompt + budget that does not fit a dense cache (CacheOverflowError)."""
+        request that does not fit a row (:meth:`DenseRows.check`, :meth:`PagedRows.check`)."""
         if not isinstance(req.id, (int, np.integer)) or req.id < 0:
             raise ValueError(f"request id={req.id!r}; allowed: an integer >= 0 (it seeds the "
                              "request's sampling key)")
@@ -368,91 +748,85 @@ class Engine:
         if int(req.max_new_tokens) < 1:
             raise ValueError(f"request {req.id}: max_new_tokens={req.max_new_tokens}; "
                              "allowed: an integer >= 1")
-        cache_lib.policy_for(self.cfg).check_room(
-            0, written_tokens(len(req.prompt), req.max_new_tokens),
-            self.num_cache_slots,
-            f"request {req.id} ({len(req.prompt)} prompt tokens + "
-            f"{req.max_new_tokens} new)")
+        self.rows.check(req)
 
     # ------------------------------------------------------------------ units
 
-    def _empty_cache(self, rows: int):
-        """An empty ragged cache of ``rows`` rows (a speculative ring keeps k + 1 spare
-        slots: :func:`kvjax.inference.speculative.init_target_cache`)."""
-        if self.spec is not None:
-            return spec_lib.init_target_cache(self.cfg, rows, self.max_seq_len, self.spec.k)
-        return cache_lib.init_cache(self.cfg, rows, self.max_seq_len, ragged=True)
-
     def _decode(self, last, active, remaining, count, keys, stop_on_free, hist, hist_len):
         """One compiled call of plain steps or speculative rounds: (tokens [B, n'] (each
-        slot's in order, -1 after), steps or rounds run, cache, last, active, remaining,
-        count, occupied, held, hist, hist_len, accepted [B] or None, proposed)."""
+        row's in order, -1 after), steps or rounds run, last, active, remaining, count,
+        occupied, held, hist, hist_len, accepted [B] or None, proposed, rounds each row
+        ran [B] or None); the rows' cache updated in place."""
         if self.spec is None:
             out = decode_steps_program(
-                self.params, self.cache, last, active, remaining, count, keys, self._eos,
-                stop_on_free, cfg=self.cfg, sampling=self.sampling,
+                self.params, self.rows.cache, last, active, remaining, count, keys,
+                self._eos, stop_on_free, cfg=self.cfg, sampling=self.sampling,
                 steps=self.steps_per_sync)
-            return out + (hist, hist_len, None, None)
-        self._calls += 1
-        rng = jax.random.fold_in(jax.random.key(self.seed), self._calls)
-        out = spec_lib.engine_rounds_program(
-            self.params, self.dparams, self.cache, self.draft_cache, last, active,
-            remaining, count, keys, self._eos, hist, hist_len, stop_on_free, self._pending,
-            self._has_pending, rng, cfg=self.cfg, draft_cfg=self.dcfg, spec=self.spec,
-            sampling=self.sampling, rounds=self.steps_per_sync)
-        self.draft_cache, self._pending, self._has_pending = out[13:16]
-        return out[:13]
+            out += (hist, hist_len, None, None, None)
+        else:
+            self._calls += 1
+            rng = jax.random.fold_in(jax.random.key(self.seed), self._calls)
+            out = spec_lib.engine_rounds_program(
+                self.params, self.dparams, self.rows.cache, self.draft_cache, last, active,
+                remaining, count, keys, self._eos, hist, hist_len, stop_on_free,
+                self._pending, self._has_pending, rng, cfg=self.cfg, draft_cfg=self.dcfg,
+                spec=self.spec, sampling=self.sampling, rounds=self.steps_per_sync)
+            self.draft_cache, self._pending, self._has_pending = out[13:16]
+            out = out[:13] + out[16:]
+        self.rows.cache = out[2]
+        return out[:2] + out[3:]
 
     def _key(self, req_id: int) -> jax.Array:
         return jax.random.fold_in(jax.random.key(self.seed), req_id)
 
-    def prefill(self, req: Request):
-        """(first token id, one-row ragged cache holding the prompt, and the draft
-        model's one-row cache holding it, or None)."""
-        n = len(req.prompt)
-        bucket = prefill_bucket(n)
-        tokens, lengths = ragged.pad_prompts([req.prompt], length=bucket)
-        tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-        row = self._empty_cache(1)
-        logits, row = ragged.prefill_ragged_program(
-            self.params, tokens, lengths, row, cfg=self._prefill_cfg(bucket))
-        first = ragged.first_tokens(logits, self._key(req.id)[None], self.sampling)
-        drow = None
-        if self.draft_cache is not None:
-            drow = spec_lib.init_draft_cache(self.dcfg, 1, self.max_seq_len, self.spec.k)
-            _, drow = ragged.prefill_ragged_program(
-                self.dparams, tokens, lengths, drow, cfg=self._prefill_cfg(bucket, True))
-        return int(first[0]), row, drow
+    def _prefill(self, row, tokens: Sequence[int], start: int, count: int, req_id: int):
+        """Writes ``tokens[start:]`` into ``row`` (the first ``start`` are cached) and
+        returns the token sampled after them (key index ``count``)."""
+        return self.rows.prefill(self.params, self._prefill_cfg(
+            prefill_bucket(len(tokens) - start)), self.sampling, row, tokens, start, count,
+            self._key(req_id))
+
+    def _draft_prefill(self, row: int, tokens: Sequence[int]) -> None:
+        """The draft model's row ``row``: ``tokens`` prefilled into a fresh one-row cache
+        and put in place, with no pending draft input."""
+        bucket = prefill_bucket(len(tokens))
+        toks, lengths = ragged.pad_prompts([list(tokens)], length=bucket)
+        drow = spec_lib.init_draft_cache(self.dcfg, 1, self.max_seq_len, self.spec.k)
+        _, drow = ragged.prefill_ragged_program(
+            self.dparams, jnp.asarray(toks), jnp.asarray(lengths), drow,
+            cfg=self._prefill_cfg(bucket, True))
+        self.draft_cache = insert_program(self.draft_cache, drow, jnp.int32(row))
+        self._pending = self._pending.at[row].set(0)
+        self._has_pending = self._has_pending.at[row].set(False)
 
     def _prefill_cfg(self, bucket: int, draft: bool = False) -> ModelConfig:
         """The config of a one-row prefill of ``bucket`` tokens (the draft model's with
         ``draft``), with its plan (resolved once per bucket, on the host)."""
         if (bucket, draft) not in self._prefill_cfgs:
-            cfg = self.dcfg if draft else self.cfg
+            cfg, slots = (self.dcfg, self.max_seq_len) if draft else (self.cfg,
+                                                                       self.rows.view_len)
             self._prefill_cfgs[bucket, draft] = planner.resolve(  # no decode step: no B
-                cfg.replace(plan=None), max_seq_len=self.max_seq_len,
-                batch_sizes=(), rows=(bucket,))
+                cfg.replace(plan=None), max_seq_len=slots, batch_sizes=(), rows=(bucket,))
         return self._prefill_cfgs[bucket, draft]
 
     def warmup(self, requests: Sequence[Request]) -> float:
-        """Compiles (by running once) the prefill of every length bucket ``requests``
-        need, the insert and the decode loop, so :meth:`run` times serving, not XLA.
-        Leaves every slot free. Returns the seconds spent."""
+        """Compiles (by running once) every prefill ``requests`` can need
+        (:meth:`DenseRows.warmup`, :meth:`PagedRows.warmup`; the draft model's too) and
+        the decode loop, so :meth:`run` times serving, not XLA. Leaves every row free.
+        Returns the seconds spent."""
         t0 = time.perf_counter()
-        for bucket in sorted({prefill_bucket(len(r.prompt)) for r in requests}):
-            _, row, drow = self.prefill(Request(0, (0,) * bucket, 1))
-        if requests:
-            self.cache = insert_program(self.cache, row, jnp.int32(0))
-            if drow is not None:
-                self.draft_cache = insert_program(self.draft_cache, drow, jnp.int32(0))
-            zeros = jnp.zeros(self.num_slots, jnp.int32)
-            keys = jax.vmap(self._key)(zeros)
-            hist, hist_len = spec_lib.slot_history(self.spec, self.num_slots,
-                                                   self.max_seq_len)
-            out = self._decode(zeros, jnp.zeros(self.num_slots, bool), zeros, zeros, keys,
-                               jnp.asarray(False), hist, hist_len)
-            self.cache = out[2]
-            jax.block_until_ready(self.cache)
+        if not requests:
+            return 0.0
+        for b in self.rows.warmup(requests, lambda row, toks, start: self._prefill(
+                row, toks, start, 0, 0)):
+            if self.draft_cache is not None:  # a draft row is prefilled with all tokens
+                self._draft_prefill(0, [0] * min(b, self.max_seq_len))
+        zeros = jnp.zeros(self.num_slots, jnp.int32)
+        hist, hist_len = spec_lib.slot_history(self.spec, self.num_slots, self.max_seq_len)
+        self._decode(zeros, jnp.zeros(self.num_slots, bool), zeros, zeros,
+                     jax.vmap(self._key)(zeros), jnp.asarray(False), hist, hist_len)
+        jax.block_until_ready(self.rows.cache)
+        self.rows.reset()
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ the loop
@@ -475,53 +849,81 @@ class Engine:
             self.check(r)
         if warmup:
             self.warmup(requests)
-        ns = self.num_slots
-        slot_req: list = [None] * ns
-        last = np.zeros(ns, np.int32)
-        active = np.zeros(ns, bool)
-        remaining = np.zeros(ns, np.int32)
-        count = np.zeros(ns, np.int32)
-        keys = jax.vmap(lambda i: self._key(i))(jnp.zeros(ns, jnp.int32))
-        # speculative: each slot's tokens, for the n-gram drafts
-        hist, hist_len = spec_lib.slot_history(self.spec, ns, self.max_seq_len)
-        stats = EngineStats(allocated_kv_bytes=cache_lib.cache_bytes(self.cache),
-                            num_slots=ns)
+        store, nr = self.rows, self.num_slots
+        store.reset()
+        rows: list = [None] * nr            # _Running or None
+        gen = book.tokens                   # a preempted request keeps its tokens here
+        last = np.zeros(nr, np.int32)
+        active = np.zeros(nr, bool)
+        remaining = np.zeros(nr, np.int32)
+        count = np.zeros(nr, np.int32)
+        keys = jax.vmap(self._key)(jnp.zeros(nr, jnp.int32))
+        # speculative: each row's tokens, for the n-gram drafts
+        hist, hist_len = spec_lib.slot_history(self.spec, nr, self.max_seq_len)
+        per_block = self.steps_per_sync * (1 if self.spec is None else self.spec.k + 1)
+        stats = EngineStats(allocated_kv_bytes=store.allocated_bytes, num_slots=nr,
+                            page_size=store.page_size)
         queue = book.queue
+        order = 0
         book.start = time.perf_counter()
 
         while queue or active.any():
-            for slot in range(ns):
-                if active[slot] or book.next_arrived() is None:
+            # admit, first come first served, while a row is free and the request fits
+            for slot in range(nr):
+                if rows[slot] is not None or book.next_arrived() is None:
                     continue
-                req = queue.popleft()
-                first, row, drow = self.prefill(req)
+                req = queue[0]
+                have = gen.get(req.id, [])
+                tokens = list(req.prompt) + have  # a preempted request: its tokens kept
+                final = written_tokens(len(req.prompt), req.max_new_tokens)
+                hit = store.admit(slot, tokens, min(len(tokens) + 1, final))
+                if hit is None:
+                    break
+                queue.popleft()
+                stats.prompt_tokens += len(tokens)
+                stats.prefix_hit_tokens += hit
+                stats.prefill_tokens += len(tokens) - hit
+                nxt = self._prefill(slot, tokens, hit, len(have), req.id)
                 stats.prefills += 1
-                book.emit(req.id, [first])
-                if first in self.eos_ids or first == NONFINITE or req.max_new_tokens == 1:
-                    book.finish(req, _stop(first, self.eos_ids), None)
+                book.emit(req.id, [nxt])
+                if nxt in self.eos_ids or nxt == NONFINITE or \
+                        len(gen[req.id]) >= req.max_new_tokens:
+                    store.release(slot)
+                    book.finish(req, _stop(nxt, self.eos_ids), slot if have else None)
                     continue
-                self.cache = insert_program(self.cache, row, jnp.int32(slot))
-                if drow is not None:  # the draft's row, and no pending draft token
-                    self.draft_cache = insert_program(self.draft_cache, drow,
-                                                      jnp.int32(slot))
-                    self._pending = self._pending.at[slot].set(0)
-                    self._has_pending = self._has_pending.at[slot].set(False)
-                slot_req[slot] = req
-                last[slot], active[slot] = first, True
-                remaining[slot], count[slot] = req.max_new_tokens - 1, 1
+                if self.draft_cache is not None:
+                    self._draft_prefill(slot, tokens)
+                rows[slot] = _Running(req, order, final)
+                order += 1
+                last[slot], active[slot] = nxt, True
+                count[slot] = len(gen[req.id])
+                remaining[slot] = req.max_new_tokens - count[slot]
                 keys = keys.at[slot].set(self._key(req.id))
                 if hist is not None:
-                    hist, hist_len = spec_lib.put_slot_history(
-                        hist, hist_len, slot, list(req.prompt) + [first])
+                    hist, hist_len = spec_lib.put_slot_history(hist, hist_len, slot,
+                                                               tokens + [nxt])
             if not active.any():
                 book.wait_for_arrival()
                 continue
+            # every running row takes room for its next block, oldest first; when none is
+            # left the newest running request is preempted (dense rows always have room)
+            for slot in sorted(np.nonzero(active)[0], key=lambda s: rows[s].order):
+                r = rows[slot]  # (None: preempted meanwhile)
+                while r is not None and r is rows[slot] and \
+                        not store.grow(slot, per_block, r.final):
+                    victim = max(np.nonzero(active)[0], key=lambda s: rows[s].order)
+                    store.release(victim)
+                    queue.appendleft(rows[victim].req)
+                    rows[victim], active[victim] = None, False
+                    stats.preemptions += 1
+            running = np.nonzero(active)[0]
+            store.bind(running)
             t0 = time.perf_counter()
             out = self._decode(jnp.asarray(last), jnp.asarray(active),
                                jnp.asarray(remaining), jnp.asarray(count), keys,
-                               jnp.asarray(bool(queue)), hist, hist_len)
-            (buf, n, self.cache, last_d, active_d, rem_d, count_d, occ, held, hist,
-             hist_len, acc, prop) = out
+                               jnp.asarray(store.stop_on_free(bool(queue))), hist, hist_len)
+            (buf, n, last_d, active_d, rem_d, count_d, occ, held, hist, hist_len, acc,
+             prop, rounds) = out
             buf = np.asarray(buf)
             if acc is not None:
                 stats.accepted += int(np.sum(acc))
@@ -529,17 +931,25 @@ class Engine:
             stats.decode_s += time.perf_counter() - t0
             n = int(n)
             stats.steps += n
+            # rows running and the tokens their queries saw, step by step (a row grows
+            # inside a block and may stop before it ends; its room was taken before)
             stats.occupied_slot_steps += int(occ)
-            stats.live_kv_byte_steps += int(held) * self.bytes_per_token
+            stats.max_running = max(stats.max_running, len(running))
+            stats.live_kv_byte_steps += int(held) * store.bytes_per_token
+            emitted = (buf >= 0) | (buf == NONFINITE)  # [rows, tokens] in order
+            # steps (verify rounds) each row ran: a plain step emits one token
+            store.account(stats, running, n, emitted.sum(axis=1) if rounds is None
+                          else np.asarray(rounds))
             new_active = np.asarray(active_d)
-            for slot in np.nonzero(active)[0]:
-                req = slot_req[slot]
-                toks = buf[slot]  # its tokens in order, -1 after
-                book.emit(req.id, [int(t) for t in toks[(toks >= 0) | (toks == NONFINITE)]])
+            for slot in running:
+                r = rows[slot]
+                made = [int(t) for t in buf[slot][emitted[slot]]]  # its tokens in order
+                store.append(slot, ([int(last[slot])] + made)[:len(made)])  # the inputs
+                book.emit(r.req.id, made)
                 if not new_active[slot]:
-                    book.finish(req, _stop(book.tokens[req.id][-1], self.eos_ids),
-                                int(slot))
-                    slot_req[slot] = None
+                    store.release(slot)
+                    book.finish(r.req, _stop(gen[r.req.id][-1], self.eos_ids), int(slot))
+                    rows[slot] = None
             last, active = np.array(last_d), new_active.copy()
             remaining, count = np.array(rem_d), np.array(count_d)
         stats.wall_s = book.now()
