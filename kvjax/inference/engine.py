@@ -44,7 +44,7 @@ from kvjax.config import ModelConfig, SamplingConfig, SpeculativeConfig
 from kvjax.inference import ragged
 from kvjax.inference import speculative as spec_lib
 from kvjax.inference import decode as decode_lib
-from kvjax.inference.sampling import NONFINITE
+from kvjax.inference.sampling import NONFINITE, check_request_id, request_key, request_keys
 
 __all__ = ["Request", "Completion", "EngineStats", "Engine", "Ledger", "insert_program",
            "decode_steps_program", "prefill_bucket"]
@@ -360,9 +360,7 @@ class Engine:
     def check(self, req: Request) -> None:
         """Raises ValueError (naming the request) for an id < 0, an empty prompt, a budget < 1, or a
         prompt + budget that does not fit a dense cache (CacheOverflowError)."""
-        if not isinstance(req.id, (int, np.integer)) or req.id < 0:
-            raise ValueError(f"request id={req.id!r}; allowed: an integer >= 0 (it seeds the "
-                             "request's sampling key)")
+        check_request_id(req.id)  # every id it accepts has its own key (issue 54)
         if not len(req.prompt):
             raise ValueError(f"request {req.id}: empty prompt; allowed: at least one token")
         if int(req.max_new_tokens) < 1:
@@ -404,7 +402,7 @@ class Engine:
         return out[:13]
 
     def _key(self, req_id: int) -> jax.Array:
-        return jax.random.fold_in(jax.random.key(self.seed), req_id)
+        return request_key(jax.random.key(self.seed), req_id)
 
     def prefill(self, req: Request):
         """(first token id, one-row ragged cache holding the prompt, and the draft
@@ -446,7 +444,7 @@ class Engine:
             if drow is not None:
                 self.draft_cache = insert_program(self.draft_cache, drow, jnp.int32(0))
             zeros = jnp.zeros(self.num_slots, jnp.int32)
-            keys = jax.vmap(self._key)(zeros)
+            keys = request_keys(jax.random.key(self.seed), [0] * self.num_slots)
             hist, hist_len = spec_lib.slot_history(self.spec, self.num_slots,
                                                    self.max_seq_len)
             out = self._decode(zeros, jnp.zeros(self.num_slots, bool), zeros, zeros, keys,
@@ -481,7 +479,7 @@ class Engine:
         active = np.zeros(ns, bool)
         remaining = np.zeros(ns, np.int32)
         count = np.zeros(ns, np.int32)
-        keys = jax.vmap(lambda i: self._key(i))(jnp.zeros(ns, jnp.int32))
+        keys = request_keys(jax.random.key(self.seed), [0] * ns)
         # speculative: each slot's tokens, for the n-gram drafts
         hist, hist_len = spec_lib.slot_history(self.spec, ns, self.max_seq_len)
         stats = EngineStats(allocated_kv_bytes=cache_lib.cache_bytes(self.cache),

@@ -55,7 +55,7 @@ from kvjax.inference import ragged
 from kvjax.inference import speculative as spec_lib
 from kvjax.inference.engine import (Completion, EngineStats, Ledger, Request,
                                     decode_steps_program, insert_program, prefill_bucket)
-from kvjax.inference.sampling import NONFINITE
+from kvjax.inference.sampling import NONFINITE, check_request_id, request_key, request_keys
 from kvjax.models import model as model_lib
 
 __all__ = ["PagedEngine", "PagedStats", "paged_prefill_program",
@@ -250,9 +250,7 @@ class PagedEngine:
     def check(self, req: Request) -> None:
         """Raises ValueError (naming the request) for an id < 0, an empty prompt, a budget
         < 1, or a request that writes more tokens than a row or the pool holds."""
-        if not isinstance(req.id, (int, np.integer)) or req.id < 0:
-            raise ValueError(f"request id={req.id!r}; allowed: an integer >= 0 (it seeds the "
-                             "request's sampling key)")
+        check_request_id(req.id)  # every id it accepts has its own key (issue 54)
         if not len(req.prompt):
             raise ValueError(f"request {req.id}: empty prompt; allowed: at least one token")
         if int(req.max_new_tokens) < 1:
@@ -275,7 +273,7 @@ class PagedEngine:
     # ------------------------------------------------------------------ units
 
     def _key(self, req_id: int) -> jax.Array:
-        return jax.random.fold_in(jax.random.key(self.seed), req_id)
+        return request_key(jax.random.key(self.seed), req_id)
 
     def _prefill_cfg(self, bucket: int, draft: bool = False) -> ModelConfig:
         """The plan of a one-row prefill of ``bucket`` tokens (the draft model's with
@@ -361,7 +359,8 @@ class PagedEngine:
         zeros = jnp.zeros(b, jnp.int32)
         hist, hist_len = spec_lib.slot_history(self.spec, self.max_rows, self.max_seq_len)
         out = self._decode(zeros, jnp.zeros(b, bool), zeros, zeros,
-                           jax.vmap(self._key)(zeros), jnp.asarray(False), hist, hist_len)
+                           request_keys(jax.random.key(self.seed), [0] * b),
+                           jnp.asarray(False), hist, hist_len)
         self.cache = out[2]
         jax.block_until_ready(self.cache)
         self.alloc = paged.PageAllocator(self.num_pages, self.page_size, self.prefix_cache)
@@ -419,7 +418,7 @@ class PagedEngine:
         active = np.zeros(nr, bool)
         remaining = np.zeros(nr, np.int32)
         count = np.zeros(nr, np.int32)
-        keys = jax.vmap(self._key)(jnp.zeros(nr, jnp.int32))
+        keys = request_keys(jax.random.key(self.seed), [0] * nr)
         hist, hist_len = spec_lib.slot_history(self.spec, self.max_rows, self.max_seq_len)
         per_block = steps * (1 if self.spec is None else self.spec.k + 1)  # tokens at most
         stats = PagedStats(allocated_kv_bytes=self.num_pages * self.page_bytes,
