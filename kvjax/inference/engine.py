@@ -13,8 +13,9 @@ any occupancy. The loop returns early when a slot frees while requests wait, and
 host refills it.
 
 A request's tokens do not depend on its batch-mates or its slot: each row attends only
-to its own cache, and its sampling key is ``fold_in(fold_in(seed, request id), j)`` for
-its j-th token (greedy decoding uses no key).
+to its own cache, and its sampling key is ``fold_in(request_key(seed, request id), j)``
+for its j-th token (:func:`kvjax.inference.sampling.request_key`: all 64 bits of the id;
+greedy decoding uses no key).
 
 Times are host wall-clock seconds from the start of :meth:`Engine.run`. A request arrives
 at its ``arrival_s`` (0 for all: an offline batch; ``experiments.serve --arrival_rate``
