@@ -174,6 +174,40 @@ def test_speculative_engine_refuses_drafts_it_cannot_build():
 
 
 @pytest.mark.parametrize("paged", [False, True])
+def test_large_and_numpy_request_ids_run_each_with_its_own_key(paged):
+    """Issue 54 item 5: every id check() accepts runs with its own sampling key (fold_in
+    keeps 32 bits: 2**32 + 7 crashed in run() as a Python int and shared 7's key as
+    np.int64); an id outside [0, 2**64) is refused by check() before any work."""
+    from kvjax.config import SamplingConfig  # noqa: PLC0415
+    cfg = ModelConfig(**VARIANTS["gqa"])
+    params = params_of("gqa")
+
+    def make():
+        hot = SamplingConfig(temperature=1.0)
+        if paged:
+            return engine.Engine(params, cfg, num_slots=2, max_seq_len=S, page_size=4,
+                                 num_pages=32, sampling=hot)
+        return engine.Engine(params, cfg, num_slots=2, max_seq_len=S, sampling=hot)
+
+    prompt, n = tuple(PROMPTS[0]), 12
+    ids = [7, 2**32 + 7, 2**63 - 1, 2**64 - 1, 2**32]
+    eng = make()
+    for i in ids + [np.int64(2**32 + 7), np.uint64(2**64 - 1)]:
+        eng.check(engine.Request(i, prompt, n))
+    done, _ = eng.run([engine.Request(i, prompt, n) for i in ids])
+    toks = {c.id: tuple(c.tokens) for c in done}
+    assert len(set(toks.values())) == len(ids)  # 12 tokens at T = 1: one key each
+    again, _ = make().run([engine.Request(np.int64(2**32 + 7), prompt, n),
+                           engine.Request(np.uint64(2**64 - 1), prompt, n)])
+    assert tuple(again[0].tokens) == toks[2**32 + 7]  # the same id, the same key
+    assert tuple(again[1].tokens) == toks[2**64 - 1]
+    for bad in (2**64, -1, True, 1.0):
+        with pytest.raises(ValueError, match=r"request id=.*; allowed: an integer in "
+                                             r"\[0, 2\*\*64\)"):
+            eng.check(engine.Request(bad, prompt, n))
+
+
+@pytest.mark.parametrize("paged", [False, True])
 def test_arrivals_gate_admission_and_keep_the_tokens(paged):
     """Requests with arrival times (given out of order) are not admitted before they
     arrive, keep the tokens of an all-at-once run, and carry one host timestamp per

@@ -6,6 +6,7 @@ allocator keeps its invariants over thousands of random events; the paged engine
 greedy tokens equal the dense engine's, with preemption and shared prefixes; bad input
 is refused by name. Tiny random float32 models, CPU."""
 
+import collections
 import dataclasses
 import functools
 
@@ -462,6 +463,7 @@ def test_window_pages_that_slide_out_are_freed():
     and a row holds a bounded number of pages however long it runs."""
     alloc = paged.PageAllocator(12, 4)
     alloc.admit(0, list(range(20)), 20)
+    alloc.append(0, list(range(20)))  # written: drop_before frees written positions only
     # window 6, 2 sinks, next query at 20: positions 15.. are seen; pages 1..2 (4..11)
     # hold only older keys, page 0 holds the sinks, page 3 (12..15) holds 15
     assert alloc.drop_before(0, 20 - 6 + 1, keep_first=2) == 2
@@ -504,3 +506,179 @@ def test_window_pages_that_slide_out_are_freed():
         [engine.Request(i, tuple(range(3 + i, 19 + i)), 18) for i in range(4)], 3, 20)
     assert stats.preemptions > 0
     tight.rows.alloc.check()
+
+
+def _allocator_state(alloc):
+    """Everything an allocator call may change, as plain values (a failed call must
+    leave it equal)."""
+    return (alloc.refcount.tolist(), list(alloc.free), list(alloc.lru.items()),
+            dict(alloc.key_of), dict(alloc.page_of),
+            {r: (list(x.pages), list(x.tokens), list(x.hashes)) for r, x in alloc.rows.items()},
+            alloc.hit_tokens, alloc.query_tokens)
+
+
+class _PagesModel:
+    """The device side of a :class:`paged.PageAllocator`: what each page physically
+    holds. It writes a row's tokens only through the row's block table, after asserting
+    the page is the row's alone and no key names it, applies the copies ``ensure``
+    returns, and checks that every page a row holds shows that row's tokens and every
+    keyed page still holds the tokens it was keyed with."""
+
+    def __init__(self, alloc):
+        self.alloc, self.p = alloc, alloc.page_size
+        self.pages = [[None] * self.p for _ in range(alloc.num_pages)]
+        self.keyed: dict = {}  # page -> tokens when it got its key
+
+    def write(self, row, start, tokens):
+        a = self.alloc
+        table = a.block_table(row)
+        for j, t in enumerate(tokens):
+            page = table[(start + j) // self.p]
+            assert page != paged.DROPPED, f"row {row} writes into a page it dropped"
+            assert a.refcount[page] == 1, f"row {row} writes into shared page {page}"
+            assert page not in a.key_of, f"row {row} writes into keyed page {page}"
+            self.pages[page][(start + j) % self.p] = int(t)
+
+    def copy(self, pairs):
+        for src, dst in pairs:
+            self.pages[dst] = list(self.pages[src])
+
+    def verify(self):
+        a = self.alloc
+        for page, key in a.key_of.items():
+            if page not in self.keyed or self.keyed[page][0] != key:
+                self.keyed[page] = (key, list(self.pages[page]))
+            assert self.pages[page] == self.keyed[page][1], \
+                f"keyed page {page} was written after it got its key"
+        for rid, r in a.rows.items():
+            for i, page in enumerate(r.pages):
+                toks = r.tokens[i * self.p:(i + 1) * self.p]
+                if page != paged.DROPPED:
+                    assert self.pages[page][:len(toks)] == toks, \
+                        f"row {rid}'s page {i} (pool page {page}) holds other tokens"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_allocator_fuzz_keeps_its_invariants_against_a_model_of_the_pages(seed):
+    """Issue 54 item 3: 1,500 random admit / append (ensure, write) / fork / trim /
+    drop_before / release events, and calls that must fail (an exhausted pool, a trim
+    below dropped pages or past the length, a drop past the length), on a 14-page pool
+    with a prefix cache, against a model of what each page holds: after every event
+    ``check()`` passes, every row reads its own tokens, no page is written while
+    another row or a key refers to it, a prefix hit's pages hold the prompt's tokens,
+    and a failed call changes nothing. Before the fix: a trim into a shared keyed page
+    kept its key (a later prompt hit another request's tokens), a copy on write that
+    then ran out of pages kept the new page without a copy, and after drop_before and
+    a trim below it ensure wrote into page -1."""
+    rng = np.random.default_rng(seed)
+    p = 2
+    alloc = paged.PageAllocator(14, p, prefix_cache=True)
+    model = _PagesModel(alloc)
+    prefixes = [list(rng.integers(0, 6, 8)) for _ in range(2)]
+    next_id = 0
+    seen = collections.Counter()
+    for _ in range(1500):
+        live = list(alloc.rows)
+        ev = "admit" if not live else rng.choice(
+            ["admit", "append", "fork", "trim", "drop", "release", "bad"],
+            p=[.2, .3, .12, .15, .08, .1, .05])
+        r = live[rng.integers(len(live))] if live else None
+        before = _allocator_state(alloc)
+        try:
+            if ev == "admit":
+                toks = prefixes[rng.integers(2)][:rng.integers(1, 9)] + \
+                    list(rng.integers(0, 6, rng.integers(0, 4)))
+                toks = toks or [1]
+                hit = alloc.admit(next_id, toks, len(toks) + int(rng.integers(0, 3)))
+                for i, page in enumerate(alloc.block_table(next_id)[:hit // p]):
+                    assert model.pages[page] == toks[i * p:(i + 1) * p], \
+                        f"a prefix hit on page {page}, which holds other tokens"
+                seen["hit"] += hit > 0
+                model.write(next_id, hit, toks[hit:])
+                alloc.append(next_id, toks[hit:])
+                next_id += 1
+            elif ev == "append":
+                n = alloc.length(r)
+                new = list(rng.integers(0, 6, rng.integers(1, 4)))
+                model.copy(alloc.ensure(r, n + len(new)))
+                model.write(r, n, new)
+                alloc.append(r, new)
+            elif ev == "fork":
+                alloc.fork(r, next_id)
+                next_id += 1
+            elif ev == "trim":
+                table = alloc.block_table(r)
+                low = max([(i + 1) * p for i, g in enumerate(table) if g == paged.DROPPED],
+                          default=0)
+                alloc.trim(r, int(rng.integers(low, alloc.length(r) + 1)))
+                seen["trim"] += 1
+            elif ev == "drop":
+                seen["drop"] += alloc.drop_before(r, int(rng.integers(0, alloc.length(r) + 1)),
+                                                  keep_first=int(rng.integers(0, 3)))
+            elif ev == "release":
+                alloc.release(r)
+            else:  # calls that must be refused, changing nothing
+                table = alloc.block_table(r)
+                dropped = [i for i, g in enumerate(table) if g == paged.DROPPED]
+                bad = [lambda: alloc.trim(r, alloc.length(r) + 1),
+                       lambda: alloc.trim(r, -1),
+                       lambda: alloc.drop_before(r, alloc.length(r) + 1)]
+                if dropped:
+                    bad.append(lambda: alloc.trim(r, dropped[-1] * p))
+                with pytest.raises(ValueError):
+                    bad[rng.integers(len(bad))]()
+                seen["refused"] += 1
+                assert _allocator_state(alloc) == before
+        except paged.PoolExhausted:
+            assert _allocator_state(alloc) == before, f"a failed {ev} changed the pool"
+            seen["exhausted"] += 1
+        alloc.check()
+        model.verify()
+    for r in list(alloc.rows):
+        alloc.release(r)
+    alloc.check()
+    assert alloc.num_referenced == 0 and alloc.num_available == 14
+    assert min(seen[k] for k in ("hit", "trim", "drop", "refused", "exhausted")) > 0, seen
+
+
+def test_allocator_faults_of_issue_54():
+    """The three cases of issue 54 item 3, step by step (the fuzz above finds them)."""
+    # (a) a trim into a shared keyed page unkeys it: after the other holder leaves, a
+    # prompt with the old tokens misses instead of hitting the overwritten page
+    alloc = paged.PageAllocator(8, 2, prefix_cache=True)
+    alloc.admit(0, [1, 2, 3, 4], 4)
+    alloc.append(0, [1, 2, 3, 4])
+    alloc.fork(0, 1)
+    alloc.trim(1, 3)
+    alloc.release(0)
+    alloc.check()
+    alloc.ensure(1, 4)
+    alloc.append(1, [9])
+    alloc.check()
+    assert alloc.match([1, 2, 3, 4, 5]) == alloc.block_table(1)[:1]  # page 0 only
+    # (b) a copy on write that runs out of pages takes nothing
+    alloc = paged.PageAllocator(3, 2)
+    alloc.admit(0, [1, 2, 3], 4)
+    alloc.append(0, [1, 2, 3])
+    alloc.fork(0, 1)
+    alloc.admit(2, [7], 2)
+    table = alloc.block_table(1)
+    with pytest.raises(paged.PoolExhausted, match="needs 1 copies and 0 new pages"):
+        alloc.ensure(1, 4)
+    assert alloc.block_table(1) == table and alloc.num_available == 0
+    alloc.release(2)
+    assert alloc.ensure(1, 4) == [(table[1], alloc.block_table(1)[1])]  # the copy, now
+    alloc.check()
+    # (c) no trim below dropped pages (ensure would write into page -1)
+    alloc = paged.PageAllocator(6, 2)
+    alloc.admit(0, list(range(6)), 6)
+    alloc.append(0, list(range(6)))
+    assert alloc.drop_before(0, 5) == 2
+    with pytest.raises(ValueError, match=r"num_tokens=3\); allowed: an integer in \[4, 6\]"):
+        alloc.trim(0, 3)
+    with pytest.raises(ValueError, match=r"position=7\); allowed: at most the row.s length 6"):
+        alloc.drop_before(0, 7)
+    alloc.trim(0, 4)
+    alloc.ensure(0, 6)
+    alloc.append(0, [4, 5])
+    alloc.check()

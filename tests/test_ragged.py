@@ -168,3 +168,39 @@ def test_bad_input():
         ragged.generate_ragged(params, cfg, jnp.zeros(2, jnp.int32), cache, [1, S - 9])
     with pytest.raises(ValueError, match=r"budgets\[0\]=-1"):
         ragged.generate_ragged(params, cfg, jnp.zeros(2, jnp.int32), cache, [-1, 1])
+
+
+def test_sampled_rows_follow_their_request_not_their_place_in_the_batch():
+    """Issue 54 item 4: at temperature 0.8 a prompt's tokens (its first, from the
+    prefill, and the loop's) are the same in row 0 and in row 1, its key following its
+    request id (``row_keys_for``, the engine's rule); two requests of one prompt draw
+    differently; a sampled call that names no request is refused."""
+    from kvjax.config import SamplingConfig  # noqa: PLC0415
+    cfg = ModelConfig(**VARIANTS["gqa"])
+    params = params_of("gqa")
+    hot = SamplingConfig(temperature=0.8)
+    rng = jax.random.key(5)
+    a, c = PROMPTS[0], PROMPTS[2]
+
+    def run(prompts, ids):
+        tokens, lengths = ragged.pad_prompts(prompts)
+        cache = cache_lib.init_cache(cfg, len(prompts), S, ragged=True)
+        logits, cache = ragged.prefill_ragged(params, cfg, tokens, lengths, cache)
+        first = ragged.first_tokens(logits, ragged.row_keys_for(rng, ids), hot)
+        toks, _, _ = ragged.generate_ragged(params, cfg, first, cache, [8] * len(prompts),
+                                            rng=rng, sampling=hot, request_ids=ids)
+        return [[int(f)] + list(map(int, t)) for f, t in zip(np.asarray(first), toks)]
+
+    ac = run([a, c], [10, 2**40 + 3])
+    ca = run([c, a], [2**40 + 3, 10])
+    assert ac == ca[::-1]
+    twice = run([a, a], [10, 11])
+    assert twice[0] == ac[0] and twice[1] != twice[0]  # one key per request
+    cache = cache_lib.init_cache(cfg, 2, S, ragged=True)
+    with pytest.raises(ValueError, match="temperature=0.8 with neither request_ids nor "
+                                         "row_keys"):
+        ragged.generate_ragged(params, cfg, jnp.zeros(2, jnp.int32), cache, [1, 1],
+                               sampling=hot)
+    with pytest.raises(ValueError, match="1 request_ids for a cache of 2 rows"):
+        ragged.generate_ragged(params, cfg, jnp.zeros(2, jnp.int32), cache, [1, 1],
+                               sampling=hot, request_ids=[3])

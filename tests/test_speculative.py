@@ -217,8 +217,38 @@ def _chi2(counts, probs):
 CHI2_999 = {3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46}
 
 
+def _chi2_binned(counts, probs, min_expected=5.0):
+    """(Pearson's statistic, its critical value at p = 0.001) of ``counts`` [V] drawn
+    from ``probs`` [V], the cells expecting fewer than ``min_expected`` draws pooled into
+    one (Cochran's rule); the critical value by the Wilson-Hilferty approximation
+    (z = 3.090), within 1% of the tables from 3 degrees of freedom on."""
+    n = counts.sum()
+    e = n * probs
+    big = e >= min_expected
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(e[big], e[~big].sum())
+    if exp[-1] == 0:
+        assert obs[-1] == 0, "a token the target gives probability 0 was emitted"
+        obs, exp = obs[:-1], exp[:-1]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = len(obs) - 1
+    h = 2 / (9 * df)
+    return stat, df * (1 - h + 3.090 * np.sqrt(h)) ** 3
+
+
+def _tv(counts, probs):
+    """Total variation between the empirical distribution of ``counts`` and ``probs``."""
+    return 0.5 * float(np.abs(counts / counts.sum() - probs).sum())
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_rejection_sampling_emits_the_target_distribution(deterministic):
+@pytest.mark.parametrize("limit", [1, 2, 3])
+def test_rejection_sampling_emits_the_target_distribution(deterministic, limit):
+    """Issue 54 item 1: every emitted token follows the target's p, in whole rounds
+    (limit k + 1 = 3) and in rounds the budget cuts (limit 1, 2), with one-hot (n-gram)
+    and sampled drafts. Token j is checked where the j tokens before it were the drafts
+    (the p given here is the target's after them). A cut round used to emit a kept draft's
+    position afresh from p and a rejected one from the residual: d with p(d)^2."""
     v, k, n = 6, 2, 20_000
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(0, 1.5, (1, k + 1, v)), jnp.float32)
@@ -226,26 +256,100 @@ def test_rejection_sampling_emits_the_target_distribution(deterministic):
     sampling = SamplingConfig(temperature=0.8, top_k=5)
     p = np.asarray(jax.vmap(lambda x: S.sampling_probs(x[None], sampling)[0])(logits[0]))
     q = jax.nn.softmax(q_logits, -1)
+    top = np.argmax(p[:k], -1).astype(np.int32)  # the likeliest drafts (p 0.39, 0.60)
 
     def draw(key):
         kd, ka = jax.random.split(key)
         if deterministic:  # an n-gram style draft: fixed tokens, q one-hot
-            d = jnp.array([[1, 3]], jnp.int32)
+            d = jnp.asarray(top)[None]
             qq = None
         else:
             d = jax.random.categorical(kd, jnp.log(q))[None].astype(jnp.int32)
             qq = q[None]
-        e, m = S.accept_sampled(d, qq, logits, jnp.array([k + 1]), ka, sampling)
+        e, m = S.accept_sampled(d, qq, logits, jnp.array([limit]), ka, sampling)
         return e[0], m[0], d[0]
 
     e, m, d = jax.vmap(draw)(jax.random.split(jax.random.key(1), n))
     e, m, d = np.asarray(e), np.asarray(m), np.asarray(d)
-    stat, df = _chi2(np.bincount(e[:, 0], minlength=v), p[0])
-    assert stat < CHI2_999[df], (stat, df)
-    # the second token, where the first was a kept draft, follows the target's next p
-    second = e[m >= 1, 1]
-    stat, df = _chi2(np.bincount(second, minlength=v), p[1])
-    assert stat < CHI2_999[df], (stat, df)
+    assert (m <= limit - 1).all()
+    for j in range(limit):  # token j, where tokens 0..j-1 were kept drafts
+        tok = e[m >= j, j]
+        assert tok.size > n // 20  # enough draws for power
+        stat, df = _chi2(np.bincount(tok, minlength=v), p[j])
+        assert stat < CHI2_999[df], (j, stat, df, _tv(np.bincount(tok, minlength=v), p[j]))
+
+
+# A prompt and first token whose n-gram draft (22, the token after the earlier 7) the
+# target gives p = 0.57 at temperature 0.5: a cut round's old rule emitted it with
+# p^2 = 0.32 (found by a search over the tiny model's drafts; the test checks p).
+CUT_PROMPT, CUT_FIRST, CUT_DRAFT = [5, 17, 3, 88, 41, 7, 22, 9, 2], 7, 22
+
+
+def _next_probs(params, cfg, seqs, sampling):
+    """[n, V] the target's sampling distribution after each of the token lists ``seqs``
+    (one prefill, the reference)."""
+    toks, lens = ragged.pad_prompts(seqs)
+    cache = init_cache(cfg, len(seqs), MAX_LEN, ragged=True)
+    logits, _ = ragged.prefill_ragged(params, cfg, toks, lens, cache)
+    return np.asarray(S.sampling_probs(logits, sampling))
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "self_layers"])
+def test_sampled_loop_emits_the_target_distribution_in_a_cut_round(drafter):
+    """Issue 54 item 1 through :func:`speculative.generate`: 2,000 rows of one prompt
+    at temperature 0.5, one token after ``first_token`` (one round the budget cuts at
+    limit 1); it follows the target's p with a one-hot n-gram draft and a sampled draft
+    model's (whole rounds: the engine's test below and the direct test above)."""
+    num_steps = 1
+    cfg, spec = CONFIGS["gqa"], DRAFTERS[drafter]
+    hot = SamplingConfig(temperature=0.5)
+    params = model_lib.init_params(cfg, 1)
+    b = 2000
+    p = _next_probs(params, cfg, [CUT_PROMPT + [CUT_FIRST]], hot)[0]
+    assert 0.3 < p[CUT_DRAFT] < 0.8  # the old rule's p^2 is far from p: the test has power
+    prompts = [CUT_PROMPT] * b
+    cache = S.init_target_cache(cfg, b, MAX_LEN, spec.k)
+    _, cache = _prefill(params, cfg, prompts, cache)
+    first = jnp.full((b,), CUT_FIRST, jnp.int32)
+    toks, stats, _, _ = S.generate(params, cfg, spec, prompts, first, cache, num_steps,
+                                   draft=_draft(params, cfg, spec, prompts),
+                                   rng=jax.random.key(3), sampling=hot)
+    assert all(len(t) == num_steps for t in toks)
+    counts = np.bincount([t[0] for t in toks], minlength=cfg.vocab_size)
+    stat, crit = _chi2_binned(counts, p)
+    assert stat < crit, (stat, crit, _tv(counts, p))
+
+
+def test_sampled_engine_rounds_emit_the_target_distribution_cut_or_whole():
+    """Issue 54 item 1 in the slot engines' program (:func:`engine_rounds_program`, per
+    request keys): 2,000 slots after the same tokens, half with 1 token left (a cut
+    round), half with k + 1 = 4 (a whole round); each half's first token follows p."""
+    cfg, spec = CONFIGS["gqa"], DRAFTERS["ngram"]
+    hot = SamplingConfig(temperature=0.5)
+    params = model_lib.init_params(cfg, 1)
+    b = 2000
+    p = _next_probs(params, cfg, [CUT_PROMPT + [CUT_FIRST]], hot)[0]
+    prompts = [CUT_PROMPT] * b
+    cache = S.init_target_cache(cfg, b, MAX_LEN, spec.k)
+    _, cache = _prefill(params, cfg, prompts, cache)
+    hist, hist_len = S.slot_history(spec, b, MAX_LEN)
+    hist, hist_len = S.put_slot_history(hist, hist_len, 0, CUT_PROMPT + [CUT_FIRST])
+    hist, hist_len = jnp.tile(hist[:1], (b, 1)), jnp.tile(hist_len[:1], b)  # every slot's
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(b))
+    remaining = jnp.where(jnp.arange(b) % 2 == 0, 1, spec.k + 1).astype(jnp.int32)
+    zeros = jnp.zeros((b,), jnp.int32)
+    out = S.engine_rounds_program(
+        params, None, cache, None, jnp.full((b,), CUT_FIRST, jnp.int32),
+        jnp.ones((b,), bool), remaining, jnp.ones((b,), jnp.int32), keys,
+        jnp.asarray([-1], jnp.int32), hist, hist_len, jnp.asarray(False), zeros,
+        jnp.zeros((b,), bool), jax.random.key(1), cfg=cfg, draft_cfg=None, spec=spec,
+        sampling=hot, rounds=1)
+    toks, accepted = np.asarray(out[0]), np.asarray(out[11])
+    for half in (0, 1):
+        counts = np.bincount(toks[half::2, 0], minlength=cfg.vocab_size)
+        stat, crit = _chi2_binned(counts, p)
+        assert stat < crit, (half, stat, crit, _tv(counts, p))
+    assert accepted[1::2].sum() > b // 8  # whole rounds kept drafts
 
 
 def test_sampled_speculative_matches_plain_at_a_tiny_temperature():

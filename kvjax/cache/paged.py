@@ -434,26 +434,33 @@ class PageAllocator:
 
     def ensure(self, row, num_tokens: int) -> list:
         """Takes pages until ``row`` has room for ``num_tokens`` tokens, and copies on
-        write a shared page that the next write of the row lands in.
+        write every shared page that the row's next writes land in (its pages from the
+        one holding token ``length(row)`` on), so afterwards each of them is the row's
+        alone. All or nothing.
 
         Returns:
           [(src, dst), ...] pages to copy on the device before writing (:func:`copy_pages`).
         Raises:
-          PoolExhausted: not enough pages (the pages taken so far stay with the row).
+          PoolExhausted: not enough pages for the copies and the growth together (nothing
+            is taken, the row keeps its pages).
         """
         r = self.rows[row]
-        copies = []
         first = len(r.tokens) // self.page_size  # the page the next token lands in
-        for i in range(first, len(r.pages)):  # pages still to be written: the row's own
-            if self.refcount[r.pages[i]] > 1:
-                src = r.pages[i]
-                dst = self._take()
-                self._ref(dst)
-                self._unref(src)
-                r.pages[i] = dst
-                if i * self.page_size < len(r.tokens):  # holds tokens: copy them
-                    copies.append((src, dst))
-        while len(r.pages) * self.page_size < num_tokens:
+        # pages trim/drop_before leave holding a written position only: never DROPPED here
+        shared = [i for i in range(first, len(r.pages)) if self.refcount[r.pages[i]] > 1]
+        grow = max(0, pages_for(num_tokens, self.page_size) - len(r.pages))
+        if len(shared) + grow > self.num_available:
+            raise PoolExhausted(f"row {row!r} needs {len(shared)} copies and {grow} new "
+                                f"pages, {self.num_available} available")
+        copies = []
+        for i in shared:
+            src, dst = r.pages[i], self._take()
+            self._ref(dst)
+            self._unref(src)
+            r.pages[i] = dst
+            if i * self.page_size < len(r.tokens):  # holds tokens: copy them
+                copies.append((src, dst))
+        for _ in range(grow):
             p = self._take()
             self._ref(p)
             r.pages.append(p)
@@ -461,12 +468,26 @@ class PageAllocator:
 
     def append(self, row, tokens: Iterable[int]) -> None:
         """Records tokens the device wrote for ``row``; with a prefix cache, full pages
-        get their keys (a page whose key another page holds already stays unkeyed)."""
+        get their keys (a page whose key another page holds already stays unkeyed).
+
+        Raises:
+          ValueError: the tokens overrun the row's pages, or land in a page another row
+            holds or a key names (``ensure()`` first); nothing is recorded.
+        """
         r = self.rows[row]
-        r.tokens.extend(int(t) for t in tokens)
-        if len(r.tokens) > len(r.pages) * self.page_size:
-            raise ValueError(f"row {row!r} holds {len(r.tokens)} tokens on {len(r.pages)} "
-                             f"pages of {self.page_size}; allowed: ensure() first")
+        tokens = [int(t) for t in tokens]
+        n, p = len(r.tokens), self.page_size
+        if n + len(tokens) > len(r.pages) * p:
+            raise ValueError(f"row {row!r} holds {n + len(tokens)} tokens on {len(r.pages)} "
+                             f"pages of {p}; allowed: ensure() first")
+        for i in range(n // p, pages_for(n + len(tokens), p)):
+            page = r.pages[i]
+            if page == DROPPED or self.refcount[page] > 1 or page in self.key_of:
+                raise ValueError(
+                    f"row {row!r} writes into page {page} (logical page {i}), which "
+                    f"{'was dropped' if page == DROPPED else 'another holder or a key refers to'}"
+                    "; allowed: pages of its own (ensure() first)")
+        r.tokens.extend(tokens)
         if not self.prefix_cache:
             return
         prev = r.hashes[-1] if r.hashes else b""
@@ -503,8 +524,15 @@ class PageAllocator:
         :attr:`PagedKVCache.positions`); the row's tokens stay recorded (a preempted row
         is prefilled again from them). With a window the row then holds a constant
         number of pages however long it runs. Returns the pages freed.
+
+        Raises:
+          ValueError: ``position`` past the row's length (a page it has not written yet
+            would be freed); nothing is freed.
         """
         r, p = self.rows[row], self.page_size
+        if int(position) > len(r.tokens):
+            raise ValueError(f"drop_before(row {row!r}, position={position}); allowed: at "
+                             f"most the row's length {len(r.tokens)} (written positions)")
         freed = 0
         for i in range(min(len(r.pages), max(int(position), 0) // p)):
             if r.pages[i] != DROPPED and i * p >= keep_first:
@@ -515,18 +543,31 @@ class PageAllocator:
 
     def trim(self, row, num_tokens: int) -> None:
         """Keeps the first ``num_tokens`` tokens of ``row`` (rollback of rejected
-        positions): pages past them are released, keys of pages no longer full dropped."""
-        r = self.rows[row]
+        positions): pages past them are released; the page the next write lands in, if
+        it was full and keyed, loses its key (the key would no longer name what the row
+        writes there; another row sharing it keeps the page, unkeyed, and the row's next
+        :meth:`ensure` copies it).
+
+        Raises:
+          ValueError: ``num_tokens`` outside [d, length], d the first position after the
+            row's dropped pages (:meth:`drop_before`: their keys are gone, and a token
+            written there would go to a page the row no longer holds); nothing changes.
+        """
+        r, p = self.rows[row], self.page_size
+        dropped = [i for i, pg in enumerate(r.pages) if pg == DROPPED]
+        low = (dropped[-1] + 1) * p if dropped else 0
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) \
+                or not low <= num_tokens <= len(r.tokens):
+            raise ValueError(f"trim(row {row!r}, num_tokens={num_tokens!r}); allowed: an "
+                             f"integer in [{low}, {len(r.tokens)}] (the row's length, and "
+                             "no lower than its dropped pages)")
         r.tokens = r.tokens[:num_tokens]
-        keep = pages_for(num_tokens, self.page_size)
+        keep = pages_for(num_tokens, p)
         while len(r.pages) > keep:
-            p = r.pages.pop()
-            if p != DROPPED:
-                self._unref(p)
-        r.hashes = r.hashes[:num_tokens // self.page_size]
-        cut = num_tokens // self.page_size  # the page the next write lands in
-        if cut < len(r.pages) and self.refcount[r.pages[cut]] == 1 \
-                and r.pages[cut] in self.key_of:  # its key no longer names its tokens
+            self._unref(r.pages.pop())
+        r.hashes = r.hashes[:num_tokens // p]
+        cut = num_tokens // p  # the page the next write lands in
+        if cut < len(r.pages) and r.pages[cut] in self.key_of:  # no longer full here
             del self.page_of[self.key_of.pop(r.pages[cut])]
 
     # ---------------------------------------------------------------- checks
@@ -535,15 +576,24 @@ class PageAllocator:
         """Raises AssertionError unless the invariants hold: every page is free, cached or
         referenced, exactly once; refcounts equal the rows' references; no row holds a
         page twice; a page shared by rows holds the same tokens for each (read-only
-        sharing); keys map both ways."""
+        sharing); keys map both ways; a row's dropped pages hold written positions only;
+        with a prefix cache each row's page keys are the chain of its tokens
+        (:func:`page_hashes`), and a keyed page a row holds is full in that row under
+        the same key (a key never names a page a holder may write: :meth:`ensure` copies
+        a shared page before a write, :meth:`trim` unkeys the page it cuts into)."""
         counts = np.zeros(self.num_pages, np.int32)
         content: dict = {}
         for rid, r in self.rows.items():
             held = [p for p in r.pages if p != DROPPED]
             assert len(set(held)) == len(held), f"row {rid} holds a page twice"
             assert len(r.tokens) <= len(r.pages) * self.page_size, f"row {rid} overflows"
+            if self.prefix_cache:
+                assert r.hashes == page_hashes(r.tokens, self.page_size), \
+                    f"row {rid}'s page keys are not its tokens' chain"
             for i, p in enumerate(r.pages):
                 if p == DROPPED:
+                    assert (i + 1) * self.page_size <= len(r.tokens), \
+                        f"row {rid} dropped its page {i}, which it has not written"
                     continue
                 counts[p] += 1
                 toks = tuple(r.tokens[i * self.page_size:(i + 1) * self.page_size])
@@ -552,6 +602,10 @@ class PageAllocator:
                     n = min(len(other), len(toks))
                     assert other[:n] == toks[:n], f"page {p} shared with different tokens"
                 content[p] = toks
+                if p in self.key_of:
+                    assert len(toks) == self.page_size and i < len(r.hashes) and \
+                        r.hashes[i] == self.key_of[p], \
+                        f"page {p} keeps a key that does not name row {rid}'s tokens"
         assert (counts == self.refcount).all(), "refcounts differ from the rows' references"
         free, cached = set(self.free), set(self.lru)
         assert len(free) == len(self.free), "a page is free twice"
@@ -560,4 +614,5 @@ class PageAllocator:
         assert free | cached | referenced == set(range(self.num_pages)), "pages leaked"
         assert all(self.key_of[p] == k for p, k in self.lru.items())
         assert all(self.page_of[k] == p for p, k in self.key_of.items())
+        assert len(self.page_of) == len(self.key_of), "keys do not map both ways"
         assert not (free & set(self.key_of)), "a free page keeps a key"

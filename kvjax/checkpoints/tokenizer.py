@@ -13,7 +13,9 @@ tokens (and every end-of-generation token) registered as special tokens.
 
 Text is text: :meth:`Tokenizer.encode` tokenizes a string as plain text (a literal
 ``<|im_end|>`` typed by a user is bytes, not the control token); only the chat template's
-own scaffolding yields control ids (:meth:`Tokenizer.chat_ids`). The checkpoint's chat
+own scaffolding yields control ids (:meth:`Tokenizer.chat_ids`; the rest of a chat
+prompt's ids are the checkpoint tokenizer's encoding of the whole rendered text, as
+Hugging Face's ``apply_chat_template(tokenize=True)``). The checkpoint's chat
 template is rendered with ``jinja2`` in its sandbox, as Hugging Face's
 ``apply_chat_template`` renders it (:func:`render_chat_template`).
 """
@@ -211,6 +213,8 @@ class Tokenizer:
         # the same tokenizer with its special tokens' text read as plain text
         self._plain = HFTokenizer.from_str(hf.to_str())
         self._plain.encode_special_tokens = True
+        self._special_added = frozenset(
+            int(i) for i, t in hf.get_added_tokens_decoder().items() if t.special)
 
     @property
     def vocab_size(self) -> int:
@@ -324,10 +328,10 @@ class Tokenizer:
 
     def chat_ids(self, user_message: str, system_message: str | None = None
                  ) -> tuple[str, list[int]]:
-        """(:meth:`chat_prompt`'s text, its token ids): the template's scaffolding
-        tokenized with its control tokens, each message's content as plain text
-        (:func:`chat_segments`), so text a user types (``<|im_end|>``) is never a control
-        token.
+        """(:meth:`chat_prompt`'s text, its token ids): the checkpoint tokenizer's
+        encoding of the rendered prompt (:meth:`encode_chat`), except that text a user
+        types (``<|im_end|>``) is never a control token: only the template's scaffolding
+        yields control ids (:func:`chat_segments` locates the contents).
 
         Raises:
           ValueError: as :meth:`chat_prompt`, or a template whose contents cannot be
@@ -336,10 +340,61 @@ class Tokenizer:
         pieces = chat_segments(self._template(),
                                self.chat_messages(user_message, system_message), True,
                                **self.template_tokens)
+        return "".join(p for p, _ in pieces), self.encode_chat(pieces)
+
+    def encode_chat(self, pieces: Sequence[tuple[str, bool]]) -> list[int]:
+        """Token ids of a rendered conversation cut into (text, is_content) pieces
+        (:func:`chat_segments`): the checkpoint tokenizer's own encoding of the whole
+        text (Hugging Face's ``apply_chat_template(tokenize=True)``: one ``encode``, so a
+        Metaspace ``prepend_scheme='first'`` or ``Prepend`` normalizer adds its word
+        boundary where the checkpoint does, not at every piece), unless a special token
+        would come from a content's text: then the text between the scaffolding's special
+        tokens is encoded with special tokens read as plain text, each stretch as the
+        tokenizer encodes text that follows a special token (a non-special sentinel
+        token before it, dropped), so user text never yields a control id.
+        """
+        text = "".join(t for t, _ in pieces)
+        spans, at = [], 0
+        for t, is_content in pieces:
+            if is_content:
+                spans.append((at, at + len(t)))
+            at += len(t)
+        enc = self.hf.encode(text, add_special_tokens=False)
+
+        def in_content(a: int, b: int) -> bool:
+            return any(a < e and s < b for s, e in spans)
+
+        marks = [(i, o) for i, o in zip(enc.ids, enc.offsets) if i in self._special_added]
+        if not any(in_content(*o) for _, o in marks):
+            return list(enc.ids)
         ids: list[int] = []
-        for text, is_content in pieces:
-            ids += self.encode(text, special=not is_content)
-        return "".join(p for p, _ in pieces), ids
+        at = 0
+        for i, (a, b) in [m for m in marks if not in_content(*m[1])] + [(None, (len(text),) * 2)]:
+            if a > at:  # the text between two of the scaffolding's special tokens
+                ids += self._encode_after(text[at:a], first=at == 0)
+            if i is not None:
+                ids.append(i)
+            at = b
+        return ids
+
+    _SENTINEL = "\ue000kvjax-sentinel\ue001"  # private-use code points: never in a prompt
+
+    @functools.cached_property
+    def _after_special(self) -> tuple[HFTokenizer, int]:
+        """(the plain-text tokenizer with a non-special sentinel token added, its id)."""
+        hf = HFTokenizer.from_str(self._plain.to_str())
+        hf.encode_special_tokens = True
+        hf.add_tokens([AddedToken(self._SENTINEL, special=False, normalized=False)])
+        return hf, hf.token_to_id(self._SENTINEL)
+
+    def _encode_after(self, text: str, first: bool) -> list[int]:
+        """Plain-text ids of ``text`` as the tokenizer encodes a stretch at the start of
+        the input (``first``) or after a special token."""
+        if first:
+            return self._plain.encode(text, add_special_tokens=False).ids
+        hf, sentinel = self._after_special
+        return [i for i in hf.encode(self._SENTINEL + text, add_special_tokens=False).ids
+                if i != sentinel]
 
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id}, "

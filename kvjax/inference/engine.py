@@ -35,8 +35,9 @@ and the host refills it. Host bookkeeping (:class:`Ledger`,
 :class:`kvjax.cache.paged.PageAllocator`) never traces.
 
 A request's tokens do not depend on its batch-mates, its row or the row store: each row
-attends only to its own cache, and its sampling key is ``fold_in(fold_in(seed, request
-id), j)`` for its j-th token (greedy decoding uses no key).
+attends only to its own cache, and its sampling key is ``fold_in(request_key(seed,
+request id), j)`` for its j-th token (:func:`kvjax.inference.sampling.request_key`: all
+64 bits of the id; greedy decoding uses no key).
 
 Times are host wall-clock seconds from the start of :meth:`Engine.run`. A request arrives
 at its ``arrival_s`` (0 for all: an offline batch; ``experiments.serve --arrival_rate``
@@ -67,7 +68,7 @@ from kvjax.config import ConfigError, ModelConfig, SamplingConfig, SpeculativeCo
 from kvjax.inference import ragged
 from kvjax.inference import speculative as spec_lib
 from kvjax.inference import decode as decode_lib
-from kvjax.inference.sampling import NONFINITE
+from kvjax.inference.sampling import NONFINITE, check_request_id, request_key, request_keys
 from kvjax.models import model as model_lib
 
 __all__ = ["Request", "Completion", "EngineStats", "Engine", "Ledger", "DenseRows",
@@ -738,11 +739,9 @@ class Engine:
     # ------------------------------------------------------------------ checks
 
     def check(self, req: Request) -> None:
-        """Raises ValueError (naming the request) for an id < 0, an empty prompt, a budget < 1, or a
+        """Raises ValueError (naming the request) for an id outside [0, 2**64), an empty prompt, a budget < 1, or a
         request that does not fit a row (:meth:`DenseRows.check`, :meth:`PagedRows.check`)."""
-        if not isinstance(req.id, (int, np.integer)) or req.id < 0:
-            raise ValueError(f"request id={req.id!r}; allowed: an integer >= 0 (it seeds the "
-                             "request's sampling key)")
+        check_request_id(req.id)  # every id it accepts has its own key (issue 54)
         if not len(req.prompt):
             raise ValueError(f"request {req.id}: empty prompt; allowed: at least one token")
         if int(req.max_new_tokens) < 1:
@@ -777,7 +776,7 @@ class Engine:
         return out[:2] + out[3:]
 
     def _key(self, req_id: int) -> jax.Array:
-        return jax.random.fold_in(jax.random.key(self.seed), req_id)
+        return request_key(jax.random.key(self.seed), req_id)
 
     def _prefill(self, row, tokens: Sequence[int], start: int, count: int, req_id: int):
         """Writes ``tokens[start:]`` into ``row`` (the first ``start`` are cached) and
@@ -824,7 +823,8 @@ class Engine:
         zeros = jnp.zeros(self.num_slots, jnp.int32)
         hist, hist_len = spec_lib.slot_history(self.spec, self.num_slots, self.max_seq_len)
         self._decode(zeros, jnp.zeros(self.num_slots, bool), zeros, zeros,
-                     jax.vmap(self._key)(zeros), jnp.asarray(False), hist, hist_len)
+                     request_keys(jax.random.key(self.seed), [0] * self.num_slots),
+                     jnp.asarray(False), hist, hist_len)
         jax.block_until_ready(self.rows.cache)
         self.rows.reset()
         return time.perf_counter() - t0
@@ -857,7 +857,7 @@ class Engine:
         active = np.zeros(nr, bool)
         remaining = np.zeros(nr, np.int32)
         count = np.zeros(nr, np.int32)
-        keys = jax.vmap(self._key)(jnp.zeros(nr, jnp.int32))
+        keys = request_keys(jax.random.key(self.seed), [0] * nr)
         # speculative: each row's tokens, for the n-gram drafts
         hist, hist_len = spec_lib.slot_history(self.spec, nr, self.max_seq_len)
         per_block = self.steps_per_sync * (1 if self.spec is None else self.spec.k + 1)

@@ -20,9 +20,13 @@ with its own budget and EOS. A row that has stopped is fed with ``num_valid`` 0:
 model writes nothing for it (the scatter drops its slot) and its length stays, so a
 finished row costs no further cache writes; its outputs are -1.
 
-Sampling keys are per row (``row_keys``): token j of a row is drawn with
-``fold_in(row_key, j)`` (j = 0 is the token sampled from the prefill logits), so a row's
-tokens never depend on which other rows share the batch.
+Sampling keys follow the request, never the row (``row_keys``): token j of a row is
+drawn with ``fold_in(row_key, j)`` (j = 0 is the token sampled from the prefill logits),
+and a row's key is its request's, ``request_key(rng, request id)``
+(:func:`row_keys_for`; the slot engine's rule, :mod:`kvjax.inference.engine`), so a
+row's tokens never depend on which other rows share the batch or where it sits in it.
+A sampled :func:`generate_ragged` is told each row's request (``request_ids`` or
+``row_keys``); a key per row index was the default before issue 54.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import numpy as np
 
 from kvjax.cache import KVCache, policy_for
 from kvjax.config import ModelConfig, SamplingConfig
-from kvjax.inference.sampling import is_stop, sample_logits
+from kvjax.inference.sampling import is_stop, request_keys, sample_logits
 from kvjax.inference import decode as decode_lib
 from kvjax.models import model as model_lib
 
@@ -88,10 +92,22 @@ def _room(cfg: ModelConfig, cache_lengths, new_tokens, num_slots: int, what: str
         policy.check_room(int(have), int(new), num_slots, f"{what} (row {b})")
 
 
-def row_keys_for(rng: jax.Array | None, batch: int) -> jax.Array:
-    """[B] PRNG keys, row b's = fold_in(rng, b) (rng default key 0)."""
+def row_keys_for(rng: jax.Array | None, requests) -> jax.Array:
+    """[B] PRNG keys: row b's is its request's,
+    :func:`kvjax.inference.sampling.request_key` (rng, request id), the slot engine's
+    keys for the same seed (``rng = jax.random.key(seed)``; default key 0).
+
+    Args:
+      rng: the base key, or None (key 0).
+      requests: the B rows' request ids (integers in [0, 2**64); a row keeps its tokens
+        wherever it sits in the batch), or an int B: requests 0..B-1, i.e. row b is
+        request b (for programs that ignore the keys, e.g. greedy timings).
+    Raises:
+      ValueError: an id outside [0, 2**64), named.
+    """
     rng = jax.random.key(0) if rng is None else rng
-    return jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(batch, dtype=jnp.int32))
+    ids = range(int(requests)) if isinstance(requests, (int, np.integer)) else requests
+    return request_keys(rng, list(ids))
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, index: jax.Array,
@@ -195,7 +211,8 @@ def generate_ragged_program(params, first_token, cache, budgets, row_keys, eos_i
 def generate_ragged(params, cfg: ModelConfig, first_token, cache: KVCache, budgets,
                     rng: jax.Array | None = None,
                     sampling: SamplingConfig = SamplingConfig(),
-                    eos_ids: int | Sequence[int] = (), row_keys: jax.Array | None = None):
+                    eos_ids: int | Sequence[int] = (), row_keys: jax.Array | None = None,
+                    request_ids: Sequence[int] | None = None):
     """Generates up to ``budgets[b]`` tokens after ``first_token[b]`` per row, in one loop.
 
     Each row continues its own cache at its own position and stops at any of ``eos_ids``
@@ -208,20 +225,38 @@ def generate_ragged(params, cfg: ModelConfig, first_token, cache: KVCache, budge
       first_token: [B] int32 (e.g. :func:`first_tokens` of the prefill logits).
       cache: the prefilled ragged cache (donated).
       budgets: [B] ints >= 0.
-      rng: base key of the default ``row_keys`` (:func:`row_keys_for`).
+      rng: base key of the rows' keys (:func:`row_keys_for` of ``request_ids``;
+        default key 0).
       sampling: SamplingConfig (static).
       eos_ids: the end-of-generation ids (``Tokenizer.eos_token_ids``; one int is one id;
         empty or -1: never stop early).
-      row_keys: [B] per-row keys (overrides ``rng``).
+      row_keys: [B] per-row keys, each its request's (overrides ``rng`` and
+        ``request_ids``; the keys ``first_token`` was sampled with, :func:`first_tokens`).
+      request_ids: B ints, each row's request id: row b's key is
+        ``row_keys_for(rng, request_ids)[b]``, so its tokens follow its request wherever
+        it sits. A sampled call needs ``row_keys`` or ``request_ids``; greedy ignores
+        keys.
     Returns:
       (tokens [B, max budget] int32 numpy, -1 after each row's last token; counts [B]
       numpy ints; cache).
     Raises:
       ValueError: a lockstep cache, a negative budget or shapes that disagree (the row is
-        named).
+        named); sampling with neither ``row_keys`` nor ``request_ids``, or
+        ``request_ids`` not one id in [0, 2**64) per row.
       CacheOverflowError: a row's budget runs past its dense cache (named by its row).
     """
     check_ragged_cache(cache, "generate_ragged")
+    if row_keys is None:
+        if request_ids is None and not sampling.greedy:
+            raise ValueError(
+                f"sampling at temperature={sampling.temperature} with neither request_ids "
+                "nor row_keys; allowed: request_ids=[one id per row] (a row's key follows "
+                "its request, not its place in the batch) or row_keys")
+        if request_ids is not None and len(request_ids) != cache.batch_size:
+            raise ValueError(f"{len(request_ids)} request_ids for a cache of "
+                             f"{cache.batch_size} rows; allowed: one id per row")
+        row_keys = row_keys_for(rng, cache.batch_size if request_ids is None
+                                else request_ids)
     budgets = np.asarray(budgets).reshape(-1)
     if budgets.shape != (cache.batch_size,):
         raise ValueError(f"budgets of shape {budgets.shape} for a cache of "
@@ -231,7 +266,6 @@ def generate_ragged(params, cfg: ModelConfig, first_token, cache: KVCache, budge
         raise ValueError(f"budgets[{int(bad[0])}]={int(budgets[bad[0]])}; allowed: >= 0")
     _room(cfg, jax.device_get(cache.length), budgets, cache.num_slots, "generate")
     most = int(budgets.max()) if budgets.size else 0
-    row_keys = row_keys_for(rng, cache.batch_size) if row_keys is None else row_keys
     buf, count, cache = generate_ragged_program(
         params, jnp.asarray(first_token, jnp.int32), cache, jnp.asarray(budgets, jnp.int32),
         row_keys, decode_lib.eos_array(eos_ids), cfg=cfg, sampling=sampling,

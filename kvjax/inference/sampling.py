@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.config import SamplingConfig
 
@@ -144,3 +145,57 @@ def is_stop(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
     hit = jnp.any((tokens[..., None] == eos_ids) & (eos_ids >= 0), axis=-1) if eos_ids.size \
         else jnp.zeros(tokens.shape, bool)
     return hit | (tokens == NONFINITE)
+
+
+MAX_REQUEST_ID = 2**64 - 1
+"""The largest request id a sampling key is derived from (ids are unsigned 64-bit)."""
+
+
+def check_request_id(req_id) -> int:
+    """``req_id`` as a Python int, if it is an integer (Python or numpy, not bool) in
+    [0, 2**64).
+
+    Raises:
+      ValueError: anything else, naming the value and the allowed range.
+    """
+    if isinstance(req_id, (bool, np.bool_)) or not isinstance(req_id, (int, np.integer)) \
+            or not 0 <= int(req_id) <= MAX_REQUEST_ID:
+        raise ValueError(f"request id={req_id!r}; allowed: an integer in [0, 2**64) (it "
+                         "seeds the request's sampling key)")
+    return int(req_id)
+
+
+def request_key(base: jax.Array, req_id) -> jax.Array:
+    """The sampling key of request ``req_id`` (an integer in [0, 2**64),
+    :func:`check_request_id`): ``fold_in(base, id)`` below 2**32, else
+    ``fold_in(fold_in(base, id mod 2**32), id // 2**32)``, so every id has its own key
+    (``fold_in`` takes 32 bits: 2**32 + 7 would otherwise share 7's, or overflow) and
+    the keys of ids below 2**32 are those kvjax always used. Host-side (the id is a
+    Python or numpy integer, not traced).
+
+    Raises:
+      ValueError: as :func:`check_request_id`.
+    """
+    i = check_request_id(req_id)
+    key = jax.random.fold_in(base, i & 0xFFFFFFFF)
+    return key if i >> 32 == 0 else jax.random.fold_in(key, i >> 32)
+
+
+def request_keys(base: jax.Array, req_ids) -> jax.Array:
+    """[B] keys, :func:`request_key` of each id in ``req_ids`` (a sequence of B ints),
+    derived in two vectorised folds (not B calls).
+
+    Raises:
+      ValueError: as :func:`check_request_id`.
+    """
+    ids = [check_request_id(i) for i in req_ids]
+    lo = jnp.asarray(np.array([i & 0xFFFFFFFF for i in ids], np.uint32).reshape(-1))
+    hi = np.array([i >> 32 for i in ids], np.uint32).reshape(-1)
+    keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(lo)
+    if not hi.any():
+        return keys
+    data = jax.random.key_data(keys)
+    two = jax.random.key_data(jax.vmap(jax.random.fold_in)(keys, jnp.asarray(hi)))
+    big = jnp.asarray(hi != 0).reshape((-1,) + (1,) * (data.ndim - 1))
+    return jax.random.wrap_key_data(jnp.where(big, two, data),
+                                    impl=jax.random.key_impl(base))

@@ -356,10 +356,14 @@ def accept_sampled(drafts: jax.Array, q: jax.Array | None, logits: jax.Array,
                    limit: jax.Array, key: jax.Array, sampling: SamplingConfig):
     """Exact speculative sampling (Leviathan et al. 2023, sec. 2.3 and Appendix A.1;
     Chen et al. 2023, Algorithm 2): draft d_j ~ q_j is kept when u_j < p_j(d_j) / q_j(d_j);
-    at the first rejection j the emitted token is drawn from norm(max(0, p_j - q_j)); if
-    the row's limit cuts the round at j (or all k are kept), from p_j. The emitted tokens
-    are distributed as p, the target's sampling distribution
-    (:func:`kvjax.inference.sampling.sampling_probs`).
+    at the first rejection j the emitted token is drawn from norm(max(0, p_j - q_j)); after
+    all k are kept, from p_k. Where the row's limit cuts the round at j < k (it may emit j
+    + 1 tokens), the token at j is still decided by draft j's test: the draft itself when
+    kept, the residual when rejected (a fresh draw from p_j for a kept draft, the rule
+    before issue 54, emitted d_j with probability p_j(d_j)^2 under a one-hot q). Every
+    emitted token, whole round or cut, is distributed as p, the target's sampling
+    distribution (:func:`kvjax.inference.sampling.sampling_probs`), given the tokens
+    before it.
 
     Args:
       drafts: [B, k] int32. q: [B, k, V] float32 draft distributions, or None for a
@@ -387,11 +391,12 @@ def accept_sampled(drafts: jax.Array, q: jax.Array | None, logits: jax.Array,
     ok = (u * qd < pd) & ~bad[:, :k]
     acc = _leading(ok)
     n = jnp.minimum(acc, limit - 1)
-    rejected = (n == acc) & (acc < k)  # the round ends at a rejection, not at a cut
+    rejected = (n == acc) & (acc < k)  # draft n was tested and rejected: the residual
+    kept = n < acc  # the limit cuts the round after draft n was kept: emit it
     pn = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B, V]
+    dn = jnp.take_along_axis(drafts, jnp.minimum(n, k - 1)[:, None], axis=1)[:, 0]
     if q is None:
-        qn = jax.nn.one_hot(jnp.take_along_axis(drafts, jnp.minimum(n, k - 1)[:, None],
-                                                axis=1)[:, 0], v, dtype=jnp.float32)
+        qn = jax.nn.one_hot(dn, v, dtype=jnp.float32)
     else:
         qn = jnp.take_along_axis(q, jnp.minimum(n, k - 1)[:, None, None], axis=1)[:, 0]
     resid = jnp.maximum(pn - qn, 0.0)
@@ -401,6 +406,7 @@ def accept_sampled(drafts: jax.Array, q: jax.Array | None, logits: jax.Array,
         last = jax.vmap(jax.random.categorical)(kr, jnp.log(dist)).astype(jnp.int32)
     else:
         last = jax.random.categorical(kr, jnp.log(dist), axis=-1).astype(jnp.int32)
+    last = jnp.where(kept, dn, last)
     last = jnp.where(jnp.take_along_axis(bad, n[:, None], axis=1)[:, 0], NONFINITE, last)
     return _emit(drafts, n, last), n
 
