@@ -250,6 +250,31 @@ def _pick(calls: dict[str, list[float]]) -> str:
     return best
 
 
+def pick_rule(choice: str, gbps: dict) -> str:
+    """The rule of :func:`_pick` that decided ``choice``, in words, from the candidates'
+    median rates ``gbps`` ({name: GB/s}; a rate is bytes / median seconds, so the
+    fastest median is the highest rate). '' without rates."""
+    if not gbps:
+        return ""
+    fastest = max(gbps, key=gbps.get)
+    xla = gbps.get("xla")
+    if choice == fastest:
+        if choice == "xla" or not xla:
+            return "rule: the fastest median"
+        return (f"rule: the fastest median, {gbps[choice] / xla:.2f}x xla's, by more than "
+                f"{MIN_GAIN:.0%}, and the middle half of its calls below xla's")
+    if choice == "xla" and xla:
+        gain = 1 - xla / gbps[fastest]
+        if gain < MIN_GAIN:
+            return (f"rule: {fastest}'s median beats xla's by {gain:.1%}, under "
+                    f"{MIN_GAIN:.0%}: inside the noise, so the reference xla")
+        return (f"rule: {fastest}'s median is {gbps[fastest] / xla:.2f}x xla's, but a pick "
+                "must also have the middle half of its calls (25th-75th percentile) below "
+                "xla's, and its calls overlapped xla's: inside the noise, so the "
+                "reference xla")
+    return f"rule: the fastest median among those that run here ({fastest} could not)"
+
+
 def _quartiles(times: list[float]) -> tuple[float, float]:
     """(25th, 75th percentile) of ``times``; (median, median) for fewer than 3."""
     if len(times) < 3:
@@ -568,15 +593,18 @@ def report_lines() -> list[str]:
              f"{native.num_threads()} cores), jax {jax.__version__}:"] if _memo else []
     for name, e in sorted(_memo.items()):
         rates = ", ".join(f"{n} {r:.1f}" for n, r in e["gbps"].items())
-        lines.append(f"  {name}: {e['choice']} (GB/s of cache read: {rates}; {_when(e)})")
+        rule = pick_rule(e["choice"], e.get("gbps") or {})
+        lines.append(f"  {name}: {e['choice']} (GB/s of cache read: {rates}; {_when(e)})"
+                     + (f"; {rule}" if rule else ""))
     if _wmemo:
         lines.append(f"weight-product planner on {model} ({', '.join(isa)}; "
                      f"{native.num_threads()} cores), jax {jax.__version__}:")
     for name, e in sorted(_wmemo.items()):
         if "gbps" in e:
             rates = ", ".join(f"{n} {r:.1f}" for n, r in e["gbps"].items())
+            rule = pick_rule(e["choice"], e["gbps"])
             lines.append(f"  {name}: {e['choice']} (GB/s of weight read: {rates}; "
-                         f"{_when(e)})")
+                         f"{_when(e)})" + (f"; {rule}" if rule else ""))
     return lines
 
 

@@ -1,6 +1,8 @@
 """The planner takes no pick inside its own noise, and re-measures picks made under load
 (issue 32, item 16)."""
 
+import statistics
+
 import pytest
 
 from kvjax import native, planner
@@ -56,3 +58,32 @@ def test_reports_say_when_a_pick_was_measured_under_load():
     busy = 2.0 * native.num_threads()
     assert "measured under load" in planner._when({"load_average": busy})
     assert "under load" not in planner._when({"load_average": 0.0})
+
+
+def test_the_printed_rule_is_the_one_that_decided_the_pick():
+    """planner.pick_rule states _pick's rule for the pick it made (issue 57, item 6): a
+    line showing native faster than xla says why xla was kept, which of the two tests
+    (the gain, the overlap of the middle halves) kept it, and a kept kernel says it
+    passed both; over random timings, every branch is reached."""
+    import numpy as np  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    seen = set()
+    for _ in range(400):
+        calls = {n: list(rng.lognormal(np.log(rng.uniform(1, 1.3)), rng.uniform(0.01, 0.3),
+                                       size=7)) for n in ("xla", "native")}
+        choice = planner._pick(calls)
+        gbps = {n: 1 / statistics.median(t) for n, t in calls.items()}
+        rule = planner.pick_rule(choice, gbps)
+        fastest = max(gbps, key=gbps.get)
+        if choice == fastest:
+            assert rule.startswith("rule: the fastest median"), rule
+            seen.add("fastest-" + choice)
+        else:
+            assert choice == "xla" and "inside the noise" in rule, rule
+            gain = 1 - gbps["xla"] / gbps[fastest]
+            branch = "gain" if gain < planner.MIN_GAIN else "overlap"
+            assert ("middle half" in rule) == (branch == "overlap"), rule
+            seen.add(branch)
+    assert seen == {"fastest-xla", "fastest-native", "gain", "overlap"}, seen
+    assert planner.pick_rule("xla", {}) == ""
