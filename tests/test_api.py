@@ -97,3 +97,20 @@ def test_export_writes_a_folder_that_reads_back_to_the_same_tokens(folder, tmp_p
     assert b.tokenizer.eos_token_ids == a.tokenizer.eos_token_ids
     ga, gb = runner.decode_prompt(run, a), runner.decode_prompt(back, b)
     assert ga.generated_ids == gb.generated_ids and len(ga.generated_ids) == 5
+
+
+@pytest.mark.parametrize("kv_heads, warned", [(1, True), (2, False), (4, False)])
+def test_mean_pooled_heads_warn_with_the_cost_and_the_uptrain_command(folder, kv_heads,
+                                                                      warned):
+    """Mean-pooling KV heads without uptraining breaks a pretrained model (SmolLM2 at
+    K = 1: perplexity 24,944): the run says so in its warnings, with the commands that
+    measure and recover it; the published K and duplicated heads (exact) do not warn."""
+    attention = {1: "mqa", 2: "gqa", 4: "mha"}[kv_heads]
+    run = run_for(folder, **{"model.num_kv_heads": kv_heads, "model.attention": attention,
+                             "chat_template": False, "prompt": "abc", "max_new_tokens": 2})
+    loaded = runner.load(run, progress=False)
+    assert bool(loaded.notes) == warned
+    if warned:
+        assert "perplexity 24,944" in loaded.notes[0]
+        assert "python -m experiments.uptrain --config=configs/mqa.py" in loaded.notes[0]
+        assert runner.decode_prompt(run, loaded).warnings[0] == loaded.notes[0]

@@ -43,6 +43,9 @@ class LoadedModel:
     params: dict
     tokenizer: checkpoints.Tokenizer
     context_length: int | None = None
+    # what the run should be told about these weights (a conversion that breaks the
+    # model: :func:`conversion_warning`); decoding copies them into Generation.warnings
+    notes: list = dataclasses.field(default_factory=list)
 
 
 def load(run: RunConfig, progress: bool = True, check_prompt: bool = False) -> LoadedModel:
@@ -106,7 +109,25 @@ def load(run: RunConfig, progress: bool = True, check_prompt: bool = False) -> L
     except ValueError as e:
         raise ConfigError(f"invalid config: {e}") from None
     params = jax.tree.map(jnp.asarray, model.params_for(cfg, params))
-    return LoadedModel(cfg, params, tokenizer[0], h.get("context_length") or None)
+    note = conversion_warning(h["num_kv_heads"], cfg.num_kv_heads)
+    return LoadedModel(cfg, params, tokenizer[0], h.get("context_length") or None,
+                       [note] if note else [])
+
+
+def conversion_warning(checkpoint_kv_heads: int, kv_heads: int) -> str | None:
+    """The warning for pretrained weights whose KV heads were mean-pooled
+    (:func:`kvjax.models.convert.convert_kv_heads`, Ainslie et al. 2023) without
+    uptraining, with the perplexity it cost SmolLM2-135M and the commands that measure
+    and recover it; None for the checkpoint's own K or duplicated heads (exact)."""
+    if kv_heads >= checkpoint_kv_heads:
+        return None
+    return (f"the checkpoint's {checkpoint_kv_heads} KV heads were mean-pooled into "
+            f"{kv_heads} without uptraining: not a usable model (SmolLM2-135M at K = 1: "
+            "perplexity 24,944 against 12.755 as published, Django docs held out, "
+            "docs/results/x86-64-2core-unrecorded.md); the costs below are right, the "
+            "text is not. Measure it: python -m experiments.ppl --config=configs/mqa.py; "
+            "recover part of it: python -m experiments.uptrain --config=configs/mqa.py "
+            "--workdir=/tmp/uptrain (136.6 after 50 steps)")
 
 
 def check_checkpoint(run: RunConfig, hparams: dict) -> None:
@@ -545,6 +566,7 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
     out = [int(first[0])] + [int(t) for t in np.asarray(buf[0, :ran])]
     out, text, stop, stop_token, nonfinite_at, held, notes = _stopped(
         out, eos.tolist(), tok, chat)
+    notes = loaded.notes + notes
     return Generation(
         prompt=prompt, generated_text=text, prompt_tokens=len(ids),
         new_tokens=len(out), generated_ids=out, compile_seconds=compile_s,
@@ -704,6 +726,7 @@ def decode_speculative(run: RunConfig, loaded: LoadedModel) -> Generation:
     out = [int(first[0])] + rows_out[0]
     out, text, stop, stop_token, nonfinite_at, held, notes = _stopped(
         out, eos.tolist(), tok, chat)
+    notes = loaded.notes + notes
     ran = max(stats.emitted) if stats.emitted else 0
     in_place = dcfg is not None and speculative.draft_in_place(
         cfg, dcfg, spec, b, cache.num_slots) is not None
