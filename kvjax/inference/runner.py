@@ -498,7 +498,9 @@ def long_context_cost(run: RunConfig, loaded: LoadedModel, cfg: ModelConfig
     if t == run.max_seq_len:
         return None
     lever = lever_baseline(run.model)
-    cfgs, params = [cfg], [loaded.params]
+    # the plan is resolved again for the long context's shapes (the run's was made for
+    # max_seq_len slots: the fastest formulation at 256 slots need not be at 8,192)
+    cfgs, params = [cfg.replace(plan=None)], [loaded.params]
     if lever is not None:
         cfgs.append(lever[1])
         params.append(loaded.params if lever[1].num_kv_heads == cfg.num_kv_heads else None)
