@@ -136,8 +136,9 @@ def long_context_lines(c) -> list:
     this = lc.this
     lines = [
         head,
-        f"a decode step at the long context t = {lc.context:,} ({lc.source}; "
-        f"--config.cost_context=N for another): theory {_mb(this.theory_bytes)}, compiled "
+        f"a decode step at the long context t = {lc.context:,} ({lc.source}"
+        + ("" if lc.source.startswith("--") else "; --config.cost_context=N for another")
+        + f"): theory {_mb(this.theory_bytes)}, compiled "
         f"(XLA + kernels) {_mb(this.counted_bytes)} "
         f"({this.counted_bytes / this.theory_bytes:.2f}x theory), measured "
         f"{_ms(this.seconds)} per step (one call from Python, full cache) against "
@@ -160,7 +161,7 @@ def long_context_lines(c) -> list:
         f"({b.theory_bytes / this.theory_bytes:.2f}x), compiled {_mb(b.counted_bytes)} "
         f"against {_mb(this.counted_bytes)} ({b.counted_bytes / this.counted_bytes:.2f}x), "
         f"measured {_ms(b.seconds)} against {_ms(this.seconds)} per step "
-        f"({b.seconds / this.seconds:.2f}x faster with the lever)")
+        f"(the baseline's time over the lever's: {b.seconds / this.seconds:.2f}x)")
     return lines
 
 

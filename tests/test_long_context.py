@@ -26,8 +26,9 @@ def test_kv_share_is_the_blogs_kv_over_step_bytes():
 
 
 @pytest.mark.parametrize("overrides, lever, changed", [
-    (dict(), "lever 1, GQA", dict(num_kv_heads=4)),
-    (dict(num_kv_heads=1), "lever 1, MQA", dict(num_kv_heads=4)),
+    (dict(), "lever 1, GQA", dict(num_kv_heads=4, attention="mha")),
+    (dict(num_kv_heads=1, attention="mqa"), "lever 1, MQA",
+     dict(num_kv_heads=4, attention="mha")),
     (dict(window_size=8), "lever 3", dict(window_size=None)),
     (dict(kv_dtype="int8"), "lever 4", dict(kv_dtype=None)),
     (dict(num_kv_heads=4), None, None),

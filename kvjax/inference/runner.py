@@ -368,7 +368,7 @@ def lever_baseline(cfg: ModelConfig) -> tuple[str, ModelConfig] | None:
         name = "MQA" if cfg.num_kv_heads == 1 else "GQA"
         return (f"lever 1, {name} with K = {cfg.num_kv_heads} KV heads: against MHA "
                 f"(K = N = {cfg.num_heads}, the KV heads duplicated)",
-                cfg.replace(num_kv_heads=cfg.num_heads, plan=None))
+                cfg.replace(num_kv_heads=cfg.num_heads, attention="mha", plan=None))
     return None
 
 
