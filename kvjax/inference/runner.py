@@ -450,11 +450,12 @@ class LongContextCost:
 
 
 def steps_at_context(cfgs: list, params: list, context: int, batch: int,
-                     repeats: int) -> list[StepAtContext]:
+                     repeats: int, check_memory: bool = True) -> list[StepAtContext]:
     """Decode steps of each of ``cfgs`` at ``context``: each compiled once (figures and
     timing from the same program) and analysed, then timed on a full cache with its
     ``params`` (None: random weights of that config; the time does not depend on the
-    values) where the memory check lets its cache and weights be allocated. The steps
+    values) where the memory check lets its cache and weights be allocated
+    (``check_memory=False``: always; ``run.ignore_memory_check``). The steps
     are timed in turns, one call of each per round, ``repeats`` rounds after one warm-up
     round, so a load that comes and goes on a shared machine falls on all of them alike;
     each one's median is reported."""
@@ -464,9 +465,10 @@ def steps_at_context(cfgs: list, params: list, context: int, batch: int,
         compiled = costs.compile_decode_step(cfg, batch, context)
         step = costs.analyze_decode_step(cfg, context, batch, compiled=compiled, jaxpr=False)
         try:
-            memory.check(cfg, batch, context, what=f"decode step at context {context}",
-                         weights_bytes=0 if p is not None else theory.weight_bytes(cfg),
-                         temp_bytes=step.memory.get("temp_bytes"))
+            if check_memory:
+                memory.check(cfg, batch, context, what=f"decode step at context {context}",
+                             weights_bytes=0 if p is not None else theory.weight_bytes(cfg),
+                             temp_bytes=step.memory.get("temp_bytes"))
         except memory.MemoryCheckError as e:
             out.append(StepAtContext(step, float("nan"), str(e)))
             continue
@@ -504,7 +506,8 @@ def long_context_cost(run: RunConfig, loaded: LoadedModel, cfg: ModelConfig
     if lever is not None:
         cfgs.append(lever[1])
         params.append(loaded.params if lever[1].num_kv_heads == cfg.num_kv_heads else None)
-    this, *base = steps_at_context(cfgs, params, t, run.batch_size, run.measure_repeats)
+    this, *base = steps_at_context(cfgs, params, t, run.batch_size, run.measure_repeats,
+                                   check_memory=not run.ignore_memory_check)
     base = base[0] if base else None
     base_name = None if lever is None else naming.variant_name(lever[1])
     return LongContextCost(context=t, source=source, this=this,
