@@ -140,9 +140,10 @@ def long_context_lines(c) -> list:
         + ("" if lc.source.startswith("--") else "; --config.cost_context=N for another")
         + f"): theory {_mb(this.theory_bytes)}, compiled "
         f"(XLA + kernels) {_mb(this.counted_bytes)} "
-        f"({this.counted_bytes / this.theory_bytes:.2f}x theory), measured "
-        f"{_ms(this.seconds)} per step (one call from Python, full cache) against "
-        f"{_ms(c.step_seconds_median)} at t = {s.context:,}; KV share of the step's bytes "
+        f"({this.counted_bytes / this.theory_bytes:.2f}x theory), "
+        + ("not measured" if this.seconds != this.seconds else
+           f"measured {_ms(this.seconds)} per step (one call from Python, full cache)")
+        + f" against {_ms(c.step_seconds_median)} at t = {s.context:,}; KV share of the step's bytes "
         f"{this.kv_share:.1%} (compiled {this.compiled_kv_share:.1%}); t = {lc.context:,} "
         + ("is past t*" if lc.context > t_star else "is below t*"),
     ]
