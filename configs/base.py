@@ -155,7 +155,10 @@ def run_dict(model: config_dict.ConfigDict, **fields) -> config_dict.ConfigDict:
         draft_num_layers=0, draft_weight_dtype=config_dict.placeholder(str),
         draft_kv_source="own",
         draft_config=config_dict.placeholder(str)))
-    # Context at which the cost report compiles the step (None: max_seq_len, the run's).
+    # The cost report's long context, beside the run's (max_seq_len): the step compiled,
+    # counted and timed where the cache dominates (None: the checkpoint's trained
+    # context, 8,192 for random weights; = max_seq_len: none). On a mesh: the sharded
+    # step's context (None: max_seq_len).
     c.cost_context = config_dict.placeholder(int)
     c.measure_repeats = 5
     # Refuse (before allocating) a run whose weights + cache + temporaries exceed the

@@ -24,13 +24,19 @@ from typing import Any, Callable
 from absl import app, flags
 from ml_collections import config_flags
 
-from kvjax import fields
+from kvjax import compilation_cache, fields
 from kvjax.config import MODEL_FIELD_KINDS
 
 _LIST_FIELDS = flags.DEFINE_bool(
     "list_fields", False,
     "Print every --config / --eval / --train field with its type, default and a one-line "
     "description, then exit (e.g. --config=configs/mla.py --list_fields).")
+
+_COMPILATION_CACHE = flags.DEFINE_bool(
+    "compilation_cache", True,
+    "Keep compiled programs in JAX's persistent compilation cache under $KVJAX_CACHE/jax "
+    "(default ~/.cache/kvjax/jax; $KVJAX_COMPILATION_CACHE names another folder, or 0 for "
+    "none), so a second run loads them instead of compiling; false: compile everything.")
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 USAGE_EXIT = 2
@@ -356,16 +362,23 @@ def _exit_on_broken_pipe() -> None:
 def run(main: Callable[[list[str]], int | None],
         extra_fields: Callable[[], list] | None = None) -> None:
     """``app.run(main)`` with :func:`parse_flags` as the flag parser; ``extra_fields``
-    returns more (header, fields) groups for ``--list_fields``.
+    returns more (header, fields) groups for ``--list_fields``. Before ``main`` runs,
+    JAX's persistent compilation cache is turned on (:mod:`kvjax.compilation_cache`;
+    ``--compilation_cache=false`` turns it off).
 
     When stdout's reader has gone (``... | head`` closed the pipe), the BrokenPipeError of
     the next write or of the final flush ends the process quietly with
     :data:`BROKEN_PIPE_EXIT` (no traceback), wherever the output was printed."""
     global _EXTRA_FIELDS
     _EXTRA_FIELDS = extra_fields
+
+    def with_cache(argv):  # after the flags are parsed, before anything compiles
+        compilation_cache.enable(on=_COMPILATION_CACHE.value)
+        return main(argv)
+
     try:
         try:
-            app.run(main, flags_parser=parse_flags)
+            app.run(with_cache, flags_parser=parse_flags)
         finally:
             if sys.stdout is not None:
                 sys.stdout.flush()  # what is still buffered, while a broken pipe is catchable

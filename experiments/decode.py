@@ -105,7 +105,65 @@ def report(result: runner.DecodeResult) -> str:
                      "chunk program " + ", ".join(
                          f"{x:,}" for x in result.prefill_chunk_temp_bytes)
                      + f" (one pass: {result.prefill_cost.memory.get('temp_bytes'):,})")
+    lines += ["", *long_context_lines(c)]
     return "\n".join(lines)
+
+
+def _mb(x: float) -> str:
+    return f"{x / 1e6:,.1f} MB"
+
+
+def _ms(x: float) -> str:
+    return "not measured" if x != x else f"{x * 1e3:.1f} ms"
+
+
+def long_context_lines(c) -> list:
+    """The blog's claim on this run's model: a step at the run's context beside a step at
+    a long context (theory | compiled | measured), the KV share of the step's bytes at
+    both, where t* lies, and the config's lever against its baseline there."""
+    s, lc = c.step, c.long_context
+    t_star = theory.crossover_context(s.cfg)
+    share = runner.kv_share(s.theory_parts["bytes"])
+    star = ("never: the window's cache stays below the weights" if t_star == float("inf")
+            else f"t* = {t_star:,.0f} tokens")
+    head = (f"the bottleneck (blog 'The crossover'): the KV cache is {share:.1%} of a "
+            f"step's bytes at the run's context t = {s.context:,} (compiled: "
+            f"{runner.compiled_kv_share(s):.1%}); it outweighs the weights from {star} "
+            "(weight bytes / KV bytes per token)")
+    if lc is None:
+        return [head, f"  (no long context: the run's context is --config.cost_context; "
+                      "set it to another t for a second one)"]
+    this = lc.this
+    lines = [
+        head,
+        f"a decode step at the long context t = {lc.context:,} ({lc.source}"
+        + ("" if lc.source.startswith("--") else "; --config.cost_context=N for another")
+        + f"): theory {_mb(this.theory_bytes)}, compiled "
+        f"(XLA + kernels) {_mb(this.counted_bytes)} "
+        f"({this.counted_bytes / this.theory_bytes:.2f}x theory), "
+        + ("not measured" if this.seconds != this.seconds else
+           f"measured {_ms(this.seconds)} per step (one call from Python, full cache)")
+        + f" against {_ms(c.step_seconds_median)} at t = {s.context:,}; KV share of the step's bytes "
+        f"{this.kv_share:.1%} (compiled {this.compiled_kv_share:.1%}); t = {lc.context:,} "
+        + ("is past t*" if lc.context > t_star else "is below t*"),
+    ]
+    if this.not_measured:
+        lines.append(f"  not measured at t = {lc.context:,}: {this.not_measured}")
+    if lc.baseline is None:
+        lines.append("lever: none measured (" + (
+            "MLA, lever 2, has no MHA of the same weights to compare with"
+            if s.cfg.is_mla else "this is MHA, the baseline the levers are measured "
+            "against: configs/gqa.py and configs/mqa.py show lever 1") + ")")
+        return lines
+    b = lc.baseline
+    lines.append(
+        f"{lc.lever} ({lc.baseline_name}) at t = {lc.context:,}: theory "
+        f"{_mb(b.theory_bytes)} against {_mb(this.theory_bytes)} "
+        f"({b.theory_bytes / this.theory_bytes:.2f}x), compiled {_mb(b.counted_bytes)} "
+        f"against {_mb(this.counted_bytes)} ({b.counted_bytes / this.counted_bytes:.2f}x), "
+        f"measured {_ms(b.seconds)} against {_ms(this.seconds)} per step "
+        f"(the baseline's time over the lever's: {b.seconds / this.seconds:.2f}x)")
+    return lines
 
 
 def _speculative_lines(result: runner.DecodeResult, cfg, c) -> list:

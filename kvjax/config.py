@@ -880,8 +880,10 @@ class RunConfig:
       sampling: SamplingConfig.
       stop_at_eos: end a row when it emits an end-of-generation token (any of the
         checkpoint's, ``Tokenizer.eos_token_ids``; SmolLM2: ``<|endoftext|>``, ``<|im_end|>``).
-      cost_context: context length t at which the cost report compiles the decode step
-        (None: max_seq_len).
+      cost_context: the cost report's long context t: the decode step compiled, counted
+        and timed there beside the run's own context (None: the checkpoint's trained
+        context, 8,192 for random weights; max_seq_len: no second context). On a mesh:
+        the context of the sharded step (None: max_seq_len).
       measure_repeats: repeats of the timed decode step for the measured column.
       chat_template: apply the checkpoint's own chat template to the prompt (the prompt
         becomes the user's turn and generation starts in the assistant's turn): True

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kvjax import native, planner
+from kvjax import compilation_cache, native, planner
 from kvjax.config import ModelConfig
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -21,6 +21,13 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 if planner.PLANNER_CACHE_ENV not in os.environ:
     os.environ[planner.PLANNER_CACHE_ENV] = tempfile.mkdtemp(prefix="kvjax-planner-tests-")
     atexit.register(shutil.rmtree, os.environ[planner.PLANNER_CACHE_ENV], ignore_errors=True)
+
+
+# Entry points run by the tests (subprocesses) keep their compiled programs in a folder of
+# this session's (kvjax/compilation_cache.py), never in the user's $KVJAX_CACHE/jax.
+if compilation_cache.ENV not in os.environ:
+    os.environ[compilation_cache.ENV] = tempfile.mkdtemp(prefix="kvjax-jax-cache-tests-")
+    atexit.register(shutil.rmtree, os.environ[compilation_cache.ENV], ignore_errors=True)
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -59,7 +59,8 @@ def test_decode_entry_point_blog_shrunk(tmp_path):
 
 PARIS_ARGS = ["--config=configs/gqa.py", "--config.max_new_tokens=3",
               "--config.max_seq_len=32", "--config.measure_repeats=1",
-              "--config.chat_template=False", "--config.prompt=The capital of France is"]
+              "--config.chat_template=False", "--config.prompt=The capital of France is",
+              "--config.cost_context=64"]
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,10 @@ def test_decode_entry_point_real_model_paris(paris_run):
     """Raw completion (the chat template off) of "The capital of France is"."""
     _, result = paris_run
     assert result["generated_text"].startswith(" Paris.") and not result["chat_template"]
+    # --config.cost_context sets the long context; the run's own stays max_seq_len
+    assert result["cost_context"] == 32 and result["long_context"]["context"] == 64
+    assert result["long_context"]["source"] == "--config.cost_context"
+    assert result["long_context"]["kv_share_of_step_bytes"] > result["kv_share_of_step_bytes"]
 
 
 @pytest.mark.slow
@@ -91,6 +96,15 @@ def test_decode_entry_point_chat_model_answers(tmp_path):
     assert result["prompt"].endswith("What is the capital of France?<|im_end|>\n"
                                      "<|im_start|>assistant\n")
     assert result["new_tokens"] > 0 and "warning" not in proc.stderr
+    # the blog's claim by default (issue 57): the KV share of a step's bytes at the run's
+    # context and at the checkpoint's trained context, GQA against MHA there
+    lc = result["long_context"]
+    assert lc["context"] == 8192 and lc["source"] == "the checkpoint's trained context"
+    assert result["kv_share_of_step_bytes"] < 0.05 < 0.4 < lc["kv_share_of_step_bytes"] < 0.5
+    assert lc["lever"]["theory_bytes_ratio"] == pytest.approx(
+        lc["lever"]["baseline_theory_bytes_per_step"] / lc["theory_bytes_per_step"])
+    assert lc["step_seconds_median"] > 0 and lc["counted_bytes_per_step"] > 0
+    assert "the bottleneck (blog 'The crossover')" in proc.stdout
 
 
 def test_bad_override_fails_fast_with_the_field_named(tmp_path):

@@ -21,6 +21,7 @@ MAX_LOCAL_KVJAX_IMPORTS = 5
 # Lowest first; a module belongs to the layer of its longest matching prefix.
 LAYERS = (
     ("base", ("kvjax", "kvjax.backend", "kvjax.kernels", "kvjax.ops", "kvjax.plan", "kvjax.rope",
+              "kvjax.compilation_cache",
               "kvjax.native",
               "kvjax.checkpoints", "kvjax.cache.policy", "kvjax.cache.quant",
               "kvjax.analysis.hardware", "kvjax.analysis.hlo_cost", "kvjax.analysis",
@@ -44,7 +45,7 @@ LAYERS = (
                   "kvjax.analysis.report", "kvjax.analysis.batch",
                   "kvjax.parallel.costs", "kvjax.training.data",
                   "kvjax.training.evaluate", "kvjax.training.train")),
-    ("app", ("kvjax.inference.runner", "kvjax.fields")),
+    ("app", ("kvjax.inference.runner", "kvjax.fields", "kvjax.api")),
 )
 
 

@@ -75,3 +75,20 @@ def test_serve_summary_gives_the_whole_command_beside_the_serving_window():
     # without the new keys (a summary from before them) the report still reads
     del summary["command_wall_s"]
     assert "whole command" not in serve.report(summary, [])
+
+
+def test_costs_explains_its_unusual_ratios_where_they_appear():
+    """experiments.costs prints, under its table, why bf16 rows on CPU read far more than
+    theory and why mla-absorbed's kv_read is (2C + R) / (C + R) of theory (issue 57)."""
+    notes = import_entry_point("costs").notes
+    row = dict(context=512, dtype="bfloat16", variant="gqa", bytes_ratio=9.0,
+               xla_weight_copies=3e6, xla_kv_copies=1e6, xla_other=2e6, theory_kv_read=1.0,
+               xla_kv_read=1.0, scan_layers=False)
+    mla = dict(row, dtype="float32", variant="mla-absorbed", bytes_ratio=1.1,
+               theory_kv_read=576.0, xla_kv_read=1088.0)
+    got = notes([row, mla], {512}, "cpu")
+    assert len(got) == 2
+    assert "XLA/theory 9.0-9.0x" in got[0] and "4.0 MB of copies" in got[0]
+    assert "kv_read XLA/theory 1.89" in got[1] and "= 1.89 for C = 512, R = 64" in got[1]
+    assert notes([row, mla], {1024}, "cpu") == []  # not in the table: no note
+    assert len(notes([row], {512}, "gpu")) == 0

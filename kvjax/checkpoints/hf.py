@@ -688,3 +688,64 @@ def load_hf_tokenizer(path: str | os.PathLike) -> Tokenizer:
     return Tokenizer(hf, bos, eos, special, read_chat_template(folder),
                      template_tokens=tokens, eos_token_ids=sorted(ends),
                      add_bos_token=bool(add_bos))
+
+
+def write_hf_checkpoint(folder: str | os.PathLike, tensors: dict, hparams: dict,
+                        tokenizer: Tokenizer) -> pathlib.Path:
+    """Writes a Hugging Face checkpoint folder that :func:`read_hf_checkpoint` and
+    :func:`load_hf_tokenizer` (and transformers' ``LlamaForCausalLM`` /
+    ``Qwen2ForCausalLM``) read back: config.json, model.safetensors (the tensors' own
+    dtype: F32, F16 or BF16), tokenizer.json, tokenizer_config.json (bos/eos text,
+    ``add_bos_token``, the chat template) and generation_config.json (every
+    end-of-generation id).
+
+    Args:
+      folder: created if missing; files of these names in it are replaced.
+      tensors: HF-orientation arrays under kvjax's names
+        (:func:`kvjax.models.convert.hf_tensors_from_params`).
+      hparams: :func:`read_hf_hparams`' keys (vocab_size, num_layers, d_model,
+        num_heads, num_kv_heads, head_dim, mlp_dim, rope_theta, norm_eps,
+        tie_embeddings, qkv_bias, context_length).
+      tokenizer: the model's :class:`Tokenizer` (its HF ``tokenizers`` object is saved).
+    Returns:
+      the folder.
+    """
+    from safetensors.numpy import save_file  # noqa: PLC0415 (writing only)
+
+    out = pathlib.Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    hp = hparams
+    arch = "qwen2" if hp["qkv_bias"] else "llama"
+    dtype = np.dtype(tensors["embed"].dtype).name
+    config = dict(
+        architectures=["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        model_type=arch, vocab_size=hp["vocab_size"], num_hidden_layers=hp["num_layers"],
+        hidden_size=hp["d_model"], num_attention_heads=hp["num_heads"],
+        num_key_value_heads=hp["num_kv_heads"], head_dim=hp["head_dim"],
+        intermediate_size=hp["mlp_dim"], rope_theta=hp["rope_theta"],
+        rms_norm_eps=hp["norm_eps"], tie_word_embeddings=hp["tie_embeddings"],
+        max_position_embeddings=hp["context_length"], hidden_act="silu",
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        rope_scaling=None, attention_bias=bool(hp["qkv_bias"]), mlp_bias=False,
+        torch_dtype={"float32": "float32", "float16": "float16"}.get(dtype, "bfloat16"))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    names = {v: k for k, v in {**_LAYER_TENSORS, **_BIAS_TENSORS}.items()}
+    flat = {hf: tensors[ours] for hf, ours in _GLOBAL_TENSORS.items()}
+    if not hp["tie_embeddings"]:
+        flat["lm_head.weight"] = tensors["lm_head"]
+    for ours, a in tensors.items():
+        if ours in names:
+            for i in range(a.shape[0]):
+                flat[f"model.layers.{i}.{names[ours]}"] = a[i]
+    save_file({k: np.ascontiguousarray(v) for k, v in flat.items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.hf.save(str(out / "tokenizer.json"))
+    text = tokenizer.hf.id_to_token
+    (out / "tokenizer_config.json").write_text(json.dumps(dict(
+        bos_token=text(tokenizer.bos_token_id), eos_token=text(tokenizer.eos_token_id),
+        add_bos_token=tokenizer.add_bos_token, chat_template=tokenizer.chat_template,
+        tokenizer_class="PreTrainedTokenizerFast"), indent=2))
+    (out / "generation_config.json").write_text(json.dumps(dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=list(tokenizer.eos_token_ids)),
+        indent=2))
+    return out

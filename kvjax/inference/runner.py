@@ -43,6 +43,9 @@ class LoadedModel:
     params: dict
     tokenizer: checkpoints.Tokenizer
     context_length: int | None = None
+    # what the run should be told about these weights (a conversion that breaks the
+    # model: :func:`conversion_warning`); decoding copies them into Generation.warnings
+    notes: list = dataclasses.field(default_factory=list)
 
 
 def load(run: RunConfig, progress: bool = True, check_prompt: bool = False) -> LoadedModel:
@@ -109,7 +112,25 @@ def load(run: RunConfig, progress: bool = True, check_prompt: bool = False) -> L
         except ValueError as e:
             raise ConfigError(f"invalid config: {e}") from None
     params = jax.tree.map(jnp.asarray, model.params_for(cfg, params))
-    return LoadedModel(cfg, params, tokenizer[0], h.get("context_length") or None)
+    note = conversion_warning(h["num_kv_heads"], cfg.num_kv_heads)
+    return LoadedModel(cfg, params, tokenizer[0], h.get("context_length") or None,
+                       [note] if note else [])
+
+
+def conversion_warning(checkpoint_kv_heads: int, kv_heads: int) -> str | None:
+    """The warning for pretrained weights whose KV heads were mean-pooled
+    (:func:`kvjax.models.convert.convert_kv_heads`, Ainslie et al. 2023) without
+    uptraining, with the perplexity it cost SmolLM2-135M and the commands that measure
+    and recover it; None for the checkpoint's own K or duplicated heads (exact)."""
+    if kv_heads >= checkpoint_kv_heads:
+        return None
+    return (f"the checkpoint's {checkpoint_kv_heads} KV heads were mean-pooled into "
+            f"{kv_heads} without uptraining: not a usable model (SmolLM2-135M at K = 1: "
+            "perplexity 24,944 against 12.755 as published, Django docs held out, "
+            "docs/results/x86-64-2core-unrecorded.md); the costs below are right, the "
+            "text is not. Measure it: python -m experiments.ppl --config=configs/mqa.py; "
+            "recover part of it: python -m experiments.uptrain --config=configs/mqa.py "
+            "--workdir=/tmp/uptrain (136.6 after 50 steps)")
 
 
 def check_checkpoint(run: RunConfig, hparams: dict) -> None:
@@ -246,14 +267,22 @@ class Generation:
     # kvjax.parallel.programs.Placement); None for speculative decoding
     placement: object = dataclasses.field(default=None, repr=False)
 
+    def __getattr__(self, name):
+        if name == "costs":  # the figures are the cost report's, not the generation's
+            raise AttributeError(
+                "Generation has no 'costs': the cost report is cost_report(run, loaded, "
+                "gen), or run_decode(run, loaded).costs; from a notebook: "
+                "kvjax.api.load(...).decode(prompt).costs")
+        raise AttributeError(name)
+
 
 @dataclasses.dataclass
 class CostReport:
     """The cost hook's figures for a run: one report for one device and for a mesh,
     every figure per device when there are several.
 
-    step: the decode step at ``run.cost_context`` (default max_seq_len) compiled and timed
-      on its own: on one device a ``decode_step`` called from Python
+    step: the decode step at the run's context (max_seq_len; on a mesh
+      ``run.cost_context``, default max_seq_len) compiled and timed on its own: on one device a ``decode_step`` called from Python
       (:func:`costs.analyze_decode_step`, a :class:`costs.StepCost`); on a mesh the
       sharded step compiled from shapes (:func:`kvjax.parallel.costs.analyze_sharded_step`,
       a :class:`kvjax.parallel.costs.ShardedStepCost`: theory = weights / TP + KV / shards
@@ -269,6 +298,8 @@ class CostReport:
       {'inventory': {'kind@axes': {count, bytes, link_bytes}}, 'cache_gathers': [names]}
       of the programs the run decoded with ('cache_gathers' is always empty: a gather
       raises instead); None on one device.
+    long_context: the step at a long context, where the cache dominates
+      (:class:`LongContextCost`); None on a mesh, or where the long context is the run's.
     """
 
     step: object
@@ -278,11 +309,214 @@ class CostReport:
     loop_timing: dict | None = None
     prefill: costs.StepCost | None = None
     programs: dict | None = None
+    long_context: "LongContextCost | None" = None
 
     @property
     def per_device(self) -> bool:
         """The run is on a mesh: the figures are one device's."""
         return self.programs is not None
+
+
+DEFAULT_LONG_CONTEXT = 8192
+"""The long context of weights that state no trained context (random weights): SmolLM2's
+8,192 trained positions, past the blog model's t* = 6·D = 3,072."""
+
+
+def kv_share(parts: dict) -> float:
+    """The KV cache's share of a step's bytes, (kv_read + kv_write) / total, from
+    :meth:`kvjax.analysis.theory.StepBytes.as_dict` (blog "The Fundamental Equation of
+    Inference Throughput": B_step(t) = weights + KV(t))."""
+    total = parts["weights"] + parts["kv_read"] + parts["kv_write"]
+    return (parts["kv_read"] + parts["kv_write"]) / total if total else float("nan")
+
+
+def compiled_kv_share(step: costs.StepCost) -> float:
+    """The KV share of the compiled step's counted bytes (XLA + kernels): the
+    attribution's kv_read + kv_write (with the kernels' operand bytes on the cache) over
+    all counted bytes; nan without an attribution."""
+    a = step.attribution
+    if a is None:
+        return float("nan")
+    kv = sum(a.bytes.get(k, 0.0) + a.uncosted.get(k, 0.0) for k in ("kv_read", "kv_write"))
+    return kv / (a.total_bytes + a.uncosted_bytes)
+
+
+def long_context(run: RunConfig, loaded: LoadedModel) -> tuple[int, str]:
+    """(t, where it comes from) of the cost report's long context: ``run.cost_context``
+    when set, else the positions the checkpoint was trained for
+    (``loaded.context_length``), else :data:`DEFAULT_LONG_CONTEXT`."""
+    if run.cost_context:
+        return run.cost_context, "--config.cost_context"
+    if loaded.context_length:
+        return loaded.context_length, "the checkpoint's trained context"
+    return DEFAULT_LONG_CONTEXT, "kvjax's default for weights without a trained context"
+
+
+def lever_baseline(cfg: ModelConfig) -> tuple[str, ModelConfig] | None:
+    """(what the lever is, the same model without it) for the lever ``cfg`` adds last,
+    in the blog's order of use: a sliding window (lever 3: the same model with full
+    attention), a quantized cache (lever 4: the cache in the model's dtype), fewer KV
+    heads (lever 1: MHA, K = N). None for MHA itself and for MLA (lever 2: a different
+    parameterisation, with no MHA of the same weights)."""
+    if cfg.is_mla:
+        return None
+    if cfg.window_size is not None:
+        return (f"lever 3, a sliding window of W = {cfg.window_size}: against the same "
+                "model with full attention",
+                cfg.replace(window_size=None, num_sink_tokens=0, plan=None))
+    if cfg.kv_dtype and cfg.kv_dtype != cfg.dtype:
+        return (f"lever 4, a {cfg.kv_dtype} cache: against the cache in {cfg.dtype}",
+                cfg.replace(kv_dtype=None, plan=None))
+    if cfg.num_kv_heads < cfg.num_heads:
+        name = "MQA" if cfg.num_kv_heads == 1 else "GQA"
+        return (f"lever 1, {name} with K = {cfg.num_kv_heads} KV heads: against MHA "
+                f"(K = N = {cfg.num_heads}, the KV heads duplicated)",
+                cfg.replace(num_kv_heads=cfg.num_heads, attention="mha", plan=None))
+    return None
+
+
+@dataclasses.dataclass
+class StepAtContext:
+    """One decode step at a context: theory | compiled | measured.
+
+    step: :func:`costs.analyze_decode_step` (with the attribution, no jaxpr view);
+    seconds: the median wall time (s) of the step called from Python on a full cache,
+    nan where it was not measured (``not_measured`` says why: the memory check refused
+    it)."""
+
+    step: costs.StepCost
+    seconds: float
+    not_measured: str | None = None
+
+    @property
+    def theory_bytes(self) -> float:
+        return self.step.theory_bytes
+
+    @property
+    def counted_bytes(self) -> float:
+        """XLA's bytes plus the native kernels' operand and result bytes."""
+        return self.step.xla.bytes + self.step.xla.uncosted_bytes
+
+    @property
+    def kv_share(self) -> float:
+        """Theory's KV share of the step's bytes (:func:`kv_share`)."""
+        return kv_share(self.step.theory_parts["bytes"])
+
+    @property
+    def compiled_kv_share(self) -> float:
+        return compiled_kv_share(self.step)
+
+    def as_dict(self) -> dict:
+        return {"context": self.step.context,
+                "theory_bytes_per_step": self.theory_bytes,
+                "counted_bytes_per_step": self.counted_bytes,
+                "step_seconds_median": self.seconds,
+                "kv_share_of_step_bytes": self.kv_share,
+                "compiled_kv_share_of_step_bytes": self.compiled_kv_share,
+                "not_measured": self.not_measured}
+
+
+@dataclasses.dataclass
+class LongContextCost:
+    """The cost report's second context, where the cache dominates (issue 57: the blog's
+    claim, shown by default).
+
+    context: t (tokens); source: where t comes from (:func:`long_context`).
+    this: the run's model at t (:class:`StepAtContext`).
+    crossover_context: t* where the KV read equals the weight bytes
+      (:func:`kvjax.analysis.theory.crossover_context`; inf for a window that never
+      reaches it).
+    lever: the lever the run's config adds (:func:`lever_baseline`), its baseline at t
+      (``baseline``, a :class:`StepAtContext`); None for MHA and MLA.
+    """
+
+    context: int
+    source: str
+    this: StepAtContext
+    crossover_context: float
+    lever: str | None = None
+    baseline: StepAtContext | None = None
+    baseline_name: str | None = None
+
+    def as_dict(self) -> dict:
+        out = {**self.this.as_dict(), "source": self.source,
+               "crossover_context": self.crossover_context}
+        if self.baseline is not None:
+            b = self.baseline
+            out["lever"] = {
+                "what": self.lever, "baseline": self.baseline_name, **{
+                    f"baseline_{k}": v for k, v in b.as_dict().items() if k != "context"},
+                "theory_bytes_ratio": b.theory_bytes / self.this.theory_bytes,
+                "counted_bytes_ratio": b.counted_bytes / self.this.counted_bytes,
+                "time_ratio": b.seconds / self.this.seconds}
+        return out
+
+
+def steps_at_context(cfgs: list, params: list, context: int, batch: int,
+                     repeats: int, check_memory: bool = True) -> list[StepAtContext]:
+    """Decode steps of each of ``cfgs`` at ``context``: each compiled once (figures and
+    timing from the same program) and analysed, then timed on a full cache with its
+    ``params`` (None: random weights of that config; the time does not depend on the
+    values) where the memory check lets its cache and weights be allocated
+    (``check_memory=False``: always; ``run.ignore_memory_check``). The steps
+    are timed in turns, one call of each per round, ``repeats`` rounds after one warm-up
+    round, so a load that comes and goes on a shared machine falls on all of them alike;
+    each one's median is reported."""
+    out, runs = [], []
+    for cfg, p in zip(cfgs, params):
+        cfg = costs.planned(cfg, batch, context)
+        compiled = costs.compile_decode_step(cfg, batch, context)
+        step = costs.analyze_decode_step(cfg, context, batch, compiled=compiled, jaxpr=False)
+        try:
+            if check_memory:
+                memory.check(cfg, batch, context, what=f"decode step at context {context}",
+                             weights_bytes=0 if p is not None else theory.weight_bytes(cfg),
+                             temp_bytes=step.memory.get("temp_bytes"))
+        except memory.MemoryCheckError as e:
+            out.append(StepAtContext(step, float("nan"), str(e)))
+            continue
+        cache = costs.full_cache(cfg, batch, context)
+        runs.append([len(out), compiled, model.init_params(cfg, 0) if p is None else p,
+                     cache, np.asarray(cache.length), []])
+        out.append(StepAtContext(step, float("nan")))
+    token = jnp.zeros((batch, 1), jnp.int32)
+    for rnd in range(repeats + 1):
+        for r in runs:
+            _, compiled, p, cache, length, times = r
+            start = time.perf_counter()
+            logits, cache = compiled(p, token, cache)  # the cache is donated
+            logits.block_until_ready()
+            if rnd:
+                times.append(time.perf_counter() - start)
+            r[3] = cache.replace(length=jnp.asarray(length))
+    for i, *_, times in runs:
+        out[i].seconds = statistics.median(times)
+    return out
+
+
+def long_context_cost(run: RunConfig, loaded: LoadedModel, cfg: ModelConfig
+                      ) -> LongContextCost | None:
+    """The step at the long context (:func:`long_context`) for ``cfg`` (the run's model
+    with its plan) and for the baseline of its lever (:func:`lever_baseline`); None when
+    the long context is the run's own (``max_seq_len``)."""
+    t, source = long_context(run, loaded)
+    if t == run.max_seq_len:
+        return None
+    lever = lever_baseline(run.model)
+    # the plan is resolved again for the long context's shapes (the run's was made for
+    # max_seq_len slots: the fastest formulation at 256 slots need not be at 8,192)
+    cfgs, params = [cfg.replace(plan=None)], [loaded.params]
+    if lever is not None:
+        cfgs.append(lever[1])
+        params.append(loaded.params if lever[1].num_kv_heads == cfg.num_kv_heads else None)
+    this, *base = steps_at_context(cfgs, params, t, run.batch_size, run.measure_repeats,
+                                   check_memory=not run.ignore_memory_check)
+    base = base[0] if base else None
+    base_name = None if lever is None else naming.variant_name(lever[1])
+    return LongContextCost(context=t, source=source, this=this,
+                           crossover_context=theory.crossover_context(cfg),
+                           lever=None if lever is None else lever[0], baseline=base,
+                           baseline_name=base_name)
 
 
 def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
@@ -340,6 +574,7 @@ def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
     out = [int(first[0])] + [int(t) for t in np.asarray(buf[0, :ran])]
     out, text, stop, stop_token, nonfinite_at, held, notes = _stopped(
         out, eos.tolist(), tok, chat)
+    notes = loaded.notes + notes
     return Generation(
         prompt=prompt, generated_text=text, prompt_tokens=len(ids),
         new_tokens=len(out), generated_ids=out, compile_seconds=compile_s,
@@ -499,6 +734,7 @@ def decode_speculative(run: RunConfig, loaded: LoadedModel) -> Generation:
     out = [int(first[0])] + rows_out[0]
     out, text, stop, stop_token, nonfinite_at, held, notes = _stopped(
         out, eos.tolist(), tok, chat)
+    notes = loaded.notes + notes
     ran = max(stats.emitted) if stats.emitted else 0
     in_place = dcfg is not None and speculative.draft_in_place(
         cfg, dcfg, spec, b, cache.num_slots) is not None
@@ -525,7 +761,9 @@ def decode_speculative(run: RunConfig, loaded: LoadedModel) -> Generation:
 
 
 def cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> CostReport:
-    """The cost hook for ``run`` at context ``run.cost_context`` (default max_seq_len),
+    """The cost hook for ``run`` at the run's context ``run.max_seq_len`` and at a long
+    context (:func:`long_context_cost`: ``run.cost_context``, else the checkpoint's trained
+    context; on a mesh, the sharded step at ``run.cost_context``, default max_seq_len),
     with the plan and placement the run used (``gen.placement``; for speculative decoding
     those of plain decoding; see :class:`CostReport`).
     On one device: the generate loop per token (compiled for timing and analysed), the
@@ -540,9 +778,9 @@ def cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> CostRep
     b = run.batch_size
     placement = gen.placement or place(run, loaded.cfg, gen.prompt_tokens)
     cfg = placement.cfg
-    context = run.cost_context or run.max_seq_len
     if not placement.trivial:
-        return _mesh_costs(run, loaded, gen, placement, context)
+        return _mesh_costs(run, loaded, gen, placement, run.cost_context or run.max_seq_len)
+    context = run.max_seq_len
     params = loaded.params
     loop_c = costs.compile_generate(cfg, b, context, run.sampling)
     timing = costs.measure_loop_seconds(cfg, params, context, b, compiled=loop_c,
@@ -556,7 +794,7 @@ def cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> CostRep
                                     compiled=gen.prefill_compiled)
     return CostReport(step=step, step_seconds_median=statistics.median(times), loop=loop,
                       loop_seconds_per_token=timing["per_token_s"], loop_timing=timing,
-                      prefill=prefill)
+                      prefill=prefill, long_context=long_context_cost(run, loaded, cfg))
 
 
 def _mesh_costs(run: RunConfig, loaded: LoadedModel, gen: Generation, placement,
@@ -647,6 +885,12 @@ class DecodeResult:
             "step_seconds_median": c.step_seconds_median,
             "achieved_bytes_per_s": s.theory_bytes / c.step_seconds_median,
             "cost_context": s.context, "model": dataclasses.asdict(s.cfg),
+            # theory's (kv_read + kv_write) / step bytes at the run's context, and the
+            # step at the long context (the checkpoint's trained one, or cost_context)
+            "kv_share_of_step_bytes": kv_share(s.theory_parts["bytes"]),
+            "compiled_kv_share_of_step_bytes": compiled_kv_share(s),
+            "crossover_context": theory.crossover_context(s.cfg),
+            "long_context": None if c.long_context is None else c.long_context.as_dict(),
             "memory": s.memory,
             "prefill_xla_flops": c.prefill.xla.flops,
             "prefill_xla_bytes": c.prefill.xla.bytes,

