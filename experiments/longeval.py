@@ -91,6 +91,9 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the result JSON he
 _COMPARE = flags.DEFINE_list(
     "compare", [], "longeval.json files of several runs: draw pareto.png (accuracy and "
     "perplexity against KV bytes per sequence) into --out_dir and exit.")
+_COMPARE_PPL = flags.DEFINE_list(
+    "compare_ppl", [], "experiments.ppl --json_out files, one per --compare file in the "
+    "same order ('-': none), for runs made without --ppl.")
 flags.adopt_module_key_flags(cli)
 
 SMOLLM2_TRAINED_CONTEXT = 8192
@@ -280,55 +283,86 @@ def plot_heatmaps(cells: list, out_dir: pathlib.Path, title: str) -> list:
     return paths
 
 
+def common_cells(results: list) -> set:
+    """(task, length, depth) cells scored in every one of ``results``."""
+    sets = [{(c["task"], c["length"], c["depth"]) for c in r["cells"]} for r in results]
+    return set.intersection(*sets) if sets else set()
+
+
+def shared_accuracy(result: dict, cells: set) -> tuple:
+    """(accuracy, Wilson low, high, samples) of ``result`` over ``cells`` only."""
+    cs = [c for c in result["cells"] if (c["task"], c["length"], c["depth"]) in cells]
+    n = sum(c["samples"] for c in cs)
+    k = sum(c["accuracy"] * c["samples"] for c in cs)
+    lo, hi = lc.wilson_interval(k, n)
+    return k / n, lo, hi, n
+
+
 def plot_pareto(results: list, path: pathlib.Path) -> None:
     """Accuracy against KV bytes per sequence (left) beside perplexity against KV bytes
-    (right), one point per run (``results``: longeval.json contents; the bytes are the
-    theory at the longest length, the perplexity's at its own context)."""
+    (right), one point per run (``results``: longeval.json contents, each with an
+    optional ``ppl`` entry). Accuracy is over the cells every run scored
+    (:func:`common_cells`), its bytes the theory at their longest length; perplexity's
+    bytes are at its own context."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
+    cells = common_cells(results)
+    longest = max(n for _, n, _ in cells)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     for r in results:
-        n = max(int(k) for k in r["lengths"])
-        x = r["lengths"][str(n)]["kv_bytes_theory"]
-        lo, hi = r.get("mean_accuracy_ci") or [r["mean_accuracy"]] * 2
-        a.errorbar([x], [r["mean_accuracy"]], yerr=[[r["mean_accuracy"] - lo],
-                                                    [hi - r["mean_accuracy"]]], fmt="o")
-        a.annotate(r["variant"], (x, r["mean_accuracy"]), fontsize=7)
+        x = r["lengths"][str(longest)]["kv_bytes_theory"]
+        acc, lo, hi, _ = shared_accuracy(r, cells)
+        a.errorbar([x], [acc], yerr=[[acc - lo], [hi - acc]], fmt="o", capsize=3)
+        a.annotate(r["variant"], (x, acc), fontsize=7)
         if r.get("ppl"):
             px = r["ppl"]["kv_bytes_theory"]
             b.plot([px], [r["ppl"]["ppl"]], "o")
             b.annotate(r["variant"], (px, r["ppl"]["ppl"]), fontsize=7)
     a.set_xscale("log")
     b.set_xscale("log")
-    a.set_xlabel("KV bytes per sequence at the longest length (theory)")
-    a.set_ylabel("mean long-context accuracy")
+    a.set_xlabel(f"KV bytes per sequence at L={longest:,} (theory)")
+    a.set_ylabel("long-context accuracy")
     a.set_ylim(-0.05, 1.05)
     b.set_xlabel("KV bytes per sequence at the perplexity context (theory)")
     b.set_ylabel("perplexity")
-    a.set_title("long-context accuracy (Wilson 95%)", fontsize=9)
+    a.set_title(f"accuracy on {len(cells)} shared cells (Wilson 95%)", fontsize=9)
     b.set_title("perplexity", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def compare(paths: list, out_dir: pathlib.Path) -> int:
+def compare(paths: list, ppl_paths: list, out_dir: pathlib.Path) -> int:
+    """--compare: reads the runs (and, from ``ppl_paths``, experiments.ppl JSON files in
+    the same order, for runs made without --ppl), prints and plots them."""
     results = []
-    for p in paths:
-        try:
-            results.append(json.loads(pathlib.Path(p).read_text()))
-        except (OSError, ValueError) as e:
-            print(f"error: --compare: {p}: {e}", file=sys.stderr)
-            return cli.USAGE_EXIT
+    try:
+        if ppl_paths and len(ppl_paths) != len(paths):
+            raise ValueError(f"--compare_ppl has {len(ppl_paths)} files; allowed: one per "
+                             f"--compare file ({len(paths)}), or none")
+        for i, p in enumerate(paths):
+            r = json.loads(pathlib.Path(p).read_text())
+            if ppl_paths and ppl_paths[i] not in ("", "-"):
+                q = json.loads(pathlib.Path(ppl_paths[i]).read_text())
+                r["ppl"] = dict(q, kv_bytes_theory=q["kv_bytes_per_token"] * min(
+                    q["context"], q.get("kv_cache_slots") or q["context"]))
+            results.append(r)
+        cells = common_cells(results)
+        if not cells:
+            raise ValueError("the runs share no task x length x depth cell")
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: --compare: {e}", file=sys.stderr)
+        return cli.USAGE_EXIT
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_pareto(results, out_dir / "pareto.png")
     for r in results:
-        ppl = r.get("ppl") or {}
-        print(f"{r['variant']:<45} mean accuracy {r['mean_accuracy']:.3f}  answer NLL "
-              f"{r['mean_answer_nll']:.3f}  ppl {ppl.get('ppl', float('nan')):.3f}")
+        acc, lo, hi, n = shared_accuracy(r, cells)
+        ppl = (r.get("ppl") or {}).get("ppl", float("nan"))
+        print(f"{r['variant']:<50} accuracy {acc:.3f} [{lo:.2f}, {hi:.2f}] over {n} samples "
+              f"of {len(cells)} shared cells; perplexity {ppl:.4f}")
     print(f"wrote {out_dir / 'pareto.png'}")
     return 0
 
@@ -338,7 +372,7 @@ def main(argv):
         raise cli.UsageError(f"unexpected arguments: {argv[1:]}")
     out_dir = pathlib.Path(_OUT.value)
     if _COMPARE.value:
-        return compare(_COMPARE.value, out_dir)
+        return compare(_COMPARE.value, _COMPARE_PPL.value, out_dir)
     wall = time.perf_counter()
     try:
         # every check that needs no weights first: config, grid, lengths, output paths,
