@@ -311,18 +311,22 @@ def plot_pareto(results: list, path: pathlib.Path) -> None:
 
     cells = common_cells(results)
     longest = max(n for _, n, _ in cells)
+    label = lambda r: r["variant"].split(" ", 1)[-1].replace(" rope=absolute", "")
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     for r in results:
         x = r["lengths"][str(longest)]["kv_bytes_theory"]
         acc, lo, hi, _ = shared_accuracy(r, cells)
         a.errorbar([x], [acc], yerr=[[acc - lo], [hi - acc]], fmt="o", capsize=3)
-        a.annotate(r["variant"], (x, acc), fontsize=7)
+        a.annotate(label(r), (x, acc), fontsize=7, xytext=(4, 4), textcoords="offset points")
         if r.get("ppl"):
             px = r["ppl"]["kv_bytes_theory"]
             b.plot([px], [r["ppl"]["ppl"]], "o")
-            b.annotate(r["variant"], (px, r["ppl"]["ppl"]), fontsize=7)
-    a.set_xscale("log")
-    b.set_xscale("log")
+            b.annotate(label(r), (px, r["ppl"]["ppl"]), fontsize=7, xytext=(4, 4),
+                       textcoords="offset points")
+    for ax in (a, b):
+        ax.set_xscale("log")
+        lo, hi = ax.get_xlim()
+        ax.set_xlim(lo / 1.5, hi * 4)  # room for the labels right of the points
     a.set_xlabel(f"KV bytes per sequence at L={longest:,} (theory)")
     a.set_ylabel("long-context accuracy")
     a.set_ylim(-0.05, 1.05)
