@@ -13,8 +13,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENTRY_POINTS = sorted(p.stem for p in (ROOT / "experiments").glob("*.py")
                       if 'if __name__ == "__main__":' in p.read_text())
-CONFIG_FILE_ENTRY_POINTS = ("ablate", "decode", "export", "ppl", "serve", "speculative",
-                            "uptrain")
+CONFIG_FILE_ENTRY_POINTS = ("ablate", "decode", "export", "longeval", "ppl", "serve",
+                            "speculative", "uptrain")
 
 
 def entry(module, *args, timeout=120):
@@ -43,6 +43,7 @@ MISSPELT = {
     "decode": ("--config.sampling.temprature=1", "unknown field "
                "--config.sampling.temprature; did you mean --config.sampling.temperature?"),
     "export": ("--outt=/tmp/x", "unknown flag --outt; did you mean --out?"),
+    "longeval": ("--sample=3", "unknown flag --sample; did you mean --samples?"),
     "ppl": ("--eval.corpus_=x", "unknown field --eval.corpus_; did you mean --eval.corpus?"),
     "prefill": ("--impl=native", "unknown flag --impl; did you mean --impls?"),
     "serve": ("--config.model.window_sise=3", "unknown field --config.model.window_sise; "

@@ -44,7 +44,8 @@ LAYERS = (
     ("analysis", ("kvjax.analysis.roofline", "kvjax.analysis.costs",
                   "kvjax.analysis.report", "kvjax.analysis.batch",
                   "kvjax.parallel.costs", "kvjax.training.data",
-                  "kvjax.training.evaluate", "kvjax.training.train")),
+                  "kvjax.training.evaluate", "kvjax.training.train",
+                  "kvjax.training.longcontext")),
     ("app", ("kvjax.inference.runner", "kvjax.fields", "kvjax.api")),
 )
 

@@ -1,0 +1,504 @@
+r"""Long-context accuracy and answer NLL of a model config: passkey, RULER's needles,
+variable tracking, word extraction, key-value retrieval and copying, generated offline
+(``kvjax.training.longcontext``).
+
+    python -m experiments.longeval --config=configs/gqa.py     # the default run (<= 30 min, 2 cores)
+    python -m experiments.longeval --config=configs/gqa.py --tasks=passkey,niah_single \
+        --lengths=1024,2048,4096,8192 --depths=0,0.25,0.5,0.75,1 --samples=4
+    python -m experiments.longeval --config=configs/gqa.py --config.model.window_size=512 \
+        --config.model.num_sink_tokens=4 --tasks=niah_single --lengths=4096 --ppl \
+        --eval.context=4096 --eval.num_tokens=8192 --out_dir=results/longeval/w512
+    python -m experiments.longeval --config=configs/gqa.py --config.model.kv_dtype=int8
+    python -m experiments.longeval --compare=results/longeval/full/longeval.json,results/longeval/w512/longeval.json
+    python -m experiments.longeval --full_grid             # 1K-8K x depths 0-1 by 0.1 x 10 samples
+
+Every sample of length L has a context of exactly L - 192 tokens (the question, up to
+128 tokens, and the answer, up to 64, fit in L: RULER counts its lengths so), prefilled
+once into the config's KV cache; the lever is the config (``--config.model.window_size``, ``num_sink_tokens``,
+``kv_dtype``, ``num_kv_heads``, ...); the question is then asked on that cache (with
+``--query_first`` it also comes before the context). Two scores per sample: RULER's
+string match of the greedy answer (accuracy, Wilson 95% interval) and the reference
+answer's negative log-likelihood in nats per token (t interval).
+
+Writes to ``--out_dir`` (default results/longeval/): samples.jsonl (one line per sample,
+the resume log: a rerun skips the samples already there for the same config), longeval.json
+(per task and per task x length x depth: accuracy, answer NLL, KV bytes in theory and
+allocated, prefill and decode seconds; top-level ``mean_accuracy``), longeval.csv (the
+cells), heatmap_<task>.png (length x depth accuracy) and, with ``--compare``,
+pareto.png (accuracy against KV bytes per sequence beside perplexity against KV bytes).
+``--json_out=FILE`` writes longeval.json's content there too.
+
+Lengths past ``--config.max_seq_len`` (when given) or past the checkpoint's trained
+context (SmolLM2: 8,192 positions) are refused unless ``--allow_beyond_context``; such
+cells are marked ``beyond_context``.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+import time
+
+import numpy as np
+from absl import flags
+
+from experiments import cli
+
+from kvjax import checkpoints, naming
+from kvjax.analysis import theory
+from kvjax.checkpoints import WeightsError
+from kvjax.config import ConfigError, run_config_from_dict
+from kvjax.inference import runner
+from kvjax.training import data, evaluate
+from kvjax.training import longcontext as lc
+
+_CONFIG = cli.DEFINE_config_file(
+    "config", "configs/gqa.py", cli.config_help("Model config file (get_config())."),
+    lock_config=True)
+_EVAL = cli.DEFINE_config_dict("eval", evaluate.eval_config_dict(), cli.EVAL_HELP,
+                               lock_config=True)
+DEFAULT_TASKS = list(lc.TASKS)
+DEFAULT_LENGTHS = ["1024", "2048"]
+DEFAULT_DEPTHS = ["0.1", "0.5", "0.9"]
+DEFAULT_SAMPLES = 2
+FULL_LENGTHS = [1024, 2048, 4096, 8192]
+FULL_DEPTHS = [round(0.1 * i, 1) for i in range(11)]
+FULL_SAMPLES = 10
+_TASKS = flags.DEFINE_list("tasks", DEFAULT_TASKS, f"Tasks, any of: {', '.join(lc.TASKS)}.")
+_LENGTHS = flags.DEFINE_list("lengths", DEFAULT_LENGTHS,
+                             "Sequence lengths L in tokens (prompt + generation budget).")
+_DEPTHS = flags.DEFINE_list("depths", DEFAULT_DEPTHS,
+                            "Needle depths in [0, 1] (share of the filler before it).")
+_SAMPLES = flags.DEFINE_integer("samples", DEFAULT_SAMPLES,
+                                "Samples per task x length x depth.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated samples.")
+_FULL = flags.DEFINE_bool(
+    "full_grid", False, f"Lengths {FULL_LENGTHS}, depths 0-1 by 0.1, {FULL_SAMPLES} samples "
+    "each (hours on a CPU); replaces --lengths/--depths/--samples.")
+_QUERY_FIRST = flags.DEFINE_bool("query_first", False,
+                                 "Also put the question before the context (query-aware).")
+_BEYOND = flags.DEFINE_bool(
+    "allow_beyond_context", False,
+    "Allow lengths past the checkpoint's trained context (cells marked beyond_context).")
+_PPL = flags.DEFINE_bool("ppl", False, "Also score perplexity with the --eval settings "
+                         "(experiments.ppl's), for the KV-bytes plot.")
+_OUT = flags.DEFINE_string("out_dir", "results/longeval", "Output folder.")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the result JSON here.")
+_COMPARE = flags.DEFINE_list(
+    "compare", [], "longeval.json files of several runs: draw pareto.png (accuracy and "
+    "perplexity against KV bytes per sequence) into --out_dir and exit.")
+_COMPARE_PPL = flags.DEFINE_list(
+    "compare_ppl", [], "experiments.ppl --json_out files, one per --compare file in the "
+    "same order ('-': none), for runs made without --ppl.")
+flags.adopt_module_key_flags(cli)
+
+SMOLLM2_TRAINED_CONTEXT = 8192
+"""SmolLM2-135M-Instruct's trained positions (its GGUF's llama.context_length, HF
+config.json max_position_embeddings); checked against the loaded checkpoint."""
+
+CELL_FIELDS = ["task", "length", "depth", "samples", "accuracy", "accuracy_low",
+               "accuracy_high", "answer_nll", "answer_nll_low", "answer_nll_high",
+               "kv_bytes_theory", "kv_bytes_allocated", "prefill_seconds", "decode_seconds",
+               "beyond_context"]
+
+
+def trained_context(run) -> int | None:
+    """The positions the run's weights were trained for, read without loading them:
+    SmolLM2's 8,192; a Hugging Face folder's config.json max_position_embeddings; None
+    for random weights."""
+    if run.weights == "smollm2":
+        return SMOLLM2_TRAINED_CONTEXT
+    if run.weights == "hf":
+        p = pathlib.Path(run.weights_path) / "config.json"
+        try:
+            return int(json.loads(p.read_text()).get("max_position_embeddings") or 0) or None
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def _given(name: str) -> bool:
+    """Whether ``--name=...`` is on the command line."""
+    return any(a.lstrip("-").split("=")[0] == name for a in sys.argv[1:])
+
+
+def parse_grid(tasks, lengths, depths, samples) -> tuple:
+    """(tasks, lengths as ints, depths as floats, samples) from the flags' strings.
+
+    Raises:
+      lc.TaskError: a value that is not a task, an integer length or a number depth, or
+        any value :func:`lc.check_task_args` refuses.
+    """
+    try:
+        lengths = [int(x) for x in lengths]
+    except ValueError:
+        raise lc.TaskError(f"--lengths={','.join(lengths)}; allowed: positive integers "
+                           "(tokens)") from None
+    try:
+        depths = [float(x) for x in depths]
+    except ValueError:
+        raise lc.TaskError(f"--depths={','.join(depths)}; allowed: numbers in [0, 1]") from None
+    lc.check_task_args(tasks, lengths, depths, samples)
+    return list(tasks), sorted(set(lengths)), sorted(set(depths)), samples
+
+
+def check_lengths(lengths, max_seq_len: int | None, context: int | None, beyond: bool) -> None:
+    """Raises lc.TaskError for a length past ``max_seq_len`` (None: no cap) or past the
+    trained ``context`` (None: unknown) without ``beyond``."""
+    for n in lengths:
+        if max_seq_len is not None and n > max_seq_len:
+            raise lc.TaskError(f"length {n} exceeds --config.max_seq_len={max_seq_len}; "
+                               f"allowed: lengths <= {max_seq_len}")
+        if context is not None and n > context and not beyond:
+            raise lc.TaskError(
+                f"length {n} exceeds the checkpoint's trained context of {context} "
+                f"positions; allowed: lengths <= {context}, or --allow_beyond_context "
+                "(cells marked beyond_context)")
+
+
+def run_key(cfg) -> str:
+    """What the resume log keys a config by: its variant, cache dtype, rope positions."""
+    return (f"{naming.variant_name(cfg)} kv={cfg.kv_dtype or cfg.dtype} "
+            f"rope={cfg.rope_positions}")
+
+
+def sample_key(key: str, task: str, length: int, depth: float, index: int, seed: int,
+               query_first: bool) -> str:
+    return json.dumps([key, task, length, depth, index, seed, query_first])
+
+
+def read_log(path: pathlib.Path) -> dict:
+    """{sample key: record} of a samples.jsonl (a torn last line is dropped)."""
+    out = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            out[r["key"]] = r
+    return out
+
+
+def summarize(records: list, tasks, lengths, depths, context: int | None) -> dict:
+    """The result JSON of sample records: per task, per cell, per length, and the means.
+    ``accuracy`` is the mean RULER score (Wilson 95% interval over the samples, the
+    scores summed as successes); ``answer_nll`` the mean of the samples' nats per token
+    (t interval)."""
+    def stats(rs):
+        s = [r["score"] for r in rs]
+        nll = [r["answer_nll"] for r in rs]
+        lo, hi = lc.wilson_interval(float(sum(s)), len(s))
+        m, nlo, nhi = lc.mean_interval(nll)
+        return dict(samples=len(rs), accuracy=float(np.mean(s)), accuracy_ci=[lo, hi],
+                    answer_nll=m, answer_nll_ci=[nlo, nhi])
+
+    per_task, cells, per_length = {}, [], {}
+    for t in tasks:
+        rs = [r for r in records if r["task"] == t]
+        if rs:
+            per_task[t] = stats(rs)
+        for n in lengths:
+            for d in depths:
+                c = [r for r in rs if r["length"] == n and r["depth"] == d]
+                if not c:
+                    continue
+                st = stats(c)
+                cells.append(dict(
+                    task=t, length=n, depth=d, samples=st["samples"],
+                    accuracy=st["accuracy"], accuracy_low=st["accuracy_ci"][0],
+                    accuracy_high=st["accuracy_ci"][1], answer_nll=st["answer_nll"],
+                    answer_nll_low=st["answer_nll_ci"][0],
+                    answer_nll_high=st["answer_nll_ci"][1],
+                    kv_bytes_theory=c[0]["kv_bytes_theory"],
+                    kv_bytes_allocated=c[0]["kv_bytes_allocated"],
+                    prefill_seconds=float(np.median([r["prefill_seconds"] for r in c])),
+                    decode_seconds=float(np.median([r["decode_seconds"] for r in c])),
+                    beyond_context=bool(context and n > context)))
+    for n in lengths:
+        rs = [r for r in records if r["length"] == n]
+        if rs:
+            per_length[str(n)] = dict(
+                samples=len(rs), accuracy=float(np.mean([r["score"] for r in rs])),
+                kv_bytes_theory=rs[0]["kv_bytes_theory"],
+                kv_bytes_allocated=rs[0]["kv_bytes_allocated"],
+                seconds_per_sample=float(np.median(
+                    [r["prefill_seconds"] + r["decode_seconds"] for r in rs])),
+                beyond_context=bool(context and n > context))
+    accs = [v["accuracy"] for v in per_task.values()]
+    nlls = [v["answer_nll"] for v in per_task.values()]
+    scores = [r["score"] for r in records]
+    return dict(mean_accuracy=float(np.mean(accs)) if accs else None,
+                mean_accuracy_ci=list(lc.wilson_interval(float(sum(scores)), len(scores)))
+                if scores else None,
+                mean_answer_nll=float(np.mean(nlls)) if nlls else None,
+                tasks=per_task, cells=cells, lengths=per_length)
+
+
+def write_csv(path: pathlib.Path, cells: list) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CELL_FIELDS)
+        w.writeheader()
+        for c in cells:
+            w.writerow(c)
+
+
+def plot_heatmaps(cells: list, out_dir: pathlib.Path, title: str) -> list:
+    """One length x depth accuracy heat map per task (the needle-in-a-haystack picture);
+    returns the paths written."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    paths = []
+    for t in sorted({c["task"] for c in cells}, key=list(lc.TASKS).index):
+        cs = [c for c in cells if c["task"] == t]
+        lengths = sorted({c["length"] for c in cs})
+        depths = sorted({c["depth"] for c in cs})
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        for c in cs:
+            grid[depths.index(c["depth"]), lengths.index(c["length"])] = c["accuracy"]
+        fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(lengths), 1.2 + 0.45 * len(depths)))
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_xlabel("length (tokens)")
+        ax.set_ylabel("needle depth")
+        for i in range(len(depths)):
+            for j in range(len(lengths)):
+                if not np.isnan(grid[i, j]):
+                    ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_title(f"{t}: {title}", fontsize=8)
+        fig.colorbar(im, ax=ax, label="accuracy")
+        fig.tight_layout()
+        p = out_dir / f"heatmap_{t}.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def common_cells(results: list) -> set:
+    """(task, length, depth) cells scored in every one of ``results``."""
+    sets = [{(c["task"], c["length"], c["depth"]) for c in r["cells"]} for r in results]
+    return set.intersection(*sets) if sets else set()
+
+
+def shared_accuracy(result: dict, cells: set) -> tuple:
+    """(accuracy, Wilson low, high, samples) of ``result`` over ``cells`` only."""
+    cs = [c for c in result["cells"] if (c["task"], c["length"], c["depth"]) in cells]
+    n = sum(c["samples"] for c in cs)
+    k = sum(c["accuracy"] * c["samples"] for c in cs)
+    lo, hi = lc.wilson_interval(k, n)
+    return k / n, lo, hi, n
+
+
+def plot_pareto(results: list, path: pathlib.Path) -> None:
+    """Accuracy against KV bytes per sequence (left) beside perplexity against KV bytes
+    (right), one point per run (``results``: longeval.json contents, each with an
+    optional ``ppl`` entry). Accuracy is over the cells every run scored
+    (:func:`common_cells`), its bytes the theory at their longest length; perplexity's
+    bytes are at its own context."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    cells = common_cells(results)
+    longest = max(n for _, n, _ in cells)
+    label = lambda r: r["variant"].split(" ", 1)[-1].replace(" rope=absolute", "")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for r in results:
+        x = r["lengths"][str(longest)]["kv_bytes_theory"]
+        acc, lo, hi, _ = shared_accuracy(r, cells)
+        a.errorbar([x], [acc], yerr=[[acc - lo], [hi - acc]], fmt="o", capsize=3)
+        a.annotate(label(r), (x, acc), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        if r.get("ppl"):
+            px = r["ppl"]["kv_bytes_theory"]
+            b.plot([px], [r["ppl"]["ppl"]], "o")
+            b.annotate(label(r), (px, r["ppl"]["ppl"]), fontsize=7, xytext=(4, 4),
+                       textcoords="offset points")
+    for ax in (a, b):
+        ax.set_xscale("log")
+        lo, hi = ax.get_xlim()
+        ax.set_xlim(lo / 1.5, hi * 4)  # room for the labels right of the points
+    a.set_xlabel(f"KV bytes per sequence at L={longest:,} (theory)")
+    a.set_ylabel("long-context accuracy")
+    a.set_ylim(-0.05, 1.05)
+    b.set_xlabel("KV bytes per sequence at the perplexity context (theory)")
+    b.set_ylabel("perplexity")
+    a.set_title(f"accuracy on {len(cells)} shared cells (Wilson 95%)", fontsize=9)
+    b.set_title("perplexity", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def compare(paths: list, ppl_paths: list, out_dir: pathlib.Path) -> int:
+    """--compare: reads the runs (and, from ``ppl_paths``, experiments.ppl JSON files in
+    the same order, for runs made without --ppl), prints and plots them."""
+    results = []
+    try:
+        if ppl_paths and len(ppl_paths) != len(paths):
+            raise ValueError(f"--compare_ppl has {len(ppl_paths)} files; allowed: one per "
+                             f"--compare file ({len(paths)}), or none")
+        for i, p in enumerate(paths):
+            r = json.loads(pathlib.Path(p).read_text())
+            if ppl_paths and ppl_paths[i] not in ("", "-"):
+                q = json.loads(pathlib.Path(ppl_paths[i]).read_text())
+                r["ppl"] = dict(q, kv_bytes_theory=q["kv_bytes_per_token"] * min(
+                    q["context"], q.get("kv_cache_slots") or q["context"]))
+            results.append(r)
+        cells = common_cells(results)
+        if not cells:
+            raise ValueError("the runs share no task x length x depth cell")
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: --compare: {e}", file=sys.stderr)
+        return cli.USAGE_EXIT
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot_pareto(results, out_dir / "pareto.png")
+    for r in results:
+        acc, lo, hi, n = shared_accuracy(r, cells)
+        ppl = (r.get("ppl") or {}).get("ppl", float("nan"))
+        print(f"{r['variant']:<50} accuracy {acc:.3f} [{lo:.2f}, {hi:.2f}] over {n} samples "
+              f"of {len(cells)} shared cells; perplexity {ppl:.4f}")
+    print(f"wrote {out_dir / 'pareto.png'}")
+    return 0
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise cli.UsageError(f"unexpected arguments: {argv[1:]}")
+    out_dir = pathlib.Path(_OUT.value)
+    if _COMPARE.value:
+        return compare(_COMPARE.value, _COMPARE_PPL.value, out_dir)
+    wall = time.perf_counter()
+    try:
+        # every check that needs no weights first: config, grid, lengths, output paths,
+        # one sample of each task at each length (a length too short fails here)
+        run = run_config_from_dict(_CONFIG.value)
+        if _FULL.value:
+            grid = (_TASKS.value, [str(n) for n in FULL_LENGTHS],
+                    [str(d) for d in FULL_DEPTHS], FULL_SAMPLES)
+        else:
+            grid = (_TASKS.value, _LENGTHS.value, _DEPTHS.value, _SAMPLES.value)
+        tasks, lengths, depths, samples = parse_grid(*grid)
+        context = trained_context(run)
+        check_lengths(lengths, run.max_seq_len if _given("config.max_seq_len") else None,
+                      context, _BEYOND.value)
+        ecfg = evaluate.eval_config_from_dict(_EVAL.value) if _PPL.value else None
+        cli.check_output_dir(str(out_dir), "out_dir")
+        cli.check_output_file(_JSON_OUT.value, "json_out")
+        path = run.weights_path or checkpoints.weights_path(run.cache_dir)
+        tokenizer = (checkpoints.load_tokenizer(path) if run.weights != "hf"
+                     else runner.hf.load_hf_tokenizer(path))
+        for t in tasks:
+            for n in lengths:
+                lc.generate_sample(t, tokenizer, n, depths[0], _SEED.value, 0, _QUERY_FIRST.value)
+        evalset = None
+        if ecfg is not None:
+            evalset = evaluate.prepare_eval(ecfg, tokenizer, run.cache_dir)
+        # the weights need no cache of max_seq_len here: each length builds its own
+        loaded = runner.load(dataclasses.replace(run, max_seq_len=min(lengths)))
+    except (ConfigError, WeightsError, data.CorpusError, ValueError, cli.UsageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return cli.USAGE_EXIT
+    if loaded.context_length and context and loaded.context_length != context:
+        print(f"error: the checkpoint states a context of {loaded.context_length}, not "
+              f"{context}", file=sys.stderr)
+        return cli.USAGE_EXIT
+    return evaluate_grid(run, loaded, tokenizer, tasks, lengths, depths, samples, context,
+                         out_dir, ecfg, evalset, wall)
+
+
+def run_samples(params, cfg, tokenizer, tasks, lengths, depths, samples: int, seed: int,
+                query_first: bool, log_path: pathlib.Path, key: str,
+                progress: bool = True) -> list:
+    """Scores every task x length x depth x sample not yet in ``log_path`` (a JSONL resume
+    log, appended one line per sample as it finishes) and returns the records of the
+    whole grid, in grid order. ``key``: the config's :func:`run_key`."""
+    from tqdm import tqdm  # noqa: PLC0415
+
+    done = read_log(log_path)
+    skey = lambda t, n, d, i: sample_key(key, t, n, d, i, seed, query_first)
+    grid = [(n, t, d, i) for n in lengths for t in tasks for d in depths
+            for i in range(samples)]
+    todo = [g for g in grid if skey(g[1], g[0], g[2], g[3]) not in done]
+    print(f"model: {key}; {len(grid)} samples, {len(grid) - len(todo)} already in {log_path}")
+    eos = tokenizer.eos_token_ids
+    resolved = {}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as log, tqdm(total=len(todo), unit="sample", dynamic_ncols=True,
+                                         disable=not progress) as bar:
+        for n, t, d, i in todo:
+            if n not in resolved:
+                resolved = {n: lc.resolve_config(cfg, n)}
+            smp = lc.generate_sample(t, tokenizer, n, d, seed, i, query_first)
+            res = lc.evaluate_sample(params, resolved[n], smp, tokenizer, eos)
+            q = res.questions[0]
+            rec = dict(key=skey(t, n, d, i), variant=key, task=t, length=n, depth=d, index=i,
+                       seed=seed, query_first=query_first, score=res.score,
+                       answer_nll=res.answer_nll, prediction=q.prediction,
+                       references=list(smp.questions[0].references),
+                       prompt_tokens=smp.prompt_len, needle_positions=smp.needle_positions,
+                       kv_bytes_theory=res.kv_bytes_theory,
+                       kv_bytes_allocated=res.kv_bytes_allocated,
+                       cache_slots=res.cache_slots, prefill_seconds=res.prefill_seconds,
+                       decode_seconds=res.decode_seconds)
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            done[rec["key"]] = rec
+            bar.set_postfix_str(f"{t} L={n} d={d:g} score={res.score:.2f}")
+            bar.update()
+    return [done[skey(t, n, d, i)] for n, t, d, i in grid]
+
+
+def evaluate_grid(run, loaded, tokenizer, tasks, lengths, depths, samples, context,
+                  out_dir, ecfg, evalset, wall) -> int:
+    cfg, params = loaded.cfg, loaded.params
+    key = run_key(cfg)
+    print(f"trained context: {context or 'unknown'}")
+    records = run_samples(params, cfg, tokenizer, tasks, lengths, depths, samples,
+                          _SEED.value, _QUERY_FIRST.value, out_dir / "samples.jsonl", key)
+    out = summarize(records, tasks, lengths, depths, context)
+    out.update(model=cfg.name, variant=key, trained_context=context,
+               query_first=_QUERY_FIRST.value, seed=_SEED.value, depths=depths,
+               kv_bytes_per_token=theory.kv_bytes_per_token(cfg),
+               wall_seconds=time.perf_counter() - wall,
+               metric={t: f"string_match_{lc.TASKS[t].metric}" for t in tasks})
+    if ecfg is not None:
+        res = evaluate.perplexity(params, cfg, evalset.windows, ecfg,
+                                  evalset.corpus.byte_lengths,
+                                  separator_id=evalset.corpus.separator_id)
+        out["ppl"] = dict(res.as_json(), context=ecfg.context,
+                          kv_bytes_theory=theory.kv_cache_bytes(cfg, ecfg.context))
+    print(f"{'task':<16}{'accuracy':>10}  {'95% CI':<15}{'answer NLL':>11}  samples")
+    for t, v in out["tasks"].items():
+        print(f"{t:<16}{v['accuracy']:>10.3f}  [{v['accuracy_ci'][0]:.2f}, "
+              f"{v['accuracy_ci'][1]:.2f}]   {v['answer_nll']:>9.3f}  {v['samples']}")
+    print(f"mean accuracy {out['mean_accuracy']:.3f}, mean answer NLL "
+          f"{out['mean_answer_nll']:.3f} nats/token")
+    for n, v in out["lengths"].items():
+        print(f"L={int(n):,}: accuracy {v['accuracy']:.3f}, KV {v['kv_bytes_theory']:,} B "
+              f"theory / {v['kv_bytes_allocated']:,} B allocated, "
+              f"{v['seconds_per_sample']:.2f} s per sample (median)")
+    if "ppl" in out:
+        print(f"perplexity {out['ppl']['ppl']:.4f} at context {ecfg.context}")
+    print(f"wall time {out['wall_seconds']:.0f} s")
+    cli.write_json(str(out_dir / "longeval.json"), out)
+    if _JSON_OUT.value:
+        cli.write_json(_JSON_OUT.value, out)
+    write_csv(out_dir / "longeval.csv", out["cells"])
+    plot_heatmaps(out["cells"], out_dir, key)
+    print(f"wrote {out_dir}/longeval.json, longeval.csv, heatmap_*.png"
+          + (f", {_JSON_OUT.value}" if _JSON_OUT.value else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,271 @@
+"""Long-context tasks (kvjax.training.longcontext) and experiments.longeval: exact
+lengths, needle depths, scoring, the answer NLL against a direct forward, the protocol
+end to end on a tiny random model, and the refusals."""
+
+import json
+import math
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from kvjax.checkpoints.tokenizer import Tokenizer
+from kvjax.models import model
+from kvjax.training import longcontext as lc
+from tests.conftest import import_entry_point, tiny_config
+
+CORPUS = [lc.NOISE] * 4 + ["0123456789 VAR = JSON key value", lc.PASSKEY_INTRO, lc.NIAH_INTRO,
+                           " ".join(lc.word_list("noun")), " ".join(lc.word_list("adjective")),
+                           "What are all the special magic numbers for mentioned in the "
+                           "provided text? The special magic numbers for are"] * 2
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """A byte-level BPE trained here (every text encodes), SmolLM2's special ids 0-2."""
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=3000, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return Tokenizer(hf, 1, 2, special_token_ids=(0, 1, 2), eos_token_ids=(0, 2))
+
+
+@pytest.fixture(scope="module")
+def tiny(tok):
+    cfg = tiny_config(vocab_size=tok.vocab_size, tie_embeddings=False, num_layers=1)
+    params = model.params_for(cfg, model.init_params(cfg.replace(scan_layers=True), 0))
+    return params, cfg
+
+
+def find(seq, sub):
+    """Start indices of ``sub`` in ``seq``."""
+    n = len(sub)
+    return [i for i in range(len(seq) - n + 1) if seq[i:i + n] == sub]
+
+
+LENGTH = {"cwe": 1400, "fwe": 1400, "kv_retrieval": 1400, "niah_multiquery": 1000,
+          "niah_multivalue": 1000}
+
+
+@pytest.mark.parametrize("task", list(lc.TASKS))
+@pytest.mark.parametrize("query_first", [False, True])
+def test_exact_length_and_seeded(tok, task, query_first):
+    n = LENGTH.get(task, 900)
+    a = lc.generate_sample(task, tok, n, 0.3, seed=5, query_first=query_first)
+    assert len(a.context_ids) == n - lc.RESERVE  # whatever the task: one prefill program
+    assert len(a.questions[0].ids) <= lc.QUESTION_ROOM
+    assert len(a.questions[0].answer_ids) <= a.max_new_tokens
+    b = lc.generate_sample(task, tok, n, 0.3, seed=5, query_first=query_first)
+    c = lc.generate_sample(task, tok, n, 0.3, seed=6, query_first=query_first)
+    assert a.context_ids == b.context_ids and a.questions[0].ids == b.questions[0].ids
+    assert a.context_ids != c.context_ids
+    if query_first:  # the question comes first too
+        assert tok.decode(a.context_ids).startswith(a.questions[0].plain)
+    refs = a.questions[0].references
+    text = tok.decode(a.context_ids)
+    assert refs and all(r in text for r in refs)  # every answer is in the context
+
+
+@pytest.mark.parametrize("task,needle", [
+    ("passkey", "The pass key is {0}. Remember it. {0} is the pass key."),
+    ("niah_single", None), ("copy", None)])
+@pytest.mark.parametrize("depth", [0.0, 0.37, 1.0])
+def test_needle_at_the_requested_depth(tok, task, needle, depth):
+    s = lc.generate_sample(task, tok, 900, depth, seed=1)
+    q = s.questions[0]
+    intro = {"passkey": lc.PASSKEY_INTRO, "niah_single": lc.NIAH_INTRO,
+             "copy": lc.COPY_INTRO}[task]
+    if task == "niah_single":
+        key = q.plain.split(" for ")[1].split(" mentioned")[0]
+        needle = f"One of the special magic numbers for {key} is: {q.references[0]}."
+    elif task == "copy":
+        needle = "Here is a list of words to copy: " + " ".join(
+            q.text.split(": ")[1].split(" ") + list(q.references)) + "."
+    else:
+        needle = needle.format(q.references[0])
+    ids = tok.encode(" " + needle)
+    assert find(s.context_ids, ids) == s.needle_positions  # exactly once, where it says
+    pre = len(tok.encode(intro))
+    filler = len(s.context_ids) - pre - len(ids)
+    assert s.needle_positions[0] - pre == round(depth * filler)
+    # the answer's text is in the context exactly once (passkey: its needle says it twice)
+    text = tok.decode(s.context_ids)
+    assert text.count(q.references[0]) == (2 if task == "passkey" else 1)
+
+
+def test_distractors_and_kv_depth(tok):
+    s = lc.generate_sample("niah_multikey", tok, 1000, 0.5, seed=2)
+    text = tok.decode(s.context_ids)
+    assert text.count("One of the special magic numbers for") == lc.NEEDLES
+    assert text.count(s.questions[0].references[0]) == 1
+    for depth in (0.0, 0.5, 1.0):
+        s = lc.generate_sample("kv_retrieval", tok, 1400, depth, seed=3)
+        key = s.questions[0].plain.split('"')[1]
+        text = tok.decode(s.context_ids)
+        assert text.count(key) == 1 and text.count(s.questions[0].references[0]) == 1
+        body = tok.decode(s.context_ids[:s.needle_positions[0]])
+        n = text.count('": "')
+        assert abs(body.count('": "') - depth * (n - 1)) <= 0.5  # the pair nearest depth
+
+
+def test_aggregation_references_are_the_most_frequent(tok):
+    s = lc.generate_sample("cwe", tok, 1400, 0.5, seed=4)
+    words = [line.split(". ", 1)[1] for line in tok.decode(s.context_ids).split("\n")
+             if ". " in line and line.split(". ")[0].isdigit()]
+    counts = {w: words.count(w) for w in set(words)}
+    top = sorted(counts, key=lambda w: -counts[w])[:lc.CWE_WORDS]
+    assert set(top) == set(s.questions[0].references)
+    assert min(counts[w] for w in top) > max(
+        (c for w, c in counts.items() if w not in top), default=0)
+    s = lc.generate_sample("fwe", tok, 1400, 0.5, seed=4)
+    body = tok.decode(s.context_ids).split("coded words.")[1].split()
+    counts = {w: body.count(w) for w in set(body)}
+    top = sorted(counts, key=lambda w: -counts[w])
+    assert list(s.questions[0].references) == top[:lc.FWE_WORDS]
+
+
+def test_scoring_hand_made_cases():
+    assert lc.string_match_all("The pass key is 12345.", ["12345"]) == 1.0
+    assert lc.string_match_all("1234", ["12345"]) == 0.0
+    assert lc.string_match_all("ALPHA, gamma", ["alpha", "beta", "Gamma", "delta"]) == 0.5
+    assert lc.string_match_part("ALPHA, gamma", ["beta", "gamma"]) == 1.0
+    assert lc.string_match_part("none", ["beta", "gamma"]) == 0.0
+    with pytest.raises(ValueError, match="no reference"):
+        lc.string_match_all("x", [])
+
+
+def test_wilson_and_t_intervals():
+    # Wilson (1927) at 95%: 5 of 10 -> [0.2366, 0.7634]; 0 of 10 -> [0, 0.2775]
+    lo, hi = lc.wilson_interval(5, 10)
+    assert (round(lo, 4), round(hi, 4)) == (0.2366, 0.7634)
+    lo, hi = lc.wilson_interval(0, 10)
+    assert lo == 0.0 and round(hi, 4) == 0.2775
+    m, lo, hi = lc.mean_interval([1.0, 2.0, 3.0])  # t(0.975, 2) = 4.3027, sd 1
+    assert m == 2.0 and hi - m == pytest.approx(4.302653 / math.sqrt(3), rel=1e-5)
+    with pytest.raises(ValueError, match="n=0"):
+        lc.wilson_interval(0, 0)
+
+
+def test_refusals_name_the_value(tok):
+    with pytest.raises(lc.TaskError, match="unknown task 'needle'"):
+        lc.check_task_args(["needle"], [1024], [0.5], 1)
+    with pytest.raises(lc.TaskError, match="samples=0"):
+        lc.check_task_args(["passkey"], [1024], [0.5], 0)
+    with pytest.raises(lc.TaskError, match="depth 1.5"):
+        lc.check_task_args(["passkey"], [1024], [1.5], 1)
+    with pytest.raises(lc.TaskError, match="length=50 is too short for task 'passkey'"):
+        lc.generate_sample("passkey", tok, 50, 0.5)
+    le = import_entry_point("longeval")
+    with pytest.raises(lc.TaskError, match="length 9000 exceeds the checkpoint's trained"):
+        le.check_lengths([1024, 9000], None, 8192, beyond=False)
+    le.check_lengths([9000], None, 8192, beyond=True)
+    with pytest.raises(lc.TaskError, match="length 2048 exceeds --config.max_seq_len=1024"):
+        le.check_lengths([2048], 1024, 8192, beyond=True)
+    with pytest.raises(lc.TaskError, match="--depths=a"):
+        le.parse_grid(["passkey"], ["1024"], ["a"], 1)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tasks=passkey,needle"], "unknown task 'needle'"),
+    (["--samples=0"], "samples=0"),
+    (["--depths=0.5,-0.1"], "depth -0.1"),
+    (["--lengths=9000"], "length 9000 exceeds the checkpoint's trained context"),
+    (["--lengths=2048", "--config.max_seq_len=1024"], "exceeds --config.max_seq_len=1024"),
+])
+def test_entry_point_refuses_before_any_work(tmp_path, args, message):
+    proc = subprocess.run([sys.executable, "-m", "experiments.longeval",
+                           "--config=configs/gqa.py", f"--out_dir={tmp_path}/out", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert not (tmp_path / "out").exists()  # nothing was written
+
+
+def _direct_answer(params, cfg, s):
+    """Greedy first token and answer NLL by one cache-free forward of the whole text."""
+    q = s.questions[0]
+    ids = s.context_ids + q.ids + q.answer_ids
+    t = len(ids)
+    logits, _ = model.forward(params, cfg, jnp.asarray([ids], jnp.int32),
+                              jnp.arange(t, dtype=jnp.int32)[None])
+    lp = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), -1), np.float64)
+    start = len(s.context_ids) + len(q.ids)
+    nll = -np.mean([lp[start - 1 + i, a] for i, a in enumerate(q.answer_ids)])
+    return int(np.argmax(lp[start - 1])), nll
+
+
+def test_answer_nll_and_greedy_match_a_direct_forward(tok, tiny):
+    params, cfg = tiny
+    s = lc.generate_sample("niah_single", tok, 600, 0.5, seed=0)
+    r = lc.evaluate_sample(params, cfg, s, tok, tok.eos_token_ids)
+    first, nll = _direct_answer(params, cfg, s)
+    assert r.answer_nll == pytest.approx(nll, abs=1e-4)
+    gen = r.questions[0].generated_ids
+    assert gen[0] == first or (not gen and first in tok.eos_token_ids)
+    assert r.questions[0].answer_tokens == len(s.questions[0].answer_ids)
+    assert r.kv_bytes_allocated == r.kv_bytes_theory  # a dense cache of `length` slots
+    assert r.cache_slots == 600
+
+
+def test_a_window_that_keeps_every_token_scores_as_the_full_cache(tok, tiny):
+    params, cfg = tiny
+    s = lc.generate_sample("passkey", tok, 600, 0.2, seed=3)
+    full = lc.evaluate_sample(params, cfg, s, tok, tok.eos_token_ids)
+    win = lc.evaluate_sample(params, cfg.replace(window_size=600, num_sink_tokens=4), s, tok,
+                             tok.eos_token_ids)
+    assert win.questions[0].generated_ids == full.questions[0].generated_ids
+    assert win.answer_nll == pytest.approx(full.answer_nll, abs=1e-5)
+    assert win.score == full.score
+    small = lc.evaluate_sample(params, cfg.replace(window_size=64), s, tok, tok.eos_token_ids)
+    assert small.answer_nll != pytest.approx(full.answer_nll, abs=1e-3)  # it does evict
+    assert small.kv_bytes_allocated * 600 == full.kv_bytes_allocated * 64
+
+
+def test_several_questions_on_one_prefill_equal_separate_runs(tok, tiny):
+    params, cfg = tiny
+    a = lc.generate_sample("passkey", tok, 600, 0.5, seed=7)
+    b = lc.generate_sample("passkey", tok, 600, 0.5, seed=8)
+    both = lc.Sample(**{**a.__dict__, "questions": [a.questions[0], b.questions[0]]})
+    r = lc.evaluate_sample(params, cfg, both, tok, tok.eos_token_ids)
+    sb = lc.Sample(**{**a.__dict__, "questions": [b.questions[0]]})
+    rb = lc.evaluate_sample(params, cfg, sb, tok, tok.eos_token_ids)
+    assert r.questions[1].answer_nll == pytest.approx(rb.answer_nll, abs=1e-6)
+    assert r.questions[1].generated_ids == rb.questions[0].generated_ids
+
+
+def test_tiny_model_end_to_end_and_resume(tok, tiny, tmp_path, capsys):
+    params, cfg = tiny
+    le = import_entry_point("longeval")
+    log = tmp_path / "samples.jsonl"
+    args = (params, cfg, tok, ["passkey", "copy"], [600], [0.0, 1.0], 2, 0, False, log, "k")
+    recs = le.run_samples(*args, progress=False)
+    assert len(recs) == 8 and len(log.read_text().splitlines()) == 8
+    again = le.run_samples(*args, progress=False)  # resumed: nothing recomputed
+    assert len(log.read_text().splitlines()) == 8 and again == recs
+    out = le.summarize(recs, ["passkey", "copy"], [600], [0.0, 1.0], context=None)
+    for t in ("passkey", "copy"):
+        v = out["tasks"][t]
+        assert v["samples"] == 4 and 0.0 <= v["accuracy"] <= 1.0
+        assert v["answer_nll"] == pytest.approx(
+            np.mean([r["answer_nll"] for r in recs if r["task"] == t]))
+        assert v["accuracy_ci"][0] <= v["accuracy"] <= v["accuracy_ci"][1]
+    assert out["mean_accuracy"] == pytest.approx(
+        np.mean([out["tasks"][t]["accuracy"] for t in ("passkey", "copy")]))
+    assert len(out["cells"]) == 4 and out["cells"][0]["kv_bytes_allocated"] > 0
+    le.write_csv(tmp_path / "c.csv", out["cells"])
+    assert len((tmp_path / "c.csv").read_text().splitlines()) == 5
+    assert [p.name for p in le.plot_heatmaps(out["cells"], tmp_path, "tiny")] == [
+        "heatmap_passkey.png", "heatmap_copy.png"]
+    json.dumps(out)  # JSON-ready
+    cells = le.common_cells([out, dict(out, cells=out["cells"][:1])])
+    assert cells == {("passkey", 600, 0.0)}
+    acc, lo, hi, n = le.shared_accuracy(out, cells)
+    assert n == 2 and acc == pytest.approx(np.mean(
+        [r["score"] for r in recs if r["task"] == "passkey" and r["depth"] == 0.0]))
