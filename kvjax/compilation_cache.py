@@ -15,6 +15,7 @@ points it at a temporary folder, so tests never write to the user's cache).
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 
@@ -62,7 +63,15 @@ def enable(path: str | os.PathLike | None = None, on: bool = True) -> pathlib.Pa
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     jax.config.update("jax_enable_compilation_cache", folder is not None)
-    cc.reset_cache()  # whatever was initialised before takes the new setting
+    # whatever was initialised before takes the new setting; JAX logs the reset at INFO,
+    # which absl's handler would print above an entry point's one-line error
+    log = logging.getLogger("jax._src.compilation_cache")
+    level = log.level
+    log.setLevel(max(level, logging.WARNING))
+    try:
+        cc.reset_cache()
+    finally:
+        log.setLevel(level)
     _state["dir"] = folder
     return folder
 
