@@ -42,7 +42,10 @@ def test_load_decode_and_costs_as_data(folder):
         ("generate loop", 32), ("decode step", 32), ("decode step", 64)]
     assert rows[3]["program"] == result.costs.report.long_context.baseline_name  # MHA
     for r in rows[:4]:
-        assert r["theory_bytes"] > 0 and r["compiled_bytes"] > 0 and r["measured_s"] > 0
+        # a per-token time is the difference of two loop lengths' times: on a tiny model
+        # the noise of a shared host can make it negative, so only its presence is held
+        assert r["theory_bytes"] > 0 and r["compiled_bytes"] > 0
+        assert np.isfinite(r["measured_s"])
         assert r["compiled_over_theory"] == pytest.approx(r["compiled_bytes"] / r["theory_bytes"])
     share = result.costs.kv_share
     assert set(share) == {32, 64} and share[64] > share[32]
