@@ -6,9 +6,11 @@ override such as ``--config.model.num_kv_heads=4`` fails before any work with a 
 naming the field, the value and what is allowed.
 """
 
+import dataclasses
+
 from ml_collections import config_dict
 
-from kvjax import presets
+from kvjax import compression, presets
 
 # SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0): kvjax.presets.smollm2_135m, the one
 # place its sizes are written.
@@ -61,6 +63,14 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     # Where a window's keys live: 'ring' (W slots) or 'dense' (max_seq_len slots, the
     # window a mask over them; only the 'native' decode attention then reads W of them).
     m.window_cache = "ring"
+    # Lever 5, fewer tokens by score (kvjax.compression): a method ('snapkv', 'h2o',
+    # 'tova', 'key_norm', 'streaming_llm') scores the prompt's slots after its prefill and
+    # each KV head keeps its kv_budget best; None = no compression. Its knobs:
+    # model.compression.* (kvjax.compression.CompressionConfig).
+    m.kv_compression = config_dict.placeholder(str)
+    m.kv_budget = config_dict.placeholder(int)
+    m.compression = config_dict.ConfigDict(
+        dataclasses.asdict(compression.CompressionConfig()))
     # MLA sizes (lever 2), used when attention='mla'.
     m.kv_lora_rank = config_dict.placeholder(int)
     m.qk_rope_head_dim = config_dict.placeholder(int)

@@ -9,6 +9,8 @@ variable tracking, word extraction, key-value retrieval and copying, generated o
         --config.model.num_sink_tokens=4 --tasks=niah_single --lengths=4096 --ppl \
         --eval.context=4096 --eval.num_tokens=8192 --out_dir=results/longeval/w512
     python -m experiments.longeval --config=configs/gqa.py --config.model.kv_dtype=int8
+    python -m experiments.longeval --config=configs/gqa.py --config.model.kv_compression=snapkv \
+        --config.model.kv_budget=512 --tasks=niah_single --lengths=4096 --protocol=question
     python -m experiments.longeval --compare=results/longeval/full/longeval.json,results/longeval/w512/longeval.json
     python -m experiments.longeval --full_grid             # 1K-8K x depths 0-1 by 0.1 x 10 samples
 
@@ -79,6 +81,11 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated samples.")
 _FULL = flags.DEFINE_bool(
     "full_grid", False, f"Lengths {FULL_LENGTHS}, depths 0-1 by 0.1, {FULL_SAMPLES} samples "
     "each (hours on a CPU); replaces --lengths/--depths/--samples.")
+_PROTOCOL = flags.DEFINE_enum(
+    "protocol", "context", list(lc.PROTOCOLS),
+    "When a compressed cache (--config.model.kv_compression) sees the question: 'context' "
+    "(compress the context once, then ask) or 'question' (prefill the context and the "
+    "question, compress, answer).")
 _QUERY_FIRST = flags.DEFINE_bool("query_first", False,
                                  "Also put the question before the context (query-aware).")
 _BEYOND = flags.DEFINE_bool(
@@ -392,6 +399,11 @@ def main(argv):
         check_lengths(lengths, run.max_seq_len if _given("config.max_seq_len") else None,
                       context, _BEYOND.value)
         ecfg = evaluate.eval_config_from_dict(_EVAL.value) if _PPL.value else None
+        if ecfg is not None and run.model.kv_compression is not None:
+            raise cli.UsageError(
+                f"--ppl with --config.model.kv_compression={run.model.kv_compression}; "
+                "allowed: no --ppl (perplexity over chunked windows is not defined for a "
+                "cache compressed after its prompt; the answer NLL is reported)")
         cli.check_output_dir(str(out_dir), "out_dir")
         cli.check_output_file(_JSON_OUT.value, "json_out")
         path = run.weights_path or checkpoints.weights_path(run.cache_dir)
@@ -418,7 +430,7 @@ def main(argv):
 
 def run_samples(params, cfg, tokenizer, tasks, lengths, depths, samples: int, seed: int,
                 query_first: bool, log_path: pathlib.Path, key: str,
-                progress: bool = True) -> list:
+                progress: bool = True, protocol: str = "context") -> list:
     """Scores every task x length x depth x sample not yet in ``log_path`` (a JSONL resume
     log, appended one line per sample as it finishes) and returns the records of the
     whole grid, in grid order. ``key``: the config's :func:`run_key`."""
@@ -439,7 +451,8 @@ def run_samples(params, cfg, tokenizer, tasks, lengths, depths, samples: int, se
             if n not in resolved:
                 resolved = {n: lc.resolve_config(cfg, n)}
             smp = lc.generate_sample(t, tokenizer, n, d, seed, i, query_first)
-            res = lc.evaluate_sample(params, resolved[n], smp, tokenizer, eos)
+            res = lc.evaluate_sample(params, resolved[n], smp, tokenizer, eos,
+                                     protocol=protocol)
             q = res.questions[0]
             rec = dict(key=skey(t, n, d, i), variant=key, task=t, length=n, depth=d, index=i,
                        seed=seed, query_first=query_first, score=res.score,
@@ -461,13 +474,17 @@ def run_samples(params, cfg, tokenizer, tasks, lengths, depths, samples: int, se
 def evaluate_grid(run, loaded, tokenizer, tasks, lengths, depths, samples, context,
                   out_dir, ecfg, evalset, wall) -> int:
     cfg, params = loaded.cfg, loaded.params
-    key = run_key(cfg)
+    key = run_key(cfg) + ("" if _PROTOCOL.value == "context" else
+                          f" protocol={_PROTOCOL.value}")
     print(f"trained context: {context or 'unknown'}")
     records = run_samples(params, cfg, tokenizer, tasks, lengths, depths, samples,
-                          _SEED.value, _QUERY_FIRST.value, out_dir / "samples.jsonl", key)
+                          _SEED.value, _QUERY_FIRST.value, out_dir / "samples.jsonl", key,
+                          protocol=_PROTOCOL.value)
     out = summarize(records, tasks, lengths, depths, context)
     out.update(model=cfg.name, variant=key, trained_context=context,
                query_first=_QUERY_FIRST.value, seed=_SEED.value, depths=depths,
+               protocol=_PROTOCOL.value, kv_compression=cfg.kv_compression,
+               kv_budget=cfg.kv_budget,
                kv_bytes_per_token=theory.kv_bytes_per_token(cfg),
                wall_seconds=time.perf_counter() - wall,
                metric={t: f"string_match_{lc.TASKS[t].metric}" for t in tasks})

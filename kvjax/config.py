@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import backend as backend_lib
-from kvjax import kernels, rope
+from kvjax import compression, kernels, rope
 from kvjax.checkpoints import hf
 from kvjax.checkpoints.fetch import WeightsError
 from kvjax.plan import REFERENCE, Plan
@@ -94,7 +94,8 @@ MODEL_FIELD_KINDS = {
                      "num_shared_experts", "first_dense_layers", "routed_scaling_factor",
                      "norm_topk_prob", "moe_groups", "moe_topk_groups"),
     "lever": ("window_size", "layer_windows", "num_sink_tokens", "rope_positions",
-              "window_cache", "dtype", "kv_dtype"),
+              "window_cache", "dtype", "kv_dtype", "kv_compression", "kv_budget",
+              "compression"),
     "execution": ("mla_absorb", "key_layout", "value_layout", "scan_layers",
                   "prefill_impl", "prefill_block_q", "prefill_block_k", "backend",
                   "decode_attention", "weight_matmul", "plan"),
@@ -166,6 +167,16 @@ class ModelConfig:
         or 'dense' (max_seq_len slots, position p in slot p, the window a mask over them:
         the cache a draft reads in place from its target's, kvjax.inference.speculative;
         only a formulation that skips masked slots, 'native', reads just the window).
+      kv_compression: lever 5, fewer tokens by score: a method of
+        :mod:`kvjax.compression` ('snapkv', 'h2o', 'tova', 'key_norm', 'streaming_llm',
+        ...) that scores the prompt's slots after its prefill, after which each KV head
+        keeps its kv_budget best (:mod:`kvjax.cache.compress`); None: no compression.
+        MHA/GQA/MQA without a window.
+      kv_budget: slots each KV head of each layer keeps of the prompt (with
+        kv_compression; the cache then holds kv_budget + compression.recent_slots).
+      compression: the methods' own knobs (:class:`kvjax.compression.CompressionConfig`:
+        observation_window, pooling_kernel, num_sink_tokens, recent_slots,
+        recent_fraction, schedule).
       kv_lora_rank: C, MLA's latent width: the cache holds C + R values per token and
         layer (DeepSeek-V2, Liu et al. 2024, sec. 2.1).
       qk_rope_head_dim: R, MLA's decoupled rotary key width (shared by all heads).
@@ -280,6 +291,9 @@ class ModelConfig:
     num_sink_tokens: int = 0
     rope_positions: str = "absolute"
     window_cache: str = "ring"
+    kv_compression: str | None = None
+    kv_budget: int | None = None
+    compression: compression.CompressionConfig = compression.CompressionConfig()
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
     qk_nope_head_dim: int | None = None
@@ -315,6 +329,9 @@ class ModelConfig:
             object.__setattr__(self, "backend", backend_lib.current())
         if self.backend not in backend_lib.BACKENDS:
             _fail("model.backend", self.backend, f"one of {list(backend_lib.BACKENDS)}")
+        if isinstance(self.compression, Mapping):  # a config dict's sub-dict
+            object.__setattr__(self, "compression", _sub_config(
+                compression.CompressionConfig, "model.compression", self.compression))
         if self.layer_windows is not None:  # a pattern -> L entries (W or None)
             object.__setattr__(self, "layer_windows",
                                _layer_windows(self.layer_windows, self.num_layers))
@@ -389,6 +406,15 @@ class ModelConfig:
         if self.kv_dtype == "int4":
             return 0.5
         return int(np.dtype(self.cache_dtype).itemsize)
+
+    @property
+    def cache_window(self) -> int | None:
+        """Tokens the cache's ring holds (W), whatever the context: ``window_size``, or
+        with ``kv_compression`` kv_budget + compression.recent_slots; None: it grows with
+        the context."""
+        if self.kv_compression is not None:
+            return self.kv_budget + self.compression.recent_slots
+        return self.window_size
 
     @property
     def num_groups(self) -> int:
@@ -545,6 +571,7 @@ def validate_model_config(c: ModelConfig) -> None:
                                                and not c.window_size):
         _fail("model.window_cache", c.window_cache,
               f"one of {list(WINDOW_CACHES)}, 'dense' only with model.window_size")
+    _check_compression(c)
     if c.rope_positions not in ROPE_POSITIONS:
         _fail("model.rope_positions", c.rope_positions, f"one of {list(ROPE_POSITIONS)}")
     if c.rope_positions == "cache" and (not c.num_sink_tokens or c.attention == "mla"):
@@ -604,6 +631,51 @@ def validate_model_config(c: ModelConfig) -> None:
             _fail("model.qk_rope_head_dim", c.qk_rope_head_dim, "an even integer")
         if c.q_lora_rank is not None:
             _positive("model.q_lora_rank", c.q_lora_rank)
+
+
+def _check_compression(c: ModelConfig) -> None:
+    """Lever 5's fields (kv_compression, kv_budget, compression)."""
+    k = c.compression
+    if not isinstance(k, compression.CompressionConfig):
+        _fail("model.compression", k, "a mapping of kvjax.compression.CompressionConfig "
+              "fields")
+    if c.kv_compression is None:
+        if c.kv_budget is not None:
+            _fail("model.kv_budget", c.kv_budget, "None unless model.kv_compression is set")
+        return
+    if c.kv_compression not in compression.names():
+        _fail("model.kv_compression", c.kv_compression,
+              f"None or one of {list(compression.names())}")
+    if not _is_int(c.kv_budget) or c.kv_budget < 1:
+        _fail("model.kv_budget", c.kv_budget,
+              f"a positive integer with model.kv_compression={c.kv_compression!r}")
+    for f in ("observation_window", "recent_slots"):
+        if not _is_int(getattr(k, f)) or getattr(k, f) < 1:
+            _fail(f"model.compression.{f}", getattr(k, f), "an integer >= 1")
+    if not _is_int(k.pooling_kernel) or k.pooling_kernel < 1 or k.pooling_kernel % 2 == 0:
+        _fail("model.compression.pooling_kernel", k.pooling_kernel,
+              "an odd integer >= 1 (1: no pooling)")
+    if not _is_int(k.num_sink_tokens) or k.num_sink_tokens < 0:
+        _fail("model.compression.num_sink_tokens", k.num_sink_tokens, "an integer >= 0")
+    if not _is_real(k.recent_fraction) or not 0 <= k.recent_fraction < 1:
+        _fail("model.compression.recent_fraction", k.recent_fraction, "a number in [0, 1)")
+    if k.schedule not in compression.SCHEDULES:
+        _fail("model.compression.schedule", k.schedule,
+              f"one of {list(compression.SCHEDULES)} (every N decode steps and every step "
+              "are not implemented)")
+    protected = compression.get(c.kv_compression).protected(k, c.kv_budget)
+    if c.kv_budget <= protected:
+        _fail("model.kv_budget", c.kv_budget,
+              f"more than the {protected} slots {c.kv_compression!r} always keeps (its "
+              "sinks or observation window in model.compression)")
+    for f, ok in (("attention", not c.is_mla), ("window_size", c.window_size is None),
+                  ("layer_windows", c.layer_windows is None),
+                  ("num_sink_tokens", c.num_sink_tokens == 0)):
+        if not ok:
+            _fail(f"model.{f}", getattr(c, f),
+                  f"{'not mla' if f == 'attention' else 'unset'} with "
+                  f"model.kv_compression={c.kv_compression!r} (a compressed cache is a full "
+                  "MHA/GQA/MQA cache's kept slots; MLA and windows are not combined with it)")
 
 
 MIN_SAMPLING_TEMPERATURE = 2.0 ** -126
@@ -969,6 +1041,28 @@ class RunConfig:
                   "True or None when a system prompt is given (it needs the template)")
         if self.system_prompt_file is not None and not os.path.isfile(self.system_prompt_file):
             _fail("system_prompt_file", self.system_prompt_file, "a readable text file")
+        if self.model.kv_compression is not None:
+            self._check_compression()
+
+    def _check_compression(self) -> None:
+        """What lever 5 (``model.kv_compression``) does not combine with, refused by name
+        before any work."""
+        m = self.model
+        if m.kv_budget > self.max_seq_len:
+            _fail("model.kv_budget", m.kv_budget,
+                  f"at most max_seq_len={self.max_seq_len} (a budget the context cannot fill)")
+        why = f"with model.kv_compression={m.kv_compression!r}"
+        if self.page_size:
+            _fail("page_size", self.page_size, f"0 {why} (a compressed cache is dense rows)")
+        if self.prefill_chunk is not None:
+            _fail("prefill_chunk", self.prefill_chunk,
+                  f"None {why} (the prompt is scored and compressed after one prefill pass)")
+        if self.speculative.enabled:
+            _fail("speculative.drafter", self.speculative.drafter,
+                  f"'none' {why} (rolling drafts back on a compressed cache is not "
+                  "implemented)")
+        if self.mesh.size > 1:
+            _fail("mesh", self.mesh, f"one device {why} (not implemented on a mesh)")
 
     def check_fits(self, prompt_tokens: int) -> None:
         """Raises ConfigError unless the tokens the run writes fit in the cache: the

@@ -17,6 +17,7 @@ import difflib
 import inspect
 import re
 from typing import Any, Iterable, Mapping
+from kvjax import compression
 from kvjax import config as config_lib
 from kvjax.training import evaluate
 from kvjax.training import train
@@ -81,6 +82,8 @@ def _docs_for_flag(flag_name: str) -> dict[str, str]:
         docs = {k: v for k, v in attribute_docs(config_lib.RunConfig).items()
                 if k not in ("model", "sampling", "mesh", "distributed", "speculative")}
         docs.update({f"model.{k}": v for k, v in attribute_docs(config_lib.ModelConfig).items()})
+        docs.update({f"model.compression.{k}": v for k, v in
+                     attribute_docs(compression.CompressionConfig).items()})
         docs.update({f"sampling.{k}": v
                      for k, v in attribute_docs(config_lib.SamplingConfig).items()})
         docs.update({f"mesh.{k}": v for k, v in attribute_docs(config_lib.MeshConfig).items()})

@@ -31,10 +31,19 @@ def window_label(cfg: ModelConfig) -> str:
     return f"W={cfg.window_size}{sinks}"
 
 
+def compression_label(cfg: ModelConfig) -> str:
+    """'' without lever 5, else e.g. 'snapkv 512+192' (the method, its budget and the
+    ring of recent slots after it)."""
+    if cfg.kv_compression is None:
+        return ""
+    return f"{cfg.kv_compression} {cfg.kv_budget}+{cfg.compression.recent_slots}"
+
+
 def variant_name(cfg: ModelConfig, with_model: bool = True, with_dtype: bool = True) -> str:
-    """E.g. 'smollm2-135m GQA K=3 W=128+4 sinks fp32'."""
+    """E.g. 'smollm2-135m GQA K=3 W=128+4 sinks fp32', 'smollm2-135m GQA K=3 snapkv
+    512+192 fp32'."""
     parts = [cfg.name] if with_model else []
-    parts += [attention_label(cfg), window_label(cfg)]
+    parts += [attention_label(cfg), window_label(cfg), compression_label(cfg)]
     if with_dtype:
         parts.append(DTYPE_SHORT.get(cfg.dtype, cfg.dtype))
     return " ".join(p for p in parts if p)

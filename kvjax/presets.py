@@ -188,6 +188,8 @@ def architecture(preset: ModelConfig | Callable[..., ModelConfig], **overrides: 
     cfg = preset if isinstance(preset, ModelConfig) else preset()
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)
               if f.name not in _RUN_FIELDS}
+    fields = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+              for k, v in fields.items()}  # model.compression: a mapping
     fields.update(overrides)
     return fields
 

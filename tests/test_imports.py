@@ -21,14 +21,14 @@ MAX_LOCAL_KVJAX_IMPORTS = 5
 # Lowest first; a module belongs to the layer of its longest matching prefix.
 LAYERS = (
     ("base", ("kvjax", "kvjax.backend", "kvjax.kernels", "kvjax.ops", "kvjax.plan", "kvjax.rope",
-              "kvjax.compilation_cache",
+              "kvjax.compilation_cache", "kvjax.compression",
               "kvjax.native",
               "kvjax.checkpoints", "kvjax.cache.policy", "kvjax.cache.quant",
               "kvjax.analysis.hardware", "kvjax.analysis.hlo_cost", "kvjax.analysis",
               "kvjax.inference", "kvjax.models", "kvjax.parallel", "kvjax.training")),
     ("config", ("kvjax.config", "kvjax.presets", "kvjax.naming", "kvjax.parallel.mesh",
                 "kvjax.parallel.distributed")),
-    ("cache", ("kvjax.cache", "kvjax.cache.kv", "kvjax.analysis.theory",
+    ("cache", ("kvjax.cache", "kvjax.cache.kv", "kvjax.cache.compress", "kvjax.analysis.theory",
                "kvjax.analysis.speculative", "kvjax.analysis.paging",
                "kvjax.analysis.sizing", "kvjax.parallel.capacity")),
     ("models", ("kvjax.models.layers", "kvjax.models.weight_matmul",

@@ -15,6 +15,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from kvjax.checkpoints.tokenizer import Tokenizer
+from kvjax.compression import CompressionConfig
+from kvjax.analysis import theory
 from kvjax.models import model
 from kvjax.training import longcontext as lc
 from tests.conftest import import_entry_point, tiny_config
@@ -226,6 +228,28 @@ def test_a_window_that_keeps_every_token_scores_as_the_full_cache(tok, tiny):
     small = lc.evaluate_sample(params, cfg.replace(window_size=64), s, tok, tok.eos_token_ids)
     assert small.answer_nll != pytest.approx(full.answer_nll, abs=1e-3)  # it does evict
     assert small.kv_bytes_allocated * 600 == full.kv_bytes_allocated * 64
+
+
+@pytest.mark.parametrize("protocol", lc.PROTOCOLS)
+def test_a_compressed_cache_through_the_harness(tok, tiny, protocol):
+    """Lever 5 in the harness: a budget that keeps every token scores as the full cache
+    (both protocols), a small one allocates its theory and changes the answer's NLL."""
+    params, cfg = tiny
+    knobs = CompressionConfig(observation_window=16)
+    s = lc.generate_sample("passkey", tok, 600, 0.5, seed=3)
+    full = lc.evaluate_sample(params, cfg, s, tok, tok.eos_token_ids)
+    keep = lc.evaluate_sample(params, cfg.replace(kv_compression="snapkv", kv_budget=600,
+                                                  compression=knobs), s, tok,
+                              tok.eos_token_ids, protocol=protocol)
+    assert keep.questions[0].generated_ids == full.questions[0].generated_ids
+    assert keep.answer_nll == pytest.approx(full.answer_nll, abs=1e-4)
+    small_cfg = cfg.replace(kv_compression="snapkv", kv_budget=64, compression=knobs)
+    small = lc.evaluate_sample(params, small_cfg, s, tok, tok.eos_token_ids,
+                               protocol=protocol)
+    assert small.kv_bytes_allocated == small.kv_bytes_theory == \
+        theory.kv_cache_bytes(small_cfg, 600)
+    assert small.cache_slots == 64 + knobs.recent_slots
+    assert small.answer_nll != pytest.approx(full.answer_nll, abs=1e-3)  # it does evict
 
 
 def test_several_questions_on_one_prefill_equal_separate_runs(tok, tiny):

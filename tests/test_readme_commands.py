@@ -71,6 +71,8 @@ def test_readme_line_runs(env, argv, hf_folder, tmp_path):
     hf = "--config.weights=hf" in args
     extra = [] if "--list_fields" in args else SHRINK[module] + (
         [] if hf else ["--config.weights=random"])
+    if any(a.startswith("--config.model.kv_budget") for a in args):  # within max_seq_len
+        extra.append("--config.model.kv_budget=40")
     if hf:  # the tiny folder's 2 layers, 64 trained positions, a byte-level vocabulary
         extra = [e for e in extra if "num_layers" not in e] + ["--config.chat_template=False"]
     proc = subprocess.run([sys.executable, "-m", f"experiments.{module}", *args, *extra],

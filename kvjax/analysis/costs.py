@@ -31,6 +31,7 @@ import numpy as np
 
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
+from kvjax.cache import compress as compress_lib
 from kvjax import planner
 from kvjax.analysis import hlo_cost, roofline, theory
 from kvjax.inference import decode, memory
@@ -107,6 +108,7 @@ class StepCost:
             "window": c.window_size, "window_size": c.window_size,
             "layer_windows": None if c.layer_windows is None else list(c.layer_windows),
             "num_sink_tokens": c.num_sink_tokens,
+            "kv_compression": c.kv_compression, "kv_budget": c.kv_budget,
             "mla_absorb": c.mla_absorb if c.is_mla else None,
             "scan_layers": c.scan_layers,
             "kv_layout": None if c.is_mla else
@@ -185,6 +187,28 @@ def compile_prefill(cfg: ModelConfig, batch: int, prompt_len: int, max_seq_len: 
     tokens = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
     return decode.prefill_program.lower(params, tokens, cache, cfg=cfg, fresh=fresh).compile(
         compiler_options=compiler_options)
+
+
+def compression_overhead(cfg: ModelConfig, prompt_len: int, batch: int = 1) -> dict:
+    """Lever 5's scoring overhead, counted by the compiler: the compiled prefill of a
+    ``prompt_len``-token prompt with ``cfg.kv_compression`` (prefill, scores, top-k,
+    gather) minus the same prefill into a full cache without it
+    (:func:`kvjax.cache.compress.prompt_config`). Once per prompt, not per step.
+
+    Returns:
+      {'flops', 'bytes'}: the difference (loop-corrected XLA figures), and
+      'prefill_flops', 'prefill_bytes' of the compressed prefill itself.
+    Raises:
+      ValueError: ``cfg`` without kv_compression.
+    """
+    if cfg.kv_compression is None:
+        raise ValueError("compression_overhead of a config without model.kv_compression")
+    opts = analysis_compiler_options()
+    plain = compress_lib.prompt_config(cfg)
+    both = [hlo_cost.loop_aware_cost(compile_prefill(c, batch, prompt_len, n, opts))
+            for c, n in ((cfg, max(prompt_len, cfg.kv_budget)), (plain, prompt_len))]
+    return {"flops": both[0].flops - both[1].flops, "bytes": both[0].bytes - both[1].bytes,
+            "prefill_flops": both[0].flops, "prefill_bytes": both[0].bytes}
 
 
 def theory_prefill_flops(cfg: ModelConfig, prompt_len: int, batch: int = 1) -> float:

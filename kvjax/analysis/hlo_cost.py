@@ -44,6 +44,7 @@ from jaxlib import _hlo
 
 _COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
 _CALLEE = re.compile(r"(?:calls|to_apply|body|condition|branch_computations|"
+                     r"called_computations|"
                      r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
 _WHILE = re.compile(r"=\s*.*\bwhile\(.*condition=%?([\w.\-]+),\s*body=%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')

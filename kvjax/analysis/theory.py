@@ -144,11 +144,13 @@ def tokens_held(cfg: ModelConfig, t: int) -> int:
     """Tokens in the cache at context ``t``: min(t, W) with a window, else t.
 
     Attention sinks live inside the window budget (first s + last W-s tokens), so they do
-    not change the count (blog "Lever 3": cache bytes are constant in t once t >= W).
+    not change the count (blog "Lever 3": cache bytes are constant in t once t >= W). A
+    compressed cache (lever 5, ``kv_compression``) holds W = kv_budget + recent_slots
+    (``ModelConfig.cache_window``): the kept slots and the ring after them.
     """
     if t < 0:
         raise ValueError(f"t={t}; allowed: an integer >= 0")
-    return t if cfg.window_size is None else min(t, cfg.window_size)
+    return t if cfg.cache_window is None else min(t, cfg.cache_window)
 
 
 def layer_tokens_held(cfg: ModelConfig, t: int) -> list:
@@ -673,7 +675,7 @@ def crossover_context(cfg: ModelConfig, weights: int | None = None,
     """
     w = weight_bytes_per_step(cfg, element_bytes) if weights is None else weights
     t_star = w / kv_bytes_per_token(cfg, element_bytes)
-    if cfg.window_size is not None and cfg.window_size < t_star:
+    if cfg.cache_window is not None and cfg.cache_window < t_star:
         return math.inf
     if cfg.layer_windows is not None:  # the smallest t where the per-layer sum reaches w
         lo, hi = 1, 1
@@ -762,7 +764,7 @@ def batch_fit(cfg: ModelConfig, t: int, memory_bytes: float, reserve_bytes: floa
     free = memory_bytes - reserve_bytes
     batch = max(0, math.floor(free / per_seq))
     per_token = kv_bytes_per_token(cfg, element_bytes)
-    if batch >= 1 and (cfg.window_size is not None or (
+    if batch >= 1 and (cfg.cache_window is not None or (
             cfg.layer_windows is not None and None not in cfg.layer_windows)):
         max_context = None
     else:

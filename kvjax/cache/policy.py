@@ -255,7 +255,10 @@ class DenseWindowSlots(DenseSlots):
 
 def policy_for(cfg) -> DenseSlots | RingSlots | DenseWindowSlots:
     """The slot policy of a :class:`kvjax.config.ModelConfig` (window_size, sinks,
-    window_cache)."""
+    window_cache; a compressed cache, ``kv_compression``: a ring whose first kv_budget
+    slots, the kept ones, are pinned like sinks, :mod:`kvjax.cache.compress`)."""
+    if cfg.kv_compression is not None:
+        return RingSlots(cfg.cache_window, cfg.kv_budget)
     if cfg.window_size:
         if cfg.window_cache == "dense":
             return DenseWindowSlots(cfg.window_size, cfg.num_sink_tokens)

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import KVCache, policy_for
+from kvjax.cache import compress as compress_lib
+from kvjax.cache import kv as cache_lib
 from kvjax.config import ModelConfig, SamplingConfig
 from kvjax.models import model as model_lib
 from kvjax.inference.sampling import is_stop, sample_logits
@@ -135,13 +137,43 @@ def prefill_program(params, tokens, cache, *, cfg, fresh=False):
     (logits [B, V] float32 of the last token, cache). ``fresh``: the cache is empty
     (see ``model.forward``: attention reads none of its slots). A short chunk runs the
     decode step's formulation, so the cache's never-written slots are cleared first
-    (``model.clear_masked_slots``)."""
+    (``model.clear_masked_slots``). With ``cfg.kv_compression`` a fresh prompt is
+    prefilled into a full cache and compressed (:func:`prefill_compressed`); a later
+    chunk goes to the compressed cache's ring."""
+    if fresh and cfg.kv_compression is not None:
+        return prefill_compressed(params, tokens, cfg, cache.ragged)
     if not fresh:
         cache = model_lib.clear_masked_slots(cfg, cache, tokens.shape[1])
     logits, cache = model_lib.forward(params, cfg, tokens,
                                       _positions(cache, tokens.shape[1]), cache,
                                       fresh=fresh, last_only=True)
     return logits[:, -1], cache
+
+
+def prefill_compressed(params, tokens: jax.Array, cfg: ModelConfig, ragged: bool = False,
+                       num_valid: jax.Array | None = None):
+    """Lever 5 (traced): the prompt ``tokens`` [B, T] int32 prefilled into a full cache
+    of max(T, kv_budget) slots under :func:`kvjax.cache.compress.prompt_config`, whose
+    slots ``cfg.kv_compression`` scores with the queries it reads (``model.forward``'s
+    ``observe``) and compresses (:func:`kvjax.cache.compress.compress`).
+
+    Args:
+      num_valid: [B] int32 real tokens of right-padded rows (None: all T); needs
+        ``ragged``. Each row is scored and compressed on its own tokens.
+    Returns:
+      (logits [B, V] float32 of each row's last real token, the compressed cache of
+      kv_budget + recent_slots slots).
+    """
+    pcfg = compress_lib.prompt_config(cfg)
+    b, t = tokens.shape
+    full = cache_lib.init_cache(pcfg, b, max(t, cfg.kv_budget), ragged=ragged)
+    logits, full, queries = model_lib.forward(
+        params, pcfg, tokens, _positions(full, t), full, num_valid=num_valid, fresh=True,
+        last_only=True, observe=True)
+    count = compress_lib.query_count(cfg, t)
+    seen = None if count == 0 else tuple(
+        compress_lib.observation_queries(q, full.length, count) for q in queries)
+    return logits[:, -1], compress_lib.compress(cfg, full, seen)
 
 
 def prefill(params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache):

@@ -139,7 +139,12 @@ def prefill_ragged_program(params, tokens, lengths, cache, *, cfg):
     """Compile unit of :func:`prefill_ragged` (no host checks): tokens [B, T] int32
     right-padded, lengths [B] int32 -> (logits [B, V] float32 at each row's last real
     token, cache). A short chunk runs the decode step's formulation: the cache's
-    never-written slots are cleared first (``model.clear_masked_slots``)."""
+    never-written slots are cleared first (``model.clear_masked_slots``). With
+    ``cfg.kv_compression`` each row is prefilled into a full cache and compressed on its
+    own tokens (:func:`kvjax.inference.decode.prefill_compressed`; the cache must be
+    empty)."""
+    if cfg.kv_compression is not None:
+        return decode_lib.prefill_compressed(params, tokens, cfg, True, lengths)
     cache = model_lib.clear_masked_slots(cfg, cache, tokens.shape[1])
     logits, cache = model_lib.forward(params, cfg, tokens, _positions(cache, tokens.shape[1]),
                                       cache, num_valid=lengths)
@@ -160,7 +165,7 @@ def prefill_ragged(params, cfg: ModelConfig, tokens, lengths, cache: KVCache):
       (logits [B, V] float32 of each row's last prompt token, updated cache).
     Raises:
       ValueError: a lockstep cache, shapes that disagree, or a length outside 1..T
-        (named by its row).
+        (named by its row); a compressed model's cache that already holds tokens.
       CacheOverflowError: a row's prompt does not fit its cache (named by its row).
     """
     check_ragged_cache(cache, "prefill_ragged")
@@ -177,6 +182,10 @@ def prefill_ragged(params, cfg: ModelConfig, tokens, lengths, cache: KVCache):
         raise ValueError(f"lengths[{b}]={int(lengths[b])}; allowed: 1..{tokens.shape[1]} "
                          "(an empty prompt cannot be prefilled)")
     _room(cfg, jax.device_get(cache.length), lengths, cache.num_slots, "prefill")
+    if cfg.kv_compression is not None and not decode_lib.is_empty(cache):
+        raise ValueError(f"prefill_ragged with model.kv_compression={cfg.kv_compression!r} "
+                         "on a cache that holds tokens; allowed: an empty cache (the prompt "
+                         "is compressed after one prefill pass)")
     return prefill_ragged_program(params, jnp.asarray(tokens, jnp.int32),
                                   jnp.asarray(lengths, jnp.int32), cache, cfg=cfg)
 

@@ -525,6 +525,9 @@ class Attention(nn.Module):
         if c.query_pre_attn_scalar is not None:  # the scale query_pre_attn_scalar^-1/2
             q = q * jnp.asarray(query_scale(c), q.dtype)
             q_sink = None if q_sink is None else q_sink * jnp.asarray(query_scale(c), q.dtype)
+        # Kept only when the caller asks (model.forward's observe): lever 5's methods
+        # score the prompt's slots with these queries (kvjax.cache.compress).
+        self.sow("intermediates", "queries", q)
         kk = jnp.swapaxes(apply_rope(kk, positions, **rot), 1, 2)  # [B, K, T, H]
         vv = jnp.swapaxes(vv, 1, 2)
 

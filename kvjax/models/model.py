@@ -126,7 +126,7 @@ class DecoderLM(nn.Module):
 
         if c.scan_layers:
             stack = nn.scan(functools.partial(_scan_body, fresh=fresh),
-                            variable_axes={"params": 0},
+                            variable_axes={"params": 0, "intermediates": 0},
                             split_rngs={"params": True}, in_axes=nn.broadcast,
                             length=c.num_layers)
             (x, new_cache, _), _ = stack(Block(c, name="layers"),
@@ -258,7 +258,7 @@ def params_for(cfg: ModelConfig, params):
 
 def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: cache_lib.KVCache | None = None, num_valid: jax.Array | None = None,
-            *, fresh: bool = False, last_only: bool = False):
+            *, fresh: bool = False, last_only: bool = False, observe: bool = False):
     """Runs the LM on a chunk of tokens.
 
     Args:
@@ -282,9 +282,12 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
         writes. Wrong results if the cache is not empty.
       last_only: (static) compute the logits of the last position only ([B, 1, V]):
         a prefill needs no other (the LM head is ~17% of SmolLM2's prompt FLOPs).
+      observe: (static) also return every layer's rotated queries (MHA/GQA/MQA), which
+        lever 5's methods score the prompt's slots with (:mod:`kvjax.cache.compress`).
     Returns:
       (logits [B, T, V] float32, or [B, 1, V] with ``last_only``: each row's last real
-      token; updated cache or None). A row of a dense cache that would overflow yields
+      token; updated cache or None), and with ``observe`` a third item: a tuple of L
+      queries [B, T, K, G, H], layer 0 first. A row of a dense cache that would overflow yields
       NaN logits (never a clamped write); ``decode.prefill`` / ``generate`` check lengths
       on the host and raise before running.
     Raises:
@@ -305,8 +308,21 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             raise ValueError(
                 "num_valid (right-padded rows) with a lockstep cache; allowed: a cache from "
                 "init_cache(..., ragged=True), whose rows keep their own lengths")
-    return DecoderLM(cfg).apply({"params": params}, tokens, positions, cache, num_valid,
-                                fresh, last_only)
+    model = DecoderLM(cfg)
+    if not observe:
+        return model.apply({"params": params}, tokens, positions, cache, num_valid, fresh,
+                           last_only)
+    (logits, new_cache), state = model.apply(
+        {"params": params}, tokens, positions, cache, num_valid, fresh, last_only,
+        mutable=["intermediates"])
+    seen = state["intermediates"]
+    if cfg.scan_layers:
+        stacked = seen["layers"]["attn"]["queries"][0]
+        queries = tuple(stacked[i] for i in range(cfg.num_layers))
+    else:
+        queries = tuple(seen[f"layers_{i}"]["attn"]["queries"][0]
+                        for i in range(cfg.num_layers))
+    return logits, new_cache, queries
 
 
 def step_ignores_masked_values(cfg: ModelConfig, cache) -> bool:

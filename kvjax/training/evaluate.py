@@ -197,8 +197,15 @@ def perplexity(params, cfg: ModelConfig, windows: np.ndarray, ecfg: EvalConfig,
     module docstring). None scores every target.
 
     Raises:
-      ValueError: T is not divisible by ecfg.chunk.
+      ValueError: T is not divisible by ecfg.chunk; a config with ``kv_compression``
+        (lever 5 compresses a prompt once after its prefill; chunked windows have no
+        prompt: ``experiments.longeval`` scores it, with the answer's NLL).
     """
+    if cfg.kv_compression is not None:
+        raise ValueError(
+            f"perplexity with model.kv_compression={cfg.kv_compression!r}; allowed: None "
+            "(a compressed cache is scored by experiments.longeval: accuracy and the "
+            "answer's NLL after the prompt is compressed)")
     m, t = windows.shape
     if t % ecfg.chunk:
         raise ValueError(f"windows of {t} tokens; allowed: a multiple of chunk={ecfg.chunk}")

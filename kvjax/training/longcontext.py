@@ -675,7 +675,8 @@ class QuestionResult:
 class SampleResult:
     """A sample's score (mean over its questions), answer NLL (nats/token, mean over its
     questions), the cache's bytes after the prefill (allocated, one sequence) and in
-    theory at the sample's length, and the prefill / questions wall times (s)."""
+    theory at the sample's length, and the prefill / questions wall times (s; protocol
+    'question' prefills per question: all its time is in ``prefill_seconds``)."""
 
     score: float
     answer_nll: float
@@ -742,23 +743,65 @@ def ask(params, cfg: ModelConfig, cache, question: Question, max_new_tokens: int
     out, ran, _ = decode.generate(params, cfg, first, qcache, max_new_tokens - 1,
                                   eos_ids=tuple(eos_ids))
     gen = [int(first[0])] + [int(t) for t in np.asarray(out[0, :ran])]
-    eos = set(int(e) for e in eos_ids)
-    cut = next((i for i, t in enumerate(gen) if t in eos or t < 0), len(gen))
-    gen = gen[:cut]
-    text = tokenizer.decode(gen)
     a = list(question.answer_ids)
     nll_logits, _ = _run_chunk(params, cfg, q + a, cache)
     lp = jax.nn.log_softmax(nll_logits[0, len(q) - 1:len(q) + len(a) - 1], axis=-1)
     token_nll = -np.asarray(jnp.take_along_axis(lp, jnp.asarray(a)[:, None], axis=-1)[:, 0],
                             np.float64)
-    score = METRICS[metric](text, question.references)
-    return QuestionResult(text, gen, score, float(token_nll.mean()), float(token_nll.sum()),
-                          len(a))
+    return _scored(tokenizer, gen, eos_ids, question, metric, token_nll)
+
+
+PROTOCOLS = ("context", "question")
+"""When a lever that acts on a filled cache (``model.kv_compression``) sees the question:
+'context': the context alone is prefilled and compressed once, then every question is
+asked on it (query-agnostic: kvpress's default); 'question': each question is prefilled
+after the context and compressed with it, then answered (SnapKV's setting, Li et al.
+2024 sec. 5: the observation window holds the question)."""
+
+
+def ask_with_context(params, cfg: ModelConfig, context_ids: Sequence[int],
+                     question: Question, num_slots: int, max_new_tokens: int, tokenizer,
+                     eos_ids: Sequence[int] = (), metric: str = "all") -> tuple:
+    """One question prefilled after the context in one pass (protocol 'question': the
+    prefill's lever, e.g. a compression, sees it): greedy answer and answer NLL, as
+    :func:`ask` scores them. The reference answer's tokens after the first are scored
+    by one chunk on the prefilled cache (not donated) before the greedy loop.
+
+    Returns:
+      (QuestionResult, bytes of the cache the prefill allocated, its slots).
+    """
+    q, a = list(question.ids), list(question.answer_ids)
+    logits, cache = prefill_context(params, cfg, list(context_ids) + q, num_slots)
+    lp0 = jax.nn.log_softmax(logits[0], axis=-1)
+    nll = [-float(lp0[a[0]])]
+    if len(a) > 1:
+        rest, _ = _run_chunk(params, cfg, a[:-1], cache)
+        lp = jax.nn.log_softmax(rest[0, :len(a) - 1], axis=-1)
+        nll += list(-np.asarray(jnp.take_along_axis(lp, jnp.asarray(a[1:])[:, None],
+                                                    axis=-1)[:, 0], np.float64))
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    allocated, slots = cache_lib.cache_bytes(cache), cache.num_slots
+    out, ran, _ = decode.generate(params, cfg, first, cache, max_new_tokens - 1,
+                                  eos_ids=tuple(eos_ids))
+    return _scored(tokenizer, [int(first[0])] + [int(t) for t in np.asarray(out[0, :ran])],
+                   eos_ids, question, metric, np.asarray(nll, np.float64)), allocated, slots
+
+
+def _scored(tokenizer, gen: list, eos_ids, question: Question, metric: str,
+            token_nll: np.ndarray) -> QuestionResult:
+    """The greedy tokens cut at the first end-of-generation id, decoded and scored."""
+    eos = set(int(e) for e in eos_ids)
+    gen = gen[:next((i for i, t in enumerate(gen) if t in eos or t < 0), len(gen))]
+    text = tokenizer.decode(gen)
+    return QuestionResult(text, gen, METRICS[metric](text, question.references),
+                          float(token_nll.mean()), float(token_nll.sum()),
+                          len(question.answer_ids))
 
 
 def evaluate_sample(params, cfg: ModelConfig, sample: Sample, tokenizer,
                     eos_ids: Sequence[int] = (),
-                    compress: Callable | None = None) -> SampleResult:
+                    compress: Callable | None = None,
+                    protocol: str = "context") -> SampleResult:
     """The protocol: prefill ``sample``'s context once into ``cfg``'s cache, apply the
     lever, ask each question on it (:func:`ask`).
 
@@ -772,11 +815,32 @@ def evaluate_sample(params, cfg: ModelConfig, sample: Sample, tokenizer,
       sample: from :func:`generate_sample`.
       tokenizer: decodes the greedy answer.
       eos_ids: end-of-generation ids (``Tokenizer.eos_token_ids``).
-      compress: optional cache transform applied after the prefill.
+      compress: optional cache transform applied after the prefill (protocol
+        'context').
+      protocol: one of :data:`PROTOCOLS`.
     Raises:
+      ValueError: an unknown protocol, or ``compress`` with protocol 'question'.
       kvjax.cache.policy.CacheOverflowError: the sample does not fit ``sample.length``
         positions (a layout bug).
     """
+    if protocol not in PROTOCOLS or (protocol == "question" and compress is not None):
+        raise ValueError(f"protocol={protocol!r}{' with compress' if compress else ''}; "
+                         f"allowed: one of {list(PROTOCOLS)} ('question' takes the lever "
+                         "from cfg alone)")
+    metric = TASKS[sample.task].metric
+    if protocol == "question":
+        start = time.perf_counter()
+        asked = [ask_with_context(params, cfg, sample.context_ids, q, sample.length,
+                                  sample.max_new_tokens, tokenizer, eos_ids, metric)
+                 for q in sample.questions]
+        results = [r for r, _, _ in asked]
+        return SampleResult(
+            score=float(np.mean([r.score for r in results])),
+            answer_nll=float(np.mean([r.answer_nll for r in results])), questions=results,
+            kv_bytes_allocated=asked[0][1],
+            kv_bytes_theory=theory.kv_cache_bytes(cfg, sample.length),
+            cache_slots=asked[0][2], prefill_seconds=time.perf_counter() - start,
+            decode_seconds=0.0)
     start = time.perf_counter()
     logits, cache = prefill_context(params, cfg, sample.context_ids, sample.length)
     if compress is not None:
@@ -784,7 +848,6 @@ def evaluate_sample(params, cfg: ModelConfig, sample: Sample, tokenizer,
     jax.block_until_ready(cache.length)
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
-    metric = TASKS[sample.task].metric
     results = [ask(params, cfg, cache, q, sample.max_new_tokens, tokenizer, eos_ids, metric)
                for q in sample.questions]
     decode_s = time.perf_counter() - start

@@ -1,0 +1,141 @@
+"""Lever 5 on the cache: score a prefilled cache's slots and keep each KV head's best.
+
+:func:`compress` turns the full cache a prompt was prefilled into (``prompt_config``:
+the model without compression) into the compressed cache of ``cfg``
+(``model.kv_compression``, :mod:`kvjax.compression`): per layer, the method scores every
+slot (:class:`kvjax.compression.Observation`), each KV head keeps its ``kv_budget``
+highest-scoring slots in position order (:func:`select`), and the kept keys and values
+(codes and scales for a quantized cache: the stored representation, never re-encoded)
+are gathered into slots 0 .. kv_budget - 1 of a cache of kv_budget + recent_slots slots
+per row. Those kept slots are the pinned ones of that cache's ring
+(:func:`kvjax.cache.policy.policy_for`): every later query sees them, and later tokens
+go to the ring of ``recent_slots`` after them.
+
+The kept slots of one row hold different positions per KV head and layer, so
+``positions`` cannot name them: a kept slot j holds position j there when the prompt fit
+in the budget (nothing was dropped), else the marker j (< kv_budget, i.e. a pinned slot:
+visible to every later query, as each kept token is). The rotary embedding was applied
+before caching, so a kept key keeps its true position; ``length`` stays the prompt's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import compression
+from kvjax.cache import kv as cache_lib
+from kvjax.config import ModelConfig
+
+__all__ = ["query_count", "observation_queries", "select", "compress", "prompt_config"]
+
+
+def prompt_config(cfg: ModelConfig) -> ModelConfig:
+    """The config a compressed model's prompt is prefilled with: ``cfg`` without
+    ``kv_compression`` (a full cache)."""
+    return cfg.replace(kv_compression=None, kv_budget=None)
+
+
+def query_count(cfg: ModelConfig, prompt_len: int) -> int:
+    """Q, the prompt queries ``cfg``'s method reads (0, 1, w or T)."""
+    need = compression.get(cfg.kv_compression).queries
+    return {"none": 0, "last": 1, "all": prompt_len,
+            "window": min(cfg.compression.observation_window, prompt_len)}[need]
+
+
+def observation_queries(queries: jax.Array, lengths: jax.Array, count: int):
+    """Each row's last ``count`` real prompt queries of one layer.
+
+    Args:
+      queries: [B, T, K, G, H] the layer's rotated queries of a fresh prefill (token j
+        at position j; right padding after a row's ``lengths[b]`` real tokens).
+      lengths: [B] int32 real tokens per row.
+      count: Q.
+    Returns:
+      ([B, Q, K, G, H], [B, Q] int32 positions, -1 where a row has fewer than Q tokens).
+    """
+    idx = lengths[:, None] - count + jnp.arange(count, dtype=jnp.int32)[None, :]
+    q = jnp.take_along_axis(queries, jnp.maximum(idx, 0)[:, :, None, None, None], axis=1)
+    return q, jnp.where(idx >= 0, idx, -1).astype(jnp.int32)
+
+
+def select(scores: jax.Array, key_positions: jax.Array, budget: int) -> jax.Array:
+    """[B, K, budget] int32 slots each KV head keeps, ascending: its ``budget`` highest
+    ``scores`` [B, K, S] among filled slots (``key_positions`` [B, S] >= 0); empty slots
+    only where a row holds fewer tokens than the budget (then every filled one is kept).
+    Ties go to the lower slot (``jax.lax.top_k``)."""
+    filled = (key_positions >= 0)[:, None, :]
+    s = jnp.where(filled, scores.astype(jnp.float32), -jnp.inf)
+    _, idx = jax.lax.top_k(s, budget)
+    return jnp.sort(idx, axis=-1).astype(jnp.int32)
+
+
+def _gather(x: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
+    """One layer's cached tensor [B, K, S, X] (``axis`` -2) or [B, K, X, S] (-1) at the
+    per-head slots ``idx`` [B, K, budget]."""
+    if axis == -2:
+        return jnp.take_along_axis(x, idx[..., None], axis=2)
+    return jnp.take_along_axis(x, idx[:, :, None, :], axis=3)
+
+
+def compress(cfg: ModelConfig, full: cache_lib.KVCache, queries: tuple | None
+             ) -> cache_lib.KVCache:
+    """The compressed cache of ``cfg`` from the full cache a prompt was prefilled into.
+
+    Args:
+      cfg: a config with ``kv_compression`` (MHA/GQA/MQA, unrolled or stacked layers).
+      full: the prompt's cache under :func:`prompt_config` (``length`` = each row's
+        prompt tokens, position p in slot p), S >= kv_budget.
+      queries: per layer ([B, Q, K, G, H], [B, Q] positions) from
+        :func:`observation_queries`, or None for a method reading no query.
+    Returns:
+      A cache of ``cfg`` with kv_budget + recent_slots slots per row: the kept slots
+      first, the ring after them empty; ``length`` and ``ragged`` as ``full``'s.
+    Raises:
+      ValueError: ``full`` has fewer slots than the budget.
+    """
+    method = compression.get(cfg.kv_compression)
+    budget = cfg.kv_budget
+    if full.num_slots < budget:
+        raise ValueError(f"a prompt cache of {full.num_slots} slots for kv_budget={budget}; "
+                         f"allowed: at least {budget} slots")
+    pcfg = prompt_config(cfg)
+    names = list(full.tensors)
+    kept = {n: [] for n in names}
+    for i in range(cfg.num_layers):
+        layer = full.layer(i)
+        k, v = cache_lib.read(pcfg, layer, "k"), cache_lib.read(pcfg, layer, "v")
+        if cache_lib.slot_axis(pcfg, "k") == -1:
+            k = jnp.swapaxes(k, -1, -2)
+        if cache_lib.slot_axis(pcfg, "v") == -1:
+            v = jnp.swapaxes(v, -1, -2)
+        q, qpos = queries[i] if queries is not None else (None, None)
+        obs = compression.Observation(
+            keys=k, values=v, queries=q, query_positions=qpos,
+            key_positions=full.positions, scale=cfg.head_dim ** -0.5, budget=budget,
+            config=cfg.compression)
+        idx = select(method.score(obs), full.positions, budget)
+        for n in names:
+            kept[n].append(_gather(layer[n], idx, cache_lib.slot_axis(pcfg, n)))
+    empty = cache_lib.init_cache(cfg, full.batch_size, budget, ragged=full.ragged)
+    tensors = {}
+    for n in names:
+        s_axis = cache_lib.slot_axis(pcfg, n)
+        ring = [jnp.concatenate([x, _ring_part(y, budget, s_axis)], axis=s_axis)
+                for x, y in zip(kept[n], _layers(empty.tensors[n]))]
+        tensors[n] = jnp.stack(ring) if cfg.scan_layers else tuple(ring)
+    held = jnp.minimum(full.length, budget)[:, None]  # [B, 1]
+    slots = jnp.arange(empty.num_slots, dtype=jnp.int32)[None, :]
+    positions = jnp.where(slots < held, slots, -1)
+    return cache_lib.KVCache(tensors=tensors, positions=positions, length=full.length,
+                             layouts=empty.layouts, ragged=full.ragged)
+
+
+def _layers(t):
+    """Per-layer arrays of a stacked ([L, ...]) or per-layer (tuple) cache tensor."""
+    return tuple(t) if isinstance(t, tuple) else tuple(t[i] for i in range(t.shape[0]))
+
+
+def _ring_part(x: jax.Array, budget: int, axis: int) -> jax.Array:
+    """The ring's (empty) slots of one layer's tensor of an empty compressed cache."""
+    return jax.lax.slice_in_dim(x, budget, x.shape[axis], axis=x.ndim + axis)

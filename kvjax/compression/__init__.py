@@ -1,0 +1,228 @@
+"""Lever 5, fewer tokens by score: the registry of KV-compression methods.
+
+A method is one file in this folder that calls :func:`register` with a :class:`Method`:
+its name (the value of ``model.kv_compression``), a ``score`` function that gives every
+held slot of one layer a score (higher: keep), and which queries it needs. Nothing else
+names a method: the config's validation, the cache policy, theory, the cost report and
+the long-context harness read :func:`names` and :func:`get`, so a new file is a new
+method (``tests/test_compression.py`` adds a toy one).
+
+The protocol (kvpress's, Jegou et al. 2024; SnapKV, Li et al. 2024, sec. 4): the prompt
+is prefilled into a full cache, every layer's slots are scored, and each KV head keeps
+its own ``kv_budget`` highest-scoring slots (:func:`select`) in a cache of
+``kv_budget + recent_slots`` slots; tokens written afterwards (a question, the answer)
+go to a ring of ``recent_slots`` after the kept ones
+(:class:`kvjax.cache.policy.RingSlots` with the kept slots as its pinned ones). Per-head
+selection stores K different slot sets of one size, so the cache holds its budget and
+never masks a full-size one (kvpress's per-head budgets do).
+
+Scores are combined over a GQA group by their mean over its G query heads (kvpress's
+``scores.view(B, K, G, S).mean(2)``); a method that scores per layer (TOVA) averages over
+every head. This module imports nothing from kvjax but :mod:`jax`, so every layer may
+read it; the methods' files only :mod:`jax.numpy` and this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+QUERIES = ("none", "last", "window", "all")
+"""What a method's score reads besides the keys and values: no query, the prompt's last
+query, the last ``observation_window`` queries, or every prompt query."""
+
+SCHEDULES = ("prefill",)
+"""When a method compresses: once, after the prompt's prefill. Every N decode steps and
+every step (H2O's and TOVA's online eviction) are not implemented."""
+
+KEEP = 1e30
+"""A score that is always kept (a protected slot: sinks, the observation window)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What a method sees of one layer after the prefill (float32, keys post-RoPE).
+
+    Attributes:
+      keys, values: [B, K, S, H] the prompt's cached keys and values (dequantized).
+      queries: [B, Q, K, G, H] the last Q prompt queries (post-RoPE; Q = 1, w or T by
+        the method's ``queries``), or None for ``queries='none'``.
+      query_positions: [B, Q] int32 absolute positions of those queries.
+      key_positions: [B, S] int32 absolute position of each slot (-1: empty).
+      scale: the attention score scale (H^-1/2, or the checkpoint's).
+      budget: the slots each KV head of this layer keeps.
+      config: the :class:`CompressionConfig` knobs.
+    """
+
+    keys: jax.Array
+    values: jax.Array
+    queries: jax.Array | None
+    query_positions: jax.Array | None
+    key_positions: jax.Array
+    scale: float
+    budget: int
+    config: "CompressionConfig"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionConfig:
+    """The knobs of the KV-compression methods (``model.compression``); every method
+    reads the ones it needs.
+
+    Attributes:
+      observation_window: w, the last prompt queries whose attention scores the slots
+        (SnapKV, Li et al. 2024 sec. 4.2; their experiments use 32, kvpress 64); those
+        w tokens are always kept, so a budget must exceed it.
+      pooling_kernel: width of the average pooling of SnapKV's scores along the slots
+        (their reference: 5); 1: none.
+      num_sink_tokens: the first slots always kept (StreamingLLM, Xiao et al. 2023: 4).
+      recent_slots: R, a ring of slots after the kept ones for the tokens written after
+        the compression (the question, the answer); when it fills, its oldest token goes.
+        Default 192: the long-context harness's question and answer room
+        (:data:`kvjax.training.longcontext.RESERVE`), so no question token is evicted.
+      recent_fraction: H2O's share of the budget kept for the most recent tokens (Zhang et
+        al. 2023, sec. 5: half heavy hitters, half recent).
+      schedule: when to compress, one of :data:`SCHEDULES`.
+    """
+
+    observation_window: int = 32
+    pooling_kernel: int = 5
+    num_sink_tokens: int = 4
+    recent_slots: int = 192
+    recent_fraction: float = 0.5
+    schedule: str = "prefill"
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One registered compression method.
+
+    Attributes:
+      name: the value of ``model.kv_compression`` that selects it.
+      score: (:class:`Observation`) -> [B, K, S] float32 scores of one layer's slots,
+        higher kept; :data:`KEEP` for a slot always kept. Empty slots need nothing
+        (:func:`select` never keeps them over a filled one).
+      queries: one of :data:`QUERIES`.
+      reference: the paper and section that define the score.
+      protected: (config, kv_budget) -> slots of the budget the score always keeps
+        (sinks, observation window); the budget must exceed them.
+    """
+
+    name: str
+    score: Callable[[Observation], jax.Array]
+    queries: str
+    reference: str
+    protected: Callable[[CompressionConfig, int], int] = lambda cfg, budget: 0
+
+
+_METHODS: dict[str, Method] = {}
+_LOADED = False
+
+
+def register(method: Method) -> Method:
+    """Adds ``method`` (a method file calls this when imported).
+
+    Raises:
+      ValueError: a name registered twice, or ``queries`` not in :data:`QUERIES`.
+    """
+    if method.name in _METHODS:
+        raise ValueError(f"kv_compression method {method.name!r} registered twice")
+    if method.queries not in QUERIES:
+        raise ValueError(f"method {method.name!r}: queries={method.queries!r}; allowed: "
+                         f"one of {list(QUERIES)}")
+    _METHODS[method.name] = method
+    return method
+
+
+def _load() -> None:
+    """Imports every module of this package once (each registers its method)."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")
+
+
+def names() -> tuple:
+    """Every registered method's name, sorted."""
+    _load()
+    return tuple(sorted(_METHODS))
+
+
+def get(name: str) -> Method:
+    """The method registered as ``name``.
+
+    Raises:
+      ValueError: an unknown name, listing the registered ones.
+    """
+    _load()
+    if name not in _METHODS:
+        raise ValueError(f"model.kv_compression={name!r}; allowed: None or one of "
+                         f"{list(names())}")
+    return _METHODS[name]
+
+
+# ----------------------------------------------------------------- shared score parts
+
+
+def window_attention(obs: Observation, block: int = 512) -> jax.Array:
+    """[B, K, G, S] float32: the softmax attention of the observation queries over the
+    slots, causal (a query sees slots at positions <= its own), summed over the queries.
+    Queries go ``block`` at a time, so H2O's T x S weights are never all held."""
+    q = obs.queries.astype(jnp.float32)
+    k = obs.keys.astype(jnp.float32)
+    kp = obs.key_positions
+    nq = q.shape[1]
+    pad = (-nq) % block if nq > block else 0
+    qp = obs.query_positions
+    if pad:
+        q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+        qp = jnp.pad(qp, ((0, 0), (0, pad)), constant_values=-1)
+    step = min(block, q.shape[1])
+
+    def one(carry, xs):
+        qb, pb = xs  # [B, Qb, K, G, H], [B, Qb]
+        s = jnp.einsum("bqkgh,bksh->bkgqs", qb, k) * obs.scale
+        seen = (kp[:, None, :] >= 0) & (kp[:, None, :] <= pb[:, :, None]) \
+            & (pb[:, :, None] >= 0)  # [B, Qb, S]
+        s = jnp.where(seen[:, None, None], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        p = jnp.where(seen[:, None, None], p, 0.0)
+        return carry + p.sum(axis=3), None
+
+    b, _, kh, g, _ = q.shape
+    blocks = (q.reshape(b, -1, step, kh, g, q.shape[-1]).swapaxes(0, 1),
+              qp.reshape(b, -1, step).swapaxes(0, 1))
+    init = jnp.zeros((b, kh, g, k.shape[2]), jnp.float32)
+    out, _ = jax.lax.scan(one, init, blocks)
+    return out
+
+
+def pool(scores: jax.Array, kernel: int) -> jax.Array:
+    """Average pooling of [..., S] scores along S with an odd ``kernel``, 'same' size
+    (zero padded: kvpress's ``F.avg_pool1d(..., padding=kernel // 2)``)."""
+    if kernel <= 1:
+        return scores
+    dims = (1,) * (scores.ndim - 1) + (kernel,)
+    total = jax.lax.reduce_window(scores, 0.0, jax.lax.add, dims, (1,) * scores.ndim,
+                                  "SAME")
+    return total / kernel
+
+
+def protect_recent(obs: Observation, scores: jax.Array, n: int) -> jax.Array:
+    """[B, K, S] ``scores`` with each row's last ``n`` filled slots set to :data:`KEEP`."""
+    last = jnp.max(obs.key_positions, axis=-1, keepdims=True)  # [B, 1]
+    recent = (obs.key_positions > last - n) & (obs.key_positions >= 0)
+    return jnp.where(recent[:, None, :], KEEP, scores)
+
+
+def protect_sinks(obs: Observation, scores: jax.Array, n: int) -> jax.Array:
+    """[B, K, S] ``scores`` with positions below ``n`` set to :data:`KEEP`."""
+    kp = obs.key_positions
+    return jnp.where(((kp >= 0) & (kp < n))[:, None, :], KEEP, scores)

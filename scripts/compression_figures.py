@@ -1,0 +1,129 @@
+r"""Lever 5's bytes three ways on SmolLM2's shapes (random weights: bytes and times do not
+depend on the values): allocated against theory for every method and budget, the
+compiled decode step against theory at the budget, the scoring overhead in the compiled
+prefill, and the measured step at t = 8K with a budget of 512 against the full cache's
+step at t = 512 and at t = 8K.
+
+    PYTHONPATH=. python scripts/compression_figures.py                  # ~10 min, 2 cores
+    PYTHONPATH=. python scripts/compression_figures.py --budgets 64,512 --prompt 1024
+
+Prints markdown tables for docs/results/<machine>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import compression, presets
+from kvjax.analysis import costs, theory
+from kvjax.cache import kv as cache_lib
+from kvjax.inference import decode
+from kvjax.models import model as model_lib
+
+
+def smollm2(**fields):
+    """SmolLM2-135M in float32 with the main job's formulations ('auto': the planner's
+    picks on this machine, made before tracing)."""
+    return presets.smollm2_135m("float32").replace(
+        decode_attention="auto", weight_matmul="auto", **fields)
+
+
+def allocated_rows(budgets, prompt_len: int, seed: int = 0) -> list:
+    """Each method x budget: a real prefill of ``prompt_len`` random tokens, compressed;
+    its cache's bytes against theory's at the budget."""
+    base = smollm2()
+    params = model_lib.init_params(base, seed)
+    tokens = jnp.asarray(np.random.default_rng(seed).integers(3, base.vocab_size,
+                                                              (1, prompt_len)), jnp.int32)
+    rows = []
+    for method in compression.names():
+        for budget in budgets:
+            cfg = base.replace(kv_compression=method, kv_budget=budget)
+            cache = cache_lib.init_cache(cfg, 1, prompt_len)
+            _, cache = decode.prefill(params, cfg, tokens, cache)
+            got = cache_lib.cache_bytes(cache)
+            want = theory.kv_cache_bytes(cfg, prompt_len)
+            rows.append((method, budget, cache.num_slots, got, want))
+    return rows
+
+
+def step_rows(budgets, context: int) -> list:
+    """The compiled decode step at ``context`` per budget (one program for every method:
+    the step reads the kept slots and the ring, whatever scored them) and the full
+    cache's, against theory."""
+    rows = []
+    for budget in budgets:
+        cfg = smollm2(kv_compression="snapkv", kv_budget=budget)
+        rows.append((f"budget {budget}",
+                     costs.analyze_decode_step(cfg, context, jaxpr=False)))
+    for t in (512, context):
+        rows.append((f"full cache, t={t}",
+                     costs.analyze_decode_step(smollm2(), t, jaxpr=False)))
+    return rows
+
+
+def overhead_rows(prompt_len: int, budget: int) -> list:
+    return [(m, costs.compression_overhead(smollm2(kv_compression=m, kv_budget=budget),
+                                           prompt_len)) for m in compression.names()]
+
+
+def timed(context: int, budget: int, repeats: int, rounds: int) -> dict:
+    """Median step seconds, the three configs interleaved round by round."""
+    cases = {"full t=512": (smollm2(), 512), f"full t={context}": (smollm2(), context),
+             f"budget {budget} t={context}": (
+                 smollm2(kv_compression="snapkv", kv_budget=budget), context)}
+    compiled = {k: costs.compile_decode_step(c, 1, t) for k, (c, t) in cases.items()}
+    times = {k: [] for k in cases}
+    for _ in range(rounds):
+        for k, (c, t) in cases.items():
+            times[k] += costs.measure_decode_step(c, t, repeats=repeats,
+                                                  compiled=compiled[k], budget_s=None)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budgets", default="64,256,512,1024,4096")
+    ap.add_argument("--prompt", type=int, default=1024,
+                    help="prompt tokens of the allocated-bytes check")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    budgets = [int(b) for b in a.budgets.split(",")]
+    print(f"device: {jax.devices()[0].device_kind}")
+
+    print("\n| method | budget | slots | allocated B | theory B | equal |\n|---|---|---|---|---|---|")
+    for m, b, s, got, want in allocated_rows([b for b in budgets if b <= a.prompt], a.prompt):
+        print(f"| {m} | {b} | {s} | {got:,} | {want:,} | {got == want} |")
+
+    print(f"\n| decode step at t={a.context} | theory B | compiled B (+kernels) | "
+          "compiled/theory | KV read theory | KV read compiled | KV compiled/theory |"
+          "\n|---|---|---|---|---|---|---|")
+    for name, s in step_rows(budgets, a.context):
+        tb, xb = s.theory_bytes, s.xla.bytes + s.xla.uncosted_bytes
+        kv, kvx = s.theory_parts["bytes"]["kv_read"], s.attribution.bytes["kv_read"]
+        print(f"| {name} | {tb:,.0f} | {xb:,.0f} | {xb / tb:.3f} | {kv:,} | {kvx:,.0f} | "
+              f"{kvx / kv:.3f} |")
+
+    print(f"\n| method | scoring overhead FLOP | overhead bytes | prefill FLOP "
+          f"(t={a.context}, budget 512) | overhead share |\n|---|---|---|---|---|")
+    for m, o in overhead_rows(a.context, 512):
+        print(f"| {m} | {o['flops']:,.0f} | {o['bytes']:,.0f} | {o['prefill_flops']:,.0f} | "
+              f"{o['flops'] / o['prefill_flops']:.3f} |")
+
+    med = timed(a.context, 512, a.repeats, a.rounds)
+    base = med["full t=512"]
+    print(f"\n| step (median of {a.rounds} interleaved rounds x {a.repeats}) | ms | "
+          "vs full t=512 |\n|---|---|---|")
+    for k, v in med.items():
+        print(f"| {k} | {v * 1e3:.2f} | {v / base:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,334 @@
+"""Lever 5, fewer tokens by score (kvjax.compression, kvjax.cache.compress): the methods
+against numpy references, StreamingLLM against the ring cache, keep-all against the full
+cache, allocated bytes against theory, row independence, refusals, and a toy method
+added through the registry alone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import compression
+from kvjax.analysis import costs, theory
+from kvjax.cache import compress as compress_lib
+from kvjax.cache import kv as cache_lib
+from kvjax.config import ConfigError, ModelConfig, RunConfig
+from kvjax.inference import decode, ragged
+from kvjax.models import model as model_lib
+from tests.conftest import tiny_config
+
+KNOBS = compression.CompressionConfig(observation_window=8, recent_slots=16,
+                                      num_sink_tokens=4, pooling_kernel=3)
+
+
+def cfg_for(method, budget=24, **overrides):
+    return tiny_config(tie_embeddings=False, kv_compression=method, kv_budget=budget,
+                       compression=KNOBS, **overrides)
+
+
+def prompt(b=1, t=60, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(3, 97, (b, t)), jnp.int32)
+
+
+def decode_tokens(params, cfg, tokens, steps=8, max_seq_len=128):
+    cache = cache_lib.init_cache(cfg, tokens.shape[0], max_seq_len)
+    logits, cache = decode.prefill(params, cfg, tokens, cache)
+    first = jnp.argmax(logits, -1).astype(jnp.int32)
+    out, _, _ = decode.generate(params, cfg, first, cache, steps)
+    return np.concatenate([np.asarray(first)[:, None], np.asarray(out)], axis=1)
+
+
+# ------------------------------------------------------------------ numpy references
+
+
+def np_window_attention(q, k, qpos, kpos, scale):
+    """[B, K, G, S]: softmax over visible slots, summed over the queries (SnapKV's votes)."""
+    s = np.einsum("bqkgh,bksh->bkgqs", q, k) * scale
+    seen = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= qpos[:, :, None]) \
+        & (qpos[:, :, None] >= 0)
+    s = np.where(seen[:, None, None], s, -np.inf)
+    s = s - s.max(-1, keepdims=True)
+    p = np.exp(s)
+    p = p / p.sum(-1, keepdims=True)
+    return np.where(seen[:, None, None], p, 0).sum(3)
+
+
+def np_snapkv(q, k, qpos, kpos, scale, w, kernel):
+    votes = np_window_attention(q, k, qpos, kpos, scale)
+    pad = kernel // 2
+    padded = np.pad(votes, [(0, 0)] * 3 + [(pad, pad)])
+    pooled = np.stack([padded[..., i:i + votes.shape[-1]] for i in range(kernel)]).mean(0)
+    score = pooled.mean(2)
+    last = kpos.max(-1, keepdims=True)
+    recent = (kpos > last - w) & (kpos >= 0)
+    return np.where(recent[:, None], compression.KEEP, score)
+
+
+def np_select(scores, kpos, budget):
+    s = np.where(kpos[:, None, :] >= 0, scores, -np.inf)
+    idx = np.argsort(-s, axis=-1, kind="stable")[..., :budget]
+    return np.sort(idx, axis=-1)
+
+
+def observation(b=2, t=40, k=2, g=2, h=8, nq=8, seed=0, pad_row=None):
+    r = np.random.default_rng(seed)
+    keys = r.standard_normal((b, k, t, h)).astype(np.float32)
+    q = r.standard_normal((b, nq, k, g, h)).astype(np.float32)
+    kpos = np.tile(np.arange(t, dtype=np.int32), (b, 1))
+    lengths = np.full(b, t)
+    if pad_row is not None:  # a shorter row: its last slots empty
+        lengths[pad_row] = t - 11
+        kpos[pad_row, lengths[pad_row]:] = -1
+    qpos = lengths[:, None] - nq + np.arange(nq)[None, :]
+    return keys, q, qpos.astype(np.int32), kpos
+
+
+def obs_of(keys, q, qpos, kpos, budget=16, knobs=KNOBS):
+    return compression.Observation(
+        keys=jnp.asarray(keys), values=jnp.asarray(keys), queries=jnp.asarray(q),
+        query_positions=jnp.asarray(qpos), key_positions=jnp.asarray(kpos),
+        scale=keys.shape[-1] ** -0.5, budget=budget, config=knobs)
+
+
+def test_registry_names_every_method():
+    assert set(compression.names()) >= {"snapkv", "h2o", "tova", "key_norm",
+                                        "streaming_llm"}
+    with pytest.raises(ValueError, match="kv_compression='nope'.*snapkv"):
+        compression.get("nope")
+
+
+@pytest.mark.parametrize("pad_row", [None, 1])
+def test_snapkv_score_matches_numpy(pad_row):
+    keys, q, qpos, kpos = observation(pad_row=pad_row)
+    got = compression.get("snapkv").score(obs_of(keys, q, qpos, kpos))
+    want = np_snapkv(q, keys, qpos, kpos, keys.shape[-1] ** -0.5, KNOBS.observation_window,
+                     KNOBS.pooling_kernel)
+    filled = np.broadcast_to(kpos[:, None] >= 0, want.shape)
+    np.testing.assert_allclose(np.asarray(got)[filled], want[filled], rtol=1e-5, atol=1e-6)
+
+
+def test_h2o_accumulates_every_query_in_blocks():
+    """H2O's votes over T queries, computed in blocks with a padded tail, equal the full
+    T x S attention's column sums."""
+    keys, q, qpos, kpos = observation(t=70, nq=70)
+    got = compression.window_attention(obs_of(keys, q, qpos, kpos), block=32)
+    want = np_window_attention(q, keys, qpos, kpos, keys.shape[-1] ** -0.5)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    # every query's weights sum to 1: the votes total the number of queries
+    np.testing.assert_allclose(np.asarray(got).sum(-1), 70.0, rtol=1e-5)
+
+
+def test_key_norm_and_tova_scores():
+    keys, q, qpos, kpos = observation(nq=1)
+    kn = compression.get("key_norm").score(obs_of(keys, q, qpos, kpos))
+    np.testing.assert_allclose(np.asarray(kn), -np.linalg.norm(keys, axis=-1), rtol=1e-6)
+    tv = np.asarray(compression.get("tova").score(obs_of(keys, q, qpos, kpos)))
+    want = np_window_attention(q, keys, qpos, kpos, keys.shape[-1] ** -0.5).mean((1, 2))
+    for head in range(tv.shape[1]):  # one score per layer: every KV head keeps the same
+        np.testing.assert_allclose(tv[:, head], want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("pad_row", [None, 0])
+def test_per_head_top_k_matches_numpy(pad_row):
+    r = np.random.default_rng(3)
+    scores = r.standard_normal((2, 3, 40)).astype(np.float32)
+    kpos = np.tile(np.arange(40, dtype=np.int32), (2, 1))
+    if pad_row is not None:
+        kpos[pad_row, 30:] = -1
+    got = np.asarray(compress_lib.select(jnp.asarray(scores), jnp.asarray(kpos), 12))
+    np.testing.assert_array_equal(got, np_select(scores, kpos, 12))
+    assert not (got[0] == got[0, :1]).all()  # the heads keep different slots
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_compress_gathers_each_heads_slots(kv_dtype):
+    """The compressed cache's slot j of head h holds the full cache's entry (codes and
+    scales as stored) at the j-th slot that head keeps, per key_norm's numpy scores."""
+    cfg = cfg_for("key_norm", budget=12, kv_dtype=kv_dtype, num_layers=1)
+    params = model_lib.init_params(cfg, 0)
+    tokens = prompt(2, 30)
+    full = cache_lib.init_cache(compress_lib.prompt_config(cfg), 2, 30)
+    _, full = decode.prefill(params, compress_lib.prompt_config(cfg), tokens, full)
+    out = compress_lib.compress(cfg, full, None)
+    pcfg = compress_lib.prompt_config(cfg)
+    k = np.asarray(cache_lib.read(pcfg, full.layer(0), "k"))
+    if cache_lib.slot_axis(pcfg, "k") == -1:
+        k = np.swapaxes(k, -1, -2)
+    idx = np_select(-np.linalg.norm(k, axis=-1), np.asarray(full.positions), 12)
+    for name in full.tensors:
+        axis = cache_lib.slot_axis(pcfg, name)
+        src = np.moveaxis(np.asarray(full.layer(0)[name]), axis, 2)
+        dst = np.moveaxis(np.asarray(out.layer(0)[name]), axis, 2)
+        want = np.take_along_axis(src, idx[..., None], axis=2)
+        np.testing.assert_array_equal(dst[:, :, :12], want)
+    assert out.num_slots == 12 + KNOBS.recent_slots
+    np.testing.assert_array_equal(np.asarray(out.length), [30, 30])
+
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "tova", "key_norm", "streaming_llm"])
+@pytest.mark.parametrize("kv_dtype", [None, "int8", "bfloat16"])
+def test_allocated_bytes_equal_theory(method, kv_dtype):
+    cfg = cfg_for(method, kv_dtype=kv_dtype)
+    params = model_lib.init_params(cfg, 0)
+    cache = cache_lib.init_cache(cfg, 2, 128)
+    _, cache = decode.prefill(params, cfg, prompt(2, 60), cache)
+    assert cache.num_slots == 24 + KNOBS.recent_slots
+    for t in (60, 1000):  # the cache holds its budget and ring at any context
+        assert cache_lib.cache_bytes(cache) == theory.kv_cache_bytes(cfg, t, 2)
+    assert theory.kv_cache_bytes(cfg, 10, 1) == theory.kv_cache_bytes(
+        cfg.replace(kv_compression=None, kv_budget=None), 10, 1)
+
+
+def test_keep_everything_equals_the_full_cache():
+    base = tiny_config(tie_embeddings=False)
+    params = model_lib.init_params(base, 0)
+    tokens = prompt(1, 20, seed=1)
+    want = decode_tokens(params, base, tokens, steps=12)
+    for method in compression.names():
+        got = decode_tokens(params, base.replace(kv_compression=method, kv_budget=20,
+                                                 compression=KNOBS), tokens, steps=12)
+        np.testing.assert_array_equal(got, want, err_msg=method)
+
+
+def test_streaming_llm_equals_the_ring_cache():
+    """One layer (its keys depend on the tokens alone): StreamingLLM through the interface
+    with a budget of N and s sinks keeps what a ring of W = N + 1 slots with s sinks
+    holds after the prompt, so the next step's logits agree; and the kept keys are the
+    sinks and the last N - s positions, in order."""
+    cfg = cfg_for("streaming_llm", budget=12, num_layers=1)
+    ring = tiny_config(tie_embeddings=False, num_layers=1, window_size=13, num_sink_tokens=4)
+    params = model_lib.init_params(cfg, 0)
+    tokens, nxt = prompt(2, 40), jnp.asarray([[5], [7]], jnp.int32)
+    out = {}
+    for name, c in (("compressed", cfg), ("ring", ring)):
+        cache = cache_lib.init_cache(c, 2, 64)
+        _, cache = decode.prefill(params, c, tokens, cache)
+        if name == "compressed":  # before the step, which donates the cache
+            kept = np.asarray(cache_lib.read(c, cache.layer(0), "k"))
+        out[name] = np.asarray(decode.decode_step(params, nxt, cache, cfg=c)[0])
+    np.testing.assert_allclose(out["compressed"], out["ring"], rtol=1e-5, atol=1e-5)
+    pcfg = compress_lib.prompt_config(cfg)
+    full = cache_lib.init_cache(pcfg, 2, 40)
+    _, full = decode.prefill(params, pcfg, tokens, full)
+    k = np.asarray(cache_lib.read(pcfg, full.layer(0), "k"))
+    keep = list(range(4)) + list(range(32, 40))
+    s_axis = cache_lib.slot_axis(pcfg, "k")
+    np.testing.assert_array_equal(np.take(kept, range(12), axis=s_axis),
+                                  np.take(k, keep, axis=s_axis))
+
+
+def test_rows_compress_independently():
+    """A row's tokens do not depend on its batch-mates: lockstep rows, and ragged rows
+    of different lengths (each scored on its own tokens, its own window)."""
+    cfg = cfg_for("snapkv", budget=16)
+    params = model_lib.init_params(cfg, 0)
+    tokens = prompt(2, 50, seed=4)
+    both = decode_tokens(params, cfg, tokens)
+    for b in range(2):
+        np.testing.assert_array_equal(both[b], decode_tokens(params, cfg, tokens[b:b + 1])[0])
+    lengths = np.array([50, 37])
+    cache = cache_lib.init_cache(cfg, 2, 128, ragged=True)
+    logits, cache = ragged.prefill_ragged(params, cfg, tokens, lengths, cache)
+    for b in range(2):
+        alone = cache_lib.init_cache(cfg, 1, 128, ragged=True)
+        want, alone = decode.prefill(params, cfg, tokens[b:b + 1, :lengths[b]], alone)
+        np.testing.assert_allclose(np.asarray(logits[b]), np.asarray(want[0]), rtol=1e-5,
+                                   atol=1e-5)
+        for name in cache.tensors:
+            np.testing.assert_allclose(np.asarray(cache.layer(1)[name][b]),
+                                       np.asarray(alone.layer(1)[name][0]), rtol=1e-5,
+                                       atol=1e-6, err_msg=f"row {b} {name}")
+        np.testing.assert_array_equal(np.asarray(cache.positions[b]),
+                                      np.asarray(alone.positions[0]))
+
+
+def test_scanned_layers_compress_as_unrolled():
+    cfg = cfg_for("h2o")
+    params = model_lib.init_params(cfg.replace(scan_layers=True), 0)
+    tokens = prompt(1, 45, seed=2)
+    scanned = decode_tokens(params, cfg.replace(scan_layers=True), tokens)
+    unrolled = decode_tokens(model_lib.params_for(cfg.replace(scan_layers=False), params),
+                             cfg.replace(scan_layers=False), tokens)
+    np.testing.assert_array_equal(scanned, unrolled)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(kv_compression="snapkv", kv_budget=0), "kv_budget=0"),
+    (dict(kv_compression="snapkv", kv_budget=None), "kv_budget=None"),
+    (dict(kv_compression="nope", kv_budget=8), "kv_compression='nope'"),
+    (dict(kv_compression=None, kv_budget=8), "kv_budget=8"),
+    (dict(kv_compression="streaming_llm", kv_budget=4), "kv_budget=4.*4 slots"),
+    (dict(kv_compression="snapkv", kv_budget=64), "kv_budget=64.*64 slots"),
+    (dict(kv_compression="snapkv", kv_budget=100, window_size=32), "window_size=32"),
+    (dict(kv_compression="snapkv", kv_budget=100,
+          compression=compression.CompressionConfig(schedule="step")), "schedule='step'"),
+    (dict(kv_compression="snapkv", kv_budget=100,
+          compression=compression.CompressionConfig(pooling_kernel=4)), "pooling_kernel=4"),
+])
+def test_bad_fields_are_refused_by_name(fields, match):
+    with pytest.raises(ConfigError, match=match):
+        tiny_config(**fields)
+
+
+def test_mla_is_refused():
+    from tests.conftest import tiny_mla_config
+    with pytest.raises(ConfigError, match="attention='mla'"):
+        tiny_mla_config(kv_compression="snapkv", kv_budget=100)
+
+
+@pytest.mark.parametrize("run, match", [
+    (dict(max_seq_len=64), "kv_budget=100.*max_seq_len=64"),
+    (dict(page_size=16), "page_size=16"),
+    (dict(prefill_chunk=32), "prefill_chunk=32"),
+])
+def test_run_level_refusals(run, match):
+    model = tiny_config(kv_compression="snapkv", kv_budget=100)
+    with pytest.raises(ConfigError, match=match):
+        RunConfig(model=model, weights="random", **run)
+
+
+def test_speculative_is_refused():
+    from kvjax.config import SpeculativeConfig
+    model = tiny_config(kv_compression="snapkv", kv_budget=100)
+    with pytest.raises(ConfigError, match="speculative.drafter='ngram'"):
+        RunConfig(model=model, weights="random", speculative=SpeculativeConfig(
+            drafter="ngram", k=2))
+
+
+def test_a_toy_method_is_one_registration(monkeypatch):
+    """A new method is one ``register`` call (what a new file in kvjax/compression does):
+    the config accepts it, the prefill applies it, theory and the compiled decode step
+    count its cache, with no other edit."""
+    def newest_first(obs):  # keeps the most recent slots: the window without sinks
+        return jnp.broadcast_to(obs.key_positions[:, None, :].astype(jnp.float32),
+                                obs.keys.shape[:3])
+
+    toy = compression.Method(name="toy_recent", score=newest_first, queries="none",
+                             reference="this test")
+    monkeypatch.setitem(compression._METHODS, "toy_recent", toy)
+    cfg = cfg_for("toy_recent", budget=10, num_layers=1)
+    params = model_lib.init_params(cfg, 0)
+    cache = cache_lib.init_cache(cfg, 1, 64)
+    _, cache = decode.prefill(params, cfg, prompt(1, 30), cache)
+    assert cache_lib.cache_bytes(cache) == theory.kv_cache_bytes(cfg, 30)
+    step = costs.analyze_decode_step(cfg, 30, jaxpr=False)
+    assert step.cache_bytes == cache_lib.cache_bytes(cache)
+    assert step.theory_parts["bytes"]["kv_read"] == theory.kv_cache_bytes(cfg, 30)
+    assert step.xla.bytes >= step.cache_bytes  # the compiled step reads the whole cache
+    row = step.as_dict(nested=False)
+    assert row["kv_compression"] == "toy_recent" and row["kv_budget"] == 10
+
+
+def test_scoring_overhead_is_counted():
+    """SnapKV's overhead in the compiled prefill covers at least its window's scores:
+    2·H FLOP per (query head, window query, slot) and layer."""
+    cfg = cfg_for("snapkv", budget=24)
+    t, w = 64, KNOBS.observation_window
+    over = costs.compression_overhead(cfg, t)
+    floor = cfg.num_layers * cfg.num_heads * w * t * 2 * cfg.head_dim
+    assert over["flops"] >= floor
+    assert over["prefill_flops"] > over["flops"]
