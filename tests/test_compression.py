@@ -332,3 +332,20 @@ def test_scoring_overhead_is_counted():
     floor = cfg.num_layers * cfg.num_heads * w * t * 2 * cfg.head_dim
     assert over["flops"] >= floor
     assert over["prefill_flops"] > over["flops"]
+
+
+def test_the_dense_engine_serves_compressed_rows():
+    """Each request's row is compressed at its own prefill (a one-row ragged prefill)
+    and decoded beside the others: its tokens equal its decoding alone. Pages refused."""
+    from kvjax.inference import engine
+    cfg = cfg_for("snapkv", budget=20)
+    params = model_lib.init_params(cfg, 0)
+    r = np.random.default_rng(0)
+    prompts = [tuple(int(x) for x in r.integers(3, 97, n)) for n in (50, 33, 61)]
+    eng = engine.Engine(params, cfg, num_slots=2, max_seq_len=128)
+    done, _ = eng.run([engine.Request(i, p, 8) for i, p in enumerate(prompts)])
+    for c, p in zip(done, prompts):
+        want = decode_tokens(params, cfg, jnp.asarray([p], jnp.int32), steps=7)[0]
+        np.testing.assert_array_equal(np.asarray(c.tokens), want)
+    with pytest.raises(ConfigError, match="page_size=16"):
+        engine.Engine(params, cfg, num_slots=2, max_seq_len=128, page_size=16, num_pages=32)

@@ -687,11 +687,12 @@ class Engine:
                         ("steps_per_sync", steps_per_sync)):
             if int(v) < 1:
                 raise ValueError(f"{name}={v}; allowed: an integer >= 1")
-        if cfg.kv_compression is not None:
+        if cfg.kv_compression is not None and (page_size or speculative is not None):
             raise ConfigError(
-                f"model.kv_compression={cfg.kv_compression!r} in the slot engine; allowed: "
-                "None (its rows are prefilled in chunks beside running ones; compressing "
-                "a row there is not implemented: use the main job or the ragged loop)")
+                f"model.kv_compression={cfg.kv_compression!r} with "
+                f"{'page_size=' + str(page_size) if page_size else 'speculative decoding'}"
+                "; allowed: dense rows without speculation (a compressed row is the one-row "
+                "prefill's kept slots, copied into a dense row)")
         self.num_slots, self.max_seq_len = int(num_slots), int(max_seq_len)
         self.rows = row_store(self.num_slots, self.max_seq_len, page_size, num_pages,
                               prefix_cache)
