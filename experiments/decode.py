@@ -124,7 +124,8 @@ def long_context_lines(c) -> list:
     s, lc = c.step, c.long_context
     t_star = theory.crossover_context(s.cfg)
     share = runner.kv_share(s.theory_parts["bytes"])
-    star = ("never: the window's cache stays below the weights" if t_star == float("inf")
+    held = "compressed" if s.cfg.kv_compression else "window's"
+    star = (f"never: the {held} cache stays below the weights" if t_star == float("inf")
             else f"t* = {t_star:,.0f} tokens")
     head = (f"the bottleneck (blog 'The crossover'): the KV cache is {share:.1%} of a "
             f"step's bytes at the run's context t = {s.context:,} (compiled: "
