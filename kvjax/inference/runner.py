@@ -354,12 +354,16 @@ def long_context(run: RunConfig, loaded: LoadedModel) -> tuple[int, str]:
 
 def lever_baseline(cfg: ModelConfig) -> tuple[str, ModelConfig] | None:
     """(what the lever is, the same model without it) for the lever ``cfg`` adds last,
-    in the blog's order of use: a sliding window (lever 3: the same model with full
-    attention), a quantized cache (lever 4: the cache in the model's dtype), fewer KV
+    in the blog's order of use: a compressed cache (lever 5: the full cache), a sliding
+    window (lever 3: the same model with full attention), a quantized cache (lever 4: the cache in the model's dtype), fewer KV
     heads (lever 1: MHA, K = N). None for MHA itself and for MLA (lever 2: a different
     parameterisation, with no MHA of the same weights)."""
     if cfg.is_mla:
         return None
+    if cfg.kv_compression is not None:
+        return (f"lever 5, {cfg.kv_compression} keeping {cfg.kv_budget} scored slots + "
+                f"{cfg.compression.recent_slots} recent: against the full cache",
+                cfg.replace(kv_compression=None, kv_budget=None, plan=None))
     if cfg.window_size is not None:
         return (f"lever 3, a sliding window of W = {cfg.window_size}: against the same "
                 "model with full attention",
