@@ -388,13 +388,16 @@ def main(argv):
     try:
         # every check that needs no weights first: config, grid, lengths, output paths,
         # one sample of each task at each length (a length too short fails here)
-        run = run_config_from_dict(_CONFIG.value)
         if _FULL.value:
             grid = (_TASKS.value, [str(n) for n in FULL_LENGTHS],
                     [str(d) for d in FULL_DEPTHS], FULL_SAMPLES)
         else:
             grid = (_TASKS.value, _LENGTHS.value, _DEPTHS.value, _SAMPLES.value)
         tasks, lengths, depths, samples = parse_grid(*grid)
+        given = _CONFIG.value.to_dict()
+        if not _given("config.max_seq_len"):  # each length builds its own cache
+            given["max_seq_len"] = max(lengths)
+        run = run_config_from_dict(given)
         context = trained_context(run)
         check_lengths(lengths, run.max_seq_len if _given("config.max_seq_len") else None,
                       context, _BEYOND.value)
