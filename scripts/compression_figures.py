@@ -27,9 +27,10 @@ from kvjax.models import model as model_lib
 
 
 def smollm2(**fields):
-    """SmolLM2-135M in float32 with the main job's formulations ('auto': the planner's
-    picks on this machine, made before tracing)."""
-    return presets.smollm2_135m("float32").replace(
+    """SmolLM2-135M in float32 as the main job runs it: the planner's formulations
+    ('auto', picked on this machine before tracing) and the backend's layer stack
+    (unrolled on CPU, docs/decisions/0002-unrolled-layer-stack-on-cpu.md)."""
+    return presets.smollm2_135m("float32", scan_layers=None).replace(
         decode_attention="auto", weight_matmul="auto", **fields)
 
 
@@ -94,29 +95,48 @@ def main():
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", default="allocated,step,overhead,timed",
+                    help="which tables to print")
     a = ap.parse_args()
+    only = a.only.split(",")
     budgets = [int(b) for b in a.budgets.split(",")]
     print(f"device: {jax.devices()[0].device_kind}")
 
-    print("\n| method | budget | slots | allocated B | theory B | equal |\n|---|---|---|---|---|---|")
-    for m, b, s, got, want in allocated_rows([b for b in budgets if b <= a.prompt], a.prompt):
-        print(f"| {m} | {b} | {s} | {got:,} | {want:,} | {got == want} |")
+    if "allocated" in only:
+        print("\n| method | budget | slots | allocated B | theory B at the prompt | equal |"
+              "\n|---|---|---|---|---|---|")
+        for m, b, s, got, want in allocated_rows([b for b in budgets if b <= a.prompt],
+                                                 a.prompt):
+            print(f"| {m} | {b} | {s} | {got:,} | {want:,} | {got == want} |")
 
-    print(f"\n| decode step at t={a.context} | theory B | compiled B (+kernels) | "
+    if "step" in only:
+        _print_steps(budgets, a.context)
+    if "overhead" in only:
+        _print_overhead(a.context)
+    if "timed" in only:
+        _print_timed(a)
+
+
+def _print_steps(budgets, context):
+    print(f"\n| decode step at t={context} | theory B | compiled B (+kernels) | "
           "compiled/theory | KV read theory | KV read compiled | KV compiled/theory |"
           "\n|---|---|---|---|---|---|---|")
-    for name, s in step_rows(budgets, a.context):
+    for name, s in step_rows(budgets, context):
         tb, xb = s.theory_bytes, s.xla.bytes + s.xla.uncosted_bytes
         kv, kvx = s.theory_parts["bytes"]["kv_read"], s.attribution.bytes["kv_read"]
         print(f"| {name} | {tb:,.0f} | {xb:,.0f} | {xb / tb:.3f} | {kv:,} | {kvx:,.0f} | "
               f"{kvx / kv:.3f} |")
 
+
+def _print_overhead(context):
     print(f"\n| method | scoring overhead FLOP | overhead bytes | prefill FLOP "
-          f"(t={a.context}, budget 512) | overhead share |\n|---|---|---|---|---|")
-    for m, o in overhead_rows(a.context, 512):
+          f"(t={context}, budget 512) | overhead share |\n|---|---|---|---|---|")
+    for m, o in overhead_rows(context, 512):
         print(f"| {m} | {o['flops']:,.0f} | {o['bytes']:,.0f} | {o['prefill_flops']:,.0f} | "
               f"{o['flops'] / o['prefill_flops']:.3f} |")
 
+
+def _print_timed(a):
     med = timed(a.context, 512, a.repeats, a.rounds)
     base = med["full t=512"]
     print(f"\n| step (median of {a.rounds} interleaved rounds x {a.repeats}) | ms | "

@@ -262,7 +262,7 @@ def test_scanned_layers_compress_as_unrolled():
     (dict(kv_compression="nope", kv_budget=8), "kv_compression='nope'"),
     (dict(kv_compression=None, kv_budget=8), "kv_budget=8"),
     (dict(kv_compression="streaming_llm", kv_budget=4), "kv_budget=4.*4 slots"),
-    (dict(kv_compression="snapkv", kv_budget=64), "kv_budget=64.*64 slots"),
+    (dict(kv_compression="snapkv", kv_budget=32), "kv_budget=32.*32 slots"),
     (dict(kv_compression="snapkv", kv_budget=100, window_size=32), "window_size=32"),
     (dict(kv_compression="snapkv", kv_budget=100,
           compression=compression.CompressionConfig(schedule="step")), "schedule='step'"),
