@@ -81,8 +81,7 @@ def choice_sites(root: pathlib.Path = ROOT / "kvjax") -> dict[str, int]:
         def visit(node, where):
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    visit(child, f"{where}.{child.name}" if where != module or True
-                          else child.name)
+                    visit(child, f"{where}.{child.name}")
                     continue
                 if isinstance(child, ast.ClassDef):
                     visit(child, f"{where}.{child.name}")
