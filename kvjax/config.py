@@ -431,6 +431,16 @@ class ModelConfig:
         (:data:`kvjax.plan.REFERENCE`) when none was resolved."""
         return self.plan if self.plan is not None else REFERENCE
 
+    def formulation(self, site: kernels.Site, plan: Plan | None = None,
+                    pick: str | None = None) -> str:
+        """The formulation that runs ``site`` (:class:`kvjax.kernels.Site`) for this
+        config: its field for the op (``decode_attention``, ``prefill_impl``,
+        ``weight_matmul``) and the pick of ``plan`` (default: its own), or ``pick``, by
+        the registry's rule (:func:`kvjax.kernels.select`). Raises its ValueError."""
+        plan = self.execution if plan is None else plan
+        return kernels.select(site.op, getattr(self, kernels.FIELD[site.op]), site,
+                              pick or plan.pick(site))
+
     def cache_layout(self, name: str) -> str:
         """'BKSH' or 'BKHS': the layout of cached tensor ``name`` ('k' or 'v'), with
         'auto' resolved by :func:`kvjax.backend.kv_layout` for the config's backend."""
@@ -581,44 +591,21 @@ def validate_model_config(c: ModelConfig) -> None:
     for f in ("key_layout", "value_layout"):
         if getattr(c, f) not in KV_LAYOUTS:
             _fail(f"model.{f}", getattr(c, f), f"one of {list(KV_LAYOUTS)}")
-        if c.attention == "mla" and getattr(c, f) != "auto":
+        layout = getattr(c, f)
+        if c.attention == "mla" and layout != "auto":
             _fail(f"model.{f}", getattr(c, f),
                   "'auto' for attention='mla' (MLA caches a latent [B, S, C], no heads)")
-    if c.decode_attention not in DECODE_ATTENTION:
-        _fail("model.decode_attention", c.decode_attention, f"one of {list(DECODE_ATTENTION)}")
-    if c.decode_attention == "pallas" and c.backend != "gpu":
-        _fail("model.decode_attention", c.decode_attention,
-              f"'auto', 'xla', 'xla_cache_left' or 'native' on backend {c.backend!r} "
-              "('pallas' is JAX's GPU decode-attention kernel)")
-    if c.decode_attention == "native" and c.backend != "cpu":
-        _fail("model.decode_attention", c.decode_attention,
-              f"'auto', 'xla', 'xla_cache_left' or 'pallas' on backend {c.backend!r} "
-              "('native' is a CPU kernel)")
     cache_dtype = c.kv_dtype or c.dtype
-    if c.decode_attention == "native" and cache_dtype != "float32":
-        # refused here, not after the weights load (the kernel reads a float32 cache)
-        _fail("model.decode_attention", c.decode_attention,
-              f"'auto', 'xla' or 'xla_cache_left' for a {cache_dtype} cache ('native' reads "
-              "float32 caches; 'auto' uses XLA for the others)")
-    if c.weight_matmul not in WEIGHT_MATMUL:
-        _fail("model.weight_matmul", c.weight_matmul, f"one of {list(WEIGHT_MATMUL)}")
-    if c.weight_matmul.startswith("native") and c.dtype != "float32":
-        # the kernel is float32: 'native' here would silently run XLA's dots
-        _fail("model.weight_matmul", c.weight_matmul,
-              f"'xla' or 'auto' for dtype={c.dtype!r} ({c.weight_matmul!r} multiplies "
-              "float32 weights; 'auto' uses XLA for the others)")
-    if c.prefill_impl not in PREFILL_IMPLS:
-        _fail("model.prefill_impl", c.prefill_impl, f"one of {list(PREFILL_IMPLS)}")
-    if c.prefill_impl == "native" and c.backend != "cpu":
-        _fail("model.prefill_impl", c.prefill_impl,
-              f"'tiled', 'dense' or 'auto' on backend {c.backend!r} ('native' is a CPU "
-              "kernel)")
-    if c.prefill_impl == "cudnn" and (c.backend != "gpu"
-                                      or c.dtype not in ("bfloat16", "float16")):
-        _fail("model.prefill_impl", c.prefill_impl,
-              f"'tiled', 'dense', 'native' (CPU) or 'auto' with backend {c.backend!r} and "
-              f"dtype {c.dtype!r} ('cudnn' needs backend 'gpu' and dtype bfloat16 or "
-              "float16)")
+    for op, dtype in (("decode_attention", cache_dtype), ("weight_matmul", c.dtype),
+                      ("prefill_attention", c.dtype)):
+        # the registry's refusals: a formulation that cannot run on this backend / dtype
+        # is refused here, before the weights load (kvjax.kernels.select, strict)
+        field = kernels.FIELD[op]
+        try:
+            kernels.select(op, getattr(c, field), kernels.static_site(op, c.backend, dtype),
+                           strict=True)
+        except ValueError as e:
+            raise ConfigError(f"invalid config: {e}") from None
     _positive("model.prefill_block_q", c.prefill_block_q)
     _positive("model.prefill_block_k", c.prefill_block_k)
     if c.attention == "mla":

@@ -59,6 +59,8 @@ class Plan:
         :mod:`kvjax.models.decode_kernels`).
       weight_matmul: ((shape class, formulation), ...) for ``weight_matmul='auto'``
         (:func:`weight_class`; 'xla', 'native', 'native_ksplit', 'native_lanes').
+      prefill_attention: (('prompt' | 'chunk', formulation), ...): the prompt's
+        attention into an empty cache and as a chunk over a cache.
       native: the native CPU kernels (:mod:`kvjax.native`) built and loaded for this
         process, among :data:`NATIVE_KERNELS`; formulations that need one that is not
         here run as the reference ('xla', or the tiled prefill).
@@ -71,6 +73,7 @@ class Plan:
 
     decode_attention: tuple[tuple[str, str], ...] = ()
     weight_matmul: tuple[tuple[str, str], ...] = ()
+    prefill_attention: tuple[tuple[str, str], ...] = ()
     native: tuple[str, ...] = ()
     mesh_axes: tuple[tuple[str, int], ...] = ()
     manual_axes: tuple[str, ...] = ()
@@ -114,6 +117,15 @@ class Plan:
         has none)."""
         return dict(self.decode_attention).get(name, default)
 
+    def pick(self, site) -> str | None:
+        """The measured pick for ``site``'s class (a :class:`kvjax.kernels.Site`: its
+        ``key``, else its ``base_key``), or None where the plan has none (the registry's
+        rule then runs its default, :func:`kvjax.kernels.select`)."""
+        table = dict({"decode_attention": self.decode_attention,
+                      "weight_matmul": self.weight_matmul,
+                      "prefill_attention": self.prefill_attention}.get(site.op, ()))
+        return table.get(site.key) or table.get(site.base_key)
+
     def weight_matmul_for(self, name: str) -> str:
         """The formulation for weight-product class ``name`` ('xla' if the plan has
         none)."""
@@ -133,6 +145,8 @@ class Plan:
             out.append(f"  decode attention {name}: {impl}")
         for name, impl in self.weight_matmul:
             out.append(f"  weight product {name}: {impl}")
+        for name, impl in self.prefill_attention:
+            out.append(f"  prompt attention ({name}): {impl}")
         return out
 
 

@@ -55,7 +55,7 @@ import numpy as np
 
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
-from kvjax import native
+from kvjax import kernels, native
 from kvjax.analysis import hardware
 from kvjax.config import ModelConfig
 from kvjax.cache import paged
@@ -67,7 +67,8 @@ from kvjax.native import rows_matmul as rm
 from kvjax.plan import Plan, weight_class
 
 MIN_MEASURED_BYTES = 256 * 1024
-CANDIDATES = ("xla", "xla_cache_left", "native")
+CANDIDATES = tuple(f.name for f in kernels.formulations("decode_attention") if f.measured)
+"""The decode-attention formulations the planner times (the registry's measured ones)."""
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
              "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "asimd", "sve")
 _lock = threading.RLock()
@@ -296,24 +297,25 @@ def _decide(calls: dict[str, list[float]]) -> Decision:
     """
     secs = {n: statistics.median(t) for n, t in calls.items()}
     n_calls = min(len(t) for t in calls.values())
-    if "xla" not in secs or len(secs) == 1:
+    ref = kernels.REFERENCE["decode_attention"]  # 'xla', the reference of every op
+    if ref not in secs or len(secs) == 1:
         best = min(secs, key=secs.get)
         return Decision(best, f"fastest median over {n_calls} calls each", True)
-    alt = min((n for n in secs if n != "xla"), key=secs.get)
-    gain = 1 - secs[alt] / secs["xla"]
-    fast, slow = (alt, "xla") if gain > 0 else ("xla", alt)
+    alt = min((n for n in secs if n != ref), key=secs.get)
+    gain = 1 - secs[alt] / secs[ref]
+    fast, slow = (alt, ref) if gain > 0 else (ref, alt)
     what = f"{alt} {gain:+.0%} in median against xla"
     p = mann_whitney_p(calls[fast], calls[slow])
     test = f"Mann-Whitney p = {p:.2g} {'<' if p < ALPHA else '>='} {ALPHA}, {n_calls} calls"
     if p < ALPHA:
         if fast == alt and gain < MIN_GAIN:
-            return Decision("xla", f"{what} ({test}), under the {MIN_GAIN:.0%} a pick "
+            return Decision(ref, f"{what} ({test}), under the {MIN_GAIN:.0%} a pick "
                                    "must gain: xla kept", True, p)
         return Decision(fast, f"{what} ({test}): {fast}", True, p)
     if abs(gain) < MIN_GAIN and n_calls >= TIE_CALLS:
-        return Decision("xla", f"{what} ({test}), within {MIN_GAIN:.0%}: xla kept",
+        return Decision(ref, f"{what} ({test}), within {MIN_GAIN:.0%}: xla kept",
                         True, p)
-    return Decision("xla", f"{what}, undecided ({test}): xla kept", False, p)
+    return Decision(ref, f"{what}, undecided ({test}): xla kept", False, p)
 
 
 def _measure(fns: dict, args: tuple, rounds: int, budget_s: float,
@@ -374,7 +376,7 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
       ValueError: an unknown candidate (before any allocation), or none that applies
         here.
     """
-    known = tuple(i for i in decode_kernels.IMPLS if i != "auto")
+    known = decode_kernels.IMPLS
     if not candidates or any(c not in known for c in candidates):
         raise ValueError(f"candidates={tuple(candidates)!r}; allowed: a non-empty subset of "
                          f"{known}")
@@ -400,7 +402,7 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
         for impl in candidates:
             if not decode_kernels.supports(impl, backend, dtype, k_layout, v_layout, True, h, s):
                 continue
-            if impl == "native" and not native.load():
+            if kernels.get("decode_attention", impl).needs_plan and not native.load():
                 continue
             if not page_size:
                 fn = jax.jit(lambda *a, impl=impl: attend_step(
@@ -428,7 +430,7 @@ def _paged_step(q, k_pool, v_pool, mask, k_new, v_new, table, *, k_layout, v_lay
     (:mod:`kvjax.models.attention`): the formulations of
     :data:`kvjax.models.decode_kernels.IN_PLACE` read the pages in place, the others the
     rows' gathered views, zeroed where unseen (:meth:`kvjax.cache.paged.PagedKVCache.layer`)."""
-    if impl in decode_kernels.IN_PLACE:
+    if kernels.get("decode_attention", impl).in_place:
         return attend_step(q, k_pool, v_pool, mask, k_new, v_new, k_layout, v_layout,
                            impl=impl, backend=backend, block_table=table)
     views = (paged.gather_view(pool, table, -1 if lay == "BKHS" else -2, mask[:, 0])
@@ -633,17 +635,22 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
             loaded.add("prefill_attention")
         if cfg.weight_matmul != "xla" and cfg.dtype == "float32" and rm.load():
             loaded.add("rows_matmul")
+    plan = dataclasses.replace(plan, native=tuple(sorted(loaded)))
     decode = {}
     if cfg.decode_attention == "auto" and not cfg.is_mla:
         widths = sorted({1} | {int(t) for t in queries if 1 < int(t) <= SMALL_CHUNK})
         for b, s in sorted({(int(b), n if page_size else cache_lib.num_slots(cfg, n))
                             for b in batch_sizes for n in lengths}):
             for t in widths:
-                name = decode_kernels.shape_class(cfg, b, s, decode_kernels.read_dtype(cfg),
-                                                  page_size, t)
-                pick = _decode_pick(cfg, b, s, mesh, page_size, t)
-                decode[name] = "xla" if pick == "native" and "decode_attention" not in \
-                    loaded else pick
+                # the class's measured pick, then the registry's rule over it (a kernel
+                # not loaded, the dense-window rule, 1-byte codes, sinks): what runs
+                site = decode_kernels.site(cfg, b, t, s, True, page_size, plan)
+                decode[site.key] = cfg.formulation(site, plan, _decode_pick(
+                    cfg, b, s, mesh, page_size, t))
+    # the prompt's attention, into an empty cache and as a chunk over a cache
+    prompt = {site.key: cfg.formulation(site, plan) for site in (
+        decode_kernels.site(cfg, 1, SMALL_CHUNK + 1, 0, cached, plan=plan)
+        for cached in (False, True))}
     weights = {}
     if cfg.weight_matmul == "auto" and "rows_matmul" in loaded and not mesh:
         chunks = {int(b) * int(t) for b in batch_sizes for t in queries}
@@ -654,7 +661,7 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
                 weights[weight_class(m, k, n, layout)] = _weight_pick(m, k, n, layout)
     plan = dataclasses.replace(plan, decode_attention=tuple(sorted(decode.items())),
                                weight_matmul=tuple(sorted(weights.items())),
-                               native=tuple(sorted(loaded)))
+                               prefill_attention=tuple(sorted(prompt.items())))
     return cfg.replace(plan=plan)
 
 
@@ -759,7 +766,7 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
                  "native_lanes": lambda a, b: rm.rows_matmul(a, b, layout, lanes=True)}
         fns = {}
         for name in candidates:
-            if name != "xla" and not _weight_native_ok(m):
+            if kernels.get("weight_matmul", name).needs_plan and not _weight_native_ok(m):
                 continue
             if wm.applies(name, m, layout) != name:
                 continue  # the kernel runs it as 'native' does: nothing to choose

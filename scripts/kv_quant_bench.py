@@ -12,10 +12,10 @@ robin, ``--reps`` rounds); the median is reported with the ratio to the first kv
 included: ``theory.step_bytes``), i.e. the speedup a bandwidth-bound step would get.
 
 ``int8:dequant`` / ``float8_e4m3fn:dequant``: the same cache with the scales applied
-before the dots (``kvjax.models.attention.SCALE_OUTSIDE_DOTS = False``: the codes are
-dequantized, then attended), the formulation the default replaced; the plain names use
-the default (scales outside the dots: only a convert of the codes stays on the dot
-operands). Per variant the compiled step is searched for materialised float32 tensors of
+before the dots (the registry without its 'xla_scaled' rule, ``kvjax.kernels``: the codes
+are dequantized, then attended by 'xla'), the formulation the default replaced; the plain
+names use the default ('xla_scaled': scales outside the dots, only a convert of the codes
+stays on the dot operands). Per variant the compiled step is searched for materialised float32 tensors of
 one layer's full K or V cache shape (``f32 copies of the cache``: 0 means XLA streamed
 the 1-byte cache into the dots).
 """
@@ -32,9 +32,9 @@ import jax.numpy as jnp
 
 from kvjax.config import ConfigError
 from kvjax import cache as cache_lib
-from kvjax import presets
+from kvjax import kernels, presets
 from kvjax.analysis import hlo_cost, theory
-from kvjax.models import attention, model
+from kvjax.models import model
 
 MODELS = {"smollm2": presets.smollm2_135m, "blog": presets.blog_model}
 
@@ -106,7 +106,9 @@ def run_context(fwd, base, raw, mname, t, names, reps):
                               length=jnp.full((1,), t - 1, jnp.int32))
         tok = jnp.zeros((1, 1), jnp.int32)
         pos = jnp.full((1, 1), t - 1, jnp.int32)
-        attention.SCALE_OUTSIDE_DOTS = how != "dequant"
+        saved = kernels.REGISTRY
+        if how == "dequant":  # without the 'xla_scaled' rule: dequantize, then attend
+            kernels.unregister("decode_attention", "xla_scaled")
         try:
             hlo = fwd.lower(params, cfg, tok, pos, cache).compile().as_text()
             copies[n] = f32_cache_copies(hlo, cfg, t) if cfg.kv_quantized else None
@@ -114,7 +116,7 @@ def run_context(fwd, base, raw, mname, t, names, reps):
             out, caches[n] = fwd(params, cfg, tok, pos, cache)  # trace, compile, warm
             out.block_until_ready()
         finally:
-            attention.SCALE_OUTSIDE_DOTS = True
+            kernels.REGISTRY = saved
     times = {n: [] for n in names}
     for _ in range(reps):
         for n in names:

@@ -642,10 +642,14 @@ def test_small_caches_and_other_backends_skip_measuring(monkeypatch):
     big_k = jax.ShapeDtypeStruct((1, 2, 64, 4096), jnp.float32)
     assert _choice(cfg, big_k, big, mesh=True) == "xla"
     # (unmeasured: on one device this 4096-slot class would be measured, and fail)
+    # the plan holds what runs there: 'seq', the split cache's partial softmax states
+    # combined across devices (the registry's rule), never the kernel
     meshed = planner.resolve(cfg, max_seq_len=4096, mesh_axes={"seq": 2})
-    assert meshed.plan.decode_attention == ((CLASS, "xla"),)
+    assert meshed.plan.decode_attention == ((CLASS, "seq"),)
     assert meshed.plan.mesh_axes == (("seq", 2),)
-    assert decode_kernels.choose(meshed, big_k, big) == "xla"
+    assert decode_kernels.choose(meshed, big_k, big) == "seq"
+    model_split = planner.resolve(cfg, max_seq_len=4096, mesh_axes={"model": 2})
+    assert model_split.plan.decode_attention == ((CLASS, "xla"),)
 
 
 @pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")

@@ -98,7 +98,9 @@ def test_auto_picks_are_per_shape_class_and_printed(planner_home):
     assert all(impl in ("xla", "xla_cache_left", "native") for _, impl in
                cfg.plan.decode_attention)
     lines = cfg.plan.lines()
-    assert lines[0].startswith("plan: native kernels") and len(lines) == 3
+    # the header, two decode classes, the prompt's attention fresh and over a cache
+    assert lines[0].startswith("plan: native kernels") and len(lines) == 5
+    assert cfg.plan.prefill_attention == (("chunk", "tiled"), ("prompt", "tiled"))
 
 
 def test_paged_classes_are_measured_on_pages_and_read_by_the_paged_step(planner_home):
@@ -145,7 +147,8 @@ def test_mesh_plan_picks_xla_and_names_its_axes():
     plan = cfg.plan
     assert plan.mesh_axes == (("seq", 2),) and plan.seq_shards == 2
     assert plan.weight_matmul == ()
-    assert all(impl == "xla" for _, impl in plan.decode_attention)
+    # what runs: the split cache's states combined across 'seq', never a kernel
+    assert all(impl == "seq" for _, impl in plan.decode_attention)
     assert plan.per_device_axes() == (None, None)
     manual = plan.on_mesh({"data": 2, "seq": 2}, manual=("seq",))
     assert manual.seq_manual and manual.per_device_axes() == ("data", None)

@@ -31,8 +31,9 @@ import numpy as np
 
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
-from kvjax.cache import compress as compress_lib
+from kvjax import kernels
 from kvjax import planner
+from kvjax.cache import compress as compress_lib
 from kvjax.analysis import hlo_cost, roofline, theory
 from kvjax.inference import decode, memory
 from kvjax.config import ModelConfig, SamplingConfig
@@ -474,7 +475,8 @@ def analyze_prefill(cfg: ModelConfig, prompt_len: int, max_seq_len: int,
         # XLA reports a custom call as -1 FLOP / -1 byte (removed by loop_aware_cost):
         # its operand + result bytes (XLA's shapes, loop-corrected) and, for the native
         # prompt attention, its causal FLOP from theory stand in, labelled as such.
-        native = flash.prefill_path(cfg) == "native"
+        native = kernels.get("prefill_attention", flash.prefill_path(cfg),
+                             internal=True).target is not None  # the native kernel
         attn = float(theory.prefill_attention_flops(cfg, prompt_len, batch)) if native else 0.0
         parts["custom_call"] = {
             "targets": list(xla.custom_calls),

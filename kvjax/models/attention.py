@@ -12,33 +12,24 @@ parameter/cache dtype; a query that sees no key gets zeros.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
-from kvjax import ops
+from kvjax import kernels, ops
 from kvjax.cache import paged as paged_lib
-from kvjax.cache.policy import policy_for
 from kvjax.config import ModelConfig
 from kvjax.models import decode_kernels, flash
+from kvjax.models.decode_kernels import SMALL_CHUNK  # noqa: F401 (re-exported)
 from kvjax.models.layers import Einsum, RMSNorm, apply_rope
 from kvjax.native import prefill as native_prefill
 from kvjax.ops import NEG_INF, weight_dtype
 from kvjax.ops import layout_spec as _spec
 from kvjax.plan import SEQ
-
-# A decode step over an int8 / fp8 cache (one scale per token per KV head) applies the
-# scales outside the dots (:func:`attend_step` with k_scale/v_scale) so that XLA:CPU fuses
-# the codes' convert into the dots; False: dequantize first (kvjax.cache.read), which
-# XLA materialises as a float32 copy of the cache. Measured in scripts/kv_quant_bench.py.
-SCALE_OUTSIDE_DOTS = True
-
-# A chunk of at most this many tokens over a dense cache (a speculative verify step of
-# k + 1 <= 16 tokens) runs :func:`attend_small_chunk`, the decode step's formulation;
-# longer chunks (prompts) run the prompt path (``prefill_impl``).
-SMALL_CHUNK = 16
 
 
 def dot_operand(x: jax.Array, backend: str | None = None) -> jax.Array:
@@ -161,21 +152,35 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
       ValueError: an unknown layout or impl; a block table with impl 'xla', sink scores
         or scales.
     """
-    scale = q.shape[-1] ** -0.5
-    q1 = q[:, 0]  # [B, K, G, H]
-    scaled = k_scale is not None
-    if block_table is not None and (impl == "xla" or sink_scores is not None or scaled):
-        raise ValueError(f"block_table needs impl other than 'xla' (got {impl!r}), no "
+    dims = decode_kernels.cache_dims(k_cache, v_cache, k_layout, v_layout)
+    # codes with scales are attended as float32 (the scales applied around the dots)
+    dtype = "float32" if k_scale is not None else jnp.dtype(k_cache.dtype).name
+    where = kernels.Site("decode_attention", backend=backend or backend_lib.current(),
+                         dtype=dtype, k_layout=k_layout,
+                         v_layout=v_layout, head_dim=q.shape[-1], slots=dims[2],
+                         quantized=k_scale is not None,
+                         sinks_at_cache=sink_scores is not None, native=kernels.NATIVE)
+    return kernels.run("decode_attention", kernels.select("decode_attention", impl, where),
+                       q[:, 0], k_cache, v_cache, mask, k_new, v_new, k_layout, v_layout,
+                       new_visible, sink_scores, backend, k_scale, v_scale, block_table,
+                       q.shape[-1] ** -0.5, entry="step")
+
+
+def _no_scales_nor_table(name, k_scale, block_table, tables_ok: bool = False) -> None:
+    """Raises ValueError where a step formulation is handed what it cannot read: scales
+    (only 'xla' reads 1-byte codes with their scales, as 'xla_scaled'), or a block table
+    (only a formulation that reads a paged cache's dense views or its pools does)."""
+    if k_scale is not None or (block_table is not None and not tables_ok):
+        raise ValueError(f"decode_attention={name!r}: k_scale/v_scale need impl='xla' and "
+                         "no sink_scores; block_table needs impl other than 'xla', no "
                          "sink_scores and no scales (those read the rows' dense views)")
-    if scaled and (impl != "xla" or sink_scores is not None or v_scale is None):
-        raise ValueError(f"k_scale/v_scale need impl='xla' (got {impl!r}), no sink_scores "
-                         "and both scales")
-    if scaled:
-        return _attend_step_scaled(q1, k_cache, k_scale, v_cache, v_scale, mask, k_new,
-                                   v_new, k_layout, v_layout, new_visible, scale)
-    if impl != "xla" and sink_scores is None:
-        return _attend_step_kernel(q1, k_cache, v_cache, mask, k_new, v_new, k_layout,
-                                   v_layout, new_visible, impl, backend, scale, block_table)
+
+
+def step_xla(name, q1, k_cache, v_cache, mask, k_new, v_new, k_layout, v_layout,
+             new_visible, sink_scores, backend, k_scale, v_scale, block_table, scale):
+    """:func:`attend_step` by 'xla' (and with sink scores, by any formulation): the
+    einsums below, the queries as the left operand."""
+    _no_scales_nor_table(name, k_scale, block_table)
     s_old = jnp.einsum(f"BKGH,{_spec(k_layout)}->BKGS", q1, k_cache,
                        preferred_element_type=jnp.float32) * scale
     if sink_scores is not None:  # the first slots are sinks scored with another query
@@ -219,9 +224,13 @@ def _new_token_scores(q1, k_new, v_new, k_layout, v_layout, new_visible, scale):
     return s_new, v1
 
 
-def _attend_step_scaled(q1, k_codes, k_scale, v_codes, v_scale, mask, k_new, v_new,
-                        k_layout, v_layout, new_visible, scale):
-    """:func:`attend_step` over 1-byte codes with per-slot scales ([B, K, S] float32)."""
+def step_scaled(name, q1, k_codes, v_codes, mask, k_new, v_new, k_layout, v_layout,
+                new_visible, sink_scores, backend, k_scale, v_scale, block_table, scale):
+    """:func:`attend_step` by 'xla_scaled': over 1-byte codes with per-slot scales
+    ([B, K, S] float32 each), applied outside the contractions."""
+    if v_scale is None or block_table is not None:
+        raise ValueError("k_scale/v_scale need impl='xla' (got 'xla_scaled' without both "
+                         "scales, or with a block_table), no sink_scores and both scales")
     s_old = jnp.einsum(f"BKGH,{_spec(k_layout)}->BKGS", q1.astype(jnp.float32),
                        k_codes.astype(jnp.float32), preferred_element_type=jnp.float32)
     s_old = s_old * (k_scale[:, :, None, :] * scale)
@@ -286,37 +295,19 @@ def _sinks(cfg: ModelConfig, q_sink, key_positions: jax.Array):
     return q_sink, (key_positions >= 0) & (key_positions < cfg.num_sink_tokens)
 
 
-def _attend_step_kernel(q1, k_cache, v_cache, mask, k_new, v_new, k_layout, v_layout,
-                        new_visible, impl, backend, scale, block_table=None):
-    """:func:`attend_step` through a formulation of :mod:`kvjax.models.decode_kernels`."""
+def step_kernel(name, q1, k_cache, v_cache, mask, k_new, v_new, k_layout, v_layout,
+                new_visible, sink_scores, backend, k_scale, v_scale, block_table, scale):
+    """:func:`attend_step` through formulation ``name``'s kernel over the old slots
+    (:func:`kvjax.models.decode_kernels.partial_attention`) and the new token merged."""
+    _no_scales_nor_table(name, k_scale, block_table, tables_ok=True)
     o, m, l = decode_kernels.partial_attention(
-        impl, q1, k_cache, v_cache, mask[:, 0], k_layout, v_layout,
+        name, q1, k_cache, v_cache, mask[:, 0], k_layout, v_layout,
         backend=backend or backend_lib.current(), block_table=block_table)
     k1 = k_new[:, :, 0] if k_layout == "BKSH" else k_new[..., 0]  # [B, K, H]
     v1 = v_new[:, :, 0] if v_layout == "BKSH" else v_new[..., 0]  # [B, K, Hv]
     s_new = jnp.einsum("BKGH,BKH->BKG", q1, k1, preferred_element_type=jnp.float32) * scale
     out = decode_kernels.merge_new(o, m, l, s_new, v1, new_visible)
     return out[:, None].astype(v_cache.dtype)
-
-
-def _attend_softcapped(c: ModelConfig, q, k_cur, v_cur, positions, cached,
-                       cached_positions):
-    """Attention with soft-capped scores (``c.attn_logit_softcap``, Gemma 2): the dense
-    formulation (:func:`attend`) over (the layer's cached slots ++ the chunk), for
-    prompts and decode steps alike; slots no query sees contribute nothing (their
-    values zeroed). q [B, T, K, G, H]; returns [B, T, K, G, H]."""
-    k_layout, v_layout = c.cache_layout("k"), c.cache_layout("v")
-    mask = cache_lib.attention_mask(positions, positions, c)
-    k, v = k_cur, v_cur
-    if cached is not None:
-        k_old, v_old = cache_lib.read(c, cached, "k"), cache_lib.read(c, cached, "v")
-        mask_old = cache_lib.attention_mask(positions, cached_positions, c)
-        v_old = ops.zero_unseen(v_old, jnp.any(mask_old, axis=1), cache_lib.slot_axis(c, "v"))
-        k = jnp.concatenate([k_old, k_cur], axis=cache_lib.slot_axis(c, "k"))
-        v = jnp.concatenate([v_old, v_cur], axis=cache_lib.slot_axis(c, "v"))
-        mask = jnp.concatenate([mask_old, mask], axis=2)
-    return attend(q, k, v, mask, k_layout, v_layout, backend=c.backend,
-                  logit_softcap=c.attn_logit_softcap)
 
 
 def query_scale(c: ModelConfig) -> float:
@@ -332,12 +323,13 @@ def _page_size(cached) -> int:
     return cached.page_size if isinstance(cached, paged_lib.PagedLayer) else 0
 
 
-def _in_place(cfg: ModelConfig, cached, impl: str, sink_s) -> tuple[dict, jax.Array | None]:
+def _in_place(cfg: ModelConfig, cached, f: kernels.Formulation,
+              sink_s) -> tuple[dict, jax.Array | None]:
     """({'k': pool, 'v': pool}, block table) when the decode formulation reads this
-    layer's paged cache where its pages lie (one of
-    :data:`kvjax.models.decode_kernels.IN_PLACE` on a float cache, no sink scores:
+    layer's paged cache where its pages lie (formulation ``f`` reads in place,
+    :attr:`kvjax.kernels.Formulation.in_place`, on a float cache, no sink scores:
     :class:`kvjax.cache.paged.PagedLayer`), else ({}, None): the dense views are read."""
-    if (isinstance(cached, paged_lib.PagedLayer) and impl in decode_kernels.IN_PLACE
+    if (isinstance(cached, paged_lib.PagedLayer) and f.in_place
             and not cfg.kv_quantized and sink_s is None):
         return {n: cached.pools[n] for n in ("k", "v")}, cached.block_table
     return {}, None
@@ -476,6 +468,178 @@ def norm_heads(c: ModelConfig, q: jax.Array, k: jax.Array) -> tuple[jax.Array, j
             RMSNorm(c.norm_eps, dt, name="k_norm")(k))
 
 
+class Call(NamedTuple):
+    """One layer's chunk as every attention formulation reads it (:func:`kernels.run`
+    hands it to the formulation's function with its name).
+
+    Attributes:
+      cfg: the config.
+      q: [B, T, K, G, H] the rotated (and scaled) queries.
+      q_sink: the queries rotated at cache positions for the sinks (same shape), or None.
+      new: the chunk's entries in the cache's representation (:func:`kvjax.cache.encode`).
+      positions: [B, T] int32 positions of the chunk (-1: padding).
+      cached: this layer's cache before the chunk, or None (a fresh prompt).
+      cached_positions: [B, S] int32 slot positions before the chunk, or None.
+    """
+
+    cfg: ModelConfig
+    q: jax.Array
+    q_sink: jax.Array | None
+    new: dict
+    positions: jax.Array
+    cached: dict | None
+    cached_positions: jax.Array | None
+
+    def layouts(self) -> tuple[str, str]:
+        return self.cfg.cache_layout("k"), self.cfg.cache_layout("v")
+
+    def current(self) -> tuple[jax.Array, jax.Array]:
+        """The chunk's keys and values as the cache will hold them (read back)."""
+        return cache_lib.read(self.cfg, self.new, "k"), cache_lib.read(self.cfg, self.new, "v")
+
+    def old(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(k_old, v_old, mask_old [B, T, S]): the cache's slots read before the write
+        (reading first keeps the in-place update copy-free, and in a ring buffer the
+        chunk's writes may evict keys that its earlier queries still see)."""
+        c = self.cfg
+        return (cache_lib.read(c, self.cached, "k"), cache_lib.read(c, self.cached, "v"),
+                cache_lib.attention_mask(self.positions, self.cached_positions, c))
+
+    def chunk_mask(self) -> jax.Array:
+        """[B, T, T] bool: the chunk keys each query sees."""
+        return cache_lib.attention_mask(self.positions, self.positions, self.cfg)
+
+    def seen(self, v_old: jax.Array, mask_old: jax.Array) -> jax.Array:
+        """``v_old`` with the slots no query sees zeroed: they then contribute exactly
+        nothing whatever they hold (a NaN or inf in a never-written slot, issue 32; a
+        weight of 0 times NaN is NaN). The prompt paths and a step over a dequantized
+        cache do it (the select fuses into a pass over the values that exists anyway);
+        a float decode step under XLA does not (a copy of the value cache per step,
+        docs/results): its programs clear never-written slots once on entry
+        (``model.clear_masked_slots``), and formulations that skip masked slots
+        (:attr:`kvjax.kernels.Formulation.skips_masked`) need neither. The keys need
+        nothing: every path selects the scores."""
+        return ops.zero_unseen(v_old, jnp.any(mask_old, axis=1),
+                               cache_lib.slot_axis(self.cfg, "v"))
+
+    def run_step(self, name: str) -> jax.Array:
+        """Decode-step formulations (op 'decode_attention': 'xla', 'xla_cache_left',
+        'native', 'pallas'): one position (:func:`attend_step`) or a small chunk over a
+        dense cache (:func:`attend_small_chunk`, the T queries as extra group rows, so the
+        cache is read once as in a plain step). Returns [B, T, K, G, H]."""
+        c, q, positions, cached = self.cfg, self.q, self.positions, self.cached
+        k_layout, v_layout = self.layouts()
+        k_cur, v_cur = self.current()
+        k_old, v_old, mask_old = self.old()
+        f = kernels.get("decode_attention", name)
+        v_step = self.seen(v_old, mask_old) if c.kv_quantized and not f.skips_masked else v_old
+        if q.shape[1] == 1:
+            sink_s = sink_scores(c, self.q_sink, k_old, k_layout)
+            pools, table = _in_place(c, cached, f, sink_s)
+            return attend_step(q, pools.get("k", k_old), pools.get("v", v_step), mask_old,
+                               k_cur, v_cur, k_layout, v_layout,
+                               new_visible=positions[:, 0] >= 0, sink_scores=sink_s,
+                               impl=name, backend=c.backend, block_table=table)
+        pools, table = _in_place(c, cached, f, None)
+        return _zero_padded(positions, attend_small_chunk(
+            q, pools.get("k", k_old), pools.get("v", v_step), jnp.any(mask_old, axis=1),
+            k_cur, v_cur, self.chunk_mask(), k_layout, v_layout, impl=name, backend=c.backend,
+            block_table=table))
+
+
+    def run_scaled(self, name: str) -> jax.Array:
+        """'xla_scaled': a decode step over 1-byte codes with per-slot scales, the scales
+        applied outside the dots (:func:`attend_step` with k_scale/v_scale) so that XLA:CPU
+        fuses the codes' convert into the dots; dequantizing first (:func:`kvjax.cache.read`)
+        materialises a float32 copy of the cache (scripts/kv_quant_bench.py)."""
+        c, cached = self.cfg, self.cached
+        k_cur, v_cur = self.current()
+        _, _, mask_old = self.old()
+        k_scale, v_scale = cache_lib.row_scales(c, cached)
+        return attend_step(self.q, cached["k"], cached["v"], mask_old, k_cur, v_cur,
+                           *self.layouts(), new_visible=self.positions[:, 0] >= 0,
+                           k_scale=k_scale, v_scale=v_scale).astype(c.jnp_dtype)
+
+
+    def run_seq(self, name: str) -> jax.Array:
+        """'seq': a chunk over a cache split over the mesh's 'seq' axis
+        (:func:`attend_cached_seq`)."""
+        k_cur, v_cur = self.current()
+        k_old, v_old, mask_old = self.old()
+        return attend_cached_seq(self.cfg.execution, self.q, k_old,
+                                 self.seen(v_old, mask_old), mask_old, k_cur, v_cur,
+                                 self.chunk_mask(), *self.layouts(), self.cfg.backend)
+
+
+    def run_dense(self, name: str) -> jax.Array:
+        """'dense': :func:`attend` over (the cache's old slots ++ the chunk), with sinks at
+        cache positions and soft-capped scores (Gemma 2) where the config has them."""
+        c = self.cfg
+        k, v = self.current()
+        mask, key_positions = self.chunk_mask(), self.positions
+        if self.cached is not None:
+            k_old, v_old, mask_old = self.old()
+            k = jnp.concatenate([k_old, k], axis=cache_lib.slot_axis(c, "k"))
+            v = jnp.concatenate([self.seen(v_old, mask_old), v], axis=cache_lib.slot_axis(c, "v"))
+            mask = jnp.concatenate([mask_old, mask], axis=2)
+            key_positions = jnp.concatenate([self.cached_positions, self.positions], axis=1)
+        return attend(self.q, k, v, mask, *self.layouts(), backend=c.backend,
+                      sinks=_sinks(c, self.q_sink, key_positions),
+                      logit_softcap=c.attn_logit_softcap)
+
+
+    def run_tiled(self, name: str) -> jax.Array:
+        """'tiled': :func:`kvjax.models.flash.attend_chunk` (online softmax over key
+        blocks), over the cache's old slots too when there is one."""
+        c = self.cfg
+        k_cur, v_cur = self.current()
+        k_layout, v_layout = self.layouts()
+        kw = dict(window_size=c.window_size, num_sink_tokens=c.num_sink_tokens,
+                  block_q=c.prefill_block_q, block_k=c.prefill_block_k, backend=c.backend,
+                  k_layout=k_layout, v_layout=v_layout)
+        if self.cached is not None:
+            k_old, v_old, mask_old = self.old()
+            kw.update(k_old=k_old, v_old=self.seen(v_old, mask_old),
+                      old_positions=self.cached_positions)
+        return _zero_padded(self.positions, flash.attend_chunk(self.q, k_cur, v_cur,
+                                                               self.positions, **kw))
+
+
+    def run_native_prefill(self, name: str) -> jax.Array:
+        """'native': the native prompt-attention kernel (:func:`_native_chunk`), which skips
+        masked old slots itself."""
+        c = self.cfg
+        k_cur, v_cur = self.current()
+        k_layout, v_layout = self.layouts()
+        kw = dict(window_size=c.window_size, num_sink_tokens=c.num_sink_tokens,
+                  k_layout=k_layout, v_layout=v_layout)
+        if self.cached is not None:
+            k_old, v_old, _ = self.old()
+            kw.update(k_old=k_old, v_old=v_old, old_positions=self.cached_positions)
+        return _native_chunk(c.execution, self.q, k_cur, v_cur, self.positions, **kw)
+
+
+    def run_cudnn(self, name: str) -> jax.Array:
+        """'cudnn': cuDNN's fused attention of a prompt into an empty cache
+        (:func:`kvjax.models.flash.attend_chunk_sdpa`)."""
+        k_cur, v_cur = self.current()
+        k_layout, v_layout = self.layouts()
+        return flash.attend_chunk_sdpa(self.q, k_cur, v_cur, self.positions, k_layout=k_layout,
+                                       v_layout=v_layout, window_size=self.cfg.window_size)
+
+
+def site(c: ModelConfig, cached, t: int) -> kernels.Site:
+    """The :class:`kvjax.kernels.Site` of one layer's chunk of ``t`` tokens over
+    ``cached`` (None: a fresh prompt), from static shapes
+    (:func:`kvjax.models.decode_kernels.site`)."""
+    if cached is None:
+        return decode_kernels.site(c, 1, t, 0, cached=False)
+    k_old = cache_lib.read(c, cached, "k")
+    b, _, s, _, _ = decode_kernels.cache_dims(k_old, k_old, c.cache_layout("k"),
+                                              c.cache_layout("k"))
+    return decode_kernels.site(c, b, t, s, True, _page_size(cached))
+
+
 class Attention(nn.Module):
     """Grouped-query attention layer with a functional KV cache.
 
@@ -531,109 +695,11 @@ class Attention(nn.Module):
         kk = jnp.swapaxes(apply_rope(kk, positions, **rot), 1, 2)  # [B, K, T, H]
         vv = jnp.swapaxes(vv, 1, 2)
 
-        k_layout, v_layout = c.cache_layout("k"), c.cache_layout("v")
         new = cache_lib.encode(c, {"k": cache_lib.to_layout(kk, c, "k"),
                                    "v": cache_lib.to_layout(vv, c, "v")})
-        tiled = dict(window_size=c.window_size, num_sink_tokens=c.num_sink_tokens,
-                     block_q=c.prefill_block_q, block_k=c.prefill_block_k, backend=c.backend)
-        # The tiled path scores every key with one query; sinks at cache positions need
-        # a second one for the sink keys, which the dense path does.
-        plan = c.execution
-        path = flash.prefill_path(c, q_sink is not None)
-        use_tiled = path in ("tiled", "cudnn")   # cudnn: chunks after the first run tiled
-        native = dict(window_size=c.window_size, num_sink_tokens=c.num_sink_tokens,
-                      k_layout=k_layout, v_layout=v_layout)
-        # The chunk attends to its own entries as the cache will hold them.
-        k_cur, v_cur = cache_lib.read(c, new, "k"), cache_lib.read(c, new, "v")
-        if c.attn_logit_softcap is not None:  # Gemma 2: the dense formulation
-            out = _attend_softcapped(c, q, k_cur, v_cur, positions, cached, cached_positions)
-        elif cached is None:  # no cache, or an empty one (a fresh prefill)
-            if path == "cudnn":
-                out = flash.attend_chunk_sdpa(q, k_cur, v_cur, positions, k_layout=k_layout,
-                                              v_layout=v_layout, window_size=c.window_size)
-            elif path == "native":
-                out = _native_chunk(plan, q, k_cur, v_cur, positions, **native)
-            elif use_tiled:
-                out = _zero_padded(positions, flash.attend_chunk(
-                    q, k_cur, v_cur, positions, k_layout=k_layout, v_layout=v_layout,
-                    **tiled))
-            else:
-                out = attend(q, k_cur, v_cur,
-                             cache_lib.attention_mask(positions, positions, c),
-                             k_layout, v_layout, backend=c.backend,
-                             sinks=_sinks(c, q_sink, positions))
-        else:
-            # Attend over (old slots ++ this chunk); the caller writes afterwards. Reading
-            # before writing keeps the in-place update copy-free, and in a ring buffer the
-            # chunk's writes may evict keys that its earlier queries still see.
-            k_old, v_old = cache_lib.read(c, cached, "k"), cache_lib.read(c, cached, "v")
-            mask_old = cache_lib.attention_mask(positions, cached_positions, c)
-            # Old slots no query sees contribute exactly nothing whatever they hold (a
-            # NaN or inf in a never-written slot, issue 32): their values are zeroed
-            # before the value product (a weight of 0 times NaN is NaN) on the prompt
-            # paths and, in a decode step or a small chunk, where the values are
-            # dequantized anyway (the select fuses into that pass); the native kernels
-            # skip them. Not in a float decode step or small chunk under XLA: a select
-            # there costs a copy of the value cache per step (docs/results); the
-            # programs running those clear the never-written slots once on entry
-            # (model.clear_masked_slots). The keys need nothing: every path selects
-            # the scores.
-            v_seen = lambda: ops.zero_unseen(v_old, jnp.any(mask_old, axis=1),
-                                             cache_lib.slot_axis(c, "v"))
-            if plan.seq_shards > 1:  # cache split over the mesh's 'seq' axis
-                out = attend_cached_seq(
-                    plan, q, k_old, v_seen(), mask_old, k_cur, v_cur,
-                    cache_lib.attention_mask(positions, positions, c), k_layout, v_layout,
-                    c.backend)
-            elif t == 1:
-                impl = decode_kernels.choose(c, k_old, v_old, _page_size(cached))
-                sink_s = sink_scores(c, q_sink, k_old, k_layout)
-                scales = cache_lib.row_scales(c, cached)
-                if (SCALE_OUTSIDE_DOTS and scales is not None and impl == "xla"
-                        and sink_s is None):
-                    # 1-byte codes with a scale per slot: the scales leave the dots
-                    out = attend_step(q, cached["k"], cached["v"], mask_old, k_cur, v_cur,
-                                      k_layout, v_layout, new_visible=positions[:, 0] >= 0,
-                                      k_scale=scales[0], v_scale=scales[1]).astype(dt)
-                else:
-                    v_step = v_seen() if c.kv_quantized and impl != "native" else v_old
-                    pools, table = _in_place(c, cached, impl, sink_s)
-                    out = attend_step(q, pools.get("k", k_old), pools.get("v", v_step),
-                                      mask_old, k_cur, v_cur, k_layout, v_layout,
-                                      new_visible=positions[:, 0] >= 0, sink_scores=sink_s,
-                                      impl=impl, backend=c.backend, block_table=table)
-            elif t <= SMALL_CHUNK and policy_for(c).kind == "dense":
-                # A few queries over the cache (a speculative verify step, a short chunk):
-                # the decode step's formulation with the T queries as extra group rows,
-                # so the cache is read once as in a plain step (docs/DESIGN.md).
-                # Masked values as in a decode step (model.clear_masked_slots).
-                impl = decode_kernels.choose(c, k_old, v_old, _page_size(cached), queries=t)
-                v_step = v_seen() if c.kv_quantized and impl != "native" else v_old
-                pools, table = _in_place(c, cached, impl, None)
-                out = _zero_padded(positions, attend_small_chunk(
-                    q, pools.get("k", k_old), pools.get("v", v_step),
-                    jnp.any(mask_old, axis=1), k_cur, v_cur,
-                    cache_lib.attention_mask(positions, positions, c), k_layout,
-                    v_layout, impl=impl, backend=c.backend, block_table=table))
-            elif path == "native":
-                out = _native_chunk(plan, q, k_cur, v_cur, positions, k_old=k_old,
-                                    v_old=v_old, old_positions=cached_positions, **native)
-            elif use_tiled:
-                out = _zero_padded(positions, flash.attend_chunk(
-                    q, k_cur, v_cur, positions, k_old=k_old, v_old=v_seen(),
-                    old_positions=cached_positions, k_layout=k_layout, v_layout=v_layout,
-                    **tiled))
-            else:
-                mask_new = cache_lib.attention_mask(positions, positions, c)
-                out = attend(q,
-                             jnp.concatenate([k_old, k_cur], axis=cache_lib.slot_axis(c, "k")),
-                             jnp.concatenate([v_seen(), v_cur],
-                                             axis=cache_lib.slot_axis(c, "v")),
-                             jnp.concatenate([mask_old, mask_new], axis=2),
-                             k_layout, v_layout, backend=c.backend,
-                             sinks=_sinks(c, q_sink, jnp.concatenate(
-                                 [cached_positions, positions], axis=1)))
-
+        call = Call(c, q, q_sink, new, positions, cached, cached_positions)
+        where = site(c, cached, t)
+        out = kernels.run(where.op, c.formulation(where), call)  # Call's method
         out = Einsum((n, h, c.d_model), "BTF,FD->BTD", dt, merge_in=2, name="o_proj",
                      impl=c.weight_matmul, plan=c.plan)(
             out.astype(dt).reshape(b, t, n, h))

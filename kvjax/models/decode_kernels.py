@@ -47,41 +47,38 @@ import numpy as np
 
 from kvjax import kernels, native
 from kvjax import plan as plan_lib
-from kvjax.cache import paged
+from kvjax.cache import paged, quant
 from kvjax.cache.policy import policy_for
 from kvjax.ops import NEG_INF, dot_operand
 from kvjax.ops import layout_spec as _spec
 
 IMPLS = kernels.names("decode_attention", auto=False)  # the registry's (kvjax.kernels)
-IN_PLACE = ("native", "pallas")
+IN_PLACE = tuple(f.name for f in kernels.formulations("decode_attention") if f.in_place)
 """Formulations that read a paged float cache's pools in place (the block table handed
 to the kernel, :func:`partial_attention`); the others read gathered dense views."""
+SMALL_CHUNK = 16
+"""A chunk of at most this many tokens over a dense cache (a speculative verify step of
+k + 1 <= 16 tokens) runs the decode step's formulation (op 'decode_attention', its G·T
+query rows per KV head reading the cache once); longer chunks (prompts) run the prompt's
+('prefill_attention')."""
 
 
 def check_impl(impl: str) -> str:
     """Returns ``impl`` or raises ValueError naming it and :data:`IMPLS`."""
-    if impl not in IMPLS:
-        raise ValueError(f"decode_attention={impl!r}; allowed: one of {list(IMPLS)} or 'auto'")
+    kernels.get("decode_attention", impl)
     return impl
 
 
 def supports(impl: str, backend: str, cache_dtype, k_layout: str, v_layout: str,
              prefix_mask: bool, head_dim: int = 64, slots: int = 4096) -> bool:
-    """Whether formulation ``impl`` can run this attention (the 'xla' ones always can).
-
-    'native': CPU and a float32 cache (the library must also be loaded: the plan's
-    ``native``, :func:`choose`).
-    'pallas': GPU (or interpret mode), both layouts 'BKSH', a prefix mask (dense cache),
-    head_dim a power of two >= 16, and a slot count the kernel splits (:func:`_pallas_splits`).
-    """
-    check_impl(impl)
-    if impl in ("xla", "xla_cache_left"):
-        return True
-    if impl == "native":
-        return backend == "cpu" and jnp.dtype(cache_dtype) == jnp.float32
-    return (backend == "gpu" and k_layout == v_layout == "BKSH" and prefix_mask
-            and head_dim >= 16 and head_dim & (head_dim - 1) == 0
-            and _pallas_splits(slots) is not None)
+    """Whether formulation ``impl`` can run this attention, by the registry's
+    ``applies`` (:mod:`kvjax.kernels`; the native kernel taken as loaded)."""
+    site = kernels.Site("decode_attention", backend=backend,
+                        dtype=jnp.dtype(cache_dtype).name, k_layout=k_layout,
+                        v_layout=v_layout, head_dim=head_dim, slots=slots,
+                        slot_kind="dense" if prefix_mask else "ring",
+                        native=("decode_attention",))
+    return kernels.get("decode_attention", impl).applies(site) is None
 
 
 def cache_dims(k_cache, v_cache, k_layout: str, v_layout: str) -> tuple[int, ...]:
@@ -114,69 +111,67 @@ def shape_class(cfg, b: int, s: int, dtype, page_size: int = 0, queries: int = 1
         k_layout, v_layout, policy_for(cfg).kind == "dense", page_size)
 
 
+def site(cfg, b: int, t: int, s: int, cached: bool = True, page_size: int = 0,
+         plan=None, dtype=None) -> kernels.Site:
+    """The :class:`kvjax.kernels.Site` of one layer's attention of ``cfg``: a chunk of
+    ``t`` tokens per row over B = ``b`` rows whose cache holds ``s`` slots (a paged
+    cache's row views: ``page_size`` > 0), ``cached`` False for a prompt into an empty
+    cache (or none). Its op is 'decode_attention' for T = 1 and for a small chunk over
+    dense slots (T <= :data:`SMALL_CHUNK`), else 'prefill_attention'. ``plan``: the
+    one whose native kernels and mesh count (default ``cfg.execution``); ``dtype``: the
+    element type the cache is read in (default :func:`read_dtype`). Shapes only."""
+    planned = plan is not None or cfg.plan is not None
+    plan = cfg.execution if plan is None else plan
+    if cfg.is_mla:  # a latent cache: MLA's one decode step, its prompt formulations
+        step = cached and t == 1
+        return kernels.Site(
+            "decode_attention" if step else "prefill_attention",
+            key="" if step else ("chunk" if cached else "prompt"), backend=cfg.backend,
+            dtype=jnp.dtype(cfg.jnp_dtype).name, queries=int(t), slots=int(s),
+            seq_shards=plan.seq_shards, devices=plan.num_devices, cached=bool(cached),
+            mla=True, native=plan.native, planned=planned)
+    kind = policy_for(cfg).kind
+    decode = cached and (t == 1 or (t <= SMALL_CHUNK and kind == "dense"))
+    dtype = (read_dtype(cfg) if dtype is None else dtype) if decode else cfg.jnp_dtype
+    return kernels.Site(
+        "decode_attention" if decode else "prefill_attention",
+        key=shape_class(cfg, b, s, dtype, page_size, t) if decode else (
+            "chunk" if cached else "prompt"),
+        base_key=shape_class(cfg, b, s, dtype, page_size) if decode and t > 1 else "",
+        backend=cfg.backend, dtype=jnp.dtype(dtype).name,
+        k_layout=cfg.cache_layout("k"), v_layout=cfg.cache_layout("v"),
+        head_dim=cfg.head_dim, slots=int(s), queries=int(t), slot_kind=kind,
+        paged=page_size > 0, quantized=scaled_codes(cfg),
+        sinks=cfg.num_sink_tokens > 0,
+        sinks_at_cache=cfg.rope_positions == "cache" and cfg.num_sink_tokens > 0,
+        softcap=cfg.attn_logit_softcap is not None, seq_shards=plan.seq_shards,
+        devices=plan.num_devices,
+        heads_split=cfg.num_kv_heads % plan.axis_size(plan_lib.MODEL) == 0,
+        cached=bool(cached), mla=cfg.is_mla, native=plan.native, planned=planned)
+
+
+def scaled_codes(cfg) -> bool:
+    """Whether ``cfg``'s cache holds 1-byte codes with one scale per token per KV head
+    (int8, fp8; :func:`kvjax.cache.row_scales` is not None for it)."""
+    fmt = quant.format_for(cfg) if cfg.kv_quantized else None
+    return fmt is not None and fmt.bits == 8 and not cfg.is_mla
+
+
 def choose(cfg, k_cache, v_cache, page_size: int = 0, queries: int = 1) -> str:
     """The formulation of one layer's decode attention of ``cfg`` over caches shaped like
-    ``k_cache``/``v_cache`` (only shapes and dtypes are read; a paged cache's dense views,
-    ``page_size`` > 0), from the config and its plan (``cfg.execution``); nothing is
-    measured here.
-
-    ``cfg.decode_attention`` other than 'auto' is returned after checking that it applies;
-    'auto' is the plan's pick for the shape class (:func:`shape_class`), 'xla' where the
-    plan has none (a config without a plan: the reference); for a window over dense
-    slots (``window_cache='dense'``) 'native' where the plan has the kernel (the one
-    formulation here that reads only the window's slots). ``queries`` T > 1 (a small
-    chunk over the cache): the pick for the class of G·T rows where the plan measured
-    it (``planner.resolve(queries=...)``), else the one-position class's.
+    ``k_cache``/``v_cache`` (only shapes are read; a paged cache's dense views,
+    ``page_size`` > 0) read by ``queries`` positions per row: the config's pick for its
+    :func:`site` (:meth:`kvjax.config.ModelConfig.formulation`, the registry's rule).
 
     Raises:
-      ValueError: a formulation that cannot run this attention (e.g. 'native' with a
-        bfloat16 cache, on GPU, or without the native library in the plan; 'pallas' on CPU
-        or with a window), naming it and what is allowed.
+      ValueError: a formulation that cannot run this attention (the registry's reason).
     """
-    k_layout, v_layout = cfg.cache_layout("k"), cfg.cache_layout("v")
-    b, _, s, h, _ = cache_dims(k_cache, v_cache, k_layout, v_layout)
-    plan = cfg.execution
-    if (cfg.decode_attention == "auto" and policy_for(cfg).kind == "dense_window"
-            and plan.has_native("decode_attention")
-            and supports("native", cfg.backend, k_cache.dtype, k_layout, v_layout, False)):
-        # a window over dense slots: only a formulation that skips masked slots reads
-        # W of the S slots, whatever the plan measured for dense rows of S
-        return "native"
-    if cfg.decode_attention == "auto":
-        pick = plan.decode_attention_for(shape_class(cfg, b, s, k_cache.dtype, page_size))
-        if queries > 1:
-            pick = plan.decode_attention_for(
-                shape_class(cfg, b, s, k_cache.dtype, page_size, queries), pick)
-        return pick
-    impl = cfg.decode_attention
-    prefix = policy_for(cfg).kind == "dense"
-    ok = supports(impl, cfg.backend, k_cache.dtype, k_layout, v_layout, prefix, h, s)
-    if ok and impl == "native" and not plan.has_native("decode_attention"):
-        raise ValueError(
-            "model.decode_attention='native' but the config's plan holds no native "
-            "decode-attention kernel (resolve the config with kvjax.planner.resolve, which "
-            "builds and loads it, or use 'xla')")
-    if not ok:
-        raise ValueError(
-            f"model.decode_attention={impl!r} cannot run here (backend {cfg.backend}, "
-            f"cache {jnp.dtype(k_cache.dtype).name} {k_layout}/{v_layout}, {s} slots, "
-            f"window {cfg.window_size}); allowed: 'auto', 'xla', 'xla_cache_left'"
-            + (", 'native' (CPU, float32 cache)" if cfg.backend == "cpu" else "")
-            + (", 'pallas' (GPU, dense BKSH cache)" if cfg.backend == "gpu" else ""))
-    return impl
+    b, _, s, _, _ = cache_dims(k_cache, v_cache, cfg.cache_layout("k"),
+                               cfg.cache_layout("v"))
+    return cfg.formulation(site(cfg, b, queries, s, True, page_size, dtype=k_cache.dtype))
 
 
-def _pallas_splits(slots: int) -> tuple[int, int] | None:
-    """(k_splits, block_k) for the Pallas kernel at ``slots``: S = splits · chunk with
-    chunk a multiple of block_k >= 16; None if S has no such split."""
-    for splits in (16, 8, 4, 2, 1):
-        if slots % splits:
-            continue
-        chunk = slots // splits
-        for block_k in (128, 64, 32, 16):
-            if chunk >= block_k and chunk % block_k == 0:
-                return splits, block_k
-    return None
+_pallas_splits = kernels._pallas_splits  # noqa: SLF001 (the registry owns the rule)
 
 
 def partial_attention(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
@@ -212,29 +207,42 @@ def partial_attention(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.
       slot count it cannot split; 'native' with a non-float32 cache.
     """
     check_impl(impl)
-    scale = q.shape[-1] ** -0.5
-    if impl == "native":
-        return _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale, block_table)
-    if impl == "pallas" and block_table is not None:
-        return _pallas_paged(q, k_cache, v_cache, visible, k_layout, v_layout, scale,
-                             interpret, block_table)
-    if block_table is not None:  # the XLA formulations read the dense views
-        k_cache, v_cache = (
-            paged.gather_view(x, block_table, -1 if lay == "BKHS" else -2, visible)
-            for x, lay in ((k_cache, k_layout), (v_cache, v_layout)))
-    if impl == "pallas":
-        return _pallas(q, k_cache, v_cache, visible, k_layout, v_layout, scale, interpret)
+    return kernels.run("decode_attention", impl, q, k_cache, v_cache, visible, k_layout,
+                       v_layout, q.shape[-1] ** -0.5, backend, interpret, block_table,
+                       entry="partial")
+
+
+def _views(k_cache, v_cache, visible, k_layout, v_layout, block_table):
+    """The rows' dense views of a paged cache (:func:`kvjax.cache.paged.gather_view`,
+    zeroed where invisible); the caches as they are without a block table."""
+    if block_table is None:
+        return k_cache, v_cache
+    return tuple(paged.gather_view(x, block_table, -1 if lay == "BKHS" else -2, visible)
+                 for x, lay in ((k_cache, k_layout), (v_cache, v_layout)))
+
+
+def partial_xla(name, q, k_cache, v_cache, visible, k_layout, v_layout, scale, backend,
+                interpret, block_table):
+    """'xla': einsums with the queries as the left operand (over the dense views)."""
+    k_cache, v_cache = _views(k_cache, v_cache, visible, k_layout, v_layout, block_table)
     qd, kd, vd = (dot_operand(x, backend) for x in (q, k_cache, v_cache))
-    if impl == "xla":
-        s = jnp.einsum(f"BKGH,{_spec(k_layout)}->BKGS", qd, kd,
-                       preferred_element_type=jnp.float32) * scale
-        vis = visible[:, None, None, :]
-        s = jnp.where(vis, s, NEG_INF)
-        m = jnp.max(s, axis=-1)
-        e = jnp.where(vis, jnp.exp(s - m[..., None]), 0.0)
-        o = jnp.einsum(f"BKGS,{_spec(v_layout, 'V')}->BKGV", e.astype(vd.dtype), vd,
-                       preferred_element_type=jnp.float32)
-        return o, m, jnp.sum(e, axis=-1)
+    s = jnp.einsum(f"BKGH,{_spec(k_layout)}->BKGS", qd, kd,
+                   preferred_element_type=jnp.float32) * scale
+    vis = visible[:, None, None, :]
+    s = jnp.where(vis, s, NEG_INF)
+    m = jnp.max(s, axis=-1)
+    e = jnp.where(vis, jnp.exp(s - m[..., None]), 0.0)
+    o = jnp.einsum(f"BKGS,{_spec(v_layout, 'V')}->BKGV", e.astype(vd.dtype), vd,
+                   preferred_element_type=jnp.float32)
+    return o, m, jnp.sum(e, axis=-1)
+
+
+def partial_cache_left(name, q, k_cache, v_cache, visible, k_layout, v_layout, scale,
+                       backend, interpret, block_table):
+    """'xla_cache_left': einsums with the cache as the left operand (over the dense
+    views)."""
+    k_cache, v_cache = _views(k_cache, v_cache, visible, k_layout, v_layout, block_table)
+    qd, kd, vd = (dot_operand(x, backend) for x in (q, k_cache, v_cache))
     s = jnp.einsum(f"{_spec(k_layout)},BKGH->BKSG", kd, qd,
                    preferred_element_type=jnp.float32) * scale
     vis = visible[:, None, :, None]
@@ -244,6 +252,21 @@ def partial_attention(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.
     o = jnp.einsum(f"{_spec(v_layout, 'V')},BKSG->BKGV", vd, e.astype(vd.dtype),
                    preferred_element_type=jnp.float32)
     return o, m, jnp.sum(e, axis=2)
+
+
+def partial_native(name, q, k_cache, v_cache, visible, k_layout, v_layout, scale, backend,
+                   interpret, block_table):
+    """'native': the custom call (its paged target with a block table)."""
+    return _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale, block_table)
+
+
+def partial_pallas(name, q, k_cache, v_cache, visible, k_layout, v_layout, scale, backend,
+                   interpret, block_table):
+    """'pallas': JAX's Pallas decode kernel, or its paged kernel's body over the pools."""
+    if block_table is not None:
+        return _pallas_paged(q, k_cache, v_cache, visible, k_layout, v_layout, scale,
+                             interpret, block_table)
+    return _pallas(q, k_cache, v_cache, visible, k_layout, v_layout, scale, interpret)
 
 
 def _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale, block_table=None):

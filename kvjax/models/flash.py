@@ -38,6 +38,7 @@ dot with its consumers); their size is O(block_q·block_k), independent of T.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Sequence
 
 import jax
@@ -46,8 +47,8 @@ import numpy as np
 
 from kvjax import backend as backend_lib
 from kvjax import ops
+from kvjax.models import decode_kernels
 from kvjax.ops import LAYOUTS, NEG_INF, check_window
-from kvjax.plan import MODEL
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 256
 _BIG = np.iinfo(np.int32).max
@@ -434,36 +435,16 @@ def attend_mla_chunk(q_main: jax.Array, q_rope: jax.Array, c_kv: jax.Array,
 
 
 def prefill_path(cfg, sinks_at_cache_positions: bool = False) -> str:
-    """The prompt-attention path a config runs: 'dense', 'tiled' or 'native'.
-
-    ``cfg.prefill_impl`` 'native' and 'auto' give 'native' for MHA/GQA/MQA on the CPU
-    backend when the config's plan holds the native prompt-attention kernel
-    (:func:`kvjax.planner.resolve` builds and loads it, and warns once if it cannot),
-    else 'tiled'; MLA always runs 'tiled' there
-    (no native MLA kernel), and so does a mesh whose 'model' axis does not divide the KV
-    heads (the kernel runs per device on whole KV heads; ``kvjax.parallel.mesh.check``
-    refuses 'native' there). 'cudnn' gives 'cudnn' (a chunk into an empty cache; later
-    chunks run 'tiled') except for MLA and attention sinks ('tiled'). Sinks at cache
-    positions (``rope_positions='cache'``) need a second query rotation that only the
-    dense path implements: 'dense'.
-    """
-    impl = cfg.prefill_impl
-    if impl == "dense":
-        return "dense"
+    """The prompt-attention formulation a config runs into an empty cache ('tiled',
+    'dense', 'native', 'cudnn'): :meth:`kvjax.config.ModelConfig.formulation` at its
+    prompt site (:func:`kvjax.models.decode_kernels.site`; the registry's rule:
+    'auto' is 'native' where the plan holds the kernel, else 'tiled'; soft-capped
+    scores and sinks at cache positions run 'dense'). ``sinks_at_cache_positions``:
+    as if the config scored sinks at cache positions."""
+    site = decode_kernels.site(cfg, 1, decode_kernels.SMALL_CHUNK + 1, 0, cached=False)
     if sinks_at_cache_positions:
-        return "dense"
-    if impl == "cudnn":
-        return "tiled" if cfg.is_mla or cfg.num_sink_tokens else "cudnn"
-    plan = cfg.execution
-    if impl == "native" and cfg.plan is None and cfg.backend == "cpu" and not cfg.is_mla:
-        raise ValueError("model.prefill_impl='native' on a config without a plan: resolve "
-                         "it with kvjax.planner.resolve (which builds and loads the "
-                         "kernel), or use 'tiled'")
-    if (impl in ("native", "auto") and not cfg.is_mla and cfg.backend == "cpu"
-            and cfg.num_kv_heads % plan.axis_size(MODEL) == 0
-            and plan.has_native("prefill_attention")):
-        return "native"
-    return "tiled"
+        site = dataclasses.replace(site, sinks_at_cache=True)
+    return cfg.formulation(site)
 
 
 SDPA_IMPLEMENTATIONS = ("cudnn", "xla")

@@ -39,7 +39,7 @@ them per head (a dot batched over N), and XLA:CPU wants the batch axis major; wi
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
@@ -47,9 +47,9 @@ import jax.numpy as jnp
 
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
-from kvjax import ops, rope
+from kvjax import kernels, ops, rope
 from kvjax.config import ModelConfig
-from kvjax.models import flash, weight_matmul
+from kvjax.models import decode_kernels, flash, weight_matmul
 from kvjax.models.layers import Einsum, RMSNorm, apply_rope
 from kvjax.ops import NEG_INF, weight_dtype
 from kvjax.plan import SEQ
@@ -207,6 +207,98 @@ def attend_mla_cached_seq(plan, q_main, q_rope, c_old, kr_old, mask_old, c_new, 
     return ops.finish(ops.merge(old, new))
 
 
+class MLACall(NamedTuple):
+    """One layer's chunk as MLA's attention formulations read it (the methods
+    :func:`kvjax.kernels.run` calls: 'tiled', 'dense', 'seq' and the one decode step).
+
+    Attributes:
+      cfg: the config.
+      q_main: [B, T, N, nope] queries (absorbed: [B, T, N, C]); q_rope: [B, T, N, R].
+      new: the chunk's latents in the cache's representation.
+      positions: [B, T] int32 (-1: padding).
+      cached: this layer's latent cache before the chunk, or None (a fresh prompt).
+      cached_positions: [B, S] int32, or None.
+      w_uk, w_uv: [N, C, nope] and [N, C, V] up-projections.
+      scale: the scores' scale (:attr:`MLAttention.scale`).
+    """
+
+    cfg: ModelConfig
+    q_main: jax.Array
+    q_rope: jax.Array
+    new: dict
+    positions: jax.Array
+    cached: dict | None
+    cached_positions: jax.Array | None
+    w_uk: jax.Array
+    w_uv: jax.Array
+    scale: float
+
+    def current(self):
+        """The chunk's (c_kv [B, T, C], k_rope [B, T, R]) as the cache will hold them."""
+        c = self.cfg
+        return cache_lib.read(c, self.new, "c_kv"), cache_lib.read(c, self.new, "k_rope")
+
+    def old(self):
+        """(c_old, kr_old, mask_old, c_seen): the cache read before the write (see
+        ``attention.Attention``); c_seen zeroes the latents of old slots no query sees
+        (issue 32): they contribute nothing whatever they hold, on the chunk paths and
+        in a decode step over a dequantized cache; not in a float decode step (a copy of
+        the latent cache per step under XLA:CPU,
+        docs/decisions/0024-clear-masked-slots-once.md). Every path selects the scores."""
+        c = self.cfg
+        c_old = cache_lib.read(c, self.cached, "c_kv")
+        mask_old = cache_lib.attention_mask(self.positions, self.cached_positions, c)
+        return (c_old, cache_lib.read(c, self.cached, "k_rope"), mask_old,
+                lambda: ops.zero_unseen(c_old, jnp.any(mask_old, axis=1), -2))
+
+    def _ups(self):
+        return self.w_uk, self.w_uv, self.cfg.mla_absorb, self.scale
+
+    def run_tiled(self, name: str) -> jax.Array:
+        """'tiled': :func:`kvjax.models.flash.attend_mla_chunk`."""
+        c = self.cfg
+        c_kv, k_rope = self.current()
+        kw = dict(w_uk=self.w_uk, w_uv=self.w_uv, absorb=c.mla_absorb, scale=self.scale,
+                  window_size=c.window_size, num_sink_tokens=c.num_sink_tokens,
+                  block_q=c.prefill_block_q, block_k=c.prefill_block_k, backend=c.backend)
+        if self.cached is not None:
+            c_old, kr_old, _, c_seen = self.old()
+            kw.update(c_old=c_seen(), kr_old=kr_old, old_positions=self.cached_positions)
+        return flash.attend_mla_chunk(self.q_main, self.q_rope, c_kv, k_rope, self.positions,
+                                      **kw)
+
+    def run_dense(self, name: str) -> jax.Array:
+        """'dense': :func:`attend_mla` over (the cache's old slots ++ the chunk)."""
+        c_kv, k_rope = self.current()
+        mask = cache_lib.attention_mask(self.positions, self.positions, self.cfg)
+        if self.cached is not None:
+            _, kr_old, mask_old, c_seen = self.old()
+            c_kv = jnp.concatenate([c_seen(), c_kv], axis=1)
+            k_rope = jnp.concatenate([kr_old, k_rope], axis=1)
+            mask = jnp.concatenate([mask_old, mask], axis=2)
+        return attend_mla(self.q_main, self.q_rope, c_kv, k_rope, mask, *self._ups())
+
+    def run_seq(self, name: str) -> jax.Array:
+        """'seq': :func:`attend_mla_cached_seq` (the cache split over the 'seq' axis)."""
+        c_kv, k_rope = self.current()
+        _, kr_old, mask_old, c_seen = self.old()
+        return attend_mla_cached_seq(
+            self.cfg.execution, self.q_main, self.q_rope, c_seen(), kr_old, mask_old, c_kv,
+            k_rope, cache_lib.attention_mask(self.positions, self.positions, self.cfg),
+            *self._ups())
+
+    def run_step(self, name: str) -> jax.Array:
+        """MLA's decode step (:func:`attend_mla_step`), whatever decode formulation was
+        asked (the registry forces 'xla' for MLA)."""
+        c_kv, k_rope = self.current()
+        c_old, kr_old, mask_old, c_seen = self.old()
+        return attend_mla_step(self.q_main, self.q_rope,
+                               c_seen() if self.cfg.kv_quantized else c_old, kr_old,
+                               mask_old, c_kv, k_rope, *self._ups(),
+                               new_visible=self.positions[:, 0] >= 0,
+                               backend=self.cfg.backend)
+
+
 class MLAttention(nn.Module):
     """Multi-head latent attention with a latent KV cache; same contract as
     ``kvjax.attention.Attention``."""
@@ -299,53 +391,10 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self.w_uk(), self.w_uv()
         new = cache_lib.encode(c, {"c_kv": c_kv, "k_rope": k_rope})
 
-        tiled = dict(w_uk=w_uk, w_uv=w_uv, absorb=absorb, scale=self.scale,
-                     window_size=c.window_size, num_sink_tokens=c.num_sink_tokens,
-                     block_q=c.prefill_block_q, block_k=c.prefill_block_k, backend=c.backend)
-        if cached is None:  # no cache, or an empty one: attend as the cache will hold it
-            c_kv, k_rope = cache_lib.read(c, new, "c_kv"), cache_lib.read(c, new, "k_rope")
-        if cached is None and flash.prefill_path(c) == "tiled":
-            out = flash.attend_mla_chunk(q_main, q_rope, c_kv, k_rope, positions, **tiled)
-        elif cached is None:
-            out = attend_mla(q_main, q_rope, c_kv, k_rope,
-                             cache_lib.attention_mask(positions, positions, c),
-                             w_uk, w_uv, absorb, self.scale)
-        else:
-            # Attend over (old slots ++ this chunk), reading the cache before the caller
-            # writes the chunk (see attention.Attention).
-            c_old, kr_old = cache_lib.read(c, cached, "c_kv"), cache_lib.read(c, cached, "k_rope")
-            c_kv, k_rope = cache_lib.read(c, new, "c_kv"), cache_lib.read(c, new, "k_rope")
-            mask_old = cache_lib.attention_mask(positions, cached_positions, c)
-            # Latents of old slots no query sees are zeroed before they serve as values
-            # (issue 32): they contribute nothing whatever they hold, on the chunk paths
-            # and in a decode step over a dequantized cache; not in a float decode step
-            # (a copy of the latent cache per step under XLA:CPU,
-            # docs/decisions/0024-clear-masked-slots-once.md). The
-            # scores select masked slots on every path.
-            c_seen = lambda: ops.zero_unseen(c_old, jnp.any(mask_old, axis=1), -2)
-            if c.execution.seq_shards > 1:  # cache split over the mesh's 'seq' axis
-                out = attend_mla_cached_seq(
-                    c.execution, q_main, q_rope, c_seen(), kr_old, mask_old, c_kv, k_rope,
-                    cache_lib.attention_mask(positions, positions, c), w_uk, w_uv, absorb,
-                    self.scale)
-            elif t == 1:
-                out = attend_mla_step(q_main, q_rope,
-                                      c_seen() if c.kv_quantized else c_old, kr_old,
-                                      mask_old, c_kv, k_rope,
-                                      w_uk, w_uv, absorb, self.scale,
-                                      new_visible=positions[:, 0] >= 0, backend=c.backend)
-            elif flash.prefill_path(c) == "tiled":
-                out = flash.attend_mla_chunk(q_main, q_rope, c_kv, k_rope, positions,
-                                             c_old=c_seen(), kr_old=kr_old,
-                                             old_positions=cached_positions, **tiled)
-            else:
-                mask_new = cache_lib.attention_mask(positions, positions, c)
-                out = attend_mla(q_main, q_rope,
-                                 jnp.concatenate([c_seen(), c_kv], axis=1),
-                                 jnp.concatenate([kr_old, k_rope], axis=1),
-                                 jnp.concatenate([mask_old, mask_new], axis=2),
-                                 w_uk, w_uv, absorb, self.scale)
-
+        call = MLACall(c, q_main, q_rope, new, positions, cached, cached_positions, w_uk,
+                       w_uv, self.scale)
+        where = decode_kernels.site(c, b, t, 0, cached is not None)
+        out = kernels.run(where.op, c.formulation(where), call)  # MLACall's method
         # padded query rows (position -1) output zeros, on every path
         out = jnp.where((positions >= 0)[:, :, None, None], out, 0).astype(c.jnp_dtype)
         if absorb:  # latent output [B, T, N, C] -> per-head values [B, T, N, V]

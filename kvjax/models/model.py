@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cache as cache_lib
+from kvjax import kernels
 from kvjax.cache import paged as paged_lib
 from kvjax.models.attention import SMALL_CHUNK, Attention, softcap
 from kvjax.config import ModelConfig
@@ -217,8 +218,7 @@ def param_shapes(cfg: ModelConfig):
     parameters. Remembered per config (tracing SmolLM2's 30 unrolled layers takes
     seconds, and the cost report asks for the same shapes once per program)."""
     plain = cfg.replace(decode_attention="xla", weight_matmul="xla", plan=None,
-                        prefill_impl="tiled" if cfg.prefill_impl == "native" else
-                        cfg.prefill_impl)
+                        prefill_impl="tiled")
     return _param_shapes(plain)
 
 
@@ -343,8 +343,8 @@ def step_ignores_masked_values(cfg: ModelConfig, cache) -> bool:
     if cfg.num_sink_tokens and cfg.rope_positions == "cache":
         return False
     layer = cache.layer(0)
-    impl = decode_kernels.choose(cfg, layer["k"], layer["v"])
-    return impl in ("native", "pallas")
+    return kernels.get("decode_attention", decode_kernels.choose(cfg, layer["k"], layer["v"]),
+                       internal=True).skips_masked
 
 
 def clear_masked_slots(cfg: ModelConfig, cache, chunk: int = 1):

@@ -95,45 +95,41 @@ def split_eqn(eqn: str, x_ndim: int, w_ndim: int) -> tuple[int, int, str] | None
     return None
 
 
+def site(m: int, k: int, n: int, layout: str, dtype: str,
+         plan: plan_lib.Plan | None) -> kernels.Site:
+    """The :class:`kvjax.kernels.Site` of a product of M rows with a K x N weight
+    (``layout`` 'kn' or 'nk'; ``dtype``: 'float32' for float32 rows and weight, 'int8'
+    for float32 rows and an :class:`Int8Weight`, else the rows' dtype) under ``plan``
+    (None: no kernel loaded)."""
+    return kernels.Site("weight_matmul", key=plan_lib.weight_class(m, k, n, layout),
+                        dtype=dtype, rows=int(m), layout=layout,
+                        devices=plan.num_devices if plan else 1,
+                        native=plan.native if plan else (), planned=plan is not None)
+
+
 def applies(formulation: str, m: int, layout: str) -> str:
-    """The formulation that really runs for ``formulation`` on M rows and ``layout``:
-    'native_ksplit' is 'native' unless M > 1 and 'kn'; 'native_lanes' is 'native' unless
-    M > 1 and 'nk' (the kernel runs those cases alike); others are themselves."""
-    if formulation == "native_ksplit" and (layout != "kn" or m == 1):
-        return "native"
-    if formulation == "native_lanes" and (layout != "nk" or m == 1):
-        return "native"
-    return formulation
+    """The formulation that really runs for ``formulation`` on M rows and ``layout`` with
+    the kernel loaded: 'native_ksplit' is 'native' unless M > 1 and 'kn'; 'native_lanes'
+    is 'native' unless M > 1 and 'nk' (the kernel runs those cases alike); others are
+    themselves (the registry's fallbacks, :func:`kvjax.kernels.select`)."""
+    return kernels.select("weight_matmul", formulation,
+                          site(m, 1, 1, layout, "float32",
+                               plan_lib.Plan(native=("rows_matmul",))))
 
 
 def choose(impl: str, m: int, k: int, n: int, layout: str, plan: plan_lib.Plan | None) -> str:
     """The formulation ('xla' or one of :data:`NATIVE`) of one float32 product of M rows
     with a K x N weight (``layout`` 'kn' or 'nk') for ``model.weight_matmul=impl``, read
-    from ``plan`` (the config's; None: the reference).
-
-    'xla' -> 'xla'. Where the plan holds no loaded native kernel or M exceeds
-    :data:`kvjax.native.rows_matmul.MAX_ROWS`: 'xla'. A 'native*' formulation -> the one
-    that runs (:func:`applies`). 'auto' -> the plan's pick for the class, 'xla' if none.
+    from ``plan`` (the config's; None: the reference): the registry's rule
+    (:func:`kvjax.kernels.select`): 'auto' the plan's pick for the class ('xla' if
+    none); a native formulation where the plan holds the loaded kernel and M is at most
+    :data:`kvjax.native.rows_matmul.MAX_ROWS`, else 'xla'.
 
     Raises:
-      ValueError: an unknown impl; a 'native*' formulation on a config without a plan
-        (the kernel is only loaded by :func:`kvjax.planner.resolve`).
+      ValueError: an unknown impl.
     """
-    check_impl(impl)
-    if impl == "xla":
-        return "xla"
-    if plan is None:
-        if impl in NATIVE:
-            raise ValueError(f"model.weight_matmul={impl!r} on a config without a plan: "
-                             "resolve it with kvjax.planner.resolve (which builds and "
-                             "loads the kernel), or use 'xla'")
-        return "xla"
-    if not plan.has_native("rows_matmul") or not 0 < m <= rm.MAX_ROWS:
-        return "xla"
-    if impl in NATIVE:
-        return applies(impl, m, layout)
-    return applies(plan.weight_matmul_for(plan_lib.weight_class(m, k, n, layout)), m,
-                   layout)
+    where = site(m, k, n, layout, "float32", plan)
+    return kernels.select("weight_matmul", impl, where, plan.pick(where) if plan else None)
 
 
 def einsum(eqn: str, x: jax.Array, w: jax.Array, impl: str = "xla",
@@ -149,31 +145,67 @@ def einsum(eqn: str, x: jax.Array, w: jax.Array, impl: str = "xla",
       plan: the config's plan (:func:`choose`), or None.
     Returns:
       The einsum's result in ``x``'s dtype promoted with ``w``'s (as ``jnp.einsum``);
-      in ``x``'s dtype for an :class:`Int8Weight` (which runs XLA without a plan).
+      in ``x``'s dtype for an :class:`Int8Weight`.
     Raises:
-      ValueError: an unknown impl; a native one without a plan (:func:`choose`) for a
-        float weight; an :class:`Int8Weight` whose scale varies along a contracted axis.
+      ValueError: an unknown impl; an :class:`Int8Weight` whose scale varies along a
+        contracted axis.
     """
     check_impl(impl)
-    if isinstance(w, Int8Weight):
-        return _einsum_int8(eqn, x, w, impl, plan)
-    if impl == "xla" or x.dtype != jnp.float32 or w.dtype != jnp.float32:
-        return jnp.einsum(eqn, x, w)
+    int8 = isinstance(w, Int8Weight)
     split = split_eqn(eqn, x.ndim, w.ndim)
-    if split is None:
-        return jnp.einsum(eqn, x, w)
+    if split is None:  # not a rows-by-weight product: XLA's einsum
+        return jnp.einsum(eqn, x, w.dequantize(x.dtype) if int8 else w)
     nr, nc, layout = split
-    rows_shape, c_shape = x.shape[:nr], x.shape[nr:]
-    m, k = math.prod(rows_shape), math.prod(c_shape)
+    if int8 and any(d != 1 for d in (w.scale.shape[:nc] if layout == "kn"
+                                     else w.scale.shape[w.ndim - nc:])):
+        raise ValueError(f"einsum {eqn!r}: the int8 weight's scale {list(w.scale.shape)} "
+                         "varies along a contracted axis; allowed: a scale per output channel")
+    m, k = math.prod(x.shape[:nr]), math.prod(x.shape[nr:])
+    n = math.prod(w.shape[nc:] if layout == "kn" else w.shape[: w.ndim - nc])
+    floats = x.dtype == jnp.float32 and (int8 or w.dtype == jnp.float32)
+    dtype = ("int8" if int8 else "float32") if floats else jnp.dtype(x.dtype).name
+    where = site(m, k, n, layout, dtype, plan)
+    name = kernels.select("weight_matmul", impl, where, plan.pick(where) if plan else None)
+    return kernels.run("weight_matmul", name, eqn, x, w, split)
+
+
+def run_xla(name: str, eqn: str, x: jax.Array, w, split) -> jax.Array:
+    """'xla': ``jnp.einsum`` (an :class:`Int8Weight` widened to x's dtype, then the
+    output channels' scale)."""
+    if isinstance(w, Int8Weight):
+        return _int8_scaled(jnp.einsum(eqn, x, w.q.astype(x.dtype)), w, split, x.dtype)
+    return jnp.einsum(eqn, x, w)
+
+
+def _rows(x: jax.Array, w, parts, **kw) -> jax.Array:
+    """The native row-product kernel on ``x`` [rows..., contracted...] and ``w`` (its
+    int8 variant for an :class:`Int8Weight`), reshaped back; ``parts``: (rows axes,
+    contracted axes, layout) of :func:`split_eqn`."""
+    nr, nc, layout = parts
+    rows_shape = x.shape[:nr]
     out_shape = w.shape[nc:] if layout == "kn" else w.shape[: w.ndim - nc]
-    n = math.prod(out_shape)
-    choice = choose(impl, m, k, n, layout, plan)
-    if not choice.startswith("native"):
-        return jnp.einsum(eqn, x, w)
-    w2 = w.reshape((k, n) if layout == "kn" else (n, k))
-    split = "k" if choice == "native_ksplit" else "columns"
-    return rm.rows_matmul(x.reshape(m, k), w2, layout, split,
-                          choice == "native_lanes").reshape(rows_shape + out_shape)
+    m, k, n = math.prod(rows_shape), math.prod(x.shape[nr:]), math.prod(out_shape)
+    shape = (k, n) if layout == "kn" else (n, k)
+    if isinstance(w, Int8Weight):
+        y = rm.rows_matmul_int8(x.reshape(m, k), w.q.reshape(shape), layout)
+        return _int8_scaled(y.reshape(rows_shape + out_shape), w, parts, x.dtype)
+    return rm.rows_matmul(x.reshape(m, k), w.reshape(shape), layout,
+                          **kw).reshape(rows_shape + out_shape)
+
+
+def run_native(name: str, eqn: str, x: jax.Array, w, split) -> jax.Array:
+    """'native': the row-product kernel split by output columns."""
+    return _rows(x, w, split)
+
+
+def run_native_ksplit(name: str, eqn: str, x: jax.Array, w, split) -> jax.Array:
+    """'native_ksplit': the row-product kernel split by the weight's K rows."""
+    return _rows(x, w, split, split="k")
+
+
+def run_native_lanes(name: str, eqn: str, x: jax.Array, w, split) -> jax.Array:
+    """'native_lanes': the row-product kernel with an [N, K] weight in the vector lanes."""
+    return _rows(x, w, split, lanes=True)
 
 
 # --------------------------------------------------------------------------- int8 weights
@@ -304,29 +336,14 @@ def int8_runs_native(impl: str, plan: plan_lib.Plan | None, dtype) -> bool:
     """Whether :func:`einsum` runs an :class:`Int8Weight` on the native int8 kernel for
     formulation ``impl``, ``plan`` and activation dtype ``dtype`` (for M from 1 to
     :data:`kvjax.native.rows_matmul.MAX_ROWS`); else XLA over the widened weight."""
-    return (impl != "xla" and plan is not None and plan.has_native("rows_matmul")
-            and jnp.dtype(dtype) == jnp.float32)
+    dt = "int8" if jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype).name
+    return kernels.get("weight_matmul", kernels.select(
+        "weight_matmul", impl, site(1, 1, 1, "kn", dt, plan)), internal=True).counted \
+        == "custom call"
 
 
-def _einsum_int8(eqn: str, x: jax.Array, w: Int8Weight, impl: str,
-                 plan: plan_lib.Plan | None) -> jax.Array:
-    """:func:`einsum` for an int8 weight: (x times q) times the output channels' scale."""
-    split = split_eqn(eqn, x.ndim, w.ndim)
-    if split is None:
-        return jnp.einsum(eqn, x, w.dequantize(x.dtype))
+def _int8_scaled(y: jax.Array, w: Int8Weight, split, dtype) -> jax.Array:
+    """``y`` (x times the int8 codes) times the output channels' scale, in ``dtype``."""
     nr, nc, layout = split
     s_shape = w.scale.shape[nc:] if layout == "kn" else w.scale.shape[: w.ndim - nc]
-    c_scale = w.scale.shape[:nc] if layout == "kn" else w.scale.shape[w.ndim - nc:]
-    if any(d != 1 for d in c_scale):
-        raise ValueError(f"einsum {eqn!r}: the int8 weight's scale {list(w.scale.shape)} "
-                         "varies along a contracted axis; allowed: a scale per output channel")
-    rows_shape = x.shape[:nr]
-    m, k = math.prod(rows_shape), math.prod(x.shape[nr:])
-    out_shape = w.shape[nc:] if layout == "kn" else w.shape[: w.ndim - nc]
-    n = math.prod(out_shape)
-    if int8_runs_native(impl, plan, x.dtype) and 0 < m <= rm.MAX_ROWS:
-        q2 = w.q.reshape((k, n) if layout == "kn" else (n, k))
-        y = rm.rows_matmul_int8(x.reshape(m, k), q2, layout).reshape(rows_shape + out_shape)
-    else:
-        y = jnp.einsum(eqn, x, w.q.astype(x.dtype))
-    return (y * w.scale.reshape((1,) * nr + s_shape).astype(y.dtype)).astype(x.dtype)
+    return (y * w.scale.reshape((1,) * nr + s_shape).astype(y.dtype)).astype(dtype)

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from kvjax import kernels
 from kvjax.config import MESH_AXES, ConfigError, MeshConfig, ModelConfig
 
 
@@ -89,27 +90,27 @@ def check(cfg: ModelConfig, mcfg: MeshConfig, batch_size: int | None = None,
     Rules: ``data`` divides B; ``model`` divides the query heads N, the FFN width F and
     the vocabulary V; ``model`` divides the KV heads K unless ``mesh.kv_fallback`` is
     'replicate'; ``seq`` divides the cache slots S; sinks at cache positions
-    (``rope_positions='cache'``) are not sequence-sharded; ``model.weight_matmul`` is
-    none of the 'native*' ones (the kernel is a custom call XLA cannot partition);
-    ``model.prefill_impl`` is not 'native' when ``model`` does not divide K (the native prompt kernel runs per
-    device on whole KV heads, :func:`kvjax.ops.per_device`).
+    (``rope_positions='cache'``) are not sequence-sharded; every formulation the config
+    names applies on the mesh (the registry's refusals, :func:`kvjax.kernels.select`:
+    the native kernels are single-device custom calls XLA cannot partition; the native
+    prompt kernel runs per device on whole KV heads, :func:`kvjax.ops.per_device`).
     """
     def fail(field, value, allowed):
         raise ConfigError(f"invalid config: {field}={value!r}; allowed: {allowed}")
 
     m = mcfg.model
-    if not mcfg.trivial and cfg.weight_matmul.startswith("native"):
-        # the native few-row kernel is a custom call XLA cannot partition: it would
-        # all-gather every weight each step, silently undoing the tensor parallelism
-        # ('auto' resolves to 'xla' under a mesh, kvjax.planner.resolve)
-        fail("model.weight_matmul", cfg.weight_matmul,
-             "'xla' or 'auto' on a mesh (the native kernel is single-device)")
-    if not mcfg.trivial and cfg.decode_attention == "native":
-        # the same for the decode-attention kernel: XLA would gather the sharded cache
-        # around the custom call ('auto' resolves to 'xla' under a mesh, kvjax.planner)
-        fail("model.decode_attention", cfg.decode_attention,
-             "'auto', 'xla' or 'xla_cache_left' on a mesh (the native kernel is "
-             "single-device)")
+    devices = mcfg.size
+    for op in kernels.OPS:
+        # the registry's refusals on this mesh: the native kernels are single-device
+        # custom calls ('auto' resolves to 'xla' under a mesh, kvjax.planner.resolve);
+        # the native prompt kernel runs per device on whole KV heads
+        site = kernels.static_site(op, cfg.backend, cfg.kv_dtype or cfg.dtype
+                                   if op == "decode_attention" else cfg.dtype, devices,
+                                   cfg.is_mla or cfg.num_kv_heads % mcfg.model == 0)
+        try:
+            kernels.select(op, getattr(cfg, kernels.FIELD[op]), site, strict=True)
+        except ValueError as e:
+            raise ConfigError(f"invalid config: {e}") from None
     if batch_size is not None and batch_size % mcfg.data:
         fail("batch_size", batch_size, f"a multiple of mesh.data={mcfg.data}")
     if m > 1:
@@ -119,12 +120,6 @@ def check(cfg: ModelConfig, mcfg: MeshConfig, batch_size: int | None = None,
             fail("mesh.model", m, f"a divisor of model.mlp_dim={cfg.mlp_dim}")
         if cfg.vocab_size % m:
             fail("mesh.model", m, f"a divisor of model.vocab_size={cfg.vocab_size}")
-        if not cfg.is_mla and cfg.num_kv_heads % m and cfg.prefill_impl == "native":
-            # the kernel runs per device on whole KV heads (kvjax.ops.per_device)
-            fail("model.prefill_impl", cfg.prefill_impl,
-                 f"'tiled', 'dense' or 'auto' when mesh.model={m} does not divide "
-                 f"model.num_kv_heads={cfg.num_kv_heads} (the native kernel runs on each "
-                 "device's whole KV heads)")
         if not cfg.is_mla and cfg.num_kv_heads % m and mcfg.kv_fallback == "none":
             fail("mesh.model", m,
                  f"a divisor of model.num_kv_heads={cfg.num_kv_heads}, or set "
