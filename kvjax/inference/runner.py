@@ -817,50 +817,18 @@ def _mesh_costs(run: RunConfig, loaded: LoadedModel, gen: Generation, placement,
 _NOT_JSON = ("prefill_compiled", "generate_compiled", "prefill_chunk_compiled",
              "placement")
 
-# JSON key -> its figure from (generation, cost report) of a run on one device; None on a
-# mesh (whose figures are one device's: 'mesh', 'programs', None on one device)
-_ONE_DEVICE_JSON = {
-    "loop_seconds_per_token": lambda g, c: c.loop_seconds_per_token,
-    "loop_timing": lambda g, c: {"steps": list(c.loop_timing["steps"]),
-                                 "call_overhead_s": c.loop_timing["call_overhead_s"]},
-    # XLA's own figures leave the native kernels' custom calls out (XLA costs them -1);
-    # counted_* add their FLOP (from their shapes) and operand + result bytes: the
-    # figure to put beside theory (the report's '(+kernels)' rows)
-    "xla_flops_per_token": lambda g, c: c.loop.xla.flops,
-    "xla_bytes_per_token": lambda g, c: c.loop.xla.bytes,
-    "counted_flops_per_token": lambda g, c: c.loop.xla.flops + c.loop.xla.uncosted_flops,
-    "counted_bytes_per_token": lambda g, c: c.loop.xla.bytes + c.loop.xla.uncosted_bytes,
-    "kernel_custom_calls": lambda g, c: sorted(set(c.loop.xla.custom_calls)),
-    "theory_flops_per_token": lambda g, c: c.loop.theory_flops,
-    "theory_bytes_per_token": lambda g, c: c.loop.theory_bytes,
-    "loop_memory": lambda g, c: c.loop.memory,
-    "loop_once_per_call": lambda g, c: c.loop.once_per_call,
-    # the single step, compiled and called on its own
-    "xla_flops_per_step": lambda g, c: c.step.xla.flops,
-    "xla_bytes_per_step": lambda g, c: c.step.xla.bytes,
-    "counted_flops_per_step": lambda g, c: c.step.xla.flops + c.step.xla.uncosted_flops,
-    "counted_bytes_per_step": lambda g, c: c.step.xla.bytes + c.step.xla.uncosted_bytes,
-    "xla_raw_flops_per_step": lambda g, c: c.step.xla.raw_flops,
-    "xla_raw_bytes_per_step": lambda g, c: c.step.xla.raw_bytes,
-    "theory_flops_per_step": lambda g, c: c.step.theory_flops,
-    "theory_bytes_per_step": lambda g, c: c.step.theory_bytes,
-    "achieved_bytes_per_s": lambda g, c: c.step.theory_bytes / c.step_seconds_median,
-    # theory's (kv_read + kv_write) / step bytes at the run's context, and the step at
-    # the long context (the checkpoint's trained one, or cost_context)
-    "kv_share_of_step_bytes": lambda g, c: kv_share(c.step.theory_parts["bytes"]),
-    "compiled_kv_share_of_step_bytes": lambda g, c: compiled_kv_share(c.step),
-    "long_context": lambda g, c: c.long_context and c.long_context.as_dict(),
-    "memory": lambda g, c: c.step.memory,
-    "prefill_xla_flops": lambda g, c: c.prefill.xla.flops,
-    "prefill_xla_bytes": lambda g, c: c.prefill.xla.bytes,
-    "prefill_theory_flops": lambda g, c: c.prefill.theory_flops,
-    "prefill_theory_bytes": lambda g, c: c.prefill.theory_bytes,
-    "prefill_theory_bytes_parts": lambda g, c: c.prefill.theory_parts["bytes"],
-    "prefill_temp_bytes": lambda g, c: c.prefill.memory.get("temp_bytes"),
-    "loop": lambda g, c: c.loop.as_dict(c.loop_seconds_per_token),
-    "step": lambda g, c: c.step.as_dict(c.step_seconds_median),
-    "prefill": lambda g, c: c.prefill.as_dict(g.prefill_seconds),
-}
+def _program_json(st, per: str) -> dict:
+    """XLA's, the counted and theory's FLOP and bytes of a compiled program ``st`` (a
+    :class:`costs.StepCost`; None: each figure None), keyed ``..._{per}``. XLA's own
+    figures leave the native kernels' custom calls out (XLA costs them -1); counted_*
+    add their FLOP (from their shapes) and operand + result bytes: the figure to put
+    beside theory (the report's '(+kernels)' rows)."""
+    x = st and st.xla
+    return {f"xla_flops_{per}": x and x.flops, f"xla_bytes_{per}": x and x.bytes,
+            f"counted_flops_{per}": x and x.flops + x.uncosted_flops,
+            f"counted_bytes_{per}": x and x.bytes + x.uncosted_bytes,
+            f"theory_flops_{per}": st and st.theory_flops,
+            f"theory_bytes_{per}": st and st.theory_bytes}
 
 
 @dataclasses.dataclass
@@ -894,8 +862,37 @@ class DecodeResult:
             "mesh": s.as_dict() if c.per_device else None, "programs": c.programs,
             "achieved_bytes_per_s_per_device":
                 s.theory_bytes_dev / c.step_seconds_median if c.per_device else None})
-        out.update({k: None if c.per_device else f(g, c)
-                    for k, f in _ONE_DEVICE_JSON.items()})
+        # one device: the loop per token, the single step (compiled and called on its
+        # own), the prefill, the long context; None on a mesh
+        loop, pre, one = c.loop, c.prefill, None if c.per_device else s
+        timing = c.loop_timing
+        out.update({
+            "loop_seconds_per_token": c.loop_seconds_per_token,
+            "loop_timing": timing and {"steps": list(timing["steps"]),
+                                       "call_overhead_s": timing["call_overhead_s"]},
+            **_program_json(loop, "per_token"),
+            "kernel_custom_calls": loop and sorted(set(loop.xla.custom_calls)),
+            "loop_memory": loop and loop.memory,
+            "loop_once_per_call": loop and loop.once_per_call,
+            **_program_json(one, "per_step"),
+            "xla_raw_flops_per_step": one and one.xla.raw_flops,
+            "xla_raw_bytes_per_step": one and one.xla.raw_bytes,
+            "achieved_bytes_per_s": one and one.theory_bytes / c.step_seconds_median,
+            # theory's (kv_read + kv_write) / step bytes at the run's context, and the
+            # step at the long context (the checkpoint's trained one, or cost_context)
+            "kv_share_of_step_bytes": one and kv_share(one.theory_parts["bytes"]),
+            "compiled_kv_share_of_step_bytes": one and compiled_kv_share(one),
+            "long_context": c.long_context and c.long_context.as_dict(),
+            "memory": one and one.memory,
+            "prefill_xla_flops": pre and pre.xla.flops,
+            "prefill_xla_bytes": pre and pre.xla.bytes,
+            "prefill_theory_flops": pre and pre.theory_flops,
+            "prefill_theory_bytes": pre and pre.theory_bytes,
+            "prefill_theory_bytes_parts": pre and pre.theory_parts["bytes"],
+            "prefill_temp_bytes": pre and pre.memory.get("temp_bytes"),
+            "loop": loop and loop.as_dict(c.loop_seconds_per_token),
+            "step": one and one.as_dict(c.step_seconds_median),
+            "prefill": pre and pre.as_dict(g.prefill_seconds)})
         return out
 
 
