@@ -62,17 +62,27 @@ def _loop_timing_line(timing: dict) -> str:
 
 
 def report(result: runner.DecodeResult) -> str:
-    """The human-readable report of one run: the generate loop's figures first (the
-    program that decodes), the single step second, then the prefill."""
+    """The human-readable report of one run: the generation, then each section of the
+    cost report the run has (its figures not None): on one device the generate loop's
+    figures first (the program that decodes), the single step second, then the prefill
+    and the long context; on a mesh the sharded step per device and the collectives of
+    the programs the run decoded with."""
     c = result.costs
-    if c.per_device:
-        return mesh_report(result)
+    return "\n".join([*_generation_lines(result, c.step.cfg, c.step.batch),
+                      *_mesh_lines(result), *_speculative_lines(result, c.step.cfg, c),
+                      *_loop_lines(result)])
+
+
+def _loop_lines(result: runner.DecodeResult) -> list:
+    """The generate loop, the single step, the prefill and the long context (one device;
+    empty on a mesh, whose report has none of them)."""
+    c, g = result.costs, result.generation
     loop, s = c.loop, c.step
+    if loop is None:
+        return []
     cfg = s.cfg
     policy = cache_lib.policy_for(cfg)
     lines = [
-        *_generation_lines(result, cfg, s.batch),
-        *_speculative_lines(result, cfg, c),
         "",
         "the generate loop, "
         + ("per generated token" if s.batch == 1 else
@@ -93,20 +103,19 @@ def report(result: runner.DecodeResult) -> str:
         report_lib.cost_table(s, c.step_seconds_median),
         _why_they_differ(c),
         "",
-        f"the prefill of {result.prompt_tokens} tokens, attention {cfg.prefill_impl!r} "
+        f"the prefill of {g.prompt_tokens} tokens, attention {cfg.prefill_impl!r} "
         f"(runs {flash.prefill_path(cfg)!r}) "
         "(matrix-matrix; theory: causal attention FLOP, the LM head for the last token; "
         "bytes = weights + KV written + attention IO):",
-        report_lib.cost_table(c.prefill, result.prefill_seconds),
-        prefill_theory_line(result.prefill_cost),
+        report_lib.cost_table(c.prefill, g.prefill_seconds),
+        prefill_theory_line(c.prefill),
     ]
-    if result.prefill_chunk_temp_bytes:
+    if g.prefill_chunk_temp_bytes:
         lines.append("prefill in chunks of --config.prefill_chunk tokens: temp bytes per "
                      "chunk program " + ", ".join(
-                         f"{x:,}" for x in result.prefill_chunk_temp_bytes)
-                     + f" (one pass: {result.prefill_cost.memory.get('temp_bytes'):,})")
-    lines += ["", *long_context_lines(c)]
-    return "\n".join(lines)
+                         f"{x:,}" for x in g.prefill_chunk_temp_bytes)
+                     + f" (one pass: {c.prefill.memory.get('temp_bytes'):,})")
+    return lines + ["", *long_context_lines(c)]
 
 
 def _mb(x: float) -> str:
@@ -171,18 +180,19 @@ def _speculative_lines(result: runner.DecodeResult, cfg, c) -> list:
     """The speculative section: acceptance, tokens per verify step, time and bytes per
     emitted token, beside the theory at the measured acceptance rate
     (:mod:`kvjax.analysis.speculative`). Empty for plain decoding."""
-    sp = result.generation.speculative
+    g = result.generation
+    sp = g.speculative
     if not sp:
         return []
     k, a = sp["k"], sp["acceptance_rate"]
-    t = result.prompt_tokens + result.new_tokens // 2  # the run's mean context
+    t = g.prompt_tokens + g.new_tokens // 2  # the run's mean context
     bw = c.step.theory_bytes / c.step_seconds_median  # the plain step's achieved B/s
     dcfg, copy_slots, dweights = None, 0, None
     if sp["drafter"] == "self":  # the draft as the run built it
         spec = SpeculativeConfig(**sp["config"])
         dcfg = speculative.draft_config(cfg.replace(plan=None), spec)
-        copy_slots, dweights = speculative.draft_costs(dcfg, spec, k,
-                                                       in_place=sp["draft_in_place"])
+        copy_slots, dweights = speculative.drafter_for(spec, dcfg).costs(
+            in_place=sp["draft_in_place"])
     r = spec_theory.round_times(cfg, t, k, bw, draft_cfg=dcfg, batch=c.step.batch,
                                 copy_slots=copy_slots, draft_weights=dweights)
     plain_s = c.loop_seconds_per_token
@@ -211,9 +221,12 @@ def _speculative_lines(result: runner.DecodeResult, cfg, c) -> list:
 
 
 def _generation_lines(result: runner.DecodeResult, cfg, batch: int) -> list:
-    """The model, the prompt, the text and the speeds of a run."""
-    per_token = theory.kv_bytes_per_token(cfg) * batch
+    """The model, the prompt, the text and the speeds of a run (on a mesh, the note of
+    the devices it uses first)."""
+    g, per_token = result.generation, theory.kv_bytes_per_token(cfg) * batch
+    on_mesh = result.costs.per_device and planner.report_lines()
     return [
+        *([g.mesh_note] if g.mesh_note else []),
         f"model: {naming.variant_name(cfg)}  attention={cfg.attention}  N={cfg.num_heads} "
         f"K={cfg.num_kv_heads}  L={cfg.num_layers}  D={cfg.d_model}  dtype={cfg.dtype}  "
         f"kv_dtype={cfg.kv_dtype or cfg.dtype}  window={cfg.window_size}  "
@@ -222,53 +235,50 @@ def _generation_lines(result: runner.DecodeResult, cfg, batch: int) -> list:
             f"  cache layout: k {cfg.cache_layout('k')}, v {cfg.cache_layout('v')}"),
         f"formulations: decode_attention={cfg.decode_attention!r}  "
         f"weight_matmul={cfg.weight_matmul!r}",
+        # 'auto' resolves to 'xla' inside the sharded programs (a custom call XLA cannot
+        # partition); picks listed below were made for programs traced off the mesh
+        *(["  (on this mesh the sharded programs use 'xla' for both; planner picks below "
+           "are those of single-device programs)"] if on_mesh else []),
         *(cfg.plan.lines() if cfg.plan is not None else
           ["plan: none (the reference formulations)"]),
         *planner.report_lines(),
         "",
-        f"prompt: {naming.shorten(result.prompt)}"
+        f"prompt: {naming.shorten(g.prompt)}"
         + ("  (the checkpoint's chat template; --config.chat_template=False for raw "
-           "completion)" if result.chat_template else ""),
-        f"generated: {result.generated_text!r}",
-        "stopped: " + ({"eos": f"end of generation at {result.stop_token_text!r} (id "
-                                f"{result.stop_token})",
-                        "nonfinite": f"non-finite logits at new token {result.nonfinite_at}"
-                        }.get(result.stop_reason, "the token budget (max_new_tokens)")),
-        *(f"warning: {w}" for w in result.warnings),
+           "completion)" if g.chat_template else ""),
+        f"generated: {g.generated_text!r}",
+        "stopped: " + ({"eos": f"end of generation at {g.stop_token_text!r} (id "
+                                f"{g.stop_token})",
+                        "nonfinite": f"non-finite logits at new token {g.nonfinite_at}"
+                        }.get(g.stop_reason, "the token budget (max_new_tokens)")),
+        *(f"warning: {w}" for w in g.warnings),
         "",
-        f"prompt tokens {result.prompt_tokens}, new tokens {result.new_tokens}; "
-        f"compile {result.compile_seconds:.2f} s",
-        f"prefill {result.prefill_tokens_per_s:,.1f} tokens/s; time to first token "
-        f"{result.time_to_first_token_s * 1e3:.1f} ms; decode "
-        f"{result.decode_tokens_per_s:,.2f} tokens/s end to end (the wall time of one "
-        f"call of the compiled loop, {result.loop_steps} steps x B={batch}, its fixed cost "
+        f"prompt tokens {g.prompt_tokens}, new tokens {g.new_tokens}; "
+        f"compile {g.compile_seconds:.2f} s",
+        f"prefill {g.prefill_tokens_per_s:,.1f} tokens/s; time to first token "
+        f"{g.time_to_first_token_s * 1e3:.1f} ms; decode "
+        f"{g.decode_tokens_per_s:,.2f} tokens/s end to end (the wall time of one "
+        f"call of the compiled loop, {g.loop_steps} steps x B={batch}, its fixed cost "
         "included; the loop's own time per token, fixed cost cancelled, is below)",
-        f"KV cache: {result.kv_cache_bytes:,} bytes allocated for the batch of {batch} "
-        f"({result.kv_cache_bytes // batch:,} per sequence; theory "
-        f"{result.kv_cache_bytes_theory:,} = {per_token:,} B/token x "
-        f"{result.kv_cache_bytes_theory // per_token:,} slots)",
+        f"KV cache: {g.kv_cache_bytes:,} bytes allocated for the batch of {batch} "
+        f"({g.kv_cache_bytes // batch:,} per sequence; theory "
+        f"{g.kv_cache_bytes_theory:,} = {per_token:,} B/token x "
+        f"{g.kv_cache_bytes_theory // per_token:,} slots)",
         "KV cache tensors as allocated: " + ", ".join(
-            f"{n} {dt} {nb:,} B" for n, (dt, nb) in result.kv_cache_tensors.items()),
+            f"{n} {dt} {nb:,} B" for n, (dt, nb) in g.kv_cache_tensors.items()),
     ]
 
 
-def mesh_report(result: runner.DecodeResult) -> str:
-    """The report of a run on a mesh: the generation, then the per-device cost of one
-    sharded decode step (theory | XLA per device | measured) with its collectives, and
-    the collectives of the prefill and generate programs the run used."""
+def _mesh_lines(result: runner.DecodeResult) -> list:
+    """On a mesh: the cache per device, the per-device cost of one sharded decode step
+    (theory | XLA per device | measured) with its collectives, and the collectives of
+    the prefill and generate programs the run used; empty on one device."""
     from kvjax.parallel import costs as pcosts  # noqa: PLC0415
     c, g = result.costs, result.generation
     st = c.step
-    lines = [*_generation_lines(result, st.cfg, st.batch)]
-    if planner.report_lines():
-        # 'auto' resolves to 'xla' inside the sharded programs (a custom call XLA cannot
-        # partition); picks listed above were made for programs traced off the mesh
-        at = next(i for i, ln in enumerate(lines) if ln.startswith("formulations:"))
-        lines.insert(at + 1, "  (on this mesh the sharded programs use 'xla' for both; "
-                             "planner picks below are those of single-device programs)")
-    if g.mesh_note:
-        lines.insert(0, g.mesh_note)
-    lines += [
+    if not c.per_device:
+        return []
+    lines = [
         f"KV cache per device: {g.kv_cache_bytes_per_device:,} bytes of "
         f"{g.kv_cache_bytes:,} (1/{g.kv_cache_bytes / max(g.kv_cache_bytes_per_device, 1):.0f})",
         "",
@@ -284,7 +294,7 @@ def mesh_report(result: runner.DecodeResult) -> str:
                         for k, v in sorted(prog["inventory"].items())) or "none"
         lines.append(f"  {name}: {inv}; cache tensors all-gathered / all-to-all'd: "
                      f"{prog['cache_gathers'] or 'none'}")
-    return "\n".join(lines)
+    return lines
 
 
 def _loop_memory(loop) -> str:
@@ -372,7 +382,7 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         return 3
     print(report(result))
-    for w in result.warnings:
+    for w in result.generation.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if _JSON_OUT.value:
         cli.write_json(_JSON_OUT.value, result.as_json())

@@ -43,7 +43,7 @@ Drafters: 'ngram' (prompt lookup, no model) and 'self' (the same weights over a 
 t; its own cache, prefilled by the windowed model, or with
 ``--config.speculative.draft_kv_source=target`` the target's own keys: read in place,
 a mask over its dense rows, where the native decode attention runs (JSON key
-``draft_in_place``), else a copy of the target's window made every round; with
+``SelfDrafter.in_place``), else a copy of the target's window made every round; with
 ``--config.speculative.draft_weight_dtype=int8`` over an int8 copy of the weights, a
 quarter of their bytes). Writes ``<out_dir>/speculative.json`` and a plot of measured against predicted
 speedup (``speculative.png``).
@@ -327,8 +327,8 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
                    "step": step_runner(params, cfg, steps_state, 1),
                    "verify": step_runner(params, cfg, steps_state, k + 1)}
             dwin = None
-            icfg = None if dcfg is None else S.draft_in_place(cfg, dcfg, spec, b,
-                                                              tcache.num_slots)
+            method = S.drafter_for(spec, dcfg)
+            icfg = method.in_place(cfg, b, tcache.num_slots)
             if icfg is not None:  # the draft step over the target's slots, in place
                 dwin = _copy(tcache)
                 fns["draft"] = step_runner(dparams, icfg, {"cache": dwin}, 1)
@@ -345,7 +345,7 @@ def point(loaded, run, prompts, drafters, ks, new_tokens, repeats, chunk,
             equal = all(list(map(int, state["plain"][i, :steps])) == got[i]
                         for i in range(b))
             e = stats.tokens_per_step
-            copy_slots, dweights = S.draft_costs(dcfg, spec, k, in_place=icfg is not None)
+            copy_slots, dweights = method.costs(in_place=icfg is not None)
             r, roof, serial = theories(cfg, t, k, b, plain_step_s, flops_per_s, dcfg,
                                        copy_slots, dweights)
             a_eff = spec_theory.acceptance_from_tokens_per_step(min(max(e, 1.0), k + 1), k)

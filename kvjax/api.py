@@ -196,7 +196,7 @@ class Model:
         if not long_context:
             d.cost_context = d.max_seq_len
         run = run_config_from_dict(d)
-        gen = runner.decode_prompt(run, self.loaded)
+        gen = runner.generate(run, self.loaded)
         report_ = runner.cost_report(run, self.loaded, gen) if costs else None
         return Result(gen.generated_text, gen, None if report_ is None else costs_of(report_))
 

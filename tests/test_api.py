@@ -69,7 +69,7 @@ def test_bad_fields_fail_with_their_name(folder):
 
 def test_a_generation_says_where_its_costs_are(folder):
     run = run_for(folder, chat_template=False, prompt="abc", max_new_tokens=2)
-    gen = runner.decode_prompt(run, runner.load(run, progress=False))
+    gen = runner.generate(run, runner.load(run, progress=False))
     with pytest.raises(AttributeError, match="cost_report"):
         gen.costs  # noqa: B018
 
@@ -98,7 +98,7 @@ def test_export_writes_a_folder_that_reads_back_to_the_same_tokens(folder, tmp_p
         np.testing.assert_array_equal(ta[k], tb[k])
     assert b.tokenizer.chat_template == a.tokenizer.chat_template
     assert b.tokenizer.eos_token_ids == a.tokenizer.eos_token_ids
-    ga, gb = runner.decode_prompt(run, a), runner.decode_prompt(back, b)
+    ga, gb = runner.generate(run, a), runner.generate(back, b)
     assert ga.generated_ids == gb.generated_ids and len(ga.generated_ids) == 5
 
 
@@ -116,4 +116,4 @@ def test_mean_pooled_heads_warn_with_the_cost_and_the_uptrain_command(folder, kv
     if warned:
         assert "perplexity 24,944" in loaded.notes[0]
         assert "python -m experiments.uptrain --config=configs/mqa.py" in loaded.notes[0]
-        assert runner.decode_prompt(run, loaded).warnings[0] == loaded.notes[0]
+        assert runner.generate(run, loaded).warnings[0] == loaded.notes[0]

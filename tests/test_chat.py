@@ -79,20 +79,20 @@ def test_switch_and_errors(tmp_path):
     assert runner.uses_chat_template(tiny_run(prompt=raw), smol)
     assert not runner.uses_chat_template(tiny_run(prompt=raw, weights="random"), smol)
     assert not runner.uses_chat_template(tiny_run(prompt=raw), FakeTok(None))
-    assert runner.render_prompt(tiny_run(prompt=raw, chat_template=False), smol) == raw
-    assert runner.render_prompt(tiny_run(prompt=raw, system_prompt="S"), smol).startswith(
+    assert runner.prompt_ids(tiny_run(prompt=raw, chat_template=False), smol)[0] == raw
+    assert runner.prompt_ids(tiny_run(prompt=raw, system_prompt="S"), smol)[0].startswith(
         "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nThe capital")
     f = tmp_path / "system.txt"
     f.write_text("From a file.")
-    assert "system\nFrom a file.<|im_end|>" in runner.render_prompt(
-        tiny_run(prompt=raw, system_prompt_file=str(f)), smol)
+    assert "system\nFrom a file.<|im_end|>" in runner.prompt_ids(
+        tiny_run(prompt=raw, system_prompt_file=str(f)), smol)[0]
     with pytest.raises(ConfigError, match="chat_template=True: the chat template fails on "
                                           "these messages: TemplateError: Conversation "
                                           "roles must alternate"):
-        runner.render_prompt(tiny_run(prompt=raw, chat_template=True), other)
+        runner.prompt_ids(tiny_run(prompt=raw, chat_template=True), other)[0]
     with pytest.raises(ConfigError, match="chat_template=True: the checkpoint carries no "
                                           "chat template"):
-        runner.render_prompt(tiny_run(prompt=raw, chat_template=True), FakeTok(None))
+        runner.prompt_ids(tiny_run(prompt=raw, chat_template=True), FakeTok(None))[0]
     with pytest.raises(ConfigError, match="chat_template=False; allowed: True or None when a "
                                           "system prompt is given"):
         tiny_run(chat_template=False, system_prompt="S")
@@ -124,7 +124,7 @@ def test_zero_new_tokens_warns(smollm2):
     with pytest.warns(RuntimeWarning, match="stopped with 0 new tokens: the first token "
                                             r"sampled was end-of-sequence \('<\|im_end\|>', "
                                             r"id 2\); a chat model given raw text"):
-        result = runner.decode_prompt(raw, loaded)  # the generation (no cost report)
+        result = runner.generate(raw, loaded)  # the generation (no cost report)
     assert result.new_tokens == 0 and result.warnings
 
 

@@ -228,6 +228,11 @@ def test_decode_entry_point_on_a_mesh_same_tokens(tmp_path, paris_run):
     assert all(p["cache_gathers"] == [] for p in result["programs"].values())
     # 30 layers x (o_proj + down) all-reduces over 'model' in the step (+1: embedding)
     assert result["mesh"]["inventory"]["all-reduce@model"]["count"] >= 60
+    # one JSON shape on a mesh and on one device: the figures a run lacks are None
+    assert set(result) == set(paris_run[1])
+    assert result["loop"] is None and result["prefill_xla_flops"] is None
+    assert paris_run[1]["mesh"] is None and paris_run[1]["programs"] is None
+    assert result["batch_size"] == paris_run[1]["batch_size"] == 1
     # the one-device run of the same config
     assert result["generated_ids"] == paris_run[1]["generated_ids"]
     assert len(result["generated_ids"]) == 3

@@ -260,7 +260,7 @@ def test_runner_decodes_a_hf_checkpoint_greedily(tmp_path):
     assert loaded.tokenizer.eos_token_id == 2 and loaded.tokenizer.eos_token_ids == (2,)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
     assert hf.load_hf_tokenizer(folder).eos_token_ids == (0, 2)
-    gen = runner.decode_prompt(dataclasses.replace(run, stop_at_eos=False), loaded)
+    gen = runner.generate(dataclasses.replace(run, stop_at_eos=False), loaded)
     ids = loaded.tokenizer.encode("abc hi")
     ckpt = hf.read_hf_checkpoint(folder, progress=False)
     for _ in range(4):
@@ -454,9 +454,9 @@ def test_real_smollm2_written_as_hf_decodes_the_same(smollm2, tmp_path):
     la, _ = _forward(loaded.params, loaded.cfg, jnp.asarray([ids]), pos)
     lb, _ = _forward(hl.params, hl.cfg, jnp.asarray([ids]), pos)
     np.testing.assert_allclose(np.asarray(lb), np.asarray(la), atol=1e-5, rtol=0)
-    ga = runner.decode_prompt(dataclasses.replace(run, max_new_tokens=8, max_seq_len=64),
+    ga = runner.generate(dataclasses.replace(run, max_new_tokens=8, max_seq_len=64),
                               loaded)
-    gb = runner.decode_prompt(hrun, hl)
+    gb = runner.generate(hrun, hl)
     assert gb.generated_ids == ga.generated_ids and gb.generated_text == ga.generated_text
 
 

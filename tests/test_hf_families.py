@@ -62,7 +62,7 @@ def family_checks(folder, ids, prefill, prompt, new_tokens=4, ref=None):
     # the main job: runner.load and its compiled decode loop, greedy
     run = run_for(folder, chat_template=False, prompt=prompt, max_new_tokens=new_tokens)
     loaded = runner.load(run, progress=False)
-    gen = runner.decode_prompt(dataclasses.replace(run, stop_at_eos=False), loaded)
+    gen = runner.generate(dataclasses.replace(run, stop_at_eos=False), loaded)
     seq = loaded.tokenizer.encode(prompt)
     for _ in range(new_tokens):
         seq.append(int(np.argmax(ref(seq)[-1])))

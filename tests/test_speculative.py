@@ -321,8 +321,8 @@ def test_sampled_loop_emits_the_target_distribution_in_a_cut_round(drafter):
 
 
 def test_sampled_engine_rounds_emit_the_target_distribution_cut_or_whole():
-    """Issue 54 item 1 in the slot engines' program (:func:`engine_rounds_program`, per
-    request keys): 2,000 slots after the same tokens, half with 1 token left (a cut
+    """Issue 54 item 1 in the slot engines' call of :func:`speculative_loop` (per request
+    keys): 2,000 slots after the same tokens, half with 1 token left (a cut
     round), half with k + 1 = 4 (a whole round); each half's first token follows p."""
     cfg, spec = CONFIGS["gqa"], DRAFTERS["ngram"]
     hot = SamplingConfig(temperature=0.5)
@@ -338,13 +338,14 @@ def test_sampled_engine_rounds_emit_the_target_distribution_cut_or_whole():
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(b))
     remaining = jnp.where(jnp.arange(b) % 2 == 0, 1, spec.k + 1).astype(jnp.int32)
     zeros = jnp.zeros((b,), jnp.int32)
-    out = S.engine_rounds_program(
+    out = S.speculative_loop(
         params, None, cache, None, jnp.full((b,), CUT_FIRST, jnp.int32),
-        jnp.ones((b,), bool), remaining, jnp.ones((b,), jnp.int32), keys,
-        jnp.asarray([-1], jnp.int32), hist, hist_len, jnp.asarray(False), zeros,
-        jnp.zeros((b,), bool), jax.random.key(1), cfg=cfg, draft_cfg=None, spec=spec,
-        sampling=hot, rounds=1)
-    toks, accepted = np.asarray(out[0]), np.asarray(out[11])
+        jnp.ones((b,), bool), remaining, hist, hist_len, jax.random.key(1),
+        jnp.asarray([-1], jnp.int32), row_keys=keys, index=jnp.ones((b,), jnp.int32),
+        stop_on_free=jnp.asarray(False), pending=zeros, has_pending=jnp.zeros((b,), bool),
+        cfg=cfg, drafter=S.drafter_for(spec), sampling=hot, max_rounds=1, stats=True,
+        buf_len=spec.k + 1)
+    toks, accepted = np.asarray(out["tokens"]), np.asarray(out["accepted"])
     for half in (0, 1):
         counts = np.bincount(toks[half::2, 0], minlength=cfg.vocab_size)
         stat, crit = _chi2_binned(counts, p)
@@ -378,7 +379,7 @@ def test_bad_speculative_input_is_refused_naming_the_value():
         S.draft_config(cfg, SpeculativeConfig(drafter="self", draft_num_layers=3))
     spec = SpeculativeConfig(drafter="model", draft_config="configs/mqa.py")
     with pytest.raises(ConfigError, match="vocab_size=50"):
-        S.check_draft(cfg, cfg.replace(vocab_size=50), spec)
+        S.drafter_for(spec, cfg.replace(vocab_size=50)).check(cfg)
     params = model_lib.init_params(cfg, 1)
     cache = init_cache(cfg, 1, MAX_LEN)  # lockstep
     with pytest.raises(ValueError, match="lockstep"):
@@ -490,19 +491,19 @@ def test_the_main_job_decodes_speculatively_as_it_decodes_plainly(cycle, tok):
                      chat_template=False, ignore_memory_check=True, stop_at_eos=False)
     spec = dataclasses.replace(base, speculative=SpeculativeConfig(drafter="ngram", k=3))
     loaded = runner.LoadedModel(cfg, params, with_eos(tok, (c, b)))
-    plain = runner.decode_prompt(base, loaded)
-    gen = runner.decode_prompt(spec, loaded)
+    plain = runner.generate(base, loaded)
+    gen = runner.generate(spec, loaded)
     assert gen.generated_ids == plain.generated_ids == ([a, b, c] * 4)[:12]
     sp = gen.speculative
     assert sp["drafter"] == "ngram" and sum(sp["emitted"]) == 11
     assert sp["accepted"][0] > 0 and sum(sp["rounds"]) < 11  # fewer verify steps than tokens
-    gen = runner.decode_prompt(dataclasses.replace(spec, stop_at_eos=True), loaded)
+    gen = runner.generate(dataclasses.replace(spec, stop_at_eos=True), loaded)
     assert gen.stop_reason == "eos" and gen.stop_token == b and gen.generated_ids == [a]
     for source in ("own", "target"):  # a window draft with its own cache, or the target's
         run = dataclasses.replace(base, speculative=SpeculativeConfig(
             drafter="self", k=2, draft_window_size=4, draft_sink_tokens=1,
             draft_kv_source=source))
-        gen = runner.decode_prompt(run, loaded)
+        gen = runner.generate(run, loaded)
         assert gen.generated_ids == plain.generated_ids, source
         assert gen.speculative["config"]["draft_kv_source"] == source
 
@@ -640,7 +641,7 @@ def test_a_draft_over_the_targets_slots_in_place_drafts_as_the_copy():
     for impl in ("native", "xla"):
         d = planner.resolve(dcfg.replace(decode_attention=impl), max_seq_len=MAX_LEN,
                             batch_sizes=(2,), rows=(2,))
-        icfg = S.draft_in_place(cfg, d, spec, 2, MAX_LEN + spec.k + 1)
+        icfg = S.drafter_for(spec, d).in_place(cfg, 2, MAX_LEN + spec.k + 1)
         assert (icfg is not None) == (impl == "native")
         if icfg is not None:
             assert policy_for(icfg).kind == "dense_window" and icfg.window_size == 6
@@ -655,7 +656,7 @@ def test_a_draft_over_the_targets_slots_in_place_drafts_as_the_copy():
             for x, y in zip(a[p], b[p]):
                 np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
     # the theory's round copies nothing in place
-    assert S.draft_costs(dcfg, spec, 3, in_place=True)[0] == 0
+    assert S.drafter_for(spec, dcfg).costs(in_place=True)[0] == 0
 
 
 def test_a_window_over_dense_slots_shows_what_the_ring_shows():
@@ -678,7 +679,7 @@ def test_an_int8_draft_that_sees_every_token_accepts_nearly_every_draft():
     is the target with int8 weights, so greedy accepts nearly every draft (a scale on the
     wrong axis would make it a random model, accepting ~1/V); the emitted tokens are the
     plain ones. Its weights, as self_draft stores them, are the bytes the theory counts
-    (draft_weight_bytes), about a quarter of the target's."""
+    (SelfDrafter.weight_bytes), about a quarter of the target's."""
     cfg = CONFIGS["gqa"]
     params = model_lib.init_params(cfg, 1)
     prompts = _prompts(2)
@@ -694,15 +695,15 @@ def test_an_int8_draft_that_sees_every_token_accepts_nearly_every_draft():
     table = weight_matmul.weight_bytes(dparams["embed"])
     assert table >= cfg.vocab_size * cfg.d_model  # int8 codes, plus scales
     stored = weight_matmul.weight_bytes(dparams) - table
-    assert S.draft_weight_bytes(dcfg, spec) == stored
-    assert S.draft_weight_bytes(dcfg, dataclasses.replace(spec, draft_weight_dtype=None)) \
-        is None
+    assert S.drafter_for(spec, dcfg).weight_bytes() == stored
+    assert S.drafter_for(dataclasses.replace(spec, draft_weight_dtype=None),
+                         dcfg).weight_bytes() is None
     # the theory's draft arguments: the ring (W + k + 1 slots) copied each round, or
     # nothing over a cache of its own; no draft config ('ngram'): nothing
-    assert S.draft_costs(dcfg, spec, 3) == (64 + 3 + 1, stored)
-    assert S.draft_costs(dcfg, dataclasses.replace(spec, draft_kv_source="own"), 3) \
-        == (0, stored)
-    assert S.draft_costs(None, dataclasses.replace(spec, drafter="ngram"), 3) == (0, None)
+    assert S.drafter_for(spec, dcfg).costs() == (64 + 3 + 1, stored)
+    own = dataclasses.replace(spec, draft_kv_source="own")
+    assert S.drafter_for(own, dcfg).costs() == (0, stored)
+    assert S.drafter_for(dataclasses.replace(spec, drafter="ngram")).costs() == (0, None)
     full = theory.weight_bytes_per_step(cfg)
     assert 0.25 * full < stored < 0.4 * full
     r = spec_theory.round_times(cfg, 30, 3, 1e9, draft_cfg=dcfg, draft_weights=stored)
@@ -711,11 +712,11 @@ def test_an_int8_draft_that_sees_every_token_accepts_nearly_every_draft():
     # tied: the table is the LM head too, read whole: every stored byte counts
     tcfg = tiny_config(tie_embeddings=True)
     tparams, tdcfg = S.self_draft(model_lib.init_params(tcfg, 2), tcfg, spec)
-    assert S.draft_weight_bytes(tdcfg, spec) == weight_matmul.weight_bytes(tparams)
+    assert S.drafter_for(spec, tdcfg).weight_bytes() == weight_matmul.weight_bytes(tparams)
 
 
 def test_an_int8_draft_that_would_run_widened_weights_warns():
-    """check_draft warns where a resolved int8 self draft cannot run the int8 kernel
+    """Drafter.check warns where a resolved int8 self draft cannot run the int8 kernel
     (weight_matmul='xla'), and not where it can."""
     from kvjax import planner  # noqa: PLC0415
     from kvjax.native import rows_matmul  # noqa: PLC0415
@@ -730,12 +731,12 @@ def test_an_int8_draft_that_would_run_widened_weights_warns():
         dcfg = planner.resolve(S.self_draft(params, c, spec)[1], max_seq_len=MAX_LEN)
         with warnings.catch_warnings(record=True) as got:
             warnings.simplefilter("always")
-            S.check_draft(c, dcfg, spec)
+            S.drafter_for(spec, dcfg).check(c)
         assert any("weight_matmul='xla'" in str(w.message) for w in got) == warns
     # without a plan (not resolved yet) nothing is known: no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        S.check_draft(cfg, S.self_draft(params, cfg, spec)[1], spec)
+        S.drafter_for(spec, S.self_draft(params, cfg, spec)[1]).check(cfg)
 
 
 def test_a_draft_weight_dtype_is_refused_unless_int8():

@@ -138,10 +138,10 @@ def test_runner_stops_at_any_id_and_says_which(cycle, tok):
     cfg, params, (a, b, c) = cycle
     run = RunConfig(model=cfg, prompt="x", max_new_tokens=8, max_seq_len=S,
                     chat_template=False, ignore_memory_check=True)
-    gen = runner.decode_prompt(run, runner.LoadedModel(cfg, params, with_eos(tok, (c, b))))
+    gen = runner.generate(run, runner.LoadedModel(cfg, params, with_eos(tok, (c, b))))
     assert gen.stop_reason == "eos" and gen.stop_token == b and gen.generated_ids == [a]
     assert gen.stop_token_text == tok.id_to_token(b)
-    gen = runner.decode_prompt(dataclasses.replace(run, stop_at_eos=False),
+    gen = runner.generate(dataclasses.replace(run, stop_at_eos=False),
                                runner.LoadedModel(cfg, params, with_eos(tok, (c, b))))
     assert gen.stop_reason == "budget" and gen.stop_token is None
     assert gen.generated_ids == [a, b, c] * 2 + [a, b]
@@ -184,7 +184,7 @@ def test_runner_holds_back_and_says_so(cycle, tok):
     cfg, params, _ = cycle
     run = RunConfig(model=cfg, prompt="x", max_new_tokens=4, max_seq_len=S,
                     chat_template=False, stop_at_eos=False, ignore_memory_check=True)
-    gen = runner.decode_prompt(run, runner.LoadedModel(cfg, params, tok))
+    gen = runner.generate(run, runner.LoadedModel(cfg, params, tok))
     assert gen.new_tokens == 4 and gen.generated_text == "日"  # A B C A: E6 held back
     assert gen.held_back_bytes == 1 and any("held back" in w for w in gen.warnings)
     assert tok.decode(gen.generated_ids) == "日\ufffd"  # what it printed before

@@ -510,7 +510,7 @@ def test_smollm2_window_generates_past_the_window(smollm2, sinks):
     assert len(ids) > 2 * cfg.window_size
     params = model.params_for(cfg, loaded.params)
     # the generation alone: the cost report is tested on tiny windowed models
-    result = runner.decode_prompt(run, runner.LoadedModel(cfg, params, loaded.tokenizer))
+    result = runner.generate(run, runner.LoadedModel(cfg, params, loaded.tokenizer))
     assert result.new_tokens == run.max_new_tokens
     assert result.kv_cache_bytes == result.kv_cache_bytes_theory == 30 * 3 * 128 * 4 * 64
     seq = ids + result.generated_ids

@@ -27,7 +27,7 @@ small interface as jax-llm-examples' ``KVCache`` / ``PagedKVCache`` or llama.cpp
 
 :func:`decode_steps_program` then advances every running row by up to
 ``steps_per_sync`` tokens in one compiled loop (speculative decoding: verify rounds,
-:func:`kvjax.inference.speculative.engine_rounds_program`; a rejected draft is taken back
+:func:`kvjax.inference.speculative.speculative_loop`; a rejected draft is taken back
 by the row's length alone, on pages too); free rows are fed ``num_valid`` 0 (no write,
 no advance), so the same program serves any occupancy. The loop returns early when a row
 frees while requests wait (on pages: always, so its pages go back to the pool at once),
@@ -327,18 +327,17 @@ def decode_steps_program(params, cache, last, active, remaining, count, keys, eo
         end-of-generation ids (-1 never matches);
         stop_on_free: [] bool, end the loop once a slot frees (requests are waiting).
     Returns:
-      (tokens [B, steps] int32, -1 where a slot produced none; steps run [] int32;
-      cache; last; active; remaining; count; occupied slot-steps [] int32; held tokens
-      of occupied rows summed over steps [] int32).
+      dict (:func:`kvjax.inference.decode.decode_loop`'s): 'tokens' [B, steps] int32, -1
+      where a slot produced none; 'steps' run [] int32; 'cache', 'last', 'active',
+      'remaining', 'count'; 'occupied' slot-steps [] int32; 'held' tokens of occupied
+      rows summed over steps [] int32.
     """
     def sample(logits, count, carry):
         return ragged.sample_rows(logits, keys, count, sampling), carry
 
-    out = decode_lib.decode_loop(params, cfg, cache, last, active, remaining, count,
-                                 eos_ids, sample, steps=steps, stop_on_free=stop_on_free,
-                                 stats=True)
-    return (out["tokens"], out["steps"], out["cache"], out["last"], out["active"],
-            out["remaining"], out["count"], out["occupied"], out["held"])
+    return decode_lib.decode_loop(params, cfg, cache, last, active, remaining, count,
+                                  eos_ids, sample, steps=steps, stop_on_free=stop_on_free,
+                                  stats=True)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -649,7 +648,7 @@ class Engine:
         between host visits (>= 1).
       seed: base of the per-request sampling keys.
       speculative: a SpeculativeConfig: every call runs verify rounds of k + 1 tokens
-        (:func:`kvjax.inference.speculative.engine_rounds_program`), a row accepting its
+        (:func:`kvjax.inference.speculative.speculative_loop`), a row accepting its
         own number (on pages a row takes the pages of up to steps_per_sync x (k + 1)
         tokens a block); greedy tokens equal plain decoding's, sampled ones follow the
         same distribution (the acceptance with per-request keys). Drafts: 'ngram'
@@ -672,7 +671,7 @@ class Engine:
         page_size or pool (:func:`row_store`), or draft= without speculative= (each
         named with its value).
       ConfigError: a drafter the config cannot build
-        (:func:`kvjax.inference.speculative.check_draft`: 'model' without ``draft``, a
+        (:meth:`kvjax.inference.speculative.Drafter.check`: 'model' without ``draft``, a
         draft with another vocabulary), or a draft that copies the target's window
         (``draft_kv_source='target'``) on pages, before any work.
     """
@@ -701,7 +700,7 @@ class Engine:
         if speculative is not None and speculative.drafter == "self" and draft is None:
             draft = spec_lib.self_draft(params, cfg, speculative)
         if speculative is not None:
-            spec_lib.check_draft(cfg, None if draft is None else draft[1], speculative)
+            spec_lib.drafter_for(speculative, None if draft is None else draft[1]).check(cfg)
             if speculative.copies_target_window and self.rows.page_size:
                 raise ConfigError(
                     "speculative.draft_kv_source='target' with page_size="
@@ -725,13 +724,13 @@ class Engine:
         self.dparams = self.dcfg = self.draft_cache = None
         if draft is not None:  # the draft's plan: its steps over num_slots rows
             self.dparams, dcfg = draft
-            k = self.spec.k
             self.dcfg = dcfg if dcfg.plan is not None else planner.resolve(
-                dcfg, max_seq_len=self.max_seq_len + k + 1, batch_sizes=(self.num_slots,),
-                rows=(2 * self.num_slots,))
-            if not self.spec.copies_target_window:  # else copied from the target's rows
-                self.draft_cache = spec_lib.init_draft_cache(self.dcfg, self.num_slots,
-                                                             self.max_seq_len, k)
+                dcfg, max_seq_len=self.max_seq_len + self.spec.k + 1,
+                batch_sizes=(self.num_slots,), rows=(2 * self.num_slots,))
+        self.drafter = None if self.spec is None else spec_lib.drafter_for(self.spec,
+                                                                               self.dcfg)
+        if self.drafter is not None:  # None where the draft reads the target's rows
+            self.draft_cache = self.drafter.init_cache(self.num_slots, self.max_seq_len)
         self.draft_cache_bytes = (0 if self.draft_cache is None
                                   else cache_lib.cache_bytes(self.draft_cache))
         self._pending = jnp.zeros(self.num_slots, jnp.int32)  # a draft model's next input
@@ -758,28 +757,31 @@ class Engine:
     # ------------------------------------------------------------------ units
 
     def _decode(self, last, active, remaining, count, keys, stop_on_free, hist, hist_len):
-        """One compiled call of plain steps or speculative rounds: (tokens [B, n'] (each
-        row's in order, -1 after), steps or rounds run, last, active, remaining, count,
-        occupied, held, hist, hist_len, accepted [B] or None, proposed, rounds each row
-        ran [B] or None); the rows' cache updated in place."""
+        """One compiled call of plain steps or speculative rounds: the loop's dict,
+        'tokens' [B, n'] (each row's in order, -1 after), 'steps' (or rounds) run, 'last',
+        'active', 'remaining', 'count' (each row's next key index), 'occupied', 'held',
+        and for rounds 'hist', 'hist_len', 'accepted' [B], 'proposed' [B] and 'rounds'
+        each row ran [B]; the rows' cache (and the draft's) updated in place."""
         if self.spec is None:
             out = decode_steps_program(
                 self.params, self.rows.cache, last, active, remaining, count, keys,
                 self._eos, stop_on_free, cfg=self.cfg, sampling=self.sampling,
                 steps=self.steps_per_sync)
-            out += (hist, hist_len, None, None, None)
         else:
             self._calls += 1
             rng = jax.random.fold_in(jax.random.key(self.seed), self._calls)
-            out = spec_lib.engine_rounds_program(
+            out = spec_lib.speculative_loop(
                 self.params, self.dparams, self.rows.cache, self.draft_cache, last, active,
-                remaining, count, keys, self._eos, hist, hist_len, stop_on_free,
-                self._pending, self._has_pending, rng, cfg=self.cfg, draft_cfg=self.dcfg,
-                spec=self.spec, sampling=self.sampling, rounds=self.steps_per_sync)
-            self.draft_cache, self._pending, self._has_pending = out[13:16]
-            out = out[:13] + out[16:]
-        self.rows.cache = out[2]
-        return out[:2] + out[3:]
+                remaining, hist, hist_len, rng, self._eos, row_keys=keys, index=count,
+                stop_on_free=stop_on_free, pending=self._pending,
+                has_pending=self._has_pending, cfg=self.cfg, drafter=self.drafter,
+                sampling=self.sampling, max_rounds=self.steps_per_sync, stats=True,
+                buf_len=self.steps_per_sync * (self.spec.k + 1))
+            self.draft_cache, self._pending, self._has_pending = (
+                out["draft_cache"], out["pending"], out["has_pending"])
+            out["count"] = out["index"]
+        self.rows.cache = out["cache"]
+        return out
 
     def _key(self, req_id: int) -> jax.Array:
         return request_key(jax.random.key(self.seed), req_id)
@@ -796,7 +798,7 @@ class Engine:
         and put in place, with no pending draft input."""
         bucket = prefill_bucket(len(tokens))
         toks, lengths = ragged.pad_prompts([list(tokens)], length=bucket)
-        drow = spec_lib.init_draft_cache(self.dcfg, 1, self.max_seq_len, self.spec.k)
+        drow = self.drafter.init_cache(1, self.max_seq_len)
         _, drow = ragged.prefill_ragged_program(
             self.dparams, jnp.asarray(toks), jnp.asarray(lengths), drow,
             cfg=self._prefill_cfg(bucket, True))
@@ -928,25 +930,24 @@ class Engine:
             out = self._decode(jnp.asarray(last), jnp.asarray(active),
                                jnp.asarray(remaining), jnp.asarray(count), keys,
                                jnp.asarray(store.stop_on_free(bool(queue))), hist, hist_len)
-            (buf, n, last_d, active_d, rem_d, count_d, occ, held, hist, hist_len, acc,
-             prop, rounds) = out
-            buf = np.asarray(buf)
-            if acc is not None:
-                stats.accepted += int(np.sum(acc))
-                stats.proposed += int(np.sum(prop))
+            buf, rounds = np.asarray(out["tokens"]), out.get("rounds")
+            hist, hist_len = out.get("hist", hist), out.get("hist_len", hist_len)
+            if rounds is not None:
+                stats.accepted += int(np.sum(out["accepted"]))
+                stats.proposed += int(np.sum(out["proposed"]))
             stats.decode_s += time.perf_counter() - t0
-            n = int(n)
+            n = int(out["steps"])
             stats.steps += n
             # rows running and the tokens their queries saw, step by step (a row grows
             # inside a block and may stop before it ends; its room was taken before)
-            stats.occupied_slot_steps += int(occ)
+            stats.occupied_slot_steps += int(out["occupied"])
             stats.max_running = max(stats.max_running, len(running))
-            stats.live_kv_byte_steps += int(held) * store.bytes_per_token
+            stats.live_kv_byte_steps += int(out["held"]) * store.bytes_per_token
             emitted = (buf >= 0) | (buf == NONFINITE)  # [rows, tokens] in order
             # steps (verify rounds) each row ran: a plain step emits one token
             store.account(stats, running, n, emitted.sum(axis=1) if rounds is None
                           else np.asarray(rounds))
-            new_active = np.asarray(active_d)
+            new_active = np.asarray(out["active"])
             for slot in running:
                 r = rows[slot]
                 made = [int(t) for t in buf[slot][emitted[slot]]]  # its tokens in order
@@ -956,8 +957,8 @@ class Engine:
                     store.release(slot)
                     book.finish(r.req, _stop(gen[r.req.id][-1], self.eos_ids), int(slot))
                     rows[slot] = None
-            last, active = np.array(last_d), new_active.copy()
-            remaining, count = np.array(rem_d), np.array(count_d)
+            last, active = np.array(out["last"]), new_active.copy()
+            remaining, count = np.array(out["remaining"]), np.array(out["count"])
         stats.wall_s = book.now()
         stats.tokens = sum(len(c.tokens) for c in book.done.values())
         return book.completions(), stats

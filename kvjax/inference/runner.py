@@ -5,7 +5,6 @@ put the cost hook's figures beside it. ``experiments/decode.py`` prints what thi
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.machinery
 import os
 import statistics
@@ -183,27 +182,17 @@ def _system_turn(run: RunConfig) -> str | None:
     return run.system_prompt
 
 
-def render_prompt(run: RunConfig, tokenizer: checkpoints.Tokenizer) -> str:
-    """The text of the prompt: ``run.prompt`` itself, or, with the chat template, the
-    checkpoint's template (rendered by jinja2, ``Tokenizer.chat_prompt``) around it as
-    the user's turn, the system turn from ``run.system_prompt`` /
-    ``run.system_prompt_file`` (None: the template's own default). Its ids are
-    :func:`prompt_ids`'s, not ``encode`` of this text.
+def prompt_ids(run: RunConfig, tokenizer: checkpoints.Tokenizer) -> tuple[str, list[int]]:
+    """(the prompt's text, its token ids). The text is ``run.prompt`` itself, or, with the
+    chat template, the checkpoint's template (rendered by jinja2) around it as the user's
+    turn, the system turn from ``run.system_prompt`` / ``run.system_prompt_file`` (None:
+    the template's own default). The user's text is plain text whatever it holds (a typed
+    ``<|im_end|>`` is not a control token); only the template's own scaffolding yields
+    control ids (``Tokenizer.chat_ids``), so the ids are not ``encode`` of the text. A raw
+    prompt starts with BOS when the checkpoint's tokenizer adds one.
 
     Raises:
       ConfigError: chat_template=True and the checkpoint has no template, or it fails.
-    """
-    return prompt_ids(run, tokenizer)[0]
-
-
-def prompt_ids(run: RunConfig, tokenizer: checkpoints.Tokenizer) -> tuple[str, list[int]]:
-    """(the prompt's text, its token ids). The user's text is plain text whatever it
-    holds (a typed ``<|im_end|>`` is not a control token); only the chat template's own
-    scaffolding yields control ids (``Tokenizer.chat_ids``). A raw prompt starts with BOS
-    when the checkpoint's tokenizer adds one (``Tokenizer.add_bos_token``).
-
-    Raises:
-      ConfigError: as :func:`render_prompt`.
     """
     if not uses_chat_template(run, tokenizer):
         bos = [tokenizer.bos_token_id] if getattr(tokenizer, "add_bos_token", False) else []
@@ -523,86 +512,6 @@ def long_context_cost(run: RunConfig, loaded: LoadedModel, cfg: ModelConfig
                            baseline_name=base_name)
 
 
-def decode_prompt(run: RunConfig, loaded: LoadedModel) -> Generation:
-    """Prefills ``run.prompt``, generates up to ``run.max_new_tokens`` tokens in one compiled
-    loop, and detokenizes the first row (trimmed at EOS).
-
-    Raises:
-      ConfigError: prompt + max_new_tokens do not fit in max_seq_len (before compiling).
-      memory.MemoryCheckError: the cache and temporaries do not fit the memory available
-        (before allocating; ``run.ignore_memory_check`` skips the check).
-    """
-    if run.speculative.enabled:
-        return decode_speculative(run, loaded)
-    cfg, params, tok = loaded.cfg, loaded.params, loaded.tokenizer
-    chat = uses_chat_template(run, tok)
-    prompt, ids = prompt_ids(run, tok)
-    run.check_fits(len(ids))
-    b = run.batch_size
-    tokens = jnp.asarray([ids] * b, jnp.int32)
-    eos = stop_ids(run, tok)
-
-    memory.check_run(run, weights_loaded=True, prompt_tokens=len(ids))
-    start = time.perf_counter()
-    steps = run.max_new_tokens - 1
-    # one device or a mesh: one builder (on a mesh, parameters, tokens and cache are
-    # laid out by their specs and the cache stays sharded)
-    placement = place(run, cfg, len(ids))
-    cfg = placement.cfg
-    params = placement.shard_params(params)
-    tokens = placement.place_rows(tokens)
-    cache = placement.init_cache()
-    prefill_c, chunk_cs = compile_prefill(run, placement, params, tokens, cache)
-    gen_c = placement.generate(run.sampling, decode.token_buffer_len(
-        cfg, cache.num_slots, steps)).lower(
-        params, tokens[:, 0], cache, jnp.int32(0), jax.random.key(0), eos).compile()
-    compile_s = time.perf_counter() - start
-
-    rng = jax.random.key(run.sampling.seed)
-    rng, key = jax.random.split(rng)
-    start = time.perf_counter()
-    logits, cache = run_prefill(prefill_c, chunk_cs, run, params, tokens, cache)
-    logits.block_until_ready()
-    prefill_s = time.perf_counter() - start
-    first = sampling.sample_logits(logits, key, run.sampling)
-    first.block_until_ready()
-    ttft = time.perf_counter() - start
-
-    decode.check_room(cfg, cache, steps, "generate")
-    start = time.perf_counter()
-    buf, ran, cache = gen_c(params, first, cache, jnp.int32(steps), rng, eos)
-    buf.block_until_ready()
-    decode_s = time.perf_counter() - start
-    ran = int(ran)
-
-    out = [int(first[0])] + [int(t) for t in np.asarray(buf[0, :ran])]
-    out, text, stop, stop_token, nonfinite_at, held, notes = _stopped(
-        out, eos.tolist(), tok, chat)
-    notes = loaded.notes + notes
-    return Generation(
-        prompt=prompt, generated_text=text, prompt_tokens=len(ids),
-        new_tokens=len(out), generated_ids=out, compile_seconds=compile_s,
-        prefill_seconds=prefill_s, time_to_first_token_s=ttft, decode_seconds=decode_s,
-        loop_steps=ran, prefill_tokens_per_s=len(ids) * b / prefill_s,
-        decode_tokens_per_s=(ran * b / decode_s) if ran else float("nan"),
-        kv_cache_bytes=cache_lib.cache_bytes(cache),
-        # theory for the slots allocated: max_seq_len, or W for a window (a ring buffer)
-        kv_cache_bytes_theory=theory.kv_cache_bytes(
-            cfg, cache_lib.num_slots(cfg, run.max_seq_len), b),
-        prefill_compiled=prefill_c, generate_compiled=gen_c, chat_template=chat,
-        prefill_chunk_compiled=chunk_cs,
-        kv_cache_tensors={n: (jax.tree.leaves(t)[0].dtype.name, cache_lib.total_bytes(t))
-                          for n, t in cache.tensors.items()},
-        warnings=notes, prefill_chunk_temp_bytes=[hlo_cost.memory_stats(c).get("temp_bytes")
-                                                  for c in chunk_cs.values()],
-        mesh_note=placement.note, placement=placement,
-        kv_cache_bytes_per_device=sum(x.addressable_shards[0].data.nbytes
-                                      for x in jax.tree.leaves(cache.tensors)),
-        stop_reason=stop, nonfinite_at=nonfinite_at, stop_token=stop_token,
-        stop_token_text=None if stop_token is None else tok.id_to_token(stop_token),
-        held_back_bytes=held)
-
-
 def _stopped(out: list, eos: list, tok: checkpoints.Tokenizer, chat: bool):
     """Row 0's emitted ids ``out`` cut where it stopped: (ids, text, stop reason, stop
     token, nonfinite_at, held-back bytes, notes); one rule for plain and speculative
@@ -667,101 +576,185 @@ def draft_model(run: RunConfig, loaded: LoadedModel, progress: bool = True):
     d.weights, d.weights_path, d.cache_dir = run.weights, run.weights_path, run.cache_dir
     d.dtype = run.model.dtype
     draft_run = run_config_from_dict(d)
-    speculative.check_draft(loaded.cfg, draft_run.model, spec)
+    speculative.drafter_for(spec, draft_run.model).check(loaded.cfg)
     dl = load(draft_run, progress=progress)
     return dl.params, dl.cfg
 
 
-def decode_speculative(run: RunConfig, loaded: LoadedModel) -> Generation:
-    """:func:`decode_prompt` by speculative decoding (``run.speculative``): prefill the
-    target's cache (and the draft model's), then one compiled loop that drafts k tokens,
-    verifies them in one forward of the target and takes back the rejected ones
-    (:mod:`kvjax.inference.speculative`). Greedy, the tokens equal plain decoding's.
+class PlainDecoder:
+    """Plain decoding, one token per step (:func:`kvjax.inference.decode.generate_program`),
+    on ``run``'s placement: one device or ``run.mesh`` (parameters, tokens and cache laid
+    out by their specs; the cache stays sharded). A decoder of :func:`generate`: it
+    compiles, prefills and decodes; the driver times, samples the first token and builds
+    the :class:`Generation`."""
+
+    def __init__(self, run: RunConfig, loaded: LoadedModel):
+        self.run, self.loaded = run, loaded
+
+    def compile(self, tokens: jax.Array, eos: jax.Array) -> jax.Array:
+        """Plans and compiles the prefill and the loop for ``tokens`` [B, T] int32 (ahead
+        of time, so the timed calls run no compilation); returns ``tokens`` placed."""
+        run = self.run
+        p = self.placement = place(run, self.loaded.cfg, tokens.shape[1])
+        self.cfg, self.params = p.cfg, p.shard_params(self.loaded.params)
+        tokens, self.cache = p.place_rows(tokens), p.init_cache()
+        self.prefill_c, self.chunk_cs = compile_prefill(
+            run, lambda t, fresh: p.prefill(fresh).lower(self.params, t, self.cache), tokens)
+        buf = decode.token_buffer_len(self.cfg, self.cache.num_slots, run.max_new_tokens - 1)
+        self.loop = p.generate(run.sampling, buf).lower(
+            self.params, tokens[:, 0], self.cache, jnp.int32(0), jax.random.key(0),
+            eos).compile()
+        return tokens
+
+    def prefill(self, tokens: jax.Array) -> jax.Array:
+        """[B, V] float32 logits after the prompt ``tokens`` (the cache prefilled)."""
+        logits, self.cache = run_prefill(self.prefill_c, self.chunk_cs, self.run,
+                                         self.params, tokens, self.cache)
+        return logits
+
+    def decode(self, first: jax.Array, steps: int, rng: jax.Array, eos: jax.Array):
+        """Up to ``steps`` tokens after ``first`` [B]: (row 0's ids, loop steps run,
+        tokens emitted over all rows)."""
+        decode.check_room(self.cfg, self.cache, steps, "generate")
+        buf, ran, self.cache = self.loop(self.params, first, self.cache, jnp.int32(steps),
+                                         rng, eos)
+        ran = int(ran)
+        return np.asarray(buf[0, :ran]).tolist(), ran, ran * self.run.batch_size
+
+    def fields(self, decode_s: float) -> dict:
+        """The :class:`Generation` fields of this decoder."""
+        return dict(prefill_compiled=self.prefill_c, generate_compiled=self.loop,
+                    prefill_chunk_compiled=self.chunk_cs, mesh_note=self.placement.note,
+                    placement=self.placement, prefill_chunk_temp_bytes=[
+                        hlo_cost.memory_stats(c).get("temp_bytes")
+                        for c in self.chunk_cs.values()])
+
+
+class SpeculativeDecoder(PlainDecoder):
+    """Speculative decoding (``run.speculative``, :mod:`kvjax.inference.speculative`) on
+    one device: the target's ragged cache and the drafter's (:func:`draft_model`), one
+    compiled loop that drafts k tokens, verifies them in one forward of the target and
+    takes back the rejected ones. Greedy, its tokens are :class:`PlainDecoder`'s.
 
     Raises:
-      ConfigError: as :func:`decode_prompt`, or a drafter that cannot be built.
+      ConfigError: a drafter that cannot be built (when constructed, before any work).
     """
-    cfg, params, tok = loaded.cfg, loaded.params, loaded.tokenizer
-    spec = run.speculative
+
+    def __init__(self, run: RunConfig, loaded: LoadedModel):
+        super().__init__(run, loaded)
+        self.spec = run.speculative
+        self.dparams, self.dcfg = draft_model(run, loaded)
+        speculative.drafter_for(self.spec, self.dcfg).check(loaded.cfg)
+
+    def compile(self, tokens, eos):
+        run, spec, (b, t) = self.run, self.spec, tokens.shape
+        self.params, k = self.loaded.params, spec.k
+        self.cfg = planner.resolve(self.loaded.cfg, max_seq_len=run.max_seq_len,
+                                   batch_sizes=(b,), rows=(b * t,), queries=(k + 1,))
+        self.cache = speculative.init_target_cache(self.cfg, b, run.max_seq_len, k)
+        self.draft = None  # (params, config, its own cache or None)
+        if self.dcfg is not None:
+            dcfg = planner.resolve(self.dcfg, max_seq_len=run.max_seq_len + k + 1,
+                                   batch_sizes=(b,), rows=(b * t, 2 * b))
+            self.draft = (self.dparams, dcfg, speculative.drafter_for(spec, dcfg).init_cache(
+                b, run.max_seq_len))
+        (self.prefill_c, self.chunk_cs), *self.draft_prefill = [
+            compile_prefill(run, lambda t, fresh, p=p, c=c, x=x: decode.prefill_program.lower(
+                p, t, x, cfg=c, fresh=fresh), tokens)
+            for p, c, x in ((self.params, self.cfg, self.cache),
+                            self.draft or (None, None, None)) if x is not None]
+        self.prompts = np.asarray(tokens).tolist()
+        self.loop = speculative.compile_program(
+            self.params, self.cfg, spec, self.prompts, tokens[:, 0], self.cache,
+            run.max_new_tokens - 1, draft=self.draft, rng=jax.random.key(0),
+            sampling=run.sampling, eos_ids=eos)
+        return tokens
+
+    def prefill(self, tokens):
+        logits = super().prefill(tokens)
+        if self.draft_prefill:  # the draft's own cache, the same prompt
+            dparams, dcfg, dcache = self.draft
+            self.draft = (dparams, dcfg, run_prefill(*self.draft_prefill[0], self.run,
+                                                     dparams, tokens, dcache)[1])
+        return logits
+
+    def decode(self, first, steps, rng, eos):
+        rows, self.stats, self.cache, _ = speculative.generate(
+            self.params, self.cfg, self.spec, self.prompts, first, self.cache, steps,
+            draft=self.draft, rng=rng, sampling=self.run.sampling, eos_ids=eos,
+            compiled=self.loop)
+        return rows[0], max(self.stats.emitted, default=0), sum(self.stats.emitted)
+
+    def fields(self, decode_s):
+        spec, st, b = self.spec, self.stats, self.run.batch_size
+        dcfg = None if self.draft is None else self.draft[1]
+        in_place = speculative.drafter_for(spec, dcfg).in_place(
+            self.cfg, b, self.cache.num_slots) is not None
+        return dict(speculative={
+            "drafter": spec.drafter, "k": spec.k, "config": dataclasses.asdict(spec),
+            **st.as_dict(), "draft_in_place": in_place,
+            "draft_model": None if dcfg is None else naming.variant_name(dcfg),
+            "seconds_per_emitted_token": decode_s / max(sum(st.emitted), 1) * b})
+
+
+def generate(run: RunConfig, loaded: LoadedModel) -> Generation:
+    """The run driver, one for plain and speculative decoding (gemma's ``SamplerLoop``
+    over its ``SamplingMethod``): prefills ``run.prompt``, samples the first token,
+    generates up to ``run.max_new_tokens`` tokens in one compiled loop of the run's
+    decoder (:class:`PlainDecoder`, or :class:`SpeculativeDecoder` with
+    ``run.speculative``), and detokenizes the first row (trimmed at EOS).
+
+    Raises:
+      ConfigError: prompt + max_new_tokens do not fit in max_seq_len (before compiling),
+        or a drafter that cannot be built.
+      memory.MemoryCheckError: the cache and temporaries do not fit the memory available
+        (before allocating; ``run.ignore_memory_check`` skips the check).
+    """
+    tok = loaded.tokenizer
     chat = uses_chat_template(run, tok)
     prompt, ids = prompt_ids(run, tok)
     run.check_fits(len(ids))
-    b, k = run.batch_size, spec.k
-    tokens = jnp.asarray([ids] * b, jnp.int32)
-    eos = stop_ids(run, tok)
+    b, eos = run.batch_size, stop_ids(run, tok)
     memory.check_run(run, weights_loaded=True, prompt_tokens=len(ids))
-    dparams, dcfg = draft_model(run, loaded)
-    speculative.check_draft(cfg, dcfg, spec)
+    decoder = (SpeculativeDecoder if run.speculative.enabled else PlainDecoder)(run, loaded)
     start = time.perf_counter()
-    cfg = planner.resolve(cfg, max_seq_len=run.max_seq_len, batch_sizes=(b,),
-                          rows=(b * len(ids),), queries=(k + 1,))
-    cache = speculative.init_target_cache(cfg, b, run.max_seq_len, k)
-    draft = None
-    if dcfg is not None:
-        dcfg = planner.resolve(dcfg, max_seq_len=run.max_seq_len + k + 1, batch_sizes=(b,),
-                               rows=(b * len(ids), 2 * b))
-        if not spec.copies_target_window:  # else the draft copies the target's window
-            draft = speculative.init_draft_cache(dcfg, b, run.max_seq_len, k)
-    if run.prefill_chunk:
-        prefill = functools.partial(decode.prefill_chunked, chunk=run.prefill_chunk)
-    else:  # compiled ahead of time, so the prefill's time is the prefill's
-        programs = {id(c): decode.prefill_program.lower(p, tokens, x, cfg=c,
-                                                        fresh=True).compile()
-                    for p, c, x in ((params, cfg, cache), (dparams, dcfg, draft))
-                    if x is not None}
-
-        def prefill(p, c, tokens, x):
-            return programs[id(c)](p, tokens, x)
+    tokens = decoder.compile(jnp.asarray([ids] * b, jnp.int32), eos)
     compile_s = time.perf_counter() - start
-    rng = jax.random.key(run.sampling.seed)
-    rng, key = jax.random.split(rng)
+
+    rng, key = jax.random.split(jax.random.key(run.sampling.seed))
     start = time.perf_counter()
-    logits, cache = prefill(params, cfg, tokens, cache)
-    if draft is not None:
-        _, draft = prefill(dparams, dcfg, tokens, draft)
-    draft = None if dcfg is None else (dparams, dcfg, draft)
+    logits = decoder.prefill(tokens)
     logits.block_until_ready()
     prefill_s = time.perf_counter() - start
     first = sampling.sample_logits(logits, key, run.sampling)
     first.block_until_ready()
     ttft = time.perf_counter() - start
-    steps = run.max_new_tokens - 1
-    gen_args = dict(draft=draft, rng=rng, sampling=run.sampling, eos_ids=eos)
+
     start = time.perf_counter()
-    compiled = speculative.compile_program(params, cfg, spec, [ids] * b, first, cache,
-                                           steps, **gen_args)
-    compile_s += time.perf_counter() - start
-    start = time.perf_counter()
-    rows_out, stats, cache, _ = speculative.generate(
-        params, cfg, spec, [ids] * b, first, cache, steps, compiled=compiled, **gen_args)
+    row, ran, emitted = decoder.decode(first, run.max_new_tokens - 1, rng, eos)
     decode_s = time.perf_counter() - start
-    out = [int(first[0])] + rows_out[0]
     out, text, stop, stop_token, nonfinite_at, held, notes = _stopped(
-        out, eos.tolist(), tok, chat)
-    notes = loaded.notes + notes
-    ran = max(stats.emitted) if stats.emitted else 0
-    in_place = dcfg is not None and speculative.draft_in_place(
-        cfg, dcfg, spec, b, cache.num_slots) is not None
-    info = {"drafter": spec.drafter, "k": k, "config": dataclasses.asdict(spec),
-            **stats.as_dict(), "draft_in_place": in_place,
-            "draft_model": None if dcfg is None else naming.variant_name(dcfg),
-            "seconds_per_emitted_token": decode_s / max(sum(stats.emitted), 1) * b}
+        [int(first[0])] + row, eos.tolist(), tok, chat)
+    cache = decoder.cache
     return Generation(
         prompt=prompt, generated_text=text, prompt_tokens=len(ids),
         new_tokens=len(out), generated_ids=out, compile_seconds=compile_s,
         prefill_seconds=prefill_s, time_to_first_token_s=ttft, decode_seconds=decode_s,
         loop_steps=ran, prefill_tokens_per_s=len(ids) * b / prefill_s,
-        decode_tokens_per_s=(sum(stats.emitted) / decode_s) if ran else float("nan"),
+        decode_tokens_per_s=(emitted / decode_s) if ran else float("nan"),
         kv_cache_bytes=cache_lib.cache_bytes(cache),
-        kv_cache_bytes_theory=theory.kv_cache_bytes(
-            cfg, cache.num_slots, b),
+        # theory for the slots allocated: max_seq_len, or W for a window (a ring buffer;
+        # with k + 1 spare for speculative rounds)
+        kv_cache_bytes_theory=theory.kv_cache_bytes(decoder.cfg, cache.num_slots, b),
         chat_template=chat,
         kv_cache_tensors={n: (jax.tree.leaves(t)[0].dtype.name, cache_lib.total_bytes(t))
                           for n, t in cache.tensors.items()},
-        warnings=notes, kv_cache_bytes_per_device=cache_lib.cache_bytes(cache),
+        warnings=loaded.notes + notes,
+        kv_cache_bytes_per_device=sum(x.addressable_shards[0].data.nbytes
+                                      for x in jax.tree.leaves(cache.tensors)),
         stop_reason=stop, nonfinite_at=nonfinite_at, stop_token=stop_token,
         stop_token_text=None if stop_token is None else tok.id_to_token(stop_token),
-        held_back_bytes=held, speculative=info)
+        held_back_bytes=held, **decoder.fields(decode_s))
 
 
 def cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> CostReport:
@@ -828,6 +821,19 @@ def _mesh_costs(run: RunConfig, loaded: LoadedModel, gen: Generation, placement,
 _NOT_JSON = ("prefill_compiled", "generate_compiled", "prefill_chunk_compiled",
              "placement")
 
+def _program_json(st, per: str) -> dict:
+    """XLA's, the counted and theory's FLOP and bytes of a compiled program ``st`` (a
+    :class:`costs.StepCost`; None: each figure None), keyed ``..._{per}``. XLA's own
+    figures leave the native kernels' custom calls out (XLA costs them -1); counted_*
+    add their FLOP (from their shapes) and operand + result bytes: the figure to put
+    beside theory (the report's '(+kernels)' rows)."""
+    x = st and st.xla
+    return {f"xla_flops_{per}": x and x.flops, f"xla_bytes_{per}": x and x.bytes,
+            f"counted_flops_{per}": x and x.flops + x.uncosted_flops,
+            f"counted_bytes_{per}": x and x.bytes + x.uncosted_bytes,
+            f"theory_flops_{per}": st and st.theory_flops,
+            f"theory_bytes_{per}": st and st.theory_bytes}
+
 
 @dataclasses.dataclass
 class DecodeResult:
@@ -836,99 +842,81 @@ class DecodeResult:
     generation: Generation
     costs: CostReport
 
-    def __getattr__(self, name):  # the fields of both, as before the split
-        if name in ("generation", "costs"):
-            raise AttributeError(name)
-        for part in (self.generation, self.costs):
-            if hasattr(part, name):
-                return getattr(part, name)
-        raise AttributeError(name)
-
-    @property
-    def prefill_cost(self) -> costs.StepCost:
-        return self.costs.prefill
-
     def as_json(self) -> dict:
+        """The run as one JSON object, the same keys on one device and on a mesh: the
+        generation's fields, the cache per batch and per sequence (issue 16), then the
+        cost report's figures, None where the run has none (on a mesh the loop's, the
+        single step's, the prefill's and the long context's; on one device the sharded
+        step's, ``mesh``, and the programs' collectives)."""
         g, c = self.generation, self.costs
-        if c.per_device:  # a run on a mesh: per-device figures
-            out = {f.name: getattr(g, f.name) for f in dataclasses.fields(g)
-                   if f.name not in _NOT_JSON}
-            out.update({"mesh": c.step.as_dict(), "step_seconds_median": c.step_seconds_median,
-                        "achieved_bytes_per_s_per_device":
-                            c.step.theory_bytes_dev / c.step_seconds_median,
-                        "programs": c.programs})
-            return out
-        s, loop = c.step, c.loop
+        s = c.step
         out = {f.name: getattr(g, f.name) for f in dataclasses.fields(g)
-               if f.name not in _NOT_JSON + ("kv_cache_bytes", "kv_cache_bytes_theory")}
+               if f.name not in _NOT_JSON}
         out.update({
             # per batch or per sequence, said in the key (issue 16)
             "batch_size": s.batch,
             "kv_cache_bytes_per_batch": g.kv_cache_bytes,
             "kv_cache_bytes_per_sequence": g.kv_cache_bytes // s.batch,
             "kv_cache_bytes_theory_per_batch": g.kv_cache_bytes_theory,
-            "loop_seconds_per_token": c.loop_seconds_per_token,
-            "loop_timing": {"steps": list(c.loop_timing["steps"]),
-                            "call_overhead_s": c.loop_timing["call_overhead_s"]},
-            # XLA's own figures leave the native kernels' custom calls out (XLA costs
-            # them -1); counted_* add their FLOP (from their shapes) and operand + result
-            # bytes: the figure to put beside theory (the report's '(+kernels)' rows)
-            "xla_flops_per_token": loop.xla.flops, "xla_bytes_per_token": loop.xla.bytes,
-            "counted_flops_per_token": loop.xla.flops + loop.xla.uncosted_flops,
-            "counted_bytes_per_token": loop.xla.bytes + loop.xla.uncosted_bytes,
-            "kernel_custom_calls": sorted(set(loop.xla.custom_calls)),
-            "theory_flops_per_token": loop.theory_flops,
-            "theory_bytes_per_token": loop.theory_bytes,
-            "loop_memory": loop.memory, "loop_once_per_call": loop.once_per_call,
-            # the single step, compiled and called on its own
-            "xla_flops_per_step": s.xla.flops, "xla_bytes_per_step": s.xla.bytes,
-            "counted_flops_per_step": s.xla.flops + s.xla.uncosted_flops,
-            "counted_bytes_per_step": s.xla.bytes + s.xla.uncosted_bytes,
-            "xla_raw_flops_per_step": s.xla.raw_flops, "xla_raw_bytes_per_step": s.xla.raw_bytes,
-            "theory_flops_per_step": s.theory_flops, "theory_bytes_per_step": s.theory_bytes,
             "step_seconds_median": c.step_seconds_median,
-            "achieved_bytes_per_s": s.theory_bytes / c.step_seconds_median,
             "cost_context": s.context, "model": dataclasses.asdict(s.cfg),
+            "crossover_context": theory.crossover_context(s.cfg),
+            "prefill_impl": s.cfg.prefill_impl,
+            # on a mesh: the sharded step per device, the collectives of the run's programs
+            "mesh": s.as_dict() if c.per_device else None, "programs": c.programs,
+            "achieved_bytes_per_s_per_device":
+                s.theory_bytes_dev / c.step_seconds_median if c.per_device else None})
+        # one device: the loop per token, the single step (compiled and called on its
+        # own), the prefill, the long context; None on a mesh
+        loop, pre, one = c.loop, c.prefill, None if c.per_device else s
+        timing = c.loop_timing
+        out.update({
+            "loop_seconds_per_token": c.loop_seconds_per_token,
+            "loop_timing": timing and {"steps": list(timing["steps"]),
+                                       "call_overhead_s": timing["call_overhead_s"]},
+            **_program_json(loop, "per_token"),
+            "kernel_custom_calls": loop and sorted(set(loop.xla.custom_calls)),
+            "loop_memory": loop and loop.memory,
+            "loop_once_per_call": loop and loop.once_per_call,
+            **_program_json(one, "per_step"),
+            "xla_raw_flops_per_step": one and one.xla.raw_flops,
+            "xla_raw_bytes_per_step": one and one.xla.raw_bytes,
+            "achieved_bytes_per_s": one and one.theory_bytes / c.step_seconds_median,
             # theory's (kv_read + kv_write) / step bytes at the run's context, and the
             # step at the long context (the checkpoint's trained one, or cost_context)
-            "kv_share_of_step_bytes": kv_share(s.theory_parts["bytes"]),
-            "compiled_kv_share_of_step_bytes": compiled_kv_share(s),
-            "crossover_context": theory.crossover_context(s.cfg),
-            "long_context": None if c.long_context is None else c.long_context.as_dict(),
-            "memory": s.memory,
-            "prefill_xla_flops": c.prefill.xla.flops,
-            "prefill_xla_bytes": c.prefill.xla.bytes,
-            "prefill_theory_flops": c.prefill.theory_flops,
-            "prefill_theory_bytes": c.prefill.theory_bytes,
-            "prefill_theory_bytes_parts": c.prefill.theory_parts["bytes"],
-            "prefill_impl": s.cfg.prefill_impl,
-            "prefill_temp_bytes": c.prefill.memory.get("temp_bytes"),
-            "loop": loop.as_dict(c.loop_seconds_per_token),
-            "step": s.as_dict(c.step_seconds_median),
-            "prefill": c.prefill.as_dict(g.prefill_seconds),
-        })
+            "kv_share_of_step_bytes": one and kv_share(one.theory_parts["bytes"]),
+            "compiled_kv_share_of_step_bytes": one and compiled_kv_share(one),
+            "long_context": c.long_context and c.long_context.as_dict(),
+            "memory": one and one.memory,
+            "prefill_xla_flops": pre and pre.xla.flops,
+            "prefill_xla_bytes": pre and pre.xla.bytes,
+            "prefill_theory_flops": pre and pre.theory_flops,
+            "prefill_theory_bytes": pre and pre.theory_bytes,
+            "prefill_theory_bytes_parts": pre and pre.theory_parts["bytes"],
+            "prefill_temp_bytes": pre and pre.memory.get("temp_bytes"),
+            "loop": loop and loop.as_dict(c.loop_seconds_per_token),
+            "step": one and one.as_dict(c.step_seconds_median),
+            "prefill": pre and pre.as_dict(g.prefill_seconds)})
         return out
 
 
 def run_decode(run: RunConfig, loaded: LoadedModel) -> DecodeResult:
-    """Decodes ``run.prompt`` (:func:`decode_prompt`) and costs it (:func:`cost_report`,
+    """Decodes ``run.prompt`` (:func:`generate`) and costs it (:func:`cost_report`,
     per device on a mesh).
 
     Raises:
       ConfigError: prompt + max_new_tokens do not fit in max_seq_len (before compiling).
     """
-    gen = decode_prompt(run, loaded)
+    gen = generate(run, loaded)
     return DecodeResult(gen, cost_report(run, loaded, gen))
 
 
-def compile_prefill(run: RunConfig, placement, params, tokens: jax.Array,
-                    cache: cache_lib.KVCache):
-    """Compiles the prefill ``run`` asks for on ``placement`` (a
-    :class:`kvjax.parallel.programs.Placement`: one device or a mesh; params, tokens and
-    cache already placed on it): (the one-pass program for an empty cache, {chunk length:
-    program} for ``run.prefill_chunk``, empty without it). The one-pass program is
-    compiled either way (the cost report analyses it)."""
-    lower = lambda t, fresh: placement.prefill(fresh).lower(params, t, cache)
+def compile_prefill(run: RunConfig, lower, tokens: jax.Array):
+    """Compiles the prefill ``run`` asks for: (the one-pass program for an empty cache,
+    {chunk length: program} for ``run.prefill_chunk``, empty without it). The one-pass
+    program is compiled either way (the cost report analyses it). ``lower(tokens,
+    fresh)``: the prefill program (``decode.prefill_program``, on one device or placed
+    on a mesh) lowered for ``tokens`` [B, T'] and the cache (``fresh``: empty)."""
     one = lower(tokens, True).compile()
     chunks = {}
     if run.prefill_chunk:

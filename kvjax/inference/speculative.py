@@ -7,15 +7,13 @@ stays memory-bound it costs about one step and can emit up to k + 1 tokens (Levi
 al. 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al. 2023,
 "Accelerating Large Language Model Decoding with Speculative Sampling").
 
-One round of :func:`speculative_program`'s ``lax.while_loop``, per row:
+One round of :func:`speculative_loop`'s ``lax.while_loop``, per row:
 
-1. **Draft** k tokens d_1..d_k after the last emitted token ``last``:
-   * 'ngram' (prompt lookup): the most recent earlier occurrence of the row's last n
-     tokens (n from ``ngram_max`` down to ``ngram_min``) in the prompt and the text so
-     far; the k tokens that followed it are the draft. No model, no cache.
-   * 'self' / 'model': a draft model (the target's weights over a cheap cache: a window
-     with sinks, a quantized copy or the first L' layers; or another config's model)
-     decodes k tokens over its own cache, kept beside the target's.
+1. **Draft** k tokens d_1..d_k after the last emitted token ``last`` by the run's
+   :class:`Drafter`, which owns its cache, draft, take-back and costs (the loop is one
+   for all): :class:`NgramDrafter` (prompt lookup: no model, no cache),
+   :class:`SelfDrafter` (the target's weights over a cheap cache: a window with sinks, a
+   quantized copy or the first L' layers), :class:`ModelDrafter` (another config's model).
 2. **Verify**: the target runs the chunk [last, d_1..d_k] at positions L..L+k over its
    cache (the chunked-prefill write path, one forward), giving target logits for every
    draft position.
@@ -67,88 +65,15 @@ from kvjax.models import decode_kernels
 from kvjax.models import model as model_lib
 from kvjax.models import weight_matmul
 
-__all__ = ["draft_config", "draft_params", "check_draft", "init_target_cache",
+__all__ = ["Drafter", "NgramDrafter", "ModelDrafter", "SelfDrafter", "DRAFTERS",
+           "drafter_for", "draft_config", "draft_params", "self_draft", "init_target_cache",
            "init_draft_cache", "draft_window", "draft_window_slots", "ngram_draft",
-           "take_back", "accept_greedy", "accept_sampled",
-           "speculative_program", "compile_program", "generate", "SpeculativeStats",
-           "history", "slot_history", "put_slot_history", "self_draft", "draft_weight_bytes",
-           "engine_rounds_program"]
+           "take_back", "accept_greedy", "accept_sampled", "speculative_loop",
+           "compile_program", "generate",
+           "SpeculativeStats", "history", "slot_history", "put_slot_history"]
 
 
-# --------------------------------------------------------------------------- drafters
-
-
-def draft_config(cfg: ModelConfig, spec: SpeculativeConfig) -> ModelConfig:
-    """The 'self' drafter's model config: ``cfg`` over a cheaper cache (a window of
-    ``draft_window_size`` with ``draft_sink_tokens`` sinks, ``draft_kv_dtype``) and/or the
-    first ``draft_num_layers`` layers.
-
-    Raises:
-      ConfigError: drafter is not 'self', or draft_num_layers exceeds cfg's layers.
-    """
-    if spec.drafter != "self":
-        raise ConfigError(f"speculative.drafter={spec.drafter!r}; draft_config builds the "
-                          "'self' drafter only")
-    fields: dict[str, Any] = {}
-    if spec.draft_window_size:
-        fields.update(window_size=spec.draft_window_size,
-                      num_sink_tokens=spec.draft_sink_tokens)
-    if spec.draft_kv_dtype:
-        fields["kv_dtype"] = spec.draft_kv_dtype
-    if spec.draft_num_layers:
-        if spec.draft_num_layers > cfg.num_layers:
-            raise ConfigError(
-                f"speculative.draft_num_layers={spec.draft_num_layers}; allowed: 0 (all) "
-                f"to the target's num_layers={cfg.num_layers}")
-        fields["num_layers"] = spec.draft_num_layers
-    return cfg.replace(**fields)
-
-
-def draft_params(params, cfg: ModelConfig, draft_cfg: ModelConfig):
-    """The target's parameters for a 'self' draft of ``draft_cfg.num_layers`` layers (the
-    first ones; the same arrays, no copy when all layers are kept)."""
-    n = draft_cfg.num_layers
-    if n == cfg.num_layers:
-        return params
-    if "layers" in params:
-        return {**params, "layers": jax.tree.map(lambda a: a[:n], params["layers"])}
-    return {k: v for k, v in params.items()
-            if not k.startswith("layers_") or int(k.split("_")[1]) < n}
-
-
-def check_draft(cfg: ModelConfig, draft_cfg: ModelConfig | None,
-                spec: SpeculativeConfig) -> None:
-    """Refuses a drafter the config cannot build, before any work.
-
-    Warns (UserWarning) where an int8 'self' draft (``draft_weight_dtype='int8'``) with a
-    resolved plan would not run the native int8 kernel on CPU: XLA then multiplies by
-    weights widened to float32 every step, slower than the float32 draft.
-
-    Raises:
-      ConfigError: a draft model with another vocabulary, a 'self'/'model' drafter
-        without a draft config, or an 'ngram' drafter given one.
-    """
-    if spec.drafter in ("self", "model"):
-        if draft_cfg is None:
-            raise ConfigError(f"speculative.drafter={spec.drafter!r} needs a draft model "
-                              "config; none was built")
-        if draft_cfg.vocab_size != cfg.vocab_size:
-            raise ConfigError(
-                f"draft model vocab_size={draft_cfg.vocab_size}; allowed: the target's "
-                f"vocab_size={cfg.vocab_size} (the drafter must share the tokenizer)")
-    elif draft_cfg is not None:
-        raise ConfigError(f"speculative.drafter={spec.drafter!r} takes no draft model")
-    if (spec.drafter == "self" and spec.draft_weight_dtype == "int8"
-            and draft_cfg.plan is not None and draft_cfg.backend == "cpu"
-            and not weight_matmul.int8_runs_native(draft_cfg.weight_matmul, draft_cfg.plan,
-                                                   draft_cfg.dtype)):
-        warnings.warn(
-            f"speculative.draft_weight_dtype='int8' with model.weight_matmul="
-            f"{draft_cfg.weight_matmul!r}, dtype={draft_cfg.dtype!r} and native kernels "
-            f"{list(draft_cfg.plan.native)}: the draft multiplies by its int8 weights "
-            "widened to float32 in XLA every step, slower than a float32 draft on CPU; the "
-            "int8 kernel needs weight_matmul other than 'xla', dtype 'float32' and the "
-            "native rows_matmul loaded", stacklevel=2)
+# --------------------------------------------------------------------------- caches
 
 
 def _spare(cfg: ModelConfig, k: int) -> int:
@@ -182,32 +107,6 @@ def draft_window(cache: KVCache, cfg: ModelConfig, draft_cfg: ModelConfig,
     :func:`kvjax.cache.window_view` into the slots :func:`init_draft_cache` would give
     it (:func:`draft_window_slots`)."""
     return cache_lib.window_view(cache, cfg, draft_cfg, draft_window_slots(draft_cfg, k))
-
-
-def draft_in_place(cfg: ModelConfig, draft_cfg: ModelConfig, spec: SpeculativeConfig,
-                   batch_size: int, num_slots: int) -> ModelConfig | None:
-    """The config of a draft with ``draft_kv_source='target'`` that reads the target's
-    dense cache where it lies, or None where a round copies the window instead
-    (:func:`draft_window`).
-
-    In place, the draft attends to each row's sinks and last positions as a mask over
-    the target's own slots (``window_cache='dense'``: the same keys the copy would
-    hold, so the same drafts) and writes its k - 1 draft keys after the row's length,
-    where the verify step then writes the target's own. That needs dense target rows
-    (``batch_size`` x ``num_slots`` slots), every layer, the target's cache layouts
-    and a decode formulation that reads only the visible slots
-    (:data:`kvjax.models.decode_kernels.IN_PLACE`: 'native' on CPU); with any of them
-    missing the copy reads and writes fewer bytes than a draft step over all slots.
-    """
-    if (not spec.copies_target_window or policy_for(cfg).kind != "dense" or cfg.is_mla
-            or draft_cfg.num_layers != cfg.num_layers):
-        return None
-    icfg = draft_cfg.replace(window_cache="dense")
-    if cache_lib.layouts(icfg) != cache_lib.layouts(cfg):
-        return None
-    specs = cache_lib.tensor_specs(icfg, batch_size, num_slots)
-    k, v = (jax.ShapeDtypeStruct(specs[n].shape, specs[n].dtype) for n in ("k", "v"))
-    return icfg if decode_kernels.choose(icfg, k, v) in decode_kernels.IN_PLACE else None
 
 
 def draft_window_slots(draft_cfg: ModelConfig, k: int) -> int:
@@ -254,74 +153,338 @@ def ngram_draft(hist: jax.Array, hist_len: jax.Array, k: int, ngram_max: int,
     return drafts, found
 
 
-def _draft_with_model(dparams, dcfg: ModelConfig, dcache: KVCache, last, pending,
-                      has_pending, active, k: int, sampling: SamplingConfig, key,
-                      can_pend: bool = True):
-    """k draft tokens from the draft model over its cache.
+# --------------------------------------------------------------------------- drafters
 
-    The draft cache holds the row's tokens before ``last``, except, after a round whose
-    k drafts were all accepted, the last draft (``pending``, ``has_pending``): the first
-    forward feeds [pending, last] (2 tokens) or [last] (1), the next k - 1 one token each.
-    ``can_pend`` (static) False: no row can have a pending draft (a window copied from
-    the target's cache each round), so the first forward is a one-token step too.
-    ``key``: one PRNG key for the batch, or [B] keys, one per row (a row's drafts then
-    never depend on its batch-mates).
-    Returns (drafts [B, k] int32, q [B, k, V] float32 or None when greedy, dcache).
+
+def draft_config(cfg: ModelConfig, spec: SpeculativeConfig) -> ModelConfig:
+    """The 'self' drafter's model config: ``cfg`` over a cheaper cache (a window of
+    ``draft_window_size`` with ``draft_sink_tokens`` sinks, ``draft_kv_dtype``) and/or the
+    first ``draft_num_layers`` layers.
+
+    Raises:
+      ConfigError: drafter is not 'self', or draft_num_layers exceeds cfg's layers.
     """
-    if can_pend:
-        pair = jnp.where(has_pending[:, None], jnp.stack([pending, last], 1),
-                         jnp.stack([last, last], 1))
-        n0 = jnp.where(active, 1 + has_pending.astype(jnp.int32), 0)
-    else:
-        pair, n0 = last[:, None], active.astype(jnp.int32)
-    pos = dcache.length[:, None] + jnp.arange(pair.shape[1], dtype=jnp.int32)[None, :]
-    logits, dcache = model_lib.forward(dparams, dcfg, pair, pos, dcache, num_valid=n0,
-                                       last_only=True)
-    one = active.astype(jnp.int32)
+    if spec.drafter != "self":
+        raise ConfigError(f"speculative.drafter={spec.drafter!r}; draft_config builds the "
+                          "'self' drafter only")
+    fields: dict[str, Any] = {}
+    if spec.draft_window_size:
+        fields.update(window_size=spec.draft_window_size,
+                      num_sink_tokens=spec.draft_sink_tokens)
+    if spec.draft_kv_dtype:
+        fields["kv_dtype"] = spec.draft_kv_dtype
+    if spec.draft_num_layers:
+        if spec.draft_num_layers > cfg.num_layers:
+            raise ConfigError(
+                f"speculative.draft_num_layers={spec.draft_num_layers}; allowed: 0 (all) "
+                f"to the target's num_layers={cfg.num_layers}")
+        fields["num_layers"] = spec.draft_num_layers
+    return cfg.replace(**fields)
 
-    per_row = key.ndim == 1
 
-    def pick(logits, key):
-        if sampling.greedy:
-            return sample_logits(logits, key if not per_row else key[0], sampling), None
-        q = sampling_probs(logits, sampling)
-        if per_row:
-            tok = jax.vmap(jax.random.categorical)(key, jnp.log(q))
+def draft_params(params, cfg: ModelConfig, draft_cfg: ModelConfig):
+    """The target's parameters for a 'self' draft of ``draft_cfg.num_layers`` layers (the
+    first ones; the same arrays, no copy when all layers are kept)."""
+    n = draft_cfg.num_layers
+    if n == cfg.num_layers:
+        return params
+    if "layers" in params:
+        return {**params, "layers": jax.tree.map(lambda a: a[:n], params["layers"])}
+    return {k: v for k, v in params.items()
+            if not k.startswith("layers_") or int(k.split("_")[1]) < n}
+
+
+def self_draft(params, cfg: ModelConfig, spec: SpeculativeConfig):
+    """(draft params in the draft's layout, draft config without a plan) of the 'self'
+    drafter: :func:`draft_config` over the target's weights (:func:`draft_params`), in
+    int8 with ``spec.draft_weight_dtype='int8'``
+    (:func:`kvjax.models.weight_matmul.quantize_params_int8`, once, here)."""
+    dcfg = draft_config(cfg.replace(plan=None), spec)
+    dparams = model_lib.params_for(dcfg, draft_params(params, cfg, dcfg))
+    if spec.draft_weight_dtype == "int8":
+        dparams = weight_matmul.quantize_params_int8(dparams, stacked=dcfg.scan_layers)
+    return dparams, dcfg
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    """What a verify round asks of the method that proposes its k tokens, the speculative
+    counterpart of gemma's ``SamplingMethod``: one immutable object per method, static in
+    the jit key, whose traced methods the one loop (:func:`speculative_loop`) calls in the
+    same order whatever the method. The loop owns the target's cache, the verify forward
+    and the acceptance; a drafter owns its cache, its draft, its take-back and its costs.
+    This base is the protocol with its defaults (no model, no cache); build one with
+    :func:`drafter_for`.
+
+    Attributes:
+      spec: the SpeculativeConfig (k, the n-gram range, the draft's cache source).
+      cfg: the draft model's config (static); None for a drafter without a model.
+      target, in_place_cfg: set by :meth:`bind`: the target's config, and the config of
+        a draft over the target's slots in place (:meth:`SelfDrafter.in_place`) or None.
+    """
+
+    spec: SpeculativeConfig
+    cfg: ModelConfig | None = None
+    target: ModelConfig | None = None
+    in_place_cfg: ModelConfig | None = None
+
+    keeps_cache = False  # a cache of its own beside the target's (init_draft_cache)
+
+    def init_cache(self, batch_size: int, max_seq_len: int):
+        """The drafter's own empty cache (:func:`init_draft_cache`), None without one."""
+        return (init_draft_cache(self.cfg, batch_size, max_seq_len, self.spec.k)
+                if self.keeps_cache else None)
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Refuses, before any work, a drafter the target (config ``cfg``) cannot use.
+
+        Raises:
+          ConfigError: a draft model given to a drafter that takes none, a drafter that
+            needs one without it, or a draft model with another vocabulary.
+        """
+        if self.cfg is not None:
+            raise ConfigError(f"speculative.drafter={self.spec.drafter!r} takes no draft "
+                              "model")
+
+    def in_place(self, cfg: ModelConfig, batch_size: int,
+                 num_slots: int) -> ModelConfig | None:
+        """The config of a draft that reads the target's cache where it lies, or None."""
+        return None
+
+    def bind(self, cfg: ModelConfig, batch_size: int, num_slots: int) -> "Drafter":
+        """The drafter for rounds over a target (config ``cfg``) cache of ``batch_size``
+        rows of ``num_slots`` slots (static; called while tracing)."""
+        return dataclasses.replace(self, target=cfg,
+                                   in_place_cfg=self.in_place(cfg, batch_size, num_slots))
+
+    def round_cache(self, cache, dcache):
+        """The cache this round drafts over: the drafter's own ``dcache`` (None without
+        one), or a view of the target's ``cache``."""
+        return dcache
+
+    def draft(self, dparams, dcache, s: dict, active, sampling: SamplingConfig, key):
+        """(drafts [B, k] int32, q [B, k, V] float32 or None for a deterministic draft,
+        dcache) after the loop state ``s`` ('last', 'pending', 'has_pending', 'hist',
+        'hist_len'); ``key``: one PRNG key, or [B] keys."""
+        raise NotImplementedError
+
+    def verify_cache(self, cache, dcache):
+        """The target's cache for the verify forward, after the draft wrote ``dcache``."""
+        return cache
+
+    def take_back(self, dcache, drafts, active, n_emit, new_len, pending, has_pending):
+        """(dcache, pending, has_pending) after a round that emitted ``n_emit`` [B] tokens
+        per row (the target's rows now hold ``new_len`` [B]): rejected drafts taken back."""
+        return dcache, pending, has_pending
+
+    def costs(self, in_place: bool = False) -> tuple[int, int | None]:
+        """(copy_slots, draft_weights) of the theory's round
+        (:func:`kvjax.analysis.speculative.round_times`) beside ``cfg``: the slots per row
+        a round copies from the target's window (0 ``in_place``), and the draft weights'
+        bytes where they are not ``cfg``'s dtype (None otherwise)."""
+        return 0, None
+
+
+class NgramDrafter(Drafter):
+    """'ngram' (prompt lookup, :func:`ngram_draft`): drafts from each row's history; no
+    model, no cache, nothing to take back, deterministic (q one-hot)."""
+
+    def draft(self, dparams, dcache, s, active, sampling, key):
+        spec = self.spec
+        drafts, _ = ngram_draft(s["hist"], s["hist_len"], spec.k, spec.ngram_max,
+                                spec.ngram_min)
+        return drafts, None, dcache
+
+
+class ModelDrafter(Drafter):
+    """'model' (and the base of 'self'): a draft model decodes k tokens over its own
+    ragged cache (:meth:`draft`); after a round its cache is cut back to what
+    the target kept, but for a round that accepted all k, whose last draft is fed first
+    next round (``pending``)."""
+
+    keeps_cache = True
+
+    def check(self, cfg):
+        if self.cfg is None:
+            raise ConfigError(f"speculative.drafter={self.spec.drafter!r} needs a draft "
+                              "model config; none was built")
+        if self.cfg.vocab_size != cfg.vocab_size:
+            raise ConfigError(
+                f"draft model vocab_size={self.cfg.vocab_size}; allowed: the target's "
+                f"vocab_size={cfg.vocab_size} (the drafter must share the tokenizer)")
+
+    def draft(self, dparams, dcache, s, active, sampling, key):
+        """k tokens from the draft model over ``dcache``, which holds the row's tokens
+        before ``last``, except, after a round whose k drafts were all accepted, the last
+        draft (``pending``): the first forward feeds [pending, last] (2 tokens) or [last]
+        (1), the next k - 1 one token each. Without a cache of its own (a window copied or
+        read each round) no row has a pending draft. With [B] keys a row's drafts never
+        depend on its batch-mates."""
+        k, dcfg, last, b = self.spec.k, self.in_place_cfg or self.cfg, s["last"], active.size
+        if self.keeps_cache:
+            pend = s["has_pending"]
+            pair = jnp.where(pend[:, None], jnp.stack([s["pending"], last], 1),
+                             jnp.stack([last, last], 1))
+            n0 = jnp.where(active, 1 + pend.astype(jnp.int32), 0)
         else:
-            tok = jax.random.categorical(key, jnp.log(q), axis=-1)
-        tok = jnp.where(nonfinite_rows(logits), 0, tok.astype(jnp.int32))
-        return tok, q
+            pair, n0 = last[:, None], active.astype(jnp.int32)
+        pos = dcache.length[:, None] + jnp.arange(pair.shape[1], dtype=jnp.int32)[None, :]
+        logits, dcache = model_lib.forward(dparams, dcfg, pair, pos, dcache, num_valid=n0,
+                                           last_only=True)
+        per_row = key.ndim == 1
 
-    keys = (jnp.moveaxis(jax.vmap(lambda r: jax.random.split(r, k))(key), 0, 1) if per_row
-            else jax.random.split(key, k))  # [k, B] or [k]
-    d, q = pick(logits[:, 0], keys[0])
-    d = jnp.maximum(d, 0)  # a draft is a proposal: a non-finite draft row proposes 0
+        def pick(logits, key):  # a draft is a proposal: a non-finite row proposes 0
+            if sampling.greedy:
+                tok = sample_logits(logits, key if not per_row else key[0], sampling)
+                return jnp.maximum(tok, 0), None
+            q = sampling_probs(logits, sampling)
+            if per_row:
+                tok = jax.vmap(jax.random.categorical)(key, jnp.log(q))
+            else:
+                tok = jax.random.categorical(key, jnp.log(q), axis=-1)
+            return jnp.where(nonfinite_rows(logits), 0, tok.astype(jnp.int32)), q
 
-    def step(carry, key):
-        dcache, d = carry
-        logits, dcache = model_lib.forward(dparams, dcfg, d[:, None],
-                                           dcache.length[:, None], dcache, num_valid=one)
-        nd, q = pick(logits[:, 0], key)
-        nd = jnp.maximum(nd, 0)
-        return (dcache, nd), (nd, q)
+        keys = (jnp.moveaxis(jax.vmap(lambda r: jax.random.split(r, k))(key), 0, 1)
+                if per_row else jax.random.split(key, k))  # [k, B] or [k]
+        d, q = pick(logits[:, 0], keys[0])
+        drafts = jnp.zeros((b, k), jnp.int32).at[:, 0].set(d)
+        q_all = None if q is None else jnp.zeros((b, k) + q.shape[1:],
+                                                 q.dtype).at[:, 0].set(q)
+        one = active.astype(jnp.int32)
 
-    # The k - 1 later steps: a loop whose trip count XLA cannot fold (none when no row
-    # is active, whose drafts go unused). A loop of 0 or 1 trips would be inlined, and XLA
-    # would then fuse the draft's cache writes into the verify step's reads of the same
-    # buffer (a draft over the target's slots in place), copying the cache each round.
-    drafts = jnp.zeros((d.shape[0], k), jnp.int32).at[:, 0].set(d)
-    q_all = None if sampling.greedy else jnp.zeros(
-        (d.shape[0], k) + q.shape[1:], q.dtype).at[:, 0].set(q)
+        def body(i, carry):
+            dcache, d, drafts, q_all = carry
+            logits, dcache = model_lib.forward(dparams, dcfg, d[:, None],
+                                               dcache.length[:, None], dcache, num_valid=one)
+            d, q = pick(logits[:, 0], keys[i])
+            return (dcache, d, drafts.at[:, i].set(d),
+                    None if q_all is None else q_all.at[:, i].set(q))
 
-    def body(i, carry):
-        dcache, d, drafts, q_all = carry
-        (dcache, d), (_, q) = step((dcache, d), keys[i])
-        drafts = drafts.at[:, i].set(d)
-        return dcache, d, drafts, None if q_all is None else q_all.at[:, i].set(q)
+        # The k - 1 later steps: a loop whose trip count XLA cannot fold (none when no
+        # row is active, whose drafts go unused). A loop of 0 or 1 trips would be inlined,
+        # and XLA would then fuse the draft's cache writes into the verify step's reads of
+        # the same buffer (a draft over the target's slots in place), copying the cache
+        # each round.
+        dcache, _, drafts, q_all = jax.lax.fori_loop(
+            1, jnp.where(jnp.any(active), k, 0), body, (dcache, d, drafts, q_all))
+        return drafts, q_all, dcache
 
-    dcache, _, drafts, q_all = jax.lax.fori_loop(
-        1, jnp.where(jnp.any(active), k, 0), body, (dcache, d, drafts, q_all))
-    return drafts, q_all, dcache
+    def take_back(self, dcache, drafts, active, n_emit, new_len, pending, has_pending):
+        # the draft cache holds [pending?, last, d_1..d_{k-1}]: all k accepted (and the
+        # row goes on), it lacks d_k, fed first next round; else cut it back
+        full = active & (n_emit == self.spec.k + 1)
+        dlen = jnp.where(full, new_len - 1, jnp.where(active, new_len, dcache.length))
+        return take_back(dcache, dlen), jnp.where(full, drafts[:, -1], 0), full
+
+
+class SelfDrafter(ModelDrafter):
+    """'self': the target's weights (:func:`self_draft`: the first L' layers, int8 with
+    ``draft_weight_dtype='int8'``) over a cheap cache (:func:`draft_config`). With
+    ``draft_kv_source='own'`` it keeps that cache; with 'target' none: each round drafts
+    over the target's window, copied (:func:`draft_window`) or read in place
+    (:meth:`in_place`), and drops it after."""
+
+    @property
+    def keeps_cache(self) -> bool:
+        return not self.spec.copies_target_window
+
+    def check(self, cfg):
+        """Also warns (UserWarning) where an int8 draft with a resolved plan would not run
+        the native int8 kernel on CPU: XLA then multiplies by weights widened to float32
+        every step, slower than the float32 draft."""
+        super().check(cfg)
+        d = self.cfg
+        if (self.spec.draft_weight_dtype == "int8" and d.plan is not None
+                and d.backend == "cpu"
+                and not weight_matmul.int8_runs_native(d.weight_matmul, d.plan, d.dtype)):
+            warnings.warn(
+                f"speculative.draft_weight_dtype='int8' with model.weight_matmul="
+                f"{d.weight_matmul!r}, dtype={d.dtype!r} and native kernels "
+                f"{list(d.plan.native)}: the draft multiplies by its int8 weights widened "
+                "to float32 in XLA every step, slower than a float32 draft on CPU; the "
+                "int8 kernel needs weight_matmul other than 'xla', dtype 'float32' and "
+                "the native rows_matmul loaded", stacklevel=3)
+
+    def in_place(self, cfg, batch_size, num_slots):
+        """With ``draft_kv_source='target'``: the config of a draft that reads the
+        target's (config ``cfg``) dense cache where it lies, or None where a round copies
+        the window instead (:func:`draft_window`).
+
+        In place, the draft attends to each row's sinks and last positions as a mask over
+        the target's own slots (``window_cache='dense'``: the same keys the copy would
+        hold, so the same drafts) and writes its k - 1 draft keys after the row's length,
+        where the verify step then writes the target's own. That needs dense target rows
+        (``batch_size`` x ``num_slots`` slots), every layer, the target's cache layouts
+        and a decode formulation that reads only the visible slots
+        (:data:`kvjax.models.decode_kernels.IN_PLACE`: 'native' on CPU); with any of them
+        missing the copy reads and writes fewer bytes than a draft step over all slots.
+        """
+        if (self.keeps_cache or policy_for(cfg).kind != "dense" or cfg.is_mla
+                or self.cfg.num_layers != cfg.num_layers):
+            return None
+        icfg = self.cfg.replace(window_cache="dense")
+        if cache_lib.layouts(icfg) != cache_lib.layouts(cfg):
+            return None
+        specs = cache_lib.tensor_specs(icfg, batch_size, num_slots)
+        k, v = (jax.ShapeDtypeStruct(specs[n].shape, specs[n].dtype) for n in ("k", "v"))
+        return icfg if decode_kernels.choose(icfg, k, v) in decode_kernels.IN_PLACE else None
+
+    def round_cache(self, cache, dcache):
+        if self.in_place_cfg:  # over the target's own slots, writing after its length
+            return cache
+        if not self.keeps_cache:  # the ring rebuilt from the target's cache every round
+            return draft_window(cache, self.target, self.cfg, self.spec.k)
+        return dcache
+
+    def verify_cache(self, cache, dcache):
+        # in place, the draft's keys are taken back: the verify step overwrites them
+        return take_back(dcache, cache.length) if self.in_place_cfg else cache
+
+    def take_back(self, dcache, drafts, active, n_emit, new_len, pending, has_pending):
+        if not self.keeps_cache:  # rebuilt next round from what the target kept
+            return None, pending, has_pending
+        return super().take_back(dcache, drafts, active, n_emit, new_len, pending,
+                                 has_pending)
+
+    def weight_bytes(self) -> int | None:
+        """Bytes of the draft's weights as :func:`self_draft` stores them, where they are
+        not its config's dtype (``draft_weight_dtype='int8'``: int8 matrices, float32
+        scales and norms); None otherwise. From the parameters' shapes (nothing is
+        allocated). An untied model's embedding table is left out: a step gathers one of
+        its rows per token, as :func:`kvjax.analysis.theory.weight_bytes_per_step` counts
+        it (tied, the table is the LM head, read whole)."""
+        if self.spec.draft_weight_dtype != "int8":
+            return None
+        d = self.cfg
+        shapes = jax.eval_shape(
+            lambda p: weight_matmul.quantize_params_int8(p, stacked=d.scan_layers),
+            model_lib.param_shapes(d))
+        if not d.tie_embeddings:
+            shapes = {n: v for n, v in shapes.items() if n != "embed"}
+        return weight_matmul.weight_bytes(shapes)
+
+    def costs(self, in_place=False):
+        copies = self.spec.copies_target_window and not in_place
+        return (draft_window_slots(self.cfg, self.spec.k) if copies else 0,
+                self.weight_bytes())
+
+
+DRAFTERS = {"ngram": NgramDrafter, "self": SelfDrafter, "model": ModelDrafter}
+"""speculative.drafter -> its :class:`Drafter` class."""
+
+
+def drafter_for(spec: SpeculativeConfig, draft_cfg: ModelConfig | None = None) -> Drafter:
+    """The :class:`Drafter` of ``spec.drafter`` with the draft model's config
+    ``draft_cfg`` (None for 'ngram'; :meth:`Drafter.check` refuses a wrong one).
+
+    Raises:
+      ConfigError: drafter 'none' (plain decoding).
+    """
+    if not spec.enabled:
+        raise ConfigError("speculative.drafter='none'; allowed: 'ngram', 'self' or 'model' "
+                          "for speculative decoding (plain decoding: decode.generate)")
+    return DRAFTERS[spec.drafter](spec, draft_cfg)
+
 
 
 # --------------------------------------------------------------------------- accept
@@ -437,57 +600,24 @@ def take_back(cache, length: jax.Array):
 # --------------------------------------------------------------------------- the loop
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "draft_cfg", "spec", "sampling",
-                                             "buf_len"),
-                   donate_argnames=("cache", "draft_cache"))
-def speculative_program(params, dparams, first_token, cache, draft_cache, hist, hist_len,
-                        num_steps, rng, eos_ids, *, cfg, draft_cfg, spec, sampling,
-                        buf_len):
-    """Compile unit of :func:`generate` (no host checks).
-
-    Args:
-      params: the target's parameters. dparams: the draft model's (None for 'ngram').
-      first_token: [B] int32, the token sampled from the prefill logits (not written).
-      cache: the target's prefilled ragged cache (:func:`init_target_cache`; donated).
-      draft_cache: the draft model's prefilled cache holding the same prompt (donated),
-        or None.
-      hist: [B, H] int32 the prompt (then the emitted tokens), valid below hist_len [B].
-      num_steps: [] int32 tokens to emit after first_token per row.
-      rng: PRNG key. eos_ids: [E] int32.
-      cfg, draft_cfg, spec, sampling: static configs. buf_len: static output length.
-    Returns:
-      dict with 'tokens' [B, buf_len] int32 (after first_token; -1 past each row's
-      count), 'count' [B] int32 emitted per row, 'rounds' [B] int32 verify steps per row,
-      'accepted' [B] int32 drafts accepted, 'proposed' [B] int32 drafts verified,
-      'steps' [] int32 loop iterations, 'cache', 'draft_cache'. Both caches' never-written
-      slots are cleared once on entry (``model.clear_masked_slots``).
-    """
-    done0 = is_stop(first_token, eos_ids)
-    h = hist.shape[1]
-    hist = jnp.where(jnp.arange(h)[None, :] == hist_len[:, None], first_token[:, None], hist)
-    b = first_token.shape[0]
-    out = speculative_loop(params, dparams, cache, draft_cache, first_token, ~done0,
-                           jnp.full((b,), num_steps, jnp.int32), hist, hist_len + 1,
-                           rng, eos_ids, cfg=cfg, draft_cfg=draft_cfg, spec=spec,
-                           sampling=sampling, buf_len=buf_len)
-    return {n: out[n] for n in ("tokens", "count", "rounds", "accepted", "proposed",
-                                "steps", "cache", "draft_cache")}
-
-
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "sampling", "buf_len",
+                                             "max_rounds", "stats"),
+                   donate_argnames=("cache", "draft_cache", "hist"))
 def speculative_loop(params, dparams, cache, draft_cache, last, active, remaining, hist,
-                     hist_len, rng, eos_ids, *, cfg, draft_cfg, spec, sampling, buf_len,
+                     hist_len, rng, eos_ids, *, cfg, drafter, sampling, buf_len,
                      max_rounds=None, stop_on_free=None, row_keys=None, index=None,
                      stats=False, pending=None, has_pending=None) -> dict:
-    """The speculative loop of :func:`speculative_program` and of the slot engine
-    (:func:`engine_rounds_program`): verify rounds of the active rows until each has
-    stopped. Traced (call it inside jit); clears both caches' never-written slots on
-    entry (``model.clear_masked_slots``).
+    """The speculative loop, one compiled program for :func:`generate` (a batch of
+    prompts, every row until it stops) and for the slot engine
+    (:class:`kvjax.inference.engine.Engine`: ``max_rounds`` rounds a call, per-row keys,
+    stats): verify rounds of the active rows until each has stopped. Clears both caches'
+    never-written slots on entry (``model.clear_masked_slots``). The caches and ``hist``
+    are donated.
 
     Args:
       params, dparams: the target's and the draft model's parameters (None: 'ngram').
-      cache, draft_cache: the target's ragged cache and the draft's (None for 'ngram',
-        and for a draft with ``spec.draft_kv_source='target'``, whose ring is copied
-        from ``cache`` every round: :func:`kvjax.cache.window_view`).
+      cache, draft_cache: the target's ragged cache and the drafter's own (None where
+        it keeps none: :attr:`Drafter.keeps_cache`).
       last: [B] int32 each row's last token (emitted, not yet written).
       active: [B] bool rows that decode. remaining: [B] int32 tokens each may emit.
       hist: [B, H] int32 each row's tokens so far (prompt, emitted, ``last``), valid
@@ -495,7 +625,9 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
       rng: PRNG key (the draws of the draft model and of the acceptance without
         ``row_keys``).
       eos_ids: [E] int32.
-      cfg, draft_cfg, spec, sampling: static configs. buf_len: static output length.
+      cfg, sampling: static configs. drafter: the static :class:`Drafter`, which
+        drafts, and takes back its own cache, the same way in every round.
+      buf_len: static output length.
       max_rounds: (static) at most this many rounds (None: until every row stops).
       stop_on_free: [] bool or None: end after the round in which a row stops.
       row_keys: [B] keys or None: the acceptance of row b draws with
@@ -511,33 +643,30 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
       dict: 'tokens' [B, buf_len] int32 (emitted this call, in order; -1 after each
       row's count), 'count' [B] emitted, 'rounds', 'accepted', 'proposed' [B] int32,
       'steps' [] rounds run, 'cache', 'draft_cache', 'last', 'active', 'remaining',
-      'hist', 'hist_len', 'occupied' [] and 'held' [] (0 without ``stats``), 'pending'
-      and 'has_pending'.
+      'index' [B] (``index`` plus the tokens emitted), 'hist', 'hist_len', 'occupied' []
+      and 'held' [] (0 without ``stats``), 'pending' and 'has_pending' (and the loop's
+      own 'done', 'freed' and 'rng').
     """
     b = last.shape[0]
-    k = spec.k
-    shared_window = spec.copies_target_window
-    in_place_cfg = draft_in_place(cfg, draft_cfg, spec, b, cache.num_slots)
+    k = drafter.spec.k
+    drafter = drafter.bind(cfg, b, cache.num_slots)
     cache = model_lib.clear_masked_slots(cfg, cache, k + 1)
-    draft_cache = model_lib.clear_masked_slots(draft_cfg, draft_cache)
-    h = hist.shape[1]
-    num_slots = cache.num_slots
-    buf = jnp.full((b, buf_len), -1, jnp.int32)
+    draft_cache = model_lib.clear_masked_slots(drafter.cfg, draft_cache)
     zeros = jnp.zeros((b,), jnp.int32)
     zero = jnp.zeros((), jnp.int32)
     stop_on_free = jnp.zeros((), bool) if stop_on_free is None else stop_on_free
-    state = dict(i=zero, buf=buf, cache=cache, dcache=draft_cache, last=last,
-                 done=~active | (remaining <= 0), count=zeros, remaining=remaining,
-                 index=zeros if index is None else index, freed=jnp.zeros((), bool),
-                 occupied=zero, held=zero, rounds=zeros, accepted=zeros, proposed=zeros,
-                 hist=hist, hist_len=hist_len,
+    state = dict(steps=zero, tokens=jnp.full((b, buf_len), -1, jnp.int32), cache=cache,
+                 draft_cache=draft_cache, last=last, done=~active | (remaining <= 0),
+                 count=zeros, remaining=remaining, index=zeros if index is None else index,
+                 freed=jnp.zeros((), bool), occupied=zero, held=zero, rounds=zeros,
+                 accepted=zeros, proposed=zeros, hist=hist, hist_len=hist_len,
                  pending=zeros if pending is None else pending,
                  has_pending=jnp.zeros((b,), bool) if has_pending is None else has_pending,
                  rng=rng)
 
     def cond(s):
         go = ~jnp.all(s["done"]) & ~(stop_on_free & s["freed"])
-        return go if max_rounds is None else go & (s["i"] < max_rounds)
+        return go if max_rounds is None else go & (s["steps"] < max_rounds)
 
     def body(s):
         active = ~s["done"]
@@ -547,22 +676,11 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
             kd = jax.vmap(jax.random.fold_in)(ka, jnp.ones_like(s["index"]))  # drafts
         limit = jnp.minimum(k + 1, s["remaining"])  # tokens this round may emit
         nv = jnp.where(active, jnp.maximum(limit, 1), 0)
-        dcache, q, cache = s["dcache"], None, s["cache"]
-        if in_place_cfg:  # the draft over the target's own slots, writing after its length
-            dcache = cache
-        elif shared_window:  # the draft's ring rebuilt from the target's cache every round
-            dcache = draft_window(cache, cfg, draft_cfg, k)
-        if spec.drafter == "ngram":
-            drafts, _ = ngram_draft(s["hist"], s["hist_len"], k, spec.ngram_max,
-                                    spec.ngram_min)
-        else:
-            drafts, q, dcache = _draft_with_model(dparams, in_place_cfg or draft_cfg, dcache,
-                                                  s["last"], s["pending"],
-                                                  s["has_pending"], active, k, sampling,
-                                                  kd, can_pend=not shared_window)
+        cache = s["cache"]
+        dcache = drafter.round_cache(cache, s["draft_cache"])
+        drafts, q, dcache = drafter.draft(dparams, dcache, s, active, sampling, kd)
         length = cache.length
-        if in_place_cfg:  # the draft's keys taken back: the verify step overwrites them
-            cache = take_back(dcache, length)
+        cache = drafter.verify_cache(cache, dcache)
         chunk = jnp.concatenate([s["last"][:, None], drafts], axis=1)
         pos = length[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
         logits, cache = model_lib.forward(params, cfg, chunk, pos, cache, num_valid=nv)
@@ -580,34 +698,26 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
         # write the emitted tokens after each row's count, and into the history
         slots = jnp.where(j < n_emit[:, None], s["count"][:, None] + j, buf_len)
         rows = jnp.arange(b)[:, None]
-        buf = s["buf"].at[rows, slots].set(emitted, mode="drop")
-        hslots = jnp.where(j < n_emit[:, None], s["hist_len"][:, None] + j, h)
+        buf = s["tokens"].at[rows, slots].set(emitted, mode="drop")
+        hslots = jnp.where(j < n_emit[:, None], s["hist_len"][:, None] + j,
+                           s["hist"].shape[1])
         hist = s["hist"].at[rows, hslots].set(emitted, mode="drop")
         count = s["count"] + n_emit
         new_len = length + n_emit  # [last, d_1..d_{n_emit - 1}] stay written
         cache = take_back(cache, jnp.where(active, new_len, length))
         last = jnp.where(active, jnp.take_along_axis(
             emitted, jnp.maximum(n_emit - 1, 0)[:, None], axis=1)[:, 0], s["last"])
-        pending, has_pending = s["pending"], s["has_pending"]
-        if shared_window:
-            dcache = None  # rebuilt next round from what the target kept
-        elif dcache is not None:
-            # the draft cache holds [pending?, last, d_1..d_{k-1}]: all k accepted (and
-            # the row goes on), it lacks d_k, fed first next round; else cut it back
-            full = active & (n_emit == k + 1)
-            pending = jnp.where(full, drafts[:, -1], 0)
-            has_pending = full
-            dlen = jnp.where(full, new_len - 1, jnp.where(active, new_len,
-                                                          dcache.length))
-            dcache = take_back(dcache, dlen)
+        dcache, pending, has_pending = drafter.take_back(
+            dcache, drafts, active, n_emit, new_len, s["pending"], s["has_pending"])
         remaining = s["remaining"] - n_emit
         finished = active & (stopped | (remaining <= 0))
         occ, held = s["occupied"], s["held"]
         if stats:  # occupied row-rounds, and the tokens those rows held
             occ = occ + jnp.sum(active.astype(jnp.int32))
-            held = held + jnp.sum(jnp.where(active, policy_for(cfg).held(length, num_slots),
-                                          0))
-        return dict(i=s["i"] + 1, buf=buf, cache=cache, dcache=dcache, last=last,
+            held = held + jnp.sum(jnp.where(
+                active, policy_for(cfg).held(length, cache.num_slots), 0))
+        return dict(steps=s["steps"] + 1, tokens=buf, cache=cache, draft_cache=dcache,
+                    last=last,
                     done=s["done"] | finished, count=count, remaining=remaining,
                     index=s["index"] + n_emit, freed=s["freed"] | jnp.any(finished),
                     occupied=occ, held=held, rounds=s["rounds"] + active,
@@ -617,54 +727,7 @@ def speculative_loop(params, dparams, cache, draft_cache, last, active, remainin
                     has_pending=has_pending, rng=rng)
 
     s = jax.lax.while_loop(cond, body, state)
-    return dict(tokens=s["buf"], count=s["count"], rounds=s["rounds"],
-                accepted=s["accepted"], proposed=s["proposed"], steps=s["i"],
-                cache=s["cache"], draft_cache=s["dcache"], last=s["last"],
-                active=~s["done"], remaining=s["remaining"], hist=s["hist"],
-                hist_len=s["hist_len"], occupied=s["occupied"], held=s["held"],
-                pending=s["pending"], has_pending=s["has_pending"])
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "draft_cfg", "spec", "sampling",
-                                             "rounds"),
-                   donate_argnames=("cache", "draft_cache", "hist"))
-def engine_rounds_program(params, dparams, cache, draft_cache, last, active, remaining,
-                          count, keys, eos_ids, hist, hist_len, stop_on_free, pending,
-                          has_pending, rng, *, cfg, draft_cfg, spec, sampling, rounds):
-    """The slot engines' speculative decoding: up to ``rounds`` verify rounds of every
-    occupied slot (:func:`speculative_loop`), the engine's arguments and results as
-    :func:`kvjax.inference.engine.decode_steps_program`'s, with each slot's history and,
-    for a 'self' or 'model' drafter, the draft model's cache and state.
-
-    Args:
-      dparams, draft_cache: the draft model's parameters and its ragged batch cache
-        (:func:`init_draft_cache`, each slot's row prefilled with its prompt; donated),
-        or None ('ngram').
-      cache: the engine's ragged batch cache (:func:`init_target_cache`; donated).
-      last, active, remaining, count, keys, eos_ids, stop_on_free: as
-        ``decode_steps_program`` (``count`` indexes each slot's sampling key).
-      hist: [B, H] int32 each slot's tokens (prompt, generated), valid below hist_len
-        [B] (donated).
-      pending, has_pending: [B] the draft model's state the last call returned (zeros and
-        False for a slot just filled; unused for 'ngram').
-      rng: a PRNG key, unused by the draws (the draft model and the acceptance draw
-        with each slot's own keys, ``keys`` folded with ``count``); kept so a caller may
-        pass a new one per call.
-    Returns:
-      (tokens [B, rounds·(k + 1)] int32, each slot's emitted tokens in order, -1 after;
-      rounds run [] int32; cache; last; active; remaining; count; occupied slot-rounds [];
-      held tokens []; hist; hist_len; accepted [B]; proposed [B]; draft_cache; pending;
-      has_pending; rounds each row ran [B] int32).
-    """
-    out = speculative_loop(params, dparams, cache, draft_cache, last, active, remaining,
-                           hist, hist_len, rng, eos_ids, cfg=cfg, draft_cfg=draft_cfg, spec=spec, sampling=sampling,
-                           buf_len=rounds * (spec.k + 1), max_rounds=rounds,
-                           stop_on_free=stop_on_free, row_keys=keys, index=count,
-                           stats=True, pending=pending, has_pending=has_pending)
-    return (out["tokens"], out["steps"], out["cache"], out["last"], out["active"],
-            out["remaining"], count + out["count"], out["occupied"], out["held"],
-            out["hist"], out["hist_len"], out["accepted"], out["proposed"],
-            out["draft_cache"], out["pending"], out["has_pending"], out["rounds"])
+    return {**s, "active": ~s["done"]}
 
 
 @dataclasses.dataclass
@@ -693,9 +756,7 @@ class SpeculativeStats:
         return sum(self.emitted) / max(sum(self.rounds), 1)
 
     def as_dict(self) -> dict:
-        return {"rounds": self.rounds, "accepted": self.accepted,
-                "proposed": self.proposed, "emitted": self.emitted,
-                "acceptance_rate": self.acceptance_rate,
+        return {**dataclasses.asdict(self), "acceptance_rate": self.acceptance_rate,
                 "tokens_per_step": self.tokens_per_step}
 
 
@@ -717,53 +778,6 @@ def put_slot_history(hist: jax.Array, hist_len: jax.Array, slot: int, tokens):
     return hist.at[slot].set(jnp.asarray(row)), hist_len.at[slot].set(len(tokens))
 
 
-def self_draft(params, cfg: ModelConfig, spec: SpeculativeConfig):
-    """(draft params in the draft's layout, draft config without a plan) of the 'self'
-    drafter: :func:`draft_config` over the target's weights (:func:`draft_params`), in
-    int8 with ``spec.draft_weight_dtype='int8'``
-    (:func:`kvjax.models.weight_matmul.quantize_params_int8`, once, here)."""
-    dcfg = draft_config(cfg.replace(plan=None), spec)
-    dparams = model_lib.params_for(dcfg, draft_params(params, cfg, dcfg))
-    if spec.draft_weight_dtype == "int8":
-        dparams = weight_matmul.quantize_params_int8(dparams, stacked=dcfg.scan_layers)
-    return dparams, dcfg
-
-
-def draft_weight_bytes(draft_cfg: ModelConfig, spec: SpeculativeConfig) -> int | None:
-    """Bytes of the 'self' draft's weights as :func:`self_draft` stores them, where they
-    are not its config's dtype (``draft_weight_dtype='int8'``: int8 matrices, float32
-    scales and norms), for the theory's draft step
-    (:func:`kvjax.analysis.speculative.round_times`' ``draft_weights``); None otherwise.
-    From the parameters' shapes: nothing is allocated. An untied model's embedding
-    table is left out: a step gathers one of its rows per token, as
-    :func:`kvjax.analysis.theory.weight_bytes_per_step` counts it (tied, the table is
-    the LM head, read whole)."""
-    if spec.drafter != "self" or spec.draft_weight_dtype != "int8":
-        return None
-    shapes = jax.eval_shape(
-        lambda p: weight_matmul.quantize_params_int8(p, stacked=draft_cfg.scan_layers),
-        model_lib.param_shapes(draft_cfg))
-    if not draft_cfg.tie_embeddings:
-        shapes = {n: v for n, v in shapes.items() if n != "embed"}
-    return weight_matmul.weight_bytes(shapes)
-
-
-def draft_costs(draft_cfg: ModelConfig | None, spec: SpeculativeConfig,
-                k: int, in_place: bool = False) -> tuple[int, int | None]:
-    """(copy_slots, draft_weights): what the theory's round
-    (:func:`kvjax.analysis.speculative.round_times`) needs beside ``draft_cfg`` for the
-    draft ``spec`` builds at k drafts a round: the slots per row a round copies from
-    the target's window (:func:`draft_window_slots` where
-    ``spec.copies_target_window``, else 0; 0 too with ``in_place``, a draft reading the
-    target's slots where they lie, :func:`draft_in_place`) and
-    :func:`draft_weight_bytes`. (0, None) without a draft config ('ngram')."""
-    if draft_cfg is None:
-        return 0, None
-    copies = spec.copies_target_window and not in_place
-    copy_slots = draft_window_slots(draft_cfg, k) if copies else 0
-    return copy_slots, draft_weight_bytes(draft_cfg, spec)
-
-
 def history(prompts, max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """The n-gram drafter's history buffer: [B, H] int32 prompts (right-padded with 0)
     and [B] lengths, H = longest prompt + :func:`buffer_len` (max_new_tokens) + 1."""
@@ -775,39 +789,29 @@ def history(prompts, max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     return out, lens
 
 
-def _program_args(params, cfg, spec, prompts, first_token, cache, num_steps, draft, rng,
-                  sampling, eos_ids):
-    """(positional arguments, static keyword arguments) of :func:`speculative_program`."""
-    dparams, dcfg, dcache = (None, None, None) if draft is None else draft
-    hist, hist_len = history(prompts, num_steps)
-    rng = jax.random.key(0) if rng is None else rng
-    args = (params, dparams, jnp.asarray(first_token, jnp.int32), cache, dcache,
-            jnp.asarray(hist), jnp.asarray(hist_len), jnp.int32(num_steps), rng,
-            jnp.asarray(np.asarray(eos_ids, np.int32).reshape(-1)))
-    return args, dict(cfg=cfg, draft_cfg=dcfg, spec=spec, sampling=sampling,
-                      buf_len=buffer_len(num_steps))
-
-
 def buffer_len(num_steps: int) -> int:
     """The output buffer's static length: the power of two >= ``num_steps`` (at least 1),
     so few lengths compile."""
     return 1 << max(0, int(num_steps) - 1).bit_length()
 
 
-def _check(cfg, spec, cache, num_steps, draft):
-    if not spec.enabled:
-        raise ConfigError("speculative.drafter='none'; allowed: 'ngram', 'self' or 'model' "
-                          "for speculative decoding (plain decoding: decode.generate)")
+def _program_args(params, cfg, spec, prompts, first_token, cache, num_steps, draft, rng,
+                  sampling, eos_ids):
+    """(positional arguments, static keyword arguments) of :func:`speculative_loop` for
+    :func:`generate` (``first_token`` emitted, in the history; a row whose first token
+    is a stop token inactive), after its checks."""
+    dparams, dcfg, dcache = (None, None, None) if draft is None else draft
+    drafter = drafter_for(spec, dcfg)
     if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) \
             or num_steps < 0:
         raise ValueError(f"num_steps={num_steps}; allowed: an integer >= 0")
     if not cache.ragged:
         raise ValueError("a lockstep cache; allowed: init_target_cache(...) (ragged rows: "
                          "rows accept different numbers of drafts)")
-    check_draft(cfg, None if draft is None else draft[1], spec)
-    if draft is not None and (draft[2] is None) != spec.copies_target_window:
+    drafter.check(cfg)
+    if draft is not None and (dcache is None) == drafter.keeps_cache:
         raise ValueError(
-            f"a draft cache of {None if draft[2] is None else draft[2].num_slots} slots "
+            f"a draft cache of {None if dcache is None else dcache.num_slots} slots "
             f"with speculative.draft_kv_source={spec.draft_kv_source!r}; allowed: None "
             "with 'target' (the draft copies the target's window each round), a cache "
             "from init_draft_cache with 'own'")
@@ -815,8 +819,7 @@ def _check(cfg, spec, cache, num_steps, draft):
         raise ValueError("speculative.draft_kv_source='target' over a paged cache; "
                          "allowed: a dense or ring cache (init_target_cache)")
     for name, c, kv in (("cache", cfg, cache),) + (
-            () if draft is None or draft[2] is None else
-            (("draft cache", draft[1], draft[2]),)):
+            () if dcache is None else (("draft cache", dcfg, dcache),)):
         if policy_for(c).kind == "ring" and kv.num_slots - c.window_size < _spare(c, spec.k):
             raise ValueError(
                 f"{name} holds {kv.num_slots} slots for window_size={c.window_size}; "
@@ -825,18 +828,26 @@ def _check(cfg, spec, cache, num_steps, draft):
                 "init_target_cache / init_draft_cache)")
     cache_lib.policy_for(cfg).check_room(jax.device_get(cache.length), num_steps,
                                          cache.num_slots, "speculative generate")
+    first = np.asarray(first_token, np.int32)
+    hist, hist_len = history(prompts, num_steps)
+    hist[np.arange(len(first)), hist_len] = first  # the n-gram drafts look it up too
+    eos = jnp.asarray(np.asarray(eos_ids, np.int32).reshape(-1))
+    args = (params, dparams, cache, dcache, jnp.asarray(first), ~is_stop(first, eos),
+            jnp.full(len(first), num_steps, jnp.int32), jnp.asarray(hist),
+            jnp.asarray(hist_len + 1), jax.random.key(0) if rng is None else rng, eos)
+    return args, dict(cfg=cfg, drafter=drafter, sampling=sampling,
+                      buf_len=buffer_len(num_steps))
 
 
 def compile_program(params, cfg: ModelConfig, spec: SpeculativeConfig, prompts,
                     first_token, cache: KVCache, num_steps: int, *,
                     draft: tuple | None = None, rng: jax.Array | None = None,
                     sampling: SamplingConfig = SamplingConfig(), eos_ids=(-1,)):
-    """The compiled :func:`speculative_program` for :func:`generate`'s arguments (ahead of
+    """The compiled :func:`speculative_loop` for :func:`generate`'s arguments (ahead of
     time, so a timed call runs no compilation). Checks as :func:`generate`."""
-    _check(cfg, spec, cache, num_steps, draft)
     args, static = _program_args(params, cfg, spec, prompts, first_token, cache, num_steps,
                                  draft, rng, sampling, eos_ids)
-    return speculative_program.lower(*args, **static).compile()
+    return speculative_loop.lower(*args, **static).compile()
 
 
 def generate(params, cfg: ModelConfig, spec: SpeculativeConfig, prompts, first_token,
@@ -871,15 +882,11 @@ def generate(params, cfg: ModelConfig, spec: SpeculativeConfig, prompts, first_t
       CacheOverflowError: the tokens would not fit in the cache (plain decoding's rule:
         the same tokens are written).
     """
-    _check(cfg, spec, cache, num_steps, draft)
     args, static = _program_args(params, cfg, spec, prompts, first_token, cache, num_steps,
                                  draft, rng, sampling, eos_ids)
-    out = compiled(*args) if compiled is not None else speculative_program(*args, **static)
-    count = np.asarray(out["count"])
-    toks = np.asarray(out["tokens"])
-    stats = SpeculativeStats(rounds=np.asarray(out["rounds"]).tolist(),
-                             accepted=np.asarray(out["accepted"]).tolist(),
-                             proposed=np.asarray(out["proposed"]).tolist(),
-                             emitted=count.tolist())
+    out = compiled(*args) if compiled is not None else speculative_loop(*args, **static)
+    toks, count = np.asarray(out["tokens"]), np.asarray(out["count"])
+    stats = SpeculativeStats(*(np.asarray(out[n]).tolist()
+                               for n in ("rounds", "accepted", "proposed", "count")))
     return ([toks[i, :count[i]].tolist() for i in range(len(count))], stats, out["cache"],
             out["draft_cache"])
