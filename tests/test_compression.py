@@ -170,7 +170,7 @@ def test_compress_gathers_each_heads_slots(kv_dtype):
 
 
 @pytest.mark.parametrize("method", ["snapkv", "h2o", "tova", "key_norm", "streaming_llm"])
-@pytest.mark.parametrize("kv_dtype", [None, "int8", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
 def test_allocated_bytes_equal_theory(method, kv_dtype):
     cfg = cfg_for(method, kv_dtype=kv_dtype)
     params = model_lib.init_params(cfg, 0)
@@ -349,3 +349,13 @@ def test_the_dense_engine_serves_compressed_rows():
         np.testing.assert_array_equal(np.asarray(c.tokens), want)
     with pytest.raises(ConfigError, match="page_size=16"):
         engine.Engine(params, cfg, num_slots=2, max_seq_len=128, page_size=16, num_pages=32)
+
+
+def test_the_speculative_loop_refuses_a_compressed_target():
+    from kvjax.config import SpeculativeConfig
+    from kvjax.inference import speculative
+    cfg = cfg_for("snapkv", budget=20)
+    cache = cache_lib.init_cache(cfg, 1, 64, ragged=True)
+    with pytest.raises(ConfigError, match="kv_compression='snapkv'"):
+        speculative.generate(None, cfg, SpeculativeConfig(drafter="ngram", k=2), [[1, 2]],
+                             jnp.asarray([3], jnp.int32), cache, 4)

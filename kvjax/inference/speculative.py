@@ -801,6 +801,10 @@ def _program_args(params, cfg, spec, prompts, first_token, cache, num_steps, dra
     :func:`generate` (``first_token`` emitted, in the history; a row whose first token
     is a stop token inactive), after its checks."""
     dparams, dcfg, dcache = (None, None, None) if draft is None else draft
+    if cfg.kv_compression is not None:
+        raise ConfigError(f"speculative decoding with model.kv_compression="
+                          f"{cfg.kv_compression!r}; allowed: None (rolling drafts back on a "
+                          "compressed cache is not implemented)")
     drafter = drafter_for(spec, dcfg)
     if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) \
             or num_steps < 0:
@@ -875,7 +879,8 @@ def generate(params, cfg: ModelConfig, spec: SpeculativeConfig, prompts, first_t
       (tokens: B lists of emitted ids, each ending at its stop token or its budget;
       SpeculativeStats; the target cache; the draft cache or None).
     Raises:
-      ConfigError: drafter 'none', a draft missing or given wrongly, vocabularies differ.
+      ConfigError: drafter 'none', a draft missing or given wrongly, vocabularies differ,
+        a target with ``kv_compression``.
       ValueError: num_steps not an integer >= 0, a cache that is not ragged, a ring
         cache (target's or draft's) with fewer than k + 1 slots beyond its window, or a
         draft cache given with ``draft_kv_source='target'`` (or missing with 'own').
