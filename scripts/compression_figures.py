@@ -22,6 +22,7 @@ import numpy as np
 from kvjax import compression, presets
 from kvjax.analysis import costs, theory
 from kvjax.cache import kv as cache_lib
+from kvjax.config import ConfigError
 from kvjax.inference import decode
 from kvjax.models import model as model_lib
 
@@ -99,7 +100,18 @@ def main():
                     help="which tables to print")
     a = ap.parse_args()
     only = a.only.split(",")
-    budgets = [int(b) for b in a.budgets.split(",")]
+    tables = ("allocated", "step", "overhead", "timed")
+    if not only or any(o not in tables for o in only):
+        ap.error(f"--only={a.only}; allowed: a comma-separated subset of {list(tables)}")
+    try:
+        budgets = [int(b) for b in a.budgets.split(",")]
+        for b in budgets:  # each budget a valid config before any work (names the value)
+            smollm2(kv_compression="snapkv", kv_budget=b)
+    except (ValueError, ConfigError) as e:
+        ap.error(f"--budgets={a.budgets}: {e}")
+    for name in ("prompt", "context", "repeats", "rounds"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name}={getattr(a, name)}; allowed: an integer >= 1")
     print(f"device: {jax.devices()[0].device_kind}")
 
     if "allocated" in only:

@@ -93,3 +93,17 @@ def test_decode_attention_bench_refuses_bad_queries(flag):
     assert proc.returncode != 0
     assert f"error: {flag}; allowed: integers >= 1" in proc.stderr
     assert "machine:" not in proc.stdout  # refused before any work
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--budgets=0", "--budgets=0: invalid config: model.kv_budget=0"),
+    ("--budgets=a", "--budgets=a:"),
+    ("--budgets=32", "model.kv_budget=32; allowed: more than the 32 slots"),
+    ("--only=steps", "--only=steps; allowed"),
+    ("--rounds=0", "--rounds=0; allowed: an integer >= 1"),
+])
+def test_compression_figures_refuses_bad_flags(flag, message):
+    proc = _script("compression_figures.py", flag)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "device:" not in proc.stdout  # refused before any work
