@@ -153,6 +153,8 @@ def test_wilson_and_t_intervals():
     assert m == 2.0 and hi - m == pytest.approx(4.302653 / math.sqrt(3), rel=1e-5)
     with pytest.raises(ValueError, match="n=0"):
         lc.wilson_interval(0, 0)
+    for n in range(1, 40):  # the estimate stays inside its interval at 0 and 1
+        assert lc.wilson_interval(0, n)[0] == 0.0 and lc.wilson_interval(n, n)[1] == 1.0
 
 
 def test_refusals_name_the_value(tok):

@@ -640,7 +640,11 @@ def wilson_interval(successes: float, n: int, z: float = 1.959963984540054) -> t
     den = 1 + z * z / n
     mid = (p + z * z / (2 * n)) / den
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return max(0.0, mid - half), min(1.0, mid + half)
+    # At p = 0 (p = 1) the bound is exactly 0 (1); rounding can leave 3e-17 (1 - 1e-16),
+    # which puts the point estimate outside its own interval.
+    low = 0.0 if successes == 0 else max(0.0, mid - half)
+    high = 1.0 if successes == n else min(1.0, mid + half)
+    return low, high
 
 
 def mean_interval(values: Sequence[float], level: float = 0.95) -> tuple:
