@@ -171,7 +171,9 @@ def test_bench_refuses_a_formulation_this_backend_lacks_before_any_work(tmp_path
          "--contexts=256", "--peers=", f"--out_dir={tmp_path}", "--decode_attention=pallas"],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "model.decode_attention='pallas'; allowed:" in proc.stderr
+    # the registry's refusal: the value, why it cannot run here, and what can
+    assert "model.decode_attention='pallas' cannot run here (backend 'cpu'" in proc.stderr
+    assert "allowed here: ['auto', 'xla', 'xla_cache_left', 'native']" in proc.stderr
     assert "Traceback" not in proc.stderr and "device:" not in proc.stdout
 
 
