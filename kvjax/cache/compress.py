@@ -117,25 +117,20 @@ def compress(cfg: ModelConfig, full: cache_lib.KVCache, queries: tuple | None
         idx = select(method.score(obs), full.positions, budget)
         for n in names:
             kept[n].append(_gather(layer[n], idx, cache_lib.slot_axis(pcfg, n)))
-    empty = cache_lib.init_cache(cfg, full.batch_size, budget, ragged=full.ragged)
+    ring = cfg.compression.recent_slots
     tensors = {}
     for n in names:
-        s_axis = cache_lib.slot_axis(pcfg, n)
-        ring = [jnp.concatenate([x, _ring_part(y, budget, s_axis)], axis=s_axis)
-                for x, y in zip(kept[n], _layers(empty.tensors[n]))]
-        tensors[n] = jnp.stack(ring) if cfg.scan_layers else tuple(ring)
+        layers = [_pad_slots(x, ring, cache_lib.slot_axis(pcfg, n)) for x in kept[n]]
+        tensors[n] = jnp.stack(layers) if cfg.scan_layers else tuple(layers)
     held = jnp.minimum(full.length, budget)[:, None]  # [B, 1]
-    slots = jnp.arange(empty.num_slots, dtype=jnp.int32)[None, :]
+    slots = jnp.arange(budget + ring, dtype=jnp.int32)[None, :]
     positions = jnp.where(slots < held, slots, -1)
     return cache_lib.KVCache(tensors=tensors, positions=positions, length=full.length,
-                             layouts=empty.layouts, ragged=full.ragged)
+                             layouts=cache_lib.layouts(cfg), ragged=full.ragged)
 
 
-def _layers(t):
-    """Per-layer arrays of a stacked ([L, ...]) or per-layer (tuple) cache tensor."""
-    return tuple(t) if isinstance(t, tuple) else tuple(t[i] for i in range(t.shape[0]))
-
-
-def _ring_part(x: jax.Array, budget: int, axis: int) -> jax.Array:
-    """The ring's (empty) slots of one layer's tensor of an empty compressed cache."""
-    return jax.lax.slice_in_dim(x, budget, x.shape[axis], axis=x.ndim + axis)
+def _pad_slots(x: jax.Array, n: int, axis: int) -> jax.Array:
+    """One layer's tensor with ``n`` empty (zero) slots appended along its slot axis."""
+    widths = [(0, 0)] * x.ndim
+    widths[x.ndim + axis] = (0, n)
+    return jnp.pad(x, widths)
