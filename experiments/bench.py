@@ -36,12 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import cli, peers
-from kvjax import presets
+from kvjax import kernels, presets
 from kvjax.analysis import costs, hardware, theory
 from kvjax.inference import decode
 from kvjax.models import model
-from kvjax.config import (DECODE_ATTENTION, WEIGHT_MATMUL, ConfigError, ModelConfig,
-                          default_scan_layers)
+from kvjax.config import ConfigError, ModelConfig, default_scan_layers
 
 _MODELS = flags.DEFINE_list("models", ["blog", "smollm2"], "blog and/or smollm2.")
 _VARIANTS = flags.DEFINE_list("variants", ["mha", "gqa", "mqa", "window"],
@@ -63,12 +62,12 @@ _GPU_CHECK = flags.DEFINE_bool(
     "GQA at 4K/32K/128K, both layer-stack modes, no peers.")
 _MAX_CACHE_BYTES = flags.DEFINE_float("max_cache_gb", 8.0, "Skip points whose cache exceeds this.")
 _DECODE_ATTENTION = flags.DEFINE_enum(
-    "decode_attention", "auto", list(DECODE_ATTENTION),
+    "decode_attention", "auto", list(kernels.names("decode_attention")),
     "model.decode_attention of every point: 'auto' (default) measures the formulations on "
     "this machine once per shape class (kvjax.planner) and keeps the fastest; the picks "
     "and their GB/s are printed at the end.")
 _WEIGHT_MATMUL = flags.DEFINE_enum(
-    "weight_matmul", "auto", list(WEIGHT_MATMUL),
+    "weight_matmul", "auto", list(kernels.names("weight_matmul")),
     "model.weight_matmul of every point: 'auto' (default, like configs/) measures XLA's dot "
     "and the native few-row kernel once per product class and keeps the faster.")
 

@@ -48,10 +48,6 @@ class ConfigError(ValueError):
 KV_LAYOUTS = ("auto", "BKSH", "BKHS")
 ROPE_POSITIONS = ("absolute", "cache")
 WINDOW_CACHES = ("ring", "dense")
-# The formulations each field selects: the kernel registry's names (kvjax.kernels).
-DECODE_ATTENTION = kernels.names("decode_attention")
-WEIGHT_MATMUL = kernels.names("weight_matmul")
-PREFILL_IMPLS = kernels.names("prefill_attention")
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -210,17 +206,13 @@ class ModelConfig:
         copies each layer's cache slice out of the stacked buffer before its dot
         (docs/decisions/0002-unrolled-layer-stack-on-cpu.md). None: the backend's default
         (:func:`kvjax.backend.scan_layers`), resolved when the config is built.
-      prefill_impl: attention of chunks of T > 1 tokens (the prompt): 'tiled' (an
-        online softmax over blocks of queries and keys, :mod:`kvjax.models.flash`; no
-        more than one [block_q, block_k] tile of scores per head exists, blocks above the
-        causal diagonal or outside the window skipped) or 'dense' (all [T, S] scores
-        materialised and masked), 'native' (CPU: one fused FlashAttention-2 custom call,
-        :mod:`kvjax.native.prefill`, built on first use; if it cannot be built, one
-        warning and the 'tiled' path) or 'auto' ('native' on CPU where it builds, else
-        'tiled'). MLA and sinks at cache positions have no native path ('tiled' resp.
-        'dense' is used). 'cudnn' (GPU, bfloat16/float16): a chunk into an empty cache
-        through ``jax.nn.dot_product_attention(implementation='cudnn')``, later chunks,
-        MLA and sinks 'tiled'. Same function; decode steps (T = 1) are unaffected.
+      prefill_impl: attention of chunks of T > 1 tokens (the prompt): a name of the
+        kernel registry (:mod:`kvjax.kernels`, its table in docs/DESIGN.md): 'tiled'
+        (online softmax over blocks, :mod:`kvjax.models.flash`), 'dense' (all [T, S]
+        scores), 'native' (CPU: one fused custom call, :mod:`kvjax.native.prefill`),
+        'cudnn' (GPU, a chunk into an empty cache) or 'auto' ('native' where the plan
+        loaded it, else 'tiled'). Where one does not apply (MLA, sinks, soft-capping) the
+        registry's fallback runs. Decode steps (T = 1) are unaffected.
       prefill_block_q, prefill_block_k: the tiled path's block sizes, in queries and in
         key slots.
       dtype: parameter and activation dtype name.
@@ -233,31 +225,19 @@ class ModelConfig:
         dot operands; :mod:`kvjax.backend`) this config makes. None (default): the
         process's JAX backend, resolved once when the config is built.
       decode_attention: the formulation of a decode step's attention over the cache
-        (MHA/GQA/MQA), one of :data:`DECODE_ATTENTION`: 'xla' (reference einsums),
-        'xla_cache_left', 'native' (CPU FFI kernel, float32 caches), 'pallas' (GPU
-        kernel, dense 'BKSH' caches), or 'auto': the fastest measured on this machine
-        for the step's shape class, picked before tracing by
-        :func:`kvjax.planner.resolve` into ``plan`` (cached per machine, backend and jax
-        version); on GPU 'pallas' where it applies. Same result for all
-        (:mod:`kvjax.models.decode_kernels`). Default 'xla' here, so a library call
-        compiles a pure-XLA program whose costs XLA can analyse; the experiment configs
-        (``configs/base.py``) and ``experiments.bench`` default to 'auto' (~1 s of
-        measurement per new shape class;
-        docs/decisions/0006-decode-attention-measured-per-machine.md).
+        (MHA/GQA/MQA): a name of the kernel registry ('xla', 'xla_cache_left',
+        'native', 'pallas'), or 'auto': the fastest measured on this machine for the
+        step's shape class, picked before tracing by :func:`kvjax.planner.resolve` into
+        ``plan`` (cached per machine;
+        docs/decisions/0006-decode-attention-measured-per-machine.md). Same result for
+        all. Default 'xla' here (a pure-XLA program XLA can cost); ``configs/base.py``
+        and ``experiments.bench`` default to 'auto'.
       weight_matmul: the formulation of the products of a decode step's few rows (M =
-        B·T <= 256) with float32 weight matrices (projections, MLP, LM head), one of
-        :data:`WEIGHT_MATMUL`: 'xla' (``jnp.einsum``), 'native' (CPU FFI kernel
-        ``kvjax/native/rows_matmul.cc``: each weight streamed once for all M rows,
-        several rows split over the threads by output columns), 'native_ksplit' (the
-        same kernel, several rows against [K, N] weights split by the weight's K rows),
-        'native_lanes' (the same kernel, several rows against [N, K] weights held in
-        the vector lanes; each is faster on some CPUs,
-        docs/decisions/0018-weight-splits-per-machine.md) or 'auto': the
-        fastest measured on this machine per (M, K, N, layout) class, picked by
-        :func:`kvjax.planner.resolve` (cached like decode_attention; 'xla' inside a
-        multi-device mesh). Default 'xla' here; ``configs/base.py`` and
-        ``experiments.bench`` default to 'auto'. Products with more rows, other dtypes
-        or other backends use 'xla' whatever this says.
+        B·T <= 256) with float32 weight matrices: a name of the kernel registry ('xla',
+        'native', 'native_ksplit', 'native_lanes';
+        docs/decisions/0018-weight-splits-per-machine.md) or 'auto', picked per (M, K,
+        N, layout) class like decode_attention ('xla' inside a multi-device mesh).
+        Products with more rows, other dtypes or other backends use 'xla'.
       name: free-form label used in reports.
       plan: the resolved execution plan (:class:`kvjax.plan.Plan`: the picks of every
         'auto' formulation, the native kernels loaded, the mesh axes), made before

@@ -5,9 +5,7 @@ attention over the cache (``model.decode_attention``), a product of a few activa
 with a weight (``model.weight_matmul``) and the prompt's attention (``model.prefill_impl``).
 Each is registered here with what it applies to, where it is implemented and how the cost
 report counts its FLOP and bytes, and the names here are the only list: the config's
-validation (:mod:`kvjax.config`), the formulation modules
-(:data:`kvjax.models.decode_kernels.IMPLS`, :data:`kvjax.models.weight_matmul.IMPLS`), the
-planner's candidates, the benchmarks' flags and the table in docs/DESIGN.md
+validation (:mod:`kvjax.config`), the formulation modules, the planner's candidates, the benchmarks' flags and the table in docs/DESIGN.md
 (:func:`markdown_table`, checked by a test) all read them.
 
 ``'auto'`` is not a formulation: it asks the config's plan (:mod:`kvjax.plan`, built by

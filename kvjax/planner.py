@@ -120,7 +120,7 @@ def load_cache(path: pathlib.Path, key: dict, allowed=None) -> dict:
     """The entries of the planner cache at ``path`` if it belongs to ``key``; {} (with a
     warning naming the file and why) if it is corrupt or foreign; {} if absent.
     ``allowed``: the valid choices (default: the decode-attention formulations)."""
-    allowed = decode_kernels.IMPLS if allowed is None else allowed
+    allowed = kernels.names("decode_attention", auto=False) if allowed is None else allowed
     if not path.exists():
         return {}
     try:
@@ -376,7 +376,7 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
       ValueError: an unknown candidate (before any allocation), or none that applies
         here.
     """
-    known = decode_kernels.IMPLS
+    known = kernels.names("decode_attention", auto=False)
     if not candidates or any(c not in known for c in candidates):
         raise ValueError(f"candidates={tuple(candidates)!r}; allowed: a non-empty subset of "
                          f"{known}")
@@ -399,10 +399,12 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
         if page_size:
             table = jnp.asarray(rng.permutation(n_pool).reshape(b, m).astype(np.int32))
             args = args + (table,)
+        site = kernels.Site("decode_attention", backend=backend,
+                            dtype=jnp.dtype(dtype).name, k_layout=k_layout,
+                            v_layout=v_layout, head_dim=h, slots=s, native=kernels.NATIVE)
         for impl in candidates:
-            if not decode_kernels.supports(impl, backend, dtype, k_layout, v_layout, True, h, s):
-                continue
-            if kernels.get("decode_attention", impl).needs_plan and not native.load():
+            f = kernels.get("decode_attention", impl)
+            if f.applies(site) is not None or (f.needs_plan and not native.load()):
                 continue
             if not page_size:
                 fn = jax.jit(lambda *a, impl=impl: attend_step(
@@ -510,12 +512,12 @@ def _decode_pick(cfg: ModelConfig, b: int, s: int, mesh: bool, page_size: int = 
     read by ``queries`` positions per row (G·T query rows per KV head); measured once
     per class and machine."""
     k_layout, v_layout = cfg.cache_layout("k"), cfg.cache_layout("v")
-    prefix = cache_lib.policy_for(cfg).kind == "dense"
     k, g, h = cfg.num_kv_heads, cfg.num_groups * int(queries), cfg.head_dim
     dtype = decode_kernels.read_dtype(cfg)
     if cfg.backend == "gpu":
-        ok = decode_kernels.supports("pallas", "gpu", dtype, k_layout, v_layout, prefix, h, s)
-        return "pallas" if ok else "xla"
+        site = decode_kernels.site(cfg, b, queries, s, True, page_size, Plan())
+        return "pallas" if kernels.get("decode_attention", "pallas").applies(site) is None \
+            else "xla"
     if cfg.backend != "cpu" or backend_lib.current() != "cpu" or mesh:
         return "xla"
     if b * k * s * 2 * h * jnp.dtype(dtype).itemsize < MIN_MEASURED_BYTES:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from kvjax import planner
+from kvjax import kernels, planner
 from kvjax.analysis import hardware
 from kvjax.models import weight_matmul
 from kvjax.native import rows_matmul
@@ -76,10 +76,10 @@ def _check_flags() -> tuple[list[int], int]:
     if not ms or any(not 1 <= m <= rows_matmul.MAX_ROWS for m in ms):
         raise app.UsageError(f"--batch_sizes={','.join(_BATCH.value)}; allowed: integers "
                              f"1..{rows_matmul.MAX_ROWS} (the kernel's rows)")
-    bad = [i for i in _IMPLS.value if i not in weight_matmul.IMPLS or i == "auto"]
+    bad = [i for i in _IMPLS.value if i not in kernels.names("weight_matmul") or i == "auto"]
     if bad or not _IMPLS.value:
         raise app.UsageError(f"--impls={','.join(_IMPLS.value)}; allowed: a non-empty subset "
-                             f"of {[i for i in weight_matmul.IMPLS if i != 'auto']}")
+                             f"of {[i for i in kernels.names("weight_matmul") if i != 'auto']}")
     for name, v, lo in (("k", _K.value, 1), ("n", _N.value, 1), ("reps", _REPS.value, 1),
                         ("stream_mib", _STREAM.value, 1), ("rounds", _ROUNDS.value, 1)):
         if v < lo:

@@ -32,11 +32,11 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from kvjax import planner, presets
+from kvjax import kernels, planner, presets
 from kvjax.config import default_scan_layers
 from kvjax.analysis import costs, hardware, theory
 from kvjax.inference import decode
-from kvjax.models import model, weight_matmul
+from kvjax.models import model
 
 _BATCH = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16"], "Batch sizes B.")
 _CONTEXT = flags.DEFINE_integer("context", 256, "Context t of the timed step (tokens).")
@@ -58,11 +58,11 @@ def main(argv):
     if not batches or min(batches) < 1:
         raise app.UsageError(f"--batch_sizes={_BATCH.value}; allowed: integers >= 1")
     if not _IMPLS.value:
-        raise app.UsageError(f"--impls is empty; allowed: {', '.join(weight_matmul.IMPLS)}")
+        raise app.UsageError(f"--impls is empty; allowed: {', '.join(kernels.names("weight_matmul"))}")
     for impl in _IMPLS.value:
-        if impl not in weight_matmul.IMPLS:
+        if impl not in kernels.names("weight_matmul"):
             raise app.UsageError(f"--impls contains {impl!r}; allowed: "
-                                 f"{', '.join(weight_matmul.IMPLS)}")
+                                 f"{', '.join(kernels.names("weight_matmul"))}")
     t = _CONTEXT.value
     make = presets.smollm2_135m if _MODEL.value == "smollm2" else presets.blog_model
     scans = {"default": [default_scan_layers()], "true": [True], "false": [False],

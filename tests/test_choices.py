@@ -25,7 +25,7 @@ HOLDERS = {"decode_attention", "prefill_impl", "weight_matmul", "impl", "request
            "pick", "choice"}
 OTHER_VOCABULARY = {"kind", "slot_kind", "window_cache", "key_layout", "value_layout",
                     "layout", "implementation"}
-REGISTERED = {"IMPLS", "DECODE_ATTENTION", "WEIGHT_MATMUL", "PREFILL_IMPLS", "CANDIDATES",
+REGISTERED = {"CANDIDATES",
               "WEIGHT_CANDIDATES", "names", "allowed", "known"}
 """Membership in these (the registry's name lists) checks that a value is registered; it
 chooses nothing."""

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import native, planner, presets
+from kvjax import kernels, native, planner, presets
 from kvjax.cache import paged
 from kvjax.config import ConfigError
 from kvjax.models import attention, decode_kernels
@@ -52,6 +52,14 @@ def problem(dtype, kl, vl, b=2, k=2, g=3, h=8, s=70, seed=0, prefix=False):
     return arr((b, 1, k, g, h)), arr(sk), arr(sv), mask, arr(nk), arr(nv)
 
 
+def runs(impl, backend, dtype, kl, vl, slot_kind="ring", slots=4096):
+    """Whether the registry says ``impl`` applies (the native kernel taken as loaded)."""
+    site = kernels.Site("decode_attention", backend=backend, dtype=jnp.dtype(dtype).name,
+                        k_layout=kl, v_layout=vl, slots=slots, slot_kind=slot_kind,
+                        native=kernels.NATIVE)
+    return kernels.get("decode_attention", impl).applies(site) is None
+
+
 def tol(dtype):
     return dict(atol=2e-5, rtol=2e-5) if dtype == jnp.float32 else dict(atol=3e-2, rtol=3e-2)
 
@@ -62,7 +70,7 @@ def tol(dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_formulation_equals_reference(impl, layouts, kg, dtype):
     kl, vl = layouts
-    if not decode_kernels.supports(impl, "cpu", dtype, kl, vl, False):
+    if not runs(impl, "cpu", dtype, kl, vl):
         assert impl == "native" and (dtype != jnp.float32 or not native.load())
         return
     q, kc, vc, mask, kn, vn = problem(dtype, kl, vl, k=kg[0], g=kg[1])
@@ -324,9 +332,9 @@ def test_pallas_refuses_slot_major_values_and_cpu():
     with pytest.raises(ValueError, match="'BKSH' for both"):
         decode_kernels.partial_attention("pallas", q[:, 0], kc, vc, mask[:, 0], "BKSH",
                                          "BKHS", interpret=True)
-    assert not decode_kernels.supports("pallas", "cpu", jnp.float32, "BKSH", "BKSH", True)
-    assert decode_kernels.supports("pallas", "gpu", jnp.float32, "BKSH", "BKSH", True, 64, 4096)
-    assert not decode_kernels.supports("pallas", "gpu", jnp.float32, "BKSH", "BKSH", False)
+    assert not runs("pallas", "cpu", jnp.float32, "BKSH", "BKSH", "dense")
+    assert runs("pallas", "gpu", jnp.float32, "BKSH", "BKSH", "dense")
+    assert not runs("pallas", "gpu", jnp.float32, "BKSH", "BKSH", "ring")
 
 
 @pytest.mark.parametrize("impl", ["xla_cache_left", "native"])

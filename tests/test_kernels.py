@@ -5,18 +5,19 @@ import pathlib
 
 import pytest
 
-from kvjax import config, kernels
-from kvjax.models import decode_kernels, weight_matmul
+from kvjax import kernels
+from kvjax.models import weight_matmul
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_every_list_is_the_registry():
-    assert config.DECODE_ATTENTION == ("auto",) + decode_kernels.IMPLS
-    assert decode_kernels.IMPLS == ("xla", "xla_cache_left", "native", "pallas")
-    assert weight_matmul.IMPLS == config.WEIGHT_MATMUL == kernels.names("weight_matmul")
+    assert kernels.names("decode_attention") == ("auto", "xla", "xla_cache_left", "native",
+                                                 "pallas")
+    assert kernels.names("weight_matmul") == ("auto", "xla", "native", "native_ksplit",
+                                              "native_lanes")
     assert set(weight_matmul.NATIVE) == {"native", "native_ksplit", "native_lanes"}
-    assert config.PREFILL_IMPLS == ("auto", "tiled", "dense", "native", "cudnn")
+    assert kernels.names("prefill_attention") == ("auto", "tiled", "dense", "native", "cudnn")
 
 
 def test_names_are_unique_and_auto_is_not_registered():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvjax import cache as cache_lib
-from kvjax import planner, presets
+from kvjax import kernels, planner, presets
 from kvjax.config import ConfigError
 from kvjax.models import model, weight_matmul
 from kvjax.native import rows_matmul as rm
@@ -25,13 +25,20 @@ NATIVE = Plan(native=("rows_matmul",))  # a plan holding the loaded kernel, no p
 def _runs(impl, m, k, n, layout="kn"):
     """What a traced product of M rows x [K, N] runs for model.weight_matmul=impl: the
     plan planner.resolve would make for it (the kernel if it loads; for 'auto' the
-    class's pick, measured or read from the planner cache), read by weight_matmul.choose."""
+    class's pick, measured or read from the planner cache), read by the registry's rule."""
     loaded = rm.load()
     picks = ()
     if impl == "auto" and loaded and 0 < m <= rm.MAX_ROWS:
         picks = ((weight_class(m, k, n, layout), planner._weight_pick(m, k, n, layout)),)
     plan = Plan(weight_matmul=picks, native=("rows_matmul",) if loaded else ())
-    return weight_matmul.choose(impl, m, k, n, layout, plan)
+    return _choose(impl, m, k, n, layout, plan)
+
+
+def _choose(impl, m, k, n, layout, plan):
+    """The formulation of one float32 product read from ``plan`` (None: no plan) by the
+    registry's rule, as weight_matmul.einsum picks it."""
+    where = weight_matmul.site(m, k, n, layout, "float32", plan)
+    return kernels.select("weight_matmul", impl, where, plan.pick(where) if plan else None)
 
 
 def _resolved(cfg, batch, rows):
@@ -338,7 +345,7 @@ def test_bfloat16_and_many_rows_take_xla(monkeypatch):
     assert _runs("native", rm.MAX_ROWS + 1, 64, 64) == "xla"
     assert _runs("auto", 1, 8, 8) == "xla"  # below MIN_MEASURED_BYTES
     with pytest.raises(ValueError, match="without a plan"):  # the kernel needs a plan
-        weight_matmul.choose("native", 2, 64, 64, "kn", None)
+        _choose("native", 2, 64, 64, "kn", None)
 
 
 def _fake(calls):
@@ -382,14 +389,14 @@ def test_planner_measures_weights_once_then_reads_its_cache(planner_home, monkey
         weight_class(4, k, n, lay) for k, n, lay in planner.weight_shapes(cfg)
         if 4 * k * n < planner.MIN_MEASURED_BYTES}
     assert calls[2:] == [(4, 1536, 576, "kn")]
-    assert weight_matmul.choose("auto", 4, 576, 1536, "kn", cfg.plan) == "native"
-    assert weight_matmul.choose("auto", 4, 576, 1536, "kn", None) == "xla"  # no plan
+    assert _choose("auto", 4, 576, 1536, "kn", cfg.plan) == "native"
+    assert _choose("auto", 4, 576, 1536, "kn", None) == "xla"  # no plan
     # a plan for a multi-device mesh: the partitioned XLA dot, never the kernel XLA
     # cannot partition (configs/ default to 'auto', and mesh.check lets 'auto' through)
     meshed = planner.resolve(tiny_config(weight_matmul="auto", d_model=576, mlp_dim=1536),
                              max_seq_len=16, batch_sizes=(4,), mesh_axes={"model": 2})
     assert meshed.plan.weight_matmul == () and meshed.plan.mesh_axes == (("model", 2),)
-    assert weight_matmul.choose("auto", 4, 576, 1536, "kn", meshed.plan) == "xla"
+    assert _choose("auto", 4, 576, 1536, "kn", meshed.plan) == "xla"
     assert len(calls) == 3
     planner.clear_memo()
 

@@ -119,7 +119,7 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
       sink_scores: [B, K, G, s] float32 scaled scores that replace those of slots 0..s-1
         (attention sinks scored at cache positions, :func:`sink_scores`), or None.
       impl: the formulation (sink_scores use 'xla') of the products over the old slots, one of
-        :data:`kvjax.models.decode_kernels.IMPLS` ('xla': the einsums below; the others:
+        :func:`kvjax.kernels.names` ('xla': the einsums below; the others:
         :func:`kvjax.models.decode_kernels.partial_attention`, same result).
       backend: the config's backend (None: the process's).
       k_scale, v_scale: None, or the float32 scales of a cache quantized with one scale
@@ -373,7 +373,7 @@ def attend_small_chunk(q: jax.Array, k_old: jax.Array, v_old: jax.Array,
       k_new, v_new: the chunk's entries [B, K, T, H] in the same layouts.
       mask_new: [B, T, T] bool, the chunk keys each query sees (causal).
       k_layout, v_layout: 'BKSH' or 'BKHS'.
-      impl: the decode formulation (:data:`kvjax.models.decode_kernels.IMPLS`).
+      impl: the decode formulation (:func:`kvjax.kernels.names`).
       backend: the config's backend (None: the process's).
       block_table: [B, M] int32, or None: ``k_old``/``v_old`` are then page pools and
         ``visible_old`` covers each row's M·P logical slots (as :func:`attend_step`).

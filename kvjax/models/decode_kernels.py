@@ -52,7 +52,6 @@ from kvjax.cache.policy import policy_for
 from kvjax.ops import NEG_INF, dot_operand
 from kvjax.ops import layout_spec as _spec
 
-IMPLS = kernels.names("decode_attention", auto=False)  # the registry's (kvjax.kernels)
 IN_PLACE = tuple(f.name for f in kernels.formulations("decode_attention") if f.in_place)
 """Formulations that read a paged float cache's pools in place (the block table handed
 to the kernel, :func:`partial_attention`); the others read gathered dense views."""
@@ -61,24 +60,6 @@ SMALL_CHUNK = 16
 k + 1 <= 16 tokens) runs the decode step's formulation (op 'decode_attention', its G·T
 query rows per KV head reading the cache once); longer chunks (prompts) run the prompt's
 ('prefill_attention')."""
-
-
-def check_impl(impl: str) -> str:
-    """Returns ``impl`` or raises ValueError naming it and :data:`IMPLS`."""
-    kernels.get("decode_attention", impl)
-    return impl
-
-
-def supports(impl: str, backend: str, cache_dtype, k_layout: str, v_layout: str,
-             prefix_mask: bool, head_dim: int = 64, slots: int = 4096) -> bool:
-    """Whether formulation ``impl`` can run this attention, by the registry's
-    ``applies`` (:mod:`kvjax.kernels`; the native kernel taken as loaded)."""
-    site = kernels.Site("decode_attention", backend=backend,
-                        dtype=jnp.dtype(cache_dtype).name, k_layout=k_layout,
-                        v_layout=v_layout, head_dim=head_dim, slots=slots,
-                        slot_kind="dense" if prefix_mask else "ring",
-                        native=("decode_attention",))
-    return kernels.get("decode_attention", impl).applies(site) is None
 
 
 def cache_dims(k_cache, v_cache, k_layout: str, v_layout: str) -> tuple[int, ...]:
@@ -171,9 +152,6 @@ def choose(cfg, k_cache, v_cache, page_size: int = 0, queries: int = 1) -> str:
     return cfg.formulation(site(cfg, b, queries, s, True, page_size, dtype=k_cache.dtype))
 
 
-_pallas_splits = kernels._pallas_splits  # noqa: SLF001 (the registry owns the rule)
-
-
 def partial_attention(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                       visible: jax.Array, k_layout: str, v_layout: str,
                       backend: str = "cpu", interpret: bool = False,
@@ -181,7 +159,7 @@ def partial_attention(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.
     """Softmax statistics of the old slots, by formulation ``impl``.
 
     Args:
-      impl: one of :data:`IMPLS`.
+      impl: a decode-attention formulation of :mod:`kvjax.kernels`.
       q: [B, K, G, H] queries (any float dtype).
       k_cache: [B, K, S, H] ('BKSH') or [B, K, H, S] ('BKHS'); with ``block_table``, a
         page pool [N, K, P, H] or [N, K, H, P] (:mod:`kvjax.cache.paged`).
@@ -206,7 +184,7 @@ def partial_attention(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.
       ValueError: an unknown impl or layout; 'pallas' with layouts other than 'BKSH' or a
       slot count it cannot split; 'native' with a non-float32 cache.
     """
-    check_impl(impl)
+    kernels.get("decode_attention", impl)  # refuses an unknown or unselectable name
     return kernels.run("decode_attention", impl, q, k_cache, v_cache, visible, k_layout,
                        v_layout, q.shape[-1] ** -0.5, backend, interpret, block_table,
                        entry="partial")
@@ -300,7 +278,7 @@ def _pallas(q, k_cache, v_cache, visible, k_layout, v_layout, scale, interpret):
                          "allowed: 'BKSH' for both")
     b, k, g, h = q.shape
     s = k_cache.shape[2]
-    split = _pallas_splits(s)
+    split = kernels._pallas_splits(s)  # noqa: SLF001 (the registry owns the rule)
     if split is None:
         raise ValueError(f"decode_attention='pallas': {s} slots; allowed: a count the "
                          "kernel splits into chunks that are multiples of 16")

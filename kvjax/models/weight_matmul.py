@@ -27,8 +27,8 @@ B = 1). Formulations:
   (:func:`kvjax.plan.weight_class`), measured before tracing by
   :func:`kvjax.planner.resolve`; 'xla' where the plan has none.
 
-Which formulation runs is decided by :func:`choose`, from the plan alone: nothing is
-measured or built while a program is traced.
+Which formulation runs is decided by the registry's rule (:func:`kvjax.kernels.select`)
+from the plan alone: nothing is measured or built while a program is traced.
 
 Int8 weights (:class:`Int8Weight`, :func:`quantize_int8`: a self draft's cheap copy of
 the target's weights, ``speculative.draft_weight_dtype='int8'``) run on the native
@@ -56,19 +56,11 @@ from flax import struct
 
 from kvjax import kernels
 from kvjax import plan as plan_lib
-from kvjax.config import WEIGHT_MATMUL as IMPLS  # the registry's list (kvjax.kernels)
 from kvjax.native import rows_matmul as rm
 
 # the native kernel's formulations: the registry's custom calls of that target
 NATIVE = tuple(f.name for f in kernels.formulations("weight_matmul")
                if f.target == "kvjax_rows_matmul")
-
-
-def check_impl(impl: str) -> str:
-    """Returns ``impl`` or raises ValueError naming it and :data:`IMPLS`."""
-    if impl not in IMPLS:
-        raise ValueError(f"weight_matmul={impl!r}; allowed: one of {list(IMPLS)}")
-    return impl
 
 
 def split_eqn(eqn: str, x_ndim: int, w_ndim: int) -> tuple[int, int, str] | None:
@@ -117,21 +109,6 @@ def applies(formulation: str, m: int, layout: str) -> str:
                                plan_lib.Plan(native=("rows_matmul",))))
 
 
-def choose(impl: str, m: int, k: int, n: int, layout: str, plan: plan_lib.Plan | None) -> str:
-    """The formulation ('xla' or one of :data:`NATIVE`) of one float32 product of M rows
-    with a K x N weight (``layout`` 'kn' or 'nk') for ``model.weight_matmul=impl``, read
-    from ``plan`` (the config's; None: the reference): the registry's rule
-    (:func:`kvjax.kernels.select`): 'auto' the plan's pick for the class ('xla' if
-    none); a native formulation where the plan holds the loaded kernel and M is at most
-    :data:`kvjax.native.rows_matmul.MAX_ROWS`, else 'xla'.
-
-    Raises:
-      ValueError: an unknown impl.
-    """
-    where = site(m, k, n, layout, "float32", plan)
-    return kernels.select("weight_matmul", impl, where, plan.pick(where) if plan else None)
-
-
 def einsum(eqn: str, x: jax.Array, w: jax.Array, impl: str = "xla",
            plan: plan_lib.Plan | None = None) -> jax.Array:
     """``jnp.einsum(eqn, x, w)`` by formulation ``impl`` (see the module docstring).
@@ -141,8 +118,8 @@ def einsum(eqn: str, x: jax.Array, w: jax.Array, impl: str = "xla",
       x: [rows..., contracted...] activations.
       w: the weight, [contracted..., out...] or [out..., contracted...], or an
         :class:`Int8Weight` of that shape (see the module docstring).
-      impl: one of :data:`IMPLS`.
-      plan: the config's plan (:func:`choose`), or None.
+      impl: a value of ``model.weight_matmul`` (:mod:`kvjax.kernels`).
+      plan: the config's plan (its picks and loaded kernels), or None.
     Returns:
       The einsum's result in ``x``'s dtype promoted with ``w``'s (as ``jnp.einsum``);
       in ``x``'s dtype for an :class:`Int8Weight`.
@@ -150,7 +127,9 @@ def einsum(eqn: str, x: jax.Array, w: jax.Array, impl: str = "xla",
       ValueError: an unknown impl; an :class:`Int8Weight` whose scale varies along a
         contracted axis.
     """
-    check_impl(impl)
+    if impl not in kernels.names("weight_matmul"):
+        raise ValueError(f"weight_matmul={impl!r}; allowed: one of "
+                         f"{list(kernels.names('weight_matmul'))}")
     int8 = isinstance(w, Int8Weight)
     split = split_eqn(eqn, x.ndim, w.ndim)
     if split is None:  # not a rows-by-weight product: XLA's einsum
