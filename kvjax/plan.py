@@ -108,15 +108,6 @@ class Plan:
         live = lambda a: a if self.axis_size(a) > 1 and a not in self.manual_axes else None
         return live(DATA), live(MODEL)
 
-    def has_native(self, kernel: str) -> bool:
-        """Whether native kernel ``kernel`` (one of :data:`NATIVE_KERNELS`) is loaded."""
-        return kernel in self.native
-
-    def decode_attention_for(self, name: str, default: str = "xla") -> str:
-        """The formulation for decode-attention class ``name`` (``default`` if the plan
-        has none)."""
-        return dict(self.decode_attention).get(name, default)
-
     def pick(self, site) -> str | None:
         """The measured pick for ``site``'s class (a :class:`kvjax.kernels.Site`: its
         ``key``, else its ``base_key``), or None where the plan has none (the registry's
@@ -125,11 +116,6 @@ class Plan:
                       "weight_matmul": self.weight_matmul,
                       "prefill_attention": self.prefill_attention}.get(site.op, ()))
         return table.get(site.key) or table.get(site.base_key)
-
-    def weight_matmul_for(self, name: str) -> str:
-        """The formulation for weight-product class ``name`` ('xla' if the plan has
-        none)."""
-        return dict(self.weight_matmul).get(name, "xla")
 
     def on_mesh(self, axes: dict, manual=()) -> Plan:
         """This plan for a program run under a mesh of ``axes`` {name: size} (axes of

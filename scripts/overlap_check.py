@@ -79,7 +79,7 @@ def _check_flags() -> tuple[list[int], int]:
     bad = [i for i in _IMPLS.value if i not in kernels.names("weight_matmul") or i == "auto"]
     if bad or not _IMPLS.value:
         raise app.UsageError(f"--impls={','.join(_IMPLS.value)}; allowed: a non-empty subset "
-                             f"of {[i for i in kernels.names("weight_matmul") if i != 'auto']}")
+                             f"of {[i for i in kernels.names('weight_matmul') if i != 'auto']}")
     for name, v, lo in (("k", _K.value, 1), ("n", _N.value, 1), ("reps", _REPS.value, 1),
                         ("stream_mib", _STREAM.value, 1), ("rounds", _ROUNDS.value, 1)):
         if v < lo:

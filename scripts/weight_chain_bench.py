@@ -77,13 +77,13 @@ def main(argv):
     impls = _IMPLS.value
     if not impls:
         raise app.UsageError("--impls is empty; allowed: a list of "
-                             f"{', '.join(i for i in kernels.names("weight_matmul") if i != 'auto')}")
+                             f"{', '.join(i for i in kernels.names('weight_matmul') if i != 'auto')}")
     if _ROUNDS.value < 1:
         raise app.UsageError(f"--rounds={_ROUNDS.value}; allowed: >= 1")
     for impl in impls:
         if impl not in kernels.names("weight_matmul") or impl == "auto":
             raise app.UsageError(f"--impls contains {impl!r}; allowed: "
-                                 f"{', '.join(i for i in kernels.names("weight_matmul") if i != 'auto')}")
+                                 f"{', '.join(i for i in kernels.names('weight_matmul') if i != 'auto')}")
     if not 0 <= _LAYERS.value <= 30:
         raise app.UsageError(f"--layers={_LAYERS.value}; allowed: 0..30")
     layers = 0 if _HEAD_ONLY.value else _LAYERS.value

@@ -58,11 +58,11 @@ def main(argv):
     if not batches or min(batches) < 1:
         raise app.UsageError(f"--batch_sizes={_BATCH.value}; allowed: integers >= 1")
     if not _IMPLS.value:
-        raise app.UsageError(f"--impls is empty; allowed: {', '.join(kernels.names("weight_matmul"))}")
+        raise app.UsageError(f"--impls is empty; allowed: {', '.join(kernels.names('weight_matmul'))}")
     for impl in _IMPLS.value:
         if impl not in kernels.names("weight_matmul"):
             raise app.UsageError(f"--impls contains {impl!r}; allowed: "
-                                 f"{', '.join(kernels.names("weight_matmul"))}")
+                                 f"{', '.join(kernels.names('weight_matmul'))}")
     t = _CONTEXT.value
     make = presets.smollm2_135m if _MODEL.value == "smollm2" else presets.blog_model
     scans = {"default": [default_scan_layers()], "true": [True], "false": [False],

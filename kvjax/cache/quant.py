@@ -87,12 +87,6 @@ class Format:
         """Scales per row of ``width`` values."""
         return width // self.group(width)
 
-    def row_bytes(self, width: int) -> int:
-        """Bytes one row of ``width`` values takes: codes plus float32 scales."""
-        return (self.code_width(width) * np.dtype(self.storage).itemsize
-                + self.scale_width(width) * np.dtype(SCALE_DTYPE).itemsize)
-
-
 FORMATS = {
     "int8": Format("int8", jnp.int8, "int", 127.0, 8),
     "int4": Format("int4", jnp.uint8, "int", 7.0, 4),

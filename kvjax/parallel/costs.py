@@ -25,14 +25,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kvjax import cache as cache_lib
-from kvjax.analysis import hlo_cost, theory
+from kvjax.analysis import hlo_cost
 from kvjax.config import MeshConfig, ModelConfig
 from kvjax.parallel import collectives as coll_lib
 from kvjax.parallel import programs
 from kvjax.analysis import costs as single
 from kvjax.inference import decode
 from kvjax.parallel import specs as specs_lib
-from kvjax.parallel.mesh import kv_heads_sharded
 from kvjax.parallel.specs import cache_tensor_spec
 
 
@@ -245,19 +244,6 @@ def _roofline_ici(mm, params, token, cache):
         return {k: float(v) for k, v in res.ici_bytes.items()}, None
     except Exception as e:  # noqa: BLE001 (a view, not the measurement)
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-
-
-def theory_per_device(cfg: ModelConfig, mcfg: MeshConfig, t: int, batch: int = 1) -> dict:
-    """The blog's per-device step bytes: weights / TP + KV / (devices that split it).
-
-    TP = mesh.model; the cache is split by data (its rows), seq (its slots) and model
-    when the KV heads split. Bytes at context t, ``cfg``'s dtypes.
-    """
-    kv_split = mcfg.data * mcfg.seq * (mcfg.model if kv_heads_sharded(cfg, mcfg) else 1)
-    w = theory.weight_bytes_per_step(cfg)
-    kv = theory.kv_cache_bytes(cfg, t, batch)
-    return {"weights_dev": w / mcfg.model, "kv_dev": kv / kv_split,
-            "total_dev": w / mcfg.model + kv / kv_split}
 
 
 def format_report(c: ShardedStepCost) -> str:
