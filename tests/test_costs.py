@@ -108,7 +108,7 @@ def test_measure_step_seconds_runs_the_compiled_step():
 def test_theory_prefill_flops_is_the_sum_of_step_flops():
     cfg = presets.blog_model()
     direct = sum(theory.step_flops(cfg, t).total for t in range(1, 50))
-    assert costs.theory_prefill_flops(cfg, 49) == pytest.approx(direct)
+    assert theory.prefill_flops(cfg, 49, lm_head_positions=49) == pytest.approx(direct)
 
 
 # ------------------------------------------------------------------ the loop that decodes

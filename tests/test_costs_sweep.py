@@ -188,7 +188,7 @@ def test_donated_cache_is_aliased_in_the_step_and_the_generate_loop():
     spec = cache_lib.cache_spec(cfg, 1, 2048)
     total = cache_lib.total_bytes(spec)
     step = costs.analyze_decode_step(cfg, 2048, attribute=False, jaxpr=False)
-    loop = costs.analyze_generate(cfg, 2048, num_steps=8, attribute=False, jaxpr=False)
+    loop = costs.analyze_loop(cfg, 2048, attribute=False, num_steps=8)
     for s in (step, loop):
         assert s.memory["alias_bytes"] == total, s.name
         assert s.memory["temp_bytes"] < s.cache_bytes, s.name

@@ -212,17 +212,6 @@ def compression_overhead(cfg: ModelConfig, prompt_len: int, batch: int = 1) -> d
             "prefill_flops": both[0].flops, "prefill_bytes": both[0].bytes}
 
 
-def theory_prefill_flops(cfg: ModelConfig, prompt_len: int, batch: int = 1) -> float:
-    """FLOP of a causal prefill: sum over prompt positions p = 1..T of the step FLOP at
-    context p (the step FLOP is affine in t, so the sum is closed-form). The LM head is
-    counted for every position (kvjax's prefill computes all T logits)."""
-    f1 = theory.step_flops(cfg, 1, batch).total
-    f2 = theory.step_flops(cfg, 2, batch).total
-    slope = f2 - f1
-    t = prompt_len
-    return t * (f1 - slope) + slope * t * (t + 1) / 2
-
-
 def analyze_decode_step(cfg: ModelConfig, context: int, batch: int = 1, compiled=None,
                         attribute: bool = True, jaxpr: bool = True) -> StepCost:
     """Theory, jaxpr-level and loop-corrected XLA cost of one decode step at ``context``.
@@ -268,39 +257,6 @@ def compile_generate(cfg: ModelConfig, batch: int, context: int,
     return decode.generate_program.lower(*_generate_args(cfg, batch, context), cfg=cfg,
                                   sampling=sampling).compile(
         compiler_options=compiler_options)
-
-
-def analyze_generate(cfg: ModelConfig, context: int, num_steps: int, batch: int = 1,
-                     compiled=None, attribute: bool = True, jaxpr: bool = True,
-                     sampling: SamplingConfig = SamplingConfig()) -> StepCost:
-    """Theory, jaxpr-level and loop-corrected XLA cost of ``num_steps`` generate steps.
-
-    The loop's trip count is only known at run time: XLA's raw figure counts its body
-    once, the corrected one ``num_steps`` times. A dense cache of ``context`` slots is
-    read in full by every step, so theory is ``num_steps`` x the step at ``context``.
-    ``compiled``, if given, must be the loop for ``sampling``.
-    """
-    cfg = planned(cfg, batch, context)
-    compiled = compiled or compile_generate(
-        cfg, batch, context, sampling, compiler_options=analysis_compiler_options())
-    sb = theory.step_bytes(cfg, context, batch)
-    sf = theory.step_flops(cfg, context, batch)
-    _, cache = _specs(cfg, batch, context)
-    ops = hlo_cost.op_costs(compiled, default_trip_count=num_steps) if attribute else None
-    jc = None
-    if jaxpr:
-        jc = roofline.jaxpr_cost(
-            functools.partial(decode.generate_program, cfg=cfg, sampling=sampling),
-            *_generate_args(cfg, batch, context), while_trip_count=num_steps)
-    return StepCost(
-        name="generate", cfg=cfg, batch=batch, context=context,
-        xla=hlo_cost.loop_aware_cost(compiled, default_trip_count=num_steps),
-        memory=hlo_cost.memory_stats(compiled),
-        theory_flops=float(num_steps * sf.total), theory_bytes=float(num_steps * sb.total),
-        theory_parts={"bytes": {k: num_steps * v for k, v in sb.as_dict().items()},
-                      "flops": {k: num_steps * v for k, v in sf.as_dict().items()}},
-        cache_bytes=cache_lib.cache_bytes(cache),
-        attribution=None if ops is None else hlo_cost.attribute(ops), jaxpr=jc)
 
 
 def analyze_loop(cfg: ModelConfig, context: int, batch: int = 1, compiled=None,

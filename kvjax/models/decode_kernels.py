@@ -12,29 +12,12 @@ Dao et al. 2023; the online softmax of Milakov & Gimelshein 2018):
     o[b,k,g] = sum_s exp(score - m) · v[b,k,s],   score = q[b,k,g] · k[b,k,s] / sqrt(H),
 
 and :func:`merge_new` folds in the new token's own key and value, so every formulation
-returns what :func:`kvjax.models.attention.attend_step` returns. The formulation is
-``ModelConfig.decode_attention`` ('auto': the pick of the config's plan,
-:func:`choose`, measured before tracing by :func:`kvjax.planner.resolve`):
-
-* ``'xla'``: the einsums of :func:`kvjax.models.attention.attend_step` (queries as the
-  left operand: ``BKGH,<keys>->BKGS``, ``BKGS,<values>->BKGV``): the reference.
-* ``'xla_cache_left'``: the cache as the left operand (``<keys>,BKGH->BKSG``,
-  ``<values>,BKSG->BKGV``): a tall [S, H] x [H, G] product XLA:CPU reads faster on
-  some machines (docs/decisions/0006-decode-attention-measured-per-machine.md).
-* ``'native'``: one XLA FFI custom call (``kvjax/native/decode_attention.cc``, float32
-  caches on CPU): each block of 64 slots is read once while all G heads use it, online
-  softmax, slot chunks over the cores. Built on first use; absent without a compiler.
-* ``'pallas'``: JAX's Pallas GPU decode-attention kernel
-  (``jax.experimental.pallas.ops.gpu.decode_attention``, Triton), for keys and values
-  'BKSH' whose visible slots are a prefix [0, n) of each row (dense caches, no window);
-  on CPU only in Pallas interpret mode (tests). Over a paged float cache it reads the
-  pages where they lie: the body of JAX's Pallas GPU paged-attention kernel
-  (``jax.experimental.pallas.ops.gpu.paged_attention``, after vLLM's PagedAttention,
-  Kwon et al. 2023) over kvjax's [N, K, P, H] pools, its per-split statistics merged
-  here (:func:`_pallas_paged`).
-
-:data:`IN_PLACE` names the formulations that read a paged cache's pools through its
-block table; the others read the rows' gathered views.
+returns what :func:`kvjax.models.attention.attend_step` returns. The formulations
+('xla', 'xla_cache_left', 'native', 'pallas') are registered, with what each applies to,
+in :mod:`kvjax.kernels` (the table in docs/DESIGN.md); ``ModelConfig.decode_attention``
+selects one, 'auto' the pick of the config's plan. 'pallas' over a paged float cache
+runs the body of JAX's Pallas GPU paged-attention kernel (after vLLM's PagedAttention,
+Kwon et al. 2023) over kvjax's [N, K, P, H] pools (:func:`_pallas_paged`).
 """
 
 from __future__ import annotations

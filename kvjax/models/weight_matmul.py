@@ -6,37 +6,20 @@ whatever M (the weight is read once for all rows), until M is large enough for t
 FLOPs to dominate: step time = max(bytes / bandwidth, FLOPs / peak), the roofline of
 Williams et al. 2009 (:func:`kvjax.analysis.theory.step_time`). XLA:CPU's dot kernels
 re-read the weight as M grows (docs/results/: SmolLM2's weight dots at B = 16 against
-B = 1). Formulations:
+B = 1). The formulations ('xla', the reference ``jnp.einsum``; 'native',
+'native_ksplit' and 'native_lanes', the register-blocked kernel of
+:mod:`kvjax.native.rows_matmul` streaming each weight once for all M rows, split by
+output columns, by the weight's K rows, or with an [N, K] weight in the vector lanes;
+docs/decisions/0018-weight-splits-per-machine.md) are registered in :mod:`kvjax.kernels`
+(the table in docs/DESIGN.md); ``ModelConfig.weight_matmul`` selects one, 'auto' the
+pick of the config's plan for the product's class (:func:`kvjax.plan.weight_class`).
+Nothing is measured or built while a program is traced.
 
-* ``'xla'``: ``jnp.einsum`` (the reference).
-* ``'native'``: :func:`kvjax.native.rows_matmul.rows_matmul`, a register-blocked FMA
-  kernel (AVX-512F or AVX2) that streams each weight once for all M rows, split over
-  XLA's intra-op threads; float32, CPU, M <= :data:`kvjax.native.rows_matmul.MAX_ROWS`.
-  Several rows against a [K, N] weight are split by output columns.
-* ``'native_ksplit'``: the same kernel, several rows against a [K, N] weight split by
-  the weight's K rows (each thread reads one contiguous stretch; partial rows added at
-  the end; up to 4 rows against N <= 4096 columns walk the weight rows start to end).
-  Faster than the column split on some CPUs and row counts
-  (docs/decisions/0018-weight-splits-per-machine.md). One row, and
-  [N, K] weights, run as under 'native'.
-* ``'native_lanes'``: the same kernel, several rows against an [N, K] weight (the tied
-  LM head) held in the vector lanes, each weight element broadcast once, instead of
-  register tiles of dot products summed across the lanes. One row, and [K, N] weights,
-  run as under 'native'.
-* ``'auto'``: the pick of the config's plan for the product's shape class
-  (:func:`kvjax.plan.weight_class`), measured before tracing by
-  :func:`kvjax.planner.resolve`; 'xla' where the plan has none.
-
-Which formulation runs is decided by the registry's rule (:func:`kvjax.kernels.select`)
-from the plan alone: nothing is measured or built while a program is traced.
-
-Int8 weights (:class:`Int8Weight`, :func:`quantize_int8`: a self draft's cheap copy of
-the target's weights, ``speculative.draft_weight_dtype='int8'``) run on the native
-kernel's int8 variant wherever the plan has the kernel loaded and M is at most
-:data:`kvjax.native.rows_matmul.MAX_ROWS` (it reads a quarter of float32's bytes);
-elsewhere XLA multiplies by the widened weight. There is no choice to measure: XLA:CPU
-widens a [K, N] int8 weight into a float32 copy before its dot, which reads and writes
-more bytes than the float32 weight would (figures in docs/results/).
+Int8 weights (:class:`Int8Weight`: a self draft's copy of the target's weights,
+``speculative.draft_weight_dtype='int8'``) run on the native kernel's int8 variant where
+the plan has it loaded (a quarter of float32's bytes), elsewhere XLA multiplies by the
+widened weight: XLA:CPU widens a [K, N] int8 weight into a float32 copy before its dot,
+so there is no choice to measure.
 
 :func:`einsum` takes the equation of a projection written as ``<rows><contracted>,
 <contracted><out>-><rows><out>`` (weights stored [in, out]: every :class:`Einsum`
