@@ -344,15 +344,6 @@ def _decided(entry: dict, calls: dict[str, list[float]], decision: Decision) -> 
     return entry
 
 
-def _quartiles(times: list[float]) -> tuple[float, float]:
-    """(25th, 75th percentile) of ``times``; (median, median) for fewer than 3."""
-    if len(times) < 3:
-        m = statistics.median(times)
-        return m, m
-    q = statistics.quantiles(times, n=4)
-    return q[0], q[2]
-
-
 def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str,
             v_layout: str, candidates=CANDIDATES, rounds: int = 7,
             budget_s: float = 2.0, backend: str = "cpu", cold: bool = True,

@@ -6,8 +6,7 @@ import dataclasses
 import pytest
 
 from kvjax.checkpoints import read_llama_hparams
-from kvjax.checkpoints.tokenizer import (DEFAULT_SYSTEM_PROMPT, Tokenizer,
-                                         chatml_default_system, is_chatml)
+from kvjax.checkpoints.tokenizer import DEFAULT_SYSTEM_PROMPT, Tokenizer
 from kvjax.config import ConfigError, ModelConfig, RunConfig
 from kvjax.inference import runner
 from tests.test_checkpoints import write_tiny_gguf
@@ -49,7 +48,6 @@ def tiny_run(**kw):
 
 
 def test_chatml_rendering_matches_the_template():
-    assert is_chatml(SMOL_TEMPLATE) and chatml_default_system(SMOL_TEMPLATE) == DEFAULT_SYSTEM_PROMPT
     tok = FakeTok(SMOL_TEMPLATE)
     assert tok.chat_prompt("What is the capital of France?") == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "

@@ -168,7 +168,8 @@ def test_paths_mla_auto_and_the_fallback_warns_once(monkeypatch):
     mla = ModelConfig(**CASES["mla-absorbed"], prefill_impl="native")
     assert flash.prefill_path(mla) == "tiled"
     gqa = ModelConfig(**CASES["gqa"], scan_layers=False, prefill_impl="native")
-    assert flash.prefill_path(gqa, sinks_at_cache_positions=True) == "dense"
+    sinks = gqa.replace(window_size=8, num_sink_tokens=2, rope_positions="cache")
+    assert flash.prefill_path(sinks) == "dense"
     assert flash.prefill_path(planner.resolve(gqa.replace(prefill_impl="auto"),
                                               max_seq_len=12)) == "native"
     assert flash.prefill_path(gqa.replace(prefill_impl="auto")) == "tiled"  # no plan

@@ -55,24 +55,6 @@ TOKEN_TYPE_USER_DEFINED = int(gguf.TokenType.USER_DEFINED)  # 4
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
-_CHATML_TURN = "'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'"
-_CHATML_DEFAULT_SYSTEM = re.compile(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", re.S)
-
-
-def chatml_default_system(template: str) -> str | None:
-    """The system prompt a ChatML template inserts when no system message is given
-    (SmolLM2: :data:`DEFAULT_SYSTEM_PROMPT`), or None if it inserts none."""
-    m = _CHATML_DEFAULT_SYSTEM.search(template)
-    return m.group(1) if m else None
-
-
-def is_chatml(template: str | None) -> bool:
-    """Whether a GGUF chat template is ChatML (turns ``<|im_start|>{role}\\n{content}
-    <|im_end|>\\n``, reply opened by ``<|im_start|>assistant\\n``). Informational:
-    :meth:`Tokenizer.chat_prompt` renders any template with jinja2."""
-    return bool(template) and _CHATML_TURN in template.replace('"', "'") and \
-        "'<|im_start|>assistant\n'" in template
-
 
 def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)

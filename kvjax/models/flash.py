@@ -38,7 +38,6 @@ dot with its consumers); their size is O(block_q·block_k), independent of T.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple, Sequence
 
 import jax
@@ -434,17 +433,12 @@ def attend_mla_chunk(q_main: jax.Array, q_rope: jax.Array, c_kv: jax.Array,
     return jnp.moveaxis(out, 1, 2)
 
 
-def prefill_path(cfg, sinks_at_cache_positions: bool = False) -> str:
+def prefill_path(cfg) -> str:
     """The prompt-attention formulation a config runs into an empty cache ('tiled',
     'dense', 'native', 'cudnn'): :meth:`kvjax.config.ModelConfig.formulation` at its
-    prompt site (:func:`kvjax.models.decode_kernels.site`; the registry's rule:
-    'auto' is 'native' where the plan holds the kernel, else 'tiled'; soft-capped
-    scores and sinks at cache positions run 'dense'). ``sinks_at_cache_positions``:
-    as if the config scored sinks at cache positions."""
-    site = decode_kernels.site(cfg, 1, decode_kernels.SMALL_CHUNK + 1, 0, cached=False)
-    if sinks_at_cache_positions:
-        site = dataclasses.replace(site, sinks_at_cache=True)
-    return cfg.formulation(site)
+    prompt site (:func:`kvjax.models.decode_kernels.site`, the registry's rule)."""
+    return cfg.formulation(decode_kernels.site(cfg, 1, decode_kernels.SMALL_CHUNK + 1, 0,
+                                               cached=False))
 
 
 SDPA_IMPLEMENTATIONS = ("cudnn", "xla")
