@@ -8,27 +8,14 @@ weight products per (M, K, N, layout) class, :func:`kvjax.plan.weight_class`), a
 returns the config with its :class:`kvjax.plan.Plan`. Nothing here runs while a program
 is traced: the models only read the plan.
 
-A pick times every formulation that applies on the class's own shapes (interleaved
-rounds, the median of each, every timed call from memory after an untimed flush of the
-caches, :data:`FLUSH_BYTES`; about a second per class) and keeps the fastest when it
-beats the reference 'xla' beyond the noise, by the rule of :func:`_decide` (calls that
-overlap xla's are timed for more rounds until a rank test decides, within a budget).
-The rule that decided, and the calls it took, are cached with the pick and printed.
-Picks are cached on disk:
-one JSON file per machine under ``$KVJAX_CACHE/planner`` (default
-``~/.cache/kvjax/planner``; ``$KVJAX_PLANNER_CACHE`` moves it alone), never in git. Its
-key (:func:`machine_key`): CPU model and vector ISA, usable cores, backend, jax and
-jaxlib versions, the native kernel's source hash and the measuring method
-(:data:`MEASURE_METHOD`). Another machine, a new jax or a new kernel looks for another
-file and re-measures; a file that does not parse or whose recorded key differs from this
-machine's is ignored with a warning and rewritten. Every pick made in this process is
-listed by :func:`report_lines`.
-
-Classes whose operands are small (below :data:`MIN_MEASURED_BYTES`) take 'xla'
-unmeasured. On GPU decode attention 'auto' is 'pallas' where the kernel applies (dense
-'BKSH' cache), else 'xla'; on TPU, for a config built for a backend other than the
-process's, and on a mesh of more than one device (a native kernel is a custom call the
-SPMD partitioner cannot split), 'xla'.
+A pick times every formulation that applies on the class's own shapes, from memory
+(:data:`FLUSH_BYTES`), and keeps the fastest where the rule of :func:`_decide` says it
+beats 'xla' beyond the noise (docs/decisions/0007-planner-times-cold.md,
+0008-planner-weight-chain.md, 0009-planner-noise-rule.md). Picks are cached on disk per
+machine (:func:`machine_key`, :func:`cache_dir`; docs/GUIDE.md, "The planner's
+cache") and listed by :func:`report_lines`. Classes below :data:`MIN_MEASURED_BYTES`
+take 'xla' unmeasured; on GPU decode attention is 'pallas' where it applies; on TPU,
+for another backend than the process's and on a mesh of several devices, 'xla'.
 """
 
 from __future__ import annotations
