@@ -21,7 +21,7 @@ import dataclasses
 from typing import Any, Callable
 
 from kvjax.checkpoints import fetch
-from kvjax.config import ModelConfig
+from kvjax.config import MODEL_FIELD_KINDS, ModelConfig
 
 
 def _make(defaults: dict[str, Any], dtype: str, overrides: dict[str, Any]) -> ModelConfig:
@@ -175,9 +175,7 @@ PRESETS: dict[str, Callable[..., ModelConfig]] = {
 # --------------------------------------------------------------------------- variants
 
 # Fields that say how a model runs rather than what it is: left out of architecture().
-_RUN_FIELDS = ("dtype", "kv_dtype", "backend", "scan_layers", "key_layout", "value_layout",
-               "mla_absorb", "decode_attention", "weight_matmul", "prefill_impl",
-               "prefill_block_q", "prefill_block_k", "plan")
+_RUN_FIELDS = MODEL_FIELD_KINDS["execution"] + ("dtype", "kv_dtype")
 
 
 def architecture(preset: ModelConfig | Callable[..., ModelConfig], **overrides: Any) -> dict:
