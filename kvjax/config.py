@@ -1070,11 +1070,7 @@ def model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
     Raises:
       ConfigError: unknown keys or invalid values.
     """
-    d = _plain(d)
-    fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"plan"}
-    unknown = sorted(set(d) - fields)
-    if unknown:
-        _fail("model." + unknown[0], d[unknown[0]], f"fields among {sorted(fields)}")
+    d = _known(ModelConfig, "model.", d, exclude={"plan"})
     missing = sorted(f.name for f in dataclasses.fields(ModelConfig)
                      if f.default is dataclasses.MISSING and f.name not in d)
     if missing:
@@ -1107,10 +1103,7 @@ def run_config_from_dict(d: Mapping[str, Any]) -> RunConfig:
     mesh = _sub_config(MeshConfig, "mesh", d.pop("mesh", {}))
     distributed = _sub_config(DistributedConfig, "distributed", d.pop("distributed", {}))
     speculative = _sub_config(SpeculativeConfig, "speculative", d.pop("speculative", {}))
-    fields = {f.name for f in dataclasses.fields(RunConfig)}
-    unknown = sorted(set(d) - fields)
-    if unknown:
-        _fail(unknown[0], d[unknown[0]], f"fields among {sorted(fields)}")
+    _known(RunConfig, "", d)
     return RunConfig(model=model_config_from_dict(model), sampling=sampling, mesh=mesh,
                      distributed=distributed, speculative=speculative, **d)
 
@@ -1128,9 +1121,15 @@ def distributed_config(d: Mapping[str, Any]) -> DistributedConfig:
 
 def _sub_config(cls, prefix: str, d: Mapping[str, Any]):
     """``cls(**d)``, refusing unknown keys with a message naming ``prefix.key``."""
+    return cls(**_known(cls, prefix + ".", d))
+
+
+def _known(cls, prefix: str, d: Mapping[str, Any], exclude=frozenset()) -> dict:
+    """``d`` as a dict; raises ConfigError naming ``prefix`` + the first key that is not
+    a field of dataclass ``cls`` (or is in ``exclude``), and the fields allowed."""
     d = _plain(d)
-    fields = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name for f in dataclasses.fields(cls)} - set(exclude)
     unknown = sorted(set(d) - fields)
     if unknown:
-        _fail(f"{prefix}.{unknown[0]}", d[unknown[0]], f"fields among {sorted(fields)}")
-    return cls(**d)
+        _fail(prefix + unknown[0], d[unknown[0]], f"fields among {sorted(fields)}")
+    return d
