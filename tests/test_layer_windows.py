@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvjax import cache as cache_lib
+from kvjax import naming
 from kvjax.analysis import costs, theory
 from kvjax.cache import paged
 from kvjax.config import ConfigError, ModelConfig, SpeculativeConfig
@@ -99,6 +100,8 @@ def test_cache_bytes_equal_the_per_layer_theory():
     assert tiny(layer_windows="3,5,3,5,3,global").layer_windows == WINDOWS
     assert tiny(layer_windows=(4, None)).layer_windows == (4, None) * 3
     assert theory.layer_tokens_held(tiny(), 4) == [3, 4, 3, 4, 3, 4]
+    # reports name the pattern: the layers of each window
+    assert naming.variant_name(tiny(name="m")) == "m GQA K=2 W=3 x3 + W=5 x2 + global x1 fp32"
 
 
 def test_refusals_name_the_field():
