@@ -24,7 +24,14 @@ def attention_label(cfg: ModelConfig) -> str:
 
 
 def window_label(cfg: ModelConfig) -> str:
-    """'' for full attention, else 'W=128' or 'W=128+4 sinks'."""
+    """'' for full attention, else 'W=128' or 'W=128+4 sinks'; with ``layer_windows``
+    the layers of each window, e.g. 'W=512 x25 + global x5'."""
+    if cfg.layer_windows is not None:
+        counts: dict = {}
+        for w in cfg.layer_windows:
+            counts[w] = counts.get(w, 0) + 1
+        return " + ".join(f"{'global' if w is None else f'W={w}'} x{n}"
+                          for w, n in counts.items())
     if not cfg.window_size:
         return ""
     sinks = f"+{cfg.num_sink_tokens} sinks" if cfg.num_sink_tokens else ""

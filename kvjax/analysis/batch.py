@@ -421,10 +421,14 @@ def measure_paged_wall(cfg: ModelConfig, t: int, budget_bytes: int, page_size: i
       kvjax.inference.memory.MemoryCheckError: the budget exceeds the memory available
         here, or cannot hold the weights and one request of t tokens (named), before
         anything is allocated.
-      ValueError: page_size below 1.
+      ValueError: page_size below 1; ``cfg.layer_windows`` (its local layers keep
+        per-row rings beside the pool: docs/decisions/0031-paged-layer-windows-rings.md).
     """
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size={page_size!r}; allowed: an integer >= 1")
+    if cfg.layer_windows is not None:
+        raise ValueError(f"model.layer_windows={cfg.layer_windows} for the paged wall; "
+                         "allowed: None (a local layer's rings are per row, not pool pages)")
     lengths = wall_lengths(t) if lengths is None else list(lengths)
     per_page = paged.page_bytes(cfg, page_size)
     weights = _check_budget(cfg, budget_bytes, available)

@@ -44,7 +44,7 @@ from kvjax.plan import SEQ
 
 __all__ = ["KVCache", "TensorSpec", "tensor_specs", "slot_axis", "to_layout", "layouts",
            "check_layouts", "layer_shapes", "num_slots", "layer_num_slots",
-           "layer_positions", "init_cache", "cache_spec",
+           "layer_positions", "ring_positions", "init_cache", "cache_spec",
            "cache_bytes", "total_bytes", "encode", "read", "row_scales", "channel_axis",
            "write", "write_seq_sharded", "chunk_slots", "clear_unseen", "window_view",
            "advance", "ring_slots", "next_positions", "slot_of", "attention_mask",
@@ -197,22 +197,32 @@ def num_slots(cfg: ModelConfig, max_seq_len: int) -> int:
     return policy_for(cfg).num_slots(max_seq_len)
 
 
-def layer_num_slots(cfg: ModelConfig, max_seq_len: int) -> list:
+def layer_num_slots(cfg: ModelConfig, max_seq_len: int, spare_slots: int = 0) -> list:
     """[S_i] slots of each layer: :func:`num_slots` of ``cfg.layer_config(i)`` (a local
-    layer's ring, a global layer's max_seq_len); all equal without ``layer_windows``."""
-    return [num_slots(cfg.layer_config(i), max_seq_len) for i in range(cfg.num_layers)]
+    layer's ring, plus ``spare_slots``; a global layer's max_seq_len); all equal without
+    ``layer_windows``."""
+    return [num_slots(ci, max_seq_len) + (spare_slots if ci.window_size else 0)
+            for ci in map(cfg.layer_config, range(cfg.num_layers))]
 
 
-def layer_positions(cfg: ModelConfig, cache: KVCache, i: int) -> jax.Array:
+def layer_positions(cfg: ModelConfig, cache, i: int) -> jax.Array:
     """[B, S_i] int32 absolute position held by each slot of layer ``i`` (-1: empty):
     ``cache.positions``, or for a local layer of ``cfg.layer_windows`` (a ring of S_i
-    slots, no sinks) the newest position p < length with p mod S_i equal to the slot,
-    derived from ``cache.length`` (rows write positions 0, 1, ... in order)."""
+    slots, no sinks; a dense or a paged cache's) :func:`ring_positions` of
+    ``cache.length`` (rows write positions 0, 1, ... in order)."""
     ci = cfg.layer_config(i)
     if cfg.layer_windows is None or ci.window_size is None:
         return cache.positions
-    s = next(iter(cache.layer(i).values())).shape[slot_axis(ci, "k")]
-    last = cache.length[:, None] - 1  # [B, 1]
+    name, t = next(iter(cache.tensors.items()))
+    return ring_positions(cache.length, t[i].shape[slot_axis(ci, name)])
+
+
+def ring_positions(length: jax.Array, num_slots_: int) -> jax.Array:
+    """[B, S] int32 positions a ring of S = ``num_slots_`` slots holds after each row
+    wrote positions 0 .. length - 1 in order (slot j: the newest p < length with
+    p mod S = j, -1 where none), from ``length`` [B] alone."""
+    s = int(num_slots_)
+    last = length[:, None] - 1  # [B, 1]
     p = last - jnp.mod(last - jnp.arange(s, dtype=jnp.int32)[None, :], s)
     return jnp.where(p >= 0, p, -1).astype(jnp.int32)
 
@@ -223,16 +233,16 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int,
 
     Tensors are zero-filled per :func:`tensor_specs`, positions [B, S] -1 and length [B]
     0. S = window_size when set, else max_seq_len, plus ``spare_slots``; with
-    ``cfg.layer_windows`` each layer has its own S_i (:func:`layer_num_slots`) and
-    ``positions`` the full context's max_seq_len slots. ``ragged``: rows
-    may take different lengths (:class:`KVCache`). ``spare_slots``: slots beyond the
-    policy's S; a speculative ring keeps k + 1 of them so that writing a chunk of k + 1
-    tokens evicts no key the window still shows (``kvjax.inference.speculative``); the mask is the
-    window's either way.
+    ``cfg.layer_windows`` each layer has its own S_i (:func:`layer_num_slots`: a local
+    layer's ring W_i + ``spare_slots``, a global layer max_seq_len) and ``positions``
+    the full context's max_seq_len slots. ``ragged``: rows
+    may take different lengths (:class:`KVCache`). ``spare_slots``: slots beyond a
+    ring's W; a speculative ring keeps k + 1 of them so that writing a chunk of k + 1
+    tokens evicts no key the window still shows (``kvjax.inference.speculative``); the
+    mask is the window's either way.
 
     Raises:
-      ValueError: non-positive batch_size or max_seq_len, negative spare_slots; spare
-        slots with ``layer_windows``.
+      ValueError: non-positive batch_size or max_seq_len, negative spare_slots.
     """
     if batch_size <= 0 or max_seq_len <= 0:
         raise ValueError(
@@ -243,11 +253,9 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int,
     s = num_slots(cfg, max_seq_len) + spare_slots
     tensors = {}
     if cfg.layer_windows is not None:  # unrolled: each layer its own slots
-        if spare_slots:
-            raise ValueError(f"spare_slots={spare_slots} with model.layer_windows; "
-                             "allowed: 0 (per-layer rings keep no spare slots)")
+        s = max_seq_len  # positions: the full context's (a global layer's slots)
         per_layer = [tensor_specs(cfg, batch_size, si)
-                     for si in layer_num_slots(cfg, max_seq_len)]
+                     for si in layer_num_slots(cfg, max_seq_len, spare_slots)]
         tensors = {name: tuple(jnp.zeros(sp[name].shape, sp[name].dtype) for sp in per_layer)
                    for name in per_layer[0]}
     for name, spec in (tensor_specs(cfg, batch_size, s).items()

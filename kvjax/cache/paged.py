@@ -20,6 +20,12 @@ num_pages, P)``: 'k' [N, K, P, H] or [N, K, H, P], 'c_kv' [N, P, C], 'k_scale' [
   block table (:class:`PagedLayer`): the native decode kernel reads the pages where they
   lie (:func:`kvjax.models.decode_kernels.partial_attention` with ``block_table``), and
   the view nothing reads is dropped from the compiled program.
+* **Per-layer windows** (``cfg.layer_windows``): a global layer's pool is paged as
+  above; a local layer of window W_i keeps each row's ring of W_i (+ spare) slots as a
+  dense cache keeps it (:func:`kvjax.cache.kv.init_cache`), [B, K, W_i, H], written by
+  the ring policy and read with :func:`kvjax.cache.kv.ring_positions` of the row's
+  length, so the allocated bytes are theory's per-layer sum
+  (docs/decisions/0031-paged-layer-windows-rings.md).
 * **Host allocation** (:class:`PageAllocator`): a free list, reference counts, fork and
   copy on write of a shared page, and page-granular prefix hashing (each full page's key
   is a hash of its token ids chained with the previous page's key, as vLLM's automatic
@@ -46,7 +52,7 @@ from kvjax.config import ModelConfig
 
 __all__ = ["PagedKVCache", "PagedLayer", "PoolExhausted", "init_paged_cache", "pages_for",
            "write", "advance", "overflows", "copy_pages", "gather_view", "page_bytes",
-           "PageAllocator", "page_hashes"]
+           "ring_bytes", "row_cache", "put_row", "PageAllocator", "page_hashes"]
 
 
 class PoolExhausted(RuntimeError):
@@ -77,13 +83,16 @@ class PagedKVCache:
     Attributes:
       tensors: name -> pool, [L, N, ...] (stacked, ``cfg.scan_layers``) or a tuple of L
         [N, ...] arrays; ``...`` is one layer's per-token shape with P in the slot axis
-        (:func:`kvjax.cache.kv.tensor_specs` with B = N pages and S = P).
+        (:func:`kvjax.cache.kv.tensor_specs` with B = N pages and S = P); a ring layer's
+        entry (``rings``) is its rows' ring [B, ..., S_i, X] instead.
       block_table: [B, M] int32 page of each row's logical page, -1 where none.
       length: [B] int32 tokens written per row.
       page_size: static P, tokens per page.
       axes: static ((name, slot axis -2 | -1), ...) of the pools.
       layouts: static, as :attr:`KVCache.layouts`.
       ragged: static, always True (rows keep their own lengths).
+      rings: static, () or per layer the slots S_i of its rows' ring (a local layer of
+        ``cfg.layer_windows``), 0 for a paged layer.
     """
 
     tensors: dict
@@ -93,6 +102,12 @@ class PagedKVCache:
     axes: tuple = flax.struct.field(pytree_node=False, default=())
     layouts: tuple | None = flax.struct.field(pytree_node=False, default=None)
     ragged: bool = flax.struct.field(pytree_node=False, default=True)
+    rings: tuple = flax.struct.field(pytree_node=False, default=())
+    pool_pages: int = flax.struct.field(pytree_node=False, default=0)
+
+    def is_ring(self, i: int) -> bool:
+        """Whether layer ``i`` (a static int) keeps its rows' rings, not pages."""
+        return bool(self.rings) and self.rings[i] > 0
 
     @property
     def max_pages(self) -> int:
@@ -107,6 +122,8 @@ class PagedKVCache:
     @property
     def num_pages(self) -> int:
         """N, pages in each pool."""
+        if self.pool_pages:
+            return self.pool_pages
         t = next(iter(self.tensors.values()))
         return t[0].shape[0]  # layer 0's pool (a tuple's first, a stack's first slice)
 
@@ -130,8 +147,14 @@ class PagedKVCache:
         holds there (issue 32); the select fuses into the gather's copy. The mapping also
         carries the layer's pools and the block table (:class:`PagedLayer`): a kernel
         that reads pages in place uses those, and the gather of a view nothing reads is
-        dropped from the compiled program."""
+        dropped from the compiled program. A ring layer (:meth:`is_ring`) gives its rows'
+        rings, the values zero where :func:`kvjax.cache.kv.ring_positions` marks -1 (a
+        row reused from a finished request; every path selects the keys' scores)."""
         axes = dict(self.axes)
+        if self.is_ring(i):
+            seen = kv.ring_positions(self.length, self.rings[i]) >= 0
+            return {n: ops.zero_unseen(t[i], seen, axes[n]) if n == "v" else t[i]
+                    for n, t in self.tensors.items()}
         seen = self.positions >= 0  # [B, M·P]
         views = {n: gather_view(t[i], self.block_table, axes[n], seen)
                  for n, t in self.tensors.items()}
@@ -178,24 +201,35 @@ def gather_view(pool: jax.Array, block_table: jax.Array, axis: int,
 
 
 def init_paged_cache(cfg: ModelConfig, batch_size: int, num_pages: int, page_size: int,
-                     max_pages: int) -> PagedKVCache:
+                     max_pages: int, spare_slots: int = 0) -> PagedKVCache:
     """An empty paged cache: zero pools of ``num_pages`` pages of ``page_size`` tokens per
     layer and tensor, ``batch_size`` rows of ``max_pages`` block-table entries (all -1),
-    lengths 0.
+    lengths 0. With ``cfg.layer_windows`` a local layer of window W_i holds its rows'
+    rings of W_i + ``spare_slots`` slots instead of a pool (:attr:`PagedKVCache.rings`;
+    a speculative ring keeps k + 1 spare, :func:`kvjax.cache.kv.init_cache`).
 
     Raises:
-      ValueError: ``page_size`` below 1 (named), or a non-positive batch_size, num_pages
-        or max_pages (named).
+      ValueError: ``page_size`` below 1 (named), a non-positive batch_size, num_pages
+        or max_pages, or a negative spare_slots (named).
     """
     page_size = _check_page_size(page_size)
     for name, v in (("batch_size", batch_size), ("num_pages", num_pages),
                     ("max_pages", max_pages)):
         if int(v) < 1:
             raise ValueError(f"{name}={v}; allowed: an integer >= 1")
+    if int(spare_slots) < 0:
+        raise ValueError(f"spare_slots={spare_slots}; allowed: an integer >= 0")
     quant.check_supported(cfg)
     tensors = {}
     specs = kv.tensor_specs(cfg, num_pages, page_size)
-    for name, spec in specs.items():
+    rings = ()
+    if cfg.layer_windows is not None:  # unrolled; a local layer its rows' ring
+        rings = tuple(0 if w is None else s for w, s in zip(
+            cfg.layer_windows, kv.layer_num_slots(cfg, 1, spare_slots)))
+        per_layer = [kv.tensor_specs(cfg, batch_size, s) if s else specs for s in rings]
+        tensors = {name: tuple(jnp.zeros(sp[name].shape, sp[name].dtype) for sp in per_layer)
+                   for name in specs}
+    for name, spec in (specs.items() if not rings else ()):
         if cfg.scan_layers:
             tensors[name] = jnp.zeros((cfg.num_layers,) + spec.shape, spec.dtype)
         else:
@@ -205,12 +239,56 @@ def init_paged_cache(cfg: ModelConfig, batch_size: int, num_pages: int, page_siz
                         block_table=jnp.full((batch_size, max_pages), -1, jnp.int32),
                         length=jnp.zeros((batch_size,), jnp.int32), page_size=page_size,
                         axes=tuple((n, s.slot_axis) for n, s in specs.items()),
-                        layouts=kv.layouts(cfg), ragged=True)
+                        layouts=kv.layouts(cfg), ragged=True, rings=rings,
+                        pool_pages=int(num_pages))
+
+
+def _paged_layers(cfg: ModelConfig) -> int:
+    """Layers whose cache is paged: all, or the global ones of ``cfg.layer_windows``."""
+    return (cfg.num_layers if cfg.layer_windows is None
+            else sum(w is None for w in cfg.layer_windows))
 
 
 def page_bytes(cfg: ModelConfig, page_size: int) -> int:
-    """Bytes of one page over every layer and cached tensor (codes and scales)."""
-    return cfg.num_layers * sum(s.nbytes for s in kv.tensor_specs(cfg, 1, page_size).values())
+    """Bytes of one page over every paged layer (all, or the global layers of
+    ``cfg.layer_windows``) and cached tensor (codes and scales)."""
+    per_layer = sum(s.nbytes for s in kv.tensor_specs(cfg, 1, page_size).values())
+    return _paged_layers(cfg) * per_layer
+
+
+def ring_bytes(cfg: ModelConfig, batch_size: int, spare_slots: int = 0) -> int:
+    """Bytes of the rows' rings of the local layers of ``cfg.layer_windows``:
+    B·sum_i (W_i + spare)·(one slot's bytes of a layer), 0 without them."""
+    if cfg.layer_windows is None:
+        return 0
+    slot = sum(s.nbytes for s in kv.tensor_specs(cfg, batch_size, 1).values())
+    return slot * sum(s for w, s in zip(cfg.layer_windows,
+                                        kv.layer_num_slots(cfg, 1, spare_slots))
+                      if w is not None)
+
+
+def row_cache(cache: PagedKVCache, row, block_table: jax.Array,
+              length: jax.Array) -> PagedKVCache:
+    """A one-row cache over ``cache``'s pools: ``block_table`` [1, M], ``length`` [1],
+    and each ring layer's row ``row`` ([] int32, may be traced) of its rings."""
+    if not cache.rings:
+        return cache.replace(block_table=block_table, length=length)
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=0)
+    tensors = {n: tuple(take(x) if cache.is_ring(i) else x for i, x in enumerate(t))
+               for n, t in cache.tensors.items()}
+    return cache.replace(tensors=tensors, block_table=block_table, length=length)
+
+
+def put_row(cache: PagedKVCache, one: PagedKVCache, row) -> PagedKVCache:
+    """``cache`` with the pools of ``one`` (a :func:`row_cache` after a write) and its
+    rings put back in row ``row``; ``cache``'s block tables and lengths kept."""
+    if not cache.rings:
+        return cache.replace(tensors=one.tensors)
+    put = lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), row, 0)
+    tensors = {n: tuple(put(x, r) if cache.is_ring(i) else r
+                        for i, (x, r) in enumerate(zip(t, one.tensors[n])))
+               for n, t in cache.tensors.items()}
+    return cache.replace(tensors=tensors)
 
 
 def _pages_offsets(cache: PagedKVCache, positions: jax.Array):
@@ -273,8 +351,9 @@ def copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCa
     write of shared pages; traceable)."""
     out = {}
     for n, t in cache.tensors.items():
-        if isinstance(t, tuple):
-            out[n] = tuple(x.at[dst].set(x[src]) for x in t)
+        if isinstance(t, tuple):  # (a ring layer's rings are a row's own: kept)
+            out[n] = tuple(x if cache.is_ring(i) else x.at[dst].set(x[src])
+                           for i, x in enumerate(t))
         else:
             out[n] = t.at[:, dst].set(t[:, src])
     return cache.replace(tensors=out)

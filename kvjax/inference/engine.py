@@ -136,8 +136,9 @@ class EngineStats:
     """Totals of one :meth:`Engine.run`: wall seconds, tokens generated, decode steps
     run, slot-steps occupied (sum over steps of running rows), live KV bytes summed over
     steps (running rows' held tokens x bytes per token), allocated KV bytes (on pages:
-    the pool's), rows (``num_slots``), prefills, decode seconds; speculative decoding's
-    drafts accepted and proposed; the prompt tokens prefills looked up
+    the pool's, and with ``layer_windows`` the local layers' rings), rows
+    (``num_slots``), prefills, decode seconds; speculative decoding's drafts accepted
+    and proposed; the prompt tokens prefills looked up
     (``prompt_tokens``) and found cached (``prefix_hit_tokens``: prefill tokens saved),
     tokens prefilled (``prefill_tokens``, recomputation after preemption included), the
     most rows running at once (``max_running``).
@@ -348,23 +349,29 @@ def copy_pages_program(cache, src, dst):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "fresh"),
                    donate_argnames=("cache",))
-def paged_prefill_program(params, cache, tokens, num_valid, key, count, *, cfg, sampling,
-                          fresh):
+def paged_prefill_program(params, cache, row, block_table, start, tokens, num_valid, key,
+                          count, *, cfg, sampling, fresh):
     """One row's prompt (or the part not cached) written into its pages.
 
     Args:
-      cache: a one-row :class:`~kvjax.cache.paged.PagedKVCache` over the shared pools
-        (donated), length = tokens already held (cached prefix).
+      cache: the :class:`~kvjax.cache.paged.PagedKVCache` of every row (donated); the
+        prefill runs on a one-row cache over its pools (:func:`kvjax.cache.paged.row_cache`:
+        a local layer of ``layer_windows`` on row ``row``'s ring, [] int32).
+      block_table: [1, M] int32 the row's pages; start: [1] int32 tokens already held
+        (cached prefix).
       tokens: [1, T] int32 right-padded; num_valid: [1] int32 real tokens.
       key: the request's key; count: [] int32 index of the token to sample.
       fresh: (static) the row holds no token yet (no page is read).
     Returns:
-      (token [1] int32 sampled from the last real token's logits, cache).
+      (token [1] int32 sampled from the last real token's logits, the cache of every
+      row: its block tables and lengths as given).
     """
-    pos = cache.length[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-    logits, cache = model_lib.forward(params, cfg, tokens, pos, cache, num_valid=num_valid,
-                                      fresh=fresh, last_only=True)
-    return ragged.sample_rows(logits[:, 0], key[None], count[None], sampling), cache
+    one = paged.row_cache(cache, row, block_table, start)
+    pos = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    logits, one = model_lib.forward(params, cfg, tokens, pos, one, num_valid=num_valid,
+                                    fresh=fresh, last_only=True)
+    return (ragged.sample_rows(logits[:, 0], key[None], count[None], sampling),
+            paged.put_row(cache, one, row))
 
 
 class DenseRows:
@@ -476,12 +483,17 @@ class PagedRows:
         self.reset()
 
     def allocate(self, cfg: ModelConfig, spec: SpeculativeConfig | None) -> None:
+        """The pools, and with ``layer_windows`` each local layer's rows' rings (k + 1
+        spare slots when speculative: :func:`kvjax.inference.speculative.spare_slots`):
+        ``allocated_bytes`` is their sum; the page figures count the pools' pages."""
         self.cfg = cfg
+        spare = 0 if spec is None else spec_lib.spare_slots(cfg, spec.k)
         self.cache = paged.init_paged_cache(cfg, self.num_rows, self.num_pages,
-                                            self.page_size, self.max_pages)
+                                            self.page_size, self.max_pages, spare)
         self.page_bytes = paged.page_bytes(cfg, self.page_size)
         self.bytes_per_token = self.page_bytes / self.page_size
-        self.allocated_bytes = self.num_pages * self.page_bytes
+        self.allocated_bytes = (self.num_pages * self.page_bytes
+                                + paged.ring_bytes(cfg, self.num_rows, spare))
 
     def reset(self, prefix_cache: bool | None = None) -> None:
         self.alloc = paged.PageAllocator(
@@ -523,12 +535,13 @@ class PagedRows:
         n = len(tokens) - start
         toks = np.zeros((1, prefill_bucket(n)), np.int32)
         toks[0, :n] = tokens[start:]
-        one = self.cache.replace(block_table=jnp.asarray(self._table(row)[None]),
-                                 length=jnp.full((1,), start, jnp.int32))
-        first, one = paged_prefill_program(
-            params, one, jnp.asarray(toks), jnp.asarray([n], jnp.int32), key,
-            jnp.int32(count), cfg=cfg, sampling=sampling, fresh=start == 0)
-        self.cache = self.cache.replace(tensors=one.tensors)
+        # a row's rings (layer_windows) live in its row of the batch; warmup's rows are
+        # names, its prefills go to row 0 (every row is prefilled afresh when admitted)
+        first, self.cache = paged_prefill_program(
+            params, self.cache, jnp.int32(row if isinstance(row, (int, np.integer)) else 0),
+            jnp.asarray(self._table(row)[None]), jnp.full((1,), start, jnp.int32),
+            jnp.asarray(toks), jnp.asarray([n], jnp.int32), key, jnp.int32(count), cfg=cfg,
+            sampling=sampling, fresh=start == 0)
         self.alloc.append(row, tokens[start:])
         return int(first[0])
 
@@ -664,8 +677,11 @@ class Engine:
       page_size: tokens per page; 0: dense rows.
       num_pages: pages in the pool (per layer and tensor), with page_size >= 1; at least
         one request of ``max_seq_len`` tokens must fit, so the oldest request can
-        always finish.
-      prefix_cache: reuse cached full pages of common prompt prefixes (pages only).
+        always finish. With ``cfg.layer_windows`` only the global layers are paged; a
+        local layer keeps each row's ring of W_i (+ k + 1 speculative) slots
+        (docs/decisions/0031-paged-layer-windows-rings.md).
+      prefix_cache: reuse cached full pages of common prompt prefixes (pages only; not
+        with ``cfg.layer_windows``, whose rings are a row's own).
     Raises:
       ValueError: a non-positive num_slots, max_seq_len or steps_per_sync, a bad
         page_size or pool (:func:`row_store`), or draft= without speculative= (each
@@ -673,7 +689,8 @@ class Engine:
       ConfigError: a drafter the config cannot build
         (:meth:`kvjax.inference.speculative.Drafter.check`: 'model' without ``draft``, a
         draft with another vocabulary), or a draft that copies the target's window
-        (``draft_kv_source='target'``) on pages, before any work.
+        (``draft_kv_source='target'``) on pages, or ``prefix_cache`` with
+        ``cfg.layer_windows``, before any work.
     """
 
     def __init__(self, params, cfg: ModelConfig, num_slots: int, max_seq_len: int,
@@ -695,6 +712,11 @@ class Engine:
         self.num_slots, self.max_seq_len = int(num_slots), int(max_seq_len)
         self.rows = row_store(self.num_slots, self.max_seq_len, page_size, num_pages,
                               prefix_cache)
+        if page_size and prefix_cache and cfg.layer_windows is not None:
+            raise ConfigError(
+                f"prefix_cache=True with model.layer_windows={cfg.layer_windows}; allowed: "
+                "prefix_cache=False (a local layer's ring is its row's own, not pages a "
+                "prompt prefix can share)")
         if speculative is not None and not speculative.enabled:
             speculative = None
         if speculative is not None and speculative.drafter == "self" and draft is None:

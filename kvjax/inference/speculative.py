@@ -66,7 +66,8 @@ from kvjax.models import model as model_lib
 from kvjax.models import weight_matmul
 
 __all__ = ["Drafter", "NgramDrafter", "ModelDrafter", "SelfDrafter", "DRAFTERS",
-           "drafter_for", "draft_config", "draft_params", "self_draft", "init_target_cache",
+           "drafter_for", "draft_config", "draft_params", "self_draft", "spare_slots",
+           "init_target_cache",
            "init_draft_cache", "draft_window", "draft_window_slots", "ngram_draft",
            "take_back", "accept_greedy", "accept_sampled", "speculative_loop",
            "compile_program", "generate",
@@ -76,19 +77,22 @@ __all__ = ["Drafter", "NgramDrafter", "ModelDrafter", "SelfDrafter", "DRAFTERS",
 # --------------------------------------------------------------------------- caches
 
 
-def _spare(cfg: ModelConfig, k: int) -> int:
+def spare_slots(cfg: ModelConfig, k: int) -> int:
     """Spare slots a speculative cache keeps: k + 1 for a ring (a chunk of k + 1 then
-    evicts nothing the window shows), 0 for a dense cache (its rows never hold more
-    than plain decoding writes)."""
-    return k + 1 if policy_for(cfg).kind == "ring" else 0
+    evicts nothing the window shows) and for the local layers' rings of
+    ``cfg.layer_windows`` (:func:`kvjax.cache.init_cache` gives them to the rings only),
+    0 for a dense cache (its rows never hold more than plain decoding writes)."""
+    rings = policy_for(cfg).kind == "ring" or any(
+        w is not None for w in (cfg.layer_windows or ()))
+    return k + 1 if rings else 0
 
 
 def init_target_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int,
                       k: int) -> KVCache:
     """The target's cache for speculative decoding: ragged rows (each accepts its own
-    number of tokens), a ring with k + 1 spare slots (:func:`_spare`)."""
+    number of tokens), a ring with k + 1 spare slots (:func:`spare_slots`)."""
     return cache_lib.init_cache(cfg, batch_size, max_seq_len, ragged=True,
-                                spare_slots=_spare(cfg, k))
+                                spare_slots=spare_slots(cfg, k))
 
 
 def init_draft_cache(draft_cfg: ModelConfig, batch_size: int, max_seq_len: int,
@@ -97,7 +101,7 @@ def init_draft_cache(draft_cfg: ModelConfig, batch_size: int, max_seq_len: int,
     (a round drafts k tokens past the target's accepted length), k + 1 spare in a ring."""
     dense = policy_for(draft_cfg).kind != "ring"
     return cache_lib.init_cache(draft_cfg, batch_size, max_seq_len + (k + 1) * dense,
-                                ragged=True, spare_slots=_spare(draft_cfg, k))
+                                ragged=True, spare_slots=spare_slots(draft_cfg, k))
 
 
 def draft_window(cache: KVCache, cfg: ModelConfig, draft_cfg: ModelConfig,
@@ -112,7 +116,7 @@ def draft_window(cache: KVCache, cfg: ModelConfig, draft_cfg: ModelConfig,
 def draft_window_slots(draft_cfg: ModelConfig, k: int) -> int:
     """Slots per row of :func:`draft_window`'s ring: the window W plus k + 1 spare (what
     :func:`init_draft_cache` gives a ring), the count a round copies from the target."""
-    return cache_lib.num_slots(draft_cfg, 1) + _spare(draft_cfg, k)
+    return cache_lib.num_slots(draft_cfg, 1) + spare_slots(draft_cfg, k)
 
 
 def ngram_draft(hist: jax.Array, hist_len: jax.Array, k: int, ngram_max: int,
@@ -168,9 +172,9 @@ def draft_config(cfg: ModelConfig, spec: SpeculativeConfig) -> ModelConfig:
         raise ConfigError(f"speculative.drafter={spec.drafter!r}; draft_config builds the "
                           "'self' drafter only")
     fields: dict[str, Any] = {}
-    if spec.draft_window_size:
+    if spec.draft_window_size:  # one window over every layer (none of layer_windows)
         fields.update(window_size=spec.draft_window_size,
-                      num_sink_tokens=spec.draft_sink_tokens)
+                      num_sink_tokens=spec.draft_sink_tokens, layer_windows=None)
     if spec.draft_kv_dtype:
         fields["kv_dtype"] = spec.draft_kv_dtype
     if spec.draft_num_layers:
@@ -179,6 +183,8 @@ def draft_config(cfg: ModelConfig, spec: SpeculativeConfig) -> ModelConfig:
                 f"speculative.draft_num_layers={spec.draft_num_layers}; allowed: 0 (all) "
                 f"to the target's num_layers={cfg.num_layers}")
         fields["num_layers"] = spec.draft_num_layers
+        if cfg.layer_windows is not None and not spec.draft_window_size:  # the first L'
+            fields["layer_windows"] = cfg.layer_windows[:spec.draft_num_layers]
     return cfg.replace(**fields)
 
 
@@ -391,8 +397,20 @@ class SelfDrafter(ModelDrafter):
     def check(self, cfg):
         """Also warns (UserWarning) where an int8 draft with a resolved plan would not run
         the native int8 kernel on CPU: XLA then multiplies by weights widened to float32
-        every step, slower than the float32 draft."""
+        every step, slower than the float32 draft.
+
+        Raises:
+          ConfigError: also ``draft_kv_source='target'`` over a target with
+            ``layer_windows`` (its local layers' rings hold other slots than the window
+            copy reads).
+        """
         super().check(cfg)
+        if self.spec.copies_target_window and cfg.layer_windows is not None:
+            raise ConfigError(
+                f"speculative.draft_kv_source='target' with model.layer_windows="
+                f"{cfg.layer_windows}; allowed: draft_kv_source='own' (the draft keeps its "
+                "own cache; copying the target's window reads a cache of one slot "
+                "policy for every layer)")
         d = self.cfg
         if (self.spec.draft_weight_dtype == "int8" and d.plan is not None
                 and d.backend == "cpu"
@@ -824,10 +842,19 @@ def _program_args(params, cfg, spec, prompts, first_token, cache, num_steps, dra
                          "allowed: a dense or ring cache (init_target_cache)")
     for name, c, kv in (("cache", cfg, cache),) + (
             () if dcache is None else (("draft cache", dcfg, dcache),)):
-        if policy_for(c).kind == "ring" and kv.num_slots - c.window_size < _spare(c, spec.k):
+        for i, w in enumerate(c.layer_windows or ()):  # each local layer's ring
+            held = kv.tensors["k"][i].shape[cache_lib.slot_axis(c, "k")]
+            if w is not None and held - w < spare_slots(c, spec.k):
+                raise ValueError(
+                    f"{name}'s layer {i} holds {held} slots for its window {w} "
+                    f"(model.layer_windows); allowed: at least {w + spare_slots(c, spec.k)} "
+                    f"(k + 1 = {spec.k + 1} spare, so a rejected draft evicts no key the "
+                    "window shows: init_target_cache / init_draft_cache)")
+        if policy_for(c).kind == "ring" and \
+                kv.num_slots - c.window_size < spare_slots(c, spec.k):
             raise ValueError(
                 f"{name} holds {kv.num_slots} slots for window_size={c.window_size}; "
-                f"allowed: at least {c.window_size + _spare(c, spec.k)} (k + 1 = "
+                f"allowed: at least {c.window_size + spare_slots(c, spec.k)} (k + 1 = "
                 f"{spec.k + 1} spare, so a rejected draft evicts no key the window shows: "
                 "init_target_cache / init_draft_cache)")
     cache_lib.policy_for(cfg).check_room(jax.device_get(cache.length), num_steps,
@@ -882,7 +909,8 @@ def generate(params, cfg: ModelConfig, spec: SpeculativeConfig, prompts, first_t
       ConfigError: drafter 'none', a draft missing or given wrongly, vocabularies differ,
         a target with ``kv_compression``.
       ValueError: num_steps not an integer >= 0, a cache that is not ragged, a ring
-        cache (target's or draft's) with fewer than k + 1 slots beyond its window, or a
+        cache (target's or draft's, or a local layer's ring of ``layer_windows``) with
+        fewer than k + 1 slots beyond its window, or a
         draft cache given with ``draft_kv_source='target'`` (or missing with 'own').
       CacheOverflowError: the tokens would not fit in the cache (plain decoding's rule:
         the same tokens are written).

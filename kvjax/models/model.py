@@ -86,11 +86,21 @@ def _scan_body(block: Block, carry, positions, fresh: bool = False):
     return (x, cache, layer + 1), None
 
 
-def _write(cache, buf, new, positions, cfg: ModelConfig, name: str, layer=None):
+def _is_ring(cache, i: int) -> bool:
+    """Whether layer ``i`` of a paged cache keeps its rows' rings (a local layer of
+    ``layer_windows``: :attr:`kvjax.cache.paged.PagedKVCache.rings`)."""
+    return isinstance(cache, paged_lib.PagedKVCache) and cache.is_ring(i)
+
+
+def _write(cache, buf, new, positions, cfg: ModelConfig, name: str, layer=None,
+           ring: bool = False):
     """The chunk's entries of tensor ``name`` written into ``buf`` (one layer's, or the
     stacked tensor at ``layer``): into a dense cache's slots, or a paged cache's pages
-    (:func:`kvjax.cache.paged.write`)."""
+    (:func:`kvjax.cache.paged.write`), or with ``ring`` a paged cache's ring layer's
+    rows (ragged, the slot policy of ``cfg``'s window)."""
     axis = cache_lib.slot_axis(cfg, name)
+    if ring:
+        return cache_lib.write(buf, new, positions, cfg, axis=axis, ragged=True)
     if isinstance(cache, paged_lib.PagedKVCache):
         return paged_lib.write(cache, buf, new, positions, axis, layer)
     return cache_lib.write(buf, new, positions, cfg, layer=layer, axis=axis,
@@ -143,7 +153,7 @@ class DecoderLM(nn.Module):
                 if cache is not None:
                     for n in tensors:
                         tensors[n][i] = _write(cache, tensors[n][i], new[n], positions, ci,
-                                               n)
+                                               n, ring=_is_ring(cache, i))
             new_cache = None if cache is None else cache.replace(
                 tensors={n: tuple(t) for n, t in tensors.items()})
 
@@ -291,17 +301,20 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
       NaN logits (never a clamped write); ``decode.prefill`` / ``generate`` check lengths
       on the host and raise before running.
     Raises:
-      ValueError: a paged cache with ``cfg.layer_windows``; the cache records key/value
-        layouts other than ``cfg``'s, or (checked
+      ValueError: the cache records key/value layouts other than ``cfg``'s, a paged
+        cache built for other ``layer_windows``, or (checked
         on the host when positions and the cache's lengths are concrete arrays, i.e.
         outside jit) a row's positions do not continue its cache; the message names the
         row.
     """
     if cache is not None:
-        if cfg.layer_windows is not None and isinstance(cache, paged_lib.PagedKVCache):
+        if isinstance(cache, paged_lib.PagedKVCache) and (
+                bool(cache.rings) != (cfg.layer_windows is not None) or cache.rings and any(
+                    (w is None) != (s == 0) for w, s in zip(cfg.layer_windows, cache.rings))):
             raise ValueError(
-                f"a paged cache with model.layer_windows={cfg.layer_windows}; allowed: a "
-                "dense cache (init_cache: each layer its own ring) or no layer_windows")
+                f"a paged cache of per-layer rings {cache.rings or None} with "
+                f"model.layer_windows={cfg.layer_windows}; allowed: a cache from "
+                "init_paged_cache with the same config (a ring for each local layer)")
         cache_lib.check_layouts(cache, cfg)
         check_positions(positions, cache)
         if num_valid is not None and not cache.ragged:
