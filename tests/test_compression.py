@@ -22,10 +22,13 @@ from kvjax.models import model as model_lib
 from tests.conftest import tiny_config
 
 KNOBS = compression.CompressionConfig(observation_window=8, recent_slots=16,
-                                      num_sink_tokens=4, pooling_kernel=3)
+                                      num_sink_tokens=4, pooling_kernel=3, pyramid_beta=4)
+"""pyramid_beta=4: PyramidKV's two tiny layers at budget 24 keep 36 and 12 slots."""
 
 
 def cfg_for(method, budget=24, **overrides):
+    if compression.get(method).layer_budgets is not None:  # each layer its own slots
+        overrides.setdefault("scan_layers", False)
     return tiny_config(tie_embeddings=False, kv_compression=method, kv_budget=budget,
                        compression=KNOBS, **overrides)
 
@@ -169,18 +172,27 @@ def test_compress_gathers_each_heads_slots(kv_dtype):
     np.testing.assert_array_equal(np.asarray(out.length), [30, 30])
 
 
-@pytest.mark.parametrize("method", ["snapkv", "h2o", "tova", "key_norm", "streaming_llm"])
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "tova", "key_norm", "streaming_llm",
+                                    "pyramidkv"])
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
 def test_allocated_bytes_equal_theory(method, kv_dtype):
     cfg = cfg_for(method, kv_dtype=kv_dtype)
     params = model_lib.init_params(cfg, 0)
     cache = cache_lib.init_cache(cfg, 2, 128)
     _, cache = decode.prefill(params, cfg, prompt(2, 60), cache)
-    assert cache.num_slots == 24 + KNOBS.recent_slots
+    budgets = compress_lib.layer_budgets(cfg)
+    assert cache.num_slots == min(budgets) + KNOBS.recent_slots
+    for name in cache.tensors:  # each layer allocates its own budget and ring, no more
+        axis = cache_lib.slot_axis(cfg, name)
+        assert [cache.layer(i)[name].shape[axis] for i in range(cfg.num_layers)] == \
+            [b + KNOBS.recent_slots for b in budgets]
     for t in (60, 1000):  # the cache holds its budget and ring at any context
         assert cache_lib.cache_bytes(cache) == theory.kv_cache_bytes(cfg, t, 2)
     assert theory.kv_cache_bytes(cfg, 10, 1) == theory.kv_cache_bytes(
         cfg.replace(kv_compression=None, kv_budget=None), 10, 1)
+    # the mean budget is kv_budget: the bytes of a uniform cache of the same budget
+    assert cache_lib.cache_bytes(cache) == theory.kv_cache_bytes(
+        cfg_for("snapkv", kv_dtype=kv_dtype), 1000, 2)
 
 
 def test_keep_everything_equals_the_full_cache():
@@ -189,8 +201,11 @@ def test_keep_everything_equals_the_full_cache():
     tokens = prompt(1, 20, seed=1)
     want = decode_tokens(params, base, tokens, steps=12)
     for method in compression.names():
-        got = decode_tokens(params, base.replace(kv_compression=method, kv_budget=20,
-                                                 compression=KNOBS), tokens, steps=12)
+        budget = 20  # per-layer budgets: the smallest mean whose every layer keeps 20
+        while min(compress_lib.layer_budgets(cfg_for(method, budget))) < 20:
+            budget += 4
+        cfg = cfg_for(method, budget)
+        got = decode_tokens(model_lib.params_for(cfg, params), cfg, tokens, steps=12)
         np.testing.assert_array_equal(got, want, err_msg=method)
 
 
@@ -221,10 +236,11 @@ def test_streaming_llm_equals_the_ring_cache():
                                   np.take(k, keep, axis=s_axis))
 
 
-def test_rows_compress_independently():
+@pytest.mark.parametrize("method", ["snapkv", "pyramidkv"])
+def test_rows_compress_independently(method):
     """A row's tokens do not depend on its batch-mates: lockstep rows, and ragged rows
     of different lengths (each scored on its own tokens, its own window)."""
-    cfg = cfg_for("snapkv", budget=16)
+    cfg = cfg_for(method, budget=16)
     params = model_lib.init_params(cfg, 0)
     tokens = prompt(2, 50, seed=4)
     both = decode_tokens(params, cfg, tokens)
@@ -238,12 +254,14 @@ def test_rows_compress_independently():
         want, alone = decode.prefill(params, cfg, tokens[b:b + 1, :lengths[b]], alone)
         np.testing.assert_allclose(np.asarray(logits[b]), np.asarray(want[0]), rtol=1e-5,
                                    atol=1e-5)
-        for name in cache.tensors:
-            np.testing.assert_allclose(np.asarray(cache.layer(1)[name][b]),
-                                       np.asarray(alone.layer(1)[name][0]), rtol=1e-5,
-                                       atol=1e-6, err_msg=f"row {b} {name}")
-        np.testing.assert_array_equal(np.asarray(cache.positions[b]),
-                                      np.asarray(alone.positions[0]))
+        for i in range(cfg.num_layers):  # every layer (PyramidKV: each its own slots)
+            for name in cache.tensors:
+                np.testing.assert_allclose(np.asarray(cache.layer(i)[name][b]),
+                                           np.asarray(alone.layer(i)[name][0]), rtol=1e-5,
+                                           atol=1e-6, err_msg=f"row {b} layer {i} {name}")
+            np.testing.assert_array_equal(
+                np.asarray(cache_lib.layer_positions(cfg, cache, i)[b]),
+                np.asarray(cache_lib.layer_positions(cfg, alone, i)[0]))
 
 
 def test_scanned_layers_compress_as_unrolled():
