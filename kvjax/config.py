@@ -338,7 +338,9 @@ class ModelConfig:
                                _layer_windows(self.layer_windows, self.num_layers))
             if self.scan_layers is None:  # layers of different slot counts: unrolled
                 object.__setattr__(self, "scan_layers", False)
-        if self.scan_layers is None and self.layer_budgets is not None:  # the same
+        if self.scan_layers is None and self.kv_compression in compression.names() \
+                and compression.get(self.kv_compression).layer_budgets is not None \
+                and self.compression.uniform_layers is not True:  # per-layer budgets
             object.__setattr__(self, "scan_layers", False)
         if self.scan_layers is None and self.num_experts and \
                 0 < self.first_dense_layers < self.num_layers:  # dense and MoE layers
