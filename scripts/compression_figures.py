@@ -142,6 +142,8 @@ def main():
         budgets = [int(b) for b in a.budgets.split(",")]
         for b in budgets:  # each budget a valid config before any work (names the value)
             smollm2(kv_compression="snapkv", kv_budget=b)
+            if "pyramid" in only:  # its schedule must leave every layer above the window
+                smollm2(kv_compression="pyramidkv", kv_budget=b)
     except (ValueError, ConfigError) as e:
         ap.error(f"--budgets={a.budgets}: {e}")
     for name in ("prompt", "context", "repeats", "rounds"):
