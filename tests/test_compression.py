@@ -543,3 +543,15 @@ def test_a_toy_per_layer_method_is_one_registration(monkeypatch):
     monkeypatch.setitem(compression._METHODS, "toy_bad", bad)
     with pytest.raises(ConfigError, match="summing to num_layers x kv_budget = 20"):
         cfg_for("toy_bad", budget=10, scan_layers=False)
+
+
+def test_pyramidkv_with_uniform_layers_is_snapkv():
+    """``compression.uniform_layers=True`` gives every layer kv_budget: PyramidKV's
+    tokens then equal SnapKV's (same scores), stacked layers allowed."""
+    flat = dataclasses.replace(KNOBS, uniform_layers=True)
+    cfg = cfg_for("pyramidkv", compression=flat, scan_layers=True)
+    assert cfg.layer_budgets is None
+    params = model_lib.init_params(cfg, 0)
+    tokens = prompt(1, 45, seed=3)
+    np.testing.assert_array_equal(decode_tokens(params, cfg, tokens),
+                                  decode_tokens(params, cfg_for("snapkv"), tokens))
