@@ -64,8 +64,9 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     # window a mask over them; only the 'native' decode attention then reads W of them).
     m.window_cache = "ring"
     # Lever 5, fewer tokens by score (kvjax.compression): a method ('snapkv', 'h2o',
-    # 'tova', 'key_norm', 'streaming_llm') scores the prompt's slots after its prefill and
-    # each KV head keeps its kv_budget best; None = no compression. Its knobs:
+    # 'tova', 'key_norm', 'streaming_llm', 'pyramidkv') scores the prompt's slots after its
+    # prefill and each KV head keeps its kv_budget best (PyramidKV: per-layer budgets of
+    # mean kv_budget); None = no compression. Its knobs:
     # model.compression.* (kvjax.compression.CompressionConfig).
     m.kv_compression = config_dict.placeholder(str)
     m.kv_budget = config_dict.placeholder(int)

@@ -165,14 +165,15 @@ class ModelConfig:
         only a formulation that skips masked slots, 'native', reads just the window).
       kv_compression: lever 5, fewer tokens by score: a method of
         :mod:`kvjax.compression` ('snapkv', 'h2o', 'tova', 'key_norm', 'streaming_llm',
-        ...) that scores the prompt's slots after its prefill, after which each KV head
+        'pyramidkv', ...) that scores the prompt's slots after its prefill, after which each KV head
         keeps its kv_budget best (:mod:`kvjax.cache.compress`); None: no compression.
         MHA/GQA/MQA without a window.
       kv_budget: slots each KV head of each layer keeps of the prompt (with
-        kv_compression; the cache then holds kv_budget + compression.recent_slots).
+        kv_compression; the cache then holds kv_budget + compression.recent_slots); a
+        method with per-layer budgets (PyramidKV, :attr:`layer_budgets`): their mean.
       compression: the methods' own knobs (:class:`kvjax.compression.CompressionConfig`:
         observation_window, pooling_kernel, num_sink_tokens, recent_slots,
-        recent_fraction, schedule).
+        recent_fraction, schedule, pyramid_beta, uniform_layers).
       kv_lora_rank: C, MLA's latent width: the cache holds C + R values per token and
         layer (DeepSeek-V2, Liu et al. 2024, sec. 2.1).
       qk_rope_head_dim: R, MLA's decoupled rotary key width (shared by all heads).
@@ -317,6 +318,10 @@ class ModelConfig:
                                _layer_windows(self.layer_windows, self.num_layers))
             if self.scan_layers is None:  # layers of different slot counts: unrolled
                 object.__setattr__(self, "scan_layers", False)
+        if self.scan_layers is None and self.kv_compression in compression.names() \
+                and compression.get(self.kv_compression).layer_budgets is not None \
+                and self.compression.uniform_layers is not True:  # per-layer budgets
+            object.__setattr__(self, "scan_layers", False)
         if self.scan_layers is None and self.num_experts and \
                 0 < self.first_dense_layers < self.num_layers:  # dense and MoE layers
             object.__setattr__(self, "scan_layers", False)
@@ -338,6 +343,10 @@ class ModelConfig:
         rotary base (``rope_local_theta`` without scaling on a local layer when set)."""
         if self.num_experts and i < self.first_dense_layers:  # a dense MLP here
             return self.replace(num_experts=0, first_dense_layers=0).layer_config(i)
+        budgets = self.layer_budgets
+        if budgets is not None:  # lever 5 per layer: this layer's budget, kept uniform
+            return self.replace(kv_budget=budgets[i], compression=dataclasses.replace(
+                self.compression, uniform_layers=True))
         if self.layer_windows is None:
             return self
         w = self.layer_windows[i]
@@ -346,6 +355,30 @@ class ModelConfig:
             layer_windows=None, window_size=w,
             rope_theta=self.rope_local_theta if local else self.rope_theta,
             rope_scaling=None if local else self.rope_scaling)
+
+    @property
+    def layer_budgets(self) -> tuple | None:
+        """(b_0, ..., b_{L-1}) slots each layer keeps under a compression method with
+        per-layer budgets (:attr:`kvjax.compression.Method.layer_budgets`, PyramidKV),
+        mean ``kv_budget``; None: every layer keeps kv_budget (no such method, no
+        compression, ``compression.uniform_layers``, or a name not registered)."""
+        if self.kv_compression is None or self.compression.uniform_layers \
+                or not isinstance(self.kv_budget, int) \
+                or self.kv_compression not in compression.names():
+            return None
+        method = compression.get(self.kv_compression)
+        if method.layer_budgets is None or \
+                self.kv_budget <= method.protected(self.compression, self.kv_budget):
+            return None
+        return tuple(int(b) for b in method.layer_budgets(self.compression, self.kv_budget,
+                                                          self.num_layers))
+
+    @property
+    def per_layer_slots(self) -> bool:
+        """True when each layer's cache has its own slot count: ``layer_windows`` (a
+        window per layer) or per-layer compression budgets (:attr:`layer_budgets`). The
+        layers are then unrolled and the cache's tensors per layer."""
+        return self.layer_windows is not None or self.layer_budgets is not None
 
     def fields_of(self, kind: str) -> dict:
         """{field: value} of the fields of one kind of :data:`MODEL_FIELD_KINDS`
@@ -630,11 +663,34 @@ def _check_compression(c: ModelConfig) -> None:
         _fail("model.compression.schedule", k.schedule,
               f"one of {list(compression.SCHEDULES)} (every N decode steps and every step "
               "are not implemented)")
-    protected = compression.get(c.kv_compression).protected(k, c.kv_budget)
+    if not _is_int(k.pyramid_beta) or k.pyramid_beta < 1:
+        _fail("model.compression.pyramid_beta", k.pyramid_beta, "an integer >= 1")
+    if not isinstance(k.uniform_layers, bool):
+        _fail("model.compression.uniform_layers", k.uniform_layers, "True or False")
+    method = compression.get(c.kv_compression)
+    protected = method.protected(k, c.kv_budget)
     if c.kv_budget <= protected:
         _fail("model.kv_budget", c.kv_budget,
               f"more than the {protected} slots {c.kv_compression!r} always keeps (its "
               "sinks or observation window in model.compression)")
+    budgets = c.layer_budgets
+    if budgets is not None:
+        if len(budgets) != c.num_layers or sum(budgets) != c.num_layers * c.kv_budget:
+            _fail("model.kv_compression", c.kv_compression,
+                  f"a method whose layer_budgets give {c.num_layers} budgets summing to "
+                  f"num_layers x kv_budget = {c.num_layers * c.kv_budget} (got {budgets})")
+        low = min(range(len(budgets)), key=lambda i: (budgets[i], i))
+        if budgets[low] <= protected:
+            _fail("model.kv_budget", c.kv_budget,
+                  f"a budget whose per-layer schedule keeps more than the {protected} "
+                  f"slots {c.kv_compression!r} always keeps in every layer (layer {low} "
+                  f"would keep {budgets[low]}; model.compression.pyramid_beta="
+                  f"{k.pyramid_beta} shapes PyramidKV's): a larger kv_budget, or a "
+                  "flatter schedule")
+        if c.scan_layers:
+            _fail("model.scan_layers", c.scan_layers,
+                  f"False or None with model.kv_compression={c.kv_compression!r} (each "
+                  "layer its own budget: the layers are unrolled)")
     for f, ok in (("attention", not c.is_mla), ("window_size", c.window_size is None),
                   ("layer_windows", c.layer_windows is None),
                   ("num_sink_tokens", c.num_sink_tokens == 0)):
@@ -1018,6 +1074,11 @@ class RunConfig:
         if m.kv_budget > self.max_seq_len:
             _fail("model.kv_budget", m.kv_budget,
                   f"at most max_seq_len={self.max_seq_len} (a budget the context cannot fill)")
+        if m.layer_budgets is not None and max(m.layer_budgets) > self.max_seq_len:
+            _fail("model.kv_budget", m.kv_budget,
+                  f"a budget whose largest layer budget ({max(m.layer_budgets)}, layer 0) "
+                  f"is at most max_seq_len={self.max_seq_len} (a budget the context cannot "
+                  "fill), or a smaller model.compression.pyramid_beta")
         why = f"with model.kv_compression={m.kv_compression!r}"
         if self.page_size:
             _fail("page_size", self.page_size, f"0 {why} (a compressed cache is dense rows)")

@@ -2,10 +2,13 @@ r"""Lever 5's bytes three ways on SmolLM2's shapes (random weights: bytes and ti
 depend on the values): allocated against theory for every method and budget, the
 compiled decode step against theory at the budget, the scoring overhead in the compiled
 prefill, and the measured step at t = 8K with a budget of 512 against the full cache's
-step at t = 512 and at t = 8K.
+step at t = 512 and at t = 8K. PyramidKV's per-layer caches (``--only pyramid``): each
+layer's slots, the allocated bytes against theory's at the budget and a uniform cache's,
+and its compiled decode step against theory.
 
     PYTHONPATH=. python scripts/compression_figures.py                  # ~10 min, 2 cores
     PYTHONPATH=. python scripts/compression_figures.py --budgets 64,512 --prompt 1024
+    PYTHONPATH=. python scripts/compression_figures.py --only pyramid --prompt 1024
 
 Prints markdown tables for docs/results/<machine>.md.
 """
@@ -21,6 +24,7 @@ import numpy as np
 
 from kvjax import compression, presets
 from kvjax.analysis import costs, theory
+from kvjax.cache import compress as compress_lib
 from kvjax.cache import kv as cache_lib
 from kvjax.config import ConfigError
 from kvjax.inference import decode
@@ -69,6 +73,37 @@ def step_rows(budgets, context: int) -> list:
     return rows
 
 
+def pyramid_rows(budgets, prompt_len: int, seed: int = 0) -> list:
+    """PyramidKV per budget: a real prefill of ``prompt_len`` random tokens, compressed;
+    (budget, layer budgets, allocated bytes, theory's at a context every layer's cache
+    fills, a uniform (SnapKV) cache's allocated bytes at the same budget)."""
+    base = smollm2()
+    params = model_lib.init_params(base, seed)
+    tokens = jnp.asarray(np.random.default_rng(seed).integers(3, base.vocab_size,
+                                                              (1, prompt_len)), jnp.int32)
+    rows = []
+    for budget in budgets:
+        got = {}
+        for method in ("pyramidkv", "snapkv"):
+            cfg = base.replace(kv_compression=method, kv_budget=budget)
+            cache = cache_lib.init_cache(cfg, 1, prompt_len)
+            _, cache = decode.prefill(params, cfg, tokens, cache)
+            got[method] = (cfg, cache_lib.cache_bytes(cache))
+        cfg, alloc = got["pyramidkv"]
+        full = max(compress_lib.layer_budgets(cfg)) + cfg.compression.recent_slots
+        rows.append((budget, compress_lib.layer_budgets(cfg), alloc,
+                     theory.kv_cache_bytes(cfg, full), got["snapkv"][1]))
+    return rows
+
+
+def pyramid_step_rows(budgets, context: int) -> list:
+    """PyramidKV's compiled decode step at ``context`` per budget (its own program: each
+    layer reads its own slots), beside SnapKV's at the same budget."""
+    return [(f"{m} {b}", costs.analyze_decode_step(
+        smollm2(kv_compression=m, kv_budget=b), context, jaxpr=False))
+        for b in budgets for m in ("pyramidkv", "snapkv")]
+
+
 def overhead_rows(prompt_len: int, budget: int) -> list:
     return [(m, costs.compression_overhead(smollm2(kv_compression=m, kv_budget=budget),
                                            prompt_len)) for m in compression.names()]
@@ -100,13 +135,15 @@ def main():
                     help="which tables to print")
     a = ap.parse_args()
     only = a.only.split(",")
-    tables = ("allocated", "step", "overhead", "timed")
+    tables = ("allocated", "step", "overhead", "timed", "pyramid")
     if not only or any(o not in tables for o in only):
         ap.error(f"--only={a.only}; allowed: a comma-separated subset of {list(tables)}")
     try:
         budgets = [int(b) for b in a.budgets.split(",")]
         for b in budgets:  # each budget a valid config before any work (names the value)
             smollm2(kv_compression="snapkv", kv_budget=b)
+            if "pyramid" in only:  # its schedule must leave every layer above the window
+                smollm2(kv_compression="pyramidkv", kv_budget=b)
     except (ValueError, ConfigError) as e:
         ap.error(f"--budgets={a.budgets}: {e}")
     for name in ("prompt", "context", "repeats", "rounds"):
@@ -123,17 +160,29 @@ def main():
 
     if "step" in only:
         _print_steps(budgets, a.context)
+    if "pyramid" in only:
+        _print_pyramid(budgets, a.prompt, a.context)
     if "overhead" in only:
         _print_overhead(a.context)
     if "timed" in only:
         _print_timed(a)
 
 
-def _print_steps(budgets, context):
+def _print_pyramid(budgets, prompt, context):
+    print("\n| pyramidkv budget | layer budgets (0 / 15 / 29) | allocated B | theory B at "
+          "the budget | equal | uniform (snapkv) allocated B |\n|---|---|---|---|---|---|")
+    for b, per, got, want, flat in pyramid_rows([b for b in budgets if b <= prompt], prompt):
+        print(f"| {b} | {per[0]} / {per[len(per) // 2]} / {per[-1]} | {got:,} | {want:,} | "
+              f"{got == want} | {flat:,} |")
+    _print_steps(budgets, context, pyramid_step_rows)
+
+
+def _print_steps(budgets, context, rows=None):
+    rows = rows or step_rows
     print(f"\n| decode step at t={context} | theory B | compiled B (+kernels) | "
           "compiled/theory | KV read theory | KV read compiled | KV compiled/theory |"
           "\n|---|---|---|---|---|---|---|")
-    for name, s in step_rows(budgets, context):
+    for name, s in rows(budgets, context):
         tb, xb = s.theory_bytes, s.xla.bytes + s.xla.uncosted_bytes
         kv, kvx = s.theory_parts["bytes"]["kv_read"], s.attribution.bytes["kv_read"]
         print(f"| {name} | {tb:,.0f} | {xb:,.0f} | {xb / tb:.3f} | {kv:,} | {kvx:,.0f} | "

@@ -77,10 +77,10 @@ def band_mask(q_pos, k_pos, window=None, sinks=0):
 
 
 def attend(q, k, v, mask, scale=None, softcap=None):
-    """Softmax attention of q [T, N, H] over k [S, K, H], v [S, K, Hv] under mask [T, S];
-    query head n reads KV head n // G (G = N / K); scores scaled by ``scale`` (default
-    H^-1/2), then soft-capped to softcap·tanh(s / softcap) if given. Returns
-    [T, N, Hv]."""
+    """Softmax attention of q [T, N, H] over k [S, K, H], v [S, K, Hv] under mask [T, S]
+    (or [K, T, S]: one per KV head); query head n reads KV head n // G (G = N / K);
+    scores scaled by ``scale`` (default H^-1/2), then soft-capped to
+    softcap·tanh(s / softcap) if given. Returns [T, N, Hv]."""
     n, kh = q.shape[1], k.shape[1]
     g = n // kh
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -90,7 +90,7 @@ def attend(q, k, v, mask, scale=None, softcap=None):
         s = q[:, head] @ k[:, kv].T * scale
         if softcap is not None:
             s = softcap * np.tanh(s / softcap)
-        s = np.where(mask, s, -np.inf)
+        s = np.where(mask[kv] if mask.ndim == 3 else mask, s, -np.inf)
         w = np.exp(s - s.max(-1, keepdims=True))
         out[:, head] = (w / w.sum(-1, keepdims=True)) @ v[:, kv]
     return out
@@ -152,7 +152,7 @@ def mla_attention(y, lay, cfg, pos, mask):
     return np.einsum("tnv,nvd->td", out, lay["wo"])
 
 
-def decoder_logits(cfg, embed, layers, final_norm, head, tokens):
+def decoder_logits(cfg, embed, layers, final_norm, head, tokens, masks=None):
     """Logits [T, V] (float64) of one sequence ``tokens`` [T] at positions 0..T-1.
 
     Args:
@@ -166,6 +166,8 @@ def decoder_logits(cfg, embed, layers, final_norm, head, tokens):
         :func:`gqa_attention` / :func:`mla_attention`), mlp {gate, up, down} as [in, out],
         and optionally post_attn_norm / post_mlp_norm (Gemma 2 / 3), applied to the
         attention and MLP outputs before the residual sums.
+      masks: per layer a [T, T] (or per KV head [K, T, T]) bool mask replacing the
+        causal band (None: :func:`band_mask`).
     """
     t = len(tokens)
     pos = np.arange(t)
@@ -183,7 +185,7 @@ def decoder_logits(cfg, embed, layers, final_norm, head, tokens):
             "qk_rope_head_dim")})
         lc.rope_theta = cfg.rope_local_theta if local else cfg.rope_theta
         lc.rope_scaling = None if local else getattr(cfg, "rope_scaling", None)
-        mask = band_mask(pos, pos, w, cfg.num_sink_tokens)
+        mask = band_mask(pos, pos, w, cfg.num_sink_tokens) if masks is None else masks[i]
         a = attention(rms_norm(x, lay["attn_norm"], eps), lay["attn"], lc, pos, mask)
         if "post_attn_norm" in lay:
             a = rms_norm(a, lay["post_attn_norm"], eps)
@@ -200,9 +202,10 @@ def decoder_logits(cfg, embed, layers, final_norm, head, tokens):
 # ------------------------------------------------------------------ adapters
 
 
-def logits(params, cfg, tokens):
+def logits(params, cfg, tokens, masks=None):
     """Reference logits [T, V] (float64) of kvjax's stacked parameter pytree
-    (``scan_layers=True`` layout) for one sequence of token ids [T]."""
+    (``scan_layers=True`` layout) for one sequence of token ids [T]; ``masks`` as
+    :func:`decoder_logits`."""
     p = _np(params)
     lay = p["layers"]
 
@@ -229,7 +232,7 @@ def logits(params, cfg, tokens):
     embed = p["embed"]["embedding"]
     head = embed.T if cfg.tie_embeddings else p["lm_head"]["kernel"]
     return decoder_logits(cfg, embed, (layer(i) for i in range(cfg.num_layers)),
-                          p["final_norm"]["scale"], head, tokens)
+                          p["final_norm"]["scale"], head, tokens, masks)
 
 
 def llama_logits(ckpt, ids):

@@ -22,12 +22,16 @@ from kvjax.models import model as model_lib
 from tests.conftest import tiny_config
 
 KNOBS = compression.CompressionConfig(observation_window=8, recent_slots=16,
-                                      num_sink_tokens=4, pooling_kernel=3)
+                                      num_sink_tokens=4, pooling_kernel=3, pyramid_beta=4)
+"""pyramid_beta=4: PyramidKV's two tiny layers at budget 24 keep 36 and 12 slots."""
 
 
 def cfg_for(method, budget=24, **overrides):
+    if compression.get(method).layer_budgets is not None:  # each layer its own slots
+        overrides.setdefault("scan_layers", False)
+    overrides.setdefault("compression", KNOBS)
     return tiny_config(tie_embeddings=False, kv_compression=method, kv_budget=budget,
-                       compression=KNOBS, **overrides)
+                       **overrides)
 
 
 def prompt(b=1, t=60, seed=0):
@@ -169,18 +173,27 @@ def test_compress_gathers_each_heads_slots(kv_dtype):
     np.testing.assert_array_equal(np.asarray(out.length), [30, 30])
 
 
-@pytest.mark.parametrize("method", ["snapkv", "h2o", "tova", "key_norm", "streaming_llm"])
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "tova", "key_norm", "streaming_llm",
+                                    "pyramidkv"])
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
 def test_allocated_bytes_equal_theory(method, kv_dtype):
     cfg = cfg_for(method, kv_dtype=kv_dtype)
     params = model_lib.init_params(cfg, 0)
     cache = cache_lib.init_cache(cfg, 2, 128)
     _, cache = decode.prefill(params, cfg, prompt(2, 60), cache)
-    assert cache.num_slots == 24 + KNOBS.recent_slots
+    budgets = compress_lib.layer_budgets(cfg)
+    assert cache.num_slots == min(budgets) + KNOBS.recent_slots
+    for name in cache.tensors:  # each layer allocates its own budget and ring, no more
+        axis = cache_lib.slot_axis(cfg, name)
+        assert [cache.layer(i)[name].shape[axis] for i in range(cfg.num_layers)] == \
+            [b + KNOBS.recent_slots for b in budgets]
     for t in (60, 1000):  # the cache holds its budget and ring at any context
         assert cache_lib.cache_bytes(cache) == theory.kv_cache_bytes(cfg, t, 2)
     assert theory.kv_cache_bytes(cfg, 10, 1) == theory.kv_cache_bytes(
         cfg.replace(kv_compression=None, kv_budget=None), 10, 1)
+    # the mean budget is kv_budget: the bytes of a uniform cache of the same budget
+    assert cache_lib.cache_bytes(cache) == theory.kv_cache_bytes(
+        cfg_for("snapkv", kv_dtype=kv_dtype), 1000, 2)
 
 
 def test_keep_everything_equals_the_full_cache():
@@ -189,8 +202,11 @@ def test_keep_everything_equals_the_full_cache():
     tokens = prompt(1, 20, seed=1)
     want = decode_tokens(params, base, tokens, steps=12)
     for method in compression.names():
-        got = decode_tokens(params, base.replace(kv_compression=method, kv_budget=20,
-                                                 compression=KNOBS), tokens, steps=12)
+        budget = 20  # per-layer budgets: the smallest mean whose every layer keeps 20
+        while min(compress_lib.layer_budgets(cfg_for(method, budget))) < 20:
+            budget += 4
+        cfg = cfg_for(method, budget)
+        got = decode_tokens(model_lib.params_for(cfg, params), cfg, tokens, steps=12)
         np.testing.assert_array_equal(got, want, err_msg=method)
 
 
@@ -221,10 +237,11 @@ def test_streaming_llm_equals_the_ring_cache():
                                   np.take(k, keep, axis=s_axis))
 
 
-def test_rows_compress_independently():
+@pytest.mark.parametrize("method", ["snapkv", "pyramidkv"])
+def test_rows_compress_independently(method):
     """A row's tokens do not depend on its batch-mates: lockstep rows, and ragged rows
     of different lengths (each scored on its own tokens, its own window)."""
-    cfg = cfg_for("snapkv", budget=16)
+    cfg = cfg_for(method, budget=16)
     params = model_lib.init_params(cfg, 0)
     tokens = prompt(2, 50, seed=4)
     both = decode_tokens(params, cfg, tokens)
@@ -238,12 +255,14 @@ def test_rows_compress_independently():
         want, alone = decode.prefill(params, cfg, tokens[b:b + 1, :lengths[b]], alone)
         np.testing.assert_allclose(np.asarray(logits[b]), np.asarray(want[0]), rtol=1e-5,
                                    atol=1e-5)
-        for name in cache.tensors:
-            np.testing.assert_allclose(np.asarray(cache.layer(1)[name][b]),
-                                       np.asarray(alone.layer(1)[name][0]), rtol=1e-5,
-                                       atol=1e-6, err_msg=f"row {b} {name}")
-        np.testing.assert_array_equal(np.asarray(cache.positions[b]),
-                                      np.asarray(alone.positions[0]))
+        for i in range(cfg.num_layers):  # every layer (PyramidKV: each its own slots)
+            for name in cache.tensors:
+                np.testing.assert_allclose(np.asarray(cache.layer(i)[name][b]),
+                                           np.asarray(alone.layer(i)[name][0]), rtol=1e-5,
+                                           atol=1e-6, err_msg=f"row {b} layer {i} {name}")
+            np.testing.assert_array_equal(
+                np.asarray(cache_lib.layer_positions(cfg, cache, i)[b]),
+                np.asarray(cache_lib.layer_positions(cfg, alone, i)[0]))
 
 
 def test_scanned_layers_compress_as_unrolled():
@@ -359,3 +378,180 @@ def test_the_speculative_loop_refuses_a_compressed_target():
     with pytest.raises(ConfigError, match="kv_compression='snapkv'"):
         speculative.generate(None, cfg, SpeculativeConfig(drafter="ngram", k=2), [[1, 2]],
                              jnp.asarray([3], jnp.int32), cache, 4)
+
+
+# ------------------------------------------------------------------ PyramidKV
+
+
+def reference_schedule(budget, w, beta, num_layers):
+    """KVCache-Factory's PyramidKVCluster budgets (``pyramidkv_utils.py``): the floored
+    step, max_num - i·steps + w per layer."""
+    c = budget - w
+    lo = c // beta
+    hi = 2 * c - lo
+    steps = (hi - lo) // (num_layers - 1)
+    return [w + hi - i * steps for i in range(num_layers)]
+
+
+@pytest.mark.parametrize("budget, beta, layers", [(512, 20, 30), (128, 20, 30),
+                                                   (256, 5, 7), (24, 4, 2)])
+def test_pyramid_budgets_follow_the_reference_schedule(budget, beta, layers):
+    """The bottom and top layers keep the reference's w + max_num and w + min_num; the
+    budgets never rise, sum to L x kv_budget exactly, and stay within one slot of the
+    exact arithmetic sequence (the reference's floored step drifts up to L - 1 above)."""
+    from kvjax.compression import pyramidkv
+    knobs = dataclasses.replace(compression.CompressionConfig(), pyramid_beta=beta,
+                                observation_window=8 if budget == 24 else 32)
+    got = pyramidkv.layer_budgets(knobs, budget, layers)
+    ref = reference_schedule(budget, knobs.observation_window, beta, layers)
+    assert got[0] == ref[0] and len(got) == layers
+    c = budget - knobs.observation_window
+    assert got[-1] == knobs.observation_window + c // beta
+    assert sum(got) == layers * budget
+    assert all(a >= b for a, b in zip(got, got[1:]))
+    exact = [ref[0] - i * (ref[0] - got[-1]) / (layers - 1) for i in range(layers)]
+    assert max(abs(g - e) for g, e in zip(got, exact)) < 1
+    assert sum(ref) >= sum(got)  # the floored step keeps more in all, never fewer
+    assert pyramidkv.layer_budgets(knobs, budget, 1) == (budget,)
+
+
+def test_pyramidkv_config_has_per_layer_budgets():
+    cfg = cfg_for("pyramidkv")
+    assert cfg.layer_budgets == (36, 12) and cfg.per_layer_slots
+    assert [cfg.layer_config(i).kv_budget for i in range(2)] == [36, 12]
+    assert cfg.layer_config(0).layer_budgets is None  # one layer's config is uniform
+    flat = cfg.replace(compression=dataclasses.replace(KNOBS, uniform_layers=True))
+    assert flat.layer_budgets is None and not flat.per_layer_slots
+    assert cfg_for("snapkv").layer_budgets is None
+
+
+def kept_positions(full_k, kept_k):
+    """[K, b] the prompt position of each kept key (its exact copy in the full cache)."""
+    d = ((kept_k[:, :, None, :] - full_k[:, None, :, :]) ** 2).sum(-1)  # [K, b, S]
+    assert np.all(d.min(-1) < 1e-10)
+    return d.argmin(-1)
+
+
+def keys_bksh(cfg, layer):
+    k = np.asarray(cache_lib.read(cfg, layer, "k"))
+    return np.swapaxes(k, -1, -2) if cache_lib.slot_axis(cfg, "k") == -1 else k
+
+
+@pytest.mark.parametrize("prompt_len", [60, 20])
+def test_pyramidkv_decode_equals_the_masked_reference(prompt_len):
+    """Decode logits of a PyramidKV cache (layers of 36 and 12 kept slots, a ring of 16
+    after each) equal the numpy reference model over the whole sequence, each layer and
+    KV head attending to exactly: its kept prompt tokens (SnapKV's top b_i, numpy's
+    scores and selection), the tokens written into its pinned slots (positions T0..b_i-1
+    when the prompt was shorter than b_i) and its ring's last R positions. 24 steps: the
+    rings wrap. A 20-token prompt fills layer 0's 36 slots but not layer 1's 12, so
+    each layer's ring holds other positions."""
+    from tests import reference
+    cfg = cfg_for("pyramidkv")
+    params = model_lib.init_params(cfg, 1)
+    tokens = prompt(1, prompt_len, seed=5)
+    w, r, steps = KNOBS.observation_window, KNOBS.recent_slots, 24
+    budgets = compress_lib.layer_budgets(cfg)
+    # numpy's SnapKV selection per layer, from the full prefill's keys and queries
+    pcfg = compress_lib.prompt_config(cfg)
+    full = cache_lib.init_cache(pcfg, 1, compress_lib.prompt_slots(cfg, prompt_len))
+    _, full, queries = model_lib.forward(
+        params, pcfg, tokens, jnp.arange(prompt_len, dtype=jnp.int32)[None], full,
+        fresh=True, last_only=True, observe=True)
+    cache = cache_lib.init_cache(cfg, 1, 128)
+    logits, cache = decode.prefill(params, cfg, tokens, cache)
+    kpos = np.asarray(full.positions)
+    kept = []
+    for i, b in enumerate(budgets):
+        k = keys_bksh(pcfg, full.layer(i))
+        q = np.asarray(queries[i])[:, prompt_len - w:]
+        scores = np_snapkv(q, k, np.arange(prompt_len - w, prompt_len)[None], kpos,
+                           cfg.head_dim ** -0.5, w, KNOBS.pooling_kernel)
+        want = np_select(scores, kpos, b)[0]  # [K, b] slots = positions
+        got = kept_positions(k[0], keys_bksh(cfg, cache.layer(i))[0, :, :b])
+        held = want < prompt_len
+        np.testing.assert_array_equal(got[held], want[held], err_msg=f"layer {i}")
+        kept.append([set(row[row < prompt_len].tolist()) for row in want])
+    # greedy decode, logits per step
+    seq, out = list(np.asarray(tokens[0])), []
+    token = jnp.argmax(logits, -1).astype(jnp.int32)
+    for _ in range(steps):
+        seq.append(int(token[0]))
+        step_logits, cache = decode.decode_step(params, token[:, None], cache, cfg=cfg)
+        out.append(np.asarray(step_logits).reshape(-1))
+        token = jnp.argmax(step_logits.reshape(1, -1), -1).astype(jnp.int32)
+    n = len(seq)
+    q_, k_ = np.arange(n)[:, None], np.arange(n)[None, :]
+    masks = []
+    for i, b in enumerate(budgets):
+        mask = np.zeros((cfg.num_kv_heads, n, n), bool)
+        for h in range(cfg.num_kv_heads):
+            in_kept = np.isin(np.arange(n), sorted(kept[i][h]))[None, :]
+            later = (k_ >= prompt_len) & ((k_ < b) | (q_ - k_ < r))
+            mask[h] = (k_ <= q_) & np.where(q_ < prompt_len, True, in_kept | later)
+        masks.append(mask)
+    want = reference.logits(model_lib.stack_layers(params, cfg.num_layers), cfg, seq, masks)
+    np.testing.assert_allclose(np.stack(out), want[prompt_len:], rtol=2e-4, atol=2e-4)
+    # and the masks differ from a uniform budget's: the test sees each layer's own
+    assert len(kept[0][0]) != len(kept[1][0]) or prompt_len <= min(budgets)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(budget=11), r"kv_budget=11.*layer 1 would keep 8"),
+    (dict(compression=dataclasses.replace(KNOBS, pyramid_beta=0)), "pyramid_beta=0"),
+    (dict(compression=dataclasses.replace(KNOBS, uniform_layers=1)), "uniform_layers=1"),
+    (dict(scan_layers=True), "scan_layers=True"),
+])
+def test_pyramidkv_bad_fields_are_refused_by_name(fields, match):
+    with pytest.raises(ConfigError, match=match):
+        cfg_for("pyramidkv", **fields)
+
+
+def test_pyramidkv_layer_budget_above_max_seq_len_is_refused():
+    model = cfg_for("pyramidkv", budget=24)  # layer 0 keeps 36
+    with pytest.raises(ConfigError, match=r"kv_budget=24.*\(36, layer 0\).*max_seq_len=30"):
+        RunConfig(model=model, weights="random", max_seq_len=30)
+
+
+def test_a_toy_per_layer_method_is_one_registration(monkeypatch):
+    """Per-layer budgets are one hook of ``Method``: a toy method keeping 6 and 14 slots
+    in the two layers allocates exactly those (+ the ring) and theory's bytes, and its
+    compiled decode step reads that cache, with no other edit."""
+    def newest_first(obs):
+        return jnp.broadcast_to(obs.key_positions[:, None, :].astype(jnp.float32),
+                                obs.keys.shape[:3])
+
+    toy = compression.Method(name="toy_layers", score=newest_first, queries="none",
+                             reference="this test",
+                             layer_budgets=lambda cfg, budget, n: (budget - 4, budget + 4))
+    monkeypatch.setitem(compression._METHODS, "toy_layers", toy)
+    cfg = cfg_for("toy_layers", budget=10, scan_layers=False)
+    assert cfg.layer_budgets == (6, 14)
+    params = model_lib.init_params(cfg, 0)
+    cache = cache_lib.init_cache(cfg, 1, 64)
+    _, cache = decode.prefill(params, cfg, prompt(1, 30), cache)
+    axis = cache_lib.slot_axis(cfg, "k")
+    assert [x.shape[axis] for x in cache.tensors["k"]] == [6 + 16, 14 + 16]
+    assert cache_lib.cache_bytes(cache) == theory.kv_cache_bytes(cfg, 30)
+    step = costs.analyze_decode_step(cfg, 30, jaxpr=False)
+    assert step.cache_bytes == cache_lib.cache_bytes(cache)
+    assert step.theory_parts["bytes"]["kv_read"] == theory.kv_cache_bytes(cfg, 30)
+    assert 0.9 <= step.xla.bytes / step.theory_bytes <= 1.3
+    bad = compression.Method(name="toy_bad", score=newest_first, queries="none",
+                             reference="this test",
+                             layer_budgets=lambda cfg, budget, n: (budget, budget + 1))
+    monkeypatch.setitem(compression._METHODS, "toy_bad", bad)
+    with pytest.raises(ConfigError, match="summing to num_layers x kv_budget = 20"):
+        cfg_for("toy_bad", budget=10, scan_layers=False)
+
+
+def test_pyramidkv_with_uniform_layers_is_snapkv():
+    """``compression.uniform_layers=True`` gives every layer kv_budget: PyramidKV's
+    tokens then equal SnapKV's (same scores), stacked layers allowed."""
+    flat = dataclasses.replace(KNOBS, uniform_layers=True)
+    cfg = cfg_for("pyramidkv", compression=flat, scan_layers=True)
+    assert cfg.layer_budgets is None
+    params = model_lib.init_params(cfg, 0)
+    tokens = prompt(1, 45, seed=3)
+    np.testing.assert_array_equal(decode_tokens(params, cfg, tokens),
+                                  decode_tokens(params, cfg_for("snapkv"), tokens))

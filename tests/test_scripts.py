@@ -101,9 +101,10 @@ def test_decode_attention_bench_refuses_bad_queries(flag):
     ("--budgets=32", "model.kv_budget=32; allowed: more than the 32 slots"),
     ("--only=steps", "--only=steps; allowed"),
     ("--rounds=0", "--rounds=0; allowed: an integer >= 1"),
+    ("--only=pyramid --budgets=40", "model.kv_budget=40; allowed: a budget whose per-layer"),
 ])
 def test_compression_figures_refuses_bad_flags(flag, message):
-    proc = _script("compression_figures.py", flag)
+    proc = _script("compression_figures.py", *flag.split())
     assert proc.returncode != 0
     assert message in proc.stderr
     assert "device:" not in proc.stdout  # refused before any work

@@ -207,7 +207,8 @@ def compression_overhead(cfg: ModelConfig, prompt_len: int, batch: int = 1) -> d
     opts = analysis_compiler_options()
     plain = compress_lib.prompt_config(cfg)
     both = [hlo_cost.loop_aware_cost(compile_prefill(c, batch, prompt_len, n, opts))
-            for c, n in ((cfg, max(prompt_len, cfg.kv_budget)), (plain, prompt_len))]
+            for c, n in ((cfg, compress_lib.prompt_slots(cfg, prompt_len)),
+                         (plain, prompt_len))]
     return {"flops": both[0].flops - both[1].flops, "bytes": both[0].bytes - both[1].bytes,
             "prefill_flops": both[0].flops, "prefill_bytes": both[0].bytes}
 

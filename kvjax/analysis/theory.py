@@ -155,7 +155,8 @@ def tokens_held(cfg: ModelConfig, t: int) -> int:
 
 def layer_tokens_held(cfg: ModelConfig, t: int) -> list:
     """[min(t, W_i)] per layer: tokens each layer's cache holds at context ``t``, with
-    ``cfg.layer_windows`` (a local layer its window W_i, a global one t); else L times
+    ``cfg.layer_windows`` (a local layer its window W_i, a global one t) or per-layer
+    compression budgets (``cfg.layer_budgets``: W_i = b_i + recent_slots); else L times
     :func:`tokens_held`."""
     return [tokens_held(cfg.layer_config(i), t) for i in range(cfg.num_layers)]
 
@@ -167,7 +168,8 @@ def kv_cache_bytes(cfg: ModelConfig, t: int, batch: int = 1,
     B·kv_bytes_per_token·min(t, W). Blog: 24,576·4,096 = 100,663,296 B ("96 MB");
     at 128,000 tokens 3,145,728,000 B ("3 GB"). With ``cfg.layer_windows`` the sum over
     layers B·(kv_bytes_per_token / L)·sum_i min(t, W_i) (Gemma 3, Team 2025 sec. 2.2:
-    local layers of W = 1024 hold a constant cache, global ones grow with t).
+    local layers of W = 1024 hold a constant cache, global ones grow with t); the same
+    sum with per-layer compression budgets (PyramidKV: W_i = b_i + recent_slots).
     """
     per_layer = kv_bytes_per_token(cfg, element_bytes) // cfg.num_layers
     return batch * per_layer * sum(layer_tokens_held(cfg, t))
@@ -436,7 +438,7 @@ def step_flops(cfg: ModelConfig, t: int, batch: int = 1,
         h, k = cfg.head_dim, cfg.num_kv_heads
         proj = 2 * d * (n * h + 2 * k * h) + 2 * n * h * d
         attn = n * attention_flops_per_head(h, h, keys) + 2 * n * h * _cache_sinks(cfg)
-        if cfg.layer_windows is not None:  # each layer over its own keys: the mean
+        if cfg.per_layer_slots:  # each layer over its own keys: the mean
             attn = sum(n * attention_flops_per_head(h, h, x)
                        for x in layer_tokens_held(cfg, t)) / l
     else:
@@ -677,10 +679,11 @@ def crossover_context(cfg: ModelConfig, weights: int | None = None,
     t_star = w / kv_bytes_per_token(cfg, element_bytes)
     if cfg.cache_window is not None and cfg.cache_window < t_star:
         return math.inf
-    if cfg.layer_windows is not None:  # the smallest t where the per-layer sum reaches w
+    if cfg.per_layer_slots:  # the smallest t where the per-layer sum reaches w
         lo, hi = 1, 1
+        caps = [c.cache_window for c in map(cfg.layer_config, range(cfg.num_layers))]
         while kv_cache_bytes(cfg, hi, 1, element_bytes) < w:
-            if all(x is not None for x in cfg.layer_windows) and hi > max(cfg.layer_windows):
+            if None not in caps and hi > max(caps):
                 return math.inf
             lo, hi = hi, hi * 2
         while lo < hi:

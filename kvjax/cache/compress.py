@@ -16,6 +16,11 @@ The kept slots of one row hold different positions per KV head and layer, so
 in the budget (nothing was dropped), else the marker j (< kv_budget, i.e. a pinned slot:
 visible to every later query, as each kept token is). The rotary embedding was applied
 before caching, so a kept key keeps its true position; ``length`` stays the prompt's.
+
+A method with per-layer budgets (``cfg.layer_budgets``, PyramidKV) keeps b_i slots in
+layer i, whose tensors hold b_i + recent_slots slots each (never the largest budget
+masked); ``positions`` are then the smallest layer's, the others' follow from them
+(:func:`kvjax.cache.kv.budget_positions`).
 """
 
 from __future__ import annotations
@@ -27,13 +32,26 @@ from kvjax import compression
 from kvjax.cache import kv as cache_lib
 from kvjax.config import ModelConfig
 
-__all__ = ["query_count", "observation_queries", "select", "compress", "prompt_config"]
+__all__ = ["query_count", "observation_queries", "select", "compress", "prompt_config",
+           "layer_budgets", "prompt_slots"]
 
 
 def prompt_config(cfg: ModelConfig) -> ModelConfig:
     """The config a compressed model's prompt is prefilled with: ``cfg`` without
     ``kv_compression`` (a full cache)."""
     return cfg.replace(kv_compression=None, kv_budget=None)
+
+
+def layer_budgets(cfg: ModelConfig) -> tuple:
+    """(b_0, ..., b_{L-1}) slots each layer keeps: ``cfg.layer_budgets``, or kv_budget
+    in every layer."""
+    return cfg.layer_budgets or (cfg.kv_budget,) * cfg.num_layers
+
+
+def prompt_slots(cfg: ModelConfig, prompt_len: int) -> int:
+    """Slots of the full cache a ``prompt_len``-token prompt is prefilled into before
+    compression: max(T, the largest layer budget), so every layer can select its budget."""
+    return max(prompt_len, max(layer_budgets(cfg)))
 
 
 def query_count(cfg: ModelConfig, prompt_len: int) -> int:
@@ -89,20 +107,21 @@ def compress(cfg: ModelConfig, full: cache_lib.KVCache, queries: tuple | None
       queries: per layer ([B, Q, K, G, H], [B, Q] positions) from
         :func:`observation_queries`, or None for a method reading no query.
     Returns:
-      A cache of ``cfg`` with kv_budget + recent_slots slots per row: the kept slots
-      first, the ring after them empty; ``length`` and ``ragged`` as ``full``'s.
+      A cache of ``cfg`` with kv_budget + recent_slots slots per row (layer i: b_i +
+      recent_slots with per-layer budgets): the kept slots first, the ring after them
+      empty; ``length`` and ``ragged`` as ``full``'s.
     Raises:
-      ValueError: ``full`` has fewer slots than the budget.
+      ValueError: ``full`` has fewer slots than the largest budget.
     """
     method = compression.get(cfg.kv_compression)
-    budget = cfg.kv_budget
-    if full.num_slots < budget:
-        raise ValueError(f"a prompt cache of {full.num_slots} slots for kv_budget={budget}; "
-                         f"allowed: at least {budget} slots")
+    budgets = layer_budgets(cfg)
+    if full.num_slots < max(budgets):
+        raise ValueError(f"a prompt cache of {full.num_slots} slots for a budget of "
+                         f"{max(budgets)}; allowed: at least {max(budgets)} slots")
     pcfg = prompt_config(cfg)
     names = list(full.tensors)
     kept = {n: [] for n in names}
-    for i in range(cfg.num_layers):
+    for i, budget in enumerate(budgets):
         layer = full.layer(i)
         k, v = cache_lib.read(pcfg, layer, "k"), cache_lib.read(pcfg, layer, "v")
         if cache_lib.slot_axis(pcfg, "k") == -1:
@@ -122,8 +141,9 @@ def compress(cfg: ModelConfig, full: cache_lib.KVCache, queries: tuple | None
     for n in names:
         layers = [_pad_slots(x, ring, cache_lib.slot_axis(pcfg, n)) for x in kept[n]]
         tensors[n] = jnp.stack(layers) if cfg.scan_layers else tuple(layers)
-    held = jnp.minimum(full.length, budget)[:, None]  # [B, 1]
-    slots = jnp.arange(budget + ring, dtype=jnp.int32)[None, :]
+    low = min(budgets)  # the positions of the smallest layer (all of them when uniform)
+    held = jnp.minimum(full.length, low)[:, None]  # [B, 1]
+    slots = jnp.arange(low + ring, dtype=jnp.int32)[None, :]
     positions = jnp.where(slots < held, slots, -1)
     return cache_lib.KVCache(tensors=tensors, positions=positions, length=full.length,
                              layouts=cache_lib.layouts(cfg), ragged=full.ragged)

@@ -24,6 +24,11 @@ The contract (docs/DESIGN.md, "The cache contract"):
   over layers. ``positions`` are then the full-context slots' (the model's policy is
   dense); a ring layer's slot positions follow from ``length`` alone
   (:func:`layer_positions`), since each row writes positions 0, 1, ... in order.
+* **Per-layer compression budgets** (``cfg.layer_budgets``, PyramidKV, lever 5 per
+  layer): layer i holds its own b_i kept slots and a ring of R = recent_slots after them
+  (b_i + R slots), so the bytes are the sum over layers. ``positions`` are those of the
+  smallest-budget layer; every other layer's follow from them and ``length``
+  (:func:`layer_positions`).
 """
 
 from __future__ import annotations
@@ -199,8 +204,8 @@ def num_slots(cfg: ModelConfig, max_seq_len: int) -> int:
 
 def layer_num_slots(cfg: ModelConfig, max_seq_len: int, spare_slots: int = 0) -> list:
     """[S_i] slots of each layer: :func:`num_slots` of ``cfg.layer_config(i)`` (a local
-    layer's ring, plus ``spare_slots``; a global layer's max_seq_len); all equal without
-    ``layer_windows``."""
+    layer's ring, plus ``spare_slots``; a global layer's max_seq_len; a compressed
+    layer's budget + ring); all equal without ``layer_windows`` or per-layer budgets."""
     return [num_slots(ci, max_seq_len) + (spare_slots if ci.window_size else 0)
             for ci in map(cfg.layer_config, range(cfg.num_layers))]
 
@@ -209,7 +214,10 @@ def layer_positions(cfg: ModelConfig, cache, i: int) -> jax.Array:
     """[B, S_i] int32 absolute position held by each slot of layer ``i`` (-1: empty):
     ``cache.positions``, or for a local layer of ``cfg.layer_windows`` (a ring of S_i
     slots, no sinks; a dense or a paged cache's) :func:`ring_positions` of
-    ``cache.length`` (rows write positions 0, 1, ... in order)."""
+    ``cache.length`` (rows write positions 0, 1, ... in order); or for a layer of
+    per-layer compression budgets :func:`budget_positions`."""
+    if cfg.layer_budgets is not None:
+        return budget_positions(cfg, cache, i)
     ci = cfg.layer_config(i)
     if cfg.layer_windows is None or ci.window_size is None:
         return cache.positions
@@ -227,6 +235,37 @@ def ring_positions(length: jax.Array, num_slots_: int) -> jax.Array:
     return jnp.where(p >= 0, p, -1).astype(jnp.int32)
 
 
+def budget_positions(cfg: ModelConfig, cache: KVCache, i: int) -> jax.Array:
+    """[B, b_i + R] int32 positions held by layer ``i`` of a compressed cache with
+    per-layer budgets (``cfg.layer_budgets`` b_0..b_{L-1}, R = recent_slots), from
+    ``cache.positions`` (the smallest budget b_r's layer, :func:`policy_for`) and
+    ``cache.length``.
+
+    Every layer is a ring of b_i pinned slots and R ring slots
+    (:class:`kvjax.cache.policy.RingSlots`); a row compressed at T0 tokens then wrote
+    T0, T0 + 1, ... in order. Pinned slot j < b_i holds j (a kept token's marker,
+    :mod:`kvjax.cache.compress`, or position j itself) once j < length. Layer i's ring
+    holds the positions p in [max(b_i, T0), length) not yet overwritten: ring slot
+    b_i + m the newest such p with (p - b_i) mod R = m. T0 is not stored, but with
+    E = max(b_r, T0) the oldest position the smallest layer's ring holds (length when
+    it holds none; the row's last R positions when it is full) max(b_i, T0) = max(b_i, E),
+    since b_i >= b_r; and a full ring of that layer means every layer's ring is full.
+    """
+    budgets = cfg.layer_budgets
+    b, low, r = budgets[i], min(budgets), cfg.compression.recent_slots
+    if b == low:
+        return cache.positions
+    length = cache.length[:, None]  # [B, 1]
+    ring = cache.positions[:, low:]  # [B, R] the smallest layer's ring
+    oldest = jnp.min(jnp.where(ring >= 0, ring, length), axis=1, keepdims=True)
+    start = jnp.maximum(oldest, b)
+    j = jnp.arange(b + r, dtype=jnp.int32)[None, :]
+    last = length - 1
+    p = last - jnp.mod(last - j, r)  # the newest p <= last with p = j (mod R)
+    held = jnp.where(j < b, jnp.where(j < length, j, -1), jnp.where(p >= start, p, -1))
+    return held.astype(jnp.int32)
+
+
 def init_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int,
                ragged: bool = False, spare_slots: int = 0) -> KVCache:
     """An empty cache for ``batch_size`` sequences of up to ``max_seq_len`` tokens.
@@ -235,7 +274,9 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int,
     0. S = window_size when set, else max_seq_len, plus ``spare_slots``; with
     ``cfg.layer_windows`` each layer has its own S_i (:func:`layer_num_slots`: a local
     layer's ring W_i + ``spare_slots``, a global layer max_seq_len) and ``positions``
-    the full context's max_seq_len slots. ``ragged``: rows
+    the full context's max_seq_len slots; with per-layer compression budgets
+    (``cfg.layer_budgets``) each layer b_i + recent_slots and ``positions`` the smallest
+    layer's (:func:`budget_positions`). ``ragged``: rows
     may take different lengths (:class:`KVCache`). ``spare_slots``: slots beyond a
     ring's W; a speculative ring keeps k + 1 of them so that writing a chunk of k + 1
     tokens evicts no key the window still shows (``kvjax.inference.speculative``); the
@@ -252,14 +293,18 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int,
     quant.check_supported(cfg)
     s = num_slots(cfg, max_seq_len) + spare_slots
     tensors = {}
-    if cfg.layer_windows is not None:  # unrolled: each layer its own slots
-        s = max_seq_len  # positions: the full context's (a global layer's slots)
+    if cfg.per_layer_slots:  # unrolled: each layer its own slots
+        if cfg.layer_windows is not None:
+            s = max_seq_len  # positions: the full context's (a global layer's slots)
+        elif spare_slots:
+            raise ValueError(f"spare_slots={spare_slots} with per-layer compression "
+                             "budgets; allowed: 0 (a compressed cache keeps no spare slots)")
         per_layer = [tensor_specs(cfg, batch_size, si)
                      for si in layer_num_slots(cfg, max_seq_len, spare_slots)]
         tensors = {name: tuple(jnp.zeros(sp[name].shape, sp[name].dtype) for sp in per_layer)
                    for name in per_layer[0]}
     for name, spec in (tensor_specs(cfg, batch_size, s).items()
-                       if cfg.layer_windows is None else ()):
+                       if not cfg.per_layer_slots else ()):
         if cfg.scan_layers:
             tensors[name] = jnp.zeros((cfg.num_layers,) + spec.shape, spec.dtype)
         else:
@@ -292,7 +337,7 @@ def clear_unseen(cfg: ModelConfig, cache: KVCache) -> KVCache:
     def clear(x, name, seen=seen):  # one layer's tensor, batch axis 0 (ops.zero_unseen)
         return ops.zero_unseen(x, seen, slot_axis(cfg, name))
 
-    if cfg.layer_windows is not None:  # each layer's own slots
+    if cfg.per_layer_slots:  # each layer's own slots
         return cache.replace(tensors={
             n: tuple(clear(x, n, layer_positions(cfg, cache, i) >= 0)
                      for i, x in enumerate(t)) for n, t in cache.tensors.items()})

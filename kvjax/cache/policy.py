@@ -256,9 +256,13 @@ class DenseWindowSlots(DenseSlots):
 def policy_for(cfg) -> DenseSlots | RingSlots | DenseWindowSlots:
     """The slot policy of a :class:`kvjax.config.ModelConfig` (window_size, sinks,
     window_cache; a compressed cache, ``kv_compression``: a ring whose first kv_budget
-    slots, the kept ones, are pinned like sinks, :mod:`kvjax.cache.compress`)."""
+    slots, the kept ones, are pinned like sinks, :mod:`kvjax.cache.compress`; with
+    per-layer budgets, ``cfg.layer_budgets``, the smallest layer's ring, whose
+    ``positions`` the cache keeps: :func:`kvjax.cache.kv.layer_positions`)."""
     if cfg.kv_compression is not None:
-        return RingSlots(cfg.cache_window, cfg.kv_budget)
+        budgets = cfg.layer_budgets
+        pinned = cfg.kv_budget if budgets is None else min(budgets)
+        return RingSlots(pinned + cfg.compression.recent_slots, pinned)
     if cfg.window_size:
         if cfg.window_cache == "dense":
             return DenseWindowSlots(cfg.window_size, cfg.num_sink_tokens)

@@ -10,7 +10,8 @@ method (``tests/test_compression.py`` adds a toy one).
 The protocol (kvpress's, Jegou et al. 2024; SnapKV, Li et al. 2024, sec. 4): the prompt
 is prefilled into a full cache, every layer's slots are scored, and each KV head keeps
 its own ``kv_budget`` highest-scoring slots (:func:`select`) in a cache of
-``kv_budget + recent_slots`` slots; tokens written afterwards (a question, the answer)
+``kv_budget + recent_slots`` slots (a method with per-layer budgets, PyramidKV: layer i
+its own b_i, with mean kv_budget); tokens written afterwards (a question, the answer)
 go to a ring of ``recent_slots`` after the kept ones
 (:class:`kvjax.cache.policy.RingSlots` with the kept slots as its pinned ones). Per-head
 selection stores K different slot sets of one size, so the cache holds its budget and
@@ -88,6 +89,14 @@ class CompressionConfig:
       recent_fraction: H2O's share of the budget kept for the most recent tokens (Zhang et
         al. 2023, sec. 5: half heavy hitters, half recent).
       schedule: when to compress, one of :data:`SCHEDULES`.
+      pyramid_beta: PyramidKV's beta (Cai et al. 2024; KVCache-Factory's ``beta``,
+        default 20): the top layer keeps w + (kv_budget - w) // beta slots, the bottom
+        one w + 2·(kv_budget - w) - (kv_budget - w) // beta; an integer >= 1 (1: every
+        layer kv_budget).
+      uniform_layers: True: every layer keeps kv_budget even under a method with
+        per-layer budgets (:attr:`Method.layer_budgets`; PyramidKV then is SnapKV). The
+        config of one layer (``ModelConfig.layer_config``) sets it: that layer's
+        kv_budget is its own budget.
     """
 
     observation_window: int = 32
@@ -96,6 +105,8 @@ class CompressionConfig:
     recent_slots: int = 192
     recent_fraction: float = 0.5
     schedule: str = "prefill"
+    pyramid_beta: int = 20
+    uniform_layers: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +122,11 @@ class Method:
       reference: the paper and section that define the score.
       protected: (config, kv_budget) -> slots of the budget the score always keeps
         (sinks, observation window); the budget must exceed them.
+      layer_budgets: (config, kv_budget, L) -> L ints, the slots each layer's KV heads
+        keep (layer 0 first), summing to L·kv_budget so that the cache holds a uniform
+        cache's bytes; None: every layer kv_budget. Each layer's cache then holds its own
+        budget + recent_slots slots (:func:`kvjax.cache.kv.init_cache`), and every
+        budget must exceed ``protected`` (``model.kv_budget`` is refused otherwise).
     """
 
     name: str
@@ -118,6 +134,7 @@ class Method:
     queries: str
     reference: str
     protected: Callable[[CompressionConfig, int], int] = lambda cfg, budget: 0
+    layer_budgets: Callable[[CompressionConfig, int, int], tuple] | None = None
 
 
 _METHODS: dict[str, Method] = {}

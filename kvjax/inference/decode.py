@@ -153,7 +153,7 @@ def prefill_program(params, tokens, cache, *, cfg, fresh=False):
 def prefill_compressed(params, tokens: jax.Array, cfg: ModelConfig, ragged: bool = False,
                        num_valid: jax.Array | None = None):
     """Lever 5 (traced): the prompt ``tokens`` [B, T] int32 prefilled into a full cache
-    of max(T, kv_budget) slots under :func:`kvjax.cache.compress.prompt_config`, whose
+    of max(T, the largest layer budget) slots under :func:`kvjax.cache.compress.prompt_config`, whose
     slots ``cfg.kv_compression`` scores with the queries it reads (``model.forward``'s
     ``observe``) and compresses (:func:`kvjax.cache.compress.compress`).
 
@@ -162,11 +162,11 @@ def prefill_compressed(params, tokens: jax.Array, cfg: ModelConfig, ragged: bool
         ``ragged``. Each row is scored and compressed on its own tokens.
     Returns:
       (logits [B, V] float32 of each row's last real token, the compressed cache of
-      kv_budget + recent_slots slots).
+      kv_budget + recent_slots slots, or per layer b_i + recent_slots).
     """
     pcfg = compress_lib.prompt_config(cfg)
     b, t = tokens.shape
-    full = cache_lib.init_cache(pcfg, b, max(t, cfg.kv_budget), ragged=ragged)
+    full = cache_lib.init_cache(pcfg, b, compress_lib.prompt_slots(cfg, t), ragged=ragged)
     logits, full, queries = model_lib.forward(
         params, pcfg, tokens, _positions(full, t), full, num_valid=num_valid, fresh=True,
         last_only=True, observe=True)
