@@ -2,6 +2,7 @@
 
 import atexit
 import os
+import pathlib
 import shutil
 import tempfile
 
@@ -28,6 +29,20 @@ if planner.PLANNER_CACHE_ENV not in os.environ:
 if compilation_cache.ENV not in os.environ:
     os.environ[compilation_cache.ENV] = tempfile.mkdtemp(prefix="kvjax-jax-cache-tests-")
     atexit.register(shutil.rmtree, os.environ[compilation_cache.ENV], ignore_errors=True)
+
+
+FAST_LIST = pathlib.Path(__file__).with_name("fast.txt")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks ``fast`` the tests listed in tests/fast.txt: the subset ``-m fast`` runs, each
+    test file's fastest tests that are not slow (written by scripts/fast_subset.py from a
+    full run's times; tests/test_fast_subset.py checks that the list names real tests)."""
+    del config
+    fast = set(FAST_LIST.read_text().splitlines()) if FAST_LIST.exists() else set()
+    for item in items:
+        if item.nodeid in fast:
+            item.add_marker(pytest.mark.fast)
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -23,9 +23,10 @@ SHRINK = {
 }
 
 
-def readme_commands() -> list[tuple[dict, list[str]]]:
-    """(environment, argv) of each README line that runs ``experiments.decode`` or
-    ``experiments.export``, continuation lines joined, the comment cut."""
+def readme_commands(modules=("experiments.decode", "experiments.export")
+                    ) -> list[tuple[dict, list[str]]]:
+    """(environment, argv) of each README line that runs one of ``modules`` (None: any
+    ``experiments.*`` entry point), continuation lines joined, the comment cut."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
@@ -34,7 +35,8 @@ def readme_commands() -> list[tuple[dict, list[str]]]:
             if "-m" not in words:
                 continue
             at = words.index("-m")
-            if words[at + 1] not in ("experiments.decode", "experiments.export"):
+            if not words[at + 1].startswith("experiments.") or (
+                    modules is not None and words[at + 1] not in modules):
                 continue
             env = dict(w.split("=", 1) for w in words[:at - 1] if "=" in w)
             out.append((env, words[at - 1:]))
@@ -42,6 +44,7 @@ def readme_commands() -> list[tuple[dict, list[str]]]:
 
 
 COMMANDS = readme_commands()
+OTHERS = [(env, argv) for env, argv in readme_commands(None) if (env, argv) not in COMMANDS]
 
 
 def test_the_readme_has_the_lines_this_file_runs():
@@ -80,3 +83,24 @@ def test_readme_line_runs(env, argv, hf_folder, tmp_path):
                           env={**os.environ, **env})
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("env, argv", OTHERS, ids=[" ".join(a[2:])[:90] for _, a in OTHERS])
+def test_readme_line_of_another_entry_point_parses(env, argv):
+    """Every other entry point's README line, as written, with ``--list_fields`` added:
+    each of its flags and ``--config.*`` / ``--eval.*`` fields exists (the parser refuses
+    an unknown one in one line, exit 2), before any work. Their shrunk runs are in
+    tests/test_entry.py, test_longeval.py, test_serve_entry.py and test_cli_all.py."""
+    proc = subprocess.run([sys.executable, *argv[1:], "--list_fields"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, **env})
+    assert proc.returncode == 0, (argv, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"flags of python -m {argv[2]}" in proc.stdout, proc.stdout[-1000:]
+
+
+def test_the_readme_names_every_entry_point():
+    """Each entry point under experiments/ has a README line."""
+    named = {argv[2] for _, argv in readme_commands(None)}
+    every = {f"experiments.{p.stem}" for p in (ROOT / "experiments").glob("*.py")
+             if 'if __name__ == "__main__":' in p.read_text()}
+    assert every <= named, every - named

@@ -83,7 +83,7 @@ def test_ring_decode_matches_banded_reference(prompt_len, sinks, scan):
     tokens = np.random.default_rng(prompt_len).integers(0, cfg.vocab_size, (2, total))
     ref = np.stack([ref_logits(cfg, row) for row in tokens])  # [B, total, V]
 
-    cache = cache_lib.init_cache(cfg, 2, max_seq_len=3)  # max_seq_len is ignored: W slots
+    cache = cache_lib.init_cache(cfg, 2, max_seq_len=total)  # min(W, max_seq_len) slots
     assert cache.num_slots == W
     logits, cache = run_chunk(params, jnp.asarray(tokens[:, :prompt_len]), cache, cfg=cfg)
     np.testing.assert_allclose(logits, ref[:, :prompt_len], atol=1e-5)
@@ -105,7 +105,7 @@ def test_ring_decode_in_each_cache_layout(layouts, scan):
     total, prompt_len = 2 * W + 5, W + 2
     tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, total))
     ref = np.stack([ref_logits(cfg, row) for row in tokens])
-    cache = cache_lib.init_cache(cfg, 2, max_seq_len=3)
+    cache = cache_lib.init_cache(cfg, 2, max_seq_len=W)  # W slots; a ring never fills
     logits, cache = run_chunk(params, jnp.asarray(tokens[:, :prompt_len]), cache, cfg=cfg)
     np.testing.assert_allclose(logits, ref[:, :prompt_len], atol=1e-5)
     for t in range(prompt_len, total):
@@ -132,7 +132,7 @@ def test_ring_of_one_slot_with_sinks_decodes_like_reference():
     cfg = tiny(sinks=W - 1)
     tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 2 * W + 2))
     ref = np.stack([ref_logits(cfg, row) for row in tokens])
-    cache = cache_lib.init_cache(cfg, 2, 1)
+    cache = cache_lib.init_cache(cfg, 2, W)
     logits, cache = run_chunk(params_for(cfg), jnp.asarray(tokens[:, :W]), cache, cfg=cfg)
     np.testing.assert_allclose(logits, ref[:, :W], atol=1e-5)
     for t in range(W, 2 * W + 2):
@@ -150,7 +150,7 @@ def test_generate_loop_wraps_the_ring_many_times(sinks):
     cfg = tiny(sinks=sinks, scan=False)
     params = params_for(cfg, 0)
     prompt = np.random.default_rng(11).integers(0, cfg.vocab_size, (1, W + 3))
-    cache = cache_lib.init_cache(cfg, 1, max_seq_len=4)
+    cache = cache_lib.init_cache(cfg, 1, max_seq_len=W)
     logits, cache = decode.prefill(params, cfg, jnp.asarray(prompt, jnp.int32), cache)
     first = jnp.argmax(logits, -1).astype(jnp.int32)
     steps = 5 * W
@@ -243,7 +243,7 @@ def test_three_tokens_as_one_chunk_or_three_steps(prefix, sinks, scan):
     cfg = tiny(sinks=sinks, scan=scan)
     params = params_for(cfg)
     tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (2, prefix + 3)))
-    _, cache0 = run_chunk(params, tokens[:, :prefix], cache_lib.init_cache(cfg, 2, 8), cfg=cfg)
+    _, cache0 = run_chunk(params, tokens[:, :prefix], cache_lib.init_cache(cfg, 2, W), cfg=cfg)
     chunk_logits, chunk_cache = run_chunk(params, tokens[:, prefix:], cache0, cfg=cfg)
     step_cache, step_logits = cache0, []
     for t in range(prefix, prefix + 3):
@@ -267,7 +267,7 @@ def test_prompt_longer_than_window_leaves_its_last_w_tokens():
     params = params_for(cfg)
     n = 2 * W + 3
     tokens = jnp.asarray(np.random.default_rng(9).integers(0, cfg.vocab_size, (2, n)))
-    _, ring = run_chunk(params, tokens, cache_lib.init_cache(cfg, 2, 4), cfg=cfg)
+    _, ring = run_chunk(params, tokens, cache_lib.init_cache(cfg, 2, W), cfg=cfg)
     _, full = run_chunk(params, tokens, cache_lib.init_cache(dense, 2, n), cfg=dense)
     held = np.asarray(ring.positions[0])
     np.testing.assert_array_equal(ring.positions[1], held)
@@ -278,7 +278,7 @@ def test_prompt_longer_than_window_leaves_its_last_w_tokens():
         np.testing.assert_allclose(ring.tensors[name][0],
                                    np.take(np.asarray(full.tensors[name][0]), held, axis=axis),
                                    atol=1e-6, rtol=0)
-    steps = cache_lib.init_cache(cfg, 2, 4)
+    steps = cache_lib.init_cache(cfg, 2, W)
     for t in range(n):
         _, steps = run_chunk(params, tokens[:, t:t + 1], steps, cfg=cfg)
     np.testing.assert_array_equal(steps.positions, ring.positions)
@@ -320,11 +320,12 @@ def test_window_at_least_max_seq_len_is_full_attention(scan):
 def test_windowed_cache_memory_is_theory_and_constant(sinks):
     cfg = tiny(sinks=sinks)
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
-    for max_seq_len in (1, W, 100, 10**6):
+    for max_seq_len in (1, W - 1, W, 100, 10**6):  # min(W, max_seq_len) slots (issue 57)
         spec = cache_lib.cache_spec(cfg, 3, max_seq_len)
-        assert cache_lib.cache_bytes(spec) == 3 * W * per_token
-        assert cache_lib.cache_bytes(spec) == theory.kv_cache_bytes(cfg, max(max_seq_len, W), 3)
-        assert spec.positions.shape == (3, W)
+        held = min(W, max_seq_len)
+        assert cache_lib.cache_bytes(spec) == 3 * held * per_token
+        assert cache_lib.cache_bytes(spec) == theory.kv_cache_bytes(cfg, max_seq_len, 3)
+        assert spec.positions.shape == (3, held)
     assert theory.kv_cache_bytes(cfg, 10**6, 3) == theory.kv_cache_bytes(cfg, W, 3)
     allocated = cache_lib.init_cache(tiny(sinks=sinks, scan=False), 3, 10**6)
     assert cache_lib.cache_bytes(allocated) == 3 * W * per_token
@@ -333,7 +334,8 @@ def test_windowed_cache_memory_is_theory_and_constant(sinks):
 
 
 def test_window_configs_memory():
-    """configs/window.py: 30·3·128·4·512 B whatever max_seq_len; configs/blog_window.py in
+    """configs/window.py: 30·3·128·4·512 B at max_seq_len >= W, 30·3·128·4·256 B at the
+    default 256 (a ring never holds more slots than the run); configs/blog_window.py in
     fp16: the blog's 3,145,728 B ("3 MB (fixed)"), 1,000x below MHA at t = 128,000."""
     from configs import blog_window, gqa, window
 
@@ -345,9 +347,11 @@ def test_window_configs_memory():
     win = run_cfg(window).model
     assert (win.window_size, win.num_kv_heads, win.num_sink_tokens) == (512, 3, 0)
     assert win.replace(window_size=None, name="x") == run_cfg(gqa).model.replace(name="x")
-    for msl in (256, 8192, 131_072):
+    for msl in (512, 8192, 131_072):
         spec = cache_lib.cache_spec(win, 1, msl)
         assert cache_lib.cache_bytes(spec) == 30 * 3 * 128 * 4 * 512 == 23_592_960
+    spec = cache_lib.cache_spec(win, 1, 256)
+    assert cache_lib.cache_bytes(spec) == 30 * 3 * 128 * 4 * 256 == theory.kv_cache_bytes(win, 256)
     blog = run_cfg(blog_window, dtype="float16").model
     assert (blog.num_kv_heads, blog.attention, blog.window_size) == (2, "gqa", 512)
     assert cache_lib.cache_bytes(cache_lib.cache_spec(blog, 1, 128_000)) == 3_145_728
@@ -362,11 +366,13 @@ def test_window_configs_memory():
 
 
 def test_decode_step_cost_is_flat_in_context():
-    """XLA bytes/FLOPs of a windowed step are the same at t = 16, 1K and 64K (it compiles
-    W slots whatever t); theory uses min(t, W). The dense step grows with t."""
+    """XLA bytes/FLOPs of a windowed step are the same at t = 1K and 64K (it compiles W
+    slots whatever t >= W); at t = 16 < W its ring holds 16 slots, fewer bytes (issue 57:
+    min(W, max_seq_len)); theory uses min(t, W). The dense step grows with t."""
     cfg = tiny(window=64, scan=False)
     steps = {t: costs.analyze_decode_step(cfg, t) for t in (16, 1024, 65536)}
-    assert steps[1024].xla.bytes == steps[65536].xla.bytes == steps[16].xla.bytes
+    assert steps[1024].xla.bytes == steps[65536].xla.bytes > steps[16].xla.bytes
+    assert steps[16].cache_bytes == theory.kv_cache_bytes(cfg, 16)
     assert steps[1024].xla.flops == steps[65536].xla.flops
     assert steps[1024].theory_bytes == steps[65536].theory_bytes
     assert steps[65536].theory_parts["bytes"]["kv_read"] == theory.kv_cache_bytes(cfg, 64)

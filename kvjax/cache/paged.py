@@ -224,8 +224,7 @@ def init_paged_cache(cfg: ModelConfig, batch_size: int, num_pages: int, page_siz
     specs = kv.tensor_specs(cfg, num_pages, page_size)
     rings = ()
     if cfg.layer_windows is not None:  # unrolled; a local layer its rows' ring
-        rings = tuple(0 if w is None else s for w, s in zip(
-            cfg.layer_windows, kv.layer_num_slots(cfg, 1, spare_slots)))
+        rings = tuple(0 if w is None else w + spare_slots for w in cfg.layer_windows)
         per_layer = [kv.tensor_specs(cfg, batch_size, s) if s else specs for s in rings]
         tensors = {name: tuple(jnp.zeros(sp[name].shape, sp[name].dtype) for sp in per_layer)
                    for name in specs}
@@ -262,9 +261,7 @@ def ring_bytes(cfg: ModelConfig, batch_size: int, spare_slots: int = 0) -> int:
     if cfg.layer_windows is None:
         return 0
     slot = sum(s.nbytes for s in kv.tensor_specs(cfg, batch_size, 1).values())
-    return slot * sum(s for w, s in zip(cfg.layer_windows,
-                                        kv.layer_num_slots(cfg, 1, spare_slots))
-                      if w is not None)
+    return slot * sum(w + spare_slots for w in cfg.layer_windows if w is not None)
 
 
 def row_cache(cache: PagedKVCache, row, block_table: jax.Array,

@@ -134,9 +134,9 @@ class RingSlots:
     write_mode = "drop"
 
     def num_slots(self, max_seq_len: int) -> int:
-        """S = W whatever ``max_seq_len`` is: the cache is constant in t."""
-        del max_seq_len
-        return self.window_size
+        """S = min(W, ``max_seq_len``): constant in t, and never more slots than a run of
+        ``max_seq_len`` tokens can fill (a smaller ring is a dense cache that fills)."""
+        return min(self.window_size, max_seq_len)
 
     def slot_of(self, position: jax.Array, num_slots: int) -> jax.Array:
         """p if p < s else s + (p - s) mod (S - s)."""
@@ -168,9 +168,11 @@ class RingSlots:
         return write_shared(buf, new, slots[0], axis, layer)
 
     def overflows(self, length: jax.Array, new_tokens: int, num_slots: int) -> jax.Array:
-        """A ring never fills."""
-        del new_tokens, num_slots
-        return jnp.zeros(jnp.shape(length), bool)
+        """A ring of at least W slots never fills; one of S < W slots (``max_seq_len``
+        below the window) holds every token, so it fills as a dense cache does."""
+        if num_slots >= self.window_size:
+            return jnp.zeros(jnp.shape(length), bool)
+        return length + new_tokens > num_slots
 
     def held(self, length: jax.Array, num_slots: int) -> jax.Array:
         """[B] int32 tokens a row's next query sees: at most W (blog "Lever 3"), whatever
@@ -184,7 +186,10 @@ class RingSlots:
         return (k >= 0) & (k <= q) & ((q - k < self.window_size - s) | (k < s))
 
     def check_room(self, lengths, new_tokens: int, num_slots: int, what: str) -> None:
-        """A ring never fills: any length fits."""
+        """A ring of at least W slots never fills: any length fits. One of S < W slots
+        is checked as :meth:`DenseSlots.check_room`."""
+        if num_slots < self.window_size:
+            DenseSlots().check_room(lengths, new_tokens, num_slots, what)
 
     def buffer_len(self, num_slots: int, num_steps: int) -> int:
         """A ring never fills, so the generate loop's buffer must hold the steps: the next

@@ -116,7 +116,7 @@ def draft_window(cache: KVCache, cfg: ModelConfig, draft_cfg: ModelConfig,
 def draft_window_slots(draft_cfg: ModelConfig, k: int) -> int:
     """Slots per row of :func:`draft_window`'s ring: the window W plus k + 1 spare (what
     :func:`init_draft_cache` gives a ring), the count a round copies from the target."""
-    return cache_lib.num_slots(draft_cfg, 1) + spare_slots(draft_cfg, k)
+    return draft_cfg.window_size + spare_slots(draft_cfg, k)
 
 
 def ngram_draft(hist: jax.Array, hist_len: jax.Array, k: int, ngram_max: int,
@@ -844,14 +844,16 @@ def _program_args(params, cfg, spec, prompts, first_token, cache, num_steps, dra
             () if dcache is None else (("draft cache", dcfg, dcache),)):
         for i, w in enumerate(c.layer_windows or ()):  # each local layer's ring
             held = kv.tensors["k"][i].shape[cache_lib.slot_axis(c, "k")]
-            if w is not None and held - w < spare_slots(c, spec.k):
+            if w is not None and 0 <= held - w < spare_slots(c, spec.k):
                 raise ValueError(
                     f"{name}'s layer {i} holds {held} slots for its window {w} "
                     f"(model.layer_windows); allowed: at least {w + spare_slots(c, spec.k)} "
                     f"(k + 1 = {spec.k + 1} spare, so a rejected draft evicts no key the "
                     "window shows: init_target_cache / init_draft_cache)")
+        # a ring of fewer than W slots (max_seq_len < W) never wraps: it fills as a
+        # dense cache (check_room), so a rollback evicts nothing
         if policy_for(c).kind == "ring" and \
-                kv.num_slots - c.window_size < spare_slots(c, spec.k):
+                0 <= kv.num_slots - c.window_size < spare_slots(c, spec.k):
             raise ValueError(
                 f"{name} holds {kv.num_slots} slots for window_size={c.window_size}; "
                 f"allowed: at least {c.window_size + spare_slots(c, spec.k)} (k + 1 = "
