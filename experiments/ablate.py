@@ -330,6 +330,8 @@ def plot_pareto(rows: list, path: pathlib.Path, ctx: int, title: str) -> None:
                               label="uptraining: before -> after"))
     if acc_rows:
         plot_accuracy(ax2, acc_rows)
+        seen = {h.get_label() for h in handles}  # levers with no perplexity (lever 5)
+        handles += [h for h in ax2.get_legend_handles_labels()[0] if h.get_label() not in seen]
     (ax2 if acc_rows else ax).legend(handles=handles, fontsize=8, loc="upper left",
                                      bbox_to_anchor=(1.01, 1.0), frameon=False)
     # points of equal KV bytes and close perplexity (a window and its sinks variant, a
@@ -354,7 +356,8 @@ def plot_accuracy(ax, rows: list) -> None:
             ci = np.array([r["longctx_accuracy_ci"] for r in rs])
             ax.errorbar([r["longctx_kv_bytes"] / 2**20 for r in rs], acc,
                         yerr=[acc - ci[:, 0], ci[:, 1] - acc], fmt=marker, color=color,
-                        ms=11 if marker == "*" else 7, capsize=3, alpha=0.85, zorder=3)
+                        ms=11 if marker == "*" else 7, capsize=3, alpha=0.85, zorder=3,
+                        label=lever)
     texts = [ax.text(r["longctx_kv_bytes"] / 2**20, r["longctx_accuracy"],
                      r["name"] + (" (beyond)" if r.get("beyond_trained_context") else ""),
                      fontsize=7) for r in rows]
