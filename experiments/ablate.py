@@ -23,21 +23,43 @@ of the blog's three levers and scored on the held-out split of the Django docs
   e.g. "GQA K=3 (original) int8", lever 'quantized', column ``ppl_vs_float32`` against
   the same variant with a float32 cache). Their KV bytes include the float32 scales.
 
+* lever 5, fewer tokens by score (``kvjax.compression``): each method of
+  ``--kv_compression`` at each budget of ``--kv_budgets`` on the original GQA model (lever
+  'compression'; long-context columns only: perplexity over chunked windows is not
+  defined for a cache compressed after its prompt).
+
+Every row also gets its long-context accuracy (RULER's string match, Wilson 95% interval)
+and answer NLL (nats per token) on ``--longctx_tasks`` x ``--longctx_lengths`` x
+``--longctx_depths`` x ``--longctx_samples``, through longeval's protocol and per-sample
+loop (``kvjax.training.longgrid.run_samples`` over
+``kvjax.training.longcontext.evaluate_sample``: prefill the context, apply the lever,
+ask), so a row's numbers are ``experiments.longeval``'s for the same config and samples;
+and its KV bytes per sequence at the longest of those lengths (``longctx_kv_bytes``,
+theory; ``longctx_kv_bytes_allocated``, the prefilled cache). The checkpoint's trained
+context (SmolLM2: 8,192 positions) is printed and stored (``trained_context``); lengths
+past it are refused unless ``--allow_beyond_context``, and such rows are marked
+``beyond_trained_context``. ``--longctx_tasks=`` (empty) turns the columns off.
+
 Defaults (stated in README "Ablations"): context 512, 16,352 scored tokens (32 windows),
 windows {64, 128, 256, 512, 1024} x sinks {0, 4}, MLA ranks {64, 128, 320}, uptraining
 50 steps of 4 x 128 tokens, kv_dtypes {bfloat16, float16, float8_e4m3fn, float8_e5m2,
-int8, int4} (MLA: {int8, float8_e4m3fn}). A window with W >= context never masks a key, so it computes
+int8, int4} (MLA: {int8, float8_e4m3fn}), every compression method at budget 256;
+long-context columns on passkey and niah_single at L = 1,024, depth 0.5, one sample each
+(two samples a row: about 10 s a row on 2 cores). A window with W >= context never masks a key, so it computes
 the full-attention function: its perplexity is the GQA row's (marked ``same_as``), its
 cache bytes are measured on an allocated cache.
 
 Writes to ``--out_dir`` (default results/ablate/): ablate.csv, ablate.json (rows and run
 settings), pareto.png (perplexity vs KV bytes per sequence at the context, Pareto front
-drawn), uptrain_loss.png, and orbax checkpoints of the uptraining runs under uptrain/.
+drawn; beside it, long-context accuracy vs KV bytes per sequence at the eval length),
+longctx_samples.jsonl (the long-context samples, one line each: the resume log),
+uptrain_loss.png, and orbax checkpoints of the uptraining runs under uptrain/.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import pathlib
@@ -51,10 +73,12 @@ from absl import app, flags, logging
 from experiments import cli
 
 from kvjax import cache as cache_lib
+from kvjax import compression as compression_lib
 from kvjax.analysis import theory
 from kvjax.inference import runner
 from kvjax.models import convert, model
-from kvjax.training import data, evaluate
+from kvjax.training import data, evaluate, longgrid
+from kvjax.training import longcontext as lc
 from kvjax.training import train as train_lib
 from kvjax.checkpoints import WeightsError
 from kvjax.config import KV_DTYPES, ConfigError, run_config_from_dict
@@ -83,6 +107,30 @@ _KV_DTYPES = flags.DEFINE_list(
 _MLA_KV_DTYPES = flags.DEFINE_list(
     "mla_kv_dtypes", ["int8", "float8_e4m3fn"],
     "Cache element types scored on the best MLA conversion; empty: none.")
+_COMPRESSION = flags.DEFINE_list(
+    "kv_compression", list(compression_lib.names()),
+    "Lever 5 methods (model.kv_compression) scored on the original GQA model at each "
+    f"--kv_budgets value (long-context columns only), any of: "
+    f"{', '.join(compression_lib.names())}; empty: none.")
+_BUDGETS = flags.DEFINE_list("kv_budgets", ["256"],
+                             "Budgets (model.kv_budget: prompt slots kept per KV head).")
+_LC_TASKS = flags.DEFINE_list(
+    "longctx_tasks", ["passkey", "niah_single"],
+    f"Long-context tasks scored on every row, any of: {', '.join(lc.TASKS)}; empty: no "
+    "long-context columns.")
+_LC_LENGTHS = flags.DEFINE_list("longctx_lengths", ["1024"],
+                                "Long-context sequence lengths L in tokens.")
+_LC_DEPTHS = flags.DEFINE_list("longctx_depths", ["0.5"], "Needle depths in [0, 1].")
+_LC_SAMPLES = flags.DEFINE_integer("longctx_samples", 1,
+                                   "Samples per task x length x depth.")
+_LC_SEED = flags.DEFINE_integer("longctx_seed", 0, "Seed of the long-context samples.")
+_LC_PROTOCOL = flags.DEFINE_enum(
+    "longctx_protocol", "context", list(lc.PROTOCOLS),
+    "When a compressed cache sees the question (experiments.longeval's --protocol).")
+_BEYOND = flags.DEFINE_bool(
+    "allow_beyond_context", False,
+    "Allow --longctx_lengths past the checkpoint's trained context (rows marked "
+    "beyond_trained_context).")
 _CALIB = flags.DEFINE_integer("calib_tokens", 1024, "Training tokens for MLA calibration.")
 _RESUME = flags.DEFINE_bool("resume", False, "Reuse rows already in out_dir/ablate.json.")
 _PLOT_ONLY = flags.DEFINE_bool("plot_only", False,
@@ -92,7 +140,11 @@ FIELDS = ["name", "lever", "kv_heads", "window", "layer_windows", "sinks", "mla_
           "kv_dtype",
           "uptrain_steps", "kv_bytes_per_token", "kv_scale_bytes_per_token", "tokens_held", "kv_bytes_theory", "kv_bytes_measured",
           "cache_slots", "ppl", "bits_per_byte", "ppl_vs_gqa", "tokens_scored",
-          "ppl_vs_float32", "check_rel_diff", "same_as", "seconds"]
+          "ppl_vs_float32", "check_rel_diff", "same_as", "seconds", "kv_compression",
+          "kv_budget", "longctx_length", "longctx_kv_bytes", "longctx_kv_bytes_allocated",
+          "longctx_accuracy", "longctx_accuracy_low", "longctx_accuracy_high",
+          "longctx_answer_nll", "longctx_samples", "beyond_trained_context",
+          "longctx_seconds"]
 # --help lists the config flags (defined through cli) with this module's own.
 flags.adopt_module_key_flags(cli)
 
@@ -108,6 +160,86 @@ def check_kv_dtypes(names: list, flag: str) -> list:
         if n not in KV_DTYPES:
             raise ValueError(f"--{flag}: unknown kv_dtype {n!r}; allowed: {list(KV_DTYPES)}")
     return list(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class LongGrid:
+    """The long-context grid every row is scored on (``--longctx_*``), with the
+    checkpoint's trained context (positions; None: unknown) and whether lengths past it
+    were allowed."""
+
+    tasks: tuple
+    lengths: tuple
+    depths: tuple
+    samples: int
+    seed: int = 0
+    protocol: str = "context"
+    trained_context: int | None = None
+    allow_beyond_context: bool = False
+
+    @property
+    def length(self) -> int:
+        """The length the KV bytes are stated at: the longest."""
+        return max(self.lengths)
+
+
+def longctx_grid(tasks, lengths, depths, samples: int, seed: int, protocol: str,
+                 context: int | None, beyond: bool) -> LongGrid | None:
+    """The checked grid from the flags' values (strings or numbers); None for no tasks.
+
+    Raises:
+      lc.TaskError: an unknown task, a bad length or depth, zero samples, or a length past
+        the trained ``context`` without ``beyond`` (``longgrid.check_lengths``).
+    """
+    if not tasks:
+        return None
+    tasks, lengths, depths, samples = longgrid.parse_grid(
+        list(tasks), [str(n) for n in lengths], [str(d) for d in depths], samples)
+    try:
+        longgrid.check_lengths(lengths, None, context, beyond)
+    except lc.TaskError as e:
+        raise lc.TaskError(str(e).replace("--allow_beyond_context (cells marked "
+                                          "beyond_context)", "--allow_beyond_context (rows "
+                                          "marked beyond_trained_context)")) from None
+    return LongGrid(tuple(tasks), tuple(lengths), tuple(depths), samples, seed, protocol,
+                    context, beyond)
+
+
+def longctx_columns(params, cfg, tokenizer, grid: LongGrid, log_path: pathlib.Path,
+                    key: str, progress: bool = True) -> dict:
+    """A row's long-context columns: ``experiments.longeval``'s per-sample loop
+    (``longgrid.run_samples``, resumable from ``log_path``) and summary
+    (``longgrid.summarize``) of ``cfg`` on ``grid``.
+
+    Args:
+      params: parameters in cfg's layout (unresolved cfg: each length resolves its plan).
+      key: the row's key in the log (its name and ``longgrid.run_key``).
+    Returns:
+      longctx_accuracy (mean over tasks of the mean RULER score) with longctx_accuracy_ci
+      (Wilson 95% over every sample; the tasks have equal samples, so it brackets the
+      mean), longctx_answer_nll (nats per token, mean over tasks), longctx_kv_bytes (theory,
+      bytes per sequence at ``grid.length``) and longctx_kv_bytes_allocated (the prefilled
+      cache), longctx_length, longctx_samples, longctx_tasks (per task: accuracy, its
+      interval, answer NLL), beyond_trained_context, longctx_seconds (the samples' summed
+      prefill and question time).
+    """
+    records = longgrid.run_samples(params, cfg, tokenizer, grid.tasks, grid.lengths,
+                                   grid.depths, grid.samples, grid.seed, False, log_path,
+                                   key, progress=progress, protocol=grid.protocol)
+    s = longgrid.summarize(records, grid.tasks, grid.lengths, grid.depths,
+                           grid.trained_context)
+    at = s["lengths"][str(grid.length)]
+    return dict(
+        longctx_accuracy=s["mean_accuracy"], longctx_accuracy_ci=s["mean_accuracy_ci"],
+        longctx_answer_nll=s["mean_answer_nll"], longctx_kv_bytes=at["kv_bytes_theory"],
+        longctx_kv_bytes_allocated=at["kv_bytes_allocated"], longctx_length=grid.length,
+        longctx_samples=len(records),
+        longctx_tasks={t: dict(accuracy=v["accuracy"], accuracy_ci=v["accuracy_ci"],
+                               answer_nll=v["answer_nll"]) for t, v in s["tasks"].items()},
+        beyond_trained_context=bool(grid.trained_context
+                                    and grid.length > grid.trained_context),
+        longctx_seconds=round(sum(r["prefill_seconds"] + r["decode_seconds"]
+                                  for r in records), 1))
 
 
 def row_for(name, lever, cfg, ctx, res=None, **extra) -> dict:
@@ -144,15 +276,26 @@ def pareto_front(rows: list) -> list:
     return front
 
 
+STYLE = {"kv heads": ("o", "C0"), "window": ("s", "C1"), "window+sinks": ("^", "C2"),
+         "mla": ("D", "C3"), "uptrained": ("*", "C4"), "quantized": ("P", "C5"),
+         "layer windows": ("X", "C6"), "compression": ("v", "C7")}
+
+
 def plot_pareto(rows: list, path: pathlib.Path, ctx: int, title: str) -> None:
+    """Perplexity against KV bytes per sequence at ``ctx`` (the rows with a perplexity)
+    and, beside it where any row has them, long-context accuracy (Wilson 95% bars)
+    against KV bytes per sequence at the long-context length."""
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    style = {"kv heads": ("o", "C0"), "window": ("s", "C1"), "window+sinks": ("^", "C2"),
-             "mla": ("D", "C3"), "uptrained": ("*", "C4"), "quantized": ("P", "C5"),
-             "layer windows": ("X", "C6")}
-    fig, ax = plt.subplots(figsize=(9, 6))
+    style = STYLE
+    acc_rows = [r for r in rows if r.get("longctx_accuracy") is not None]
+    rows = [r for r in rows if r.get("ppl") is not None]
+    if acc_rows:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(17, 6))
+    else:
+        fig, ax = plt.subplots(figsize=(9, 6))
     for lever, (marker, color) in style.items():
         rs = [r for r in rows if r["lever"] == lever]
         if rs:
@@ -185,8 +328,12 @@ def plot_pareto(rows: list, path: pathlib.Path, ctx: int, title: str) -> None:
         from matplotlib.lines import Line2D  # noqa: PLC0415
         handles.append(Line2D([], [], color="C4", alpha=0.6, marker=">", ms=5,
                               label="uptraining: before -> after"))
-    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-              frameon=False)
+    if acc_rows:
+        plot_accuracy(ax2, acc_rows)
+        seen = {h.get_label() for h in handles}  # levers with no perplexity (lever 5)
+        handles += [h for h in ax2.get_legend_handles_labels()[0] if h.get_label() not in seen]
+    (ax2 if acc_rows else ax).legend(handles=handles, fontsize=8, loc="upper left",
+                                     bbox_to_anchor=(1.01, 1.0), frameon=False)
     # points of equal KV bytes and close perplexity (a window and its sinks variant, a
     # quantized cache) stacked their names on each other: adjustText moves the labels
     # apart, with a thin line back to their point where moved
@@ -194,6 +341,38 @@ def plot_pareto(rows: list, path: pathlib.Path, ctx: int, title: str) -> None:
     adjust_text(texts, ax=ax, arrowprops=dict(arrowstyle="-", color="0.5", lw=0.5))
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
+
+
+def plot_accuracy(ax, rows: list) -> None:
+    """Long-context accuracy (Wilson 95% bars) against ``longctx_kv_bytes`` on ``ax``,
+    one point per row, marked by lever as in :func:`plot_pareto`."""
+    from adjustText import adjust_text  # noqa: PLC0415
+    from matplotlib.ticker import FuncFormatter  # noqa: PLC0415
+
+    for lever, (marker, color) in STYLE.items():
+        rs = [r for r in rows if r["lever"] == lever]
+        if rs:
+            acc = np.array([r["longctx_accuracy"] for r in rs])
+            ci = np.array([r["longctx_accuracy_ci"] for r in rs])
+            ax.errorbar([r["longctx_kv_bytes"] / 2**20 for r in rs], acc,
+                        yerr=[acc - ci[:, 0], ci[:, 1] - acc], fmt=marker, color=color,
+                        ms=11 if marker == "*" else 7, capsize=3, alpha=0.85, zorder=3,
+                        label=lever)
+    texts = [ax.text(r["longctx_kv_bytes"] / 2**20, r["longctx_accuracy"],
+                     r["name"] + (" (beyond)" if r.get("beyond_trained_context") else ""),
+                     fontsize=7) for r in rows]
+    lengths = sorted({r["longctx_length"] for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel(f"KV cache per sequence at L = {', '.join(f'{n:,}' for n in lengths)} "
+                  "(MiB, theory)")
+    ax.set_ylabel(f"long-context accuracy over {rows[0]['longctx_samples']} samples "
+                  "(Wilson 95%)")
+    tasks = ", ".join(rows[0].get("longctx_tasks") or {})
+    ax.set_title(f"long-context accuracy ({tasks})")
+    ax.grid(alpha=0.3, which="both")
+    adjust_text(texts, ax=ax, arrowprops=dict(arrowstyle="-", color="0.5", lw=0.5))
 
 
 def write_outputs(out: pathlib.Path, rows: list, settings: dict) -> None:
@@ -209,25 +388,46 @@ def write_outputs(out: pathlib.Path, rows: list, settings: dict) -> None:
     with open(out / "ablate.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
         w.writeheader()
-        w.writerows(rows)
+        for r in rows:
+            lo, hi = r.get("longctx_accuracy_ci") or (None, None)
+            w.writerow(dict(r, longctx_accuracy_low=lo, longctx_accuracy_high=hi))
     with open(out / "ablate.json", "w") as f:
         json.dump({"settings": settings, "rows": rows, "uptrain_gap": uptrain_summary(rows),
                    "pareto_front": pareto_front([r for r in rows if r.get("ppl")])}, f, indent=2)
 
 
 def markdown_table(rows: list) -> str:
+    """The rows as a markdown table; the long-context columns (accuracy with its Wilson
+    95% interval, answer NLL, KV bytes per sequence at the eval length L) where any row
+    has them. A row without perplexity (a compressed cache) shows '-' there."""
+    longctx = any(r.get("longctx_accuracy") is not None for r in rows)
     lines = ["| variant | KV B/token (scales) | tokens held | KV bytes/seq (theory) | measured | "
-             "ppl | bits/byte | ppl / GQA | ppl / float32 cache |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "ppl | bits/byte | ppl / GQA | ppl / float32 cache |"
+             + (" L | KV bytes/seq at L | long-context accuracy [95% CI] | answer NLL |"
+                if longctx else ""),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|:---:|---:|"
+                                                              if longctx else "")]
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)
     for r in rows:
         note = f" (= {r['same_as']})" if r.get("same_as") else ""
         scales = r.get("kv_scale_bytes_per_token") or 0
         vs32 = f"{r['ppl_vs_float32']:.4f}" if r.get("ppl_vs_float32") else ""
-        lines.append(
+        line = (
             f"| {r['name']} | {r['kv_bytes_per_token']:,}"
             f"{f' ({scales:,})' if scales else ''} | {r['tokens_held']} | "
-            f"{r['kv_bytes_theory']:,} | {r['kv_bytes_measured']:,} | {r['ppl']:.4f}{note} | "
-            f"{r['bits_per_byte']:.4f} | {r.get('ppl_vs_gqa', float('nan')):.3f} | {vs32} |")
+            f"{r['kv_bytes_theory']:,} | {fmt(r.get('kv_bytes_measured'), ',')} | "
+            f"{fmt(r.get('ppl'), '.4f')}{note} | {fmt(r.get('bits_per_byte'), '.4f')} | "
+            f"{fmt(r.get('ppl_vs_gqa'), '.3f')} | {vs32} |")
+        if longctx:
+            if r.get("longctx_accuracy") is None:
+                line += " | | | |"
+            else:
+                lo, hi = r["longctx_accuracy_ci"]
+                mark = " (beyond trained context)" if r.get("beyond_trained_context") else ""
+                line += (f" {r['longctx_length']:,}{mark} | {r['longctx_kv_bytes']:,} | "
+                         f"{r['longctx_accuracy']:.3f} [{lo:.2f}, {hi:.2f}] | "
+                         f"{r['longctx_answer_nll']:.3f} |")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -247,7 +447,7 @@ def uptrain_summary(rows: list) -> dict | None:
 def finish(out: pathlib.Path, rows: list, settings: dict, histories: dict) -> None:
     """Writes the CSV/JSON and the Pareto plot, prints the table."""
     write_outputs(out, rows, settings)
-    plot_pareto([r for r in rows if r.get("ppl")], out / "pareto.png", settings["context"],
+    plot_pareto(rows, out / "pareto.png", settings["context"],
                 f"SmolLM2-135M: perplexity vs KV cache, context {settings['context']}, "
                 f"{settings['tokens_scored']:,} held-out tokens")
     print()
@@ -286,7 +486,33 @@ def main(argv):
         uptrain = [int(k) for k in _UPTRAIN.value]
         kv_dtypes = check_kv_dtypes(_KV_DTYPES.value, "kv_dtypes")
         mla_kv_dtypes = check_kv_dtypes(_MLA_KV_DTYPES.value, "mla_kv_dtypes")
+        context = longgrid.trained_context(run)
+        grid = longctx_grid(_LC_TASKS.value, _LC_LENGTHS.value, _LC_DEPTHS.value,
+                            _LC_SAMPLES.value, _LC_SEED.value, _LC_PROTOCOL.value, context,
+                            _BEYOND.value)
+        try:
+            budgets = [int(b) for b in _BUDGETS.value]
+        except ValueError:
+            raise ValueError(f"--kv_budgets={','.join(_BUDGETS.value)}; allowed: positive "
+                             "integers (slots)") from None
+        comp_cfgs = [run.model.replace(kv_compression=m, kv_budget=b,
+                                       name=f"{m} budget={b}")
+                     for m in _COMPRESSION.value for b in budgets]  # validated here
+        if comp_cfgs and grid is None and not flags.FLAGS["kv_compression"].present:
+            comp_cfgs = []  # the default methods need the long-context grid: left out
+        if comp_cfgs and grid is None:
+            raise ValueError(f"--kv_compression={','.join(_COMPRESSION.value)} with "
+                             "--longctx_tasks empty; allowed: --kv_compression= (empty), or "
+                             "long-context tasks (a compressed cache has no perplexity over "
+                             "chunked windows; its rows are scored on the long-context grid)")
         loaded = runner.load(run)
+        if grid is not None:  # every task fits every length: fails here, not mid-run
+            if loaded.context_length and context and loaded.context_length != context:
+                raise ValueError(f"the checkpoint states a context of "
+                                 f"{loaded.context_length}, not {context}")
+            for t in grid.tasks:
+                for n in grid.lengths:
+                    lc.generate_sample(t, loaded.tokenizer, n, grid.depths[0], grid.seed, 0)
         corpus = data.tokenized_corpus(loaded.tokenizer, _EVAL.value.corpus,
                                        _EVAL.value.heldout_fraction, run.cache_dir,
                                        train=bool(uptrain or ranks))
@@ -303,10 +529,23 @@ def main(argv):
                     heldout_docs=len(corpus.heldout_docs), heldout_tokens=int(corpus.heldout.size),
                     context=ctx, windows_scored=int(eval_w.shape[0]),
                     tokens_scored=int(eval_w.shape[0] * (ctx - 1)), eval=vars(ecfg).copy(),
-                    train=vars(tcfg).copy(), backend=jax.default_backend())
+                    train=vars(tcfg).copy(), backend=jax.default_backend(),
+                    trained_context=context,
+                    longctx=None if grid is None else dataclasses.asdict(grid))
     print(f"corpus {corpus.source}: {len(corpus.train_docs)} training / "
           f"{len(corpus.heldout_docs)} held-out documents; scoring "
           f"{settings['tokens_scored']:,} tokens in {eval_w.shape[0]} windows of {ctx}")
+    print(f"trained context of the checkpoint: "
+          f"{f'{context:,} positions' if context else 'unknown (random weights)'}")
+    log_path = out / "longctx_samples.jsonl"
+    if grid is not None:
+        print(f"long-context columns: {', '.join(grid.tasks)} at L = "
+              f"{', '.join(f'{n:,}' for n in grid.lengths)}, depths "
+              f"{', '.join(f'{d:g}' for d in grid.depths)}, {grid.samples} sample(s) each"
+              + (" (past the trained context: rows marked beyond_trained_context)"
+                 if context and grid.length > context else ""))
+        if not _RESUME.value and log_path.exists():
+            log_path.unlink()  # samples of another run's weights (MLA calibration, ...)
 
     done = {}
     if _RESUME.value and (out / "ablate.json").is_file():
@@ -319,20 +558,46 @@ def main(argv):
 
     sources = {}  # row name -> (cfg, stacked_fn): what a quantized row re-scores
 
-    def score(name, lever, cfg, stacked_fn, **extra):
+    def add_longctx(row, cfg, params):
+        """The row's long-context columns (the samples already in the log are reused)."""
+        if grid is None:
+            return row
+        key = f"{row['name']} | {longgrid.run_key(cfg)}" + (
+            "" if grid.protocol == "context" else f" protocol={grid.protocol}")
+        row.update(longctx_columns(params, cfg, loaded.tokenizer, grid, log_path, key))
+        lo, hi = row["longctx_accuracy_ci"]
+        print(f"{row['name']}: long-context accuracy {row['longctx_accuracy']:.3f} "
+              f"[{lo:.2f}, {hi:.2f}]  answer NLL {row['longctx_answer_nll']:.3f}  KV "
+              f"{row['longctx_kv_bytes']:,} B/seq at L={grid.length:,}"
+              + ("  (beyond the trained context)" if row["beyond_trained_context"] else ""),
+              flush=True)
+        return row
+
+    def score(name, lever, cfg, stacked_fn, ppl=True, **extra):
+        """Scores a row (perplexity unless ``ppl`` is False, long-context columns) or
+        reuses it from ``done``."""
         sources[name] = (cfg, stacked_fn)
         if name in done:
-            rows.append(done[name])
+            row = dict(done[name])
             print(f"{name}: reused from {out / 'ablate.json'}")
-            return done[name]
+            if grid is not None:
+                add_longctx(row, cfg, params_in(cfg, stacked_fn()))
+            rows.append(row)
+            write_outputs(out, rows, settings)
+            return row
         params = params_in(cfg, stacked_fn())
-        res = evaluate.perplexity(params, cfg, eval_w, ecfg, corpus.byte_lengths,
-                                  separator_id=corpus.separator_id)
-        row = row_for(name, lever, cfg, ctx, res, **extra)
+        if ppl:
+            res = evaluate.perplexity(params, cfg, eval_w, ecfg, corpus.byte_lengths,
+                                      separator_id=corpus.separator_id)
+            row = row_for(name, lever, cfg, ctx, res, **extra)
+            print(f"{name}: ppl {res.ppl:.3f}  bits/byte {res.bits_per_byte:.4f}  KV "
+                  f"{row['kv_bytes_measured']:,} B/seq  check "
+                  f"{'-' if res.check_rel_diff is None else f'{res.check_rel_diff:.1e}'}  "
+                  f"({res.seconds:.0f} s)", flush=True)
+        else:
+            row = row_for(name, lever, cfg, ctx, **extra)
+        add_longctx(row, cfg, params)
         rows.append(row)
-        print(f"{name}: ppl {res.ppl:.3f}  bits/byte {res.bits_per_byte:.4f}  KV "
-              f"{row['kv_bytes_measured']:,} B/seq  check {res.check_rel_diff:.1e}  "
-              f"({res.seconds:.0f} s)", flush=True)
         write_outputs(out, rows, settings)
         return row
 
@@ -362,6 +627,7 @@ def main(argv):
                               bits_per_byte=gqa_row["bits_per_byte"],
                               tokens_scored=gqa_row["tokens_scored"], check_rel_diff=None,
                               same_as=gqa_row["name"], seconds=0)
+                add_longctx(row, cfg, params_in(cfg, base))  # the window may evict there
                 rows.append(row)
                 write_outputs(out, rows, settings)
                 print(f"{cfg.name}: W >= context {ctx}: same function as {gqa_row['name']}")
@@ -369,9 +635,9 @@ def main(argv):
             score(cfg.name, lever, cfg, lambda: base)
 
     # Lever 3 per layer: local rings and global layers (model.layer_windows).
-    for lc in layer_cfgs:  # validated before the load; on the loaded config here
-        cfg = base_cfg.replace(layer_windows=lc.layer_windows, window_size=None,
-                               num_sink_tokens=0, scan_layers=False, name=lc.name)
+    for lw in layer_cfgs:  # validated before the load; on the loaded config here
+        cfg = base_cfg.replace(layer_windows=lw.layer_windows, window_size=None,
+                               num_sink_tokens=0, scan_layers=False, name=lw.name)
         score(cfg.name, "layer windows", cfg, lambda: base)
 
     # Lever 2: MLA by low-rank factorisation, calibrated on training text.
@@ -382,6 +648,14 @@ def main(argv):
             mcfg, mparams = convert.gqa_to_mla(base, base_cfg, c, x)
             mcfg = mcfg.replace(name=f"MLA C={c}")
             score(mcfg.name, "mla", mcfg, lambda mparams=mparams: mparams)
+
+    # Lever 5: fewer tokens by score, on the original GQA model (long-context columns
+    # only: the compression runs after a prompt's prefill, which perplexity never ends).
+    for cc in comp_cfgs:  # validated before the load; on the loaded config here
+        cfg = base_cfg.replace(kv_compression=cc.kv_compression, kv_budget=cc.kv_budget,
+                               compression=cc.compression, name=cc.name)
+        score(cfg.name, "compression", cfg, lambda: base, ppl=False,
+              kv_compression=cc.kv_compression, kv_budget=cc.kv_budget)
 
     # Lever 4: the cache's element type on the original GQA model, the best window with
     # sinks and the best MLA conversion (the same weights; only the cache changes).

@@ -451,6 +451,10 @@ def select(op: str, requested: str, site: Site, pick: str | None = None,
             return AUTO
         case "auto":
             f = get(op, pick or DEFAULT[op], internal=True)
+            if not f.selectable and not (f.forced_by is not None and f.forced_by(site)):
+                # a pick forced at another site: a one-position step's, read by a small
+                # chunk through its base class (xla_scaled runs one query only)
+                f = get(op, DEFAULT[op], internal=True)
         case _:
             f = get(op, requested)
     for g in () if strict else formulations(op):

@@ -435,7 +435,9 @@ def test_ablate_entry_point_writes_table_and_plots(tmp_path):
            "--kv_heads=6,3,1", "--windows=8,16", "--sinks=2", "--mla_ranks=8",
            "--uptrain_kv_heads=1", "--train.steps=2", "--train.warmup_steps=1",
            "--train.seq_len=16", "--calib_tokens=256", "--kv_dtypes=int8",
-           "--mla_kv_dtypes=float8_e4m3fn", "--layer_windows=8", f"--out_dir={out}"]
+           "--mla_kv_dtypes=float8_e4m3fn", "--layer_windows=8", "--kv_compression=snapkv",
+           "--kv_budgets=64", "--longctx_tasks=passkey", "--longctx_lengths=512",
+           f"--out_dir={out}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((out / "ablate.json").read_text())["rows"]
@@ -444,13 +446,20 @@ def test_ablate_entry_point_writes_table_and_plots(tmp_path):
     # the full-attention function, not scored), the best MLA conversion
     assert names == ["MHA K=6 (duplicated)", "GQA K=3 (original)", "MQA K=1 (mean-pooled)",
                      "W=8", "W=16", "W=8+2 sinks", "W=16+2 sinks", "layers 8", "MLA C=8",
-                     "GQA K=3 (original) int8", "W=8+2 sinks int8", "MLA C=8 float8_e4m3fn",
+                     "snapkv budget=64", "GQA K=3 (original) int8", "W=8+2 sinks int8", "MLA C=8 float8_e4m3fn",
                      "MQA K=1 + uptrain 2 steps"]
     by = {r["name"]: r for r in rows}
     assert by["MHA K=6 (duplicated)"]["ppl"] == pytest.approx(by["GQA K=3 (original)"]["ppl"],
                                                                rel=1e-5)
     assert by["W=16"]["same_as"] == "GQA K=3 (original)"
-    for r in rows:
+    for r in rows:  # every row has the long-context columns; lever 5 no perplexity
+        assert r["longctx_length"] == 512 and r["longctx_samples"] == 1
+        lo, hi = r["longctx_accuracy_ci"]
+        assert lo <= r["longctx_accuracy"] <= hi
+        assert r["beyond_trained_context"] is False  # random weights: no trained context
+        if r["lever"] == "compression":
+            assert r.get("ppl") is None and r["kv_budget"] == 64
+            continue
         assert r["kv_bytes_measured"] == r["kv_bytes_theory"] or r["window"] == 16
         quantized = r["lever"] == "quantized"
         assert r["check_rel_diff"] is None or r["check_rel_diff"] < (0.05 if quantized
@@ -462,7 +471,7 @@ def test_ablate_entry_point_writes_table_and_plots(tmp_path):
             if r["kv_dtype"] == "int8" and r["kv_heads"]:
                 assert r["kv_bytes_per_token"] * 32 == src["kv_bytes_per_token"] * 12
     assert (out / "pareto.png").stat().st_size > 0 and (out / "uptrain_loss.png").is_file()
-    assert "Pareto front" in proc.stdout
+    assert "Pareto front" in proc.stdout and "long-context accuracy [95% CI]" in proc.stdout
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ LAYERS = (
                   "kvjax.analysis.report", "kvjax.analysis.batch",
                   "kvjax.parallel.costs", "kvjax.training.data",
                   "kvjax.training.evaluate", "kvjax.training.train",
-                  "kvjax.training.longcontext")),
+                  "kvjax.training.longcontext", "kvjax.training.longgrid")),
     ("app", ("kvjax.inference.runner", "kvjax.fields", "kvjax.api")),
 )
 

@@ -295,3 +295,99 @@ def test_tiny_model_end_to_end_and_resume(tok, tiny, tmp_path, capsys):
     acc, lo, hi, n = le.shared_accuracy(out, cells)
     assert n == 2 and acc == pytest.approx(np.mean(
         [r["score"] for r in recs if r["task"] == "passkey" and r["depth"] == 0.0]))
+
+
+# ------------------------------------------------ experiments.ablate's long-context columns
+
+GRID = (["passkey", "copy"], [600], [0.5], 1)
+
+
+def _columns(ablate, params, cfg, tok, path, key, context=None, beyond=False):
+    grid = ablate.longctx_grid(*GRID, 0, "context", context, beyond)
+    return ablate.longctx_columns(params, cfg, tok, grid, path, key, progress=False)
+
+
+def test_ablate_longctx_columns_equal_longeval(tok, tiny, tmp_path):
+    """A row's long-context columns are longeval's numbers for the same config and
+    samples, and the direct protocol's (evaluate_sample per sample, averaged by hand)."""
+    params, cfg = tiny
+    ablate, le = import_entry_point("ablate"), import_entry_point("longeval")
+    cols = _columns(ablate, params, cfg, tok, tmp_path / "a.jsonl", "row")
+    recs = le.run_samples(params, cfg, tok, *GRID, 0, False, tmp_path / "b.jsonl", "k",
+                          progress=False)
+    out = le.summarize(recs, *GRID[:3], context=None)
+    assert cols["longctx_accuracy"] == out["mean_accuracy"]
+    assert cols["longctx_accuracy_ci"] == out["mean_accuracy_ci"]
+    assert cols["longctx_answer_nll"] == pytest.approx(out["mean_answer_nll"], abs=1e-9)
+    assert cols["longctx_samples"] == 2 and cols["longctx_length"] == 600
+    by_task = {t: [lc.evaluate_sample(params, lc.resolve_config(cfg, 600),
+                                      lc.generate_sample(t, tok, 600, d, 0, 0), tok,
+                                      tok.eos_token_ids) for d in GRID[2]]
+               for t in ("passkey", "copy")}
+    assert cols["longctx_accuracy"] == pytest.approx(
+        np.mean([np.mean([r.score for r in rs]) for rs in by_task.values()]))
+    assert cols["longctx_answer_nll"] == pytest.approx(
+        np.mean([np.mean([r.answer_nll for r in rs]) for rs in by_task.values()]), abs=1e-5)
+    for t, rs in by_task.items():
+        assert cols["longctx_tasks"][t]["accuracy"] == np.mean([r.score for r in rs])
+    k = sum(r.score for rs in by_task.values() for r in rs)
+    assert cols["longctx_accuracy_ci"] == pytest.approx(list(lc.wilson_interval(k, 2)))
+    assert cols["longctx_kv_bytes"] == theory.kv_cache_bytes(cfg, 600) == \
+        cols["longctx_kv_bytes_allocated"]
+    assert cols["beyond_trained_context"] is False
+
+
+def test_ablate_refuses_a_length_past_the_trained_context_and_marks_it(tok, tiny, tmp_path):
+    params, cfg = tiny
+    ablate = import_entry_point("ablate")
+    with pytest.raises(lc.TaskError, match="length 600 exceeds the checkpoint's trained "
+                       "context of 512 positions.*rows marked beyond_trained_context"):
+        ablate.longctx_grid(*GRID, 0, "context", 512, False)
+    cols = _columns(ablate, params, cfg, tok, tmp_path / "a.jsonl", "row", 512, True)
+    assert cols["beyond_trained_context"] is True
+    inside = _columns(ablate, params, cfg, tok, tmp_path / "a.jsonl", "row", 600, False)
+    assert inside["beyond_trained_context"] is False
+    row = dict(ablate.row_for("tiny", "kv heads", cfg, 16), ppl=2.0, bits_per_byte=1.0,
+               kv_bytes_measured=1, **cols)
+    assert "600 (beyond trained context)" in ablate.markdown_table([row])
+
+
+def test_ablate_a_window_that_keeps_every_token_scores_as_the_full_cache(tok, tiny,
+                                                                          tmp_path):
+    params, cfg = tiny
+    ablate = import_entry_point("ablate")
+    full = _columns(ablate, params, cfg, tok, tmp_path / "l.jsonl", "full")
+    for w, sinks in ((600, 0), (1024, 4)):
+        win = _columns(ablate, params, cfg.replace(window_size=w, num_sink_tokens=sinks),
+                       tok, tmp_path / "l.jsonl", f"W={w}")
+        assert win["longctx_accuracy"] == full["longctx_accuracy"]
+        for t, v in full["longctx_tasks"].items():
+            assert win["longctx_tasks"][t]["accuracy"] == v["accuracy"]
+            assert win["longctx_tasks"][t]["answer_nll"] == pytest.approx(v["answer_nll"],
+                                                                          abs=1e-5)
+        assert win["longctx_answer_nll"] == pytest.approx(full["longctx_answer_nll"],
+                                                          abs=1e-5)
+    small = _columns(ablate, params, cfg.replace(window_size=64), tok,
+                     tmp_path / "l.jsonl", "W=64")
+    assert small["longctx_answer_nll"] != pytest.approx(full["longctx_answer_nll"],
+                                                         abs=1e-3)  # it does evict
+    assert small["longctx_kv_bytes"] * 600 == full["longctx_kv_bytes"] * 64
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--longctx_lengths=9000"], "length 9000 exceeds the checkpoint's trained context of "
+     "8192 positions"),
+    (["--longctx_tasks=passkey,needle"], "unknown task 'needle'"),
+    (["--longctx_samples=0"], "samples=0"),
+    (["--kv_compression=snap"], "model.kv_compression='snap'"),
+    (["--kv_budgets=big"], "--kv_budgets=big; allowed: positive integers"),
+    (["--longctx_tasks=", "--kv_compression=snapkv"], "--kv_compression=snapkv with "
+     "--longctx_tasks empty"),
+])
+def test_ablate_refuses_bad_longctx_flags_before_any_work(tmp_path, args, message):
+    proc = subprocess.run([sys.executable, "-m", "experiments.ablate",
+                           f"--out_dir={tmp_path}/out", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert not (tmp_path / "out").exists()  # nothing was written

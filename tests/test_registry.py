@@ -91,3 +91,25 @@ def test_a_toy_that_does_not_apply_is_refused_naming_why(toy):
 def test_register_refuses_a_second_entry_of_a_name(toy):
     with pytest.raises(ValueError, match="decode_attention='toy'"):
         kernels.register(TOY)
+
+
+def test_a_small_chunk_over_a_quantized_cache_does_not_run_the_one_position_step():
+    """'xla_scaled' is forced for one position over 1-byte codes; a small chunk (T > 1)
+    whose class the plan did not measure reads its base class's pick, which was that
+    forced step: it must run 'xla' instead (it crashed on the [B, T, 1, S] mask), and
+    give the dequantized reference's logits."""
+    cfg = tiny_config(kv_dtype="int8", num_layers=1, decode_attention="auto")
+    planned = planner.resolve(cfg, max_seq_len=64)  # no queries: T = 16 not measured
+    assert planned.formulation(decode_kernels.site(planned, 1, 1, 64)) == "xla_scaled"
+    assert planned.formulation(decode_kernels.site(planned, 1, 16, 64)) == "xla"
+    params = model.params_for(cfg, model.init_params(cfg.replace(scan_layers=True), 0))
+    rng = np.random.default_rng(0)
+    ctx = jnp.asarray(rng.integers(3, cfg.vocab_size, (1, 40)), jnp.int32)
+    chunk = jnp.asarray(rng.integers(3, cfg.vocab_size, (1, 16)), jnp.int32)
+    outs = []
+    for c in (planned, cfg.replace(decode_attention="xla")):
+        cache = cache_lib.init_cache(c, 1, 64)
+        _, cache = decode.prefill(params, c, ctx, cache)
+        pos = cache.length[:, None] + jnp.arange(16, dtype=jnp.int32)[None]
+        outs.append(np.asarray(model.forward(params, c, chunk, pos, cache)[0]))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,192 @@
+"""The long-context grid shared by ``experiments.longeval`` and ``experiments.ablate``:
+the trained context of a run, the grid's checks, the resumable per-sample loop over
+:func:`kvjax.training.longcontext.evaluate_sample` and the summary of its records.
+
+One implementation of the protocol's bookkeeping, so that a lever's numbers in an
+ablation row are longeval's numbers for the same config and samples (issue 56 item 5).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+
+from kvjax import naming
+from kvjax.training import longcontext as lc
+
+SMOLLM2_TRAINED_CONTEXT = 8192
+"""SmolLM2-135M-Instruct's trained positions (its GGUF's llama.context_length, HF
+config.json max_position_embeddings); checked against the loaded checkpoint."""
+
+
+def trained_context(run) -> int | None:
+    """The positions the run's weights were trained for, read without loading them:
+    SmolLM2's 8,192; a Hugging Face folder's config.json max_position_embeddings; None
+    for random weights."""
+    if run.weights == "smollm2":
+        return SMOLLM2_TRAINED_CONTEXT
+    if run.weights == "hf":
+        p = pathlib.Path(run.weights_path) / "config.json"
+        try:
+            return int(json.loads(p.read_text()).get("max_position_embeddings") or 0) or None
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def parse_grid(tasks, lengths, depths, samples) -> tuple:
+    """(tasks, lengths as ints, depths as floats, samples) from the flags' strings.
+
+    Raises:
+      lc.TaskError: a value that is not a task, an integer length or a number depth, or
+        any value :func:`lc.check_task_args` refuses.
+    """
+    try:
+        lengths = [int(x) for x in lengths]
+    except ValueError:
+        raise lc.TaskError(f"--lengths={','.join(lengths)}; allowed: positive integers "
+                           "(tokens)") from None
+    try:
+        depths = [float(x) for x in depths]
+    except ValueError:
+        raise lc.TaskError(f"--depths={','.join(depths)}; allowed: numbers in [0, 1]") from None
+    lc.check_task_args(tasks, lengths, depths, samples)
+    return list(tasks), sorted(set(lengths)), sorted(set(depths)), samples
+
+
+def check_lengths(lengths, max_seq_len: int | None, context: int | None, beyond: bool) -> None:
+    """Raises lc.TaskError for a length past ``max_seq_len`` (None: no cap) or past the
+    trained ``context`` (None: unknown) without ``beyond``."""
+    for n in lengths:
+        if max_seq_len is not None and n > max_seq_len:
+            raise lc.TaskError(f"length {n} exceeds --config.max_seq_len={max_seq_len}; "
+                               f"allowed: lengths <= {max_seq_len}")
+        if context is not None and n > context and not beyond:
+            raise lc.TaskError(
+                f"length {n} exceeds the checkpoint's trained context of {context} "
+                f"positions; allowed: lengths <= {context}, or --allow_beyond_context "
+                "(cells marked beyond_context)")
+
+
+def run_key(cfg) -> str:
+    """What the resume log keys a config by: its variant, cache dtype, rope positions."""
+    return (f"{naming.variant_name(cfg)} kv={cfg.kv_dtype or cfg.dtype} "
+            f"rope={cfg.rope_positions}")
+
+
+def sample_key(key: str, task: str, length: int, depth: float, index: int, seed: int,
+               query_first: bool) -> str:
+    return json.dumps([key, task, length, depth, index, seed, query_first])
+
+
+def read_log(path: pathlib.Path) -> dict:
+    """{sample key: record} of a samples.jsonl (a torn last line is dropped)."""
+    out = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            out[r["key"]] = r
+    return out
+
+
+def summarize(records: list, tasks, lengths, depths, context: int | None) -> dict:
+    """The result JSON of sample records: per task, per cell, per length, and the means.
+    ``accuracy`` is the mean RULER score (Wilson 95% interval over the samples, the
+    scores summed as successes); ``answer_nll`` the mean of the samples' nats per token
+    (t interval)."""
+    def stats(rs):
+        s = [r["score"] for r in rs]
+        nll = [r["answer_nll"] for r in rs]
+        lo, hi = lc.wilson_interval(float(sum(s)), len(s))
+        m, nlo, nhi = lc.mean_interval(nll)
+        return dict(samples=len(rs), accuracy=float(np.mean(s)), accuracy_ci=[lo, hi],
+                    answer_nll=m, answer_nll_ci=[nlo, nhi])
+
+    per_task, cells, per_length = {}, [], {}
+    for t in tasks:
+        rs = [r for r in records if r["task"] == t]
+        if rs:
+            per_task[t] = stats(rs)
+        for n in lengths:
+            for d in depths:
+                c = [r for r in rs if r["length"] == n and r["depth"] == d]
+                if not c:
+                    continue
+                st = stats(c)
+                cells.append(dict(
+                    task=t, length=n, depth=d, samples=st["samples"],
+                    accuracy=st["accuracy"], accuracy_low=st["accuracy_ci"][0],
+                    accuracy_high=st["accuracy_ci"][1], answer_nll=st["answer_nll"],
+                    answer_nll_low=st["answer_nll_ci"][0],
+                    answer_nll_high=st["answer_nll_ci"][1],
+                    kv_bytes_theory=c[0]["kv_bytes_theory"],
+                    kv_bytes_allocated=c[0]["kv_bytes_allocated"],
+                    prefill_seconds=float(np.median([r["prefill_seconds"] for r in c])),
+                    decode_seconds=float(np.median([r["decode_seconds"] for r in c])),
+                    beyond_context=bool(context and n > context)))
+    for n in lengths:
+        rs = [r for r in records if r["length"] == n]
+        if rs:
+            per_length[str(n)] = dict(
+                samples=len(rs), accuracy=float(np.mean([r["score"] for r in rs])),
+                kv_bytes_theory=rs[0]["kv_bytes_theory"],
+                kv_bytes_allocated=rs[0]["kv_bytes_allocated"],
+                seconds_per_sample=float(np.median(
+                    [r["prefill_seconds"] + r["decode_seconds"] for r in rs])),
+                beyond_context=bool(context and n > context))
+    accs = [v["accuracy"] for v in per_task.values()]
+    nlls = [v["answer_nll"] for v in per_task.values()]
+    scores = [r["score"] for r in records]
+    return dict(mean_accuracy=float(np.mean(accs)) if accs else None,
+                mean_accuracy_ci=list(lc.wilson_interval(float(sum(scores)), len(scores)))
+                if scores else None,
+                mean_answer_nll=float(np.mean(nlls)) if nlls else None,
+                tasks=per_task, cells=cells, lengths=per_length)
+
+
+def run_samples(params, cfg, tokenizer, tasks, lengths, depths, samples: int, seed: int,
+                query_first: bool, log_path: pathlib.Path, key: str,
+                progress: bool = True, protocol: str = "context") -> list:
+    """Scores every task x length x depth x sample not yet in ``log_path`` (a JSONL resume
+    log, appended one line per sample as it finishes) and returns the records of the
+    whole grid, in grid order. ``key``: the config's :func:`run_key`."""
+    from tqdm import tqdm  # noqa: PLC0415
+
+    done = read_log(log_path)
+    skey = lambda t, n, d, i: sample_key(key, t, n, d, i, seed, query_first)
+    grid = [(n, t, d, i) for n in lengths for t in tasks for d in depths
+            for i in range(samples)]
+    todo = [g for g in grid if skey(g[1], g[0], g[2], g[3]) not in done]
+    print(f"model: {key}; {len(grid)} samples, {len(grid) - len(todo)} already in {log_path}")
+    eos = tokenizer.eos_token_ids
+    resolved = {}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as log, tqdm(total=len(todo), unit="sample", dynamic_ncols=True,
+                                         disable=not progress) as bar:
+        for n, t, d, i in todo:
+            if n not in resolved:
+                resolved = {n: lc.resolve_config(cfg, n)}
+            smp = lc.generate_sample(t, tokenizer, n, d, seed, i, query_first)
+            res = lc.evaluate_sample(params, resolved[n], smp, tokenizer, eos,
+                                     protocol=protocol)
+            q = res.questions[0]
+            rec = dict(key=skey(t, n, d, i), variant=key, task=t, length=n, depth=d, index=i,
+                       seed=seed, query_first=query_first, score=res.score,
+                       answer_nll=res.answer_nll, prediction=q.prediction,
+                       references=list(smp.questions[0].references),
+                       prompt_tokens=smp.prompt_len, needle_positions=smp.needle_positions,
+                       kv_bytes_theory=res.kv_bytes_theory,
+                       kv_bytes_allocated=res.kv_bytes_allocated,
+                       cache_slots=res.cache_slots, prefill_seconds=res.prefill_seconds,
+                       decode_seconds=res.decode_seconds)
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            done[rec["key"]] = rec
+            bar.set_postfix_str(f"{t} L={n} d={d:g} score={res.score:.2f}")
+            bar.update()
+    return [done[skey(t, n, d, i)] for n, t, d, i in grid]
