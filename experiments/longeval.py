@@ -56,9 +56,8 @@ from kvjax.config import ConfigError, run_config_from_dict
 from kvjax.inference import runner
 from kvjax.training import data, evaluate
 from kvjax.training import longcontext as lc
-from kvjax.training.longgrid import (  # noqa: F401  (longeval's names, kept)
-    SMOLLM2_TRAINED_CONTEXT, check_lengths, parse_grid, read_log, run_key, run_samples,
-    sample_key, summarize, trained_context)
+from kvjax.training.longgrid import (
+    check_lengths, parse_grid, run_key, run_samples, summarize, trained_context)
 
 _CONFIG = cli.DEFINE_config_file(
     "config", "configs/gqa.py", cli.config_help("Model config file (get_config())."),

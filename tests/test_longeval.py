@@ -19,6 +19,7 @@ from kvjax.compression import CompressionConfig
 from kvjax.analysis import theory
 from kvjax.models import model
 from kvjax.training import longcontext as lc
+from kvjax.training import longgrid
 from tests.conftest import import_entry_point, tiny_config
 
 CORPUS = [lc.NOISE] * 4 + ["0123456789 VAR = JSON key value", lc.PASSKEY_INTRO, lc.NIAH_INTRO,
@@ -166,14 +167,13 @@ def test_refusals_name_the_value(tok):
         lc.check_task_args(["passkey"], [1024], [1.5], 1)
     with pytest.raises(lc.TaskError, match="length=50 is too short for task 'passkey'"):
         lc.generate_sample("passkey", tok, 50, 0.5)
-    le = import_entry_point("longeval")
     with pytest.raises(lc.TaskError, match="length 9000 exceeds the checkpoint's trained"):
-        le.check_lengths([1024, 9000], None, 8192, beyond=False)
-    le.check_lengths([9000], None, 8192, beyond=True)
+        longgrid.check_lengths([1024, 9000], None, 8192, beyond=False)
+    longgrid.check_lengths([9000], None, 8192, beyond=True)
     with pytest.raises(lc.TaskError, match="length 2048 exceeds --config.max_seq_len=1024"):
-        le.check_lengths([2048], 1024, 8192, beyond=True)
+        longgrid.check_lengths([2048], 1024, 8192, beyond=True)
     with pytest.raises(lc.TaskError, match="--depths=a"):
-        le.parse_grid(["passkey"], ["1024"], ["a"], 1)
+        longgrid.parse_grid(["passkey"], ["1024"], ["a"], 1)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -271,11 +271,11 @@ def test_tiny_model_end_to_end_and_resume(tok, tiny, tmp_path, capsys):
     le = import_entry_point("longeval")
     log = tmp_path / "samples.jsonl"
     args = (params, cfg, tok, ["passkey", "copy"], [600], [0.0, 1.0], 2, 0, False, log, "k")
-    recs = le.run_samples(*args, progress=False)
+    recs = longgrid.run_samples(*args, progress=False)
     assert len(recs) == 8 and len(log.read_text().splitlines()) == 8
-    again = le.run_samples(*args, progress=False)  # resumed: nothing recomputed
+    again = longgrid.run_samples(*args, progress=False)  # resumed: nothing recomputed
     assert len(log.read_text().splitlines()) == 8 and again == recs
-    out = le.summarize(recs, ["passkey", "copy"], [600], [0.0, 1.0], context=None)
+    out = longgrid.summarize(recs, ["passkey", "copy"], [600], [0.0, 1.0], context=None)
     for t in ("passkey", "copy"):
         v = out["tasks"][t]
         assert v["samples"] == 4 and 0.0 <= v["accuracy"] <= 1.0
@@ -311,11 +311,11 @@ def test_ablate_longctx_columns_equal_longeval(tok, tiny, tmp_path):
     """A row's long-context columns are longeval's numbers for the same config and
     samples, and the direct protocol's (evaluate_sample per sample, averaged by hand)."""
     params, cfg = tiny
-    ablate, le = import_entry_point("ablate"), import_entry_point("longeval")
+    ablate = import_entry_point("ablate")
     cols = _columns(ablate, params, cfg, tok, tmp_path / "a.jsonl", "row")
-    recs = le.run_samples(params, cfg, tok, *GRID, 0, False, tmp_path / "b.jsonl", "k",
-                          progress=False)
-    out = le.summarize(recs, *GRID[:3], context=None)
+    recs = longgrid.run_samples(params, cfg, tok, *GRID, 0, False, tmp_path / "b.jsonl",
+                                "k", progress=False)
+    out = longgrid.summarize(recs, *GRID[:3], context=None)
     assert cols["longctx_accuracy"] == out["mean_accuracy"]
     assert cols["longctx_accuracy_ci"] == out["mean_accuracy_ci"]
     assert cols["longctx_answer_nll"] == pytest.approx(out["mean_answer_nll"], abs=1e-9)
