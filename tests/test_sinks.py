@@ -23,7 +23,7 @@ def tiny(layers=1, rope_positions="cache", window=W, sinks=S) -> ModelConfig:
 def stream_logits(cfg, params, tokens, chunk):
     """Last-token logits after feeding ``tokens`` through a ring cache, ``chunk`` tokens
     at a time (the last one as a single decode step)."""
-    cache = cache_lib.init_cache(cfg, 1, 4)
+    cache = cache_lib.init_cache(cfg, 1, W)  # W slots: a ring never fills
     toks = jnp.asarray([tokens], jnp.int32)
     n = len(tokens)
     for start in range(0, n - 1, chunk):

@@ -129,14 +129,19 @@ class RingSlots:
 
     window_size: int
     num_sink_tokens: int = 0
+    # False for a compressed cache (kept slots + recent_slots): compress builds its W
+    # slots whatever max_seq_len is; a window's ring is never larger than the run
+    within_max_seq_len: bool = True
     kind = "ring"
     # Tokens a later token of the same chunk overwrites get slot S and must be dropped.
     write_mode = "drop"
 
     def num_slots(self, max_seq_len: int) -> int:
         """S = min(W, ``max_seq_len``): constant in t, and never more slots than a run of
-        ``max_seq_len`` tokens can fill (a smaller ring is a dense cache that fills)."""
-        return min(self.window_size, max_seq_len)
+        ``max_seq_len`` tokens can fill (a smaller ring is a dense cache that fills); W
+        for a compressed cache (``within_max_seq_len`` False)."""
+        return min(self.window_size, max_seq_len) if self.within_max_seq_len \
+            else self.window_size
 
     def slot_of(self, position: jax.Array, num_slots: int) -> jax.Array:
         """p if p < s else s + (p - s) mod (S - s)."""
@@ -267,7 +272,8 @@ def policy_for(cfg) -> DenseSlots | RingSlots | DenseWindowSlots:
     if cfg.kv_compression is not None:
         budgets = cfg.layer_budgets
         pinned = cfg.kv_budget if budgets is None else min(budgets)
-        return RingSlots(pinned + cfg.compression.recent_slots, pinned)
+        return RingSlots(pinned + cfg.compression.recent_slots, pinned,
+                         within_max_seq_len=False)
     if cfg.window_size:
         if cfg.window_cache == "dense":
             return DenseWindowSlots(cfg.window_size, cfg.num_sink_tokens)
