@@ -4,6 +4,7 @@ item 7). Read with ``ast``: no test module is imported."""
 
 import ast
 import pathlib
+import re
 
 from tests.conftest import FAST_LIST
 
@@ -11,14 +12,14 @@ TESTS = pathlib.Path(__file__).resolve().parent
 
 
 def _is_slow(decorators) -> bool:
-    return any("slow" in ast.unparse(d) for d in decorators)
+    return any(re.search(r"\bmark\.slow\b", ast.unparse(d)) for d in decorators)
 
 
 def functions_of(path: pathlib.Path) -> dict[str, bool]:
     """name (``Class::test`` inside a class) -> marked slow, of one test file."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     module_slow = any(isinstance(n, ast.Assign) and any(
-        getattr(t, "id", "") == "pytestmark" for t in n.targets) and "slow" in ast.unparse(n)
+        getattr(t, "id", "") == "pytestmark" for t in n.targets) and _is_slow([n.value])
         for n in tree.body)
     out = {}
     for node in tree.body:

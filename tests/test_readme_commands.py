@@ -1,9 +1,12 @@
-"""Every ``python -m experiments.decode`` / ``experiments.export`` line of README.md runs,
-as written, with a shrunk config appended (one layer of random weights, a few tokens, a
-short long context) and ends without a traceback or an error exit (issue 57, item 2).
-The other entry points' README lines run shrunk in tests/test_entry.py, test_serve.py and
-test_speculative.py. Slow: random weights still use SmolLM2's tokenizer (the cached
-wheel)."""
+"""Every README line that runs an entry point works as written (issue 57, item 2).
+
+- Each ``experiments.decode`` / ``experiments.export`` line, and each line of serve,
+  speculative, ppl, prefill, batch and shard, runs with a shrunk config appended (one
+  layer of random weights, a few tokens, short contexts) and ends without a traceback or
+  an error exit. Slow: random weights still use SmolLM2's tokenizer (the cached wheel).
+- The lines of bench, costs, compare, ablate, uptrain and longeval run shrunk in
+  tests/test_entry.py and tests/test_longeval.py; here every other line is parsed as
+  written (``--list_fields`` added: each flag and field it names exists)."""
 
 import os
 import pathlib
@@ -20,6 +23,23 @@ SHRINK = {
                "--config.max_seq_len=64", "--config.measure_repeats=1",
                "--config.cost_context=128", "--config.prompt=Hi there"],
     "export": ["--config.model.num_layers=1"],
+}
+TINY = ["--config.weights=random", "--config.model.num_layers=1", "--config.model.d_model=48",
+        "--config.model.num_heads=6", "--config.model.head_dim=8", "--config.model.mlp_dim=32"]
+# Shrunk flags of the other entry points whose README lines run here ({tmp}: a fresh
+# folder; {corpus}: a made-up text folder).
+SHRINK_OTHERS = {
+    "serve": ["--quick", "--progress=false", *TINY, "--config.max_seq_len=256",
+              "--json_out={tmp}/serve.json"],
+    "speculative": ["--quick", "--contexts=48", "--ks=2", "--drafters=ngram", "--batches=1",
+                    *TINY, "--out_dir={tmp}"],
+    "ppl": [*TINY, "--eval.corpus={corpus}", "--eval.split=all", "--eval.context=32",
+            "--eval.chunk=16", "--eval.num_tokens=64", "--json_out={tmp}/ppl.json"],
+    "prefill": ["--contexts=32", "--impls=tiled", "--repeats=1", "--out_dir={tmp}"],
+    "batch": ["--shapes=blog", "--levers=gqa", "--contexts=256", "--max_batch=2",
+              "--xla=false", "--measure_levers=gqa", "--measure_contexts=256",
+              "--ragged_batch=2", "--wall_context=256", "--json_out={tmp}/batch.json"],
+    "shard": ["--models=blog", "--layers=1", "--context=256", "--out={tmp}"],
 }
 
 
@@ -104,3 +124,25 @@ def test_the_readme_names_every_entry_point():
     every = {f"experiments.{p.stem}" for p in (ROOT / "experiments").glob("*.py")
              if 'if __name__ == "__main__":' in p.read_text()}
     assert every <= named, every - named
+
+
+RUN_OTHERS = [(env, argv) for env, argv in OTHERS
+              if argv[2].split(".")[1] in SHRINK_OTHERS and "--list_fields" not in argv]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env, argv", RUN_OTHERS,
+                         ids=[" ".join(a[2:])[:90] for _, a in RUN_OTHERS])
+def test_readme_line_of_another_entry_point_runs_shrunk(env, argv, tmp_path):
+    module = argv[2].split(".")[1]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    words = "the cache holds the keys and values of every past token".split()
+    for i in range(8):
+        (corpus / f"d{i}.txt").write_text(" ".join(words[(i + j) % len(words)]
+                                                   for j in range(400)))
+    extra = [a.format(tmp=tmp_path, corpus=corpus) for a in SHRINK_OTHERS[module]]
+    proc = subprocess.run([sys.executable, *argv[1:], *extra], capture_output=True,
+                          text=True, timeout=900, cwd=ROOT, env={**os.environ, **env})
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
