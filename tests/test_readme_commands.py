@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from tests.test_entry import TINY_FLAGS, tiny_corpus
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHRINK = {
     "decode": ["--config.model.num_layers=1", "--config.max_new_tokens=3",
@@ -24,8 +26,7 @@ SHRINK = {
                "--config.cost_context=128", "--config.prompt=Hi there"],
     "export": ["--config.model.num_layers=1"],
 }
-TINY = ["--config.weights=random", "--config.model.num_layers=1", "--config.model.d_model=48",
-        "--config.model.num_heads=6", "--config.model.head_dim=8", "--config.model.mlp_dim=32"]
+TINY = [f for f in TINY_FLAGS if not f.startswith("--config=")]  # the line names its config
 # Shrunk flags of the other entry points whose README lines run here ({tmp}: a fresh
 # folder; {corpus}: a made-up text folder).
 SHRINK_OTHERS = {
@@ -135,12 +136,7 @@ RUN_OTHERS = [(env, argv) for env, argv in OTHERS
                          ids=[" ".join(a[2:])[:90] for _, a in RUN_OTHERS])
 def test_readme_line_of_another_entry_point_runs_shrunk(env, argv, tmp_path):
     module = argv[2].split(".")[1]
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    words = "the cache holds the keys and values of every past token".split()
-    for i in range(8):
-        (corpus / f"d{i}.txt").write_text(" ".join(words[(i + j) % len(words)]
-                                                   for j in range(400)))
+    corpus = tiny_corpus(tmp_path)
     extra = [a.format(tmp=tmp_path, corpus=corpus) for a in SHRINK_OTHERS[module]]
     proc = subprocess.run([sys.executable, *argv[1:], *extra], capture_output=True,
                           text=True, timeout=900, cwd=ROOT, env={**os.environ, **env})

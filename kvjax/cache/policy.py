@@ -177,7 +177,7 @@ class RingSlots:
         below the window) holds every token, so it fills as a dense cache does."""
         if num_slots >= self.window_size:
             return jnp.zeros(jnp.shape(length), bool)
-        return length + new_tokens > num_slots
+        return DenseSlots().overflows(length, new_tokens, num_slots)
 
     def held(self, length: jax.Array, num_slots: int) -> jax.Array:
         """[B] int32 tokens a row's next query sees: at most W (blog "Lever 3"), whatever
