@@ -84,6 +84,29 @@ def test_readme_is_short():
         "measurements to docs/results/ and design notes to docs/DESIGN.md")
 
 
+MAX_HEADLINE_ROWS = 8
+
+
+def headline_rows(text: str) -> list[str]:
+    """The table rows of the README's "## Headline figures" section (header excluded)."""
+    section = text.split("## Headline figures", 1)[1].split("\n## ", 1)[0]
+    rows = [l for l in section.splitlines() if l.startswith("|")]
+    return rows[2:]  # the header and its |---| line
+
+
+def test_readme_keeps_at_most_eight_headline_rows():
+    rows = headline_rows((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert 0 < len(rows) <= MAX_HEADLINE_ROWS, (
+        f"README's headline table has {len(rows)} rows (1 to {MAX_HEADLINE_ROWS}: one "
+        "per claim, its latest figure; the rest go in docs/results/)")
+
+
+def test_headline_rows_counts_a_table():
+    text = ("## Headline figures\n\nprose\n\n| a | b |\n|---|---|\n| 1 | 2 |\n| 3 | 4 |\n"
+            "\n## Next\n| x | y |\n")
+    assert headline_rows(text) == ["| 1 | 2 |", "| 3 | 4 |"]
+
+
 def test_scanner_flags_what_is_missing():
     text = (
         "See `kvjax/analysis/theory.py`, kvjax/no_such_module.py, and\n"
