@@ -349,6 +349,10 @@ def lever_baseline(cfg: ModelConfig) -> tuple[str, ModelConfig] | None:
     parameterisation, with no MHA of the same weights)."""
     if cfg.is_mla:
         return None
+    if cfg.kv_selects_pages:
+        return (f"lever 5, {cfg.kv_compression} reading {cfg.kv_budget} tokens' pages per "
+                "KV head: against the full paged read",
+                cfg.replace(kv_compression=None, kv_budget=None, plan=None))
     if cfg.kv_compression is not None:
         return (f"lever 5, {cfg.kv_compression} keeping {cfg.kv_budget} scored slots + "
                 f"{cfg.compression.recent_slots} recent: against the full cache",
