@@ -218,3 +218,24 @@ def test_the_paged_engine_runs_quest():
     for r, c in zip(reqs[:2], small[:2]):
         alone, _ = engine.Engine(params, quest(8), num_pages=8, **kw).run([r])
         assert alone[0].tokens == c.tokens
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_allocated_and_theory_bytes_count_the_bounds(kv_dtype):
+    """Quest keeps every page (theory's full cache at the pool's tokens) plus 2·K·H
+    model-dtype elements per page and layer; a step reads the budget's tokens and every
+    held page's bounds, and at a budget covering the context it reads the full cache."""
+    cfg = quest(2 * P, kv_dtype=kv_dtype)
+    plain = cfg.replace(kv_compression=None, kv_budget=None)
+    cache = paged.init_paged_cache(cfg, 2, 10, P, M)
+    bound = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert cache_lib.total_bytes(cache.bounds) == 10 * bound
+    assert cache_lib.total_bytes(cache.tensors) + cache_lib.total_bytes(cache.bounds) \
+        == 10 * paged.page_bytes(cfg, P) == theory.kv_cache_bytes(plain, 10 * P) + 10 * bound
+    got = theory.page_selection_step_bytes(cfg, 30, P, batch=2)
+    assert got["kv_read"] == 2 * theory.kv_cache_bytes(plain, 2 * P)  # 2 pages of 8
+    assert got["bounds_read"] == 2 * 8 * bound  # ceil(30 / 4) pages held
+    wide = theory.page_selection_step_bytes(quest(M * P, kv_dtype=kv_dtype), 32, P)
+    assert wide["kv_read"] == theory.step_bytes(plain, 32).kv_read
+    with pytest.raises(ValueError, match="kv_compression=None"):
+        theory.page_selection_step_bytes(plain, 30, P)
