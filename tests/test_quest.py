@@ -7,13 +7,12 @@ depend on its batch-mates; bad budgets are refused by name. Tiny random models, 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from kvjax import compression
-from kvjax.analysis import theory
+from kvjax.analysis import costs, theory
 from kvjax.cache import kv as cache_lib
 from kvjax.cache import paged
 from kvjax.config import ConfigError, RunConfig, SpeculativeConfig
@@ -239,3 +238,18 @@ def test_allocated_and_theory_bytes_count_the_bounds(kv_dtype):
     assert wide["kv_read"] == theory.step_bytes(plain, 32).kv_read
     with pytest.raises(ValueError, match="kv_compression=None"):
         theory.page_selection_step_bytes(plain, 30, P)
+
+
+def test_the_paged_step_is_costed_beside_its_theory():
+    """costs.analyze_paged_decode_step compiles the paged step from shapes: Quest's
+    against page_selection_step_bytes, the full read's against step_bytes; the compiled
+    step reads at least the weights theory counts."""
+    cfg = quest(2 * P)
+    for c, want in ((cfg, theory.page_selection_step_bytes(cfg, 32, P)["total"]),
+                    (tiny_config(tie_embeddings=False),
+                     theory.step_bytes(tiny_config(tie_embeddings=False), 32).total)):
+        r = costs.analyze_paged_decode_step(c, 32, P)
+        assert r["theory_bytes"] == want
+        assert r["xla_bytes"] >= r["theory"]["weights"]
+        assert r["attribution"]["bytes"]["weights"] == pytest.approx(r["theory"]["weights"],
+                                                                       rel=0.01)

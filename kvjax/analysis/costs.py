@@ -34,6 +34,7 @@ from kvjax import cache as cache_lib
 from kvjax import kernels
 from kvjax import planner
 from kvjax.cache import compress as compress_lib
+from kvjax.cache import paged
 from kvjax.analysis import hlo_cost, roofline, theory
 from kvjax.inference import decode, memory
 from kvjax.config import ModelConfig, SamplingConfig
@@ -218,7 +219,6 @@ def compile_paged_decode_step(cfg: ModelConfig, context: int, page_size: int,
     """Compiles one decode step of ``batch`` rows over a paged cache
     (:mod:`kvjax.cache.paged`) whose rows hold ``context`` tokens on ceil(context / P)
     pages each (a pool of exactly those pages), the cache donated, from shapes only."""
-    from kvjax.cache import paged  # noqa: PLC0415 (cache layer; costs sits above it)
     cfg = planned(cfg, batch, context)
     pages = paged.pages_for(context, page_size)
     cache = jax.eval_shape(lambda: paged.init_paged_cache(cfg, batch, batch * pages,
