@@ -16,7 +16,7 @@ from kvjax.analysis import costs, theory
 from kvjax.cache import kv as cache_lib
 from kvjax.cache import paged
 from kvjax.config import ConfigError, RunConfig, SpeculativeConfig
-from kvjax.inference import engine
+from kvjax.inference import engine, runner
 from kvjax.models import attention
 from kvjax.models import model as model_lib
 from tests.conftest import tiny_config
@@ -191,6 +191,11 @@ def test_the_engine_and_the_cache_refuse_what_cannot_run():
             first_pages=2)), 1, 16, 4, 8)
     with pytest.raises(ConfigError, match="model.kv_compression='quest'.*"):
         tiny_config(kv_compression="quest", kv_budget=8, window_size=16)
+    with pytest.raises(ValueError, match="a dense cache with model.kv_compression='quest'"):
+        cache_lib.init_cache(cfg, 1, 32)
+    run = RunConfig(model=cfg, weights="random", max_seq_len=32, page_size=4)
+    with pytest.raises(ConfigError, match="kv_compression='quest' in the main job"):
+        runner.load(run, check_prompt=True)  # before the tokenizer or weights
 
 
 @pytest.mark.slow

@@ -67,9 +67,16 @@ def load(run: RunConfig, progress: bool = True, check_prompt: bool = False) -> L
       ConfigError: the run disagrees with a hyper-parameter the checkpoint states
         (:func:`check_checkpoint`; raised from the metadata, before any tensor is
         dequantised) or with the tokenizer; with ``check_prompt``, the prompt and
-        max_new_tokens do not fit in max_seq_len (also before any tensor is read).
+        max_new_tokens do not fit in max_seq_len (also before any tensor is read); with
+        ``check_prompt``, a read-time page selection (quest: the main job's rows are
+        dense; the paged engine, ``experiments.serve --config.page_size=N``, runs it).
     """
     cfg = run.model
+    if check_prompt and cfg.kv_selects_pages:
+        raise ConfigError(
+            f"invalid config: model.kv_compression={cfg.kv_compression!r} in the main job; "
+            "allowed: an evicting method or None (its cache is dense rows; quest selects "
+            "the pages of the paged engine's cache: experiments.serve --config.page_size=N)")
     path = run.weights_path or checkpoints.weights_path(run.cache_dir, progress=progress)
 
     def fits(tok: checkpoints.Tokenizer) -> checkpoints.Tokenizer:
