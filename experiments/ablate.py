@@ -108,10 +108,11 @@ _MLA_KV_DTYPES = flags.DEFINE_list(
     "mla_kv_dtypes", ["int8", "float8_e4m3fn"],
     "Cache element types scored on the best MLA conversion; empty: none.")
 _COMPRESSION = flags.DEFINE_list(
-    "kv_compression", list(compression_lib.names()),
+    "kv_compression", list(filter(compression_lib.evicts, compression_lib.names())),
     "Lever 5 methods (model.kv_compression) scored on the original GQA model at each "
     f"--kv_budgets value (long-context columns only), any of: "
-    f"{', '.join(compression_lib.names())}; empty: none.")
+    f"{', '.join(filter(compression_lib.evicts, compression_lib.names()))}; empty: none "
+    "(quest selects pages of a paged cache, which the long-context harness does not run).")
 _BUDGETS = flags.DEFINE_list("kv_budgets", ["256"],
                              "Budgets (model.kv_budget: prompt slots kept per KV head).")
 _LC_TASKS = flags.DEFINE_list(

@@ -271,6 +271,11 @@ def main(argv):
         check_lengths(lengths, run.max_seq_len if _given("config.max_seq_len") else None,
                       context, _BEYOND.value)
         ecfg = evaluate.eval_config_from_dict(_EVAL.value) if _PPL.value else None
+        if run.model.kv_selects_pages:
+            raise cli.UsageError(
+                f"--config.model.kv_compression={run.model.kv_compression} with the "
+                "long-context harness; allowed: an evicting method or None (the harness "
+                "scores on dense caches; quest selects pages of the paged engine's cache)")
         if ecfg is not None and run.model.kv_compression is not None:
             raise cli.UsageError(
                 f"--ppl with --config.model.kv_compression={run.model.kv_compression}; "

@@ -425,9 +425,25 @@ class ModelConfig:
         """Tokens the cache's ring holds (W), whatever the context: ``window_size``, or
         with ``kv_compression`` kv_budget + compression.recent_slots; None: it grows with
         the context."""
-        if self.kv_compression is not None:
+        if self.kv_evicts:
             return self.kv_budget + self.compression.recent_slots
         return self.window_size
+
+    @property
+    def kv_evicts(self) -> bool:
+        """True when ``kv_compression`` names a method that evicts slots after the prefill
+        (the cache holds kv_budget + recent_slots); False without compression and for a
+        read-time page selection (Quest: every page kept, :attr:`kv_selects_pages`)."""
+        return self.kv_compression in compression.names() and \
+            compression.evicts(self.kv_compression)
+
+    @property
+    def kv_selects_pages(self) -> bool:
+        """True when ``kv_compression`` is a read-time page selection (Quest,
+        :mod:`kvjax.compression.quest`): a paged cache keeps every page and its key
+        bounds, and each decode step reads kv_budget / page_size pages per KV head."""
+        return self.kv_compression in compression.names() and \
+            compression.selects_pages(self.kv_compression)
 
     @property
     def num_groups(self) -> int:
@@ -667,6 +683,8 @@ def _check_compression(c: ModelConfig) -> None:
         _fail("model.compression.pyramid_beta", k.pyramid_beta, "an integer >= 1")
     if not isinstance(k.uniform_layers, bool):
         _fail("model.compression.uniform_layers", k.uniform_layers, "True or False")
+    if not _is_int(k.first_pages) or k.first_pages < 0:
+        _fail("model.compression.first_pages", k.first_pages, "an integer >= 0")
     method = compression.get(c.kv_compression)
     protected = method.protected(k, c.kv_budget)
     if c.kv_budget <= protected:
@@ -699,6 +717,10 @@ def _check_compression(c: ModelConfig) -> None:
                   f"{'not mla' if f == 'attention' else 'unset'} with "
                   f"model.kv_compression={c.kv_compression!r} (a compressed cache is a full "
                   "MHA/GQA/MQA cache's kept slots; MLA and windows are not combined with it)")
+    if c.kv_selects_pages and c.attn_logit_softcap is not None:
+        _fail("model.attn_logit_softcap", c.attn_logit_softcap,
+              f"None with model.kv_compression={c.kv_compression!r} (its page read runs "
+              "the 'xla' step, which has no soft-capped scores)")
 
 
 MIN_SAMPLING_TEMPERATURE = 2.0 ** -126
@@ -1071,6 +1093,9 @@ class RunConfig:
         """What lever 5 (``model.kv_compression``) does not combine with, refused by name
         before any work."""
         m = self.model
+        if m.kv_selects_pages:
+            self._check_page_selection()
+            return
         if m.kv_budget > self.max_seq_len:
             _fail("model.kv_budget", m.kv_budget,
                   f"at most max_seq_len={self.max_seq_len} (a budget the context cannot fill)")
@@ -1089,6 +1114,32 @@ class RunConfig:
             _fail("speculative.drafter", self.speculative.drafter,
                   f"'none' {why} (rolling drafts back on a compressed cache is not "
                   "implemented)")
+        if self.mesh.size > 1:
+            _fail("mesh", self.mesh, f"one device {why} (not implemented on a mesh)")
+
+    def _check_page_selection(self) -> None:
+        """What a read-time page selection (Quest) needs: a paged cache whose pages the
+        budget counts (kv_budget a multiple of page_size, at most max_seq_len rounded up
+        to pages, more pages than ``compression.first_pages``), one device, no
+        speculation; refused by name before any work."""
+        m = self.model
+        why = f"with model.kv_compression={m.kv_compression!r}"
+        if not self.page_size:
+            _fail("page_size", self.page_size, f"an integer >= 1 {why} (it selects pages of "
+                  "a paged cache; dense rows have none)")
+        if m.kv_budget % self.page_size:
+            _fail("model.kv_budget", m.kv_budget, f"a multiple of page_size={self.page_size} "
+                  f"{why} (tokens read per KV head: whole pages)")
+        capacity = -(-self.max_seq_len // self.page_size) * self.page_size
+        if m.kv_budget > capacity:
+            _fail("model.kv_budget", m.kv_budget, f"at most {capacity} {why} (a row's "
+                  f"pages at max_seq_len={self.max_seq_len})")
+        if m.compression.first_pages >= m.kv_budget // self.page_size:
+            _fail("model.compression.first_pages", m.compression.first_pages,
+                  f"fewer than the budget's {m.kv_budget // self.page_size} pages {why}")
+        if self.speculative.enabled:
+            _fail("speculative.drafter", self.speculative.drafter,
+                  f"'none' {why} (a rolled-back page keeps the bounds of its rejected keys)")
         if self.mesh.size > 1:
             _fail("mesh", self.mesh, f"one device {why} (not implemented on a mesh)")
 

@@ -43,6 +43,8 @@ def compression_label(cfg: ModelConfig) -> str:
     ring of recent slots after it)."""
     if cfg.kv_compression is None:
         return ""
+    if cfg.kv_selects_pages:  # Quest: tokens read per KV head, every page kept
+        return f"{cfg.kv_compression} {cfg.kv_budget} read"
     return f"{cfg.kv_compression} {cfg.kv_budget}+{cfg.compression.recent_slots}"
 
 

@@ -47,7 +47,7 @@ def allocated_rows(budgets, prompt_len: int, seed: int = 0) -> list:
     tokens = jnp.asarray(np.random.default_rng(seed).integers(3, base.vocab_size,
                                                               (1, prompt_len)), jnp.int32)
     rows = []
-    for method in compression.names():
+    for method in filter(compression.evicts, compression.names()):  # quest: pages
         for budget in budgets:
             cfg = base.replace(kv_compression=method, kv_budget=budget)
             cache = cache_lib.init_cache(cfg, 1, prompt_len)
@@ -106,7 +106,8 @@ def pyramid_step_rows(budgets, context: int) -> list:
 
 def overhead_rows(prompt_len: int, budget: int) -> list:
     return [(m, costs.compression_overhead(smollm2(kv_compression=m, kv_budget=budget),
-                                           prompt_len)) for m in compression.names()]
+                                           prompt_len))
+            for m in filter(compression.evicts, compression.names())]
 
 
 def timed(context: int, budget: int, repeats: int, rounds: int) -> dict:

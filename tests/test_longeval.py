@@ -182,6 +182,8 @@ def test_refusals_name_the_value(tok):
     (["--depths=0.5,-0.1"], "depth -0.1"),
     (["--lengths=9000"], "length 9000 exceeds the checkpoint's trained context"),
     (["--lengths=2048", "--config.max_seq_len=1024"], "exceeds --config.max_seq_len=1024"),
+    (["--config.model.kv_compression=quest", "--config.model.kv_budget=512",
+      "--config.page_size=16"], "kv_compression=quest with the long-context harness"),
 ])
 def test_entry_point_refuses_before_any_work(tmp_path, args, message):
     proc = subprocess.run([sys.executable, "-m", "experiments.longeval",

@@ -34,6 +34,7 @@ from kvjax import cache as cache_lib
 from kvjax import kernels
 from kvjax import planner
 from kvjax.cache import compress as compress_lib
+from kvjax.cache import paged
 from kvjax.analysis import hlo_cost, roofline, theory
 from kvjax.inference import decode, memory
 from kvjax.config import ModelConfig, SamplingConfig
@@ -211,6 +212,54 @@ def compression_overhead(cfg: ModelConfig, prompt_len: int, batch: int = 1) -> d
                          (plain, prompt_len))]
     return {"flops": both[0].flops - both[1].flops, "bytes": both[0].bytes - both[1].bytes,
             "prefill_flops": both[0].flops, "prefill_bytes": both[0].bytes}
+
+
+def compile_paged_decode_step(cfg: ModelConfig, context: int, page_size: int,
+                              batch: int = 1, compiler_options: dict | None = None):
+    """Compiles one decode step of ``batch`` rows over a paged cache
+    (:mod:`kvjax.cache.paged`) whose rows hold ``context`` tokens on ceil(context / P)
+    pages each (a pool of exactly those pages), the cache donated, from shapes only."""
+    cfg = planned(cfg, batch, context)
+    pages = paged.pages_for(context, page_size)
+    cache = jax.eval_shape(lambda: paged.init_paged_cache(cfg, batch, batch * pages,
+                                                          page_size, pages))
+
+    def step(params, tokens, cache):
+        pos = jnp.minimum(cache.length, context - 1)[:, None]
+        return model.forward(params, cfg, tokens, pos, cache)
+
+    return jax.jit(step, donate_argnums=2).lower(
+        model.param_shapes(cfg), _token_spec(batch), cache).compile(
+        compiler_options=compiler_options)
+
+
+def analyze_paged_decode_step(cfg: ModelConfig, context: int, page_size: int,
+                              batch: int = 1) -> dict:
+    """Loop-corrected compiled bytes and FLOPs of one paged decode step at ``context``
+    (:func:`compile_paged_decode_step`) beside theory: with a read-time page selection
+    (Quest, ``cfg.kv_selects_pages``) :func:`kvjax.analysis.theory.page_selection_step_bytes`
+    (the budget's pages plus every page's key bounds), else :func:`theory.step_bytes`
+    (every token).
+
+    Returns:
+      {'context', 'page_size', 'batch', 'kv_compression', 'kv_budget', 'xla_bytes',
+      'xla_flops', 'theory': {...bytes}, 'theory_bytes', 'xla_over_theory',
+      'kv_bytes', 'weight_bytes'}: 'kv_bytes' and 'weight_bytes' split the compiled bytes
+      (:func:`kvjax.analysis.hlo_cost.attribute`).
+    """
+    compiled = compile_paged_decode_step(cfg, context, page_size, batch,
+                                         analysis_compiler_options())
+    xla = hlo_cost.loop_aware_cost(compiled)
+    att = hlo_cost.attribute(hlo_cost.op_costs(compiled)).as_dict()
+    if cfg.kv_selects_pages:
+        th = theory.page_selection_step_bytes(cfg, context, page_size, batch)
+    else:
+        th = theory.step_bytes(cfg, context, batch).as_dict()
+    return {"context": context, "page_size": page_size, "batch": batch,
+            "kv_compression": cfg.kv_compression, "kv_budget": cfg.kv_budget,
+            "xla_bytes": float(xla.bytes), "xla_flops": float(xla.flops), "theory": th,
+            "theory_bytes": float(th["total"]), "xla_over_theory": xla.bytes / th["total"],
+            "attribution": att}
 
 
 def analyze_decode_step(cfg: ModelConfig, context: int, batch: int = 1, compiled=None,

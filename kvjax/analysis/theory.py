@@ -338,6 +338,43 @@ def step_bytes(cfg: ModelConfig, t: int, batch: int = 1, weights: int | None = N
     )
 
 
+def page_selection_step_bytes(cfg: ModelConfig, t: int, page_size: int, batch: int = 1,
+                              weights: int | None = None) -> dict:
+    """Bytes of one decode step at context ``t`` under a read-time page selection (lever
+    5 at read time, Quest: Tang et al. 2024 sec. 3.2, ``cfg.kv_selects_pages``) over a
+    paged cache of ``page_size`` P tokens per page.
+
+    Each KV head of each layer reads C = kv_budget / P pages, at most the ceil(t / P)
+    pages the row holds: min(kv_budget, P·ceil(t / P)) tokens' keys and values, i.e.
+    that many tokens of :func:`kv_bytes_per_token`; the selection reads every held
+    page's key bounds, ceil(t / P)·L·2·K·H elements in the model dtype, and the step
+    writes its token's page bounds once, L·2·K·H elements (plus its token's K/V).
+
+    Returns:
+      {'weights', 'kv_read' (the selected pages), 'bounds_read', 'kv_write' (the token's
+      K/V), 'bounds_write', 'total'} in bytes, for ``batch`` rows.
+    Raises:
+      ValueError: a config without a read-time page selection, or page_size below 1.
+    """
+    if not cfg.kv_selects_pages:
+        raise ValueError(f"page_selection_step_bytes with model.kv_compression="
+                         f"{cfg.kv_compression!r}; allowed: a read-time page selection "
+                         "(quest)")
+    if page_size < 1:
+        raise ValueError(f"page_size={page_size}; allowed: an integer >= 1")
+    pages = -(-int(t) // page_size)
+    read = min(cfg.kv_budget, pages * page_size)
+    plain = cfg.replace(kv_compression=None, kv_budget=None)
+    bound = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cfg.dtype_bytes
+    out = {"weights": int(weight_bytes_per_step(cfg) if weights is None else weights),
+           "kv_read": batch * read * kv_bytes_per_token(plain),
+           "bounds_read": batch * pages * bound,
+           "kv_write": batch * kv_bytes_per_token(plain),
+           "bounds_write": batch * bound}
+    out["total"] = sum(out.values())
+    return out
+
+
 def _cache_sinks(cfg: ModelConfig) -> int:
     """Sinks scored a second time per layer (``rope_positions='cache'``), else 0."""
     return cfg.num_sink_tokens if cfg.rope_positions == "cache" else 0

@@ -283,8 +283,14 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_seq_len: int,
     mask is the window's either way.
 
     Raises:
-      ValueError: non-positive batch_size or max_seq_len, negative spare_slots.
+      ValueError: non-positive batch_size or max_seq_len, negative spare_slots; a
+        read-time page selection (``kv_compression='quest'``), which needs pages
+        (:func:`kvjax.cache.paged.init_paged_cache`).
     """
+    if cfg.kv_selects_pages:
+        raise ValueError(f"a dense cache with model.kv_compression={cfg.kv_compression!r}; "
+                         "allowed: a paged cache (page_size >= 1: it selects the pages to "
+                         "read), or another method")
     if batch_size <= 0 or max_seq_len <= 0:
         raise ValueError(
             f"batch_size={batch_size} and max_seq_len={max_seq_len} must be positive")

@@ -52,7 +52,8 @@ from kvjax.config import ModelConfig
 
 __all__ = ["PagedKVCache", "PagedLayer", "PoolExhausted", "init_paged_cache", "pages_for",
            "write", "advance", "overflows", "copy_pages", "gather_view", "page_bytes",
-           "ring_bytes", "row_cache", "put_row", "PageAllocator", "page_hashes"]
+           "ring_bytes", "row_cache", "put_row", "PageAllocator", "page_hashes", "BOUNDS",
+           "check_selection", "bound_bytes", "write_bounds"]
 
 
 class PoolExhausted(RuntimeError):
@@ -93,6 +94,10 @@ class PagedKVCache:
       ragged: static, always True (rows keep their own lengths).
       rings: static, () or per layer the slots S_i of its rows' ring (a local layer of
         ``cfg.layer_windows``), 0 for a paged layer.
+      bounds: {} or, for a read-time page selection (Quest, ``cfg.kv_selects_pages``),
+        {'k_min': pools, 'k_max': pools}: each page's per-channel minimum and maximum
+        of its written keys (dequantized), [L, N, K, H] or a tuple of L [N, K, H] in the
+        model dtype, kept by :func:`write_bounds`.
     """
 
     tensors: dict
@@ -104,6 +109,7 @@ class PagedKVCache:
     ragged: bool = flax.struct.field(pytree_node=False, default=True)
     rings: tuple = flax.struct.field(pytree_node=False, default=())
     pool_pages: int = flax.struct.field(pytree_node=False, default=0)
+    bounds: dict = flax.struct.field(default_factory=dict)
 
     def is_ring(self, i: int) -> bool:
         """Whether layer ``i`` (a static int) keeps its rows' rings, not pages."""
@@ -159,7 +165,8 @@ class PagedKVCache:
         views = {n: gather_view(t[i], self.block_table, axes[n], seen)
                  for n, t in self.tensors.items()}
         return PagedLayer(views, pools={n: t[i] for n, t in self.tensors.items()},
-                          block_table=self.block_table, page_size=self.page_size)
+                          block_table=self.block_table, page_size=self.page_size,
+                          bounds={n: t[i] for n, t in self.bounds.items()})
 
 
 class PagedLayer(dict):
@@ -170,11 +177,15 @@ class PagedLayer(dict):
       pools: name -> this layer's pool, [N, ..., P, X] or [N, ..., X, P].
       block_table: [B, M] int32 (-1: no page).
       page_size: P.
+      bounds: {} or {'k_min', 'k_max'}: this layer's pages' key bounds [N, K, H]
+        (:attr:`PagedKVCache.bounds`).
     """
 
-    def __init__(self, views: dict, pools: dict, block_table: jax.Array, page_size: int):
+    def __init__(self, views: dict, pools: dict, block_table: jax.Array, page_size: int,
+                 bounds: dict | None = None):
         super().__init__(views)
         self.pools, self.block_table, self.page_size = pools, block_table, page_size
+        self.bounds = bounds or {}
 
 
 def gather_view(pool: jax.Array, block_table: jax.Array, axis: int,
@@ -234,12 +245,50 @@ def init_paged_cache(cfg: ModelConfig, batch_size: int, num_pages: int, page_siz
         else:
             tensors[name] = tuple(jnp.zeros(spec.shape, spec.dtype)
                                   for _ in range(cfg.num_layers))
+    bounds = {}
+    if cfg.kv_selects_pages:  # Quest: every page's key bounds
+        check_selection(cfg, page_size, max_pages)
+        shape = (num_pages, cfg.num_kv_heads, cfg.head_dim)
+        bounds = {n: jnp.zeros((cfg.num_layers,) + shape, cfg.jnp_dtype) if cfg.scan_layers
+                  else tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
+                  for n in BOUNDS}
     return PagedKVCache(tensors=tensors,
                         block_table=jnp.full((batch_size, max_pages), -1, jnp.int32),
                         length=jnp.zeros((batch_size,), jnp.int32), page_size=page_size,
                         axes=tuple((n, s.slot_axis) for n, s in specs.items()),
                         layouts=kv.layouts(cfg), ragged=True, rings=rings,
-                        pool_pages=int(num_pages))
+                        pool_pages=int(num_pages), bounds=bounds)
+
+
+BOUNDS = ("k_min", "k_max")
+"""The per-page key bounds a read-time page selection keeps (:attr:`PagedKVCache.bounds`)."""
+
+
+def check_selection(cfg: ModelConfig, page_size: int, max_pages: int) -> None:
+    """Raises ValueError naming ``model.kv_budget`` unless a read-time page selection
+    (Quest) can run on rows of ``max_pages`` pages of ``page_size`` tokens: the budget a
+    positive multiple of the page size, at most a row's M·P tokens, more pages than
+    ``compression.first_pages``; and MHA/GQA/MQA without windows (checked by the
+    config)."""
+    b = cfg.kv_budget
+    why = f"with model.kv_compression={cfg.kv_compression!r}"
+    if b % page_size:
+        raise ValueError(f"model.kv_budget={b}; allowed: a multiple of page_size="
+                         f"{page_size} {why} (tokens read per KV head: whole pages)")
+    if b > max_pages * page_size:
+        raise ValueError(f"model.kv_budget={b}; allowed: at most {max_pages * page_size} "
+                         f"{why} (a row's {max_pages} pages of {page_size})")
+    if cfg.compression.first_pages >= b // page_size:
+        raise ValueError(f"model.compression.first_pages={cfg.compression.first_pages}; "
+                         f"allowed: fewer than the budget's {b // page_size} pages {why}")
+
+
+def bound_bytes(cfg: ModelConfig) -> int:
+    """Bytes of one page's key bounds over every layer (Quest: 2·K·H elements per layer,
+    model dtype); 0 without a read-time page selection."""
+    if not cfg.kv_selects_pages:
+        return 0
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.dtype_bytes
 
 
 def _paged_layers(cfg: ModelConfig) -> int:
@@ -252,7 +301,7 @@ def page_bytes(cfg: ModelConfig, page_size: int) -> int:
     """Bytes of one page over every paged layer (all, or the global layers of
     ``cfg.layer_windows``) and cached tensor (codes and scales)."""
     per_layer = sum(s.nbytes for s in kv.tensor_specs(cfg, 1, page_size).values())
-    return _paged_layers(cfg) * per_layer
+    return _paged_layers(cfg) * per_layer + bound_bytes(cfg)
 
 
 def ring_bytes(cfg: ModelConfig, batch_size: int, spare_slots: int = 0) -> int:
@@ -280,7 +329,7 @@ def put_row(cache: PagedKVCache, one: PagedKVCache, row) -> PagedKVCache:
     """``cache`` with the pools of ``one`` (a :func:`row_cache` after a write) and its
     rings put back in row ``row``; ``cache``'s block tables and lengths kept."""
     if not cache.rings:
-        return cache.replace(tensors=one.tensors)
+        return cache.replace(tensors=one.tensors, bounds=one.bounds)
     put = lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), row, 0)
     tensors = {n: tuple(put(x, r) if cache.is_ring(i) else r
                         for i, (x, r) in enumerate(zip(t, one.tensors[n])))
@@ -330,6 +379,37 @@ def write(cache: PagedKVCache, buf: jax.Array, new: jax.Array, positions: jax.Ar
     return buf.at[tuple(index)].set(value, mode="drop")
 
 
+def write_bounds(cache: PagedKVCache, bounds: dict, k_new: jax.Array,
+                 positions: jax.Array, layer=None) -> dict:
+    """One layer's page key bounds after a chunk's keys are written
+    (:attr:`PagedKVCache.bounds`; Quest, Tang et al. 2024 sec. 3.2: per page and channel
+    the min and max of its keys). A page whose offset 0 the chunk writes starts afresh
+    (a reused page forgets its old keys), the others take min / max with the chunk's keys,
+    so a bound is always that of the keys written to the page so far.
+
+    Args:
+      cache: its block table and page size map positions to pages.
+      bounds: {'k_min', 'k_max'}: one layer's [N, K, H], or stacked [L, N, K, H] with
+        ``layer`` ([] int32) given.
+      k_new: [B, K, T, H] the chunk's keys as the cache holds them (dequantized).
+      positions: [B, T] int32 (-1: padding, not written).
+    Returns:
+      {'k_min', 'k_max'} updated, shaped as ``bounds``.
+    """
+    page, offset = _pages_offsets(cache, positions)  # [B, T]; N: dropped
+    fresh = jnp.where(offset == 0, page, cache.num_pages)  # pages this chunk starts
+    new = jnp.swapaxes(k_new, 1, 2)  # [B, T, K, H]
+    out = {}
+    for name, fill in (("k_min", jnp.inf), ("k_max", -jnp.inf)):
+        x = bounds[name]
+        lead = () if layer is None else (layer,)
+        vals = new.astype(x.dtype)
+        x = x.at[lead + (fresh,)].set(jnp.full(vals.shape, fill, x.dtype), mode="drop")
+        at = x.at[lead + (page,)]
+        out[name] = at.min(vals, mode="drop") if name == "k_min" else at.max(vals, mode="drop")
+    return out
+
+
 def overflows(cache: PagedKVCache, positions: jax.Array) -> jax.Array:
     """[B] bool: a real token of the row (position >= 0) falls past the view or on a
     block-table entry with no page (its write would be lost)."""
@@ -353,7 +433,9 @@ def copy_pages(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCa
                            for i, x in enumerate(t))
         else:
             out[n] = t.at[:, dst].set(t[:, src])
-    return cache.replace(tensors=out)
+    bounds = {n: (tuple(x.at[dst].set(x[src]) for x in t) if isinstance(t, tuple)
+                  else t.at[:, dst].set(t[:, src])) for n, t in cache.bounds.items()}
+    return cache.replace(tensors=out, bounds=bounds)
 
 
 # ---------------------------------------------------------------------- host allocator

@@ -269,7 +269,7 @@ def policy_for(cfg) -> DenseSlots | RingSlots | DenseWindowSlots:
     slots, the kept ones, are pinned like sinks, :mod:`kvjax.cache.compress`; with
     per-layer budgets, ``cfg.layer_budgets``, the smallest layer's ring, whose
     ``positions`` the cache keeps: :func:`kvjax.cache.kv.layer_positions`)."""
-    if cfg.kv_compression is not None:
+    if cfg.kv_evicts:
         budgets = cfg.layer_budgets
         pinned = cfg.kv_budget if budgets is None else min(budgets)
         return RingSlots(pinned + cfg.compression.recent_slots, pinned,

@@ -97,6 +97,8 @@ class CompressionConfig:
         per-layer budgets (:attr:`Method.layer_budgets`; PyramidKV then is SnapKV). The
         config of one layer (``ModelConfig.layer_config``) sets it: that layer's
         kv_budget is its own budget.
+      first_pages: a page-selecting method's (Quest's) first pages of each row always
+        read, within its budget (attention sinks; Quest itself: 0).
     """
 
     observation_window: int = 32
@@ -107,6 +109,7 @@ class CompressionConfig:
     schedule: str = "prefill"
     pyramid_beta: int = 20
     uniform_layers: bool = False
+    first_pages: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +120,8 @@ class Method:
       name: the value of ``model.kv_compression`` that selects it.
       score: (:class:`Observation`) -> [B, K, S] float32 scores of one layer's slots,
         higher kept; :data:`KEEP` for a slot always kept. Empty slots need nothing
-        (:func:`select` never keeps them over a filled one).
+        (:func:`select` never keeps them over a filled one). None for a read-time
+        method (``page_score``).
       queries: one of :data:`QUERIES`.
       reference: the paper and section that define the score.
       protected: (config, kv_budget) -> slots of the budget the score always keeps
@@ -127,6 +131,10 @@ class Method:
         cache's bytes; None: every layer kv_budget. Each layer's cache then holds its own
         budget + recent_slots slots (:func:`kvjax.cache.kv.init_cache`), and every
         budget must exceed ``protected`` (``model.kv_budget`` is refused otherwise).
+      page_score: a read-time method's (Quest's) page ranking, or None (the method
+        evicts once, by ``score``): (q [B, K, G, H] the step's queries, k_min, k_max
+        [B, M, K, H] each row's pages' per-channel key bounds) -> [B, K, M] float32, higher
+        read first (:func:`kvjax.models.attention.select_pages`).
     """
 
     name: str
@@ -135,6 +143,14 @@ class Method:
     reference: str
     protected: Callable[[CompressionConfig, int], int] = lambda cfg, budget: 0
     layer_budgets: Callable[[CompressionConfig, int, int], tuple] | None = None
+    page_score: Callable[[jax.Array, jax.Array, jax.Array], jax.Array] | None = None
+
+    @property
+    def selects_pages(self) -> bool:
+        """True for a read-time method (Quest): it keeps every page of a paged cache and
+        reads each step only the pages :attr:`page_score` ranks first, per KV head; it
+        evicts nothing (``score`` is None)."""
+        return self.page_score is not None
 
 
 _METHODS: dict[str, Method] = {}
@@ -170,6 +186,17 @@ def names() -> tuple:
     """Every registered method's name, sorted."""
     _load()
     return tuple(sorted(_METHODS))
+
+
+def evicts(name: str | None) -> bool:
+    """Whether ``model.kv_compression=name`` evicts slots after the prefill (every method
+    but a read-time page selection, :attr:`Method.selects_pages`); False for None."""
+    return name is not None and not get(name).selects_pages
+
+
+def selects_pages(name: str | None) -> bool:
+    """Whether ``model.kv_compression=name`` is a read-time page selection (Quest)."""
+    return name is not None and get(name).selects_pages
 
 
 def get(name: str) -> Method:

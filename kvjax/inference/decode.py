@@ -140,7 +140,7 @@ def prefill_program(params, tokens, cache, *, cfg, fresh=False):
     (``model.clear_masked_slots``). With ``cfg.kv_compression`` a fresh prompt is
     prefilled into a full cache and compressed (:func:`prefill_compressed`); a later
     chunk goes to the compressed cache's ring."""
-    if fresh and cfg.kv_compression is not None:
+    if fresh and cfg.kv_evicts:
         return prefill_compressed(params, tokens, cfg, cache.ragged)
     if not fresh:
         cache = model_lib.clear_masked_slots(cfg, cache, tokens.shape[1])

@@ -703,7 +703,15 @@ class Engine:
                         ("steps_per_sync", steps_per_sync)):
             if int(v) < 1:
                 raise ValueError(f"{name}={v}; allowed: an integer >= 1")
-        if cfg.kv_compression is not None and (page_size or speculative is not None):
+        if cfg.kv_selects_pages and (not page_size or speculative is not None):
+            raise ConfigError(
+                f"model.kv_compression={cfg.kv_compression!r} with "
+                f"{'page_size=0' if not page_size else 'speculative decoding'}; allowed: "
+                "page_size >= 1 without speculation (it selects the pages of a paged "
+                "cache to read)")
+        if page_size and cfg.kv_selects_pages:
+            paged.check_selection(cfg, page_size, paged.pages_for(max_seq_len, page_size))
+        if cfg.kv_evicts and (page_size or speculative is not None):
             raise ConfigError(
                 f"model.kv_compression={cfg.kv_compression!r} with "
                 f"{'page_size=' + str(page_size) if page_size else 'speculative decoding'}"

@@ -143,7 +143,7 @@ def prefill_ragged_program(params, tokens, lengths, cache, *, cfg):
     ``cfg.kv_compression`` each row is prefilled into a full cache and compressed on its
     own tokens (:func:`kvjax.inference.decode.prefill_compressed`; the cache must be
     empty)."""
-    if cfg.kv_compression is not None:
+    if cfg.kv_evicts:
         return decode_lib.prefill_compressed(params, tokens, cfg, True, lengths)
     cache = model_lib.clear_masked_slots(cfg, cache, tokens.shape[1])
     logits, cache = model_lib.forward(params, cfg, tokens, _positions(cache, tokens.shape[1]),
@@ -182,7 +182,7 @@ def prefill_ragged(params, cfg: ModelConfig, tokens, lengths, cache: KVCache):
         raise ValueError(f"lengths[{b}]={int(lengths[b])}; allowed: 1..{tokens.shape[1]} "
                          "(an empty prompt cannot be prefilled)")
     _room(cfg, jax.device_get(cache.length), lengths, cache.num_slots, "prefill")
-    if cfg.kv_compression is not None and not decode_lib.is_empty(cache):
+    if cfg.kv_evicts and not decode_lib.is_empty(cache):
         raise ValueError(f"prefill_ragged with model.kv_compression={cfg.kv_compression!r} "
                          "on a cache that holds tokens; allowed: an empty cache (the prompt "
                          "is compressed after one prefill pass)")

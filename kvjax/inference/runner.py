@@ -67,9 +67,16 @@ def load(run: RunConfig, progress: bool = True, check_prompt: bool = False) -> L
       ConfigError: the run disagrees with a hyper-parameter the checkpoint states
         (:func:`check_checkpoint`; raised from the metadata, before any tensor is
         dequantised) or with the tokenizer; with ``check_prompt``, the prompt and
-        max_new_tokens do not fit in max_seq_len (also before any tensor is read).
+        max_new_tokens do not fit in max_seq_len (also before any tensor is read); with
+        ``check_prompt``, a read-time page selection (quest: the main job's rows are
+        dense; the paged engine, ``experiments.serve --config.page_size=N``, runs it).
     """
     cfg = run.model
+    if check_prompt and cfg.kv_selects_pages:
+        raise ConfigError(
+            f"invalid config: model.kv_compression={cfg.kv_compression!r} in the main job; "
+            "allowed: an evicting method or None (its cache is dense rows; quest selects "
+            "the pages of the paged engine's cache: experiments.serve --config.page_size=N)")
     path = run.weights_path or checkpoints.weights_path(run.cache_dir, progress=progress)
 
     def fits(tok: checkpoints.Tokenizer) -> checkpoints.Tokenizer:
@@ -349,6 +356,10 @@ def lever_baseline(cfg: ModelConfig) -> tuple[str, ModelConfig] | None:
     parameterisation, with no MHA of the same weights)."""
     if cfg.is_mla:
         return None
+    if cfg.kv_selects_pages:
+        return (f"lever 5, {cfg.kv_compression} reading {cfg.kv_budget} tokens' pages per "
+                "KV head: against the full paged read",
+                cfg.replace(kv_compression=None, kv_budget=None, plan=None))
     if cfg.kv_compression is not None:
         return (f"lever 5, {cfg.kv_compression} keeping {cfg.kv_budget} scored slots + "
                 f"{cfg.compression.recent_slots} recent: against the full cache",

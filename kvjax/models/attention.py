@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
-from kvjax import kernels, ops
+from kvjax import compression, kernels, ops
 from kvjax.cache import paged as paged_lib
 from kvjax.config import ModelConfig
 from kvjax.models import decode_kernels, flash
@@ -333,6 +333,93 @@ def _in_place(cfg: ModelConfig, cached, f: kernels.Formulation,
             and not cfg.kv_quantized and sink_s is None):
         return {n: cached.pools[n] for n in ("k", "v")}, cached.block_table
     return {}, None
+
+
+def select_pages(cfg: ModelConfig, q1: jax.Array, cached: paged_lib.PagedLayer,
+                 positions: jax.Array) -> jax.Array:
+    """The logical pages each KV head of a decode step reads under a read-time page
+    selection (Quest, Tang et al. 2024 sec. 3.2, :mod:`kvjax.compression.quest`).
+
+    Every row's pages are ranked by the method's ``page_score`` of the step's queries
+    against each page's key bounds; the first ``compression.first_pages`` pages and the
+    page of the row's latest cached token (the one being filled) are always read; pages
+    holding no token never are (unless a row holds fewer pages than the budget: then the
+    surplus picks are empty and masked).
+
+    Args:
+      cfg: a config with ``kv_selects_pages``.
+      q1: [B, K, G, H] the step's queries.
+      cached: one layer of a :class:`kvjax.cache.paged.PagedKVCache` with ``bounds``.
+      positions: [B, M·P] int32 positions of the rows' logical slots (-1: empty).
+    Returns:
+      [B, K, C] int32 logical page indices, ascending, C = kv_budget // P.
+    """
+    table, p = cached.block_table, cached.page_size
+    b, m = table.shape
+    phys = jnp.maximum(table, 0)
+    method = compression.get(cfg.kv_compression)
+    score = method.page_score(q1, cached.bounds["k_min"][phys],
+                              cached.bounds["k_max"][phys])  # [B, K, M]
+    filled = jnp.any(positions.reshape(b, m, p) >= 0, axis=-1)  # [B, M]
+    last = jnp.max(positions, axis=-1) // p  # [B]
+    logical = jnp.arange(m, dtype=jnp.int32)[None, :]
+    forced = (logical < cfg.compression.first_pages) | (logical == last[:, None])
+    score = jnp.where(forced[:, None, :], jnp.inf, score.astype(jnp.float32))
+    score = jnp.where(filled[:, None, :], score, -jnp.inf)
+    _, idx = jax.lax.top_k(score, cfg.kv_budget // p)
+    return jnp.sort(idx, axis=-1).astype(jnp.int32)
+
+
+def attend_pages(cfg: ModelConfig, q: jax.Array, cached: paged_lib.PagedLayer,
+                 positions: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                 new_visible: jax.Array) -> jax.Array:
+    """A decode step that reads only the pages :func:`select_pages` picks, per KV head
+    (Quest's read; the XLA formulation: the chosen pages of each (row, KV head) are
+    gathered from the pools, then :func:`attend_step` 'xla' runs over them with the rows
+    and KV heads folded into one batch axis, so each head keeps its own slots and mask).
+
+    Args:
+      q: [B, 1, K, G, H] the step's queries.
+      cached: one paged layer with key bounds; positions: [B, M·P] its slots' positions.
+      k_new, v_new: the step's own entries as the cache will hold them, dequantized
+        ([B, K, 1, H] 'BKSH', or [B, K, H, 1] 'BKHS').
+      new_visible: [B] bool, whether each row's query sees its own key.
+    Returns:
+      [B, 1, K, G, Hv] in v_new's dtype, the attention over C·P slots per KV head
+      (C = kv_budget // P) and the new token; with C = M every page is read and it is
+      the full paged step's attention.
+    """
+    b, _, kh, g, h = q.shape
+    p = cached.page_size
+    idx = select_pages(cfg, q[:, 0], cached, positions)  # [B, K, C]
+    c = idx.shape[-1]
+    table = jnp.broadcast_to(cached.block_table[:, None, :], (b, kh, cached.block_table.shape[1]))
+    phys = jnp.maximum(jnp.take_along_axis(table, idx, axis=2), 0)  # [B, K, C]
+    heads = jnp.arange(kh, dtype=jnp.int32)[None, :, None]
+    picked = {}
+    for name, pool in cached.pools.items():  # [N, K, P, X] or [N, K, X, P]
+        x = pool[phys, heads]  # [B, K, C, P, X] or [B, K, C, X, P]
+        if cache_lib.slot_axis(cfg, name) == -1:
+            x = jnp.swapaxes(x, 2, 3)  # [B, K, X, C, P]
+            picked[name] = x.reshape(b, kh, x.shape[2], c * p)
+        else:
+            picked[name] = x.reshape(b, kh, c * p, x.shape[-1])
+    pos = jnp.take_along_axis(jnp.broadcast_to(positions.reshape(b, 1, -1, p),
+                                               (b, kh, positions.shape[1] // p, p)),
+                              idx[..., None], axis=2).reshape(b, kh, c * p)
+    seen = pos >= 0  # [B, K, C·P]
+    k_layout, v_layout = cfg.cache_layout("k"), cfg.cache_layout("v")
+    k_sel = cache_lib.read(cfg, picked, "k")
+    v_sel = ops.zero_unseen(cache_lib.read(cfg, picked, "v").reshape(
+        (b * kh, 1) + picked["v"].shape[2:]), seen.reshape(b * kh, c * p),
+        cache_lib.slot_axis(cfg, "v"))  # a reused page's stale value contributes nothing
+    fold = lambda x: x.reshape((b * kh, 1) + x.shape[2:])
+    out = attend_step(jnp.swapaxes(q, 1, 2).reshape(b * kh, 1, 1, g, h),
+                      fold(k_sel), v_sel, seen.reshape(b * kh, 1, c * p),
+                      fold(k_new), fold(v_new), k_layout, v_layout,
+                      new_visible=jnp.repeat(new_visible, kh), impl="xla",
+                      backend=cfg.backend)  # [B·K, 1, 1, G, Hv]
+    return jnp.swapaxes(out.reshape(b, kh, 1, g, -1), 1, 2)
 
 
 def _native_chunk(plan, q, k, v, positions, k_old=None, v_old=None, old_positions=None,
@@ -698,8 +785,14 @@ class Attention(nn.Module):
         new = cache_lib.encode(c, {"k": cache_lib.to_layout(kk, c, "k"),
                                    "v": cache_lib.to_layout(vv, c, "v")})
         call = Call(c, q, q_sink, new, positions, cached, cached_positions)
-        where = site(c, cached, t)
-        out = kernels.run(where.op, c.formulation(where), call)  # Call's method
+        if t == 1 and isinstance(cached, paged_lib.PagedLayer) and cached.bounds:
+            # lever 5 at read time (Quest): only the selected pages of each KV head
+            k_cur, v_cur = call.current()
+            out = attend_pages(c, q, cached, cached_positions, k_cur, v_cur,
+                               positions[:, 0] >= 0)
+        else:
+            where = site(c, cached, t)
+            out = kernels.run(where.op, c.formulation(where), call)  # Call's method
         out = Einsum((n, h, c.d_model), "BTF,FD->BTD", dt, merge_in=2, name="o_proj",
                      impl=c.weight_matmul, plan=c.plan)(
             out.astype(dt).reshape(b, t, n, h))

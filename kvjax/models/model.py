@@ -83,7 +83,19 @@ def _scan_body(block: Block, carry, positions, fresh: bool = False):
         cache = cache.replace(tensors={
             n: _write(cache, cache.tensors[n], new[n], positions, block.cfg, n, layer)
             for n in cache.tensors})
+        if getattr(cache, "bounds", None):
+            cache = cache.replace(bounds=_write_bounds(cache, cache.bounds, new, positions,
+                                                       block.cfg, layer))
     return (x, cache, layer + 1), None
+
+
+def _write_bounds(cache, bounds: dict, new: dict, positions, cfg: ModelConfig, layer=None):
+    """A paged cache's page key bounds (Quest) after the chunk's keys ``new`` are written:
+    :func:`kvjax.cache.paged.write_bounds` of the keys as the cache holds them."""
+    k = cache_lib.read(cfg, new, "k")
+    if cache_lib.slot_axis(cfg, "k") == -1:  # 'BKHS' -> [B, K, T, H]
+        k = jnp.swapaxes(k, -1, -2)
+    return paged_lib.write_bounds(cache, bounds, k, positions, layer)
 
 
 def _is_ring(cache, i: int) -> bool:
@@ -144,6 +156,8 @@ class DecoderLM(nn.Module):
                                          (x, cache, jnp.zeros((), jnp.int32)), positions)
         else:
             tensors = {n: list(t) for n, t in cache.tensors.items()} if cache else None
+            bounds = {n: list(t) for n, t in cache.bounds.items()} \
+                if isinstance(cache, paged_lib.PagedKVCache) else {}
             for i in range(c.num_layers):
                 read = cache is not None and not fresh
                 ci = c.layer_config(i)  # its own window and rotary base (layer_windows)
@@ -154,8 +168,15 @@ class DecoderLM(nn.Module):
                     for n in tensors:
                         tensors[n][i] = _write(cache, tensors[n][i], new[n], positions, ci,
                                                n, ring=_is_ring(cache, i))
+                    if bounds:
+                        upd = _write_bounds(cache, {n: b[i] for n, b in bounds.items()},
+                                            new, positions, ci)
+                        for n in bounds:
+                            bounds[n][i] = upd[n]
             new_cache = None if cache is None else cache.replace(
                 tensors={n: tuple(t) for n, t in tensors.items()})
+            if bounds:
+                new_cache = new_cache.replace(bounds={n: tuple(t) for n, t in bounds.items()})
 
         if last_only:  # the LM head for each row's last real token only (a prefill's)
             x = x[:, -1:] if num_valid is None else jnp.take_along_axis(
