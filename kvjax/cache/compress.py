@@ -21,6 +21,18 @@ A method with per-layer budgets (``cfg.layer_budgets``, PyramidKV) keeps b_i slo
 layer i, whose tensors hold b_i + recent_slots slots each (never the largest budget
 masked); ``positions`` are then the smallest layer's, the others' follow from them
 (:func:`kvjax.cache.kv.budget_positions`).
+
+Schedule 'every_n' (``model.compression.schedule``, N = ``every_n``; N = 1: every step)
+compresses again during decoding (:func:`recompress`, under a ``lax.cond`` in
+:func:`kvjax.inference.decode.decode_loop`): once a row's ring holds N tokens, its
+kept + ring slots are scored and each KV head keeps its top kv_budget again, in slots
+0 .. kv_budget - 1, and the ring empties. What the method sees then is
+``KVCache.schedule`` (:func:`init_schedule`): the decode queries since the last
+compression (buffered by :func:`observe_step`), each kept slot's true position per KV
+head (the markers hide them), and for H2O a float32 accumulator of the attention each
+kept slot received so far, added to at each compression from the buffered queries:
+those see exactly the slots the decode steps saw (none is evicted in between), so the
+sum equals per-step accumulation without touching the attention kernels.
 """
 
 from __future__ import annotations
