@@ -708,3 +708,21 @@ def test_bad_every_n_is_refused_by_name(fields, match):
     fields = {**dict(kv_compression="h2o", kv_budget=24), **fields}
     with pytest.raises(ConfigError, match=match):
         tiny_config(**fields)
+
+
+def test_every_n_ragged_loop_rows_match_alone():
+    """The ragged loop, rows of different lengths stopping at different steps (a stopped
+    row writes and buffers nothing): each row's tokens equal its tokens decoded alone."""
+    cfg = cfg_for("h2o", compression=every(2))
+    params = model_lib.init_params(cfg, 0)
+    tokens, lengths, budgets = prompt(2, 50, seed=4), np.array([50, 37]), [5, 9]
+    cache = cache_lib.init_cache(cfg, 2, 128, ragged=True)
+    logits, cache = ragged.prefill_ragged(params, cfg, tokens, lengths, cache)
+    both = np.asarray(ragged.generate_ragged(
+        params, cfg, jnp.argmax(logits, -1).astype(jnp.int32), cache, budgets)[0])
+    for b in range(2):
+        alone = cache_lib.init_cache(cfg, 1, 128, ragged=True)
+        lg, alone = decode.prefill(params, cfg, tokens[b:b + 1, :lengths[b]], alone)
+        out, _, _ = decode.generate(params, cfg, jnp.argmax(lg, -1).astype(jnp.int32),
+                                    alone, budgets[b])
+        np.testing.assert_array_equal(both[b, :budgets[b]], np.asarray(out)[0])
