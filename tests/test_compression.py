@@ -726,3 +726,13 @@ def test_every_n_ragged_loop_rows_match_alone():
         out, _, _ = decode.generate(params, cfg, jnp.argmax(lg, -1).astype(jnp.int32),
                                     alone, budgets[b])
         np.testing.assert_array_equal(both[b, :budgets[b]], np.asarray(out)[0])
+
+
+def test_the_engine_refuses_every_n_by_name():
+    """The slot engine (its paged rows refuse any compression already) copies a one-row
+    prefill's kept slots into its rows, not the decode-time scoring state."""
+    from kvjax.inference import engine
+    cfg = cfg_for("tova", compression=every(2))
+    params = model_lib.init_params(cfg, 0)
+    with pytest.raises(ConfigError, match="schedule='every_n'"):
+        engine.Engine(params, cfg, num_slots=2, max_seq_len=128)
