@@ -173,7 +173,7 @@ class ModelConfig:
         method with per-layer budgets (PyramidKV, :attr:`layer_budgets`): their mean.
       compression: the methods' own knobs (:class:`kvjax.compression.CompressionConfig`:
         observation_window, pooling_kernel, num_sink_tokens, recent_slots,
-        recent_fraction, schedule, pyramid_beta, uniform_layers).
+        recent_fraction, schedule, every_n, pyramid_beta, uniform_layers).
       kv_lora_rank: C, MLA's latent width: the cache holds C + R values per token and
         layer (DeepSeek-V2, Liu et al. 2024, sec. 2.1).
       qk_rope_head_dim: R, MLA's decoupled rotary key width (shared by all heads).
@@ -677,8 +677,11 @@ def _check_compression(c: ModelConfig) -> None:
         _fail("model.compression.recent_fraction", k.recent_fraction, "a number in [0, 1)")
     if k.schedule not in compression.SCHEDULES:
         _fail("model.compression.schedule", k.schedule,
-              f"one of {list(compression.SCHEDULES)} (every N decode steps and every step "
-              "are not implemented)")
+              f"one of {list(compression.SCHEDULES)}")
+    if not _is_int(k.every_n) or not 1 <= k.every_n <= k.recent_slots:
+        _fail("model.compression.every_n", k.every_n,
+              f"an integer in [1, model.compression.recent_slots={k.recent_slots}] (a "
+              "ring token is scored before a later one overwrites it)")
     if not _is_int(k.pyramid_beta) or k.pyramid_beta < 1:
         _fail("model.compression.pyramid_beta", k.pyramid_beta, "an integer >= 1")
     if not isinstance(k.uniform_layers, bool):
@@ -705,6 +708,11 @@ def _check_compression(c: ModelConfig) -> None:
                   f"would keep {budgets[low]}; model.compression.pyramid_beta="
                   f"{k.pyramid_beta} shapes PyramidKV's): a larger kv_budget, or a "
                   "flatter schedule")
+        if k.schedule != "prefill":
+            _fail("model.compression.schedule", k.schedule,
+                  f"'prefill' with model.kv_compression={c.kv_compression!r}'s per-layer "
+                  "budgets (a decode-time compression keeps one budget in every layer; "
+                  "model.compression.uniform_layers=True)")
         if c.scan_layers:
             _fail("model.scan_layers", c.scan_layers,
                   f"False or None with model.kv_compression={c.kv_compression!r} (each "

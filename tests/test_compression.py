@@ -555,3 +555,184 @@ def test_pyramidkv_with_uniform_layers_is_snapkv():
     tokens = prompt(1, 45, seed=3)
     np.testing.assert_array_equal(decode_tokens(params, cfg, tokens),
                                   decode_tokens(params, cfg_for("snapkv"), tokens))
+
+
+# ------------------------------------------------- schedule 'every_n': decode-time eviction
+
+
+def every(n, **knobs):
+    return dataclasses.replace(KNOBS, schedule="every_n", every_n=n, **knobs)
+
+
+def test_every_step_streaming_llm_equals_a_ring_of_budget_plus_one():
+    """One layer: StreamingLLM compressed after every step with a budget of N keeps the
+    sinks and the last N - s tokens, so each decode query sees what a ring of W = N + 1
+    slots with s sinks shows; fed the same tokens, every step's logits agree (recompress
+    gathers, re-marks and empties the ring exactly)."""
+    cfg = cfg_for("streaming_llm", budget=12, num_layers=1, compression=every(1))
+    ring = tiny_config(tie_embeddings=False, num_layers=1, window_size=13, num_sink_tokens=4)
+    params = model_lib.init_params(cfg, 0)
+    tokens, feed = prompt(2, 40), prompt(2, 10, seed=3)
+    out = {}
+    for name, c in (("every", cfg), ("ring", ring)):
+        cache = cache_lib.init_cache(c, 2, 64)
+        _, cache = decode.prefill(params, c, tokens, cache)
+        rows = []
+        for j in range(feed.shape[1]):
+            logits, cache = jax.jit(decode._step, static_argnums=1)(
+                params, c, feed[:, j], cache, None)
+            rows.append(np.asarray(logits[:, 0]))
+        out[name] = np.stack(rows)
+    np.testing.assert_allclose(out["every"], out["ring"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["h2o", "tova"])
+def test_keep_everything_every_step_equals_the_full_cache(method):
+    base = tiny_config(tie_embeddings=False)
+    params = model_lib.init_params(base, 0)
+    tokens = prompt(1, 20, seed=1)
+    want = decode_tokens(params, base, tokens, steps=12)
+    cfg = cfg_for(method, budget=40, compression=every(1))
+    np.testing.assert_array_equal(decode_tokens(params, cfg, tokens, steps=12), want)
+
+
+def np_recompress_positions(cfg, cache, method):
+    """Each row's and head's kept positions after the decode-time compression of
+    ``cache`` (its ring holds every_n tokens), from numpy: the per-head true positions,
+    the buffered queries, H2O's accumulator, the method's score and np_select."""
+    st = jax.tree.map(np.asarray, cache.schedule)
+    budget, s = cfg.kv_budget, cache.num_slots
+    pos = np.asarray(cache.positions)
+    out = []
+    for i in range(cfg.num_layers):
+        k = np.asarray(cache_lib.read(cfg, cache.layer(i), "k"), np.float32)
+        if cache_lib.slot_axis(cfg, "k") == -1:
+            k = np.swapaxes(k, -1, -2)
+        held = np.pad(st["kept_positions"][i], ((0, 0), (0, 0), (0, s - budget)),
+                      constant_values=-1)
+        kp = np.where(held >= 0, held, pos[:, None, :])  # [B, K, S]
+        cnt = st["count"]
+        if method == "tova":
+            sel = cnt - 1
+            q = st["queries"][i][np.arange(len(cnt)), sel][:, None].astype(np.float32)
+            qp = st["query_positions"][np.arange(len(cnt)), sel][:, None]
+        else:
+            q, qp = st["queries"][i].astype(np.float32), st["query_positions"]
+        att = np.stack([np_window_attention(q[:, :, kh:kh + 1], k[:, kh:kh + 1], qp,
+                                            kp[:, kh], cfg.head_dim ** -0.5)[:, 0]
+                        for kh in range(k.shape[1])], axis=1)  # [B, K, G, S]
+        if method == "tova":
+            score = np.broadcast_to(att.mean(axis=(1, 2))[:, None], kp.shape)
+        else:
+            acc = np.pad(st["accumulated"][i], ((0, 0), (0, 0), (0, s - budget)))
+            score = att.mean(axis=2) + acc
+            last = kp.max(axis=(1, 2), keepdims=True)
+            n = int(round(cfg.compression.recent_fraction * budget))
+            score = np.where((kp > last - n) & (kp >= 0), compression.KEEP, score)
+        s_ = np.where(kp >= 0, score, -np.inf)
+        idx = np.sort(np.argsort(-s_, axis=-1, kind="stable")[..., :budget], axis=-1)
+        out.append(np.take_along_axis(kp, idx, axis=-1))
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("method", ["h2o", "tova"])
+def test_decode_time_selection_matches_numpy(method):
+    """Ragged rows of different lengths: after N decode steps the compression keeps, per
+    row, layer and KV head, the positions a numpy top-k of the same scores keeps (ties
+    aside: the scores are random-model floats), and each row keeps the positions it
+    keeps when decoded alone."""
+    n = 4
+    cfg = cfg_for(method, budget=24, compression=every(n))
+    params = model_lib.init_params(cfg, 0)
+    tokens, lengths = prompt(2, 50, seed=4), np.array([50, 37])
+    cache = cache_lib.init_cache(cfg, 2, 128, ragged=True)
+    logits, cache = ragged.prefill_ragged(params, cfg, tokens, lengths, cache)
+    feed = prompt(2, n, seed=5)
+    step = jax.jit(decode._step, static_argnums=1)
+    nv = jnp.ones((2,), jnp.int32)
+    for j in range(n - 1):
+        _, cache = step(params, cfg, feed[:, j], cache, nv)
+
+    @jax.jit
+    def write_and_buffer(params, token, cache):  # the N-th step of decode._step, unscored
+        _, out, queries = model_lib.forward(params, cfg, token, cache.length[:, None],
+                                            cache, num_valid=nv, observe=True)
+        return compress_lib.observe_step(out, queries, cache.length, jnp.ones((2,), bool))
+
+    last = write_and_buffer(params, feed[:, n - 1:], cache)
+    due = compress_lib.due_rows(cfg, last)
+    assert np.asarray(due).all()
+    want = np_recompress_positions(cfg, last, method)
+    got = jax.jit(compress_lib.recompress, static_argnums=0)(cfg, last, due)
+    np.testing.assert_array_equal(np.asarray(got.schedule["kept_positions"]), want)
+    assert np.asarray(got.positions)[:, cfg.kv_budget:].max() == -1  # the ring emptied
+    # row independence: the padded row alone, the same steps, keeps the same positions
+    alone = cache_lib.init_cache(cfg, 1, 128, ragged=True)
+    _, alone = decode.prefill(params, cfg, tokens[1:, :lengths[1]], alone)
+    for j in range(n):
+        _, alone = step(params, cfg, feed[1:, j], alone, nv[:1])
+    np.testing.assert_array_equal(np.asarray(alone.schedule["kept_positions"])[:, 0],
+                                  want[:, 1])
+
+
+@pytest.mark.parametrize("method, kv_dtype", [("h2o", None), ("tova", "int8")])
+def test_every_n_cache_holds_its_budget(method, kv_dtype):
+    """After decoding many rings' worth of steps the cache still allocates theory's bytes
+    at the budget, and its scoring state exactly theory's state bytes."""
+    cfg = cfg_for(method, kv_dtype=kv_dtype, compression=every(3))
+    params = model_lib.init_params(cfg, 0)
+    cache = cache_lib.init_cache(cfg, 2, 128)
+    logits, cache = decode.prefill(params, cfg, prompt(2, 60), cache)
+    first = jnp.argmax(logits, -1).astype(jnp.int32)
+    _, steps, cache = decode.generate(params, cfg, first, cache, 40)
+    assert steps == 40 and cache.num_slots == cfg.kv_budget + KNOBS.recent_slots
+    assert cache_lib.cache_bytes(cache) == theory.kv_cache_bytes(cfg, 100, 2)
+    over = theory.schedule_overhead(cfg, 2)
+    assert cache_lib.total_bytes(cache.schedule) == over["state_bytes"]
+    assert over["bytes_per_step"] == pytest.approx(
+        (over["read_bytes"] + over["move_bytes"]) / 3)
+    assert theory.schedule_overhead(cfg_for(method), 2)["flops"] == 0
+    # 2 rows x 100 tokens: every ring slot written after the last compression is real
+    ring = np.asarray(cache.positions)[:, cfg.kv_budget:]
+    assert ((ring >= 0).sum(1) < 3).all() and ring.max() == 99
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(compression=every(0)), "every_n=0"),
+    (dict(compression=every(17)), "every_n=17"),
+    (dict(compression=every(2.5)), "every_n=2.5"),
+    (dict(kv_compression="pyramidkv", scan_layers=False, compression=every(2)),
+     "schedule='every_n'"),
+])
+def test_bad_every_n_is_refused_by_name(fields, match):
+    fields = {**dict(kv_compression="h2o", kv_budget=24), **fields}
+    with pytest.raises(ConfigError, match=match):
+        tiny_config(**fields)
+
+
+def test_every_n_ragged_loop_rows_match_alone():
+    """The ragged loop, rows of different lengths stopping at different steps (a stopped
+    row writes and buffers nothing): each row's tokens equal its tokens decoded alone."""
+    cfg = cfg_for("h2o", compression=every(2))
+    params = model_lib.init_params(cfg, 0)
+    tokens, lengths, budgets = prompt(2, 50, seed=4), np.array([50, 37]), [5, 9]
+    cache = cache_lib.init_cache(cfg, 2, 128, ragged=True)
+    logits, cache = ragged.prefill_ragged(params, cfg, tokens, lengths, cache)
+    both = np.asarray(ragged.generate_ragged(
+        params, cfg, jnp.argmax(logits, -1).astype(jnp.int32), cache, budgets)[0])
+    for b in range(2):
+        alone = cache_lib.init_cache(cfg, 1, 128, ragged=True)
+        lg, alone = decode.prefill(params, cfg, tokens[b:b + 1, :lengths[b]], alone)
+        out, _, _ = decode.generate(params, cfg, jnp.argmax(lg, -1).astype(jnp.int32),
+                                    alone, budgets[b])
+        np.testing.assert_array_equal(both[b, :budgets[b]], np.asarray(out)[0])
+
+
+def test_the_engine_refuses_every_n_by_name():
+    """The slot engine (its paged rows refuse any compression already) copies a one-row
+    prefill's kept slots into its rows, not the decode-time scoring state."""
+    from kvjax.inference import engine
+    cfg = cfg_for("tova", compression=every(2))
+    params = model_lib.init_params(cfg, 0)
+    with pytest.raises(ConfigError, match="schedule='every_n'"):
+        engine.Engine(params, cfg, num_slots=2, max_seq_len=128)

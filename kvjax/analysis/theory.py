@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from kvjax import compression
 from kvjax.config import ModelConfig
 from kvjax.analysis.hardware import Chip
 from kvjax.cache import quant
@@ -183,6 +184,51 @@ def kv_bytes_per_context_token(cfg: ModelConfig, t: int,
     if t <= 0:
         raise ValueError(f"t={t}; allowed: an integer >= 1")
     return kv_cache_bytes(cfg, t, 1, element_bytes) / t
+
+
+def schedule_overhead(cfg: ModelConfig, batch: int = 1) -> dict:
+    """Lever 5's decode-time scoring overhead under ``model.compression.schedule``
+    'every_n' (:func:`kvjax.cache.compress.recompress`); zeros for 'prefill' or no
+    compression (the prefill's one scoring is :func:`kvjax.analysis.costs.compression_overhead`).
+
+    With S = kv_budget + recent_slots, N = every_n, Q the buffered queries the method
+    reads (0, 1, min(w, N) or N) and e the model dtype's bytes:
+
+    * state (``KVCache.schedule``, held beside the cache, not in its bytes): N queries
+      L·B·N·N_heads·H·e, their positions and count 4·B·(N + 1), each kept slot's
+      position per KV head 4·L·B·K·kv_budget, and for a method reading every query
+      (H2O) the accumulated attention 4·L·B·K·kv_budget (float32; accumulated at each
+      compression from the buffered queries, which see exactly the slots the decode
+      steps saw: no slot is evicted between two compressions);
+    * per compression: reads of every held slot of every layer (the cache's bytes at S)
+      and the state; the move of the kv_budget kept slots (read and written); FLOPs of
+      the Q queries' attention over S slots (4·Q·N_heads·S·H for the scores and the
+      weighted sum, ~5·Q·N_heads·S for the softmax) and the top-k (~S·log2 S per KV
+      head), per layer and row;
+    * per decode step: the compression's bytes and FLOPs divided by N.
+
+    Returns:
+      dict: 'every_n' (0: none), 'state_bytes', 'read_bytes', 'move_bytes', 'flops',
+      'bytes_per_step', 'flops_per_step'.
+    """
+    c = cfg.compression
+    if cfg.kv_compression is None or c.schedule != "every_n":
+        return dict(every_n=0, state_bytes=0, read_bytes=0, move_bytes=0, flops=0,
+                    bytes_per_step=0.0, flops_per_step=0.0)
+    need = compression.get(cfg.kv_compression).queries
+    n, l, kh, h, budget = c.every_n, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, \
+        cfg.kv_budget
+    s = budget + c.recent_slots
+    state = (l * batch * n * cfg.num_heads * h * cfg.dtype_bytes + 4 * batch * (n + 1)
+             + 4 * l * batch * kh * budget * (2 if need == "all" else 1))
+    cache = kv_cache_bytes(cfg, s, batch)
+    q = {"none": 0, "last": 1, "all": n, "window": min(c.observation_window, n)}[need]
+    read = cache + state
+    move = 2 * cache * budget // s
+    flops = l * batch * (4 * q * cfg.num_heads * s * h + 5 * q * cfg.num_heads * s
+                         + kh * s * max(1, math.ceil(math.log2(s))))
+    return dict(every_n=n, state_bytes=state, read_bytes=read, move_bytes=move,
+                flops=flops, bytes_per_step=(read + move) / n, flops_per_step=flops / n)
 
 
 # --------------------------------------------------------------------------- weights

@@ -21,6 +21,18 @@ A method with per-layer budgets (``cfg.layer_budgets``, PyramidKV) keeps b_i slo
 layer i, whose tensors hold b_i + recent_slots slots each (never the largest budget
 masked); ``positions`` are then the smallest layer's, the others' follow from them
 (:func:`kvjax.cache.kv.budget_positions`).
+
+Schedule 'every_n' (``model.compression.schedule``, N = ``every_n``; N = 1: every step)
+compresses again during decoding (:func:`recompress`, under a ``lax.cond`` in
+:func:`kvjax.inference.decode.decode_loop`): once a row's ring holds N tokens, its
+kept + ring slots are scored and each KV head keeps its top kv_budget again, in slots
+0 .. kv_budget - 1, and the ring empties. What the method sees then is
+``KVCache.schedule`` (:func:`init_schedule`): the decode queries since the last
+compression (buffered by :func:`observe_step`), each kept slot's true position per KV
+head (the markers hide them), and for H2O a float32 accumulator of the attention each
+kept slot received so far, added to at each compression from the buffered queries:
+those see exactly the slots the decode steps saw (none is evicted in between), so the
+sum equals per-step accumulation without touching the attention kernels.
 """
 
 from __future__ import annotations
@@ -33,7 +45,8 @@ from kvjax.cache import kv as cache_lib
 from kvjax.config import ModelConfig
 
 __all__ = ["query_count", "observation_queries", "select", "compress", "prompt_config",
-           "layer_budgets", "prompt_slots"]
+           "layer_budgets", "prompt_slots", "init_schedule", "observe_step", "due_rows",
+           "recompress"]
 
 
 def prompt_config(cfg: ModelConfig) -> ModelConfig:
@@ -79,10 +92,11 @@ def observation_queries(queries: jax.Array, lengths: jax.Array, count: int):
 
 def select(scores: jax.Array, key_positions: jax.Array, budget: int) -> jax.Array:
     """[B, K, budget] int32 slots each KV head keeps, ascending: its ``budget`` highest
-    ``scores`` [B, K, S] among filled slots (``key_positions`` [B, S] >= 0); empty slots
-    only where a row holds fewer tokens than the budget (then every filled one is kept).
-    Ties go to the lower slot (``jax.lax.top_k``)."""
-    filled = (key_positions >= 0)[:, None, :]
+    ``scores`` [B, K, S] among filled slots (``key_positions`` [B, S], or [B, K, S] per
+    head, >= 0); empty slots only where a row holds fewer tokens than the budget (then
+    every filled one is kept). Ties go to the lower slot (``jax.lax.top_k``)."""
+    filled = (key_positions >= 0) if key_positions.ndim == 3 \
+        else (key_positions >= 0)[:, None, :]
     s = jnp.where(filled, scores.astype(jnp.float32), -jnp.inf)
     _, idx = jax.lax.top_k(s, budget)
     return jnp.sort(idx, axis=-1).astype(jnp.int32)
@@ -121,19 +135,13 @@ def compress(cfg: ModelConfig, full: cache_lib.KVCache, queries: tuple | None
     pcfg = prompt_config(cfg)
     names = list(full.tensors)
     kept = {n: [] for n in names}
+    kept_pos, acc = [], []
     for i, budget in enumerate(budgets):
         layer = full.layer(i)
-        k, v = cache_lib.read(pcfg, layer, "k"), cache_lib.read(pcfg, layer, "v")
-        if cache_lib.slot_axis(pcfg, "k") == -1:
-            k = jnp.swapaxes(k, -1, -2)
-        if cache_lib.slot_axis(pcfg, "v") == -1:
-            v = jnp.swapaxes(v, -1, -2)
         q, qpos = queries[i] if queries is not None else (None, None)
-        obs = compression.Observation(
-            keys=k, values=v, queries=q, query_positions=qpos,
-            key_positions=full.positions, scale=cfg.head_dim ** -0.5, budget=budget,
-            config=cfg.compression)
-        idx = select(method.score(obs), full.positions, budget)
+        idx, pos, a = _score_layer(cfg, method, layer, full.positions, q, qpos, None, budget)
+        kept_pos.append(pos)
+        acc.append(a)
         for n in names:
             kept[n].append(_gather(layer[n], idx, cache_lib.slot_axis(pcfg, n)))
     ring = cfg.compression.recent_slots
@@ -145,8 +153,164 @@ def compress(cfg: ModelConfig, full: cache_lib.KVCache, queries: tuple | None
     held = jnp.minimum(full.length, low)[:, None]  # [B, 1]
     slots = jnp.arange(low + ring, dtype=jnp.int32)[None, :]
     positions = jnp.where(slots < held, slots, -1)
+    schedule = None
+    if cfg.compression.schedule == "every_n":
+        schedule = init_schedule(cfg, full.batch_size, jnp.stack(kept_pos),
+                                 None if acc[0] is None else jnp.stack(acc))
     return cache_lib.KVCache(tensors=tensors, positions=positions, length=full.length,
-                             layouts=cache_lib.layouts(cfg), ragged=full.ragged)
+                             layouts=cache_lib.layouts(cfg), ragged=full.ragged,
+                             schedule=schedule)
+
+
+def _score_layer(cfg: ModelConfig, method, layer: dict, key_positions, queries,
+                 query_positions, accumulated, budget: int):
+    """One layer's selection: (idx [B, K, budget] int32 kept slots, their positions
+    [B, K, budget] int32 per head, and for a method reading every query (H2O) the
+    attention they accumulated, [B, K, budget] float32, else None)."""
+    pcfg = prompt_config(cfg)
+    k, v = cache_lib.read(pcfg, layer, "k"), cache_lib.read(pcfg, layer, "v")
+    if cache_lib.slot_axis(pcfg, "k") == -1:
+        k = jnp.swapaxes(k, -1, -2)
+    if cache_lib.slot_axis(pcfg, "v") == -1:
+        v = jnp.swapaxes(v, -1, -2)
+    obs = compression.Observation(
+        keys=k, values=v, queries=queries, query_positions=query_positions,
+        key_positions=key_positions, scale=cfg.head_dim ** -0.5, budget=budget,
+        config=cfg.compression, accumulated=accumulated)
+    idx = select(method.score(obs), key_positions, budget)
+    kp = jnp.broadcast_to(compression.head_positions(obs), idx.shape[:2]
+                          + key_positions.shape[-1:])
+    pos = jnp.take_along_axis(kp, idx, axis=-1)
+    acc = None
+    if method.queries == "all":  # the attention each kept slot accumulated so far
+        total = compression.window_attention(obs).mean(axis=2)
+        if accumulated is not None:
+            total = total + accumulated
+        acc = jnp.where(pos >= 0, jnp.take_along_axis(total, idx, axis=-1), 0.0)
+    return idx, pos, acc
+
+
+# --------------------------------------------- schedule 'every_n': decode-time compression
+
+
+def init_schedule(cfg: ModelConfig, batch: int, kept_positions: jax.Array,
+                  accumulated: jax.Array | None) -> dict:
+    """The scoring state of schedule 'every_n' (``KVCache.schedule``), right after a
+    compression.
+
+    Args:
+      kept_positions: [L, B, K, kv_budget] int32 absolute position of each kept slot per
+        KV head (-1: empty).
+      accumulated: [L, B, K, kv_budget] float32 attention each kept slot received so far
+        (mean over its GQA group), for a method reading every query (H2O), else None.
+    Returns:
+      dict: 'queries' [L, B, N, K, G, H] (model dtype) the decode queries since the last
+      compression, N = ``every_n``; 'query_positions' [B, N] int32 (-1: none); 'count'
+      [B] int32 queries buffered; 'kept_positions'; 'accumulated' (absent for other
+      methods). Its bytes are :func:`kvjax.analysis.theory.schedule_overhead`'s
+      'state_bytes'.
+    """
+    n = cfg.compression.every_n
+    g = cfg.num_heads // cfg.num_kv_heads
+    state = dict(
+        queries=jnp.zeros((cfg.num_layers, batch, n, cfg.num_kv_heads, g, cfg.head_dim),
+                          cfg.jnp_dtype),
+        query_positions=jnp.full((batch, n), -1, jnp.int32),
+        count=jnp.zeros((batch,), jnp.int32), kept_positions=kept_positions)
+    if accumulated is not None:
+        state["accumulated"] = accumulated
+    return state
+
+
+def observe_step(cache: cache_lib.KVCache, queries: tuple, positions: jax.Array,
+                 written: jax.Array) -> cache_lib.KVCache:
+    """Buffers one decode step's queries (traced).
+
+    Args:
+      cache: a cache with ``schedule``.
+      queries: L per-layer [B, 1, K, G, H] rotated queries (``model.forward``'s observe).
+      positions: [B] int32 their positions.
+      written: [B] bool rows that wrote a token this step (a stopped ragged row did not).
+    """
+    st = cache.schedule
+    n = st["query_positions"].shape[1]
+    at = (jnp.arange(n, dtype=jnp.int32)[None, :] == st["count"][:, None]) \
+        & written[:, None]  # [B, N]
+    q = jnp.stack([x[:, 0] for x in queries])[:, :, None]  # [L, B, 1, K, G, H]
+    new = dict(st, queries=jnp.where(at[None, :, :, None, None, None],
+                                     q.astype(st["queries"].dtype), st["queries"]),
+               query_positions=jnp.where(at, positions[:, None], st["query_positions"]),
+               count=st["count"] + written.astype(jnp.int32))
+    return cache.replace(schedule=new)
+
+
+def due_rows(cfg: ModelConfig, cache: cache_lib.KVCache) -> jax.Array:
+    """[B] bool rows whose recent ring holds ``every_n`` tokens since the last
+    compression (its slots after the kv_budget kept ones)."""
+    ring = cache.positions[:, cfg.kv_budget:]
+    return jnp.sum(ring >= 0, axis=1) >= cfg.compression.every_n
+
+
+def recompress(cfg: ModelConfig, cache: cache_lib.KVCache, due: jax.Array
+               ) -> cache_lib.KVCache:
+    """Schedule 'every_n' (traced): the rows ``due`` [B] bool re-score every held slot
+    (kv_budget kept + the ring's) with the buffered decode queries and keep each KV
+    head's top kv_budget again (:func:`select`, as after the prefill), in slots
+    0 .. kv_budget - 1; their ring is emptied, their buffer cleared. Other rows are
+    untouched, so a row's tokens never depend on its batch-mates. The cache keeps its
+    kv_budget + recent_slots slots (the same arrays)."""
+    method = compression.get(cfg.kv_compression)
+    st = cache.schedule
+    budget, names = cfg.kv_budget, list(cache.tensors)
+    s = cache.num_slots
+    slots = jnp.arange(s, dtype=jnp.int32)
+    queries, qpos = _buffered(method.queries, cfg, st)
+    kept = {n: [] for n in names}
+    kept_pos, acc = [], []
+    for i in range(cfg.num_layers):
+        layer = cache.layer(i)
+        # per-head true positions: the kept slots' from the state, the ring's (and a
+        # pinned slot written after the compression, position j in slot j) the cache's
+        held = jnp.pad(st["kept_positions"][i], ((0, 0), (0, 0), (0, s - budget)),
+                       constant_values=-1)
+        kp = jnp.where(held >= 0, held, cache.positions[:, None, :])  # [B, K, S]
+        prior = None
+        if "accumulated" in st:
+            prior = jnp.pad(st["accumulated"][i], ((0, 0), (0, 0), (0, s - budget)))
+        q = None if queries is None else queries[i]
+        idx, pos, a = _score_layer(cfg, method, layer, kp, q, qpos, prior, budget)
+        kept_pos.append(jnp.where(due[:, None, None], pos, st["kept_positions"][i]))
+        if a is not None:
+            acc.append(jnp.where(due[:, None, None], a, st["accumulated"][i]))
+        for n in names:
+            ax = cache_lib.slot_axis(cfg, n)
+            new = _pad_slots(_gather(layer[n], idx, ax), s - budget, ax)
+            kept[n].append(jnp.where(due.reshape((-1,) + (1,) * (new.ndim - 1)), new,
+                                     layer[n]))
+    tensors = {n: jnp.stack(kept[n]) if cfg.scan_layers else tuple(kept[n]) for n in names}
+    markers = jnp.where(slots < budget, slots, -1)[None, :]
+    positions = jnp.where(due[:, None], markers, cache.positions)
+    new = dict(st, kept_positions=jnp.stack(kept_pos),
+               query_positions=jnp.where(due[:, None], -1, st["query_positions"]),
+               count=jnp.where(due, 0, st["count"]))
+    if acc:
+        new["accumulated"] = jnp.stack(acc)
+    return cache.replace(tensors=tensors, positions=positions, schedule=new)
+
+
+def _buffered(need: str, cfg: ModelConfig, st: dict):
+    """(queries [L, B, Q, K, G, H] or None, positions [B, Q]) a decode-time compression
+    hands the method: none, the newest, the last min(w, N), or all N buffered."""
+    n = st["query_positions"].shape[1]
+    c = {"none": 0, "last": 1, "all": n,
+         "window": min(cfg.compression.observation_window, n)}[need]
+    if c == 0:
+        return None, None
+    idx = st["count"][:, None] - c + jnp.arange(c, dtype=jnp.int32)[None, :]  # [B, Q]
+    safe = jnp.maximum(idx, 0)
+    q = jnp.take_along_axis(st["queries"], safe[None, :, :, None, None, None], axis=2)
+    pos = jnp.take_along_axis(st["query_positions"], safe, axis=1)
+    return q, jnp.where(idx >= 0, pos, -1)
 
 
 def _pad_slots(x: jax.Array, n: int, axis: int) -> jax.Array:

@@ -74,6 +74,10 @@ class KVCache:
         is written to all rows with one in-place update at row 0's positions. True: rows
         may have their own lengths; each row's chunk is scattered to its own slots.
         ``model.forward`` checks on the host that a lockstep cache is fed equal rows.
+      schedule: None, or with ``model.compression.schedule='every_n'`` the scoring
+        state a decode-time compression reads (:func:`kvjax.cache.compress.init_schedule`:
+        the buffered decode queries, each kept slot's position per KV head, H2O's
+        accumulated attention); never part of :func:`cache_bytes`.
     """
 
     tensors: dict
@@ -81,6 +85,7 @@ class KVCache:
     length: jax.Array
     layouts: tuple | None = flax.struct.field(pytree_node=False, default=None)
     ragged: bool = flax.struct.field(pytree_node=False, default=False)
+    schedule: dict | None = None
 
     @property
     def num_slots(self) -> int:

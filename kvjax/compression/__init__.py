@@ -37,9 +37,12 @@ QUERIES = ("none", "last", "window", "all")
 """What a method's score reads besides the keys and values: no query, the prompt's last
 query, the last ``observation_window`` queries, or every prompt query."""
 
-SCHEDULES = ("prefill",)
-"""When a method compresses: once, after the prompt's prefill. Every N decode steps and
-every step (H2O's and TOVA's online eviction) are not implemented."""
+SCHEDULES = ("prefill", "every_n")
+"""When a method compresses: 'prefill', once after the prompt's prefill; 'every_n',
+after the prefill and again whenever ``every_n`` tokens were written into the recent
+ring since the last compression (``every_n`` 1: every step; H2O's and TOVA's online
+eviction, Zhang et al. 2023 Algorithm 1, Oren et al. 2024 sec. 4):
+:func:`kvjax.cache.compress.recompress`."""
 
 KEEP = 1e30
 """A score that is always kept (a protected slot: sinks, the observation window)."""
@@ -52,12 +55,20 @@ class Observation:
     Attributes:
       keys, values: [B, K, S, H] the prompt's cached keys and values (dequantized).
       queries: [B, Q, K, G, H] the last Q prompt queries (post-RoPE; Q = 1, w or T by
-        the method's ``queries``), or None for ``queries='none'``.
-      query_positions: [B, Q] int32 absolute positions of those queries.
-      key_positions: [B, S] int32 absolute position of each slot (-1: empty).
+        the method's ``queries``), or None for ``queries='none'``. At a decode-time
+        compression (schedule 'every_n') the last decode queries since the previous
+        one (at most ``every_n``; 'last': the newest, 'window': up to w of them).
+      query_positions: [B, Q] int32 absolute positions of those queries (-1: none).
+      key_positions: [B, S] int32 absolute position of each slot (-1: empty); at a
+        decode-time compression [B, K, S], per KV head (its kept slots differ): read
+        them through :func:`head_positions`.
       scale: the attention score scale (H^-1/2, or the checkpoint's).
       budget: the slots each KV head of this layer keeps.
       config: the :class:`CompressionConfig` knobs.
+      accumulated: [B, K, S] float32 attention (mean over each GQA group) the slots
+        received from earlier queries not in ``queries`` (the prompt's and previous
+        decode steps', schedule 'every_n', for ``queries='all'``: H2O's accumulated
+        attention), or None (nothing before ``queries``).
     """
 
     keys: jax.Array
@@ -68,6 +79,7 @@ class Observation:
     scale: float
     budget: int
     config: "CompressionConfig"
+    accumulated: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +101,9 @@ class CompressionConfig:
       recent_fraction: H2O's share of the budget kept for the most recent tokens (Zhang et
         al. 2023, sec. 5: half heavy hitters, half recent).
       schedule: when to compress, one of :data:`SCHEDULES`.
+      every_n: N, with schedule 'every_n': compress again after every N tokens written
+        into the recent ring (1: every decode step); 1 <= N <= recent_slots, so no ring
+        token is overwritten before it is scored.
       pyramid_beta: PyramidKV's beta (Cai et al. 2024; KVCache-Factory's ``beta``,
         default 20): the top layer keeps w + (kv_budget - w) // beta slots, the bottom
         one w + 2·(kv_budget - w) - (kv_budget - w) // beta; an integer >= 1 (1: every
@@ -107,6 +122,7 @@ class CompressionConfig:
     recent_slots: int = 192
     recent_fraction: float = 0.5
     schedule: str = "prefill"
+    every_n: int = 1
     pyramid_beta: int = 20
     uniform_layers: bool = False
     first_pages: int = 0
@@ -215,13 +231,19 @@ def get(name: str) -> Method:
 # ----------------------------------------------------------------- shared score parts
 
 
+def head_positions(obs: Observation) -> jax.Array:
+    """[B, 1, S] or [B, K, S] int32: ``obs.key_positions`` with a KV-head axis."""
+    kp = obs.key_positions
+    return kp[:, None, :] if kp.ndim == 2 else kp
+
+
 def window_attention(obs: Observation, block: int = 512) -> jax.Array:
     """[B, K, G, S] float32: the softmax attention of the observation queries over the
     slots, causal (a query sees slots at positions <= its own), summed over the queries.
     Queries go ``block`` at a time, so H2O's T x S weights are never all held."""
     q = obs.queries.astype(jnp.float32)
     k = obs.keys.astype(jnp.float32)
-    kp = obs.key_positions
+    kp = head_positions(obs)  # [B, 1 | K, S]
     nq = q.shape[1]
     pad = (-nq) % block if nq > block else 0
     qp = obs.query_positions
@@ -233,11 +255,12 @@ def window_attention(obs: Observation, block: int = 512) -> jax.Array:
     def one(carry, xs):
         qb, pb = xs  # [B, Qb, K, G, H], [B, Qb]
         s = jnp.einsum("bqkgh,bksh->bkgqs", qb, k) * obs.scale
-        seen = (kp[:, None, :] >= 0) & (kp[:, None, :] <= pb[:, :, None]) \
-            & (pb[:, :, None] >= 0)  # [B, Qb, S]
-        s = jnp.where(seen[:, None, None], s, -jnp.inf)
+        qb_pos = pb[:, None, :, None]  # [B, 1, Qb, 1]
+        seen = (kp[:, :, None, :] >= 0) & (kp[:, :, None, :] <= qb_pos) \
+            & (qb_pos >= 0)  # [B, 1 | K, Qb, S]
+        s = jnp.where(seen[:, :, None], s, -jnp.inf)
         p = jax.nn.softmax(s, axis=-1)
-        p = jnp.where(seen[:, None, None], p, 0.0)
+        p = jnp.where(seen[:, :, None], p, 0.0)
         return carry + p.sum(axis=3), None
 
     b, _, kh, g, _ = q.shape
@@ -260,13 +283,13 @@ def pool(scores: jax.Array, kernel: int) -> jax.Array:
 
 
 def protect_recent(obs: Observation, scores: jax.Array, n: int) -> jax.Array:
-    """[B, K, S] ``scores`` with each row's last ``n`` filled slots set to :data:`KEEP`."""
-    last = jnp.max(obs.key_positions, axis=-1, keepdims=True)  # [B, 1]
-    recent = (obs.key_positions > last - n) & (obs.key_positions >= 0)
-    return jnp.where(recent[:, None, :], KEEP, scores)
+    """[B, K, S] ``scores`` with each row's last ``n`` positions set to :data:`KEEP`."""
+    kp = head_positions(obs)
+    last = jnp.max(kp, axis=(-2, -1), keepdims=True)  # [B, 1, 1]
+    return jnp.where((kp > last - n) & (kp >= 0), KEEP, scores)
 
 
 def protect_sinks(obs: Observation, scores: jax.Array, n: int) -> jax.Array:
     """[B, K, S] ``scores`` with positions below ``n`` set to :data:`KEEP`."""
-    kp = obs.key_positions
-    return jnp.where(((kp >= 0) & (kp < n))[:, None, :], KEEP, scores)
+    kp = head_positions(obs)
+    return jnp.where((kp >= 0) & (kp < n), KEEP, scores)

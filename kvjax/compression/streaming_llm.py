@@ -11,7 +11,7 @@ from kvjax import compression
 
 def score(obs: compression.Observation):
     """[B, K, S]: the slot's position (newer is kept), sinks always."""
-    pos = jnp.broadcast_to(obs.key_positions[:, None, :].astype(jnp.float32),
+    pos = jnp.broadcast_to(compression.head_positions(obs).astype(jnp.float32),
                            obs.keys.shape[:3])
     return compression.protect_sinks(obs, pos, obs.config.num_sink_tokens)
 

@@ -1,7 +1,8 @@
 """TOVA, token omission via attention (Oren et al. 2024, "Transformers are Multi-State
 RNNs", sec. 4): the attention of the current (here: the prompt's last) query, averaged
-over all the layer's heads, so every KV head keeps the same tokens. Applied once after
-the prefill; the paper's per-step eviction is not implemented."""
+over all the layer's heads, so every KV head keeps the same tokens. Once after the prefill,
+or the paper's per-step eviction with schedule 'every_n' and ``every_n`` 1 (the newest
+decode query's attention; :data:`kvjax.compression.SCHEDULES`)."""
 
 import jax.numpy as jnp
 

@@ -333,9 +333,8 @@ def decode_loop(params, cfg: ModelConfig, cache: KVCache, last, active, remainin
             occ = occ + jnp.sum(active.astype(jnp.int32))
             held = held + jnp.sum(jnp.where(
                 active, policy_for(cfg).held(cache.length, slots), 0))
-        logits, cache = model_lib.forward(
-            params, cfg, s["last"][:, None], _positions(cache, 1), cache,
-            num_valid=None if lockstep else active.astype(jnp.int32))
+        logits, cache = _step(params, cfg, s["last"], cache,
+                              None if lockstep else active.astype(jnp.int32))
         nxt, carry = sample(logits[:, 0], s["count"], s["carry"])
         nxt = jnp.where(active, nxt, -1)
         buf = jax.lax.dynamic_update_slice(s["tokens"], nxt[:, None], (0, s["i"]))
@@ -356,6 +355,26 @@ def decode_loop(params, cfg: ModelConfig, cache: KVCache, last, active, remainin
     return dict(tokens=s["tokens"], steps=s["i"], cache=s["cache"], last=s["last"],
                 active=s["active"], remaining=s["remaining"], count=s["count"],
                 occupied=s["occupied"], held=s["held"])
+
+
+def _step(params, cfg: ModelConfig, last: jax.Array, cache: KVCache, num_valid):
+    """One decode step of the loop: ``last`` [B] int32 -> (logits [B, 1, V], cache).
+    With schedule 'every_n' (``cache.schedule``) the step's queries are buffered and
+    the rows whose ring holds ``every_n`` new tokens are compressed again, under a
+    ``lax.cond`` that runs the scoring only when some row is due
+    (:func:`kvjax.cache.compress.recompress`)."""
+    positions = _positions(cache, 1)
+    if cache.schedule is None:
+        return model_lib.forward(params, cfg, last[:, None], positions, cache,
+                                 num_valid=num_valid)
+    logits, cache, queries = model_lib.forward(params, cfg, last[:, None], positions,
+                                               cache, num_valid=num_valid, observe=True)
+    written = jnp.ones_like(last, bool) if num_valid is None else num_valid > 0
+    cache = compress_lib.observe_step(cache, queries, positions[:, 0], written)
+    due = compress_lib.due_rows(cfg, cache)
+    cache = jax.lax.cond(jnp.any(due), lambda c: compress_lib.recompress(cfg, c, due),
+                         lambda c: c, cache)
+    return logits, cache
 
 
 def generate(params, cfg: ModelConfig, first_token: jax.Array, cache: KVCache,

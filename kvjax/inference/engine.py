@@ -717,6 +717,12 @@ class Engine:
                 f"{'page_size=' + str(page_size) if page_size else 'speculative decoding'}"
                 "; allowed: dense rows without speculation (a compressed row is the one-row "
                 "prefill's kept slots, copied into a dense row)")
+        if cfg.kv_compression is not None and cfg.compression.schedule != "prefill":
+            raise ConfigError(
+                f"model.compression.schedule={cfg.compression.schedule!r} in the slot "
+                "engine; allowed: 'prefill' (a row's decode-time scoring state is not "
+                "copied into the engine's rows; kvjax.inference.decode.generate and the "
+                "ragged loop compress every N steps)")
         self.num_slots, self.max_seq_len = int(num_slots), int(max_seq_len)
         self.rows = row_store(self.num_slots, self.max_seq_len, page_size, num_pages,
                               prefix_cache)

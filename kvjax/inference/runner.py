@@ -872,6 +872,9 @@ class DecodeResult:
             "step_seconds_median": c.step_seconds_median,
             "cost_context": s.context, "model": dataclasses.asdict(s.cfg),
             "crossover_context": theory.crossover_context(s.cfg),
+            # lever 5's decode-time scoring (schedule 'every_n'), its own row; None without
+            "kv_compression_schedule_overhead": theory.schedule_overhead(s.cfg, s.batch)
+            if s.cfg.kv_compression is not None else None,
             "prefill_impl": s.cfg.prefill_impl,
             # on a mesh: the sharded step per device, the collectives of the run's programs
             "mesh": s.as_dict() if c.per_device else None, "programs": c.programs,
