@@ -725,6 +725,10 @@ def _check_compression(c: ModelConfig) -> None:
                   f"{'not mla' if f == 'attention' else 'unset'} with "
                   f"model.kv_compression={c.kv_compression!r} (a compressed cache is a full "
                   "MHA/GQA/MQA cache's kept slots; MLA and windows are not combined with it)")
+    if c.kv_selects_pages and k.schedule != "prefill":
+        _fail("model.compression.schedule", k.schedule,
+              f"'prefill' with model.kv_compression={c.kv_compression!r} (it keeps every "
+              "page and chooses which to read at each step: nothing to re-score)")
     if c.kv_selects_pages and c.attn_logit_softcap is not None:
         _fail("model.attn_logit_softcap", c.attn_logit_softcap,
               f"None with model.kv_compression={c.kv_compression!r} (its page read runs "
