@@ -29,6 +29,10 @@ if planner.PLANNER_CACHE_ENV not in os.environ:
 if compilation_cache.ENV not in os.environ:
     os.environ[compilation_cache.ENV] = tempfile.mkdtemp(prefix="kvjax-jax-cache-tests-")
     atexit.register(shutil.rmtree, os.environ[compilation_cache.ENV], ignore_errors=True)
+# ... and so do the tests' own programs: a test file's programs are dropped after it
+# (_release_compiled_programs), and the same tiny models' steps compile again in the next
+# file and in the other worker; from this folder they load instead of compiling.
+compilation_cache.enable()
 
 
 FAST_LIST = pathlib.Path(__file__).with_name("fast.txt")

@@ -1,6 +1,7 @@
 """Run in a subprocess by tests/test_parallel.py: sharded decode on 8 virtual CPU devices.
 
-``python tests/mesh_worker.py VARIANT`` prints one JSON object: for each mesh, the max
+``python tests/mesh_worker.py VARIANT`` prints one JSON object (``variants V1 V2 ...``: one
+object of them by name, run in one process; a failed one holds its traceback): for each mesh, the max
 |sharded - single-device| of the prefill and decode-step logits, the cache bytes per
 device, the collective inventory and any cache all-gathers. XLA_FLAGS is set here,
 before JAX starts (the pytest process keeps its single device).
@@ -200,6 +201,15 @@ if __name__ == "__main__":
         res["meshes"] = {**CASES, "ragged": RAGGED_MESHES}
         res["roofline"] = roofline()
         res["native"] = native()
+        print("RESULT " + json.dumps(res))
+    elif sys.argv[1] == "variants":  # several variants' runs in one process
+        res = {}
+        for name in sys.argv[2:]:
+            try:
+                res[name] = main(name)
+            except Exception:  # noqa: BLE001 (reported in the variant's own test)
+                import traceback  # noqa: PLC0415
+                res[name] = {"traceback": traceback.format_exc()}
         print("RESULT " + json.dumps(res))
     elif sys.argv[1] == "roofline":
         print("RESULT " + json.dumps(roofline()))

@@ -22,9 +22,19 @@ def test_the_test_session_never_uses_the_users_cache():
     """tests/conftest.py points entry points run as subprocesses at a temporary folder."""
     d = compilation_cache.default_dir()
     assert d is not None and "kvjax-jax-cache-tests-" in str(d)
+    assert compilation_cache.current() == d  # the tests' own programs go there too
 
 
-def test_enable_writes_compiled_programs_and_off_stops(monkeypatch, tmp_path):
+@pytest.fixture
+def session_cache_back():
+    """Puts back the session's own setting (tests/conftest.py turns it on) afterwards."""
+    before = compilation_cache.current()
+    yield
+    compilation_cache.enable(before, on=before is not None)
+
+
+def test_enable_writes_compiled_programs_and_off_stops(monkeypatch, tmp_path,
+                                                      session_cache_back):
     monkeypatch.setattr(compilation_cache, "MIN_COMPILE_SECONDS", 0.0)
     try:
         assert compilation_cache.enable(tmp_path / "c") == tmp_path / "c"

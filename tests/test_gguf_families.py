@@ -11,6 +11,7 @@ BPE trained with ``tokenizers`` on a small corpus, written both into a GGUF and 
 from __future__ import annotations
 
 import json
+import os
 
 import gguf
 import jax
@@ -22,6 +23,7 @@ from tokenizers import pre_tokenizers, trainers
 
 from kvjax.checkpoints import WeightsError, gguf_reader, load_tokenizer, read_llama_hparams
 from kvjax.checkpoints.gguf_reader import undo_llama_cpp_permute
+from kvjax.checkpoints.tokenizer import tokenizer_from_fields
 from kvjax.config import ModelConfig, RunConfig
 from kvjax.inference import runner
 from kvjax.models import model
@@ -162,6 +164,33 @@ def test_the_dialect_decides_the_split(dialect, tmp_path):
     from kvjax.checkpoints.tokenizer import tokenizer_from_fields
     as_smollm = tokenizer_from_fields(dict(fields, **{"tokenizer.ggml.pre": "smollm"}))
     assert any(as_smollm.encode(s) != tok.encode(s) for s in HARD), pre
+
+
+def test_fields_of_a_cached_gguf_are_kept_and_follow_the_file(tmp_path, monkeypatch):
+    """A GGUF inside $KVJAX_CACHE has its tokenizer fields read once, then from their JSON
+    copy (gguf not opened again); rewriting the file reads it again; a file outside the
+    cache keeps nothing."""
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "cache" / "m.gguf"
+    path.parent.mkdir()
+    write_tokenizer_gguf(path, trained_tokenizer_json("smollm"), "smollm")
+    first = gguf_reader.read_tokenizer_fields(path)
+    kept = list((tmp_path / "cache" / gguf_reader.FIELDS_CACHE_SUBDIR).glob("m-*.json"))
+    assert len(kept) == 1
+    opened = []
+    monkeypatch.setattr(gguf_reader, "_open_reader",
+                        lambda p, _open=gguf_reader._open_reader: opened.append(p) or _open(p))
+    assert gguf_reader.read_tokenizer_fields(path) == first and not opened
+    assert load_tokenizer(path).encode(HARD[0]) == \
+        tokenizer_from_fields(first, path).encode(HARD[0]) and not opened
+    write_tokenizer_gguf(path, trained_tokenizer_json("llama-bpe"), "llama-bpe")
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    again = gguf_reader.read_tokenizer_fields(path)
+    assert opened == [path] and again["tokenizer.ggml.pre"] == "llama-bpe"
+    outside = tmp_path / "elsewhere.gguf"
+    write_tokenizer_gguf(outside, trained_tokenizer_json("smollm"), "smollm")
+    gguf_reader.read_tokenizer_fields(outside)
+    assert len(list(kept[0].parent.iterdir())) == 2
 
 
 def test_unknown_pre_tokenizer_refused(tmp_path):

@@ -14,15 +14,18 @@ undone, so they are meant for HF-style half-split rotary.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import pathlib
+import warnings
 from typing import Any, Callable
 
 import gguf
 import numpy as np
 import tqdm
 
-from kvjax.checkpoints.fetch import WeightsError
+from kvjax.checkpoints.fetch import WeightsError, cache_dir_path
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 """``general.architecture`` values read: 'llama' (Q/K rows stored llama.cpp-permuted for
@@ -477,13 +480,56 @@ def read_llama_gguf(
     return LlamaGGUF(hparams=hp, tensors=tensors, path=path, tokenizer_fields=tok_fields)
 
 
+FIELDS_CACHE_SUBDIR = "tokenizer-fields"
+"""The folder under the weights cache (:func:`kvjax.checkpoints.fetch.cache_dir_path`)
+where :func:`read_tokenizer_fields` keeps the fields of the GGUF files in that cache."""
+
+
+def _fields_cache_path(path: pathlib.Path) -> pathlib.Path | None:
+    """Where the tokenizer fields of ``path`` are kept: for a file inside the weights
+    cache, a JSON file named after its path, size and modification time (a rewritten
+    file gets a new name); None for any other file, or one that cannot be stat'ed."""
+    cache = cache_dir_path()
+    try:
+        resolved = path.resolve()
+        if not resolved.is_relative_to(cache.resolve()):
+            return None
+        st = resolved.stat()
+    except OSError:
+        return None
+    stamp = hashlib.sha256(f"{resolved}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    return cache / FIELDS_CACHE_SUBDIR / f"{resolved.stem}-{stamp[:16]}.json"
+
+
 def read_tokenizer_fields(path: str | os.PathLike) -> dict:
     """The ``tokenizer.*`` metadata of a GGUF file (tokens, token types, merges, ...).
+
+    gguf parses every field of the file to give them (~5 s for SmolLM2's 49,152 tokens
+    on a 2-core CPU, in every process that loads the tokenizer); for a file inside the
+    weights cache (the fetched checkpoint) the fields are kept as JSON under
+    ``$KVJAX_CACHE/tokenizer-fields`` and read from there next time (~0.05 s), keyed by
+    the file's path, size and modification time (docs/decisions/0032-tokenizer-fields-cache.md).
 
     Raises:
       WeightsError: the file is missing, unreadable, truncated or corrupt.
     """
-    return _tokenizer_fields(_open_reader(pathlib.Path(path)))
+    path = pathlib.Path(path)
+    kept = _fields_cache_path(path)
+    if kept is not None and kept.is_file():
+        try:
+            return json.loads(kept.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # a torn or unreadable copy: read the GGUF again
+            pass
+    fields = _tokenizer_fields(_open_reader(path))
+    if kept is not None:
+        try:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            tmp = kept.with_name(f"{kept.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(fields), encoding="utf-8")
+            os.replace(tmp, kept)  # whole or absent for a concurrent reader
+        except (OSError, TypeError, ValueError) as e:
+            warnings.warn(f"tokenizer fields of {path} not kept in {kept}: {e}", stacklevel=2)
+    return fields
 
 
 def _natural_key(name: str) -> list:
