@@ -237,11 +237,13 @@ def test_streaming_llm_equals_the_ring_cache():
                                   np.take(k, keep, axis=s_axis))
 
 
-@pytest.mark.parametrize("method", ["snapkv", "pyramidkv"])
-def test_rows_compress_independently(method):
+@pytest.mark.parametrize("method, mla", [("snapkv", False), ("pyramidkv", False),
+                                         ("snapkv", True)])
+def test_rows_compress_independently(method, mla):
     """A row's tokens do not depend on its batch-mates: lockstep rows, and ragged rows
-    of different lengths (each scored on its own tokens, its own window)."""
-    cfg = cfg_for(method, budget=16)
+    of different lengths (each scored on its own tokens, its own window); MLA's latent
+    rows too."""
+    cfg = (mla_cfg if mla else cfg_for)(method, budget=16)
     params = model_lib.init_params(cfg, 0)
     tokens = prompt(2, 50, seed=4)
     both = decode_tokens(params, cfg, tokens)
@@ -310,6 +312,11 @@ def greedy_logits(params, cfg, tokens, steps):
     sequence (prompt + the tokens fed)."""
     cache = cache_lib.init_cache(cfg, 1, 128)
     logits, cache = decode.prefill(params, cfg, tokens, cache)
+    return greedy_steps(params, cfg, tokens, logits, cache, steps)
+
+
+def greedy_steps(params, cfg, tokens, logits, cache, steps):
+    """:func:`greedy_logits` from the prompt's ``logits`` [1, V] and its ``cache``."""
     seq, out = list(np.asarray(tokens[0])), []
     token = jnp.argmax(logits, -1).astype(jnp.int32)
     for _ in range(steps):
@@ -589,14 +596,7 @@ def test_pyramidkv_decode_equals_the_masked_reference(prompt_len):
         held = want < prompt_len
         np.testing.assert_array_equal(got[held], want[held], err_msg=f"layer {i}")
         kept.append([set(row[row < prompt_len].tolist()) for row in want])
-    # greedy decode, logits per step
-    seq, out = list(np.asarray(tokens[0])), []
-    token = jnp.argmax(logits, -1).astype(jnp.int32)
-    for _ in range(steps):
-        seq.append(int(token[0]))
-        step_logits, cache = decode.decode_step(params, token[:, None], cache, cfg=cfg)
-        out.append(np.asarray(step_logits).reshape(-1))
-        token = jnp.argmax(step_logits.reshape(1, -1), -1).astype(jnp.int32)
+    out, seq = greedy_steps(params, cfg, tokens, logits, cache, steps)
     n = len(seq)
     q_, k_ = np.arange(n)[:, None], np.arange(n)[None, :]
     masks = []
