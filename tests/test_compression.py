@@ -466,22 +466,25 @@ def test_a_toy_method_is_one_registration(monkeypatch):
     assert row["kv_compression"] == "toy_recent" and row["kv_budget"] == 10
 
 
-def test_scoring_overhead_is_counted():
+@pytest.mark.parametrize("mla", [False, True])
+def test_scoring_overhead_is_counted(mla):
     """SnapKV's overhead in the compiled prefill covers at least its window's scores:
-    2·H FLOP per (query head, window query, slot) and layer."""
-    cfg = cfg_for("snapkv", budget=24)
+    2·H FLOP per (query head, window query, slot) and layer (MLA: H = C + R)."""
+    cfg = (mla_cfg if mla else cfg_for)("snapkv", budget=24)
     t, w = 64, KNOBS.observation_window
     over = costs.compression_overhead(cfg, t)
-    floor = cfg.num_layers * cfg.num_heads * w * t * 2 * cfg.head_dim
+    h = cfg.kv_lora_rank + cfg.qk_rope_head_dim if mla else cfg.head_dim
+    floor = cfg.num_layers * cfg.num_heads * w * t * 2 * h
     assert over["flops"] >= floor
     assert over["prefill_flops"] > over["flops"]
 
 
-def test_the_dense_engine_serves_compressed_rows():
+@pytest.mark.parametrize("mla", [False, True])
+def test_the_dense_engine_serves_compressed_rows(mla):
     """Each request's row is compressed at its own prefill (a one-row ragged prefill)
     and decoded beside the others: its tokens equal its decoding alone. Pages refused."""
     from kvjax.inference import engine
-    cfg = cfg_for("snapkv", budget=20)
+    cfg = (mla_cfg if mla else cfg_for)("snapkv", budget=20)
     params = model_lib.init_params(cfg, 0)
     r = np.random.default_rng(0)
     prompts = [tuple(int(x) for x in r.integers(3, 97, n)) for n in (50, 33, 61)]
