@@ -167,7 +167,7 @@ class ModelConfig:
         :mod:`kvjax.compression` ('snapkv', 'h2o', 'tova', 'key_norm', 'streaming_llm',
         'pyramidkv', ...) that scores the prompt's slots after its prefill, after which each KV head
         keeps its kv_budget best (:mod:`kvjax.cache.compress`); None: no compression.
-        MHA/GQA/MQA without a window.
+        Any attention without a window (MLA keeps latent slots: one slot set per layer).
       kv_budget: slots each KV head of each layer keeps of the prompt (with
         kv_compression; the cache then holds kv_budget + compression.recent_slots); a
         method with per-layer budgets (PyramidKV, :attr:`layer_budgets`): their mean.
@@ -455,6 +455,14 @@ class ModelConfig:
         return self.attention == "mla"
 
     @property
+    def mla_scale(self) -> float:
+        """MLA's softmax scale: 1/sqrt(nope + R) (DeepSeek-V2, Liu et al. 2024, sec. 2.1.3),
+        times DeepSeek's YaRN factor mscale^2 with a yarn ``rope_scaling``
+        (:func:`kvjax.rope.softmax_factor`)."""
+        return ((self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+                * rope.softmax_factor(self.rope_scaling))
+
+    @property
     def execution(self) -> Plan:
         """The execution plan traced code reads: ``plan``, or the reference plan
         (:data:`kvjax.plan.REFERENCE`) when none was resolved."""
@@ -717,14 +725,22 @@ def _check_compression(c: ModelConfig) -> None:
             _fail("model.scan_layers", c.scan_layers,
                   f"False or None with model.kv_compression={c.kv_compression!r} (each "
                   "layer its own budget: the layers are unrolled)")
-    for f, ok in (("attention", not c.is_mla), ("window_size", c.window_size is None),
+    for f, ok in (("window_size", c.window_size is None),
                   ("layer_windows", c.layer_windows is None),
                   ("num_sink_tokens", c.num_sink_tokens == 0)):
         if not ok:
             _fail(f"model.{f}", getattr(c, f),
-                  f"{'not mla' if f == 'attention' else 'unset'} with "
-                  f"model.kv_compression={c.kv_compression!r} (a compressed cache is a full "
-                  "MHA/GQA/MQA cache's kept slots; MLA and windows are not combined with it)")
+                  f"unset with model.kv_compression={c.kv_compression!r} (a compressed "
+                  "cache is a full cache's kept slots; windows are not combined with it)")
+    if c.is_mla and k.schedule != "prefill":
+        _fail("model.compression.schedule", k.schedule,
+              f"'prefill' with attention='mla' and model.kv_compression="
+              f"{c.kv_compression!r} (the decode step does not buffer MLA's absorbed "
+              "queries for a re-scoring)")
+    if c.kv_selects_pages and c.is_mla:
+        _fail("model.attention", c.attention,
+              f"not 'mla' with model.kv_compression={c.kv_compression!r} (its page bounds "
+              "are per KV head of a paged MHA/GQA/MQA cache)")
     if c.kv_selects_pages and k.schedule != "prefill":
         _fail("model.compression.schedule", k.schedule,
               f"'prefill' with model.kv_compression={c.kv_compression!r} (it keeps every "

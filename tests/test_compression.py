@@ -237,11 +237,13 @@ def test_streaming_llm_equals_the_ring_cache():
                                   np.take(k, keep, axis=s_axis))
 
 
-@pytest.mark.parametrize("method", ["snapkv", "pyramidkv"])
-def test_rows_compress_independently(method):
+@pytest.mark.parametrize("method, mla", [("snapkv", False), ("pyramidkv", False),
+                                         ("snapkv", True)])
+def test_rows_compress_independently(method, mla):
     """A row's tokens do not depend on its batch-mates: lockstep rows, and ragged rows
-    of different lengths (each scored on its own tokens, its own window)."""
-    cfg = cfg_for(method, budget=16)
+    of different lengths (each scored on its own tokens, its own window); MLA's latent
+    rows too."""
+    cfg = (mla_cfg if mla else cfg_for)(method, budget=16)
     params = model_lib.init_params(cfg, 0)
     tokens = prompt(2, 50, seed=4)
     both = decode_tokens(params, cfg, tokens)
@@ -293,10 +295,132 @@ def test_bad_fields_are_refused_by_name(fields, match):
         tiny_config(**fields)
 
 
-def test_mla_is_refused():
+# ------------------------------------------------------------------ MLA: latent slots
+
+
+def mla_cfg(method="snapkv", budget=16, **overrides):
+    """Tiny MLA (C = 16, R = 8, N = 4) compressed by ``method``."""
     from tests.conftest import tiny_mla_config
-    with pytest.raises(ConfigError, match="attention='mla'"):
-        tiny_mla_config(kv_compression="snapkv", kv_budget=100)
+    if compression.get(method).layer_budgets is not None:
+        overrides.setdefault("scan_layers", False)
+    return tiny_mla_config(tie_embeddings=False, kv_compression=method, kv_budget=budget,
+                           compression=KNOBS, **overrides)
+
+
+def greedy_logits(params, cfg, tokens, steps):
+    """[steps, V] logits of ``steps`` greedy decode steps after the prompt, and the
+    sequence (prompt + the tokens fed)."""
+    cache = cache_lib.init_cache(cfg, 1, 128)
+    logits, cache = decode.prefill(params, cfg, tokens, cache)
+    return greedy_steps(params, cfg, tokens, logits, cache, steps)
+
+
+def greedy_steps(params, cfg, tokens, logits, cache, steps):
+    """:func:`greedy_logits` from the prompt's ``logits`` [1, V] and its ``cache``."""
+    seq, out = list(np.asarray(tokens[0])), []
+    token = jnp.argmax(logits, -1).astype(jnp.int32)
+    for _ in range(steps):
+        seq.append(int(token[0]))
+        step, cache = decode.decode_step(params, token[:, None], cache, cfg=cfg)
+        out.append(np.asarray(step).reshape(-1))
+        token = jnp.argmax(step.reshape(1, -1), -1).astype(jnp.int32)
+    return np.stack(out), seq
+
+
+def np_mla_head_scores(params, cfg, tokens):
+    """[N, T, T] layer 0's scaled scores by the naive math (tests/reference.py's
+    mla_attention): per-head keys [c·W_UK[n] ; k_rope], float64."""
+    from tests import reference
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64),
+                     model_lib.stack_layers(params, cfg.num_layers))
+    lay, a = p["layers"], p["layers"]["attn"]
+    pos = np.arange(tokens.shape[1])
+    y = reference.rms_norm(p["embed"]["embedding"][np.asarray(tokens[0])],
+                           lay["attn_norm"]["scale"][0], cfg.norm_eps)
+    nope = cfg.qk_nope_head_dim
+    q = np.einsum("td,dnh->tnh", y, a["w_q"]["kernel"][0])
+    q = np.concatenate([q[..., :nope], reference.rotary(q[..., nope:], pos, cfg.rope_theta)],
+                       -1)
+    c = reference.rms_norm(y @ a["w_dkv"]["kernel"][0], a["kv_norm"]["scale"][0],
+                           cfg.norm_eps)
+    k_rope = reference.rotary((y @ a["w_kr"]["kernel"][0])[:, None], pos, cfg.rope_theta)
+    k_nope = np.einsum("tc,ncp->tnp", c, a["w_uk"]["kernel"][0])
+    k = np.concatenate([k_nope, np.repeat(k_rope, cfg.num_heads, axis=1)], -1)
+    return np.einsum("qnh,snh->nqs", q, k) / np.sqrt(nope + cfg.qk_rope_head_dim)
+
+
+@pytest.mark.parametrize("absorb", [True, False])
+def test_mla_keeps_latent_slots_snapkv_selects(absorb):
+    """One MLA layer, SnapKV at a budget of 16 of a 40-token prompt: the kept c_kv and
+    k_rope rows are the full cache's at numpy's SnapKV slots, scored with the per-head
+    attention of the naive math (mean over the N heads: one latent "KV head"); and 20
+    decode steps (the ring of 16 wraps) equal the numpy reference model attending to
+    the kept prompt tokens and the ring's last 16 positions, on both MLA paths."""
+    from tests import reference
+    cfg = mla_cfg(num_layers=1, mla_absorb=absorb)
+    params = model_lib.init_params(cfg, 2)
+    t, b, w, r = 40, 16, KNOBS.observation_window, KNOBS.recent_slots
+    tokens = prompt(1, t, seed=6)
+    s = np_mla_head_scores(params, cfg, tokens)[:, t - w:]  # [N, w, T]
+    s = np.where(np.tril(np.ones((t, t), bool))[t - w:], s, -np.inf)
+    votes = np.exp(s - s.max(-1, keepdims=True))
+    votes = (votes / votes.sum(-1, keepdims=True)).sum(1)  # [N, T]
+    pooled = np.stack([np.pad(votes, [(0, 0), (1, 1)])[:, i:i + t] for i in range(3)]).mean(0)
+    score = np.where(np.arange(t) >= t - w, compression.KEEP, pooled.mean(0))
+    want = np_select(score[None, None], np.arange(t)[None], b)[0, 0]
+    pcfg = compress_lib.prompt_config(cfg)
+    full = cache_lib.init_cache(pcfg, 1, t)
+    _, full = decode.prefill(params, pcfg, tokens, full)
+    cache = cache_lib.init_cache(cfg, 1, 128)
+    _, cache = decode.prefill(params, cfg, tokens, cache)
+    for name in ("c_kv", "k_rope"):
+        np.testing.assert_array_equal(np.asarray(cache.layer(0)[name])[0, :b],
+                                      np.asarray(full.layer(0)[name])[0, want])
+        assert cache.layer(0)[name].shape[1] == b + r
+    out, seq = greedy_logits(params, cfg, tokens, 20)
+    n = len(seq)
+    q_, k_ = np.arange(n)[:, None], np.arange(n)[None, :]
+    mask = (k_ <= q_) & np.where(q_ < t, True, np.isin(k_, want) | ((k_ >= t) & (q_ - k_ < r)))
+    ref = reference.logits(model_lib.stack_layers(params, 1), cfg, seq, [mask])
+    np.testing.assert_allclose(out, ref[t:], rtol=2e-4, atol=2e-4)
+
+
+def test_mla_keep_everything_equals_the_latent_cache():
+    """Every method at a budget holding the whole 20-token prompt gives the uncompressed
+    MLA cache's decode logits (6 steps into the ring; both paths decode a compressed
+    cache in test_mla_keeps_latent_slots_snapkv_selects)."""
+    base = mla_cfg().replace(kv_compression=None, kv_budget=None)
+    params = model_lib.init_params(base, 0)
+    tokens = prompt(1, 20, seed=1)
+    want, _ = greedy_logits(params, base, tokens, 6)
+    for method in filter(compression.evicts, compression.names()):  # quest: paged only
+        budget = 20
+        while min(compress_lib.layer_budgets(mla_cfg(method, budget))) < 20:
+            budget += 4
+        cfg = mla_cfg(method, budget)
+        got, _ = greedy_logits(model_lib.params_for(cfg, params), cfg, tokens, 6)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=method)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "pyramidkv"])
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_mla_allocated_bytes_equal_theory(method, kv_dtype):
+    """The compressed MLA cache allocates (b_i + R)·(C + R)·b per layer and row (codes
+    and scales when quantized): theory's latent bytes at the budget, at any context."""
+    cfg = mla_cfg(method, budget=24, kv_dtype=kv_dtype)
+    params = model_lib.init_params(cfg, 0)
+    cache = cache_lib.init_cache(cfg, 2, 128)
+    _, cache = decode.prefill(params, cfg, prompt(2, 60), cache)
+    assert set(cache.tensors) == ({"c_kv", "k_rope"} if kv_dtype is None else
+                                  {"c_kv", "k_rope", "c_kv_scale", "k_rope_scale"})
+    budgets = compress_lib.layer_budgets(cfg)
+    for name in cache.tensors:
+        assert [cache.layer(i)[name].shape[1] for i in range(cfg.num_layers)] == \
+            [b + KNOBS.recent_slots for b in budgets]
+    for t in (60, 1000):
+        assert cache_lib.cache_bytes(cache) == theory.kv_cache_bytes(cfg, t, 2)
+    per_slot = {None: (16 + 8) * 4, "int8": 16 + 8 + 2 * 4}[kv_dtype]  # (C + R)·b
+    assert cache_lib.cache_bytes(cache) == 2 * per_slot * (2 * 24 + 2 * KNOBS.recent_slots)
 
 
 @pytest.mark.parametrize("run, match", [
@@ -342,22 +466,25 @@ def test_a_toy_method_is_one_registration(monkeypatch):
     assert row["kv_compression"] == "toy_recent" and row["kv_budget"] == 10
 
 
-def test_scoring_overhead_is_counted():
+@pytest.mark.parametrize("mla", [False, True])
+def test_scoring_overhead_is_counted(mla):
     """SnapKV's overhead in the compiled prefill covers at least its window's scores:
-    2·H FLOP per (query head, window query, slot) and layer."""
-    cfg = cfg_for("snapkv", budget=24)
+    2·H FLOP per (query head, window query, slot) and layer (MLA: H = C + R)."""
+    cfg = (mla_cfg if mla else cfg_for)("snapkv", budget=24)
     t, w = 64, KNOBS.observation_window
     over = costs.compression_overhead(cfg, t)
-    floor = cfg.num_layers * cfg.num_heads * w * t * 2 * cfg.head_dim
+    h = cfg.kv_lora_rank + cfg.qk_rope_head_dim if mla else cfg.head_dim
+    floor = cfg.num_layers * cfg.num_heads * w * t * 2 * h
     assert over["flops"] >= floor
     assert over["prefill_flops"] > over["flops"]
 
 
-def test_the_dense_engine_serves_compressed_rows():
+@pytest.mark.parametrize("mla", [False, True])
+def test_the_dense_engine_serves_compressed_rows(mla):
     """Each request's row is compressed at its own prefill (a one-row ragged prefill)
     and decoded beside the others: its tokens equal its decoding alone. Pages refused."""
     from kvjax.inference import engine
-    cfg = cfg_for("snapkv", budget=20)
+    cfg = (mla_cfg if mla else cfg_for)("snapkv", budget=20)
     params = model_lib.init_params(cfg, 0)
     r = np.random.default_rng(0)
     prompts = [tuple(int(x) for x in r.integers(3, 97, n)) for n in (50, 33, 61)]
@@ -472,14 +599,7 @@ def test_pyramidkv_decode_equals_the_masked_reference(prompt_len):
         held = want < prompt_len
         np.testing.assert_array_equal(got[held], want[held], err_msg=f"layer {i}")
         kept.append([set(row[row < prompt_len].tolist()) for row in want])
-    # greedy decode, logits per step
-    seq, out = list(np.asarray(tokens[0])), []
-    token = jnp.argmax(logits, -1).astype(jnp.int32)
-    for _ in range(steps):
-        seq.append(int(token[0]))
-        step_logits, cache = decode.decode_step(params, token[:, None], cache, cfg=cfg)
-        out.append(np.asarray(step_logits).reshape(-1))
-        token = jnp.argmax(step_logits.reshape(1, -1), -1).astype(jnp.int32)
+    out, seq = greedy_steps(params, cfg, tokens, logits, cache, steps)
     n = len(seq)
     q_, k_ = np.arange(n)[:, None], np.arange(n)[None, :]
     masks = []
@@ -708,6 +828,12 @@ def test_bad_every_n_is_refused_by_name(fields, match):
     fields = {**dict(kv_compression="h2o", kv_budget=24), **fields}
     with pytest.raises(ConfigError, match=match):
         tiny_config(**fields)
+
+
+def test_every_n_is_refused_with_mla_by_name():
+    with pytest.raises(ConfigError, match="schedule='every_n'.*attention='mla'"):
+        from tests.conftest import tiny_mla_config  # noqa: PLC0415
+        tiny_mla_config(kv_compression="h2o", kv_budget=24, compression=every(2))
 
 
 def test_every_n_ragged_loop_rows_match_alone():

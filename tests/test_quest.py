@@ -191,6 +191,9 @@ def test_the_engine_and_the_cache_refuse_what_cannot_run():
             first_pages=2)), 1, 16, 4, 8)
     with pytest.raises(ConfigError, match="model.kv_compression='quest'.*"):
         tiny_config(kv_compression="quest", kv_budget=8, window_size=16)
+    from tests.conftest import tiny_mla_config  # noqa: PLC0415
+    with pytest.raises(ConfigError, match="model.attention='mla'"):
+        tiny_mla_config(kv_compression="quest", kv_budget=8)
     with pytest.raises(ConfigError, match="model.compression.schedule='every_n'"):
         cfg.replace(compression=compression.CompressionConfig(schedule="every_n"))
     with pytest.raises(ValueError, match="a dense cache with model.kv_compression='quest'"):

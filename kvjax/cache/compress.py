@@ -33,6 +33,12 @@ head (the markers hide them), and for H2O a float32 accumulator of the attention
 kept slot received so far, added to at each compression from the buffered queries:
 those see exactly the slots the decode steps saw (none is evicted in between), so the
 sum equals per-step accumulation without touching the attention kernels.
+
+MLA keeps latent slots: in its absorbed form it is MQA over one "KV head" whose key is
+[c_kv ; k_rope] and value c_kv, with N query heads [q_nope·W_UK^T ; q_rope]
+(:func:`_keys_values`), so every method scores it unchanged, one slot set per layer, and
+the kept c_kv and k_rope rows (codes and scales when quantized) are gathered: the cache
+holds (C + R)·b bytes per kept slot, the latent cache's at the budget.
 """
 
 from __future__ import annotations
@@ -102,9 +108,35 @@ def select(scores: jax.Array, key_positions: jax.Array, budget: int) -> jax.Arra
     return jnp.sort(idx, axis=-1).astype(jnp.int32)
 
 
+def _keys_values(pcfg: ModelConfig, layer: dict):
+    """(keys [B, K, S, H], values [B, K, S, H'], scale) a method scores one layer of the
+    prompt cache with (dequantized, slot axis -2).
+
+    MHA/GQA/MQA: the cached 'k' and 'v', scale H^-1/2. MLA in its absorbed form is MQA
+    over one latent "KV head" (DeepSeek-V2, Liu et al. 2024, sec. 2.1.2: W^UK absorbed
+    into W^Q; sec. 2.1.3: the decoupled rotary key): key [c_kv ; k_rope] (H = C + R),
+    value c_kv (H' = C), scale :attr:`~kvjax.config.ModelConfig.mla_scale`; its queries
+    are the absorbed ones ``model.forward`` observes ([B, T, 1, N, C + R]), so K = 1,
+    G = N.
+    """
+    if pcfg.is_mla:
+        c = cache_lib.read(pcfg, layer, "c_kv")
+        kr = cache_lib.read(pcfg, layer, "k_rope").astype(c.dtype)
+        return jnp.concatenate([c, kr], axis=-1)[:, None], c[:, None], pcfg.mla_scale
+    k, v = cache_lib.read(pcfg, layer, "k"), cache_lib.read(pcfg, layer, "v")
+    if cache_lib.slot_axis(pcfg, "k") == -1:
+        k = jnp.swapaxes(k, -1, -2)
+    if cache_lib.slot_axis(pcfg, "v") == -1:
+        v = jnp.swapaxes(v, -1, -2)
+    return k, v, pcfg.head_dim ** -0.5
+
+
 def _gather(x: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
     """One layer's cached tensor [B, K, S, X] (``axis`` -2) or [B, K, X, S] (-1) at the
-    per-head slots ``idx`` [B, K, budget]."""
+    per-head slots ``idx`` [B, K, budget]; an MLA tensor [B, S, X] (no head axis) at the
+    one latent head's slots ``idx`` [B, 1, budget]."""
+    if x.ndim == 3:
+        return jnp.take_along_axis(x, idx[:, 0, :, None], axis=1)
     if axis == -2:
         return jnp.take_along_axis(x, idx[..., None], axis=2)
     return jnp.take_along_axis(x, idx[:, :, None, :], axis=3)
@@ -115,11 +147,13 @@ def compress(cfg: ModelConfig, full: cache_lib.KVCache, queries: tuple | None
     """The compressed cache of ``cfg`` from the full cache a prompt was prefilled into.
 
     Args:
-      cfg: a config with ``kv_compression`` (MHA/GQA/MQA, unrolled or stacked layers).
+      cfg: a config with ``kv_compression`` (MHA/GQA/MQA or MLA, unrolled or stacked
+        layers).
       full: the prompt's cache under :func:`prompt_config` (``length`` = each row's
         prompt tokens, position p in slot p), S >= kv_budget.
       queries: per layer ([B, Q, K, G, H], [B, Q] positions) from
-        :func:`observation_queries`, or None for a method reading no query.
+        :func:`observation_queries` (MLA: [B, Q, 1, N, C + R] absorbed queries), or None
+        for a method reading no query.
     Returns:
       A cache of ``cfg`` with kv_budget + recent_slots slots per row (layer i: b_i +
       recent_slots with per-layer budgets): the kept slots first, the ring after them
@@ -167,15 +201,10 @@ def _score_layer(cfg: ModelConfig, method, layer: dict, key_positions, queries,
     """One layer's selection: (idx [B, K, budget] int32 kept slots, their positions
     [B, K, budget] int32 per head, and for a method reading every query (H2O) the
     attention they accumulated, [B, K, budget] float32, else None)."""
-    pcfg = prompt_config(cfg)
-    k, v = cache_lib.read(pcfg, layer, "k"), cache_lib.read(pcfg, layer, "v")
-    if cache_lib.slot_axis(pcfg, "k") == -1:
-        k = jnp.swapaxes(k, -1, -2)
-    if cache_lib.slot_axis(pcfg, "v") == -1:
-        v = jnp.swapaxes(v, -1, -2)
+    k, v, scale = _keys_values(prompt_config(cfg), layer)
     obs = compression.Observation(
         keys=k, values=v, queries=queries, query_positions=query_positions,
-        key_positions=key_positions, scale=cfg.head_dim ** -0.5, budget=budget,
+        key_positions=key_positions, scale=scale, budget=budget,
         config=cfg.compression, accumulated=accumulated)
     idx = select(method.score(obs), key_positions, budget)
     kp = jnp.broadcast_to(compression.head_positions(obs), idx.shape[:2]

@@ -19,7 +19,9 @@ never masks a full-size one (kvpress's per-head budgets do).
 
 Scores are combined over a GQA group by their mean over its G query heads (kvpress's
 ``scores.view(B, K, G, S).mean(2)``); a method that scores per layer (TOVA) averages over
-every head. This module imports nothing from kvjax but :mod:`jax`, so every layer may
+every head. MLA is absorbed MQA, one latent KV head (K = 1, G = N; keys [c_kv ; k_rope],
+:mod:`kvjax.cache.compress`): its N heads' scores are averaged and each layer keeps one
+set of latent slots. This module imports nothing from kvjax but :mod:`jax`, so every layer may
 read it; the methods' files only :mod:`jax.numpy` and this module.
 """
 

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
-from kvjax import kernels, ops, rope
+from kvjax import kernels, ops
 from kvjax.config import ModelConfig
 from kvjax.models import decode_kernels, flash, weight_matmul
 from kvjax.models.layers import Einsum, RMSNorm, apply_rope
@@ -328,10 +328,8 @@ class MLAttention(nn.Module):
 
     @property
     def scale(self) -> float:
-        """1/sqrt(nope + R), times DeepSeek's YaRN factor mscale^2 with a yarn
-        ``rope_scaling`` (:func:`kvjax.rope.softmax_factor`)."""
-        return ((self.cfg.qk_nope_head_dim + self.cfg.qk_rope_head_dim) ** -0.5
-                * rope.softmax_factor(self.cfg.rope_scaling))
+        """:attr:`kvjax.config.ModelConfig.mla_scale`."""
+        return self.cfg.mla_scale
 
     def queries(self, x: jax.Array, positions: jax.Array):
         """(q_nope [B, T, N, nope], rotated q_rope [B, T, N, R]) in cfg.dtype."""
@@ -364,8 +362,12 @@ class MLAttention(nn.Module):
     def _query_main(self, q_nope: jax.Array) -> jax.Array:
         if not self.cfg.mla_absorb:
             return q_nope
-        # W_UK absorbed into the query: [B, T, N, nope] x [N, C, nope] -> [B, T, N, C].
-        return jnp.einsum("BTNP,NCP->BTNC", q_nope, self.w_uk())
+        return self._absorb(q_nope, self.w_uk())
+
+    @staticmethod
+    def _absorb(q_nope: jax.Array, w_uk: jax.Array) -> jax.Array:
+        """W_UK absorbed into the query: [B, T, N, nope] x [N, C, nope] -> [B, T, N, C]."""
+        return jnp.einsum("BTNP,NCP->BTNC", q_nope, w_uk)
 
     def __call__(self, x: jax.Array, positions: jax.Array, cached: dict | None,
                  cached_positions: jax.Array | None):
@@ -380,7 +382,11 @@ class MLAttention(nn.Module):
             (-1: empty).
         Returns:
           (out [B, T, D], {'c_kv': [B, T, C], 'k_rope': [B, T, R]} in the cache's
-          representation (:func:`kvjax.cache.encode`)).
+          representation (:func:`kvjax.cache.encode`)). When 'intermediates' is mutable
+          (``model.forward``'s ``observe``) it also sows 'queries' [B, T, 1, N, C + R]:
+          the absorbed queries [q_nope·W_UK^T ; q_rope] of either path, MLA as MQA over
+          one latent "KV head" whose key is [c_kv ; k_rope] (lever 5's view,
+          :mod:`kvjax.cache.compress`).
         """
         c = self.cfg
         absorb = c.mla_absorb
@@ -389,6 +395,12 @@ class MLAttention(nn.Module):
         c_kv, k_rope = self.latents(x, positions)
         q_main = self._query_main(q_nope)
         w_uk, w_uv = self.w_uk(), self.w_uv()
+        if self.is_mutable_collection("intermediates"):
+            # Kept only when the caller asks (model.forward's observe): lever 5's methods
+            # score the latent slots with the absorbed queries (kvjax.cache.compress).
+            q_lat = q_main if absorb else self._absorb(q_nope, w_uk)
+            self.sow("intermediates", "queries",
+                     jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)[:, :, None])
         new = cache_lib.encode(c, {"c_kv": c_kv, "k_rope": k_rope})
 
         call = MLACall(c, q_main, q_rope, new, positions, cached, cached_positions, w_uk,

@@ -313,8 +313,9 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
         writes. Wrong results if the cache is not empty.
       last_only: (static) compute the logits of the last position only ([B, 1, V]):
         a prefill needs no other (the LM head is ~17% of SmolLM2's prompt FLOPs).
-      observe: (static) also return every layer's rotated queries (MHA/GQA/MQA), which
-        lever 5's methods score the prompt's slots with (:mod:`kvjax.cache.compress`).
+      observe: (static) also return every layer's rotated queries (MHA/GQA/MQA; MLA:
+        the absorbed latent queries [q_nope·W_UK^T ; q_rope], K = 1, G = N, H = C + R),
+        which lever 5's methods score the prompt's slots with (:mod:`kvjax.cache.compress`).
     Returns:
       (logits [B, T, V] float32, or [B, 1, V] with ``last_only``: each row's last real
       token; updated cache or None), and with ``observe`` a third item: a tuple of L
