@@ -243,6 +243,7 @@ static inline vf vexp(vf x) {
 }
 
 constexpr int64_t kSpan = 4096;  // slots per span (a multiple of VL)
+constexpr int64_t kScFloats = 65536;  // floats of a span's scores, sc[G][span]
 // Floats between the end of one head's row of sc and the next head's: rows a multiple of
 // 4 KiB apart fall in the same L1 sets as each other and as the key rows (whose stride S
 // is one too), more lines than the 8 ways hold; 48 floats of padding scored fastest
@@ -315,6 +316,77 @@ static void SpanScores(const float* qs, int64_t G, int64_t H, const float* kp, i
   }
   for (; h < H; ++h)
     for (int64_t j = 0; j < n; j += VL) ScoresBlock<1, 1>(qs, G, H, h, kp + h * ks, ks, j, sc, ld_sc);
+}
+
+// A grouped row's scores with every accumulator in registers
+// (docs/decisions/0032-grouped-decode-blocking.md): a block of NJ vectors of slots is
+// walked down all H key rows; each key vector is loaded once and used by the GB heads of
+// the group (GB * NJ FMAs for NJ loads and GB broadcasts), and the GB * NJ score vectors
+// are stored once, after the last row. NJ is the most vectors that fit beside the
+// accumulators, a key block and a broadcast (GroupNJ). The block PfAhead blocks ahead is
+// prefetched into L2 a line per row as this one is walked: the H strided rows are more
+// streams than the hardware prefetchers follow.
+constexpr int GroupNJ(int gb) { return std::min(8, (kRegs - 2) / (gb + 1)); }
+// Heads walked together: AVX-512 9 heads x 3 vectors (27 accumulators); AVX2 6 x 2 (12).
+constexpr int kGroupMax = kRegs == 32 ? 9 : 6;
+constexpr int64_t kPfAhead = 2;
+
+template <int GB, int NJ>
+static inline void GroupScoresBlock(const float* qs, int64_t H, const float* kp, int64_t ks,
+                                    float* sc, int64_t ld_sc, const float* pf) {
+  vf acc[GB][NJ];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < NJ; ++c) acc[g][c] = vf{};
+  constexpr int kLines = NJ * VL / 16;  // 64-byte lines of a row's block
+  for (int64_t h = 0; h < H; ++h) {
+    const float* kr = kp + h * ks;
+    if (pf)
+      for (int c = 0; c < (kLines ? kLines : 1); ++c) __builtin_prefetch(pf + h * ks + c * 16, 0, 2);
+    vf k[NJ];
+    for (int c = 0; c < NJ; ++c) k[c] = reg(ld(kr + c * VL));
+    for (int g = 0; g < GB; ++g) {
+      const vf qb = bc(qs[g * H + h]);
+      for (int c = 0; c < NJ; ++c) acc[g][c] += qb * k[c];
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < NJ; ++c) st(sc + g * ld_sc + c * VL, acc[g][c]);
+}
+
+// sc[g * ld_sc + j] = q_g . k[:, j], j in [0, n) (n a multiple of VL), for GB heads at qs
+// ([GB, H], pre-scaled); key row h at kp + h * ks.
+template <int GB>
+static void GroupScoresGB(const float* qs, int64_t H, const float* kp, int64_t ks, int64_t n,
+                          float* sc, int64_t ld_sc) {
+  constexpr int NJ = GroupNJ(GB);
+  constexpr int64_t W = NJ * VL;
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    // (a prefetch never faults: past the segment it fetches the next span's keys, or
+    // nothing useful)
+    GroupScoresBlock<GB, NJ>(qs, H, kp + j, ks, sc + j, ld_sc, kp + j + kPfAhead * W);
+  }
+  for (; j < n; j += VL) GroupScoresBlock<GB, 1>(qs, H, kp + j, ks, sc + j, ld_sc, nullptr);
+}
+
+// GroupScoresGB for any G: groups of at most kGroupMax heads, balanced; a later group
+// reads the span's keys again (from L2 when the span is short enough).
+static void GroupScores(const float* qs, int64_t G, int64_t H, const float* kp, int64_t ks,
+                        int64_t n, float* sc, int64_t ld_sc) {
+  const int64_t ngroups = (G + kGroupMax - 1) / kGroupMax;
+  for (int64_t i = 0, g0 = 0; i < ngroups; ++i) {
+    const int64_t gb = (G - g0) / (ngroups - i);
+    const float* q = qs + g0 * H;
+    float* out = sc + g0 * ld_sc;
+    switch (gb) {
+#define KVJAX_GROUP(N) \
+  case N: if constexpr (N <= kGroupMax) GroupScoresGB<N>(q, H, kp, ks, n, out, ld_sc); break;
+      KVJAX_GROUP(1) KVJAX_GROUP(2) KVJAX_GROUP(3) KVJAX_GROUP(4) KVJAX_GROUP(5)
+      KVJAX_GROUP(6) KVJAX_GROUP(7) KVJAX_GROUP(8) KVJAX_GROUP(9)
+#undef KVJAX_GROUP
+    }
+    g0 += gb;
+  }
 }
 
 // Scores of NC chunks of VL slots, each wherever its page lies (key row h of chunk c at
@@ -436,7 +508,7 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
   // slots (rounded up to VL); rows ld_sc apart (the padding also holds what a padded
   // segment writes past the span's end, < VL floats).
   const int64_t span = std::max<int64_t>(
-      VL, std::min<int64_t>({kSpan, 65536 / G, (s1 - s0 + VL - 1) / VL * VL}) / VL * VL);
+      VL, std::min<int64_t>({kSpan, kScFloats / G, (s1 - s0 + VL - 1) / VL * VL}) / VL * VL);
   const int64_t ld_sc = span + kScorePad;
   // The scores, the float mask and the value rows of a span, in buffers each thread keeps
   // from item to item and call to call, neither freed nor zeroed: every float read below
@@ -554,7 +626,11 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
         kp = kpad.data();
         ks = len;
       }
-      SpanScores(qs.data(), G, H, kp, ks, len, out, ld_sc);
+      // Grouped rows on AVX-512 keep every score in registers (GroupScores); AVX2's 16
+      // registers leave a block of one line per key row, which read slower than
+      // SpanScores' long rows (docs/decisions/0032-grouped-decode-blocking.md).
+      (G > 1 && kRegs == 32 ? GroupScores : SpanScores)(qs.data(), G, H, kp, ks, len, out,
+                                                         ld_sc);
     }
     const int64_t nck = ck.size();
     for (int64_t i = 0; i < nck; i += kNC) {
