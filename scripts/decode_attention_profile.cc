@@ -1,8 +1,10 @@
 // Where the native grouped decode attention's time goes, per G: one thread, one KV head of
 // S slots (keys [H, S], values [S, V], every slot visible), caches rotated over copies
-// bigger than the last-level cache so every read comes from memory. Times the whole work
-// item (FastItem) and each phase alone over the same spans: the scores (SpanScores), the
-// online softmax (SpanSoftmax) on scores already in place, the values (SpanValues).
+// bigger than the last-level cache so every read comes from memory; best of 12 calls.
+// Times the whole work item (FastItem) and each phase alone over the same spans: the
+// scores (SpanScores: G = 1 and AVX2; GroupScores: G > 1 on AVX-512), the online softmax
+// on scores already in place, the values over a dense row's contiguous rows (without
+// FastItem's prefetch of the next sub-block), and a plain read of the same bytes.
 //
 //   g++ -O3 -march=native -std=c++17 -w -I$(python -c 'import jax.ffi; print(jax.ffi.include_dir())') \
 //       -Ikvjax/native scripts/decode_attention_profile.cc -o /tmp/prof && /tmp/prof 32768 1 3 4 8 9
@@ -13,9 +15,8 @@
 #include <cstdio>
 #include <cstdlib>
 
-#ifndef KVJAX_PROFILE_HAS_PHASES
 // FastItem's softmax over [lo, hi) of a span (all G heads) and its values over a dense
-// row's contiguous run, as FastItem runs them.
+// row's contiguous run, as FastItem runs them (copied: FastItem runs them inline).
 static void SpanSoftmax(int64_t G, float* scp, int64_t ld_sc, const float* mask, int64_t lo,
                         int64_t hi, int64_t np, float* m, float* l, float* o, int64_t V) {
   for (int64_t g = 0; g < G; ++g) {
@@ -53,7 +54,6 @@ static void SpanValuesContig(int64_t G, int64_t V, const float* scp, int64_t ld_
                             &rows[j0], nj, 0, c0, o + g0 * V, V);
   }
 }
-#endif
 
 int main(int argc, char** argv) {
   const int64_t S = argc > 1 ? std::atoll(argv[1]) : 32768, H = 64, V = 64;
@@ -61,7 +61,6 @@ int main(int argc, char** argv) {
   std::vector<float> kc(copies * H * S), vc(copies * S * V);
   for (size_t i = 0; i < kc.size(); ++i) kc[i] = float((i * 2654435761u) % 1000) / 1000 - 0.5f;
   for (size_t i = 0; i < vc.size(); ++i) vc[i] = float((i * 40503u) % 1000) / 1000 - 0.5f;
-  std::vector<bool> dummy;
   std::unique_ptr<bool[]> vis(new bool[S]);
   std::fill(vis.get(), vis.get() + S, true);
   const double bytes = double(S) * (H + V) * 4;
@@ -102,7 +101,6 @@ int main(int argc, char** argv) {
       for (int64_t sb = 0; sb < S; sb += span)
         GroupScores(qs.data(), G, H, kc.data() + c * H * S + sb, S, span, sc.data(), ld_sc);
     });
-    std::printf("  group scores %6.1f GB/s of keys (%.2f ms)\n", bytes / 2 / tg / 1e9, tg * 1e3);
     const double tx = time([&](int64_t c) {
       for (int64_t sb = 0; sb < S; sb += span)
         SpanSoftmax(G, sc.data(), ld_sc, mask.data(), 0, span, span, m.data(), l.data(), o.data(), V);
@@ -112,9 +110,10 @@ int main(int argc, char** argv) {
       for (int64_t sb = 0; sb < S; sb += span)
         SpanValuesContig(G, V, sc.data(), ld_sc, vb + sb * V, span, o.data());
     });
-    std::printf("  scores %6.1f GB/s of keys (%.2f ms), softmax %.2f ms, values %6.1f GB/s of "
-                "values (%.2f ms); sum %.2f ms\n", bytes / 2 / ts / 1e9, ts * 1e3, tx * 1e3,
-                bytes / 2 / tv / 1e9, tv * 1e3, (ts + tx + tv) * 1e3);
+    std::printf("  scores: SpanScores %5.1f GB/s of keys (%.2f ms), GroupScores %5.1f (%.2f ms); "
+                "softmax %.2f ms; values %5.1f GB/s of values (%.2f ms)\n",
+                bytes / 2 / ts / 1e9, ts * 1e3, bytes / 2 / tg / 1e9, tg * 1e3, tx * 1e3,
+                bytes / 2 / tv / 1e9, tv * 1e3);
     // A plain read of the same bytes, as a roof for one thread.
     const double tr = time([&](int64_t c) {
       vf a{}, b{};
