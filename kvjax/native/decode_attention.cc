@@ -431,8 +431,10 @@ static void ChunkScores(const float* qs, int64_t G, int64_t H, const float* cons
 // kPfRows] is prefetched while j + kPfRows < npf (the rows the caller holds; 0: no
 // prefetch), the same columns: a page's first rows miss otherwise (see ChunkScores).
 // kContig: every row visible and row j at rows[0] + j * V (a dense row's run): no
-// per-slot pointer, test or prefetch (the hardware prefetchers follow the stream), which
-// left AVX2 issuing more scalar than vector work per slot.
+// per-slot pointer or test, which left AVX2 issuing more scalar than vector work per
+// slot; npf != 0: the row kSub slots on (the next sub-block's) is prefetched whole into
+// L2, a row a slot, so the DRAM stream goes on while later calls read this sub-block
+// from L1 (docs/decisions/0032-grouped-decode-blocking.md).
 template <int GB, int NV, bool kContig>
 static void ValuesRows(const float* p, int64_t ld_p, const float* const* rows, int64_t n,
                        int64_t npf, int64_t c0, float* o, int64_t V) {
@@ -443,6 +445,8 @@ static void ValuesRows(const float* p, int64_t ld_p, const float* const* rows, i
   for (int64_t j = 0; j < n; ++j) {
     if constexpr (kContig) {
       if (j) vr += V;
+      if (npf)  // the whole row kSub slots on, into L2
+        for (int64_t c = 0; c < V; c += 16) __builtin_prefetch(vr + kSub * V + c, 0, 2);
     } else {
       if (j + kPfRows < npf && rows[j + kPfRows])
         for (int c = 0; c < NV; ++c) __builtin_prefetch(rows[j + kPfRows] + c0 + c * VL, 0, 3);
@@ -686,10 +690,11 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
         }
         if (!any) continue;
         const int64_t gmax = contig ? gmax_contig : gmax_rows;
-        // The next sub-block's value rows are prefetched a share at a time before each
-        // call after the first (which reads this sub-block from memory; the others read
-        // it from L1): the first call then finds them in cache, not a DRAM stream that
-        // no arithmetic overlaps (docs/decisions/0014-decode-values-prefetch.md).
+        // The next sub-block's value rows are prefetched: over a contiguous run by the
+        // first call, a row a slot (ValuesRows); else a share at a time before each call
+        // after the first (which reads this sub-block from memory; the others read it
+        // from L1): the first call then finds them in cache, not a DRAM stream that no
+        // arithmetic overlaps (docs/decisions/0014-decode-values-prefetch.md).
         const int64_t calls = (G + gmax - 1) / gmax * ((V + nv * VL - 1) / (nv * VL));
         const int64_t next = j0 + kSub, next_n = std::min(kSub, end - next);
         const int64_t row_lines = (V + 15) / 16, lines = next_n > 0 ? next_n * row_lines : 0;
@@ -700,13 +705,17 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
           float* oo = o + g0 * V;
           const int64_t npf = g0 == 0 ? end - j0 : 0;  // the first group reads from memory
           for (int64_t c0 = 0; c0 < V; c0 += nv * VL, ++call) {
+            if (contig) {  // the first call prefetches the next sub-block, a row a slot
+              ValuesRowsAny<true>(nv, gb, pp, ld_sc, &rows[j0], nj, call == 0 && next_n > 0,
+                                  c0, oo, V);
+              continue;
+            }
             if (call > 0 && lines > 0)
               for (int64_t ln = (call - 1) * lines / (calls - 1),
                            ln1 = call * lines / (calls - 1); ln < ln1; ++ln)
                 if (const float* r = rows[next + ln / row_lines])
                   __builtin_prefetch(r + ln % row_lines * 16, 0, 3);
-            if (contig) ValuesRowsAny<true>(nv, gb, pp, ld_sc, &rows[j0], nj, npf, c0, oo, V);
-            else ValuesRowsAny<false>(nv, gb, pp, ld_sc, &rows[j0], nj, npf, c0, oo, V);
+            ValuesRowsAny<false>(nv, gb, pp, ld_sc, &rows[j0], nj, npf, c0, oo, V);
           }
         }
       }
