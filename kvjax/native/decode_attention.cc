@@ -1,7 +1,8 @@
 // Grouped-query decode attention over a KV cache, one XLA FFI custom call (CPU, float32).
 //
 // For each batch row b and KV head k, the G query heads of the group read each cached key
-// and value row once (a block of slots stays in L1 while all G heads use it), with an
+// and value row once from memory (a block of slots stays in registers or L1 while all G
+// heads use it), with an
 // online softmax (Milakov & Gimelshein 2018; flash-decoding's split of the slot axis,
 // Dao et al. 2023) so the cache is streamed exactly once. Work items (b, k, slot chunk)
 // are spread over XLA's intra-op threads (pool.h); the partial results of a (b, k) are
@@ -177,15 +178,17 @@ static void Item(const Shape& sh, const float* q, const float* kc, const float* 
 // The fast path: keys [B, K, H, S] (the CPU default, kvjax/backend.py), H a multiple of
 // the vector width VL; values [B, K, S, V] with V a multiple of VL, or [B, K, V, S].
 //
-// Read pattern first: walking [H, S] in 64-slot blocks (64 strided 256-byte pieces) reads
-// at a fraction of the bandwidth that 8 rows at a time over 4,096 slots (16 KiB contiguous
-// per row) reach, near a plain sequential read
+// Read pattern first: walking [H, S] in 64-slot blocks (64 strided 256-byte pieces), left
+// to the hardware prefetchers, reads at a fraction of the bandwidth that 8 rows at a time
+// over 4,096 slots (16 KiB contiguous per row) reach, near a plain sequential read
 // (docs/decisions/0010-decode-kernel-spans.md). So the slot axis is taken in spans of up
-// to kSpan slots: scores of a span are accumulated 8 key rows at a time into sc[G][span]
-// (kept in L2), then one online-softmax update per span (Milakov & Gimelshein 2018), then
-// the values of the span, row by row, with the G heads' accumulators in registers (a value
-// vector is loaded once and used by every head of the group: the G heads cost FMAs, not
-// cache reads).
+// to kSpan slots: scores of a span into sc[G][span] (kept in L2), accumulated a few key
+// rows at a time over long rows (SpanScores), or, for grouped heads on AVX-512, a block
+// of slots down all H rows with every score in registers and the blocks ahead prefetched
+// in software (GroupScores; docs/decisions/0032-grouped-decode-blocking.md); then one
+// online-softmax update per span (Milakov & Gimelshein 2018), then the values of the span,
+// row by row, with the G heads' accumulators in registers (a value vector is loaded once
+// and used by every head of the group: the G heads cost FMAs, not cache reads).
 #if defined(__AVX512F__)
 constexpr int VL = 16;
 constexpr int kRegs = 32;   // vector registers (zmm)
