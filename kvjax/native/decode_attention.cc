@@ -491,6 +491,33 @@ static void ValuesRowsAny(int nv, int64_t gb, const float* p, int64_t ld_p,
   else ValuesRowsNV<1, kContig>(gb, p, ld_p, rows, n, npf, c0, o, V);
 }
 
+// The online softmax of a span (Milakov & Gimelshein 2018), per head g: the running max
+// m[g] over the scores sc[g * ld_sc + j] of slots j in [lo, hi) whose mask[j] > 0, o[g]
+// and l[g] rescaled to it, the unnormalised probabilities written over the scores (0 on
+// masked slots and on [np, np + VL), past the span), l[g] += their sum.
+static void SpanSoftmax(int64_t G, int64_t V, float* scp, int64_t ld_sc, const float* mask,
+                        int64_t lo, int64_t hi, int64_t np, float* m, float* l, float* o) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sr = &scp[g * ld_sc];
+    vf bm = bc(kNegInf);
+    for (int64_t j = lo; j < hi; j += VL)
+      bm = vmax(bm, ld(&mask[j]) > 0.0f ? ld(sr + j) : bc(kNegInf));
+    const float mnew = std::max(m[g], hmax(bm));
+    const float alpha = fast_exp(m[g] - mnew);  // m = -1e30 before any slot: o, l are 0
+    for (int64_t c = 0; c < V; ++c) o[g * V + c] *= alpha;
+    vf sum = vf{};
+    for (int64_t j = lo; j < hi; j += VL) {
+      // a select, not a product with the mask: a masked score may be NaN or inf
+      const vf e = ld(&mask[j]) > 0.0f ? vexp(ld(sr + j) - mnew) : vf{};
+      st(sr + j, e);
+      sum += e;
+    }
+    std::fill(sr + np, sr + np + VL, 0.0f);
+    l[g] = l[g] * alpha + hsum(sum);
+    m[g] = mnew;
+  }
+}
+
 static bool FastPathApplies(const Shape& sh) {
 #if defined(__AVX__)
   return !sh.k_bksh && sh.H % VL == 0 && sh.V % VL == 0;
@@ -656,25 +683,7 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
     // new running max (Milakov & Gimelshein 2018).
     const int64_t lo = segs.front().j0;
     const int64_t hi = std::min(np, (segs.back().j0 + segs.back().n + VL - 1) / VL * VL);
-    for (int64_t g = 0; g < G; ++g) {
-      float* sr = &scp[g * ld_sc];
-      vf bm = bc(kNegInf);
-      for (int64_t j = lo; j < hi; j += VL)
-        bm = vmax(bm, ld(&mask[j]) > 0.0f ? ld(sr + j) : bc(kNegInf));
-      const float mnew = std::max(m[g], hmax(bm));
-      const float alpha = fast_exp(m[g] - mnew);  // m = -1e30 before any slot: o, l are 0
-      for (int64_t c = 0; c < V; ++c) o[g * V + c] *= alpha;
-      vf sum = vf{};
-      for (int64_t j = lo; j < hi; j += VL) {
-        // a select, not a product with the mask: a masked score may be NaN or inf
-        const vf e = ld(&mask[j]) > 0.0f ? vexp(ld(sr + j) - mnew) : vf{};
-        st(sr + j, e);
-        sum += e;
-      }
-      std::fill(sr + np, sr + np + VL, 0.0f);
-      l[g] = l[g] * alpha + hsum(sum);
-      m[g] = mnew;
-    }
+    SpanSoftmax(G, V, scp, ld_sc, mask, lo, hi, np, m, l, o);
     if (sh.v_bksh) {
       // The value row of each visible slot, wherever its page lies (nullptr: masked).
       const int64_t end = std::min(n, hi);
