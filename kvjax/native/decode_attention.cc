@@ -340,11 +340,11 @@ static inline void GroupScoresBlock(const float* qs, int64_t H, const float* kp,
   vf acc[GB][NJ];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < NJ; ++c) acc[g][c] = vf{};
-  constexpr int kLines = NJ * VL / 16;  // 64-byte lines of a row's block
+  constexpr int kLines = NJ * VL / 16 ? NJ * VL / 16 : 1;  // 64-byte lines of a row's block
   for (int64_t h = 0; h < H; ++h) {
     const float* kr = kp + h * ks;
     if (pf)
-      for (int c = 0; c < (kLines ? kLines : 1); ++c) __builtin_prefetch(pf + h * ks + c * 16, 0, 2);
+      for (int c = 0; c < kLines; ++c) __builtin_prefetch(pf + h * ks + c * 16, 0, 2);
     vf k[NJ];
     for (int c = 0; c < NJ; ++c) k[c] = reg(ld(kr + c * VL));
     for (int g = 0; g < GB; ++g) {
