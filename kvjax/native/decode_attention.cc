@@ -435,9 +435,10 @@ static void ChunkScores(const float* qs, int64_t G, int64_t H, const float* cons
 // prefetch), the same columns: a page's first rows miss otherwise (see ChunkScores).
 // kContig: every row visible and row j at rows[0] + j * V (a dense row's run): no
 // per-slot pointer or test, which left AVX2 issuing more scalar than vector work per
-// slot; npf != 0: the row kSub slots on (the next sub-block's) is prefetched whole into
-// L2, a row a slot, so the DRAM stream goes on while later calls read this sub-block
-// from L1 (docs/decisions/0032-grouped-decode-blocking.md).
+// slot; npf != 0 (the first of several calls): the row kSub slots on (the next
+// sub-block's) is prefetched whole into L2, a row a slot, so the DRAM stream goes on
+// while later calls read this sub-block from L1; a single call leaves the stream to the
+// hardware prefetchers (docs/decisions/0032-grouped-decode-blocking.md).
 template <int GB, int NV, bool kContig>
 static void ValuesRows(const float* p, int64_t ld_p, const float* const* rows, int64_t n,
                        int64_t npf, int64_t c0, float* o, int64_t V) {
@@ -703,10 +704,10 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
         if (!any) continue;
         const int64_t gmax = contig ? gmax_contig : gmax_rows;
         // The next sub-block's value rows are prefetched: over a contiguous run by the
-        // first call, a row a slot (ValuesRows); else a share at a time before each call
-        // after the first (which reads this sub-block from memory; the others read it
-        // from L1): the first call then finds them in cache, not a DRAM stream that no
-        // arithmetic overlaps (docs/decisions/0014-decode-values-prefetch.md).
+        // first of several calls, a row a slot (ValuesRows); else a share at a time
+        // before each call after the first (which reads this sub-block from memory; the
+        // others read it from L1): the first call then finds them in cache, not a DRAM
+        // stream that no arithmetic overlaps (docs/decisions/0014-decode-values-prefetch.md).
         const int64_t calls = (G + gmax - 1) / gmax * ((V + nv * VL - 1) / (nv * VL));
         const int64_t next = j0 + kSub, next_n = std::min(kSub, end - next);
         const int64_t row_lines = (V + 15) / 16, lines = next_n > 0 ? next_n * row_lines : 0;
@@ -717,9 +718,9 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
           float* oo = o + g0 * V;
           const int64_t npf = g0 == 0 ? end - j0 : 0;  // the first group reads from memory
           for (int64_t c0 = 0; c0 < V; c0 += nv * VL, ++call) {
-            if (contig) {  // the first call prefetches the next sub-block, a row a slot
-              ValuesRowsAny<true>(nv, gb, pp, ld_sc, &rows[j0], nj, call == 0 && next_n > 0,
-                                  c0, oo, V);
+            if (contig) {  // of several calls, the first prefetches the next sub-block
+              ValuesRowsAny<true>(nv, gb, pp, ld_sc, &rows[j0], nj,
+                                  call == 0 && calls > 1 && next_n > 0, c0, oo, V);
               continue;
             }
             if (call > 0 && lines > 0)
