@@ -2,6 +2,7 @@
 by machine and never trusts a corrupt or foreign file (issue 18)."""
 
 import json
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -254,6 +255,85 @@ def test_native_paged_refuses_a_page_outside_the_pool():
         jax.block_until_ready(decode_kernels.partial_attention(
             "native", q, jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(vis), "BKHS",
             "BKSH", block_table=jnp.asarray(table)))
+
+
+_AVX2 = {}
+
+
+def _avx2_targets():
+    """The dense and paged targets of decode_attention.cc built with ``-mno-avx512f`` (its
+    AVX2 loops; cached per machine and source like the default build), registered under
+    names of their own; None where they cannot be built (no compiler, no AVX2)."""
+    if "avx2" not in native.machine_id().split("|")[-1].split():
+        return None
+    names = ("kvjax_decode_attention_avx2", "kvjax_paged_decode_attention_avx2")
+    ok = native.register(
+        _AVX2, threading.Lock(),
+        lambda: native.build_library(native._SOURCE, "kvjax_decode_attention_avx2",
+                                     flags=("-mno-avx512f",)),
+        names[0], "KvjaxDecodeAttention", "the AVX2 build", "skipping its tests",
+        more=((names[1], "KvjaxPagedDecodeAttention"),))
+    return names if ok else None
+
+
+def _grouped_problem(g, kl, vl, seed):
+    """Dense caches (B = 3, K = 2, H = 64, S = 1,000: not a multiple of any vector width)
+    whose rows are ragged (random slots masked; a prefix of 777 slots; sinks, a window and
+    gaps of 63 and 64 masked slots), and pools of 16-slot pages with a block table
+    (shuffled, a missing page, a page shared by two rows, NaN / inf in pages no row
+    holds). V = 32 for G = 9 (two vectors a value row), else 64."""
+    rng = np.random.default_rng(seed)
+    b, k, h, s = 3, 2, 64, 1000
+    v = 32 if g == 9 else 64
+    q = jnp.asarray(rng.standard_normal((b, k, g, h)), jnp.float32)
+    kc = 3 * rng.standard_normal((b, k, s, h) if kl == "BKSH" else (b, k, h, s))
+    vc = rng.standard_normal((b, k, s, v) if vl == "BKSH" else (b, k, v, s))
+    vis = np.zeros((b, s), bool)
+    vis[0] = rng.random(s) < 0.6
+    vis[1, :777] = True
+    vis[2, :4] = vis[2, 100:200] = vis[2, 263:300] = vis[2, 364:401] = vis[2, 900:] = True
+    dense = (q, jnp.asarray(kc, jnp.float32), jnp.asarray(vc, jnp.float32), jnp.asarray(vis))
+    kp, vp, table, pvis = _pages(rng, b, k, h, v, 16, 20, kl, vl)
+    paged = (q, jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(pvis))
+    return dense, paged, jnp.asarray(table)
+
+
+def _grouped_matches_xla(g, layouts):
+    kl, vl = layouts
+    dense, paged, table = _grouped_problem(g, kl, vl, seed=g)
+    for args, bt in ((dense, None), (paged, table)):
+        ref = decode_kernels.partial_attention("xla", *args, kl, vl, block_table=bt)
+        got = decode_kernels.partial_attention("native", *args, kl, vl, block_table=bt)
+        for name, r, o in zip("oml", ref, got):
+            assert np.isfinite(np.asarray(o)).all(), name
+            np.testing.assert_allclose(np.asarray(o), np.asarray(r), atol=3e-5, rtol=3e-5,
+                                       err_msg=f"{name} {'paged' if bt is not None else 'dense'}")
+
+
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+@pytest.mark.parametrize("layouts", LAYOUTS, ids=lambda x: "/".join(x))
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 8, 9])
+def test_native_grouped_equals_xla(g, layouts):
+    """The grouped kernel (G query heads a KV head; G = 2-9 on AVX-512 take the
+    register-blocked scores, docs/decisions/0033-grouped-decode-blocking.md) against XLA,
+    every layout: ragged rows, windows with sinks, masked slots and paged rows; (o, m, l)
+    equal XLA's."""
+    _grouped_matches_xla(g, layouts)
+
+
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+@pytest.mark.parametrize("layouts", [("BKHS", "BKSH"), ("BKHS", "BKHS")],
+                         ids=lambda x: "/".join(x))
+@pytest.mark.parametrize("g", [1, 3, 4, 8, 9])
+def test_native_avx2_build_equals_xla(g, layouts, monkeypatch):
+    """The same kernel built for AVX2 (``-mno-avx512f``: 8-float vectors, 16 registers,
+    the fast path's other blockings) on the same problems equals XLA."""
+    names = _avx2_targets()
+    if names is None:
+        pytest.skip("no AVX2 build (no compiler or no AVX2)")
+    monkeypatch.setattr(native, "TARGET", names[0])
+    monkeypatch.setattr(native, "PAGED_TARGET", names[1])
+    _grouped_matches_xla(g, layouts)
 
 
 def test_native_with_no_slot_sees_nothing():

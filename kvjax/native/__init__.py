@@ -68,43 +68,50 @@ def ffi_headers() -> str:
                       for p in sorted(root.rglob("*.h")))
 
 
-def build_key(source: pathlib.Path, cxx: str, compiler_version: str) -> str:
+def build_key(source: pathlib.Path, cxx: str, compiler_version: str,
+              flags: tuple[str, ...] = ()) -> str:
     """16 hex digits naming one build of ``source``: the sha256 of its text, the shared
-    headers (:func:`headers`), the compiler ``cxx`` and its ``--version`` text, the flags,
-    the CPU (:func:`machine_id`), ``jaxlib.__version__`` and the XLA FFI headers
-    (:func:`ffi_headers`). A change in any of them builds a new library."""
+    headers (:func:`headers`), the compiler ``cxx`` and its ``--version`` text, the flags
+    (``_FLAGS`` and the extra ``flags``), the CPU (:func:`machine_id`),
+    ``jaxlib.__version__`` and the XLA FFI headers (:func:`ffi_headers`). A change in any
+    of them builds a new library."""
     import jaxlib  # noqa: PLC0415
     return hashlib.sha256("\n".join(
-        [source.read_text(), headers(), cxx, compiler_version, " ".join(_FLAGS),
+        [source.read_text(), headers(), cxx, compiler_version, " ".join(_FLAGS + flags),
          machine_id(), f"jaxlib {jaxlib.__version__}", ffi_headers()]).encode()
     ).hexdigest()[:16]
 
 
-def _build(out: pathlib.Path, cxx: str, source: pathlib.Path = _SOURCE) -> None:
+def _build(out: pathlib.Path, cxx: str, source: pathlib.Path = _SOURCE,
+           flags: tuple[str, ...] = ()) -> None:
     import jax.ffi  # noqa: PLC0415
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = pathlib.Path(tmp) / out.name
-        cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(tmp_so)]
+        cmd = [cxx, *_FLAGS, *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o",
+               str(tmp_so)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
         os.replace(tmp_so, out)  # atomic: concurrent builders never see half a file
 
 
-def build_library(source: pathlib.Path, name: str) -> pathlib.Path | None:
+def build_library(source: pathlib.Path, name: str,
+                  flags: tuple[str, ...] = ()) -> pathlib.Path | None:
     """The shared library ``lib<name>.so`` built from ``source`` (built if missing, under
-    ``<cache_root>/native/<build_key(...)>/``), or None without a compiler. Raises
-    RuntimeError naming the compiler's command and its errors when the build fails."""
+    ``<cache_root>/native/<build_key(...)>/``), or None without a compiler. ``flags``:
+    compiler flags after ``_FLAGS`` (e.g. ``("-mno-avx512f",)``: the AVX2 loops on an
+    AVX-512 machine, for their tests). Raises RuntimeError naming the compiler's command
+    and its errors when the build fails."""
     cxx = _compiler()
     if cxx is None:
         return None
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    out = cache_root() / "native" / build_key(source, cxx, version) / f"lib{name}.so"
+    out = cache_root() / "native" / build_key(source, cxx, version, flags) / f"lib{name}.so"
     if not out.exists():
         print(f"kvjax: building {source.name} with {os.path.basename(cxx)} (once per "
               f"machine and source; into {out.parent})", file=sys.stderr, flush=True)
-        _build(out, cxx, source)
+        _build(out, cxx, source, flags)
     return out
 
 

@@ -1,7 +1,8 @@
 // Grouped-query decode attention over a KV cache, one XLA FFI custom call (CPU, float32).
 //
 // For each batch row b and KV head k, the G query heads of the group read each cached key
-// and value row once (a block of slots stays in L1 while all G heads use it), with an
+// and value row once from memory (a block of slots stays in registers or L1 while all G
+// heads use it), with an
 // online softmax (Milakov & Gimelshein 2018; flash-decoding's split of the slot axis,
 // Dao et al. 2023) so the cache is streamed exactly once. Work items (b, k, slot chunk)
 // are spread over XLA's intra-op threads (pool.h); the partial results of a (b, k) are
@@ -177,15 +178,17 @@ static void Item(const Shape& sh, const float* q, const float* kc, const float* 
 // The fast path: keys [B, K, H, S] (the CPU default, kvjax/backend.py), H a multiple of
 // the vector width VL; values [B, K, S, V] with V a multiple of VL, or [B, K, V, S].
 //
-// Read pattern first: walking [H, S] in 64-slot blocks (64 strided 256-byte pieces) reads
-// at a fraction of the bandwidth that 8 rows at a time over 4,096 slots (16 KiB contiguous
-// per row) reach, near a plain sequential read
+// Read pattern first: walking [H, S] in 64-slot blocks (64 strided 256-byte pieces), left
+// to the hardware prefetchers, reads at a fraction of the bandwidth that 8 rows at a time
+// over 4,096 slots (16 KiB contiguous per row) reach, near a plain sequential read
 // (docs/decisions/0010-decode-kernel-spans.md). So the slot axis is taken in spans of up
-// to kSpan slots: scores of a span are accumulated 8 key rows at a time into sc[G][span]
-// (kept in L2), then one online-softmax update per span (Milakov & Gimelshein 2018), then
-// the values of the span, row by row, with the G heads' accumulators in registers (a value
-// vector is loaded once and used by every head of the group: the G heads cost FMAs, not
-// cache reads).
+// to kSpan slots: scores of a span into sc[G][span] (kept in L2), accumulated a few key
+// rows at a time over long rows (SpanScores), or, for grouped heads on AVX-512, a block
+// of slots down all H rows with every score in registers and the blocks ahead prefetched
+// in software (GroupScores; docs/decisions/0033-grouped-decode-blocking.md); then one
+// online-softmax update per span (Milakov & Gimelshein 2018), then the values of the span,
+// row by row, with the G heads' accumulators in registers (a value vector is loaded once
+// and used by every head of the group: the G heads cost FMAs, not cache reads).
 #if defined(__AVX512F__)
 constexpr int VL = 16;
 constexpr int kRegs = 32;   // vector registers (zmm)
@@ -243,6 +246,7 @@ static inline vf vexp(vf x) {
 }
 
 constexpr int64_t kSpan = 4096;  // slots per span (a multiple of VL)
+constexpr int64_t kScFloats = 65536;  // floats of a span's scores, sc[G][span]
 // Floats between the end of one head's row of sc and the next head's: rows a multiple of
 // 4 KiB apart fall in the same L1 sets as each other and as the key rows (whose stride S
 // is one too), more lines than the 8 ways hold; 48 floats of padding scored fastest
@@ -317,6 +321,77 @@ static void SpanScores(const float* qs, int64_t G, int64_t H, const float* kp, i
     for (int64_t j = 0; j < n; j += VL) ScoresBlock<1, 1>(qs, G, H, h, kp + h * ks, ks, j, sc, ld_sc);
 }
 
+// A grouped row's scores with every accumulator in registers
+// (docs/decisions/0033-grouped-decode-blocking.md): a block of NJ vectors of slots is
+// walked down all H key rows; each key vector is loaded once and used by the GB heads of
+// the group (GB * NJ FMAs for NJ loads and GB broadcasts), and the GB * NJ score vectors
+// are stored once, after the last row. NJ is the most vectors that fit beside the
+// accumulators, a key block and a broadcast (GroupNJ). The block PfAhead blocks ahead is
+// prefetched into L2 a line per row as this one is walked: the H strided rows are more
+// streams than the hardware prefetchers follow.
+constexpr int GroupNJ(int gb) { return std::min(8, (kRegs - 2) / (gb + 1)); }
+// Heads walked together: AVX-512 9 heads x 3 vectors (27 accumulators); AVX2 6 x 2 (12).
+constexpr int kGroupMax = kRegs == 32 ? 9 : 6;
+constexpr int64_t kPfAhead = 2;
+
+template <int GB, int NJ>
+static inline void GroupScoresBlock(const float* qs, int64_t H, const float* kp, int64_t ks,
+                                    float* sc, int64_t ld_sc, const float* pf) {
+  vf acc[GB][NJ];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < NJ; ++c) acc[g][c] = vf{};
+  constexpr int kLines = NJ * VL / 16 ? NJ * VL / 16 : 1;  // 64-byte lines of a row's block
+  for (int64_t h = 0; h < H; ++h) {
+    const float* kr = kp + h * ks;
+    if (pf)
+      for (int c = 0; c < kLines; ++c) __builtin_prefetch(pf + h * ks + c * 16, 0, 2);
+    vf k[NJ];
+    for (int c = 0; c < NJ; ++c) k[c] = reg(ld(kr + c * VL));
+    for (int g = 0; g < GB; ++g) {
+      const vf qb = bc(qs[g * H + h]);
+      for (int c = 0; c < NJ; ++c) acc[g][c] += qb * k[c];
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < NJ; ++c) st(sc + g * ld_sc + c * VL, acc[g][c]);
+}
+
+// sc[g * ld_sc + j] = q_g . k[:, j], j in [0, n) (n a multiple of VL), for GB heads at qs
+// ([GB, H], pre-scaled); key row h at kp + h * ks.
+template <int GB>
+static void GroupScoresGB(const float* qs, int64_t H, const float* kp, int64_t ks, int64_t n,
+                          float* sc, int64_t ld_sc) {
+  constexpr int NJ = GroupNJ(GB);
+  constexpr int64_t W = NJ * VL;
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    // (a prefetch never faults: past the segment it fetches the next span's keys, or
+    // nothing useful)
+    GroupScoresBlock<GB, NJ>(qs, H, kp + j, ks, sc + j, ld_sc, kp + j + kPfAhead * W);
+  }
+  for (; j < n; j += VL) GroupScoresBlock<GB, 1>(qs, H, kp + j, ks, sc + j, ld_sc, nullptr);
+}
+
+// GroupScoresGB for any G: groups of at most kGroupMax heads, balanced; a later group
+// reads the span's keys again (from L2 when the span is short enough).
+static void GroupScores(const float* qs, int64_t G, int64_t H, const float* kp, int64_t ks,
+                        int64_t n, float* sc, int64_t ld_sc) {
+  const int64_t ngroups = (G + kGroupMax - 1) / kGroupMax;
+  for (int64_t i = 0, g0 = 0; i < ngroups; ++i) {
+    const int64_t gb = (G - g0) / (ngroups - i);
+    const float* q = qs + g0 * H;
+    float* out = sc + g0 * ld_sc;
+    switch (gb) {
+#define KVJAX_GROUP(N) \
+  case N: if constexpr (N <= kGroupMax) GroupScoresGB<N>(q, H, kp, ks, n, out, ld_sc); break;
+      KVJAX_GROUP(1) KVJAX_GROUP(2) KVJAX_GROUP(3) KVJAX_GROUP(4) KVJAX_GROUP(5)
+      KVJAX_GROUP(6) KVJAX_GROUP(7) KVJAX_GROUP(8) KVJAX_GROUP(9)
+#undef KVJAX_GROUP
+    }
+    g0 += gb;
+  }
+}
+
 // Scores of NC chunks of VL slots, each wherever its page lies (key row h of chunk c at
 // kp[c] + h * ks): out[c][g * ld_sc + i] = q_g . k_c[:, i] for the G heads at qs ([G, H],
 // pre-scaled). The kAcc / NC heads' accumulators stay in registers over all H rows and
@@ -359,8 +434,11 @@ static void ChunkScores(const float* qs, int64_t G, int64_t H, const float* cons
 // kPfRows] is prefetched while j + kPfRows < npf (the rows the caller holds; 0: no
 // prefetch), the same columns: a page's first rows miss otherwise (see ChunkScores).
 // kContig: every row visible and row j at rows[0] + j * V (a dense row's run): no
-// per-slot pointer, test or prefetch (the hardware prefetchers follow the stream), which
-// left AVX2 issuing more scalar than vector work per slot.
+// per-slot pointer or test, which left AVX2 issuing more scalar than vector work per
+// slot; npf != 0 (the first of several calls): the row kSub slots on (the next
+// sub-block's) is prefetched whole into L2, a row a slot, so the DRAM stream goes on
+// while later calls read this sub-block from L1; a single call leaves the stream to the
+// hardware prefetchers (docs/decisions/0033-grouped-decode-blocking.md).
 template <int GB, int NV, bool kContig>
 static void ValuesRows(const float* p, int64_t ld_p, const float* const* rows, int64_t n,
                        int64_t npf, int64_t c0, float* o, int64_t V) {
@@ -371,6 +449,8 @@ static void ValuesRows(const float* p, int64_t ld_p, const float* const* rows, i
   for (int64_t j = 0; j < n; ++j) {
     if constexpr (kContig) {
       if (j) vr += V;
+      if (npf)  // the whole row kSub slots on, into L2
+        for (int64_t c = 0; c < V; c += 16) __builtin_prefetch(vr + kSub * V + c, 0, 2);
     } else {
       if (j + kPfRows < npf && rows[j + kPfRows])
         for (int c = 0; c < NV; ++c) __builtin_prefetch(rows[j + kPfRows] + c0 + c * VL, 0, 3);
@@ -412,6 +492,33 @@ static void ValuesRowsAny(int nv, int64_t gb, const float* p, int64_t ld_p,
   else ValuesRowsNV<1, kContig>(gb, p, ld_p, rows, n, npf, c0, o, V);
 }
 
+// The online softmax of a span (Milakov & Gimelshein 2018), per head g: the running max
+// m[g] over the scores sc[g * ld_sc + j] of slots j in [lo, hi) whose mask[j] > 0, o[g]
+// and l[g] rescaled to it, the unnormalised probabilities written over the scores (0 on
+// masked slots and on [np, np + VL), past the span), l[g] += their sum.
+static void SpanSoftmax(int64_t G, int64_t V, float* scp, int64_t ld_sc, const float* mask,
+                        int64_t lo, int64_t hi, int64_t np, float* m, float* l, float* o) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sr = &scp[g * ld_sc];
+    vf bm = bc(kNegInf);
+    for (int64_t j = lo; j < hi; j += VL)
+      bm = vmax(bm, ld(&mask[j]) > 0.0f ? ld(sr + j) : bc(kNegInf));
+    const float mnew = std::max(m[g], hmax(bm));
+    const float alpha = fast_exp(m[g] - mnew);  // m = -1e30 before any slot: o, l are 0
+    for (int64_t c = 0; c < V; ++c) o[g * V + c] *= alpha;
+    vf sum = vf{};
+    for (int64_t j = lo; j < hi; j += VL) {
+      // a select, not a product with the mask: a masked score may be NaN or inf
+      const vf e = ld(&mask[j]) > 0.0f ? vexp(ld(sr + j) - mnew) : vf{};
+      st(sr + j, e);
+      sum += e;
+    }
+    std::fill(sr + np, sr + np + VL, 0.0f);
+    l[g] = l[g] * alpha + hsum(sum);
+    m[g] = mnew;
+  }
+}
+
 static bool FastPathApplies(const Shape& sh) {
 #if defined(__AVX__)
   return !sh.k_bksh && sh.H % VL == 0 && sh.V % VL == 0;
@@ -436,7 +543,7 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
   // slots (rounded up to VL); rows ld_sc apart (the padding also holds what a padded
   // segment writes past the span's end, < VL floats).
   const int64_t span = std::max<int64_t>(
-      VL, std::min<int64_t>({kSpan, 65536 / G, (s1 - s0 + VL - 1) / VL * VL}) / VL * VL);
+      VL, std::min<int64_t>({kSpan, kScFloats / G, (s1 - s0 + VL - 1) / VL * VL}) / VL * VL);
   const int64_t ld_sc = span + kScorePad;
   // The scores, the float mask and the value rows of a span, in buffers each thread keeps
   // from item to item and call to call, neither freed nor zeroed: every float read below
@@ -554,7 +661,11 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
         kp = kpad.data();
         ks = len;
       }
-      SpanScores(qs.data(), G, H, kp, ks, len, out, ld_sc);
+      // Grouped rows on AVX-512 keep every score in registers (GroupScores); AVX2's 16
+      // registers leave a block of one line per key row, which read slower than
+      // SpanScores' long rows (docs/decisions/0033-grouped-decode-blocking.md).
+      (G > 1 && kRegs == 32 ? GroupScores : SpanScores)(qs.data(), G, H, kp, ks, len, out,
+                                                         ld_sc);
     }
     const int64_t nck = ck.size();
     for (int64_t i = 0; i < nck; i += kNC) {
@@ -573,25 +684,7 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
     // new running max (Milakov & Gimelshein 2018).
     const int64_t lo = segs.front().j0;
     const int64_t hi = std::min(np, (segs.back().j0 + segs.back().n + VL - 1) / VL * VL);
-    for (int64_t g = 0; g < G; ++g) {
-      float* sr = &scp[g * ld_sc];
-      vf bm = bc(kNegInf);
-      for (int64_t j = lo; j < hi; j += VL)
-        bm = vmax(bm, ld(&mask[j]) > 0.0f ? ld(sr + j) : bc(kNegInf));
-      const float mnew = std::max(m[g], hmax(bm));
-      const float alpha = fast_exp(m[g] - mnew);  // m = -1e30 before any slot: o, l are 0
-      for (int64_t c = 0; c < V; ++c) o[g * V + c] *= alpha;
-      vf sum = vf{};
-      for (int64_t j = lo; j < hi; j += VL) {
-        // a select, not a product with the mask: a masked score may be NaN or inf
-        const vf e = ld(&mask[j]) > 0.0f ? vexp(ld(sr + j) - mnew) : vf{};
-        st(sr + j, e);
-        sum += e;
-      }
-      std::fill(sr + np, sr + np + VL, 0.0f);
-      l[g] = l[g] * alpha + hsum(sum);
-      m[g] = mnew;
-    }
+    SpanSoftmax(G, V, scp, ld_sc, mask, lo, hi, np, m, l, o);
     if (sh.v_bksh) {
       // The value row of each visible slot, wherever its page lies (nullptr: masked).
       const int64_t end = std::min(n, hi);
@@ -610,10 +703,11 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
         }
         if (!any) continue;
         const int64_t gmax = contig ? gmax_contig : gmax_rows;
-        // The next sub-block's value rows are prefetched a share at a time before each
-        // call after the first (which reads this sub-block from memory; the others read
-        // it from L1): the first call then finds them in cache, not a DRAM stream that
-        // no arithmetic overlaps (docs/decisions/0014-decode-values-prefetch.md).
+        // The next sub-block's value rows are prefetched: over a contiguous run by the
+        // first of several calls, a row a slot (ValuesRows); else a share at a time
+        // before each call after the first (which reads this sub-block from memory; the
+        // others read it from L1): the first call then finds them in cache, not a DRAM
+        // stream that no arithmetic overlaps (docs/decisions/0014-decode-values-prefetch.md).
         const int64_t calls = (G + gmax - 1) / gmax * ((V + nv * VL - 1) / (nv * VL));
         const int64_t next = j0 + kSub, next_n = std::min(kSub, end - next);
         const int64_t row_lines = (V + 15) / 16, lines = next_n > 0 ? next_n * row_lines : 0;
@@ -624,13 +718,17 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
           float* oo = o + g0 * V;
           const int64_t npf = g0 == 0 ? end - j0 : 0;  // the first group reads from memory
           for (int64_t c0 = 0; c0 < V; c0 += nv * VL, ++call) {
+            if (contig) {  // of several calls, the first prefetches the next sub-block
+              ValuesRowsAny<true>(nv, gb, pp, ld_sc, &rows[j0], nj,
+                                  call == 0 && calls > 1 && next_n > 0, c0, oo, V);
+              continue;
+            }
             if (call > 0 && lines > 0)
               for (int64_t ln = (call - 1) * lines / (calls - 1),
                            ln1 = call * lines / (calls - 1); ln < ln1; ++ln)
                 if (const float* r = rows[next + ln / row_lines])
                   __builtin_prefetch(r + ln % row_lines * 16, 0, 3);
-            if (contig) ValuesRowsAny<true>(nv, gb, pp, ld_sc, &rows[j0], nj, npf, c0, oo, V);
-            else ValuesRowsAny<false>(nv, gb, pp, ld_sc, &rows[j0], nj, npf, c0, oo, V);
+            ValuesRowsAny<false>(nv, gb, pp, ld_sc, &rows[j0], nj, npf, c0, oo, V);
           }
         }
       }
