@@ -469,8 +469,9 @@ def steps_at_context(cfgs: list, params: list, context: int, batch: int,
             out.append(StepAtContext(step, float("nan"), str(e)))
             continue
         cache = costs.full_cache(cfg, batch, context)
-        runs.append([len(out), compiled, model.init_params(cfg, 0) if p is None else p,
-                     cache, np.asarray(cache.length), []])
+        p = model.init_params(cfg, 0) if p is None else p
+        runs.append([len(out), compiled, model.fuse_projections(cfg, p), cache,
+                     np.asarray(cache.length), []])
         out.append(StepAtContext(step, float("nan")))
     token = jnp.zeros((batch, 1), jnp.int32)
     for rnd in range(repeats + 1):

@@ -1,0 +1,87 @@
+"""The thunks of the compiled decode step: what XLA:CPU runs one after another per step.
+
+    PYTHONPATH=. python scripts/thunk_count.py --configs=gqa --context=1024
+    PYTHONPATH=. python scripts/thunk_count.py --configs=gqa,mha,mla --weight_matmul=xla
+
+Definition (reproducible from the compiled HLO text): the instructions of the compiled
+decode step's ENTRY computation (``kvjax.analysis.costs.compile_decode_step``, batch 1,
+a cache of ``--context`` slots) except those that run no code (parameter, constant,
+get-tuple-element, tuple, bitcast). On CPU the layer stack is unrolled, so each layer's
+fusions, custom calls (the native kernels), copies and stray ops are entry instructions;
+XLA:CPU emits one thunk for each (a fusion's body runs inside its thunk). Printed: the
+total, the total over L (the step's fixed cost a layer: the embedding, final norm and LM
+head's few thunks are spread over the layers), and the count by opcode.
+
+``--weight_matmul`` / ``--decode_attention`` pin the formulations ('auto': this machine's
+planner picks, read from or written to the planner's cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import json
+import re
+
+from kvjax.analysis import costs
+from kvjax.config import run_config_from_dict
+
+FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast"})
+"""Entry instructions that run no code (no thunk of their own)."""
+
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*[^=]*?\s([a-z][\w\-]*)\(")
+
+
+def entry_ops(hlo_text: str) -> collections.Counter:
+    """{opcode: count} of the ENTRY computation of a compiled module's HLO text, without
+    :data:`FREE`."""
+    counts: collections.Counter = collections.Counter()
+    inside = False
+    for line in hlo_text.splitlines():
+        if line.startswith("ENTRY"):
+            inside = True
+            continue
+        if inside:
+            if line.startswith("}"):
+                break
+            m = _OP.match(line)
+            if m and m.group(1) not in FREE:
+                counts[m.group(1)] += 1
+    return counts
+
+
+def count(name: str, context: int, weight_matmul: str, decode_attention: str) -> dict:
+    """{'total', 'per_layer', 'layers', 'ops'} of configs/<name>.py's decode step."""
+    run = run_config_from_dict(importlib.import_module(f"configs.{name}").get_config())
+    cfg = run.model.replace(weight_matmul=weight_matmul, decode_attention=decode_attention)
+    compiled = costs.compile_decode_step(cfg, 1, context)
+    ops = entry_ops(compiled.as_text())
+    total = sum(ops.values())
+    return {"total": total, "layers": cfg.num_layers,
+            "per_layer": round(total / cfg.num_layers, 2), "ops": dict(ops.most_common())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default="gqa", help="names of configs/*.py, comma-separated")
+    ap.add_argument("--context", type=int, default=1024, help="cache slots")
+    ap.add_argument("--weight_matmul", default="auto",
+                    help="model.weight_matmul for the step ('auto': the planner's picks)")
+    ap.add_argument("--decode_attention", default="auto",
+                    help="model.decode_attention for the step ('auto': the planner's picks)")
+    ap.add_argument("--out", default=None, help="JSON file to write (default: none)")
+    a = ap.parse_args()
+    out = {}
+    for name in a.configs.split(","):
+        out[name] = count(name, a.context, a.weight_matmul, a.decode_attention)
+        r = out[name]
+        print(f"{name}: {r['total']} thunks, {r['per_layer']} a layer ({r['layers']} "
+              f"layers); {r['ops']}", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
