@@ -22,8 +22,10 @@ import argparse
 import collections
 import importlib
 import json
+import pathlib
 import re
 
+from kvjax import kernels
 from kvjax.analysis import costs
 from kvjax.config import run_config_from_dict
 
@@ -72,8 +74,19 @@ def main() -> None:
                     help="model.decode_attention for the step ('auto': the planner's picks)")
     ap.add_argument("--out", default=None, help="JSON file to write (default: none)")
     a = ap.parse_args()
+    names = a.configs.split(",")
+    known = sorted(p.stem for p in pathlib.Path(__file__).parent.parent.joinpath(
+        "configs").glob("*.py") if p.stem not in ("__init__", "base"))
+    if not all(n in known for n in names):
+        ap.error(f"--configs={a.configs}; allowed: names among {known}")
+    if a.context < 1:
+        ap.error(f"--context={a.context}; allowed: an integer >= 1")
+    for op in ("weight_matmul", "decode_attention"):
+        allowed = kernels.names(op)
+        if getattr(a, op) not in allowed:
+            ap.error(f"--{op}={getattr(a, op)}; allowed: one of {list(allowed)}")
     out = {}
-    for name in a.configs.split(","):
+    for name in names:
         out[name] = count(name, a.context, a.weight_matmul, a.decode_attention)
         r = out[name]
         print(f"{name}: {r['total']} thunks, {r['per_layer']} a layer ({r['layers']} "
