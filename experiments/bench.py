@@ -119,7 +119,7 @@ def interleaved_ratio(a: tuple[ModelConfig, int], b: tuple[ModelConfig, int],
     runs = []
     for cfg, t in (a, b):
         cfg = costs.planned(cfg, 1, t)
-        params = model.init_params(cfg, 0)
+        params = model.fuse_projections(cfg, model.init_params(cfg, 0))
         cache = costs.full_cache(cfg, 1, t)
         step = decode.decode_step.lower(params, token, cache, cfg=cfg).compile()
         runs.append([step, params, cache, np.asarray(cache.length)])

@@ -511,10 +511,13 @@ def _decode_pick(cfg: ModelConfig, b: int, s: int, mesh: bool, page_size: int = 
                                               page_size=page_size))
 
 
-def weight_shapes(cfg: ModelConfig) -> list[tuple[int, int, str]]:
+def weight_shapes(cfg: ModelConfig, fused: bool = True) -> list[tuple[int, int, str]]:
     """(K, N, layout) of every weight product a forward of ``cfg`` runs through
     :func:`kvjax.models.weight_matmul.einsum` (projections, MLP, LM head), deduplicated:
-    the classes :func:`resolve` picks a formulation for."""
+    the classes :func:`resolve` picks a formulation for. With fused projections
+    (:func:`kvjax.models.model.fuse_projections`) also their classes [D, (N + 2K)·H] and
+    [D, 2F] unless ``fused`` is False (a mesh, where they stay apart); the separate
+    ones stay (parameters not prepared for decoding)."""
     d, f = cfg.d_model, cfg.mlp_dim
     out = [(d, f, "kn"), (f, d, "kn")]
     if cfg.is_mla:
@@ -528,6 +531,10 @@ def weight_shapes(cfg: ModelConfig) -> list[tuple[int, int, str]]:
     else:
         n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         out += [(d, n * h, "kn"), (d, k * h, "kn"), (n * h, d, "kn")]
+        if fused:  # q/k/v as one [D, (N + 2K)·H] weight
+            out.append((d, (n + 2 * k) * h, "kn"))
+    if fused and cfg.mlp_type in ("swiglu", "geglu"):
+        out.append((d, 2 * f, "kn"))  # gate/up as one [D, 2F] weight
     out.append((d, cfg.vocab_size, "nk" if cfg.tie_embeddings else "kn"))
     return sorted(set(out))
 

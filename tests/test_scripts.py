@@ -108,3 +108,38 @@ def test_compression_figures_refuses_bad_flags(flag, message):
     assert proc.returncode != 0
     assert message in proc.stderr
     assert "device:" not in proc.stdout  # refused before any work
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--configs=nope", "--configs=nope; allowed: names among"),
+    ("--context=0", "--context=0; allowed: an integer >= 1"),
+    ("--weight_matmul=fast", "--weight_matmul=fast; allowed: one of ['auto', 'xla'"),
+    ("--decode_attention=fast", "--decode_attention=fast; allowed: one of ['auto'"),
+])
+def test_thunk_count_refuses_bad_flags(flag, message):
+    proc = _script("thunk_count.py", flag)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+
+
+def test_thunk_count_reads_the_entry_computation():
+    """Counted: the ENTRY's instructions that run code, by opcode; not the free ones, not
+    the instructions of fused computations."""
+    from scripts.thunk_count import entry_ops
+
+    hlo = """HloModule m
+%fused_computation (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %e = f32[4]{0} exponential(%p)
+}
+ENTRY %main (a: f32[4]) -> (f32[4], f32[4]) {
+  %a = f32[4]{0} parameter(0)
+  %c = f32[] constant(1)
+  %f = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation
+  %k = f32[4]{0} custom-call(%f), custom_call_target="kvjax_rows_matmul"
+  %b = f32[2,2]{1,0} bitcast(%k)
+  %y = f32[4]{0} copy(%k)
+  ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%y, %f)
+}
+"""
+    assert dict(entry_ops(hlo)) == {"fusion": 1, "custom-call": 1, "copy": 1}

@@ -378,8 +378,9 @@ def test_planner_measures_weights_once_then_reads_its_cache(planner_home, monkey
     assert _runs("auto", 8, 576, 1536, "kn") == "native"  # new class
     assert len(calls) == 2
     # resolve puts the picks of every weight class of a config in its plan: the cached
-    # ones read (not measured again), the new [1536, 576] one measured, the small ones
-    # (below MIN_MEASURED_BYTES) 'xla' unmeasured; the traced product reads the plan
+    # ones read (not measured again), the new [1536, 576] and fused gate/up [576, 3072]
+    # ones measured, the small ones (below MIN_MEASURED_BYTES) 'xla' unmeasured; the
+    # traced product reads the plan
     cfg = planner.resolve(tiny_config(weight_matmul="auto", d_model=576, mlp_dim=1536),
                           max_seq_len=16, batch_sizes=(4,))
     picks = dict(cfg.plan.weight_matmul)
@@ -388,7 +389,7 @@ def test_planner_measures_weights_once_then_reads_its_cache(planner_home, monkey
     assert {c for c, impl in picks.items() if impl == "xla"} == {
         weight_class(4, k, n, lay) for k, n, lay in planner.weight_shapes(cfg)
         if 4 * k * n < planner.MIN_MEASURED_BYTES}
-    assert calls[2:] == [(4, 1536, 576, "kn")]
+    assert calls[2:] == [(4, 576, 3072, "kn"), (4, 1536, 576, "kn")]  # fused gate/up too
     assert _choose("auto", 4, 576, 1536, "kn", cfg.plan) == "native"
     assert _choose("auto", 4, 576, 1536, "kn", None) == "xla"  # no plan
     # a plan for a multi-device mesh: the partitioned XLA dot, never the kernel XLA
@@ -397,7 +398,7 @@ def test_planner_measures_weights_once_then_reads_its_cache(planner_home, monkey
                              max_seq_len=16, batch_sizes=(4,), mesh_axes={"model": 2})
     assert meshed.plan.weight_matmul == () and meshed.plan.mesh_axes == (("model", 2),)
     assert _choose("auto", 4, 576, 1536, "kn", meshed.plan) == "xla"
-    assert len(calls) == 3
+    assert len(calls) == 4
     planner.clear_memo()
 
 

@@ -161,7 +161,9 @@ def _token_spec(batch: int):
 
 
 def _specs(cfg: ModelConfig, batch: int, max_seq_len: int):
-    return model.param_shapes(cfg), cache_lib.cache_spec(cfg, batch, max_seq_len)
+    """(parameters as the decode programs take them, fused projections included:
+    :func:`kvjax.models.model.decode_param_shapes`; the cache), as ShapeDtypeStructs."""
+    return model.decode_param_shapes(cfg), cache_lib.cache_spec(cfg, batch, max_seq_len)
 
 
 def analysis_compiler_options() -> dict | None:
@@ -390,6 +392,7 @@ def measure_loop_seconds(cfg: ModelConfig, params, context: int, batch: int = 1,
       context leaves no room for 2 steps.
     """
     cfg = planned(cfg, batch, context)
+    params = model.fuse_projections(cfg, params)  # once, as the compiled loop takes them
     n2 = min(steps[1], context - 1)
     n1 = min(steps[0], n2 // 2)
     if n2 - n1 < 1:
@@ -540,6 +543,7 @@ def measure_step_seconds(cfg: ModelConfig, params, cache: cache_lib.KVCache, bat
     each step. Returns the times; report their median.
     """
     cfg = planned(cfg, batch, cache.num_slots)
+    params = model.fuse_projections(cfg, params)  # once, as the compiled step takes them
     compiled = compiled or decode.decode_step.lower(
         params, jnp.zeros((batch, 1), jnp.int32), cache, cfg=cfg).compile()
     token = jnp.zeros((batch, 1), jnp.int32)

@@ -754,7 +754,7 @@ class Engine:
             cfg = planner.resolve(cfg, max_seq_len=self.rows.view_len,
                                   batch_sizes=(self.num_slots,),
                                   page_size=self.rows.page_size, queries=verify)
-        self.params, self.cfg = params, cfg
+        self.params, self.cfg = model_lib.fuse_projections(cfg, params), cfg  # once, here
         self.rows.allocate(cfg, self.spec)
         self._prefill_cfgs: dict[tuple, ModelConfig] = {}
         self.dparams = self.dcfg = self.draft_cache = None
@@ -763,6 +763,7 @@ class Engine:
             self.dcfg = dcfg if dcfg.plan is not None else planner.resolve(
                 dcfg, max_seq_len=self.max_seq_len + self.spec.k + 1,
                 batch_sizes=(self.num_slots,), rows=(2 * self.num_slots,))
+            self.dparams = model_lib.fuse_projections(self.dcfg, self.dparams)
         self.drafter = None if self.spec is None else spec_lib.drafter_for(self.spec,
                                                                                self.dcfg)
         if self.drafter is not None:  # None where the draft reads the target's rows

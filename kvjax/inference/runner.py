@@ -480,8 +480,9 @@ def steps_at_context(cfgs: list, params: list, context: int, batch: int,
             out.append(StepAtContext(step, float("nan"), str(e)))
             continue
         cache = costs.full_cache(cfg, batch, context)
-        runs.append([len(out), compiled, model.init_params(cfg, 0) if p is None else p,
-                     cache, np.asarray(cache.length), []])
+        p = model.init_params(cfg, 0) if p is None else p
+        runs.append([len(out), compiled, model.fuse_projections(cfg, p), cache,
+                     np.asarray(cache.length), []])
         out.append(StepAtContext(step, float("nan")))
     token = jnp.zeros((batch, 1), jnp.int32)
     for rnd in range(repeats + 1):
@@ -659,16 +660,17 @@ class SpeculativeDecoder(PlainDecoder):
 
     def compile(self, tokens, eos):
         run, spec, (b, t) = self.run, self.spec, tokens.shape
-        self.params, k = self.loaded.params, spec.k
+        k = spec.k
         self.cfg = planner.resolve(self.loaded.cfg, max_seq_len=run.max_seq_len,
                                    batch_sizes=(b,), rows=(b * t,), queries=(k + 1,))
+        self.params = model.fuse_projections(self.cfg, self.loaded.params)
         self.cache = speculative.init_target_cache(self.cfg, b, run.max_seq_len, k)
         self.draft = None  # (params, config, its own cache or None)
         if self.dcfg is not None:
             dcfg = planner.resolve(self.dcfg, max_seq_len=run.max_seq_len + k + 1,
                                    batch_sizes=(b,), rows=(b * t, 2 * b))
-            self.draft = (self.dparams, dcfg, speculative.drafter_for(spec, dcfg).init_cache(
-                b, run.max_seq_len))
+            self.draft = (model.fuse_projections(dcfg, self.dparams), dcfg,
+                          speculative.drafter_for(spec, dcfg).init_cache(b, run.max_seq_len))
         (self.prefill_c, self.chunk_cs), *self.draft_prefill = [
             compile_prefill(run, lambda t, fresh, p=p, c=c, x=x: decode.prefill_program.lower(
                 p, t, x, cfg=c, fresh=fresh), tokens)

@@ -734,7 +734,10 @@ class Attention(nn.Module):
     ('kernel'), and with ``cfg.qkv_bias`` (Qwen2) a 'bias' of q_proj [N, H], k_proj and
     v_proj [K, H], added before the rotary embedding; with ``cfg.qk_norm`` (Qwen3)
     q_norm and k_norm 'scale' [H], an RMSNorm of each head (:func:`norm_heads`) before
-    the rotary embedding.
+    the rotary embedding. Parameters prepared for decoding
+    (:func:`kvjax.models.model.fuse_projections`) hold instead one qkv_proj [D, N + 2K, H]
+    (q_proj's heads, then k_proj's, then v_proj's; its bias [N + 2K, H]): one weight
+    product for the three, the same function.
     """
 
     cfg: ModelConfig
@@ -762,9 +765,14 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         n, k, h, g = c.num_heads, c.num_kv_heads, c.head_dim, c.num_groups
         proj = dict(impl=c.weight_matmul, plan=c.plan, use_bias=c.qkv_bias)
-        q = Einsum((c.d_model, n, h), "BTD,DNH->BTNH", dt, name="q_proj", **proj)(x)
-        kk = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="k_proj", **proj)(x)
-        vv = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="v_proj", **proj)(x)
+        if self.has_variable("params", "qkv_proj"):  # fused for decoding: one product
+            qkv = Einsum((c.d_model, n + 2 * k, h), "BTD,DNH->BTNH", dt, name="qkv_proj",
+                         **proj)(x)
+            q, kk, vv = qkv[:, :, :n], qkv[:, :, n:n + k], qkv[:, :, n + k:]
+        else:
+            q = Einsum((c.d_model, n, h), "BTD,DNH->BTNH", dt, name="q_proj", **proj)(x)
+            kk = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="k_proj", **proj)(x)
+            vv = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="v_proj", **proj)(x)
         q, kk = norm_heads(c, q, kk)
         # Sinks at cache positions (StreamingLLM): sink keys are scored with the queries
         # rotated at their cache positions instead of their absolute ones.

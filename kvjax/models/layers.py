@@ -196,6 +196,8 @@ class MLP(nn.Module):
     'swiglu': down(silu(gate(x)) * up(x)) (Shazeer 2020; llama/SmolLM2), 3·D·F params.
     'geglu':  down(gelu_tanh(gate(x)) * up(x)) (Shazeer 2020; Gemma), 3·D·F params.
     'gelu':   down(gelu(up(x))), 2·D·F params (the blog's W1, W2).
+    Parameters prepared for decoding (:func:`kvjax.models.model.fuse_projections`) hold
+    one gate_up [D, 2F] (gate's columns, then up's) instead of gate and up: one product.
     Input/output [B, T, D].
     """
 
@@ -209,10 +211,16 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         d, f, wm, pl = self.d_model, self.mlp_dim, self.weight_matmul, self.plan
-        up = Einsum((d, f), "BTD,DF->BTF", self.dtype, name="up", impl=wm, plan=pl)(x)
-        if self.mlp_type in ("swiglu", "geglu"):
-            gate = Einsum((d, f), "BTD,DF->BTF", self.dtype, name="gate", impl=wm,
+        gated = self.mlp_type in ("swiglu", "geglu")
+        if gated and self.has_variable("params", "gate_up"):  # fused for decoding
+            both = Einsum((d, 2 * f), "BTD,DF->BTF", self.dtype, name="gate_up", impl=wm,
                           plan=pl)(x)
+            gate, up = both[..., :f], both[..., f:]
+        else:
+            up = Einsum((d, f), "BTD,DF->BTF", self.dtype, name="up", impl=wm, plan=pl)(x)
+            gate = Einsum((d, f), "BTD,DF->BTF", self.dtype, name="gate", impl=wm,
+                          plan=pl)(x) if gated else None
+        if gated:
             act = jax.nn.silu if self.mlp_type == "swiglu" else functools.partial(
                 jax.nn.gelu, approximate=True)
             hidden = act(gate) * up

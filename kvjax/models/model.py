@@ -280,6 +280,76 @@ def stack_layers(params, num_layers: int):
     return out
 
 
+FUSED = {"qkv_proj": (("q_proj", "k_proj", "v_proj"), -2), "gate_up": (("gate", "up"), -1)}
+"""{fused projection: (the projections it replaces, in order; the axis their kernels and
+biases are concatenated along)}: :func:`fuse_projections`."""
+
+
+def fuses_projections(cfg: ModelConfig) -> bool:
+    """Whether :func:`fuse_projections` fuses for ``cfg``: on one device (no plan, or a
+    plan of one device). On a mesh the projections stay apart: 'model' splits q_proj
+    and k_proj / v_proj by their own heads (:mod:`kvjax.parallel.specs`), which one
+    concatenated [D, N + 2K, H] weight cannot be split by
+    (docs/decisions/0034-fused-projections-at-load.md)."""
+    return cfg.plan is None or cfg.plan.num_devices == 1
+
+
+def fuse_projections(cfg: ModelConfig, params):
+    """``params`` prepared for decoding on one device: every attention layer's q_proj,
+    k_proj and v_proj become one qkv_proj (kernel [D, N + 2K, H]: q's heads, then k's,
+    then v's; bias [N + 2K, H] with ``qkv_bias``) and every gated MLP's gate and up one
+    gate_up (kernel [D, 2F]), so a decode step runs one weight product for each
+    (:class:`kvjax.models.attention.Attention`, :class:`kvjax.models.layers.MLP`).
+
+    The same bytes and the same function; call it once, outside jit, where params meet
+    the compiled programs (never per step). Saved and converted checkpoints keep the
+    separate projections (docs/decisions/0034-fused-projections-at-load.md). Stacked
+    layers (a leading L axis), :class:`kvjax.models.weight_matmul.Int8Weight` kernels
+    (codes and per-channel scales concatenated alike), MoE's shared MLP and
+    ShapeDtypeStructs (shapes only, for lowering) are fused too; MLA's projections are
+    left as they are; a tree already fused is returned unchanged, as is any tree when
+    :func:`fuses_projections` is False.
+
+    Args:
+      cfg: the model (its plan says whether the programs run on a mesh).
+      params: the parameter tree (``init_params``, a converted checkpoint, int8 draft
+        weights), in either layer layout.
+    Returns:
+      The tree with fused projections (new arrays; ``params`` is left as it is).
+    """
+    if not fuses_projections(cfg):
+        return params
+
+    def cat(leaves, axis):
+        if isinstance(leaves[0], weight_matmul.Int8Weight):
+            return weight_matmul.Int8Weight(cat([w.q for w in leaves], axis),
+                                            cat([w.scale for w in leaves], axis))
+        if isinstance(leaves[0], jax.ShapeDtypeStruct):
+            shape = list(leaves[0].shape)
+            shape[axis] = sum(w.shape[axis] for w in leaves)
+            return jax.ShapeDtypeStruct(tuple(shape), leaves[0].dtype)
+        return jnp.concatenate(leaves, axis=axis)
+
+    def walk(tree):
+        if not isinstance(tree, dict):
+            return tree
+        out = {name: walk(sub) for name, sub in tree.items()}
+        for fused, (parts, axis) in FUSED.items():
+            if not all(isinstance(out.get(p), dict) and "kernel" in out[p]
+                       and out[p].keys() == out[parts[0]].keys() for p in parts):
+                continue
+            subs = [out.pop(p) for p in parts]
+            out[fused] = {leaf: cat([sub[leaf] for sub in subs], axis) for leaf in subs[0]}
+        return out
+
+    return walk(dict(params))
+
+
+def decode_param_shapes(cfg: ModelConfig):
+    """:func:`param_shapes` as the decode programs take them (:func:`fuse_projections`)."""
+    return fuse_projections(cfg, param_shapes(cfg))
+
+
 def params_for(cfg: ModelConfig, params):
     """Puts params in the layout ``cfg.scan_layers`` asks for (stacked or per layer)."""
     if cfg.scan_layers:

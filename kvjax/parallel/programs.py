@@ -83,9 +83,10 @@ class Placement:
         return None if self.trivial else NamedSharding(self.mesh, spec)
 
     def shard_params(self, params):
-        """Parameters placed with their NamedShardings (unchanged on one device)."""
+        """Parameters placed with their NamedShardings; on one device, prepared for
+        decoding (:func:`kvjax.models.model.fuse_projections`, once, here)."""
         if self.trivial:
-            return params
+            return model_lib.fuse_projections(self.cfg, params)
         return specs_lib.shard(params, self.mesh, self.param_specs)
 
     def place_rows(self, x):
@@ -113,10 +114,12 @@ class Placement:
                             spec, shard)
 
     def param_shapes(self, params=None):
-        """Parameters as ShapeDtypeStructs carrying their shardings."""
+        """Parameters as ShapeDtypeStructs carrying their shardings (on one device, as
+        :meth:`shard_params` prepares them)."""
         params = model_lib.param_shapes(self.cfg) if params is None else params
         if self.trivial:
-            return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), params)
+            return model_lib.fuse_projections(self.cfg, jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), params))
         shard = specs_lib.shardings(self.mesh, self.param_specs)
         return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
                             params, shard)

@@ -1,0 +1,150 @@
+"""The thunks of the compiled decode step: what XLA:CPU runs one after another per step.
+
+    PYTHONPATH=. python scripts/thunk_count.py --configs=gqa --context=1024
+    PYTHONPATH=. python scripts/thunk_count.py --configs=gqa,mha,mla --weight_matmul=xla
+
+Definition (reproducible from the compiled HLO text): the instructions of the compiled
+decode step's ENTRY computation (``kvjax.analysis.costs.compile_decode_step``, batch 1,
+a cache of ``--context`` slots) except those that run no code (parameter, constant,
+get-tuple-element, tuple, bitcast). On CPU the layer stack is unrolled, so each layer's
+fusions, custom calls (the native kernels), copies and stray ops are entry instructions;
+XLA:CPU emits one thunk for each (a fusion's body runs inside its thunk). Printed: the
+total, the total over L (the step's fixed cost a layer: the embedding, final norm and LM
+head's few thunks are spread over the layers), and the count by opcode.
+
+``--weight_matmul`` / ``--decode_attention`` pin the formulations ('auto': this machine's
+planner picks, read from or written to the planner's cache). ``--time_repeats=N`` also
+times the step with the projections apart and fused
+(:func:`kvjax.models.model.fuse_projections`), one call of each per round (N rounds after
+two warm-up rounds: a shared machine's load falls on both alike), random weights and a
+full cache, and prints each one's median and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import json
+import pathlib
+import re
+import statistics
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import kernels
+from kvjax.analysis import costs
+from kvjax.config import run_config_from_dict
+from kvjax.inference import decode
+from kvjax.models import model
+
+FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast"})
+"""Entry instructions that run no code (no thunk of their own)."""
+
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*[^=]*?\s([a-z][\w\-]*)\(")
+
+
+def entry_ops(hlo_text: str) -> collections.Counter:
+    """{opcode: count} of the ENTRY computation of a compiled module's HLO text, without
+    :data:`FREE`."""
+    counts: collections.Counter = collections.Counter()
+    inside = False
+    for line in hlo_text.splitlines():
+        if line.startswith("ENTRY"):
+            inside = True
+            continue
+        if inside:
+            if line.startswith("}"):
+                break
+            m = _OP.match(line)
+            if m and m.group(1) not in FREE:
+                counts[m.group(1)] += 1
+    return counts
+
+
+def count(name: str, context: int, weight_matmul: str, decode_attention: str) -> dict:
+    """{'total', 'per_layer', 'layers', 'ops'} of configs/<name>.py's decode step."""
+    run = run_config_from_dict(importlib.import_module(f"configs.{name}").get_config())
+    cfg = run.model.replace(weight_matmul=weight_matmul, decode_attention=decode_attention)
+    compiled = costs.compile_decode_step(cfg, 1, context)
+    ops = entry_ops(compiled.as_text())
+    total = sum(ops.values())
+    return {"total": total, "layers": cfg.num_layers,
+            "per_layer": round(total / cfg.num_layers, 2), "ops": dict(ops.most_common())}
+
+
+def time_fused(name: str, context: int, weight_matmul: str, decode_attention: str,
+               repeats: int) -> dict:
+    """{'apart_ms', 'fused_ms', 'speedup'}: median step times (ms) of configs/<name>.py's
+    decode step with separate and with fused projections, timed in turns."""
+    run = run_config_from_dict(importlib.import_module(f"configs.{name}").get_config())
+    cfg = costs.planned(run.model.replace(weight_matmul=weight_matmul,
+                                          decode_attention=decode_attention), 1, context)
+    token = jnp.zeros((1, 1), jnp.int32)
+    runs = []
+    for fused in (False, True):
+        params = model.init_params(cfg, 0)
+        params = model.fuse_projections(cfg, params) if fused else params
+        cache = costs.full_cache(cfg, 1, context)
+        step = decode.decode_step.lower(params, token, cache, cfg=cfg).compile()
+        runs.append([step, params, cache, np.asarray(cache.length), []])
+    for rnd in range(repeats + 2):
+        for r in runs:
+            step, params, cache, length, times = r
+            start = time.perf_counter()
+            logits, cache = step(params, token, cache)
+            logits.block_until_ready()
+            if rnd >= 2:
+                times.append(time.perf_counter() - start)
+            r[2] = cache.replace(length=jnp.asarray(length))
+    apart, fused = (1e3 * statistics.median(r[4]) for r in runs)
+    ratios = [a / f for a, f in zip(runs[0][4], runs[1][4])]
+    return {"apart_ms": apart, "fused_ms": fused, "speedup": statistics.median(ratios)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default="gqa", help="names of configs/*.py, comma-separated")
+    ap.add_argument("--context", type=int, default=1024, help="cache slots")
+    ap.add_argument("--weight_matmul", default="auto",
+                    help="model.weight_matmul for the step ('auto': the planner's picks)")
+    ap.add_argument("--decode_attention", default="auto",
+                    help="model.decode_attention for the step ('auto': the planner's picks)")
+    ap.add_argument("--time_repeats", type=int, default=0,
+                    help="also time the step apart and fused, this many rounds (0: not)")
+    ap.add_argument("--out", default=None, help="JSON file to write (default: none)")
+    a = ap.parse_args()
+    names = a.configs.split(",")
+    known = sorted(p.stem for p in pathlib.Path(__file__).parent.parent.joinpath(
+        "configs").glob("*.py") if p.stem not in ("__init__", "base"))
+    if not all(n in known for n in names):
+        ap.error(f"--configs={a.configs}; allowed: names among {known}")
+    if a.time_repeats < 0:
+        ap.error(f"--time_repeats={a.time_repeats}; allowed: an integer >= 0")
+    if a.context < 1:
+        ap.error(f"--context={a.context}; allowed: an integer >= 1")
+    for op in ("weight_matmul", "decode_attention"):
+        allowed = kernels.names(op)
+        if getattr(a, op) not in allowed:
+            ap.error(f"--{op}={getattr(a, op)}; allowed: one of {list(allowed)}")
+    out = {}
+    for name in names:
+        out[name] = count(name, a.context, a.weight_matmul, a.decode_attention)
+        r = out[name]
+        print(f"{name}: {r['total']} thunks, {r['per_layer']} a layer ({r['layers']} "
+              f"layers); {r['ops']}", flush=True)
+        if a.time_repeats:
+            r.update(time_fused(name, a.context, a.weight_matmul, a.decode_attention,
+                                a.time_repeats))
+            print(f"{name}: step {r['apart_ms']:.2f} ms apart, {r['fused_ms']:.2f} ms fused "
+                  f"(median of {a.time_repeats}); apart / fused {r['speedup']:.3f} "
+                  "(median of the rounds' ratios)", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
