@@ -85,6 +85,14 @@ def test_readme_is_short():
 
 
 MAX_HEADLINE_ROWS = 8
+MAX_DESIGN_LINES = 300
+
+
+def test_design_is_short():
+    lines = (ROOT / "docs" / "DESIGN.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= MAX_DESIGN_LINES, (
+        f"docs/DESIGN.md has {len(lines)} lines (at most {MAX_DESIGN_LINES}: the stable "
+        "design; history goes in docs/decisions/, figures in docs/results/)")
 
 
 def headline_rows(text: str) -> list[str]:
