@@ -46,7 +46,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxRowsMatmulInt8, Zeros8,
 def _keyed_path(monkeypatch, tmp_path) -> pathlib.Path:
     """build_library's output path for rows_matmul.cc, with the compile stubbed out."""
     monkeypatch.setenv("KVJAX_CACHE", str(tmp_path))
-    monkeypatch.setattr(native, "_build", lambda out, cxx, source: None)
+    monkeypatch.setattr(native, "_build", lambda out, cxx, source, flags=(): None)
     monkeypatch.setattr(native, "_compiler", lambda: "/usr/bin/true")
     return native.build_library(rows_matmul.SOURCE, "kvjax_rows_matmul")
 
