@@ -293,7 +293,7 @@ def recompress(cfg: ModelConfig, cache: cache_lib.KVCache, due: jax.Array
     budget, names = cfg.kv_budget, list(cache.tensors)
     s = cache.num_slots
     slots = jnp.arange(s, dtype=jnp.int32)
-    queries, qpos = _buffered(method.queries, cfg, st)
+    queries, qpos = _buffered(cfg, st)
     kept = {n: [] for n in names}
     kept_pos, acc = [], []
     for i in range(cfg.num_layers):
@@ -327,12 +327,11 @@ def recompress(cfg: ModelConfig, cache: cache_lib.KVCache, due: jax.Array
     return cache.replace(tensors=tensors, positions=positions, schedule=new)
 
 
-def _buffered(need: str, cfg: ModelConfig, st: dict):
+def _buffered(cfg: ModelConfig, st: dict):
     """(queries [L, B, Q, K, G, H] or None, positions [B, Q]) a decode-time compression
-    hands the method: none, the newest, the last min(w, N), or all N buffered."""
-    n = st["query_positions"].shape[1]
-    c = {"none": 0, "last": 1, "all": n,
-         "window": min(cfg.compression.observation_window, n)}[need]
+    hands the method: none, the newest, the last min(w, N), or all N buffered
+    (:func:`query_count` of the N buffer slots)."""
+    c = query_count(cfg, st["query_positions"].shape[1])
     if c == 0:
         return None, None
     idx = st["count"][:, None] - c + jnp.arange(c, dtype=jnp.int32)[None, :]  # [B, Q]
