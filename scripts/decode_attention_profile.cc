@@ -2,8 +2,9 @@
 // S slots (keys [H, S], values [S, V], every slot visible), caches rotated over copies
 // bigger than the last-level cache so every read comes from memory; best of 12 calls.
 // Times the whole work item (FastItem) and each phase alone over the same spans: the
-// scores (SpanScores: G = 1 and AVX2; GroupScores: G > 1 on AVX-512), the online softmax
-// on scores already in place, the values over a dense row's contiguous rows (without
+// scores (SpanScores: G = 1 and AVX2; GroupScores: G > 1 on AVX-512, with the heads'
+// maxima), the online softmax on scores already in place (on AVX-512 with G > 1 given
+// the maxima, as FastItem does), the values over a dense row's contiguous rows (without
 // FastItem's prefetch of the next sub-block), and a plain read of the same bytes.
 //
 //   g++ -O3 -march=native -std=c++17 -w -I$(python -c 'import jax.ffi; print(jax.ffi.include_dir())') \
@@ -71,7 +72,10 @@ int main(int argc, char** argv) {
                 whole * 1e3);
     // The phases alone, over the same spans as FastItem (a dense row, all visible).
     const int64_t span = std::min<int64_t>(kSpan, kScFloats / G) / VL * VL, ld_sc = span + kScorePad;
-    std::vector<float> qs(G * H), sc(G * ld_sc), mask(span + 2 * VL, 1.0f);
+    std::vector<float> qs(G * H), sc(G * ld_sc), mask(span + 2 * VL, 1.0f), bmax(G * VL);
+    // FastItem's fused maxima: the grouped scores find them (AVX-512, G > 1), so the
+    // softmax makes no pass for them
+    const bool fused = G > 1 && kRegs == 32;
     for (int64_t i = 0; i < G * H; ++i) qs[i] = q[i] * sh.scale;
     const double ts = time([&](int64_t c) {
       for (int64_t sb = 0; sb < S; sb += span)
@@ -79,11 +83,13 @@ int main(int argc, char** argv) {
     });
     const double tg = time([&](int64_t c) {
       for (int64_t sb = 0; sb < S; sb += span)
-        GroupScores(qs.data(), G, H, kc.data() + c * H * S + sb, S, span, sc.data(), ld_sc);
+        GroupScores(qs.data(), G, H, kc.data() + c * H * S + sb, S, span, sc.data(), ld_sc,
+                    mask.data(), bmax.data());
     });
     const double tx = time([&](int64_t c) {
       for (int64_t sb = 0; sb < S; sb += span)
-        SpanSoftmax(G, V, sc.data(), ld_sc, mask.data(), 0, span, span, m.data(), l.data(), o.data());
+        SpanSoftmax(G, V, sc.data(), ld_sc, mask.data(), 0, span, span, m.data(), l.data(),
+                    o.data(), fused ? bmax.data() : nullptr);
     });
     const double tv = time([&](int64_t c) {
       const float* vb = vc.data() + c * S * V;

@@ -352,11 +352,17 @@ def test_native_with_no_slot_sees_nothing():
         assert (np.asarray(m) == -1e30).all() and not np.asarray(l).any()
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_pallas_gpu_kernel_in_interpret_mode(dtype):
+@pytest.mark.parametrize("g,dtype", [(1, jnp.float32), (2, jnp.float32), (3, jnp.float32),
+                                     (4, jnp.float32), (8, jnp.float32), (9, jnp.float32),
+                                     (3, jnp.bfloat16), (9, jnp.bfloat16)],
+                         ids=["1-f32", "2-f32", "3-f32", "4-f32", "8-f32", "9-f32", "3-bf16",
+                              "9-bf16"])
+def test_pallas_gpu_kernel_in_interpret_mode(g, dtype):
     """JAX's Pallas GPU decode-attention kernel, run by the Pallas interpreter on CPU,
-    equals the XLA statistics (prefix masks: a dense cache's per-row lengths)."""
-    q, kc, vc, mask, _, _ = problem(dtype, "BKSH", "BKSH", h=16, s=64, prefix=True)
+    equals the XLA statistics (prefix masks: a dense cache's per-row lengths) for G = 1-9
+    query heads a KV head: the G rows of a group are one block of its program (block_h =
+    16), which loads each K/V block once for all of them."""
+    q, kc, vc, mask, _, _ = problem(dtype, "BKSH", "BKSH", g=g, h=16, s=64, prefix=True)
     q1 = q[:, 0]
     ref = decode_kernels.partial_attention("xla", q1, kc, vc, mask[:, 0], "BKSH", "BKSH")
     out = decode_kernels.partial_attention("pallas", q1, kc, vc, mask[:, 0], "BKSH", "BKSH",

@@ -333,15 +333,21 @@ constexpr int GroupNJ(int gb) { return std::min(8, (kRegs - 2) / (gb + 1)); }
 // Heads walked together: AVX-512 9 heads x 3 vectors (27 accumulators); AVX2 6 x 2 (12).
 constexpr int kGroupMax = kRegs == 32 ? 9 : 6;
 constexpr int64_t kPfAhead = 2;
+constexpr int64_t kPassRows = 8;  // key rows a pass of GroupScoresGB walks, up to 4 heads
 
+// mk (nullptr: none): the float mask of the block's slots; each head's running max over
+// its visible scores is then folded into bmax[g * VL, (g + 1) * VL) while the scores are
+// still in registers, so the softmax needs no pass to find it (SpanSoftmax).
+// Rows [h0, h1) of the block: the scores start from sc when h0 > 0 (an earlier pass's).
 template <int GB, int NJ>
-static inline void GroupScoresBlock(const float* qs, int64_t H, const float* kp, int64_t ks,
-                                    float* sc, int64_t ld_sc, const float* pf) {
+static inline void GroupScoresBlock(const float* qs, int64_t H, int64_t h0, int64_t h1,
+                                    const float* kp, int64_t ks, float* sc, int64_t ld_sc,
+                                    const float* pf, const float* mk, float* bmax) {
   vf acc[GB][NJ];
   for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < NJ; ++c) acc[g][c] = vf{};
+    for (int c = 0; c < NJ; ++c) acc[g][c] = h0 ? ld(sc + g * ld_sc + c * VL) : vf{};
   constexpr int kLines = NJ * VL / 16 ? NJ * VL / 16 : 1;  // 64-byte lines of a row's block
-  for (int64_t h = 0; h < H; ++h) {
+  for (int64_t h = h0; h < h1; ++h) {
     const float* kr = kp + h * ks;
     if (pf)
       for (int c = 0; c < kLines; ++c) __builtin_prefetch(pf + h * ks + c * 16, 0, 2);
@@ -354,36 +360,62 @@ static inline void GroupScoresBlock(const float* qs, int64_t H, const float* kp,
   }
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < NJ; ++c) st(sc + g * ld_sc + c * VL, acc[g][c]);
+  if (!mk) return;
+  for (int g = 0; g < GB; ++g) {
+    vf bm = ld(bmax + g * VL);
+    // a select, not a product with the mask: a masked score may be NaN or inf
+    for (int c = 0; c < NJ; ++c) bm = vmax(bm, ld(mk + c * VL) > 0.0f ? acc[g][c] : bc(kNegInf));
+    st(bmax + g * VL, bm);
+  }
 }
 
 // sc[g * ld_sc + j] = q_g . k[:, j], j in [0, n) (n a multiple of VL), for GB heads at qs
-// ([GB, H], pre-scaled); key row h at kp + h * ks.
+// ([GB, H], pre-scaled); key row h at kp + h * ks; with mk, the running maxima into bmax
+// (GroupScoresBlock).
 template <int GB>
 static void GroupScoresGB(const float* qs, int64_t H, const float* kp, int64_t ks, int64_t n,
-                          float* sc, int64_t ld_sc) {
+                          float* sc, int64_t ld_sc, const float* mk, float* bmax) {
   constexpr int NJ = GroupNJ(GB);
   constexpr int64_t W = NJ * VL;
-  int64_t j = 0;
-  for (; j + W <= n; j += W) {
-    // (a prefetch never faults: past the segment it fetches the next span's keys, or
-    // nothing useful)
-    GroupScoresBlock<GB, NJ>(qs, H, kp + j, ks, sc + j, ld_sc, kp + j + kPfAhead * W);
+  // Up to 4 heads (FMAs to spare per key byte) walk the span in passes of kPassRows key
+  // rows, the scores reloaded from sc between passes, the block 4 ahead prefetched: 8
+  // strided streams read faster than 64 (docs/decisions/0035-grouped-decode-streams.md).
+  // More heads walk all H rows in one pass: their scores' reloads would cost FMA slots.
+  const int64_t rows = GB <= 4 ? kPassRows : H, ahead = GB <= 4 ? 2 * kPfAhead : kPfAhead;
+  for (int64_t h0 = 0; h0 < H; h0 += rows) {
+    const int64_t h1 = std::min(H, h0 + rows);
+    const bool last = h1 == H;
+    int64_t j = 0;
+    for (; j + W <= n; j += W) {
+      // Near a pass's end the blocks prefetched are the next pass's first (the last pass:
+      // the next span's rows [0, rows), or nothing useful; a prefetch never faults).
+      const int64_t jj = j + ahead * W;
+      const float* pf = jj < n ? kp + jj : last ? kp + jj - h0 * ks : kp + jj - n + rows * ks;
+      GroupScoresBlock<GB, NJ>(qs, H, h0, h1, kp + j, ks, sc + j, ld_sc, pf,
+                               last && mk ? mk + j : nullptr, bmax);
+    }
+    for (; j < n; j += VL)
+      GroupScoresBlock<GB, 1>(qs, H, h0, h1, kp + j, ks, sc + j, ld_sc, nullptr,
+                              last && mk ? mk + j : nullptr, bmax);
   }
-  for (; j < n; j += VL) GroupScoresBlock<GB, 1>(qs, H, kp + j, ks, sc + j, ld_sc, nullptr);
 }
 
 // GroupScoresGB for any G: groups of at most kGroupMax heads, balanced; a later group
-// reads the span's keys again (from L2 when the span is short enough).
+// reads the span's keys again (from L2 when the span is short enough). mk (nullptr:
+// none): the float mask of slots [0, n); each head g's running max over its visible
+// scores is then folded into bmax[g * VL, (g + 1) * VL).
 static void GroupScores(const float* qs, int64_t G, int64_t H, const float* kp, int64_t ks,
-                        int64_t n, float* sc, int64_t ld_sc) {
+                        int64_t n, float* sc, int64_t ld_sc, const float* mk = nullptr,
+                        float* bmax = nullptr) {
   const int64_t ngroups = (G + kGroupMax - 1) / kGroupMax;
   for (int64_t i = 0, g0 = 0; i < ngroups; ++i) {
     const int64_t gb = (G - g0) / (ngroups - i);
     const float* q = qs + g0 * H;
     float* out = sc + g0 * ld_sc;
+    float* bm = bmax ? bmax + g0 * VL : nullptr;
     switch (gb) {
 #define KVJAX_GROUP(N) \
-  case N: if constexpr (N <= kGroupMax) GroupScoresGB<N>(q, H, kp, ks, n, out, ld_sc); break;
+  case N: if constexpr (N <= kGroupMax) GroupScoresGB<N>(q, H, kp, ks, n, out, ld_sc, mk, bm); break;
       KVJAX_GROUP(1) KVJAX_GROUP(2) KVJAX_GROUP(3) KVJAX_GROUP(4) KVJAX_GROUP(5)
       KVJAX_GROUP(6) KVJAX_GROUP(7) KVJAX_GROUP(8) KVJAX_GROUP(9)
 #undef KVJAX_GROUP
@@ -435,13 +467,15 @@ static void ChunkScores(const float* qs, int64_t G, int64_t H, const float* cons
 // prefetch), the same columns: a page's first rows miss otherwise (see ChunkScores).
 // kContig: every row visible and row j at rows[0] + j * V (a dense row's run): no
 // per-slot pointer or test, which left AVX2 issuing more scalar than vector work per
-// slot; npf != 0 (the first of several calls): the row kSub slots on (the next
-// sub-block's) is prefetched whole into L2, a row a slot, so the DRAM stream goes on
-// while later calls read this sub-block from L1; a single call leaves the stream to the
-// hardware prefetchers (docs/decisions/0033-grouped-decode-blocking.md).
+// slot; npf != 0: this is call pf_call of the npf calls that read the sub-block (head
+// groups, column passes), and the next sub-block's rows (kSub slots on) are prefetched
+// whole into L2, a row every npf slots of every call, so the DRAM stream goes on at an
+// even rate through all the calls' FMAs; a single call (npf = 0) leaves the stream to the
+// hardware prefetchers (docs/decisions/0033-grouped-decode-blocking.md,
+// docs/decisions/0035-grouped-decode-streams.md).
 template <int GB, int NV, bool kContig>
 static void ValuesRows(const float* p, int64_t ld_p, const float* const* rows, int64_t n,
-                       int64_t npf, int64_t c0, float* o, int64_t V) {
+                       int64_t npf, int64_t c0, float* o, int64_t V, int64_t pf_call) {
   vf acc[GB][NV];
   for (int gi = 0; gi < GB; ++gi)
     for (int c = 0; c < NV; ++c) acc[gi][c] = ld(o + gi * V + c0 + c * VL);
@@ -449,8 +483,10 @@ static void ValuesRows(const float* p, int64_t ld_p, const float* const* rows, i
   for (int64_t j = 0; j < n; ++j) {
     if constexpr (kContig) {
       if (j) vr += V;
-      if (npf)  // the whole row kSub slots on, into L2
-        for (int64_t c = 0; c < V; c += 16) __builtin_prefetch(vr + kSub * V + c, 0, 2);
+      if (npf && (pf_call * n + j) % npf == 0) {  // a whole row of the next sub-block
+        const float* nr = rows[0] + (kSub + (pf_call * n + j) / npf) * V;
+        for (int64_t c = 0; c < V; c += 16) __builtin_prefetch(nr + c, 0, 2);
+      }
     } else {
       if (j + kPfRows < npf && rows[j + kPfRows])
         for (int c = 0; c < NV; ++c) __builtin_prefetch(rows[j + kPfRows] + c0 + c * VL, 0, 3);
@@ -470,8 +506,10 @@ static void ValuesRows(const float* p, int64_t ld_p, const float* const* rows, i
 
 template <int NV, bool kContig>
 static void ValuesRowsNV(int64_t gb, const float* p, int64_t ld_p, const float* const* rows,
-                         int64_t n, int64_t npf, int64_t c0, float* o, int64_t V) {
-#define KVJAX_VALUES_ROWS(GB) ValuesRows<GB, NV, kContig>(p, ld_p, rows, n, npf, c0, o, V)
+                         int64_t n, int64_t npf, int64_t c0, float* o, int64_t V,
+                         int64_t pf_call) {
+#define KVJAX_VALUES_ROWS(GB) \
+  ValuesRows<GB, NV, kContig>(p, ld_p, rows, n, npf, c0, o, V, pf_call)
   switch (gb) {
     case 1: KVJAX_VALUES_ROWS(1); break;
     case 2: if constexpr (2 * NV <= (kContig ? AccFor(NV) : kAcc)) { KVJAX_VALUES_ROWS(2); } break;
@@ -486,36 +524,64 @@ static void ValuesRowsNV(int64_t gb, const float* p, int64_t ld_p, const float* 
 template <bool kContig>
 static void ValuesRowsAny(int nv, int64_t gb, const float* p, int64_t ld_p,
                           const float* const* rows, int64_t n, int64_t npf, int64_t c0,
-                          float* o, int64_t V) {
-  if (nv == 4) ValuesRowsNV<4, kContig>(gb, p, ld_p, rows, n, npf, c0, o, V);
-  else if (nv == 2) ValuesRowsNV<2, kContig>(gb, p, ld_p, rows, n, npf, c0, o, V);
-  else ValuesRowsNV<1, kContig>(gb, p, ld_p, rows, n, npf, c0, o, V);
+                          float* o, int64_t V, int64_t pf_call = 0) {
+  if (nv == 4) ValuesRowsNV<4, kContig>(gb, p, ld_p, rows, n, npf, c0, o, V, pf_call);
+  else if (nv == 2) ValuesRowsNV<2, kContig>(gb, p, ld_p, rows, n, npf, c0, o, V, pf_call);
+  else ValuesRowsNV<1, kContig>(gb, p, ld_p, rows, n, npf, c0, o, V, pf_call);
 }
 
 // The online softmax of a span (Milakov & Gimelshein 2018), per head g: the running max
 // m[g] over the scores sc[g * ld_sc + j] of slots j in [lo, hi) whose mask[j] > 0, o[g]
 // and l[g] rescaled to it, the unnormalised probabilities written over the scores (0 on
-// masked slots and on [np, np + VL), past the span), l[g] += their sum.
+// masked slots and on [np, np + VL), past the span), l[g] += their sum. bmax (nullptr:
+// none): each head's maximum over those slots already folded into bmax[g * VL, (g + 1) *
+// VL) by the scores (GroupScores), so no pass finds it here. The heads are taken VL at a
+// time: their rescales are one vector exponential, and each slot vector's mask is loaded
+// once for all of them (docs/decisions/0035-grouped-decode-streams.md).
 static void SpanSoftmax(int64_t G, int64_t V, float* scp, int64_t ld_sc, const float* mask,
-                        int64_t lo, int64_t hi, int64_t np, float* m, float* l, float* o) {
-  for (int64_t g = 0; g < G; ++g) {
-    float* sr = &scp[g * ld_sc];
-    vf bm = bc(kNegInf);
-    for (int64_t j = lo; j < hi; j += VL)
-      bm = vmax(bm, ld(&mask[j]) > 0.0f ? ld(sr + j) : bc(kNegInf));
-    const float mnew = std::max(m[g], hmax(bm));
-    const float alpha = fast_exp(m[g] - mnew);  // m = -1e30 before any slot: o, l are 0
-    for (int64_t c = 0; c < V; ++c) o[g * V + c] *= alpha;
-    vf sum = vf{};
+                        int64_t lo, int64_t hi, int64_t np, float* m, float* l, float* o,
+                        const float* bmax = nullptr) {
+  for (int64_t g0 = 0; g0 < G; g0 += VL) {
+    const int64_t gb = std::min<int64_t>(VL, G - g0);
+    vf mold = vf{}, mnew = vf{};  // lanes past the heads: exp(0 - 0)
+    for (int64_t gi = 0; gi < gb; ++gi) {
+      const int64_t g = g0 + gi;
+      vf bm = bc(kNegInf);
+      if (bmax) {
+        bm = ld(bmax + g * VL);
+      } else {
+        const float* sr = &scp[g * ld_sc];
+        for (int64_t j = lo; j < hi; j += VL)
+          bm = vmax(bm, ld(&mask[j]) > 0.0f ? ld(sr + j) : bc(kNegInf));
+      }
+      mold[gi] = m[g];
+      mnew[gi] = std::max(m[g], hmax(bm));
+    }
+    // m = -1e30 before any slot: o and l are 0, whatever alpha is
+    const vf alpha = vexp(mold - mnew);
+    vf sum[VL];
+    for (int64_t gi = 0; gi < gb; ++gi) {
+      const float a = alpha[gi];
+      float* og = o + (g0 + gi) * V;
+      for (int64_t c = 0; c < V; c += VL) st(og + c, ld(og + c) * a);
+      sum[gi] = vf{};
+    }
     for (int64_t j = lo; j < hi; j += VL) {
       // a select, not a product with the mask: a masked score may be NaN or inf
-      const vf e = ld(&mask[j]) > 0.0f ? vexp(ld(sr + j) - mnew) : vf{};
-      st(sr + j, e);
-      sum += e;
+      const auto vis = ld(&mask[j]) > 0.0f;
+      for (int64_t gi = 0; gi < gb; ++gi) {
+        float* sr = &scp[(g0 + gi) * ld_sc];
+        const vf e = vis ? vexp(ld(sr + j) - mnew[gi]) : vf{};
+        st(sr + j, e);
+        sum[gi] += e;
+      }
     }
-    std::fill(sr + np, sr + np + VL, 0.0f);
-    l[g] = l[g] * alpha + hsum(sum);
-    m[g] = mnew;
+    for (int64_t gi = 0; gi < gb; ++gi) {
+      const int64_t g = g0 + gi;
+      std::fill(&scp[g * ld_sc] + np, &scp[g * ld_sc] + np + VL, 0.0f);
+      l[g] = l[g] * alpha[gi] + hsum(sum[gi]);
+      m[g] = mnew[gi];
+    }
   }
 }
 
@@ -553,8 +619,10 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
   // mask 1: visible), so a read of a float not written for its span shows in the tests.
   // Vectors allocated and zeroed per item (100 KiB at G = 3) were a visible share of a
   // window's time (docs/decisions/0016-decode-scratch-buffers-kept.md).
-  thread_local std::vector<float> sc_buf, mask_buf;
+  thread_local std::vector<float> sc_buf, mask_buf, bmax_buf;
   thread_local std::vector<const float*> rows_buf;
+  if (bmax_buf.size() < size_t(G * VL)) bmax_buf.resize(G * VL, std::nanf(""));
+  float* const bmax = bmax_buf.data();
   if (sc_buf.size() < size_t(G * ld_sc)) sc_buf.resize(G * ld_sc, std::nanf(""));
   if (mask_buf.size() < size_t(span + 2 * VL)) mask_buf.resize(span + 2 * VL, 1.0f);
   if (rows_buf.size() < size_t(span)) rows_buf.resize(span);
@@ -643,6 +711,12 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
     // it) or the span's padding. Longer segments (a dense row) stream by SpanScores.
     ck.clear();
     co.clear();
+    // A span of one segment of whole vectors scored by GroupScores (a dense row) has its
+    // heads' maxima found by the scores (bmax), not by a pass of the softmax; a padded
+    // segment's scores past its end would enter them, so it never does.
+    const bool fused_max = G > 1 && kRegs == 32 && segs.size() == 1 &&
+                           segs[0].n % VL == 0 && segs[0].n >= kLong;
+    if (fused_max) std::fill(bmax, bmax + G * VL, kNegInf);
     for (const Seg& sg : segs) {
       const float* kp = sg.kp;
       int64_t ks = P, len = sg.n;
@@ -664,8 +738,11 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
       // Grouped rows on AVX-512 keep every score in registers (GroupScores); AVX2's 16
       // registers leave a block of one line per key row, which read slower than
       // SpanScores' long rows (docs/decisions/0033-grouped-decode-blocking.md).
-      (G > 1 && kRegs == 32 ? GroupScores : SpanScores)(qs.data(), G, H, kp, ks, len, out,
-                                                         ld_sc);
+      if (G > 1 && kRegs == 32)
+        GroupScores(qs.data(), G, H, kp, ks, len, out, ld_sc,
+                    fused_max ? mask + sg.j0 : nullptr, fused_max ? bmax : nullptr);
+      else
+        SpanScores(qs.data(), G, H, kp, ks, len, out, ld_sc);
     }
     const int64_t nck = ck.size();
     for (int64_t i = 0; i < nck; i += kNC) {
@@ -684,7 +761,7 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
     // new running max (Milakov & Gimelshein 2018).
     const int64_t lo = segs.front().j0;
     const int64_t hi = std::min(np, (segs.back().j0 + segs.back().n + VL - 1) / VL * VL);
-    SpanSoftmax(G, V, scp, ld_sc, mask, lo, hi, np, m, l, o);
+    SpanSoftmax(G, V, scp, ld_sc, mask, lo, hi, np, m, l, o, fused_max ? bmax : nullptr);
     if (sh.v_bksh) {
       // The value row of each visible slot, wherever its page lies (nullptr: masked).
       const int64_t end = std::min(n, hi);
@@ -718,9 +795,9 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
           float* oo = o + g0 * V;
           const int64_t npf = g0 == 0 ? end - j0 : 0;  // the first group reads from memory
           for (int64_t c0 = 0; c0 < V; c0 += nv * VL, ++call) {
-            if (contig) {  // of several calls, the first prefetches the next sub-block
+            if (contig) {  // several calls share the prefetch of the next sub-block
               ValuesRowsAny<true>(nv, gb, pp, ld_sc, &rows[j0], nj,
-                                  call == 0 && calls > 1 && next_n > 0, c0, oo, V);
+                                  calls > 1 && next_n > 0 ? calls : 0, c0, oo, V, call);
               continue;
             }
             if (call > 0 && lines > 0)

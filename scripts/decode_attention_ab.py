@@ -1,0 +1,111 @@
+"""The native decode attention of an older commit against the working tree's, interleaved.
+
+Builds ``kvjax/native/decode_attention.cc`` (with the headers it includes) as it stood at
+``--baseline`` into a library of its own (:func:`kvjax.native.build_library`, cached per
+source), registers it under a target name of its own, and times one layer's partial
+decode attention (:func:`kvjax.models.decode_kernels.partial_attention`, 'native') of the
+blog model's and SmolLM2's shapes at S slots with either library, in alternating rounds,
+each round paired with a streaming read of 256 MiB (:class:`kvjax.analysis.hardware.ReadProbe`).
+Caches are rotated over copies of at least 96 MiB in all, so every call reads from
+memory. Prints, per shape, the median GB/s of cache read of each kernel, its share of the
+median read, and the ratio of the medians (new over old), with the load average.
+
+    PYTHONPATH=. python scripts/decode_attention_ab.py --baseline 8b4947c --slots 32768
+"""
+
+import argparse
+import os
+import pathlib
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import native
+from kvjax.analysis import hardware
+from kvjax.models import decode_kernels
+
+_HEADERS = ("decode_attention.cc", "pool.h", "fast_math.h")
+
+
+def baseline_target(rev: str) -> str:
+    """Registers the dense target of ``rev``'s decode_attention.cc; returns its name.
+
+    Raises:
+      SystemExit: ``rev`` is not a commit holding the source, or the build failed.
+    """
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="kvjax-ab-"))
+    for name in _HEADERS:
+        r = subprocess.run(["git", "show", f"{rev}:kvjax/native/{name}"], capture_output=True,
+                           text=True)
+        if r.returncode:
+            raise SystemExit(f"error: --baseline={rev}: no kvjax/native/{name} there "
+                             f"({r.stderr.strip()})")
+        (tmp / name).write_text(r.stdout)
+    target = f"kvjax_decode_attention_{rev}"
+    ok = native.register({}, threading.Lock(),
+                         lambda: native.build_library(tmp / _HEADERS[0], target), target,
+                         "KvjaxDecodeAttention", f"the kernel of {rev}", "exiting")
+    if not ok:
+        raise SystemExit(f"error: the kernel of {rev} could not be built or loaded")
+    return target
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", default="8b4947c", help="commit of the old kernel")
+    ap.add_argument("--slots", type=int, default=32768)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--models", default="blog,smollm2")
+    a = ap.parse_args()
+    if not native.load():
+        raise SystemExit("error: the working tree's native kernel could not be built")
+    targets = {"old": baseline_target(a.baseline), "new": native.TARGET}
+    probe = hardware.ReadProbe("vecmat")
+    heads = {"blog": (8, (8, 2, 1)), "smollm2": (9, (9, 3, 1))}
+    rng = np.random.default_rng(0)
+    print(f"baseline {a.baseline}; S={a.slots}; load average {os.getloadavg()}", flush=True)
+    for name in a.models.split(","):
+        n, ks = heads[name]
+        for k in ks:
+            g, h = n // k, 64
+            vl = "BKHS" if g == 1 else "BKSH"  # the CPU layouts (decode_attention_bench)
+            nbytes = 2 * k * a.slots * h * 4
+            copies = max(1, -(-96 * 2**20 // nbytes))
+            q = jnp.asarray(rng.standard_normal((1, k, g, h)), jnp.float32)
+            vis = jnp.ones((1, a.slots), bool)
+            caches = [(jnp.asarray(rng.standard_normal((1, k, h, a.slots)), jnp.float32),
+                       jnp.asarray(rng.standard_normal((1, k, a.slots, h) if vl == "BKSH"
+                                                       else (1, k, h, a.slots)), jnp.float32))
+                      for _ in range(copies)]
+            fns = {}
+            for tag, target in targets.items():
+                native.TARGET = target  # read when the call is traced
+                fns[tag] = jax.jit(lambda q, kc, vc, v: decode_kernels.partial_attention(
+                    "native", q, kc, vc, v, "BKHS", vl))
+                jax.block_until_ready(fns[tag](q, *caches[0], vis))
+            native.TARGET = targets["new"]
+            secs = {tag: [] for tag in fns}
+            reads = []
+            for r in range(a.rounds):
+                for tag in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                    reads.append(probe.once())
+                    kc, vc = caches[(2 * r + (tag == "new")) % copies]
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(fns[tag](q, kc, vc, vis))
+                    secs[tag].append(time.perf_counter() - t0)
+            roof = statistics.median(reads)
+            gbps = {tag: nbytes / statistics.median(s) / 1e9 for tag, s in secs.items()}
+            print(f"{name} K={k} G={g} BKHS/{vl}: " + "  ".join(
+                f"{tag} {gb:5.1f} GB/s ({gb * 1e9 / roof:4.0%})" for tag, gb in gbps.items())
+                + f"; new/old {gbps['new'] / gbps['old']:.2f}x; read {roof / 1e9:.1f} GB/s; "
+                f"load {os.getloadavg()[0]:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
