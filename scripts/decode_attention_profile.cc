@@ -75,7 +75,7 @@ int main(int argc, char** argv) {
     std::vector<float> qs(G * H), sc(G * ld_sc), mask(span + 2 * VL, 1.0f), bmax(G * VL);
     // FastItem's fused maxima: the grouped scores find them (AVX-512, G > 1), so the
     // softmax makes no pass for them
-    const bool fused = G > 1 && kRegs == 32;
+    const bool fused = GroupScoresApply(G);
     for (int64_t i = 0; i < G * H; ++i) qs[i] = q[i] * sh.scale;
     const double ts = time([&](int64_t c) {
       for (int64_t sb = 0; sb < S; sb += span)

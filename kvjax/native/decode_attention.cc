@@ -183,10 +183,12 @@ static void Item(const Shape& sh, const float* q, const float* kc, const float* 
 // over 4,096 slots (16 KiB contiguous per row) reach, near a plain sequential read
 // (docs/decisions/0010-decode-kernel-spans.md). So the slot axis is taken in spans of up
 // to kSpan slots: scores of a span into sc[G][span] (kept in L2), accumulated a few key
-// rows at a time over long rows (SpanScores), or, for grouped heads on AVX-512, a block
-// of slots down all H rows with every score in registers and the blocks ahead prefetched
-// in software (GroupScores; docs/decisions/0033-grouped-decode-blocking.md); then one
-// online-softmax update per span (Milakov & Gimelshein 2018), then the values of the span,
+// rows at a time over long rows (SpanScores), or, for grouped heads (GroupScoresApply), a
+// block of slots down the H rows (in passes of 8 rows for up to 4 heads) with every score
+// in registers, each head's max found on the way, and the blocks ahead prefetched in
+// software (GroupScores; docs/decisions/0033-grouped-decode-blocking.md,
+// docs/decisions/0035-grouped-decode-streams.md); then one online-softmax update per
+// span (Milakov & Gimelshein 2018), then the values of the span,
 // row by row, with the G heads' accumulators in registers (a value vector is loaded once
 // and used by every head of the group: the G heads cost FMAs, not cache reads).
 #if defined(__AVX512F__)
@@ -323,12 +325,12 @@ static void SpanScores(const float* qs, int64_t G, int64_t H, const float* kp, i
 
 // A grouped row's scores with every accumulator in registers
 // (docs/decisions/0033-grouped-decode-blocking.md): a block of NJ vectors of slots is
-// walked down all H key rows; each key vector is loaded once and used by the GB heads of
-// the group (GB * NJ FMAs for NJ loads and GB broadcasts), and the GB * NJ score vectors
-// are stored once, after the last row. NJ is the most vectors that fit beside the
-// accumulators, a key block and a broadcast (GroupNJ). The block PfAhead blocks ahead is
-// prefetched into L2 a line per row as this one is walked: the H strided rows are more
-// streams than the hardware prefetchers follow.
+// walked down the H key rows (a pass of rows at a time: GroupScoresGB); each key vector
+// is loaded once and used by the GB heads of the group (GB * NJ FMAs for NJ loads and GB
+// broadcasts), and the GB * NJ score vectors are stored once, after the pass's last row.
+// NJ is the most vectors that fit beside the accumulators, a key block and a broadcast
+// (GroupNJ). A block some blocks ahead is prefetched into L2 a line per row as this one
+// is walked: the strided rows are more streams than the hardware prefetchers follow.
 constexpr int GroupNJ(int gb) { return std::min(8, (kRegs - 2) / (gb + 1)); }
 // Heads walked together: AVX-512 9 heads x 3 vectors (27 accumulators); AVX2 6 x 2 (12).
 constexpr int kGroupMax = kRegs == 32 ? 9 : 6;
@@ -398,6 +400,15 @@ static void GroupScoresGB(const float* qs, int64_t H, const float* kp, int64_t k
       GroupScoresBlock<GB, 1>(qs, H, h0, h1, kp + j, ks, sc + j, ld_sc, nullptr,
                               last && mk ? mk + j : nullptr, bmax);
   }
+}
+
+// Whether G heads are scored by GroupScores, else by SpanScores. AVX-512: G > 1 (G = 1:
+// SpanScores' long rows read faster than a one-head block). AVX2's 16 registers leave a
+// block of 1-3 vectors a key row: over all H rows at once that strided walk read slower
+// than SpanScores (docs/decisions/0033-grouped-decode-blocking.md), in passes of 8 rows
+// faster for G = 2-3 only (docs/decisions/0035-grouped-decode-streams.md).
+static inline bool GroupScoresApply(int64_t G) {
+  return G > 1 && (kRegs == 32 || G <= 3);
 }
 
 // GroupScoresGB for any G: groups of at most kGroupMax heads, balanced; a later group
@@ -714,7 +725,8 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
     // A span of one segment of whole vectors scored by GroupScores (a dense row) has its
     // heads' maxima found by the scores (bmax), not by a pass of the softmax; a padded
     // segment's scores past its end would enter them, so it never does.
-    const bool fused_max = G > 1 && kRegs == 32 && segs.size() == 1 &&
+    const bool grouped = GroupScoresApply(G);
+    const bool fused_max = grouped && segs.size() == 1 &&
                            segs[0].n % VL == 0 && segs[0].n >= kLong;
     if (fused_max) std::fill(bmax, bmax + G * VL, kNegInf);
     for (const Seg& sg : segs) {
@@ -735,10 +747,8 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
         kp = kpad.data();
         ks = len;
       }
-      // Grouped rows on AVX-512 keep every score in registers (GroupScores); AVX2's 16
-      // registers leave a block of one line per key row, which read slower than
-      // SpanScores' long rows (docs/decisions/0033-grouped-decode-blocking.md).
-      if (G > 1 && kRegs == 32)
+      // Grouped rows keep every score in registers (GroupScores) where GroupScoresApply.
+      if (grouped)
         GroupScores(qs.data(), G, H, kp, ks, len, out, ld_sc,
                     fused_max ? mask + sg.j0 : nullptr, fused_max ? bmax : nullptr);
       else
@@ -780,8 +790,8 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
         }
         if (!any) continue;
         const int64_t gmax = contig ? gmax_contig : gmax_rows;
-        // The next sub-block's value rows are prefetched: over a contiguous run by the
-        // first of several calls, a row a slot (ValuesRows); else a share at a time
+        // The next sub-block's value rows are prefetched: over a contiguous run by all
+        // of several calls, a row every `calls` slots (ValuesRows); else a share at a time
         // before each call after the first (which reads this sub-block from memory; the
         // others read it from L1): the first call then finds them in cache, not a DRAM
         // stream that no arithmetic overlaps (docs/decisions/0014-decode-values-prefetch.md).
