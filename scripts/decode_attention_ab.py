@@ -63,14 +63,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--models", default="blog,smollm2")
     a = ap.parse_args()
+    heads = {"blog": (8, (8, 2, 1)), "smollm2": (9, (9, 3, 1))}
+    models = a.models.split(",")
+    for flag, ok, allowed in (
+            ("--slots", a.slots >= 16, "an integer >= 16"),
+            ("--rounds", a.rounds >= 1, "an integer >= 1"),
+            ("--models", bool(models) and set(models) <= set(heads),
+             f"a comma-separated subset of {', '.join(heads)}")):
+        if not ok:
+            raise SystemExit(f"error: {flag}={getattr(a, flag[2:])}; allowed: {allowed}")
     if not native.load():
         raise SystemExit("error: the working tree's native kernel could not be built")
     targets = {"old": baseline_target(a.baseline), "new": native.TARGET}
     probe = hardware.ReadProbe("vecmat")
-    heads = {"blog": (8, (8, 2, 1)), "smollm2": (9, (9, 3, 1))}
     rng = np.random.default_rng(0)
     print(f"baseline {a.baseline}; S={a.slots}; load average {os.getloadavg()}", flush=True)
-    for name in a.models.split(","):
+    for name in models:
         n, ks = heads[name]
         for k in ks:
             g, h = n // k, 64

@@ -96,6 +96,19 @@ def test_decode_attention_bench_refuses_bad_queries(flag):
 
 
 @pytest.mark.parametrize("flag, message", [
+    ("--slots=8", "--slots=8; allowed: an integer >= 16"),
+    ("--rounds=0", "--rounds=0; allowed: an integer >= 1"),
+    ("--models=gpt2", "--models=gpt2; allowed: a comma-separated subset of blog, smollm2"),
+    ("--models=", "--models=; allowed: a comma-separated subset"),
+])
+def test_decode_attention_ab_refuses_bad_flags(flag, message):
+    proc = _script("decode_attention_ab.py", flag)
+    assert proc.returncode != 0
+    assert f"error: {message}" in proc.stderr
+    assert "baseline" not in proc.stdout  # refused before any work
+
+
+@pytest.mark.parametrize("flag, message", [
     ("--budgets=0", "--budgets=0: invalid config: model.kv_budget=0"),
     ("--budgets=a", "--budgets=a:"),
     ("--budgets=32", "model.kv_budget=32; allowed: more than the 32 slots"),
