@@ -4,6 +4,7 @@ compare, ablate and uptrain. Tests marked ``slow`` need the SmolLM2 weights or t
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -25,21 +26,44 @@ REQUIRED = ["generated_text", "prompt_tokens", "new_tokens", "prefill_tokens_per
             "theory_bytes_per_step"]
 
 
-def run_entry(tmp_path, *args):
+def run_entry(tmp_path, *args, env=None):
     out = tmp_path / "out.json"
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.decode", *args, f"--json_out={out}"],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, env=env)
     return proc, out
+
+
+# README lines of experiments.decode that the tests below run (the main job as written,
+# on the real weights; the others with their own shrunk flags), so that
+# tests/test_readme_commands.py does not run them a second time, shrunk.
+README_MAIN = "python -m experiments.decode --config=configs/gqa.py"
+README_BLOG = "python -m experiments.decode --config=configs/blog.py"
+README_MESH = "python -m experiments.decode --config=configs/gqa.py --config.mesh.model=3"
+README_LINES_RUN_HERE = (README_MAIN, README_BLOG, README_MESH)
+
+
+def readme_line(line: str) -> tuple[dict, list[str]]:
+    """(environment, arguments after ``python -m experiments.decode``) of the README
+    line ``line`` (tests/test_readme_commands.py reads the README); fails if the README
+    lacks it."""
+    from tests.test_readme_commands import readme_commands  # noqa: PLC0415
+    found = [(env, argv) for env, argv in readme_commands() if " ".join(argv) == line]
+    assert found, f"README.md has no line {line!r}"
+    env, argv = found[0]
+    return {**os.environ, **env}, argv[3:]
 
 
 @pytest.mark.slow
 def test_decode_entry_point_blog_shrunk(tmp_path):
-    proc, out = run_entry(tmp_path, "--config=configs/blog.py", "--config.model.num_layers=2",
+    """The README's configs/blog.py line, shrunk, with the cache layouts forced."""
+    env, argv = readme_line(README_BLOG)
+    proc, out = run_entry(tmp_path, *argv, "--config.model.num_layers=2",
                           "--config.max_new_tokens=4", "--config.max_seq_len=64",
                           "--config.measure_repeats=2", "--config.model.key_layout=BKSH",
-                          "--config.model.value_layout=BKHS")
+                          "--config.model.value_layout=BKHS", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "cache layout: k BKSH, v BKHS" in proc.stdout
     result = json.loads(out.read_text())
     assert all(k in result for k in REQUIRED)
@@ -86,11 +110,13 @@ def test_decode_entry_point_real_model_paris(paris_run):
 
 @pytest.mark.slow
 def test_decode_entry_point_chat_model_answers(tmp_path):
-    """The issue's command: SmolLM2-Instruct through its own chat template (on by default)."""
-    proc, out = run_entry(tmp_path, "--config=configs/gqa.py",
-                          "--config.prompt=What is the capital of France?",
-                          "--config.measure_repeats=1")
+    """The issue's command, the README's first decode line as written (one timed
+    repeat): SmolLM2-Instruct through its own chat template (on by default), the default
+    prompt "What is the capital of France?"."""
+    env, argv = readme_line(README_MAIN)
+    proc, out = run_entry(tmp_path, *argv, "--config.measure_repeats=1", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["chat_template"] and "Paris" in result["generated_text"]
     assert result["prompt"].endswith("What is the capital of France?<|im_end|>\n"
@@ -210,17 +236,16 @@ def test_decode_entry_point_chunked_prefill_same_text(tmp_path, paris_run):
 
 @pytest.mark.slow
 def test_decode_entry_point_on_a_mesh_same_tokens(tmp_path, paris_run):
-    """The issue's command, shrunk: SmolLM2 on a (1, 3, 1) mesh of 8 virtual CPU devices
-    (N=9, K=3 split by 3) decodes the tokens of the one-device run (the Paris run) and
-    prints the per-device cost report with the collectives, and no cache tensor is
-    gathered."""
-    import os  # noqa: PLC0415
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, "-m", "experiments.decode", *PARIS_ARGS,
-                           "--config.mesh.model=3", f"--json_out={out}"],
-                          capture_output=True, text=True, timeout=600, env=env)
+    """The README's mesh line (its XLA_FLAGS too), shrunk to the Paris run's flags:
+    SmolLM2 on a (1, 3, 1) mesh of 8 virtual CPU devices (N=9, K=3 split by 3) decodes
+    the tokens of the one-device run (the Paris run) and prints the per-device cost
+    report with the collectives, and no cache tensor is gathered."""
+    env, argv = readme_line(README_MESH)
+    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
+    assert argv[0] == PARIS_ARGS[0]
+    proc, out = run_entry(tmp_path, *argv, *PARIS_ARGS[1:], env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "note: mesh (data, model, seq) = (1, 3, 1) uses 3 of the 8 cpu devices" in proc.stdout
     assert "mesh (data, model, seq) = (1, 3, 1)" in proc.stdout
     assert "all-reduce @ model" in proc.stdout
@@ -242,7 +267,6 @@ def test_decode_entry_point_on_a_mesh_same_tokens(tmp_path, paris_run):
 
 def test_decode_entry_point_refuses_a_mesh_larger_than_the_devices():
     """9 devices asked of 8: refused before any weight is loaded (fast, no tokenizer)."""
-    import os  # noqa: PLC0415
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     proc = subprocess.run([sys.executable, "-m", "experiments.decode", *TINY_FLAGS,
                            "--config.mesh.model=3", "--config.mesh.seq=3"],
