@@ -14,7 +14,8 @@ Shape classes (the keys of the formulation tables):
 
 * decode attention: :func:`decode_attention_class` (B, K, G, H, V, the slot count
   rounded up to a power of two, cache dtype, layouts, dense or ring);
-* weight products: :func:`weight_class` (M rows, K x N weight, its layout).
+* weight products: :func:`weight_class` (M rows rounded up to a power of two, K x N
+  weight, its layout).
 """
 
 from __future__ import annotations
@@ -43,10 +44,18 @@ def decode_attention_class(b: int, k: int, g: int, h: int, v: int, s: int, dtype
             f"{'' if prefix else '-window'}{f'-paged{int(page_size)}' if page_size else ''}")
 
 
+def row_band(m: int) -> int:
+    """The rows a weight-product class is measured at: M rounded up to a power of two
+    (1, 2, 4, ..., 256), so that prompts of 33 to 64 tokens share one pick instead of
+    measuring each length (docs/decisions/0037-weight-classes-by-row-band.md)."""
+    return 1 << max(0, int(m) - 1).bit_length()
+
+
 def weight_class(m: int, k: int, n: int, layout: str) -> str:
     """Name of a float32 weight-product shape class, e.g. 'M1-K576-N1536-kn-float32': M
-    rows of x against a K x N weight stored [K, N] ('kn') or [N, K] ('nk')."""
-    return f"M{m}-K{k}-N{n}-{layout}-float32"
+    rows of x (rounded up to a power of two, :func:`row_band`) against a K x N weight
+    stored [K, N] ('kn') or [N, K] ('nk')."""
+    return f"M{row_band(m)}-K{k}-N{n}-{layout}-float32"
 
 
 @dataclasses.dataclass(frozen=True)

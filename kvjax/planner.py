@@ -51,7 +51,7 @@ from kvjax.models import weight_matmul as wm
 from kvjax.models.attention import SMALL_CHUNK, attend_step
 from kvjax.native import prefill as native_prefill
 from kvjax.native import rows_matmul as rm
-from kvjax.plan import Plan, weight_class
+from kvjax.plan import Plan, row_band, weight_class
 
 MIN_MEASURED_BYTES = 256 * 1024
 CANDIDATES = tuple(f.name for f in kernels.formulations("decode_attention") if f.measured)
@@ -557,7 +557,7 @@ def _weight_pick(m: int, k: int, n: int, layout: str) -> str:
         # the kernel would run it
         return wm.applies(_cached_choice(_wmemo, name, key, path,
                                          load_cache(path, key, WEIGHT_CANDIDATES),
-                                         lambda: measure_weight_matmul(m, k, n, layout),
+                                         lambda: measure_weight_matmul(row_band(m), k, n, layout),
                                          WEIGHT_CANDIDATES),
                           m, layout)
 

@@ -15,6 +15,7 @@ from kvjax import kernels, planner, presets
 from kvjax.config import ConfigError
 from kvjax.models import model, weight_matmul
 from kvjax.native import rows_matmul as rm
+from kvjax import plan as plan_lib
 from kvjax.plan import Plan, weight_class
 from tests.conftest import tiny_config, tiny_mla_config
 
@@ -355,6 +356,22 @@ def _fake(calls):
                 "gflops": {"xla": 1.0, "native": 2.0}, "seconds": {"xla": 2.0, "native": 1.0},
                 "copies": 3}
     return measure
+
+
+@needs_native
+def test_row_counts_of_one_band_share_one_measured_pick(planner_home, monkeypatch):
+    """Prompts of 33 to 64 rows share the class measured at 64 rows (plan.row_band);
+    65 rows is the next band, and 1 and 2 rows are bands of their own."""
+    assert [plan_lib.row_band(m) for m in (1, 2, 3, 4, 5, 33, 64, 65, 256)] == \
+        [1, 2, 4, 4, 8, 64, 64, 128, 256]
+    calls = []
+    monkeypatch.setattr(planner, "measure_weight_matmul", _fake(calls))
+    planner.clear_memo()
+    for m in (33, 40, 64, 65):
+        assert _runs("auto", m, 576, 1536, "kn") == "native"
+    assert calls == [(64, 576, 1536, "kn"), (128, 576, 1536, "kn")]
+    assert weight_class(40, 576, 1536, "kn") == "M64-K576-N1536-kn-float32"
+    planner.clear_memo()
 
 
 @needs_native
