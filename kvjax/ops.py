@@ -31,9 +31,9 @@ LANE_SUM = 32
 """Widest sum XLA:CPU keeps as one reduce: its tree-reduction rewrite turns a longer one
 into a reduce-window and a reduce, two thunks that fuse with nothing."""
 
-FEW_ROWS = 16
-"""Rows (the product of the leading axes) up to which :func:`lane_sum` finishes its sum
-in every element of its consumer."""
+MAX_ADDS = 1 << 18
+"""The most adds :func:`lane_sum` spends finishing its sums in every element (``like``'s
+size times E / 32): a decode step's or a short chunk's, never a prompt's."""
 
 
 def lane_sum(x: jax.Array, like: jax.Array) -> jax.Array:
@@ -43,13 +43,13 @@ def lane_sum(x: jax.Array, like: jax.Array) -> jax.Array:
     H) are thunks that each run a few hundred FLOP: XLA:CPU splits a sum over more than
     :data:`LANE_SUM` elements into a reduce-window and a reduce, and hoists any function
     of the [..., 1] total (an rsqrt, an exp) above its broadcast into a thunk of its own.
-    For at most :data:`FEW_ROWS` rows and a last axis that is a multiple of
-    :data:`LANE_SUM` longer than it, ``x`` is summed in parts of 32 (one fusion with
+    For a last axis that is a multiple of :data:`LANE_SUM` longer than it, where the
+    finish costs at most :data:`MAX_ADDS` adds, ``x`` is summed in parts of 32 (one fusion with
     ``x``'s producer) and the parts' total is formed in every element of ``like`` (adding
     ``0 * like``, which changes no finite value, makes it depend on the element), so that
     whatever follows fuses with ``like``'s consumer: RMSNorm two thunks instead of four
     (docs/decisions/0035-row-sums-in-parts.md). The per-element total costs E / 32 adds
-    an element; for more rows (a prompt) it is the plain sum.
+    an element; above :data:`MAX_ADDS` (a prompt's many rows) it is the plain sum.
 
     Args:
       x: [..., E] (any float dtype; summed in float32).
@@ -60,10 +60,7 @@ def lane_sum(x: jax.Array, like: jax.Array) -> jax.Array:
     """
     x = x.astype(jnp.float32)
     e = x.shape[-1]
-    rows = 1
-    for n in like.shape[:-1]:
-        rows *= n
-    if e <= LANE_SUM or e % LANE_SUM or rows > FEW_ROWS:
+    if e <= LANE_SUM or e % LANE_SUM or like.size * (e // LANE_SUM) > MAX_ADDS:
         return jnp.broadcast_to(jnp.sum(x, axis=-1, keepdims=True), like.shape)
     parts = jnp.sum(x.reshape(x.shape[:-1] + (e // LANE_SUM, LANE_SUM)), axis=-1)
     total = parts[..., :1] + 0.0 * like.astype(jnp.float32)

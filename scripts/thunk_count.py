@@ -19,7 +19,7 @@ rounds: a shared machine's load falls on both alike), random weights and a full 
 and prints each one's median and the ratio: with ``--compare=fused`` the projections
 apart and fused (:func:`kvjax.models.model.fuse_projections`); with ``--compare=sums``
 (both fused) the per-row sums as plain reduces and in parts of 32 finished in each
-element (:func:`kvjax.ops.lane_sum`, ``kvjax.ops.FEW_ROWS`` set to 0 while the plain
+element (:func:`kvjax.ops.lane_sum`, ``kvjax.ops.MAX_ADDS`` set to 0 while the plain
 form is traced; its thunk count is printed too).
 
     PYTHONPATH=. python scripts/thunk_count.py --configs=gqa --compare=sums \
@@ -74,23 +74,23 @@ def entry_ops(hlo_text: str) -> collections.Counter:
 
 COMPARES = {"fused": (("apart", False, None), ("fused", True, None)),
             "sums": (("plain", True, 0), ("parted", True, None))}
-"""{--compare value: its two forms (label, projections fused, kvjax.ops.FEW_ROWS while
+"""{--compare value: its two forms (label, projections fused, kvjax.ops.MAX_ADDS while
 tracing: None keeps the default)}."""
 
 
 @contextlib.contextmanager
-def few_rows(value: int | None):
-    """``kvjax.ops.FEW_ROWS`` set to ``value`` (None: left as it is) while programs are
+def max_adds(value: int | None):
+    """``kvjax.ops.MAX_ADDS`` set to ``value`` (None: left as it is) while programs are
     traced inside; JAX's trace caches are dropped on entry and exit so that a program
     traced under one value is never reused under the other."""
-    old = ops.FEW_ROWS
+    old = ops.MAX_ADDS
     jax.clear_caches()
     if value is not None:
-        ops.FEW_ROWS = value
+        ops.MAX_ADDS = value
     try:
         yield
     finally:
-        ops.FEW_ROWS = old
+        ops.MAX_ADDS = old
         jax.clear_caches()
 
 
@@ -115,11 +115,11 @@ def time_forms(name: str, context: int, weight_matmul: str, decode_attention: st
                                           decode_attention=decode_attention), 1, context)
     token = jnp.zeros((1, 1), jnp.int32)
     runs = []
-    for _, fused, rows in COMPARES[compare]:
+    for _, fused, adds in COMPARES[compare]:
         params = model.init_params(cfg, 0)
         params = model.fuse_projections(cfg, params) if fused else params
         cache = costs.full_cache(cfg, 1, context)
-        with few_rows(rows):
+        with max_adds(adds):
             step = decode.decode_step.lower(params, token, cache, cfg=cfg).compile()
         runs.append([step, params, cache, np.asarray(cache.length), []])
     for rnd in range(repeats + 2):
@@ -174,7 +174,7 @@ def main() -> None:
         print(f"{name}: {r['total']} thunks, {r['per_layer']} a layer ({r['layers']} "
               f"layers); {r['ops']}", flush=True)
         if a.compare == "sums":
-            with few_rows(0):
+            with max_adds(0):
                 r["plain"] = count(name, a.context, a.weight_matmul, a.decode_attention)
             print(f"{name} with plain sums: {r['plain']['total']} thunks, "
                   f"{r['plain']['per_layer']} a layer; {r['plain']['ops']}", flush=True)

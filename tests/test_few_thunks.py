@@ -20,7 +20,7 @@ from tests.test_fused_projections import _greedy
 @pytest.mark.parametrize("x_shape,like_shape", [
     ((1, 1, 576), (1, 1, 960)),  # few rows, parts of 32: a norm before a product
     ((1, 2, 3, 64), (1, 2, 3, 64)),  # a decode step's scores [B, K, G, H]
-    ((40, 576), (40, 576)),  # many rows: the plain sum
+    ((40, 576), (40, 576)),  # 40 rows: over MAX_ADDS, the plain sum
     ((2, 48), (2, 48)),  # not a multiple of 32: the plain sum
 ])
 def test_lane_sum_is_the_rows_sum_in_every_element(x_shape, like_shape):
