@@ -1,6 +1,8 @@
 """Pure array functions shared by the cache and the attention variants, in one home.
 
 * :data:`NEG_INF`, the score of a masked key;
+* :func:`lane_sum`, a decode step's sum over a short last axis in as few thunks as XLA:CPU
+  allows (RMSNorm's mean square, the new token's own score);
 * :func:`layout_spec`, the einsum letters of a cache tensor in its layout;
 * online-softmax partial states (m, l, o) over disjoint key sets: :func:`softmax_stats`,
   :func:`merge`, :func:`finish` (Milakov & Gimelshein 2018, "Online normalizer
@@ -23,6 +25,48 @@ from kvjax import backend as backend_lib
 
 NEG_INF = -1e30
 LAYOUTS = ("BKSH", "BKHS")
+
+
+LANE_SUM = 32
+"""Widest sum XLA:CPU keeps as one reduce: its tree-reduction rewrite turns a longer one
+into a reduce-window and a reduce, two thunks that fuse with nothing."""
+
+MAX_ADDS = 1 << 18
+"""The most adds :func:`lane_sum` spends finishing its sums in every element (``like``'s
+size times E / 32): a decode step's or a short chunk's, never a prompt's."""
+
+
+def lane_sum(x: jax.Array, like: jax.Array) -> jax.Array:
+    """sum(x, axis=-1) in float32, broadcast to ``like``'s shape, in few XLA:CPU thunks.
+
+    A decode step's per-row sums (RMSNorm's mean square over D, the new token's score over
+    H) are thunks that each run a few hundred FLOP: XLA:CPU splits a sum over more than
+    :data:`LANE_SUM` elements into a reduce-window and a reduce, and hoists any function
+    of the [..., 1] total (an rsqrt, an exp) above its broadcast into a thunk of its own.
+    For a last axis that is a multiple of :data:`LANE_SUM` longer than it, where the
+    finish costs at most :data:`MAX_ADDS` adds, ``x`` is summed in parts of 32 (one fusion with
+    ``x``'s producer) and the parts' total is formed in every element of ``like`` (adding
+    ``0 * like``, which changes no finite value, makes it depend on the element), so that
+    whatever follows fuses with ``like``'s consumer: RMSNorm two thunks instead of four
+    (docs/decisions/0036-row-sums-in-parts.md). The per-element total costs E / 32 adds
+    an element; above :data:`MAX_ADDS` (a prompt's many rows) it is the plain sum.
+
+    Args:
+      x: [..., E] (any float dtype; summed in float32).
+      like: [..., F] with leading axes ``x``'s leading axes broadcast to (e.g. the
+        normalised activations, or an attention output [B, K, G, V] for scores [B, K, G, H]).
+    Returns:
+      [..., F] float32: each row's sum, the same in every element of the row.
+    """
+    x = x.astype(jnp.float32)
+    e = x.shape[-1]
+    if e <= LANE_SUM or e % LANE_SUM or like.size * (e // LANE_SUM) > MAX_ADDS:
+        return jnp.broadcast_to(jnp.sum(x, axis=-1, keepdims=True), like.shape)
+    parts = jnp.sum(x.reshape(x.shape[:-1] + (e // LANE_SUM, LANE_SUM)), axis=-1)
+    total = parts[..., :1] + 0.0 * like.astype(jnp.float32)
+    for i in range(1, e // LANE_SUM):
+        total = total + parts[..., i:i + 1]
+    return total
 
 
 def dot_operand(x: jax.Array, backend: str) -> jax.Array:

@@ -14,16 +14,23 @@ head's few thunks are spread over the layers), and the count by opcode.
 
 ``--weight_matmul`` / ``--decode_attention`` pin the formulations ('auto': this machine's
 planner picks, read from or written to the planner's cache). ``--time_repeats=N`` also
-times the step with the projections apart and fused
-(:func:`kvjax.models.model.fuse_projections`), one call of each per round (N rounds after
-two warm-up rounds: a shared machine's load falls on both alike), random weights and a
-full cache, and prints each one's median and the ratio.
+times two forms of the step, one call of each per round (N rounds after two warm-up
+rounds: a shared machine's load falls on both alike), random weights and a full cache,
+and prints each one's median and the ratio: with ``--compare=fused`` the projections
+apart and fused (:func:`kvjax.models.model.fuse_projections`); with ``--compare=sums``
+(both fused) the per-row sums as plain reduces and in parts of 32 finished in each
+element (:func:`kvjax.ops.lane_sum`, ``kvjax.ops.MAX_ADDS`` set to 0 while the plain
+form is traced; its thunk count is printed too).
+
+    PYTHONPATH=. python scripts/thunk_count.py --configs=gqa --compare=sums \
+        --weight_matmul=native --decode_attention=native --time_repeats=41
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import importlib
 import json
 import pathlib
@@ -31,10 +38,11 @@ import re
 import statistics
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import kernels
+from kvjax import kernels, ops
 from kvjax.analysis import costs
 from kvjax.config import run_config_from_dict
 from kvjax.inference import decode
@@ -64,31 +72,55 @@ def entry_ops(hlo_text: str) -> collections.Counter:
     return counts
 
 
+COMPARES = {"fused": (("apart", False, None), ("fused", True, None)),
+            "sums": (("plain", True, 0), ("parted", True, None))}
+"""{--compare value: its two forms (label, projections fused, kvjax.ops.MAX_ADDS while
+tracing: None keeps the default)}."""
+
+
+@contextlib.contextmanager
+def max_adds(value: int | None):
+    """``kvjax.ops.MAX_ADDS`` set to ``value`` (None: left as it is) while programs are
+    traced inside; JAX's trace caches are dropped on entry and exit so that a program
+    traced under one value is never reused under the other."""
+    old = ops.MAX_ADDS
+    jax.clear_caches()
+    if value is not None:
+        ops.MAX_ADDS = value
+    try:
+        yield
+    finally:
+        ops.MAX_ADDS = old
+        jax.clear_caches()
+
+
 def count(name: str, context: int, weight_matmul: str, decode_attention: str) -> dict:
     """{'total', 'per_layer', 'layers', 'ops'} of configs/<name>.py's decode step."""
     run = run_config_from_dict(importlib.import_module(f"configs.{name}").get_config())
     cfg = run.model.replace(weight_matmul=weight_matmul, decode_attention=decode_attention)
     compiled = costs.compile_decode_step(cfg, 1, context)
-    ops = entry_ops(compiled.as_text())
-    total = sum(ops.values())
+    ops_ = entry_ops(compiled.as_text())
+    total = sum(ops_.values())
     return {"total": total, "layers": cfg.num_layers,
-            "per_layer": round(total / cfg.num_layers, 2), "ops": dict(ops.most_common())}
+            "per_layer": round(total / cfg.num_layers, 2), "ops": dict(ops_.most_common())}
 
 
-def time_fused(name: str, context: int, weight_matmul: str, decode_attention: str,
-               repeats: int) -> dict:
-    """{'apart_ms', 'fused_ms', 'speedup'}: median step times (ms) of configs/<name>.py's
-    decode step with separate and with fused projections, timed in turns."""
+def time_forms(name: str, context: int, weight_matmul: str, decode_attention: str,
+               repeats: int, compare: str = "fused") -> dict:
+    """{'<a>_ms', '<b>_ms', 'speedup'}: median step times (ms) of configs/<name>.py's
+    decode step in the two forms of ``compare`` (:data:`COMPARES`, e.g. 'apart_ms' and
+    'fused_ms'), timed in turns; 'speedup' is the median of the rounds' a / b."""
     run = run_config_from_dict(importlib.import_module(f"configs.{name}").get_config())
     cfg = costs.planned(run.model.replace(weight_matmul=weight_matmul,
                                           decode_attention=decode_attention), 1, context)
     token = jnp.zeros((1, 1), jnp.int32)
     runs = []
-    for fused in (False, True):
+    for _, fused, adds in COMPARES[compare]:
         params = model.init_params(cfg, 0)
         params = model.fuse_projections(cfg, params) if fused else params
         cache = costs.full_cache(cfg, 1, context)
-        step = decode.decode_step.lower(params, token, cache, cfg=cfg).compile()
+        with max_adds(adds):
+            step = decode.decode_step.lower(params, token, cache, cfg=cfg).compile()
         runs.append([step, params, cache, np.asarray(cache.length), []])
     for rnd in range(repeats + 2):
         for r in runs:
@@ -99,9 +131,11 @@ def time_fused(name: str, context: int, weight_matmul: str, decode_attention: st
             if rnd >= 2:
                 times.append(time.perf_counter() - start)
             r[2] = cache.replace(length=jnp.asarray(length))
-    apart, fused = (1e3 * statistics.median(r[4]) for r in runs)
-    ratios = [a / f for a, f in zip(runs[0][4], runs[1][4])]
-    return {"apart_ms": apart, "fused_ms": fused, "speedup": statistics.median(ratios)}
+    (a, *_), (b, *_) = COMPARES[compare]
+    ratios = [x / y for x, y in zip(runs[0][4], runs[1][4])]
+    return {f"{a}_ms": 1e3 * statistics.median(runs[0][4]),
+            f"{b}_ms": 1e3 * statistics.median(runs[1][4]),
+            "speedup": statistics.median(ratios)}
 
 
 def main() -> None:
@@ -114,6 +148,8 @@ def main() -> None:
                     help="model.decode_attention for the step ('auto': the planner's picks)")
     ap.add_argument("--time_repeats", type=int, default=0,
                     help="also time the step apart and fused, this many rounds (0: not)")
+    ap.add_argument("--compare", default="fused",
+                    help=f"the two forms --time_repeats times: one of {list(COMPARES)}")
     ap.add_argument("--out", default=None, help="JSON file to write (default: none)")
     a = ap.parse_args()
     names = a.configs.split(",")
@@ -123,6 +159,8 @@ def main() -> None:
         ap.error(f"--configs={a.configs}; allowed: names among {known}")
     if a.time_repeats < 0:
         ap.error(f"--time_repeats={a.time_repeats}; allowed: an integer >= 0")
+    if a.compare not in COMPARES:
+        ap.error(f"--compare={a.compare}; allowed: one of {list(COMPARES)}")
     if a.context < 1:
         ap.error(f"--context={a.context}; allowed: an integer >= 1")
     for op in ("weight_matmul", "decode_attention"):
@@ -135,11 +173,17 @@ def main() -> None:
         r = out[name]
         print(f"{name}: {r['total']} thunks, {r['per_layer']} a layer ({r['layers']} "
               f"layers); {r['ops']}", flush=True)
+        if a.compare == "sums":
+            with max_adds(0):
+                r["plain"] = count(name, a.context, a.weight_matmul, a.decode_attention)
+            print(f"{name} with plain sums: {r['plain']['total']} thunks, "
+                  f"{r['plain']['per_layer']} a layer; {r['plain']['ops']}", flush=True)
         if a.time_repeats:
-            r.update(time_fused(name, a.context, a.weight_matmul, a.decode_attention,
-                                a.time_repeats))
-            print(f"{name}: step {r['apart_ms']:.2f} ms apart, {r['fused_ms']:.2f} ms fused "
-                  f"(median of {a.time_repeats}); apart / fused {r['speedup']:.3f} "
+            r.update(time_forms(name, a.context, a.weight_matmul, a.decode_attention,
+                                a.time_repeats, a.compare))
+            (x, *_), (y, *_) = COMPARES[a.compare]
+            print(f"{name}: step {r[x + '_ms']:.2f} ms {x}, {r[y + '_ms']:.2f} ms {y} "
+                  f"(median of {a.time_repeats}); {x} / {y} {r['speedup']:.3f} "
                   "(median of the rounds' ratios)", flush=True)
     if a.out:
         with open(a.out, "w") as f:

@@ -305,7 +305,11 @@ def step_kernel(name, q1, k_cache, v_cache, mask, k_new, v_new, k_layout, v_layo
         backend=backend or backend_lib.current(), block_table=block_table)
     k1 = k_new[:, :, 0] if k_layout == "BKSH" else k_new[..., 0]  # [B, K, H]
     v1 = v_new[:, :, 0] if v_layout == "BKSH" else v_new[..., 0]  # [B, K, Hv]
-    s_new = jnp.einsum("BKGH,BKH->BKG", q1, k1, preferred_element_type=jnp.float32) * scale
+    # each query's score of its own key, formed in every element of the output so that
+    # the merge below is one fusion (kvjax.ops.lane_sum;
+    # docs/decisions/0036-row-sums-in-parts.md)
+    s_new = ops.lane_sum(q1.astype(jnp.float32) * k1[:, :, None].astype(jnp.float32),
+                         o) * scale  # [B, K, G, V]
     out = decode_kernels.merge_new(o, m, l, s_new, v1, new_visible)
     return out[:, None].astype(v_cache.dtype)
 

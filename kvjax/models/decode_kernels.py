@@ -352,20 +352,26 @@ def merge_new(o: jax.Array, m: jax.Array, l: jax.Array, s_new: jax.Array,
 
     Args:
       o, m, l: from :func:`partial_attention` ([B, K, G, V], [B, K, G], [B, K, G]).
-      s_new: [B, K, G] float32, each query's scaled score of its own new key.
+      s_new: [B, K, G] float32, each query's scaled score of its own new key, or that
+        score in every element of the output, [B, K, G, V] (:func:`kvjax.ops.lane_sum`:
+        then every step below is elementwise on [B, K, G, V] and XLA:CPU runs the merge
+        as one fusion).
       v_new: [B, K, V] the new token's value.
       new_visible: [B] bool, whether each row's query sees its new key (None: all do).
     Returns:
       [B, K, G, V] float32: softmax attention over (old slots ++ new token); zeros for a
       row that sees no key.
     """
+    if s_new.ndim == m.ndim:
+        s_new = s_new[..., None]
+    m, l = m[..., None], l[..., None]  # [B, K, G, 1]
     if new_visible is not None:
-        s_new = jnp.where(new_visible[:, None, None], s_new, NEG_INF)
+        s_new = jnp.where(new_visible[:, None, None, None], s_new, NEG_INF)
     mm = jnp.maximum(m, s_new)
     a = jnp.where(l > 0, jnp.exp(m - mm), 0.0)
     e_new = jnp.exp(s_new - mm)
     if new_visible is not None:
-        e_new = jnp.where(new_visible[:, None, None], e_new, 0.0)
+        e_new = jnp.where(new_visible[:, None, None, None], e_new, 0.0)
     denom = a * l + e_new
-    out = a[..., None] * o + e_new[..., None] * v_new[:, :, None, :].astype(jnp.float32)
-    return out / jnp.where(denom > 0, denom, 1.0)[..., None]
+    out = a * o + e_new * v_new[:, :, None, :].astype(jnp.float32)
+    return out / jnp.where(denom > 0, denom, 1.0)

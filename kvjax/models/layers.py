@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import rope
+from kvjax import ops, rope
 from kvjax.models import weight_matmul
 from kvjax.plan import Plan
 
@@ -80,7 +80,9 @@ class RMSNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        # 1 / sqrt(mean(x^2) + eps), summed so that a decode step's norm is two thunks
+        # (kvjax.ops.lane_sum; docs/decisions/0036-row-sums-in-parts.md)
+        y = x32 * jax.lax.rsqrt(ops.lane_sum(x32 * x32, x32) / x.shape[-1] + self.eps)
         return (y * jnp.expand_dims(scale.astype(jnp.float32), range(y.ndim - 1))).astype(self.dtype)
 
 
