@@ -293,7 +293,7 @@ def kernel_operand_bytes(target: str, operand_types: list[str]) -> tuple[float, 
     nothing but is counted: an upper bound). A pool the size of the rows' pages counts
     whole, as before; a read-time page selection (Quest) counts its chosen pages."""
     sizes = tuple(shape_bytes(t) for t in operand_types)
-    if target != "kvjax_paged_decode_attention" or len(operand_types) != 5:
+    if not target.startswith("kvjax_paged_decode_attention") or len(operand_types) != 5:
         return sizes
     entries = math.prod(shape_dims(operand_types[4])[0])
     out = list(sizes)
