@@ -74,6 +74,8 @@ class Site:
       heads_split: the mesh's 'model' axis divides the KV heads.
       cached: the chunk attends over a cache's old slots too (False: a fresh prompt).
       mla: multi-head latent attention.
+      selects_pages: a paged decode site of a config that chooses the pages each KV
+        head reads (Quest, ``ModelConfig.kv_selects_pages``).
       native: the native kernels loaded in the plan (:data:`kvjax.plan.NATIVE_KERNELS`).
       planned: the config has a resolved plan (False: a library call without one).
     """
@@ -101,6 +103,7 @@ class Site:
     heads_split: bool = True
     cached: bool = True
     mla: bool = False
+    selects_pages: bool = False
     native: tuple = ()
     planned: bool = True
 
@@ -230,7 +233,31 @@ _MLA = "kvjax.models.mla"
 _WM = "kvjax.models.weight_matmul"
 _DK = "kvjax.models.decode_kernels"
 
+def _selects(s: Site) -> bool:
+    """A one-position step over a paged cache whose config selects the pages to read."""
+    return s.selects_pages and s.queries == 1
+
+
 REGISTRY = (
+    # lever 5 at read time (Quest): a rule of the config, never timed; first, so that
+    # no other rule (1-byte codes) stands in for the page choice
+    # (docs/decisions/0038-quest-pages-native-rule.md)
+    Formulation("decode_attention", "pages_native", ("cpu",),
+                "a page-selecting config's step over float32 pools (Quest): each KV "
+                "head's chosen pages read in place, one block table per (row, KV head)",
+                "kvjax/native/decode_attention.cc", "custom call",
+                paged_target="kvjax_paged_decode_attention", fn=".run_pages",
+                step=f"{_ATTN}:step_pages_native",
+                applies=lambda s: _native_decode(s) or _first(
+                    (s.quantized, "float32 pools (1-byte codes read as 'pages_xla')")),
+                forced_by=_selects, stands_in=(AUTO, "native"), selectable=False,
+                in_place=True, skips_masked=True),
+    Formulation("decode_attention", "pages_xla", ("cpu", "gpu"),
+                "a page-selecting config's step (Quest), the reference: each KV head's "
+                "chosen pages gathered, then 'xla' over them",
+                "kvjax.models.attention.attend_pages", fn=".run_pages",
+                step=f"{_ATTN}:step_pages_xla", forced_by=_selects, stands_in=("*",),
+                selectable=False, skips_masked=True),
     Formulation("decode_attention", "seq", ("cpu", "gpu"),
                 "a cache split over the mesh's 'seq' axis: each device's partial softmax "
                 "state, combined across devices (flash-decoding)",
@@ -419,6 +446,18 @@ def candidates(op: str, site: Site) -> tuple:
     """The formulations the planner times for ``op`` at ``site``: the measured ones that
     apply there (:attr:`Formulation.measured`), in registration order."""
     return tuple(f.name for f in formulations(op) if f.measured and f.applies(site) is None)
+
+
+def forced(op: str, requested: str, site: Site) -> str | None:
+    """The formulation a rule runs at ``site`` whatever the plan's pick (one forced
+    there for '*' or for ``requested`` itself, that applies), or None: then the pick
+    counts, and :func:`kvjax.planner.resolve` times the candidates; where a rule holds
+    it times nothing (a read-time page selection, a dense window, soft-capped scores)."""
+    for g in formulations(op):
+        if (g.forced_by is not None and g.forced_by(site) and g.applies(site) is None
+                and {"*", requested} & set(g.stands_in)):
+            return g.name
+    return None
 
 
 def select(op: str, requested: str, site: Site, pick: str | None = None,

@@ -632,7 +632,8 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
                 # the class's measured pick, then the registry's rule over it (a kernel
                 # not loaded, the dense-window rule, 1-byte codes, sinks): what runs
                 site = decode_kernels.site(cfg, b, t, s, True, page_size, plan)
-                decode[site.key] = cfg.formulation(site, plan, _decode_pick(
+                rule = kernels.forced(site.op, cfg.decode_attention, site)
+                decode[site.key] = cfg.formulation(site, plan, rule or _decode_pick(
                     cfg, b, s, mesh, page_size, t))
     # the prompt's attention, into an empty cache and as a chunk over a cache
     prompt = {site.key: cfg.formulation(site, plan) for site in (

@@ -1,5 +1,6 @@
 """Lever 5 at read time: Quest's query-aware page selection on the paged cache
-(kvjax/compression/quest.py, kvjax/cache/paged.py's key bounds, attention.attend_pages):
+(kvjax/compression/quest.py, kvjax/cache/paged.py's key bounds, the registered
+decode-attention rules 'pages_native' and 'pages_xla' of kvjax/kernels.py):
 a budget covering every page equals the full paged read; the page choice equals a numpy
 reference of the bounds and the top-k per KV head (GQA); the bounds equal the min / max
 of the written keys after prefill, decode steps and page reuse; a row's tokens do not
@@ -11,14 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import compression
-from kvjax.analysis import costs, theory
+from kvjax import compression, kernels, native, planner, presets
+from kvjax.analysis import costs, hlo_cost, theory
 from kvjax.cache import kv as cache_lib
 from kvjax.cache import paged
 from kvjax.config import ConfigError, RunConfig, SpeculativeConfig
 from kvjax.inference import engine, runner
-from kvjax.models import attention
+from kvjax.models import attention, decode_kernels
 from kvjax.models import model as model_lib
+from kvjax.plan import Plan
 from tests.conftest import tiny_config
 from tests.test_paged import _feed
 
@@ -263,3 +265,83 @@ def test_the_paged_step_is_costed_beside_its_theory():
         assert r["xla_bytes"] >= r["theory"]["weights"]
         assert r["attribution"]["bytes"]["weights"] == pytest.approx(r["theory"]["weights"],
                                                                        rel=0.01)
+
+
+NATIVE_PLAN = Plan(native=("decode_attention",))
+
+
+def test_the_page_read_is_a_rule_of_the_registry(monkeypatch):
+    """A paged one-position site of a page-selecting config runs 'pages_native' where the
+    native kernel is loaded and the pools are float32, else the reference 'pages_xla',
+    whatever was asked; a small chunk (T > 1) and a plain paged config are not forced;
+    the planner stores the rule without timing anything."""
+    site = lambda c, t=1: decode_kernels.site(c, 2, t, M * P, True, P)  # noqa: E731
+    for cfg, want in ((quest(8, decode_attention="auto", plan=NATIVE_PLAN), "pages_native"),
+                      (quest(8, decode_attention="native", plan=NATIVE_PLAN), "pages_native"),
+                      (quest(8, decode_attention="xla", plan=NATIVE_PLAN), "pages_xla"),
+                      (quest(8, decode_attention="auto"), "pages_xla"),  # no kernel loaded
+                      (quest(8, decode_attention="auto", kv_dtype="int8", plan=NATIVE_PLAN),
+                       "pages_xla")):
+        assert cfg.formulation(site(cfg)) == want, cfg
+        assert kernels.forced("decode_attention", cfg.decode_attention, site(cfg)) == want
+    cfg = quest(8, decode_attention="xla")
+    assert cfg.formulation(site(cfg, 4)) == "xla"  # a chunk reads every page
+    plain = tiny_config(decode_attention="xla")
+    assert plain.formulation(site(plain)) == "xla"
+    assert kernels.forced("decode_attention", "xla", site(plain)) is None
+
+    def timed(*a, **k):
+        raise AssertionError("a rule's class was timed")
+
+    monkeypatch.setattr(planner, "_decode_pick", timed)
+    got = planner.resolve(quest(8, decode_attention="auto"), max_seq_len=M * P,
+                          batch_sizes=(2,), page_size=P)
+    assert dict(got.plan.decode_attention) == {site(got).key: got.formulation(site(got))}
+    assert got.formulation(site(got)) == ("pages_native" if native.load() else "pages_xla")
+
+
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+@pytest.mark.parametrize("overrides", [{}, {"scan_layers": False, "num_kv_heads": 4}])
+def test_pages_native_equals_the_gathered_reference(overrides):
+    """Through the model (ragged prefill, decode steps, GQA and MHA): the native kernel
+    over per-(row, KV head) tables gives the reference 'pages_xla' tokens, and a budget
+    of every page the full paged read's."""
+    params = model_lib.init_params(quest(2 * P, **overrides), 0)
+    toks = prompts(2, 26, seed=2)
+    ref = quest(2 * P, decode_attention="xla", **overrides)
+    want_t, want_l, _ = greedy(ref, params, fresh_cache(ref), toks, [26, 17], 8)
+    cfg = quest(2 * P, decode_attention="native", plan=NATIVE_PLAN, **overrides)
+    assert cfg.formulation(decode_kernels.site(cfg, 2, 1, M * P, True, P)) == "pages_native"
+    got_t, got_l, _ = greedy(cfg, params, fresh_cache(cfg), toks, [26, 17], 8)
+    np.testing.assert_array_equal(got_t, want_t)
+    np.testing.assert_allclose(got_l, want_l, rtol=0, atol=1e-5)
+    base = tiny_config(tie_embeddings=False, **overrides)
+    full_t, _, _ = greedy(base, params, fresh_cache(base), toks, [26, 17], 8)
+    every = quest(M * P, decode_attention="native", plan=NATIVE_PLAN, **overrides)
+    np.testing.assert_array_equal(
+        greedy(every, params, fresh_cache(every), toks, [26, 17], 8)[0], full_t)
+
+
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+def test_compiled_bytes_match_theory_at_the_budget():
+    """SmolLM2's shapes shrunk to 2 layers, t = 1,024, a budget of 128, pages of 16: the
+    native kernel's pool reads (the cost hook's kernel_operand_bytes: its tables' pages)
+    are theory's kv_read exactly, the compiled step (XLA + kernels) is within [0.9, 1.3]
+    of theory with the scoring attributed on its own, and the scoring reads at least
+    theory's bounds."""
+    cfg = presets.smollm2_135m("float32", scan_layers=None).replace(
+        num_layers=2, vocab_size=4096, kv_compression="quest", kv_budget=128,
+        decode_attention="native", weight_matmul="xla", plan=NATIVE_PLAN)
+    r = costs.analyze_paged_decode_step(cfg, 1024, 16)
+    th = r["theory"]
+    compiled = costs.compile_paged_decode_step(cfg, 1024, 16)
+    calls = [op for op in hlo_cost.op_costs(compiled)  # the kernel's (not top-k's)
+             if op.opcode == "custom-call" and op.op_name.endswith("/ffi_call")]
+    assert len(calls) == cfg.num_layers
+    assert sum(op.count * (op.operand_bytes[1] + op.operand_bytes[2]) for op in calls) \
+        == th["kv_read"]
+    assert 0.9 <= r["counted_over_theory"] <= 1.3, r["counted_over_theory"]
+    assert th["bounds_read"] <= r["scoring_bytes"] <= 4 * th["bounds_read"]
+    # the reference gathers: XLA charges each gather of chosen pages the whole pool
+    ref = costs.analyze_paged_decode_step(cfg.replace(decode_attention="xla"), 1024, 16)
+    assert ref["xla_bytes"] > r["counted_bytes"]

@@ -39,6 +39,7 @@ from kvjax.analysis import hlo_cost, roofline, theory
 from kvjax.inference import decode, memory
 from kvjax.config import ModelConfig, SamplingConfig
 from kvjax.models import flash, model
+from kvjax.models.attention import SCORING_SCOPE
 from kvjax.native import prefill as native_prefill
 
 
@@ -221,8 +222,10 @@ def compile_paged_decode_step(cfg: ModelConfig, context: int, page_size: int,
     """Compiles one decode step of ``batch`` rows over a paged cache
     (:mod:`kvjax.cache.paged`) whose rows hold ``context`` tokens on ceil(context / P)
     pages each (a pool of exactly those pages), the cache donated, from shapes only."""
-    cfg = planned(cfg, batch, context)
     pages = paged.pages_for(context, page_size)
+    if cfg.plan is None:  # the plan of the paged class (a rule's formulation untimed)
+        cfg = planner.resolve(cfg, max_seq_len=pages * page_size, batch_sizes=(batch,),
+                              page_size=page_size)
     cache = jax.eval_shape(lambda: paged.init_paged_cache(cfg, batch, batch * pages,
                                                           page_size, pages))
 
@@ -246,13 +249,22 @@ def analyze_paged_decode_step(cfg: ModelConfig, context: int, page_size: int,
     Returns:
       {'context', 'page_size', 'batch', 'kv_compression', 'kv_budget', 'xla_bytes',
       'xla_flops', 'theory': {...bytes}, 'theory_bytes', 'xla_over_theory',
-      'kv_bytes', 'weight_bytes'}: 'kv_bytes' and 'weight_bytes' split the compiled bytes
+      'kernel_bytes', 'counted_bytes', 'counted_over_theory', 'scoring_bytes',
+      'attribution'}: 'kernel_bytes' are the custom calls' (a native kernel reading
+      pages in place: the pages of its block tables,
+      :func:`kvjax.analysis.hlo_cost.kernel_operand_bytes`), 'counted_bytes' XLA's plus
+      them (the report's '+kernels'); 'scoring_bytes' the compiled bytes of a page
+      selection's scoring (the ops under
+      :data:`kvjax.models.attention.SCORING_SCOPE`: the bounds read, the page scores,
+      the top-k; 0 without one); 'attribution' splits the compiled bytes
       (:func:`kvjax.analysis.hlo_cost.attribute`).
     """
     compiled = compile_paged_decode_step(cfg, context, page_size, batch,
                                          analysis_compiler_options())
     xla = hlo_cost.loop_aware_cost(compiled)
-    att = hlo_cost.attribute(hlo_cost.op_costs(compiled)).as_dict()
+    ops = hlo_cost.op_costs(compiled)
+    att = hlo_cost.attribute(ops).as_dict()
+    scoring = sum(op.count * op.bytes for op in ops if SCORING_SCOPE in op.op_name)
     if cfg.kv_selects_pages:
         th = theory.page_selection_step_bytes(cfg, context, page_size, batch)
     else:
@@ -261,7 +273,10 @@ def analyze_paged_decode_step(cfg: ModelConfig, context: int, page_size: int,
             "kv_compression": cfg.kv_compression, "kv_budget": cfg.kv_budget,
             "xla_bytes": float(xla.bytes), "xla_flops": float(xla.flops), "theory": th,
             "theory_bytes": float(th["total"]), "xla_over_theory": xla.bytes / th["total"],
-            "attribution": att}
+            "kernel_bytes": float(xla.uncosted_bytes),
+            "counted_bytes": float(xla.bytes + xla.uncosted_bytes),
+            "counted_over_theory": (xla.bytes + xla.uncosted_bytes) / th["total"],
+            "scoring_bytes": float(scoring), "attribution": att}
 
 
 def analyze_decode_step(cfg: ModelConfig, context: int, batch: int = 1, compiled=None,

@@ -269,8 +269,7 @@ def kernel_flops(target: str, operand_types: list[str], result_type: str) -> flo
       o [B, K, G, V]: 2·B·K·G·S·(H + V) (the two products; the softmax's exp and sums
       are not counted, as XLA's dot FLOPs do not count them).
     * ``kvjax_paged_decode_attention``: the same over a row's M·P logical slots
-      (``visible`` [B, M·P]). Its operand bytes (the cost hook's lower bound) count the
-      whole page pools, the pages of every row and the free ones.
+      (``visible`` [B, M·P]); its bytes are :func:`kernel_operand_bytes`'.
     """
     try:
         if target == "kvjax_rows_matmul":
@@ -283,6 +282,25 @@ def kernel_flops(target: str, operand_types: list[str], result_type: str) -> flo
     except (IndexError, ValueError):
         return None
     return None
+
+
+def kernel_operand_bytes(target: str, operand_types: list[str]) -> tuple[float, ...]:
+    """Bytes a custom call reads of each operand: the operand's size, except for
+    ``kvjax_paged_decode_attention``, whose page pools (operands 1 and 2, [N, K', P, X]
+    with K' = K, or 1 for per-(row, KV head) tables over pools viewed [N·K, 1, P, X])
+    are read only at the pages of its block table (operand 4, [R, M]): R·M pages of
+    K'·P·X elements each, however many pages the pool holds (an entry of -1 reads
+    nothing but is counted: an upper bound). A pool the size of the rows' pages counts
+    whole, as before; a read-time page selection (Quest) counts its chosen pages."""
+    sizes = tuple(shape_bytes(t) for t in operand_types)
+    if not target.startswith("kvjax_paged_decode_attention") or len(operand_types) != 5:
+        return sizes
+    entries = math.prod(shape_dims(operand_types[4])[0])
+    out = list(sizes)
+    for i in (1, 2):
+        pages = shape_dims(operand_types[i])[0][0]
+        out[i] = entries * sizes[i] / pages if pages else 0.0
+    return tuple(out)
 
 
 def _raw_cost(name: str, comps: dict[str, list[str]]) -> tuple[float, float, float, float]:
@@ -300,8 +318,9 @@ def _raw_cost(name: str, comps: dict[str, list[str]]) -> tuple[float, float, flo
             flops += 1.0  # HloCostAnalysis::HandleCustomCall sets flops = -1
             nbytes += 1.0  # ... and bytes accessed = -1
             ops = [types[o] for o in cc.operands if o in types]
-            uncosted += shape_bytes(cc.type) + sum(shape_bytes(t) for t in ops)
             target = _CUSTOM_CALL.search(cc.line)
+            uncosted += shape_bytes(cc.type) + sum(kernel_operand_bytes(
+                target.group(1) if target else "", ops))
             kf = kernel_flops(target.group(1), ops, cc.type) if target else None
             uncosted_flops += kf or 0.0
     return flops, nbytes, uncosted, uncosted_flops
@@ -718,8 +737,11 @@ def _cost_one(comp: str, ins: Instruction, types: dict[str, str], ops_cls: list,
         except Exception as e:  # noqa: BLE001 (XLA's parser raises assorted errors)
             reason = f"not costable alone: {type(e).__name__}"
     if reason:
-        # XLA cannot see inside: report the operand and output sizes, uncosted.
-        ob = tuple(shape_bytes(types[o]) for o in ins.operands)
+        # XLA cannot see inside: report the operand and output sizes (a kernel's own
+        # reads where known, kernel_operand_bytes), uncosted.
+        target = _CUSTOM_CALL.search(ins.line)
+        ob = kernel_operand_bytes(target.group(1) if target else "",
+                                  [types[o] for o in ins.operands])
         return OpCost(comp, ins.name, ins.opcode, ins.op_name, count, 0.0, 0.0, ob,
                       shape_bytes(ins.type), op_cls, out_c, costed=False, reason=reason)
     ob = tuple(float(cost.get(f"bytes accessed{distinct.index(o)}{{}}", 0.0))

@@ -88,6 +88,13 @@ class KVCache:
     schedule: dict | None = None
 
     @property
+    def bounds(self) -> dict:
+        """{}: dense rows keep no page key bounds
+        (:attr:`kvjax.cache.paged.PagedKVCache.bounds`), so the model reads one
+        attribute of either cache."""
+        return {}
+
+    @property
     def num_slots(self) -> int:
         """S, slots per row and layer."""
         return self.positions.shape[-1]

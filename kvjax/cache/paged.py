@@ -53,7 +53,7 @@ from kvjax.config import ModelConfig
 __all__ = ["PagedKVCache", "PagedLayer", "PoolExhausted", "init_paged_cache", "pages_for",
            "write", "advance", "overflows", "copy_pages", "gather_view", "page_bytes",
            "ring_bytes", "row_cache", "put_row", "PageAllocator", "page_hashes", "BOUNDS",
-           "check_selection", "bound_bytes", "write_bounds"]
+           "check_selection", "bound_bytes", "write_bounds", "gather_heads"]
 
 
 class PoolExhausted(RuntimeError):
@@ -110,6 +110,13 @@ class PagedKVCache:
     rings: tuple = flax.struct.field(pytree_node=False, default=())
     pool_pages: int = flax.struct.field(pytree_node=False, default=0)
     bounds: dict = flax.struct.field(default_factory=dict)
+
+    @property
+    def schedule(self) -> None:
+        """None: paged rows hold no decode-time compression state
+        (:attr:`kvjax.cache.kv.KVCache.schedule`), so the decode loop reads one attribute
+        of either cache."""
+        return None
 
     def is_ring(self, i: int) -> bool:
         """Whether layer ``i`` (a static int) keeps its rows' rings, not pages."""
@@ -209,6 +216,35 @@ def gather_view(pool: jax.Array, block_table: jax.Array, axis: int,
     shape = g.shape[:1 + a] + (g.shape[1 + a] * g.shape[2 + a],) + g.shape[3 + a:]
     view = g.reshape(shape)
     return view if seen is None else ops.zero_unseen(view, seen, axis)
+
+
+def gather_heads(pool: jax.Array, tables: jax.Array, axis: int,
+                 seen: jax.Array | None = None) -> jax.Array:
+    """Each (row, KV head)'s own pages of one layer's pool, as a dense view (the XLA
+    formulation of a per-head page read: Quest's chosen pages, ``pages_xla``).
+
+    Args:
+      pool: [N, K, P, X] (``axis`` -2) or [N, K, X, P] (``axis`` -1).
+      tables: [B, K, C] int32 pages of each row and KV head (-1: none; reads page 0,
+        zeroed or masked by ``seen``).
+      axis: the slot axis of ``pool``.
+      seen: [B, K, C·P] bool or None: a float view is zero where not seen, so a slot no
+        query sees contributes nothing whatever its page holds (issue 32).
+    Returns:
+      [B, K, C·P, X] (or [B, K, X, C·P]): table entry c of (b, k) at slots c·P .. c·P+P-1.
+    """
+    b, k, c = tables.shape
+    heads = jnp.arange(k, dtype=jnp.int32)[None, :, None]
+    x = pool[jnp.maximum(tables, 0), heads]  # [B, K, C, P, X] or [B, K, C, X, P]
+    if axis == -1:
+        x = jnp.swapaxes(x, 2, 3)  # [B, K, X, C, P]
+        view = x.reshape(b, k, x.shape[2], -1)
+    else:
+        view = x.reshape(b, k, -1, x.shape[-1])
+    if seen is None or jnp.issubdtype(view.dtype, jnp.integer):  # codes: always finite
+        return view
+    return jnp.where(jnp.expand_dims(seen, -1 if axis == -2 else -2), view,
+                     jnp.zeros((), view.dtype))
 
 
 def init_paged_cache(cfg: ModelConfig, batch_size: int, num_pages: int, page_size: int,
@@ -404,6 +440,14 @@ def write_bounds(cache: PagedKVCache, bounds: dict, k_new: jax.Array,
         x = bounds[name]
         lead = () if layer is None else (layer,)
         vals = new.astype(x.dtype)
+        # a decode step: one read-modify-write per row (a set then a min scatter made
+        # XLA copy the pool twice: docs/decisions/0038-quest-pages-native-rule.md)
+        if positions.shape[1] == 1:
+            old = x[lead + (jnp.minimum(page, cache.num_pages - 1),)]  # [B, 1, K, H]
+            old = jnp.where((offset == 0)[..., None, None], fill, old)
+            upd = jnp.minimum(old, vals) if name == "k_min" else jnp.maximum(old, vals)
+            out[name] = x.at[lead + (page,)].set(upd, mode="drop")
+            continue
         x = x.at[lead + (fresh,)].set(jnp.full(vals.shape, fill, x.dtype), mode="drop")
         at = x.at[lead + (page,)]
         out[name] = at.min(vals, mode="drop") if name == "k_min" else at.max(vals, mode="drop")

@@ -364,7 +364,7 @@ def _step(params, cfg: ModelConfig, last: jax.Array, cache: KVCache, num_valid):
     ``lax.cond`` that runs the scoring only when some row is due
     (:func:`kvjax.cache.compress.recompress`)."""
     positions = _positions(cache, 1)
-    if not isinstance(cache, KVCache) or cache.schedule is None:  # paged rows: none
+    if cache.schedule is None:  # no decode-time compression (paged rows: never)
         return model_lib.forward(params, cfg, last[:, None], positions, cache,
                                  num_valid=num_valid)
     logits, cache, queries = model_lib.forward(params, cfg, last[:, None], positions,

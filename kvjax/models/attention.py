@@ -339,6 +339,11 @@ def _in_place(cfg: ModelConfig, cached, f: kernels.Formulation,
     return {}, None
 
 
+SCORING_SCOPE = "kv_page_scoring"
+"""The name scope of a read-time page selection's scoring (the bounds read, the page
+scores, the top-k): the cost report's scoring row (``scripts/quest_costs.py``)."""
+
+
 def select_pages(cfg: ModelConfig, q1: jax.Array, cached: paged_lib.PagedLayer,
                  positions: jax.Array) -> jax.Array:
     """The logical pages each KV head of a decode step reads under a read-time page
@@ -374,56 +379,89 @@ def select_pages(cfg: ModelConfig, q1: jax.Array, cached: paged_lib.PagedLayer,
     return jnp.sort(idx, axis=-1).astype(jnp.int32)
 
 
+def page_tables(cached: paged_lib.PagedLayer, idx: jax.Array,
+                positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The pages each (row, KV head) reads, from the logical ones :func:`select_pages`
+    picks.
+
+    Args:
+      cached: one paged layer; positions: [B, M·P] int32 positions of its rows' logical
+        slots (-1: empty).
+      idx: [B, K, C] int32 logical pages (:func:`select_pages`).
+    Returns:
+      (tables [B, K, C] int32 pool pages, -1 where the row holds none; seen [B, K, C·P]
+      bool, the chosen slots that hold a token).
+    """
+    b, kh, c = idx.shape
+    p, m = cached.page_size, cached.block_table.shape[1]
+    tables = jnp.take_along_axis(
+        jnp.broadcast_to(cached.block_table[:, None, :], (b, kh, m)), idx, axis=2)
+    pos = jnp.take_along_axis(jnp.broadcast_to(positions.reshape(b, 1, m, p), (b, kh, m, p)),
+                              idx[..., None], axis=2).reshape(b, kh, c * p)
+    return tables.astype(jnp.int32), pos >= 0
+
+
 def attend_pages(cfg: ModelConfig, q: jax.Array, cached: paged_lib.PagedLayer,
-                 positions: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                 tables: jax.Array, seen: jax.Array, k_new: jax.Array, v_new: jax.Array,
                  new_visible: jax.Array) -> jax.Array:
-    """A decode step that reads only the pages :func:`select_pages` picks, per KV head
-    (Quest's read; the XLA formulation: the chosen pages of each (row, KV head) are
-    gathered from the pools, then :func:`attend_step` 'xla' runs over them with the rows
-    and KV heads folded into one batch axis, so each head keeps its own slots and mask).
+    """A decode step over each KV head's own pages (Quest's read), by the XLA
+    formulation 'pages_xla' (the reference): the pages of each (row, KV head) are
+    gathered from the pools (:func:`kvjax.cache.paged.gather_heads`), then
+    :func:`attend_step` 'xla' runs over them with the rows and KV heads folded into one
+    batch axis, so each head keeps its own slots and mask.
 
     Args:
       q: [B, 1, K, G, H] the step's queries.
-      cached: one paged layer with key bounds; positions: [B, M·P] its slots' positions.
+      cached: one paged layer (its pools; quantized codes are dequantized after the
+        gather).
+      tables, seen: [B, K, C] pool pages and [B, K, C·P] their visible slots
+        (:func:`page_tables`).
       k_new, v_new: the step's own entries as the cache will hold them, dequantized
         ([B, K, 1, H] 'BKSH', or [B, K, H, 1] 'BKHS').
       new_visible: [B] bool, whether each row's query sees its own key.
     Returns:
-      [B, 1, K, G, Hv] in v_new's dtype, the attention over C·P slots per KV head
-      (C = kv_budget // P) and the new token; with C = M every page is read and it is
-      the full paged step's attention.
+      [B, 1, K, G, Hv] in v_new's dtype, the attention over C·P slots per KV head and
+      the new token; with C = M every page is read and it is the full paged step's
+      attention.
     """
     b, _, kh, g, h = q.shape
-    p = cached.page_size
-    idx = select_pages(cfg, q[:, 0], cached, positions)  # [B, K, C]
-    c = idx.shape[-1]
-    table = jnp.broadcast_to(cached.block_table[:, None, :], (b, kh, cached.block_table.shape[1]))
-    phys = jnp.maximum(jnp.take_along_axis(table, idx, axis=2), 0)  # [B, K, C]
-    heads = jnp.arange(kh, dtype=jnp.int32)[None, :, None]
-    picked = {}
-    for name, pool in cached.pools.items():  # [N, K, P, X] or [N, K, X, P]
-        x = pool[phys, heads]  # [B, K, C, P, X] or [B, K, C, X, P]
-        if cache_lib.slot_axis(cfg, name) == -1:
-            x = jnp.swapaxes(x, 2, 3)  # [B, K, X, C, P]
-            picked[name] = x.reshape(b, kh, x.shape[2], c * p)
-        else:
-            picked[name] = x.reshape(b, kh, c * p, x.shape[-1])
-    pos = jnp.take_along_axis(jnp.broadcast_to(positions.reshape(b, 1, -1, p),
-                                               (b, kh, positions.shape[1] // p, p)),
-                              idx[..., None], axis=2).reshape(b, kh, c * p)
-    seen = pos >= 0  # [B, K, C·P]
+    cp = seen.shape[-1]
+    picked = {n: paged_lib.gather_heads(pool, tables, cache_lib.slot_axis(cfg, n))
+              for n, pool in cached.pools.items()}
     k_layout, v_layout = cfg.cache_layout("k"), cfg.cache_layout("v")
-    k_sel = cache_lib.read(cfg, picked, "k")
-    v_sel = ops.zero_unseen(cache_lib.read(cfg, picked, "v").reshape(
-        (b * kh, 1) + picked["v"].shape[2:]), seen.reshape(b * kh, c * p),
-        cache_lib.slot_axis(cfg, "v"))  # a reused page's stale value contributes nothing
     fold = lambda x: x.reshape((b * kh, 1) + x.shape[2:])
+    k_sel = cache_lib.read(cfg, picked, "k")
+    v_sel = ops.zero_unseen(fold(cache_lib.read(cfg, picked, "v")), seen.reshape(b * kh, cp),
+                            cache_lib.slot_axis(cfg, "v"))  # a reused page's stale value
     out = attend_step(jnp.swapaxes(q, 1, 2).reshape(b * kh, 1, 1, g, h),
-                      fold(k_sel), v_sel, seen.reshape(b * kh, 1, c * p),
+                      fold(k_sel), v_sel, seen.reshape(b * kh, 1, cp),
                       fold(k_new), fold(v_new), k_layout, v_layout,
                       new_visible=jnp.repeat(new_visible, kh), impl="xla",
                       backend=cfg.backend)  # [B·K, 1, 1, G, Hv]
     return jnp.swapaxes(out.reshape(b, kh, 1, g, -1), 1, 2)
+
+
+def step_pages_xla(name, cfg, q, cached, tables, seen, k_new, v_new, new_visible):
+    """'pages_xla': :func:`attend_pages`."""
+    return attend_pages(cfg, q, cached, tables, seen, k_new, v_new, new_visible)
+
+
+def step_pages_native(name, cfg, q, cached, tables, seen, k_new, v_new, new_visible):
+    """'pages_native': the native paged kernel over each (row, KV head)'s own pages, read
+    where they lie (:func:`kvjax.models.decode_kernels.partial_attention` with per-head
+    tables), and the new token merged; the values of :func:`attend_pages` up to float32
+    summation order. Float32 pools only (the kernel refuses others)."""
+    k_layout, v_layout = cfg.cache_layout("k"), cfg.cache_layout("v")
+    q1 = q[:, 0]
+    o, m, l = decode_kernels.partial_attention(
+        "native", q1, cached.pools["k"], cached.pools["v"], seen, k_layout, v_layout,
+        backend=cfg.backend, block_table=tables)
+    k1 = k_new[:, :, 0] if k_layout == "BKSH" else k_new[..., 0]  # [B, K, H]
+    v1 = v_new[:, :, 0] if v_layout == "BKSH" else v_new[..., 0]  # [B, K, Hv]
+    s_new = jnp.einsum("BKGH,BKH->BKG", q1, k1,
+                       preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    out = decode_kernels.merge_new(o, m, l, s_new, v1, new_visible)
+    return out[:, None].astype(v_new.dtype)
 
 
 def _native_chunk(plan, q, k, v, positions, k_old=None, v_old=None, old_positions=None,
@@ -638,6 +676,22 @@ class Call(NamedTuple):
             block_table=table))
 
 
+    def run_pages(self, name: str) -> jax.Array:
+        """Read-time page selection (lever 5, Quest; 'pages_native', 'pages_xla'): a
+        decode step over a paged layer with key bounds reads only the pages
+        :func:`select_pages` picks for each KV head (the scoring under the name scope
+        :data:`SCORING_SCOPE`, so the cost report attributes it), by the formulation's
+        step (:func:`step_pages_native`, :func:`step_pages_xla`). Returns
+        [B, 1, K, G, Hv]."""
+        c, cached, positions = self.cfg, self.cached, self.cached_positions
+        k_cur, v_cur = self.current()
+        with jax.named_scope(SCORING_SCOPE):
+            idx = select_pages(c, self.q[:, 0], cached, positions)  # [B, K, C]
+            tables, seen = page_tables(cached, idx, positions)
+        return kernels.run("decode_attention", name, c, self.q, cached, tables, seen, k_cur,
+                           v_cur, self.positions[:, 0] >= 0, entry="step")
+
+
     def run_scaled(self, name: str) -> jax.Array:
         """'xla_scaled': a decode step over 1-byte codes with per-slot scales, the scales
         applied outside the dots (:func:`attend_step` with k_scale/v_scale) so that XLA:CPU
@@ -797,14 +851,8 @@ class Attention(nn.Module):
         new = cache_lib.encode(c, {"k": cache_lib.to_layout(kk, c, "k"),
                                    "v": cache_lib.to_layout(vv, c, "v")})
         call = Call(c, q, q_sink, new, positions, cached, cached_positions)
-        if t == 1 and isinstance(cached, paged_lib.PagedLayer) and cached.bounds:
-            # lever 5 at read time (Quest): only the selected pages of each KV head
-            k_cur, v_cur = call.current()
-            out = attend_pages(c, q, cached, cached_positions, k_cur, v_cur,
-                               positions[:, 0] >= 0)
-        else:
-            where = site(c, cached, t)
-            out = kernels.run(where.op, c.formulation(where), call)  # Call's method
+        where = site(c, cached, t)
+        out = kernels.run(where.op, c.formulation(where), call)  # Call's method
         out = Einsum((n, h, c.d_model), "BTF,FD->BTD", dt, merge_in=2, name="o_proj",
                      impl=c.weight_matmul, plan=c.plan)(
             out.astype(dt).reshape(b, t, n, h))

@@ -111,7 +111,9 @@ def site(cfg, b: int, t: int, s: int, cached: bool = True, page_size: int = 0,
         softcap=cfg.attn_logit_softcap is not None, seq_shards=plan.seq_shards,
         devices=plan.num_devices,
         heads_split=cfg.num_kv_heads % plan.axis_size(plan_lib.MODEL) == 0,
-        cached=bool(cached), mla=cfg.is_mla, native=plan.native, planned=planned)
+        cached=bool(cached), mla=cfg.is_mla,
+        selects_pages=decode and page_size > 0 and cfg.kv_selects_pages,
+        native=plan.native, planned=planned)
 
 
 def scaled_codes(cfg) -> bool:
@@ -158,7 +160,11 @@ def partial_attention(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.
         the pages where they lie ('native': the paged target of ``decode_attention.cc``;
         'pallas': :func:`_pallas_paged`, pools 'BKSH', visible slots a prefix); the
         others gather the rows' dense views first
-        (:func:`kvjax.cache.paged.gather_view`, zeroed where invisible).
+        (:func:`kvjax.cache.paged.gather_view`, zeroed where invisible). Or [B, K, M]:
+        each (row, KV head) its own pages (a read-time page selection, Quest), with
+        ``visible`` [B, K, M·P]; 'xla' and 'xla_cache_left' gather them
+        (:func:`kvjax.cache.paged.gather_heads`), 'native' reads them in place
+        (:func:`_native`), 'pallas' refuses them.
     Returns:
       (o [B, K, G, V] float32, m [B, K, G] float32, l [B, K, G] float32), see the module
       docstring; m = -1e30 (native, XLA) or about -3.4e38 (Pallas) and l = 0 where no slot
@@ -174,12 +180,20 @@ def partial_attention(impl: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.
 
 
 def _views(k_cache, v_cache, visible, k_layout, v_layout, block_table):
-    """The rows' dense views of a paged cache (:func:`kvjax.cache.paged.gather_view`,
-    zeroed where invisible); the caches as they are without a block table."""
+    """The rows' dense views of a paged cache (:func:`kvjax.cache.paged.gather_view`, or
+    :func:`kvjax.cache.paged.gather_heads` for per-head tables [B, K, M]; zeroed where
+    invisible); the caches as they are without a block table."""
     if block_table is None:
         return k_cache, v_cache
-    return tuple(paged.gather_view(x, block_table, -1 if lay == "BKHS" else -2, visible)
+    gather = paged.gather_heads if block_table.ndim == 3 else paged.gather_view
+    return tuple(gather(x, block_table, -1 if lay == "BKHS" else -2, visible)
                  for x, lay in ((k_cache, k_layout), (v_cache, v_layout)))
+
+
+def _per_head(visible: jax.Array) -> jax.Array:
+    """``visible`` as [B, K or 1, S]: per (row, KV head) visibility, or a row's for all
+    its heads."""
+    return visible if visible.ndim == 3 else visible[:, None]
 
 
 def partial_xla(name, q, k_cache, v_cache, visible, k_layout, v_layout, scale, backend,
@@ -189,7 +203,7 @@ def partial_xla(name, q, k_cache, v_cache, visible, k_layout, v_layout, scale, b
     qd, kd, vd = (dot_operand(x, backend) for x in (q, k_cache, v_cache))
     s = jnp.einsum(f"BKGH,{_spec(k_layout)}->BKGS", qd, kd,
                    preferred_element_type=jnp.float32) * scale
-    vis = visible[:, None, None, :]
+    vis = _per_head(visible)[:, :, None, :]
     s = jnp.where(vis, s, NEG_INF)
     m = jnp.max(s, axis=-1)
     e = jnp.where(vis, jnp.exp(s - m[..., None]), 0.0)
@@ -206,7 +220,7 @@ def partial_cache_left(name, q, k_cache, v_cache, visible, k_layout, v_layout, s
     qd, kd, vd = (dot_operand(x, backend) for x in (q, k_cache, v_cache))
     s = jnp.einsum(f"{_spec(k_layout)},BKGH->BKSG", kd, qd,
                    preferred_element_type=jnp.float32) * scale
-    vis = visible[:, None, :, None]
+    vis = _per_head(visible)[:, :, :, None]
     s = jnp.where(vis, s, NEG_INF)
     m = jnp.max(s, axis=2)  # [B, K, G]
     e = jnp.where(vis, jnp.exp(s - m[:, :, None, :]), 0.0)  # [B, K, S, G]
@@ -224,6 +238,9 @@ def partial_native(name, q, k_cache, v_cache, visible, k_layout, v_layout, scale
 def partial_pallas(name, q, k_cache, v_cache, visible, k_layout, v_layout, scale, backend,
                    interpret, block_table):
     """'pallas': JAX's Pallas decode kernel, or its paged kernel's body over the pools."""
+    if block_table is not None and block_table.ndim == 3:
+        raise ValueError("decode_attention='pallas': a block table per (row, KV head) "
+                         f"{block_table.shape}; allowed: [B, M] (one per row)")
     if block_table is not None:
         return _pallas_paged(q, k_cache, v_cache, visible, k_layout, v_layout, scale,
                              interpret, block_table)
@@ -231,6 +248,22 @@ def partial_pallas(name, q, k_cache, v_cache, visible, k_layout, v_layout, scale
 
 
 def _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale, block_table=None):
+    """The native kernel's custom call (:func:`partial_attention`'s 'native').
+
+    A per-head table ([B, K, C], ``visible`` [B, K, C·P]: each KV head its own pages) is
+    read by the paged target as a per-row table of B·K rows of one KV head each over the
+    pools viewed as [N·K, 1, P, X] (a reshape of the contiguous [N, K, P, X], no copy):
+    entry c of (b, k) names page tables[b, k, c]·K + k. So the kernel reads each head's
+    chosen pages where they lie, and nothing else of the pools.
+    """
+    if block_table is not None and block_table.ndim == 3:
+        b, k, g, h = q.shape
+        heads = jnp.arange(k, dtype=jnp.int32)[None, :, None]
+        rows = jnp.where(block_table >= 0, block_table * k + heads, -1).reshape(b * k, -1)
+        pools = [x.reshape((x.shape[0] * k, 1) + x.shape[2:]) for x in (k_cache, v_cache)]
+        o, m, l = _native(q.reshape(b * k, 1, g, h), *pools, visible.reshape(b * k, -1),
+                          k_layout, v_layout, scale, rows)
+        return o.reshape(b, k, g, -1), m.reshape(b, k, g), l.reshape(b, k, g)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if x.dtype != jnp.float32:
             raise ValueError(f"decode_attention='native': {name} dtype {x.dtype}; "

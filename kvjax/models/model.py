@@ -83,7 +83,7 @@ def _scan_body(block: Block, carry, positions, fresh: bool = False):
         cache = cache.replace(tensors={
             n: _write(cache, cache.tensors[n], new[n], positions, block.cfg, n, layer)
             for n in cache.tensors})
-        if getattr(cache, "bounds", None):
+        if cache.bounds:  # a read-time page selection's key bounds ({}: none)
             cache = cache.replace(bounds=_write_bounds(cache, cache.bounds, new, positions,
                                                        block.cfg, layer))
     return (x, cache, layer + 1), None
@@ -157,7 +157,7 @@ class DecoderLM(nn.Module):
         else:
             tensors = {n: list(t) for n, t in cache.tensors.items()} if cache else None
             bounds = {n: list(t) for n, t in cache.bounds.items()} \
-                if isinstance(cache, paged_lib.PagedKVCache) else {}
+                if cache is not None else {}
             for i in range(c.num_layers):
                 read = cache is not None and not fresh
                 ci = c.layer_config(i)  # its own window and rotary base (layer_windows)
