@@ -57,7 +57,7 @@ from kvjax.inference import runner
 from kvjax.training import data, evaluate
 from kvjax.training import longcontext as lc
 from kvjax.training.longgrid import (
-    check_lengths, parse_grid, protocol_key, run_key, run_samples, run_sweep, sample_scores,
+    check_lengths, parse_grid, parse_shard, protocol_key, run_key, run_samples, run_sweep, sample_scores,
     summarize, trained_context)
 
 _CONFIG = cli.DEFINE_config_file(
@@ -112,6 +112,13 @@ _SWEEP_BUDGETS = flags.DEFINE_list("sweep_budgets", [], "kv_budget values of --s
 _SWEEP_PROTOCOLS = flags.DEFINE_list(
     "sweep_protocols", [], f"Protocols of --sweep, any of {list(lc.PROTOCOLS)} (default: "
     "--protocol); 'question' prefills each question with the context once for every point.")
+_SHARD = flags.DEFINE_string(
+    "shard", None, "K/N: with --sweep, score only every N-th sample still to do from the "
+    "K-th, into samples.shard-K-of-N.jsonl (N processes share a sweep; a run without "
+    "--shard then summarizes every shard's log).")
+_SUMMARIZE_ONLY = flags.DEFINE_bool(
+    "summarize_only", False, "With --sweep: score nothing; write sweep.json from the "
+    "samples the logs (every shard's) already hold.")
 flags.adopt_module_key_flags(cli)
 
 CELL_FIELDS = ["task", "length", "depth", "samples", "accuracy", "accuracy_low",
@@ -199,11 +206,29 @@ def plot_pareto(results: list, path: pathlib.Path) -> None:
     longest = max(n for _, n, _ in cells)
     label = lambda r: r["variant"].split(" ", 1)[-1].replace(" rope=absolute", "")
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    # one colour and line per method and protocol (a sweep's budgets joined), a label
+    # per point otherwise
+    series: dict = {}
     for r in results:
-        x = r["lengths"][str(longest)]["kv_bytes_theory"]
-        acc, lo, hi, _ = shared_accuracy(r, cells)
-        a.errorbar([x], [acc], yerr=[[acc - lo], [hi - acc]], fmt="o", capsize=3)
-        a.annotate(label(r), (x, acc), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        series.setdefault((r.get("kv_compression"), r.get("protocol")), []).append(r)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, (key, rs) in enumerate(series.items()):
+        pts = sorted((r["lengths"][str(longest)]["kv_bytes_theory"], shared_accuracy(r, cells))
+                     for r in rs)
+        c = colors[k % len(colors)]
+        if len(pts) > 1:
+            a.plot([x for x, _ in pts], [v[0] for _, v in pts], "-", color=c, alpha=0.6,
+                   label=f"{key[0] or 'full'} ({key[1]})")
+        for r in rs:
+            x = r["lengths"][str(longest)]["kv_bytes_theory"]
+            acc, lo, hi, _ = shared_accuracy(r, cells)
+            a.errorbar([x], [acc], yerr=[[acc - lo], [hi - acc]], fmt="o", capsize=3,
+                       color=c)
+            if len(pts) == 1:
+                a.annotate(label(r), (x, acc), fontsize=7, xytext=(4, 4),
+                           textcoords="offset points")
+    if any(len(rs) > 1 for rs in series.values()):
+        a.legend(fontsize=6, loc="lower right")
         if r.get("ppl"):
             px = r["ppl"]["kv_bytes_theory"]
             b.plot([px], [r["ppl"]["ppl"]], "o")
@@ -308,6 +333,10 @@ def main(argv):
                       context, _BEYOND.value)
         ecfg = evaluate.eval_config_from_dict(_EVAL.value) if _PPL.value else None
         points, protocols = sweep_points(run.model)
+        shard = parse_shard(_SHARD.value)
+        if (shard is not None or _SUMMARIZE_ONLY.value) and not points:
+            raise cli.UsageError("--shard or --summarize_only without --sweep; allowed: "
+                                 "with --sweep")
         if points and ecfg is not None:
             raise cli.UsageError("--ppl with --sweep; allowed: one of them (perplexity "
                                  "over chunked windows is not defined for a compressed "
@@ -340,7 +369,7 @@ def main(argv):
     if points:
         points, _ = sweep_points(loaded.cfg)
         return evaluate_sweep_grid(loaded, points, protocols, tokenizer, tasks, lengths,
-                                   depths, samples, context, out_dir, wall)
+                                   depths, samples, context, out_dir, wall, shard)
     return evaluate_grid(run, loaded, tokenizer, tasks, lengths, depths, samples, context,
                          out_dir, ecfg, evalset, wall)
 
@@ -395,7 +424,7 @@ def sweep_points(model) -> tuple:
 
 
 def evaluate_sweep_grid(loaded, points, protocols, tokenizer, tasks, lengths, depths,
-                        samples, context, out_dir, wall) -> int:
+                        samples, context, out_dir, wall, shard=None) -> int:
     """--sweep: every point x protocol on one prefill per sample; sweep.json holds one
     longeval.json entry per (point, protocol) (``runs``), with per-sample scores."""
     from kvjax.models import model as model_lib  # noqa: PLC0415
@@ -403,9 +432,15 @@ def evaluate_sweep_grid(loaded, points, protocols, tokenizer, tasks, lengths, de
     params = model_lib.params_for(points[0], loaded.params)
     print(f"trained context: {context or 'unknown'}")
     recs = run_sweep(params, points, tokenizer, tasks, lengths, depths, samples, _SEED.value,
-                     _QUERY_FIRST.value, out_dir / "samples.jsonl", protocols)
+                     _QUERY_FIRST.value, out_dir / "samples.jsonl", protocols,
+                     shard=shard, score=not _SUMMARIZE_ONLY.value)
+    if shard is not None:
+        print(f"shard {shard[0]}/{shard[1]} done; a run without --shard summarizes")
+        return 0
     runs = []
     for (pr, i), rs in recs.items():
+        if not rs:
+            continue
         cfg = points[i]
         out = summarize(rs, tasks, lengths, depths, context)
         out.update(model=cfg.name, variant=protocol_key(run_key(cfg), pr),

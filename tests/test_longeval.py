@@ -479,3 +479,46 @@ def test_quest_on_paged_rows_through_the_harness(tok, tiny):
     assert small.answer_nll != pytest.approx(full.answer_nll, abs=1e-3)  # it skips pages
     with pytest.raises(ValueError, match="page_size=0"):
         lc.evaluate_sample(params, small_cfg, s, tok, tok.eos_token_ids)
+
+
+def test_shards_split_the_todo_list_and_their_logs_are_read_together(tmp_path):
+    assert longgrid.parse_shard("1/3") == (1, 3) and longgrid.parse_shard(None) is None
+    for bad in ("3/3", "-1/2", "a/b", "1"):
+        with pytest.raises(ValueError, match=f"--shard={bad}"):
+            longgrid.parse_shard(bad)
+    log = tmp_path / "samples.jsonl"
+    assert longgrid.shard_log(log, None) == log
+    one = longgrid.shard_log(log, (1, 2))
+    assert one.name == "samples.shard-1-of-2.jsonl"
+    log.write_text(json.dumps({"key": "a", "score": 0}) + "\n")
+    one.write_text(json.dumps({"key": "b", "score": 1}) + "\n{torn")
+    (tmp_path / "other.jsonl").write_text(json.dumps({"key": "c"}) + "\n")
+    assert sorted(longgrid.read_logs(log)) == ["a", "b"]
+
+
+def test_compare_reads_a_sweep_and_tests_each_method_against_streaming_llm(tmp_path, capsys):
+    le = import_entry_point("longeval")
+
+    def run(method, budget, scores):
+        recs = [dict(task="passkey", length=600, depth=0.5, index=i, seed=0,
+                     query_first=False, score=float(s), answer_nll=0.5 + i / 10,
+                     kv_bytes_theory=1000 * (budget or 600), kv_bytes_allocated=1,
+                     prefill_seconds=1.0, decode_seconds=1.0) for i, s in enumerate(scores)]
+        out = longgrid.summarize(recs, ["passkey"], [600], [0.5], None)
+        return dict(out, variant=f"tiny {method} {budget}", protocol="question",
+                    kv_compression=method, kv_budget=budget,
+                    sample_scores=longgrid.sample_scores(recs))
+
+    window = [1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0]
+    snap = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]  # 8 wins, 0 losses against the window
+    runs = [run(None, None, [1] * 12), run("streaming_llm", 64, window),
+            run("snapkv", 64, snap), run("snapkv", 128, snap)]
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(dict(runs=runs)))
+    assert le.compare([str(path)], [], tmp_path / "out") == 0
+    lines = capsys.readouterr().out.splitlines()
+    snap64 = next(x for x in lines if x.startswith("tiny snapkv 64"))
+    assert f"8+/0- p={lc.sign_test(8, 0):.3g}" in snap64
+    assert "p=" not in next(x for x in lines if x.startswith("tiny snapkv 128"))  # no ref
+    assert "p=" not in next(x for x in lines if x.startswith("tiny None"))
+    assert (tmp_path / "out" / "pareto.png").stat().st_size > 0

@@ -922,14 +922,17 @@ def evaluate_sample(params, cfg: ModelConfig, sample: Sample, tokenizer,
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "slots"))
-def _observed_prefill(params, tokens, *, cfg, slots):
-    """tokens [1, T] int32 prefilled fresh into a dense cache of ``slots`` >= T slots of
-    ``cfg`` (no compression) -> (logits [1, V] float32 of the last token, the cache, L
-    per-layer rotated queries [1, T, K, G, H]): ``decode.prefill_compressed``'s first half."""
+def _observed_prefill(params, tokens, num_valid, *, cfg, slots):
+    """tokens [1, T] int32, right-padded after ``num_valid`` [1] int32 real ones,
+    prefilled fresh into a dense cache of ``slots`` >= T slots of ``cfg`` (no
+    compression) -> (logits [1, V] float32 of the last real token, the cache, L
+    per-layer rotated queries [1, T, K, G, H]): ``decode.prefill_compressed``'s first
+    half. A fixed T per length (the question's room padded) compiles one program."""
     full = cache_lib.init_cache(cfg, 1, slots, ragged=True)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     logits, full, queries = model_lib.forward(params, cfg, tokens, positions, full,
-                                              fresh=True, last_only=True, observe=True)
+                                              num_valid=num_valid, fresh=True,
+                                              last_only=True, observe=True)
     return logits[:, -1], full, queries
 
 
@@ -1012,13 +1015,19 @@ def evaluate_sweep(params, points: Sequence[ModelConfig], sample: Sample, tokeni
                    [list(sample.context_ids) + list(q.ids) for q in sample.questions])
         per_point = {i: ([], 0.0, 0.0, 0, 0) for i in range(len(points))}
         for qi, ids in enumerate(prompts):
+            # the question protocol's prompts padded to the context plus the question's
+            # room: one prefill and one compression program per length and point
+            # (docs/decisions/0035-longeval-sweep-one-prefill.md)
+            width = len(ids) if protocol == "context" else \
+                len(sample.context_ids) + QUESTION_ROOM
             groups: dict = {}
             for i, p in enumerate(points):
-                groups.setdefault(_cut_prompt(p, len(ids)), []).append(i)
-            tokens = jnp.asarray([ids], jnp.int32)
+                groups.setdefault(_cut_prompt(p, width), []).append(i)
+            tokens = jnp.asarray([ids + [0] * (width - len(ids))], jnp.int32)
+            valid = jnp.asarray([len(ids)], jnp.int32)
             for (pcfg, slots), members in groups.items():
                 start = time.perf_counter()
-                logits, full, queries = _observed_prefill(params, tokens, cfg=pcfg,
+                logits, full, queries = _observed_prefill(params, tokens, valid, cfg=pcfg,
                                                           slots=slots)
                 jax.block_until_ready(full.length)
                 shared = time.perf_counter() - start
@@ -1026,7 +1035,7 @@ def evaluate_sweep(params, points: Sequence[ModelConfig], sample: Sample, tokeni
                     p = points[i]
                     start = time.perf_counter()
                     if p.kv_evicts:
-                        cache = _compress_observed(full, queries, cfg=p, prompt_len=len(ids))
+                        cache = _compress_observed(full, queries, cfg=p, prompt_len=width)
                     else:
                         cache = _grow(full, cfg=p, slots=sample.length)
                     jax.block_until_ready(cache.length)

@@ -213,9 +213,47 @@ def protocol_key(key: str, protocol: str) -> str:
     return key + ("" if protocol == "context" else f" protocol={protocol}")
 
 
+def shard_log(log_path: pathlib.Path, shard: tuple | None) -> pathlib.Path:
+    """The log a shard (k, n) of a sweep appends to: ``samples.shard-k-of-n.jsonl`` beside
+    ``log_path``; ``log_path`` itself without a shard."""
+    if shard is None:
+        return log_path
+    return log_path.with_name(f"{log_path.stem}.shard-{shard[0]}-of-{shard[1]}"
+                              f"{log_path.suffix}")
+
+
+def read_logs(log_path: pathlib.Path) -> dict:
+    """:func:`read_log` of ``log_path`` and of every shard's log beside it
+    (:func:`shard_log`): what a sweep run in several processes has done."""
+    out = {}
+    for p in [log_path] + sorted(log_path.parent.glob(f"{log_path.stem}.shard-*"
+                                                      f"{log_path.suffix}")):
+        out.update(read_log(p))
+    return out
+
+
+def parse_shard(text: str | None) -> tuple | None:
+    """'k/n' -> (k, n), None for None or ''.
+
+    Raises:
+      ValueError: not two integers with 0 <= k < n (named).
+    """
+    if not text:
+        return None
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        k = n = -1
+    if not 0 <= k < n:
+        raise ValueError(f"--shard={text}; allowed: K/N with integers 0 <= K < N (this "
+                         "process scores every N-th sample still to do, from the K-th)")
+    return k, n
+
+
 def run_sweep(params, points, tokenizer, tasks, lengths, depths, samples: int, seed: int,
               query_first: bool, log_path: pathlib.Path, protocols,
-              progress: bool = True) -> dict:
+              progress: bool = True, shard: tuple | None = None,
+              score: bool = True) -> dict:
     """:func:`run_samples` for many levers on one prefill per sample
     (:func:`lc.evaluate_sweep`): every sample of the grid not yet in ``log_path`` under
     every point x protocol is scored once and each (point, protocol) appended as its own
@@ -227,25 +265,34 @@ def run_sweep(params, points, tokenizer, tasks, lengths, depths, samples: int, s
     Args:
       points: unresolved configs, one per lever (each is resolved per length).
       protocols: a subset of ``lc.PROTOCOLS``.
+      shard: (k, n): score only the samples to do at positions k, k + n, ... of the
+        grid's remaining ones, appending to :func:`shard_log` (n processes share the
+        work; every log beside ``log_path`` counts as done).
+      score: False: score nothing, return what the logs hold (a sweep cut short).
     Returns:
-      {(protocol, point index): records of the whole grid, in grid order}.
+      {(protocol, point index): records of the samples done, in grid order}.
     """
     from tqdm import tqdm  # noqa: PLC0415
 
-    done = read_log(log_path)
+    done = read_logs(log_path)
     keys = {(pr, i): protocol_key(run_key(p), pr) for pr in protocols
             for i, p in enumerate(points)}
     grid = [(n, t, d, i) for n in lengths for i in range(samples) for t in tasks
             for d in depths]
     skey = lambda k, g: sample_key(k, g[1], g[0], g[2], g[3], seed, query_first)
     todo = [g for g in grid if any(skey(k, g) not in done for k in keys.values())]
+    if shard is not None:
+        todo = todo[shard[0]::shard[1]]
+    if not score:
+        todo = []
     print(f"sweep: {len(points)} levers x {len(protocols)} protocols; {len(grid)} samples, "
           f"{len(grid) - len(todo)} already in {log_path}")
     eos = tokenizer.eos_token_ids
     resolved = {}
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "a") as log, tqdm(total=len(todo), unit="sample", dynamic_ncols=True,
-                                         disable=not progress) as bar:
+    with open(shard_log(log_path, shard), "a") as log, \
+            tqdm(total=len(todo), unit="sample", dynamic_ncols=True,
+                 disable=not progress) as bar:
         for g in todo:
             n, t, d, i = g
             if n not in resolved:
@@ -272,4 +319,5 @@ def run_sweep(params, points, tokenizer, tasks, lengths, depths, samples: int, s
             log.flush()
             bar.set_postfix_str(f"{t} L={n} d={d:g} i={i}")
             bar.update()
-    return {kk: [done[skey(k, g)] for g in grid] for kk, k in keys.items()}
+    return {kk: [done[skey(k, g)] for g in grid if skey(k, g) in done]
+            for kk, k in keys.items()}
