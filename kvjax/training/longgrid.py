@@ -281,12 +281,12 @@ def run_sweep(params, points, tokenizer, tasks, lengths, depths, samples: int, s
             for d in depths]
     skey = lambda k, g: sample_key(k, g[1], g[0], g[2], g[3], seed, query_first)
     todo = [g for g in grid if any(skey(k, g) not in done for k in keys.values())]
+    print(f"sweep: {len(points)} levers x {len(protocols)} protocols; {len(grid)} samples, "
+          f"{len(grid) - len(todo)} already in {log_path} and its shards' logs")
     if shard is not None:
         todo = todo[shard[0]::shard[1]]
     if not score:
         todo = []
-    print(f"sweep: {len(points)} levers x {len(protocols)} protocols; {len(grid)} samples, "
-          f"{len(grid) - len(todo)} already in {log_path}")
     eos = tokenizer.eos_token_ids
     resolved = {}
     log_path.parent.mkdir(parents=True, exist_ok=True)
