@@ -57,7 +57,8 @@ from kvjax.inference import runner
 from kvjax.training import data, evaluate
 from kvjax.training import longcontext as lc
 from kvjax.training.longgrid import (
-    check_lengths, parse_grid, run_key, run_samples, summarize, trained_context)
+    check_lengths, parse_grid, parse_shard, protocol_key, run_key, run_samples, run_sweep, sample_scores,
+    summarize, trained_context)
 
 _CONFIG = cli.DEFINE_config_file(
     "config", "configs/gqa.py", cli.config_help("Model config file (get_config())."),
@@ -102,6 +103,22 @@ _COMPARE = flags.DEFINE_list(
 _COMPARE_PPL = flags.DEFINE_list(
     "compare_ppl", [], "experiments.ppl --json_out files, one per --compare file in the "
     "same order ('-': none), for runs made without --ppl.")
+_SWEEP = flags.DEFINE_list(
+    "sweep", [], "Lever-5 methods to score on one prefill per sample (with --sweep_budgets; "
+    "'none': the full cache): every method x budget as its own run, as "
+    "--config.model.kv_compression=M --config.model.kv_budget=N would score it. Writes "
+    "sweep.json (one longeval.json entry per point and protocol) for --compare.")
+_SWEEP_BUDGETS = flags.DEFINE_list("sweep_budgets", [], "kv_budget values of --sweep.")
+_SWEEP_PROTOCOLS = flags.DEFINE_list(
+    "sweep_protocols", [], f"Protocols of --sweep, any of {list(lc.PROTOCOLS)} (default: "
+    "--protocol); 'question' prefills each question with the context once for every point.")
+_SHARD = flags.DEFINE_string(
+    "shard", None, "K/N: with --sweep, score only every N-th sample still to do from the "
+    "K-th, into samples.shard-K-of-N.jsonl (N processes share a sweep; a run without "
+    "--shard then summarizes every shard's log).")
+_SUMMARIZE_ONLY = flags.DEFINE_bool(
+    "summarize_only", False, "With --sweep: score nothing; write sweep.json from the "
+    "samples the logs (every shard's) already hold.")
 flags.adopt_module_key_flags(cli)
 
 CELL_FIELDS = ["task", "length", "depth", "samples", "accuracy", "accuracy_low",
@@ -189,11 +206,29 @@ def plot_pareto(results: list, path: pathlib.Path) -> None:
     longest = max(n for _, n, _ in cells)
     label = lambda r: r["variant"].split(" ", 1)[-1].replace(" rope=absolute", "")
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    # one colour and line per method and protocol (a sweep's budgets joined), a label
+    # per point otherwise
+    series: dict = {}
     for r in results:
-        x = r["lengths"][str(longest)]["kv_bytes_theory"]
-        acc, lo, hi, _ = shared_accuracy(r, cells)
-        a.errorbar([x], [acc], yerr=[[acc - lo], [hi - acc]], fmt="o", capsize=3)
-        a.annotate(label(r), (x, acc), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        series.setdefault((r.get("kv_compression"), r.get("protocol")), []).append(r)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, (key, rs) in enumerate(series.items()):
+        pts = sorted((r["lengths"][str(longest)]["kv_bytes_theory"], shared_accuracy(r, cells))
+                     for r in rs)
+        c = colors[k % len(colors)]
+        if len(pts) > 1:
+            a.plot([x for x, _ in pts], [v[0] for _, v in pts], "-", color=c, alpha=0.6,
+                   label=f"{key[0] or 'full'} ({key[1]})")
+        for r in rs:
+            x = r["lengths"][str(longest)]["kv_bytes_theory"]
+            acc, lo, hi, _ = shared_accuracy(r, cells)
+            a.errorbar([x], [acc], yerr=[[acc - lo], [hi - acc]], fmt="o", capsize=3,
+                       color=c)
+            if len(pts) == 1:
+                a.annotate(label(r), (x, acc), fontsize=7, xytext=(4, 4),
+                           textcoords="offset points")
+    if any(len(rs) > 1 for rs in series.values()):
+        a.legend(fontsize=6, loc="lower right")
         if r.get("ppl"):
             px = r["ppl"]["kv_bytes_theory"]
             b.plot([px], [r["ppl"]["ppl"]], "o")
@@ -229,7 +264,7 @@ def compare(paths: list, ppl_paths: list, out_dir: pathlib.Path) -> int:
                 q = json.loads(pathlib.Path(ppl_paths[i]).read_text())
                 r["ppl"] = dict(q, kv_bytes_theory=q["kv_bytes_per_token"] * min(
                     q["context"], q.get("kv_cache_slots") or q["context"]))
-            results.append(r)
+            results.extend(r["runs"] if "runs" in r else [r])  # a --sweep's sweep.json
         cells = common_cells(results)
         if not cells:
             raise ValueError("the runs share no task x length x depth cell")
@@ -241,10 +276,36 @@ def compare(paths: list, ppl_paths: list, out_dir: pathlib.Path) -> int:
     for r in results:
         acc, lo, hi, n = shared_accuracy(r, cells)
         ppl = (r.get("ppl") or {}).get("ppl", float("nan"))
+        ref = paired_reference(r, results)
+        paired = ""
+        if ref is not None:
+            t = lc.paired_test(r["sample_scores"], ref["sample_scores"])
+            paired = (f"; vs {PAIRED_REFERENCE} on {t['samples']} paired samples "
+                      f"{t['wins']}+/{t['losses']}- p={t['p']:.3g}")
         print(f"{r['variant']:<50} accuracy {acc:.3f} [{lo:.2f}, {hi:.2f}] over {n} samples "
-              f"of {len(cells)} shared cells; perplexity {ppl:.4f}")
+              f"of {len(cells)} shared cells; answer NLL {r.get('mean_answer_nll', 0):.3f}; "
+              f"perplexity {ppl:.4f}{paired}")
     print(f"wrote {out_dir / 'pareto.png'}")
     return 0
+
+
+PAIRED_REFERENCE = "streaming_llm"
+"""The method every other compressed run is tested against, on the same samples, at the
+same budget and protocol (equal KV bytes): StreamingLLM, the blog's window with sinks."""
+
+
+def paired_reference(run: dict, results: list) -> dict | None:
+    """The run of :data:`PAIRED_REFERENCE` at ``run``'s budget and protocol (the same KV
+    bytes) among ``results``, if there is one and both carry per-sample scores; None for
+    an uncompressed run or the reference itself."""
+    if run.get("kv_compression") in (None, PAIRED_REFERENCE) or "sample_scores" not in run:
+        return None
+    for r in results:
+        if (r.get("kv_compression") == PAIRED_REFERENCE and "sample_scores" in r
+                and r.get("kv_budget") == run.get("kv_budget")
+                and r.get("protocol") == run.get("protocol")):
+            return r
+    return None
 
 
 def main(argv):
@@ -271,11 +332,15 @@ def main(argv):
         check_lengths(lengths, run.max_seq_len if _given("config.max_seq_len") else None,
                       context, _BEYOND.value)
         ecfg = evaluate.eval_config_from_dict(_EVAL.value) if _PPL.value else None
-        if run.model.kv_selects_pages:
-            raise cli.UsageError(
-                f"--config.model.kv_compression={run.model.kv_compression} with the "
-                "long-context harness; allowed: an evicting method or None (the harness "
-                "scores on dense caches; quest selects pages of the paged engine's cache)")
+        points, protocols = sweep_points(run.model)
+        shard = parse_shard(_SHARD.value)
+        if (shard is not None or _SUMMARIZE_ONLY.value) and not points:
+            raise cli.UsageError("--shard or --summarize_only without --sweep; allowed: "
+                                 "with --sweep")
+        if points and ecfg is not None:
+            raise cli.UsageError("--ppl with --sweep; allowed: one of them (perplexity "
+                                 "over chunked windows is not defined for a compressed "
+                                 "cache; the sweep reports each point's answer NLL)")
         if ecfg is not None and run.model.kv_compression is not None:
             raise cli.UsageError(
                 f"--ppl with --config.model.kv_compression={run.model.kv_compression}; "
@@ -301,8 +366,99 @@ def main(argv):
         print(f"error: the checkpoint states a context of {loaded.context_length}, not "
               f"{context}", file=sys.stderr)
         return cli.USAGE_EXIT
+    if points:
+        points, _ = sweep_points(loaded.cfg)
+        return evaluate_sweep_grid(loaded, points, protocols, tokenizer, tasks, lengths,
+                                   depths, samples, context, out_dir, wall, shard)
     return evaluate_grid(run, loaded, tokenizer, tasks, lengths, depths, samples, context,
                          out_dir, ecfg, evalset, wall)
+
+
+def sweep_points(model) -> tuple:
+    """(configs, protocols) of --sweep x --sweep_budgets on ``model`` ((), () without
+    --sweep): one config per method and budget ('none': ``model`` uncompressed, once),
+    unrolled layers for all when a method keeps per-layer budgets (PyramidKV), so that
+    every point shares one prefill.
+
+    Raises:
+      cli.UsageError: --sweep_budgets without --sweep or the reverse, a budget that is
+        not an integer, an unknown protocol, a windowed or compressed --config.
+      ConfigError: a method or budget the config refuses (named by it).
+    """
+    from kvjax import compression  # noqa: PLC0415
+
+    if not _SWEEP.value:
+        if _SWEEP_BUDGETS.value or _SWEEP_PROTOCOLS.value:
+            raise cli.UsageError("--sweep_budgets or --sweep_protocols without --sweep; "
+                                 "allowed: with --sweep=METHOD,...")
+        return (), ()
+    try:
+        budgets = [int(b) for b in _SWEEP_BUDGETS.value]
+    except ValueError:
+        raise cli.UsageError(f"--sweep_budgets={','.join(_SWEEP_BUDGETS.value)}; allowed: "
+                             "integers (slots)") from None
+    methods = [None if m == "none" else m for m in _SWEEP.value]
+    if any(m is not None for m in methods) and not budgets:
+        raise cli.UsageError("--sweep with a method and no --sweep_budgets; allowed: "
+                             "--sweep_budgets=N,...")
+    protocols = _SWEEP_PROTOCOLS.value or [_PROTOCOL.value]
+    bad = [p for p in protocols if p not in lc.PROTOCOLS]
+    if bad:
+        raise cli.UsageError(f"--sweep_protocols={','.join(protocols)}; allowed: any of "
+                             f"{list(lc.PROTOCOLS)}")
+    if model.kv_compression is not None or model.window_size is not None:
+        raise cli.UsageError(
+            f"--sweep with --config.model.kv_compression={model.kv_compression} "
+            f"window_size={model.window_size}; allowed: neither (the sweep sets the method; "
+            "a window of equal bytes is streaming_llm)")
+    for m in methods:
+        if m is not None:
+            compression.get(m)  # an unknown name: ValueError naming the registered ones
+    unrolled = any(m is not None and compression.get(m).layer_budgets for m in methods)
+    base = model.replace(scan_layers=False) if unrolled else model
+    out = []
+    for m in dict.fromkeys(methods):
+        for b in (budgets if m is not None else [None]):
+            out.append(base.replace(kv_compression=m, kv_budget=b))
+    return out, protocols
+
+
+def evaluate_sweep_grid(loaded, points, protocols, tokenizer, tasks, lengths, depths,
+                        samples, context, out_dir, wall, shard=None) -> int:
+    """--sweep: every point x protocol on one prefill per sample; sweep.json holds one
+    longeval.json entry per (point, protocol) (``runs``), with per-sample scores."""
+    from kvjax.models import model as model_lib  # noqa: PLC0415
+
+    params = model_lib.params_for(points[0], loaded.params)
+    print(f"trained context: {context or 'unknown'}")
+    recs = run_sweep(params, points, tokenizer, tasks, lengths, depths, samples, _SEED.value,
+                     _QUERY_FIRST.value, out_dir / "samples.jsonl", protocols,
+                     shard=shard, score=not _SUMMARIZE_ONLY.value)
+    if shard is not None:
+        print(f"shard {shard[0]}/{shard[1]} done; a run without --shard summarizes")
+        return 0
+    runs = []
+    for (pr, i), rs in recs.items():
+        if not rs:
+            continue
+        cfg = points[i]
+        out = summarize(rs, tasks, lengths, depths, context)
+        out.update(model=cfg.name, variant=protocol_key(run_key(cfg), pr),
+                   trained_context=context, query_first=_QUERY_FIRST.value,
+                   seed=_SEED.value, depths=depths, protocol=pr,
+                   kv_compression=cfg.kv_compression, kv_budget=cfg.kv_budget,
+                   kv_bytes_per_token=theory.kv_bytes_per_token(cfg),
+                   sample_scores=sample_scores(rs))
+        runs.append(out)
+        print(f"{out['variant']:<70} accuracy {out['mean_accuracy']:.3f} "
+              f"[{out['mean_accuracy_ci'][0]:.2f}, {out['mean_accuracy_ci'][1]:.2f}] answer "
+              f"NLL {out['mean_answer_nll']:.3f}")
+    result = dict(runs=runs, wall_seconds=time.perf_counter() - wall)
+    cli.write_json(str(out_dir / "sweep.json"), result)
+    if _JSON_OUT.value:
+        cli.write_json(_JSON_OUT.value, result)
+    print(f"wall time {result['wall_seconds']:.0f} s; wrote {out_dir}/sweep.json")
+    return 0
 
 
 def evaluate_grid(run, loaded, tokenizer, tasks, lengths, depths, samples, context,
@@ -313,13 +469,15 @@ def evaluate_grid(run, loaded, tokenizer, tasks, lengths, depths, samples, conte
     print(f"trained context: {context or 'unknown'}")
     records = run_samples(params, cfg, tokenizer, tasks, lengths, depths, samples,
                           _SEED.value, _QUERY_FIRST.value, out_dir / "samples.jsonl", key,
-                          protocol=_PROTOCOL.value)
+                          protocol=_PROTOCOL.value,
+                          page_size=run.page_size if cfg.kv_selects_pages else 0)
     out = summarize(records, tasks, lengths, depths, context)
     out.update(model=cfg.name, variant=key, trained_context=context,
                query_first=_QUERY_FIRST.value, seed=_SEED.value, depths=depths,
                protocol=_PROTOCOL.value, kv_compression=cfg.kv_compression,
                kv_budget=cfg.kv_budget,
                kv_bytes_per_token=theory.kv_bytes_per_token(cfg),
+               sample_scores=sample_scores(records),
                wall_seconds=time.perf_counter() - wall,
                metric={t: f"string_match_{lc.TASKS[t].metric}" for t in tasks})
     if ecfg is not None:

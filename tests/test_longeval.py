@@ -182,8 +182,14 @@ def test_refusals_name_the_value(tok):
     (["--depths=0.5,-0.1"], "depth -0.1"),
     (["--lengths=9000"], "length 9000 exceeds the checkpoint's trained context"),
     (["--lengths=2048", "--config.max_seq_len=1024"], "exceeds --config.max_seq_len=1024"),
-    (["--config.model.kv_compression=quest", "--config.model.kv_budget=512",
-      "--config.page_size=16"], "kv_compression=quest with the long-context harness"),
+    (["--config.model.kv_compression=quest", "--config.model.kv_budget=512"],
+     "page_size=0"),
+    (["--config.model.kv_compression=quest", "--config.model.kv_budget=520",
+      "--config.page_size=16"], "model.kv_budget=520"),
+    (["--sweep=snapkv"], "--sweep with a method and no --sweep_budgets"),
+    (["--sweep=snapkv,bogus", "--sweep_budgets=512"], "kv_compression='bogus'"),
+    (["--sweep=snapkv", "--sweep_budgets=16"], "model.kv_budget=16"),
+    (["--sweep=none", "--sweep_protocols=later"], "--sweep_protocols=later"),
 ])
 def test_entry_point_refuses_before_any_work(tmp_path, args, message):
     proc = subprocess.run([sys.executable, "-m", "experiments.longeval",
@@ -393,3 +399,126 @@ def test_ablate_refuses_bad_longctx_flags_before_any_work(tmp_path, args, messag
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
     assert not (tmp_path / "out").exists()  # nothing was written
+
+
+@pytest.mark.parametrize("protocol", lc.PROTOCOLS)
+def test_a_sweep_on_one_prefill_equals_each_single_config_run(tok, tiny, protocol):
+    """evaluate_sweep: one prefill, every method x budget (and the full cache) scored as
+    evaluate_sample scores each config alone on the same sample."""
+    params, cfg = tiny
+    cfg = cfg.replace(scan_layers=False)  # PyramidKV's layers keep their own budgets
+    params = model.params_for(cfg, params)
+    knobs = CompressionConfig(observation_window=16, recent_slots=48)
+    s = lc.generate_sample("passkey", tok, 600, 0.5, seed=3)
+    # a query-free method, every prompt query (H2O), a window's and per-layer budgets
+    points = [cfg] + [cfg.replace(kv_compression=m, kv_budget=b, compression=knobs)
+                      for m, b in (("streaming_llm", 32), ("h2o", 96), ("pyramidkv", 64))]
+    swept = lc.evaluate_sweep(params, points, s, tok, tok.eos_token_ids, (protocol,))
+    assert sorted(swept) == [(protocol, i) for i in range(len(points))]
+    nlls = set()
+    for i, p in enumerate(points):
+        alone = lc.evaluate_sample(params, p, s, tok, tok.eos_token_ids, protocol=protocol)
+        got = swept[(protocol, i)]
+        assert got.questions[0].generated_ids == alone.questions[0].generated_ids, i
+        assert got.answer_nll == pytest.approx(alone.answer_nll, abs=1e-5), i
+        assert got.score == alone.score
+        assert (got.kv_bytes_allocated, got.kv_bytes_theory, got.cache_slots) == \
+            (alone.kv_bytes_allocated, alone.kv_bytes_theory, alone.cache_slots)
+        nlls.add(round(got.answer_nll, 4))
+    assert len(nlls) == len(points)  # the points do differ
+
+
+def test_a_sweep_refuses_a_window_and_an_unknown_protocol(tok, tiny):
+    params, cfg = tiny
+    s = lc.generate_sample("passkey", tok, 600, 0.5, seed=3)
+    with pytest.raises(ValueError, match="window_size=64"):
+        lc.evaluate_sweep(params, [cfg.replace(window_size=64)], s, tok)
+    with pytest.raises(ValueError, match="protocols=\\['later'\\]"):
+        lc.evaluate_sweep(params, [cfg], s, tok, protocols=("later",))
+
+
+def test_sign_test_is_exact_mcnemar():
+    # 10 against 2 discordant pairs: 2 * (C(12,0) + C(12,1) + C(12,2)) / 2^12
+    assert lc.sign_test(10, 2) == pytest.approx(2 * (1 + 12 + 66) / 4096, rel=1e-12)
+    assert lc.sign_test(2, 10) == lc.sign_test(10, 2)
+    assert lc.sign_test(3, 3) == 1.0 and lc.sign_test(0, 0) == 1.0
+    assert lc.sign_test(0, 6) == pytest.approx(2 / 64)
+    from scipy import stats
+    for w, l in ((7, 1), (15, 4), (0, 9)):
+        assert lc.sign_test(w, l) == pytest.approx(stats.binomtest(w, w + l).pvalue, rel=1e-9)
+    with pytest.raises(ValueError, match="wins=-1"):
+        lc.sign_test(-1, 2)
+
+
+def test_paired_test_pairs_samples_by_id():
+    ref = {"a": 1.0, "b": 0.0, "c": 0.0, "d": 1.0, "only_ref": 1.0}
+    run = {"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.0, "only_run": 0.0}
+    t = lc.paired_test(run, ref)
+    assert (t["samples"], t["wins"], t["losses"]) == (4, 2, 1)
+    assert t["p"] == pytest.approx(lc.sign_test(2, 1))
+    assert t["difference"] == pytest.approx(0.25)
+
+
+def test_quest_on_paged_rows_through_the_harness(tok, tiny):
+    """Quest in the harness (paged rows, --config.page_size): a budget of every page
+    answers as the dense full cache; a budget of 2 pages reads its theory's bytes and
+    changes the answer's NLL."""
+    params, cfg = tiny
+    s = lc.generate_sample("passkey", tok, 600, 0.5, seed=3)
+    full = lc.evaluate_sample(params, cfg, s, tok, tok.eos_token_ids)
+    every = cfg.replace(kv_compression="quest", kv_budget=608)
+    keep = lc.evaluate_sample(params, every, s, tok, tok.eos_token_ids, page_size=16)
+    assert keep.questions[0].generated_ids == full.questions[0].generated_ids
+    assert keep.answer_nll == pytest.approx(full.answer_nll, abs=1e-4)
+    assert keep.kv_bytes_allocated == keep.kv_bytes_theory
+    small_cfg = cfg.replace(kv_compression="quest", kv_budget=32)
+    small = lc.evaluate_sample(params, small_cfg, s, tok, tok.eos_token_ids, page_size=16)
+    assert small.kv_bytes_allocated == keep.kv_bytes_allocated  # Quest evicts nothing
+    assert small.kv_bytes_read == theory.page_selection_step_bytes(small_cfg, 600, 16)[
+        "kv_read"] + theory.page_selection_step_bytes(small_cfg, 600, 16)["bounds_read"]
+    assert small.answer_nll != pytest.approx(full.answer_nll, abs=1e-3)  # it skips pages
+    with pytest.raises(ValueError, match="page_size=0"):
+        lc.evaluate_sample(params, small_cfg, s, tok, tok.eos_token_ids)
+
+
+def test_shards_split_the_todo_list_and_their_logs_are_read_together(tmp_path):
+    assert longgrid.parse_shard("1/3") == (1, 3) and longgrid.parse_shard(None) is None
+    for bad in ("3/3", "-1/2", "a/b", "1"):
+        with pytest.raises(ValueError, match=f"--shard={bad}"):
+            longgrid.parse_shard(bad)
+    log = tmp_path / "samples.jsonl"
+    assert longgrid.shard_log(log, None) == log
+    one = longgrid.shard_log(log, (1, 2))
+    assert one.name == "samples.shard-1-of-2.jsonl"
+    log.write_text(json.dumps({"key": "a", "score": 0}) + "\n")
+    one.write_text(json.dumps({"key": "b", "score": 1}) + "\n{torn")
+    (tmp_path / "other.jsonl").write_text(json.dumps({"key": "c"}) + "\n")
+    assert sorted(longgrid.read_logs(log)) == ["a", "b"]
+
+
+def test_compare_reads_a_sweep_and_tests_each_method_against_streaming_llm(tmp_path, capsys):
+    le = import_entry_point("longeval")
+
+    def run(method, budget, scores):
+        recs = [dict(task="passkey", length=600, depth=0.5, index=i, seed=0,
+                     query_first=False, score=float(s), answer_nll=0.5 + i / 10,
+                     kv_bytes_theory=1000 * (budget or 600), kv_bytes_allocated=1,
+                     prefill_seconds=1.0, decode_seconds=1.0) for i, s in enumerate(scores)]
+        out = longgrid.summarize(recs, ["passkey"], [600], [0.5], None)
+        return dict(out, variant=f"tiny {method} {budget}", protocol="question",
+                    kv_compression=method, kv_budget=budget,
+                    sample_scores=longgrid.sample_scores(recs))
+
+    window = [1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0]
+    snap = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]  # 8 wins, 0 losses against the window
+    runs = [run(None, None, [1] * 12), run("streaming_llm", 64, window),
+            run("snapkv", 64, snap), run("snapkv", 128, snap)]
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(dict(runs=runs)))
+    assert le.compare([str(path)], [], tmp_path / "out") == 0
+    lines = capsys.readouterr().out.splitlines()
+    snap64 = next(x for x in lines if x.startswith("tiny snapkv 64"))
+    assert f"8+/0- p={lc.sign_test(8, 0):.3g}" in snap64
+    assert "p=" not in next(x for x in lines if x.startswith("tiny snapkv 128"))  # no ref
+    assert "p=" not in next(x for x in lines if x.startswith("tiny None"))
+    assert (tmp_path / "out" / "pareto.png").stat().st_size > 0

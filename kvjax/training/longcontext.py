@@ -70,6 +70,8 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import planner
+from kvjax.cache import compress as compress_lib
+from kvjax.cache import paged as paged_lib
 from kvjax.analysis import theory
 from kvjax.config import ModelConfig
 from kvjax.inference import decode
@@ -660,6 +662,38 @@ def mean_interval(values: Sequence[float], level: float = 0.95) -> tuple:
     return m, m - half, m + half
 
 
+def sign_test(wins: int, losses: int) -> float:
+    """Two-sided exact sign test of ``wins`` against ``losses`` discordant pairs (ties
+    dropped): the exact McNemar test of two scorings of the same samples (McNemar 1947;
+    the binomial form, Fagerland et al. 2013, "The McNemar test for binary matched-pairs
+    data", eq. 2): p = min(1, 2 · P[X <= min(wins, losses)]), X ~ Binomial(wins + losses,
+    1/2); 1.0 with no discordant pair.
+
+    Raises:
+      ValueError: a negative count.
+    """
+    if wins < 0 or losses < 0:
+        raise ValueError(f"wins={wins}, losses={losses}; allowed: counts >= 0")
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    k = min(wins, losses)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0 ** n
+    return min(1.0, 2.0 * tail)
+
+
+def paired_test(scores: dict, reference: dict) -> dict:
+    """A run's per-sample scores against a reference run's on the samples both scored
+    ({sample id: score in [0, 1]}): ``samples`` shared, ``wins`` (the run scored above the
+    reference), ``losses`` (below), ``p`` by :func:`sign_test` (for 0/1 scores, exact
+    McNemar); ``difference``: the mean score difference over the shared samples."""
+    shared = sorted(set(scores) & set(reference))
+    d = [scores[s] - reference[s] for s in shared]
+    wins, losses = sum(x > 0 for x in d), sum(x < 0 for x in d)
+    return dict(samples=len(shared), wins=wins, losses=losses, p=sign_test(wins, losses),
+                difference=float(np.mean(d)) if d else float("nan"))
+
+
 # ---------------------------------------------------------------------------- protocol
 
 @dataclasses.dataclass
@@ -680,7 +714,10 @@ class SampleResult:
     """A sample's score (mean over its questions), answer NLL (nats/token, mean over its
     questions), the cache's bytes after the prefill (allocated, one sequence) and in
     theory at the sample's length, and the prefill / questions wall times (s; protocol
-    'question' prefills per question: all its time is in ``prefill_seconds``)."""
+    'question' prefills per question: all its time is in ``prefill_seconds``).
+    ``kv_bytes_read``: under a read-time page selection (Quest), theory's KV and bound
+    bytes one decode step reads at the sample's length
+    (``theory.page_selection_step_bytes``), else None."""
 
     score: float
     answer_nll: float
@@ -690,6 +727,7 @@ class SampleResult:
     cache_slots: int
     prefill_seconds: float
     decode_seconds: float
+    kv_bytes_read: int | None = None
 
 
 def _bucket(n: int) -> int:
@@ -774,8 +812,20 @@ def ask_with_context(params, cfg: ModelConfig, context_ids: Sequence[int],
     Returns:
       (QuestionResult, bytes of the cache the prefill allocated, its slots).
     """
-    q, a = list(question.ids), list(question.answer_ids)
-    logits, cache = prefill_context(params, cfg, list(context_ids) + q, num_slots)
+    logits, cache = prefill_context(params, cfg, list(context_ids) + list(question.ids),
+                                    num_slots)
+    return answer_prefilled(params, cfg, logits, cache, question, max_new_tokens,
+                            tokenizer, eos_ids, metric)
+
+
+def answer_prefilled(params, cfg: ModelConfig, logits, cache, question: Question,
+                     max_new_tokens: int, tokenizer, eos_ids: Sequence[int] = (),
+                     metric: str = "all") -> tuple:
+    """Protocol 'question' after its prefill: ``logits`` [1, V] float32 of the question's
+    last token and the (compressed) ``cache`` holding the context and the question ->
+    (QuestionResult, the cache's allocated bytes, its slots); see
+    :func:`ask_with_context`."""
+    a = list(question.answer_ids)
     lp0 = jax.nn.log_softmax(logits[0], axis=-1)
     nll = [-float(lp0[a[0]])]
     if len(a) > 1:
@@ -805,7 +855,7 @@ def _scored(tokenizer, gen: list, eos_ids, question: Question, metric: str,
 def evaluate_sample(params, cfg: ModelConfig, sample: Sample, tokenizer,
                     eos_ids: Sequence[int] = (),
                     compress: Callable | None = None,
-                    protocol: str = "context") -> SampleResult:
+                    protocol: str = "context", page_size: int = 0) -> SampleResult:
     """The protocol: prefill ``sample``'s context once into ``cfg``'s cache, apply the
     lever, ask each question on it (:func:`ask`).
 
@@ -822,8 +872,11 @@ def evaluate_sample(params, cfg: ModelConfig, sample: Sample, tokenizer,
       compress: optional cache transform applied after the prefill (protocol
         'context').
       protocol: one of :data:`PROTOCOLS`.
+      page_size: P, tokens per page for a read-time page selection
+        (``cfg.kv_selects_pages``, Quest: :func:`_evaluate_paged`); 0 otherwise.
     Raises:
-      ValueError: an unknown protocol, or ``compress`` with protocol 'question'.
+      ValueError: an unknown protocol, or ``compress`` with protocol 'question'; a page
+        selection with page_size 0 or a budget the paged cache refuses.
       kvjax.cache.policy.CacheOverflowError: the sample does not fit ``sample.length``
         positions (a layout bug).
     """
@@ -832,6 +885,8 @@ def evaluate_sample(params, cfg: ModelConfig, sample: Sample, tokenizer,
                          f"allowed: one of {list(PROTOCOLS)} ('question' takes the lever "
                          "from cfg alone)")
     metric = TASKS[sample.task].metric
+    if cfg.kv_selects_pages:
+        return _evaluate_paged(params, cfg, sample, tokenizer, eos_ids, page_size, metric)
     if protocol == "question":
         start = time.perf_counter()
         asked = [ask_with_context(params, cfg, sample.context_ids, q, sample.length,
@@ -861,3 +916,223 @@ def evaluate_sample(params, cfg: ModelConfig, sample: Sample, tokenizer,
         kv_bytes_allocated=cache_lib.cache_bytes(cache),
         kv_bytes_theory=theory.kv_cache_bytes(cfg, sample.length),
         cache_slots=cache.num_slots, prefill_seconds=prefill_s, decode_seconds=decode_s)
+
+
+# ------------------------------------------------------------------- one prefill, many levers
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "slots"))
+def _observed_prefill(params, tokens, num_valid, *, cfg, slots):
+    """tokens [1, T] int32, right-padded after ``num_valid`` [1] int32 real ones,
+    prefilled fresh into a dense cache of ``slots`` >= T slots of ``cfg`` (no
+    compression) -> (logits [1, V] float32 of the last real token, the cache, L
+    per-layer rotated queries [1, T, K, G, H]): ``decode.prefill_compressed``'s first
+    half. A fixed T per length (the question's room padded) compiles one program."""
+    full = cache_lib.init_cache(cfg, 1, slots, ragged=True)
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    logits, full, queries = model_lib.forward(params, cfg, tokens, positions, full,
+                                              num_valid=num_valid, fresh=True,
+                                              last_only=True, observe=True)
+    return logits[:, -1], full, queries
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "prompt_len"))
+def _compress_observed(full, queries, *, cfg, prompt_len):
+    """The prompt's full cache and queries compressed under ``cfg``'s method and budget:
+    ``decode.prefill_compressed``'s second half (the same observation queries)."""
+    count = compress_lib.query_count(cfg, prompt_len)
+    seen = None if count == 0 else tuple(
+        compress_lib.observation_queries(q, full.length, count) for q in queries)
+    return compress_lib.compress(cfg, full, seen)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "slots"))
+def _grow(full, *, cfg, slots):
+    """A dense cache of T slots (positions 0 .. T-1 filled) as the same cache of ``slots``
+    >= T slots: zero tensors and position -1 appended (what a fresh prefill into a
+    cache of ``slots`` slots leaves)."""
+    extra = slots - full.num_slots
+
+    def pad(x, name):
+        widths = [(0, 0)] * x.ndim
+        widths[x.ndim + cache_lib.slot_axis(cfg, name)] = (0, extra)
+        return jnp.pad(x, widths)
+
+    tensors = {n: pad(t, n) if cfg.scan_layers else tuple(pad(x, n) for x in t)
+               for n, t in full.tensors.items()}
+    positions = jnp.pad(full.positions, ((0, 0), (0, extra)), constant_values=-1)
+    return full.replace(tensors=tensors, positions=positions)
+
+
+def _cut_prompt(point: ModelConfig, prompt_len: int) -> tuple:
+    """What a point shares its prefill by: (the prompt's config, its cache slots)."""
+    if point.kv_evicts:
+        return compress_lib.prompt_config(point), compress_lib.prompt_slots(point, prompt_len)
+    return point, prompt_len
+
+
+def evaluate_sweep(params, points: Sequence[ModelConfig], sample: Sample, tokenizer,
+                   eos_ids: Sequence[int] = (),
+                   protocols: Sequence[str] = ("question",)) -> dict:
+    """Many levers that act on a filled cache, one prefill: every point of ``points``
+    scored on ``sample`` under each protocol, as :func:`evaluate_sample` scores it alone.
+
+    The prefill of the context (protocol 'context') or of the context and each question
+    (protocol 'question') runs once into a dense cache, keeping every layer's queries
+    (``model.forward``'s ``observe``); each point then compresses that cache with the
+    observation queries its method reads (``kvjax.cache.compress.compress``, the same
+    calls as ``decode.prefill_compressed``: H2O's attention accumulated over every prompt
+    query and SnapKV's observation window are both functions of the stored queries, so no
+    method needs a prefill of its own) and answers. A point without compression (a full
+    cache, or a kv_dtype: any config whose prefill is its own) gets the dense cache grown
+    to ``sample.length`` slots. Points whose prompt config (``prompt_config``: the model
+    without compression, its plan and kv_dtype) differs get their own prefill.
+
+    Args:
+      points: resolved configs (:func:`resolve_config`), one per lever; a window
+        (``window_size``) or a read-time page selection is refused.
+      protocols: a subset of :data:`PROTOCOLS`.
+    Returns:
+      {(protocol, index into points): SampleResult}; ``prefill_seconds`` of each is the
+      shared prefill's time plus the point's compression, ``decode_seconds`` its answers.
+    Raises:
+      ValueError: an unknown protocol, a windowed point or a page-selecting one.
+    """
+    bad = [p for p in protocols if p not in PROTOCOLS]
+    if bad or not protocols:
+        raise ValueError(f"protocols={list(protocols)}; allowed: one or more of "
+                         f"{list(PROTOCOLS)}")
+    for p in points:
+        if p.window_size is not None or p.kv_selects_pages:
+            raise ValueError(
+                f"a sweep point with window_size={p.window_size}, kv_compression="
+                f"{p.kv_compression!r}; allowed: a dense cache with or without an evicting "
+                "method (a window is streaming_llm at the same budget)")
+    metric = TASKS[sample.task].metric
+    out = {}
+    for protocol in protocols:
+        prompts = ([list(sample.context_ids)] if protocol == "context" else
+                   [list(sample.context_ids) + list(q.ids) for q in sample.questions])
+        per_point = {i: ([], 0.0, 0.0, 0, 0) for i in range(len(points))}
+        for qi, ids in enumerate(prompts):
+            # the question protocol's prompts padded to the context plus the question's
+            # room: one prefill and one compression program per length and point
+            # (docs/decisions/0039-longeval-sweep-one-prefill.md)
+            width = len(ids) if protocol == "context" else \
+                len(sample.context_ids) + QUESTION_ROOM
+            groups: dict = {}
+            for i, p in enumerate(points):
+                groups.setdefault(_cut_prompt(p, width), []).append(i)
+            tokens = jnp.asarray([ids + [0] * (width - len(ids))], jnp.int32)
+            valid = jnp.asarray([len(ids)], jnp.int32)
+            for (pcfg, slots), members in groups.items():
+                start = time.perf_counter()
+                logits, full, queries = _observed_prefill(params, tokens, valid, cfg=pcfg,
+                                                          slots=slots)
+                jax.block_until_ready(full.length)
+                shared = time.perf_counter() - start
+                for i in members:
+                    p = points[i]
+                    start = time.perf_counter()
+                    if p.kv_evicts:
+                        cache = _compress_observed(full, queries, cfg=p, prompt_len=width)
+                    else:
+                        cache = _grow(full, cfg=p, slots=sample.length)
+                    jax.block_until_ready(cache.length)
+                    prep = shared + time.perf_counter() - start
+                    start = time.perf_counter()
+                    if protocol == "question":
+                        res, allocated, slots_ = answer_prefilled(
+                            params, p, logits, cache, sample.questions[qi],
+                            sample.max_new_tokens, tokenizer, eos_ids, metric)
+                        got = [res]
+                    else:
+                        got = [ask(params, p, cache, q, sample.max_new_tokens, tokenizer,
+                                   eos_ids, metric) for q in sample.questions]
+                        allocated, slots_ = cache_lib.cache_bytes(cache), cache.num_slots
+                    results, pre, dec, _, _ = per_point[i]
+                    per_point[i] = (results + got, pre + prep,
+                                    dec + time.perf_counter() - start, allocated, slots_)
+        for i, (results, pre, dec, allocated, slots_) in per_point.items():
+            out[(protocol, i)] = SampleResult(
+                score=float(np.mean([r.score for r in results])),
+                answer_nll=float(np.mean([r.answer_nll for r in results])),
+                questions=results, kv_bytes_allocated=allocated,
+                kv_bytes_theory=theory.kv_cache_bytes(points[i], sample.length),
+                cache_slots=slots_, prefill_seconds=pre, decode_seconds=dec)
+    return out
+
+
+# ------------------------------------------------------ lever 5 at read time: paged rows
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _step_logits(params, token, cache, *, cfg):
+    """One decode step: token [1, 1] int32 at the cache's length -> (logits [1, V]
+    float32, the cache). On a paged cache with key bounds this is the step Quest
+    selects pages in (``attention.attend_pages``: T = 1)."""
+    logits, cache = model_lib.forward(params, cfg, token, cache.length[:, None], cache)
+    return logits[:, 0], cache
+
+
+def init_rows(cfg: ModelConfig, length: int, page_size: int):
+    """One row of a paged cache (``kvjax.cache.paged``) for ``length`` tokens: its
+    ceil(length / page_size) pages in order in the block table, and for a read-time page
+    selection their key bounds.
+
+    Raises:
+      ValueError: page_size below 1, or a budget the selection refuses (named).
+    """
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r} with model.kv_compression="
+                         f"{cfg.kv_compression!r}; allowed: an integer >= 1 (tokens per "
+                         "page: --config.page_size)")
+    pages = paged_lib.pages_for(length, page_size)
+    cache = paged_lib.init_paged_cache(cfg, 1, pages, page_size, pages)
+    return cache.replace(block_table=jnp.arange(pages, dtype=jnp.int32)[None, :])
+
+
+def _evaluate_paged(params, cfg: ModelConfig, sample: Sample, tokenizer, eos_ids,
+                    page_size: int, metric: str) -> SampleResult:
+    """The protocol on paged rows for a read-time page selection (Quest): the context is
+    prefilled into one row of ``sample.length`` tokens' pages (every page kept, each
+    with its key bounds); each question goes in one chunk (a chunk reads every page, as
+    Quest's own prefill does); then every decode step (T = 1) reads only the
+    kv_budget / page_size pages per KV head the method ranks first: the greedy answer,
+    and the reference answer's NLL with its tokens after the first teacher-forced one
+    step at a time (each scored on the pages its own query selects). Nothing is
+    evicted, so protocols 'context' and 'question' are the same run."""
+    start = time.perf_counter()
+    cache = init_rows(cfg, sample.length, page_size)
+    _, cache = _run_chunk(params, cfg, list(sample.context_ids), cache)
+    jax.block_until_ready(cache.length)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    eos = set(int(e) for e in eos_ids)
+    results = []
+    for question in sample.questions:
+        q, a = list(question.ids), list(question.answer_ids)
+        logits, qcache = _run_chunk(params, cfg, q, cache)
+        last, c, nll = logits[:, len(q) - 1], qcache, []
+        for i, tok_id in enumerate(a):
+            nll.append(-float(jax.nn.log_softmax(last[0], axis=-1)[tok_id]))
+            if i + 1 < len(a):
+                last, c = _step_logits(params, jnp.asarray([[tok_id]], jnp.int32), c,
+                                       cfg=cfg)
+        gen, c, last = [], qcache, logits[:, len(q) - 1]
+        while True:
+            gen.append(int(jnp.argmax(last[0])))
+            if gen[-1] in eos or len(gen) == sample.max_new_tokens:
+                break
+            last, c = _step_logits(params, jnp.asarray([[gen[-1]]], jnp.int32), c, cfg=cfg)
+        results.append(_scored(tokenizer, gen, eos_ids, question, metric,
+                               np.asarray(nll, np.float64)))
+    decode_s = time.perf_counter() - start
+    step = theory.page_selection_step_bytes(cfg, sample.length, page_size)
+    return SampleResult(
+        score=float(np.mean([r.score for r in results])),
+        answer_nll=float(np.mean([r.answer_nll for r in results])), questions=results,
+        kv_bytes_allocated=cache_lib.total_bytes((cache.tensors, cache.bounds)),
+        kv_bytes_theory=cache.pool_pages * paged_lib.page_bytes(cfg, page_size),
+        cache_slots=cache.num_slots, prefill_seconds=prefill_s, decode_seconds=decode_s,
+        kv_bytes_read=step["kv_read"] + step["bounds_read"])

@@ -151,10 +151,12 @@ def summarize(records: list, tasks, lengths, depths, context: int | None) -> dic
 
 def run_samples(params, cfg, tokenizer, tasks, lengths, depths, samples: int, seed: int,
                 query_first: bool, log_path: pathlib.Path, key: str,
-                progress: bool = True, protocol: str = "context") -> list:
+                progress: bool = True, protocol: str = "context",
+                page_size: int = 0) -> list:
     """Scores every task x length x depth x sample not yet in ``log_path`` (a JSONL resume
     log, appended one line per sample as it finishes) and returns the records of the
-    whole grid, in grid order. ``key``: the config's :func:`run_key`."""
+    whole grid, in grid order. ``key``: the config's :func:`run_key`. ``page_size``: a
+    read-time page selection's (Quest's) tokens per page (``lc.evaluate_sample``)."""
     from tqdm import tqdm  # noqa: PLC0415
 
     done = read_log(log_path)
@@ -173,7 +175,7 @@ def run_samples(params, cfg, tokenizer, tasks, lengths, depths, samples: int, se
                 resolved = {n: lc.resolve_config(cfg, n)}
             smp = lc.generate_sample(t, tokenizer, n, d, seed, i, query_first)
             res = lc.evaluate_sample(params, resolved[n], smp, tokenizer, eos,
-                                     protocol=protocol)
+                                     protocol=protocol, page_size=page_size)
             q = res.questions[0]
             rec = dict(key=skey(t, n, d, i), variant=key, task=t, length=n, depth=d, index=i,
                        seed=seed, query_first=query_first, score=res.score,
@@ -184,9 +186,138 @@ def run_samples(params, cfg, tokenizer, tasks, lengths, depths, samples: int, se
                        kv_bytes_allocated=res.kv_bytes_allocated,
                        cache_slots=res.cache_slots, prefill_seconds=res.prefill_seconds,
                        decode_seconds=res.decode_seconds)
+            if res.kv_bytes_read is not None:
+                rec["kv_bytes_read"] = res.kv_bytes_read
             log.write(json.dumps(rec) + "\n")
             log.flush()
             done[rec["key"]] = rec
             bar.set_postfix_str(f"{t} L={n} d={d:g} score={res.score:.2f}")
             bar.update()
     return [done[skey(t, n, d, i)] for n, t, d, i in grid]
+
+
+def sample_id(rec: dict) -> str:
+    """A record's sample, whatever its config: [task, length, depth, index, seed,
+    query_first] as JSON (the same sample under every lever)."""
+    return json.dumps([rec["task"], rec["length"], rec["depth"], rec["index"], rec["seed"],
+                       rec["query_first"]])
+
+
+def sample_scores(records: list) -> dict:
+    """{:func:`sample_id`: score} of ``records``: what a paired test matches runs by."""
+    return {sample_id(r): r["score"] for r in records}
+
+
+def protocol_key(key: str, protocol: str) -> str:
+    """The resume log's key of a config's :func:`run_key` under ``protocol``."""
+    return key + ("" if protocol == "context" else f" protocol={protocol}")
+
+
+def shard_log(log_path: pathlib.Path, shard: tuple | None) -> pathlib.Path:
+    """The log a shard (k, n) of a sweep appends to: ``samples.shard-k-of-n.jsonl`` beside
+    ``log_path``; ``log_path`` itself without a shard."""
+    if shard is None:
+        return log_path
+    return log_path.with_name(f"{log_path.stem}.shard-{shard[0]}-of-{shard[1]}"
+                              f"{log_path.suffix}")
+
+
+def read_logs(log_path: pathlib.Path) -> dict:
+    """:func:`read_log` of ``log_path`` and of every shard's log beside it
+    (:func:`shard_log`): what a sweep run in several processes has done."""
+    out = {}
+    for p in [log_path] + sorted(log_path.parent.glob(f"{log_path.stem}.shard-*"
+                                                      f"{log_path.suffix}")):
+        out.update(read_log(p))
+    return out
+
+
+def parse_shard(text: str | None) -> tuple | None:
+    """'k/n' -> (k, n), None for None or ''.
+
+    Raises:
+      ValueError: not two integers with 0 <= k < n (named).
+    """
+    if not text:
+        return None
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        k = n = -1
+    if not 0 <= k < n:
+        raise ValueError(f"--shard={text}; allowed: K/N with integers 0 <= K < N (this "
+                         "process scores every N-th sample still to do, from the K-th)")
+    return k, n
+
+
+def run_sweep(params, points, tokenizer, tasks, lengths, depths, samples: int, seed: int,
+              query_first: bool, log_path: pathlib.Path, protocols,
+              progress: bool = True, shard: tuple | None = None,
+              score: bool = True) -> dict:
+    """:func:`run_samples` for many levers on one prefill per sample
+    (:func:`lc.evaluate_sweep`): every sample of the grid not yet in ``log_path`` under
+    every point x protocol is scored once and each (point, protocol) appended as its own
+    record, keyed as a single-config run of that point would key it
+    (:func:`protocol_key` of :func:`run_key`), so a sweep's log and single runs' logs
+    resume each other. Samples go index first (every task and depth of index 0, then
+    index 1, ...), so a sweep cut short holds a balanced grid.
+
+    Args:
+      points: unresolved configs, one per lever (each is resolved per length).
+      protocols: a subset of ``lc.PROTOCOLS``.
+      shard: (k, n): score only the samples to do at positions k, k + n, ... of the
+        grid's remaining ones, appending to :func:`shard_log` (n processes share the
+        work; every log beside ``log_path`` counts as done).
+      score: False: score nothing, return what the logs hold (a sweep cut short).
+    Returns:
+      {(protocol, point index): records of the samples done, in grid order}.
+    """
+    from tqdm import tqdm  # noqa: PLC0415
+
+    done = read_logs(log_path)
+    keys = {(pr, i): protocol_key(run_key(p), pr) for pr in protocols
+            for i, p in enumerate(points)}
+    grid = [(n, t, d, i) for n in lengths for i in range(samples) for t in tasks
+            for d in depths]
+    skey = lambda k, g: sample_key(k, g[1], g[0], g[2], g[3], seed, query_first)
+    todo = [g for g in grid if any(skey(k, g) not in done for k in keys.values())]
+    print(f"sweep: {len(points)} levers x {len(protocols)} protocols; {len(grid)} samples, "
+          f"{len(grid) - len(todo)} already in {log_path} and its shards' logs")
+    if shard is not None:
+        todo = todo[shard[0]::shard[1]]
+    if not score:
+        todo = []
+    eos = tokenizer.eos_token_ids
+    resolved = {}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(shard_log(log_path, shard), "a") as log, \
+            tqdm(total=len(todo), unit="sample", dynamic_ncols=True,
+                 disable=not progress) as bar:
+        for g in todo:
+            n, t, d, i = g
+            if n not in resolved:
+                resolved = {n: [lc.resolve_config(p, n) for p in points]}
+            smp = lc.generate_sample(t, tokenizer, n, d, seed, i, query_first)
+            res = lc.evaluate_sweep(params, resolved[n], smp, tokenizer, eos, protocols)
+            for (pr, j), r in res.items():
+                k = skey(keys[(pr, j)], g)
+                if k in done:
+                    continue
+                q = r.questions[0]
+                rec = dict(key=k, variant=keys[(pr, j)], task=t, length=n, depth=d,
+                           index=i, seed=seed, query_first=query_first, score=r.score,
+                           answer_nll=r.answer_nll, prediction=q.prediction,
+                           references=list(smp.questions[0].references),
+                           prompt_tokens=smp.prompt_len,
+                           needle_positions=smp.needle_positions,
+                           kv_bytes_theory=r.kv_bytes_theory,
+                           kv_bytes_allocated=r.kv_bytes_allocated,
+                           cache_slots=r.cache_slots, prefill_seconds=r.prefill_seconds,
+                           decode_seconds=r.decode_seconds, shared_prefill=True)
+                log.write(json.dumps(rec) + "\n")
+                done[k] = rec
+            log.flush()
+            bar.set_postfix_str(f"{t} L={n} d={d:g} i={i}")
+            bar.update()
+    return {kk: [done[skey(k, g)] for g in grid if skey(k, g) in done]
+            for kk, k in keys.items()}
