@@ -854,11 +854,39 @@ def test_every_n_ragged_loop_rows_match_alone():
         np.testing.assert_array_equal(both[b, :budgets[b]], np.asarray(out)[0])
 
 
-def test_the_engine_refuses_every_n_by_name():
-    """The slot engine (its paged rows refuse any compression already) copies a one-row
-    prefill's kept slots into its rows, not the decode-time scoring state."""
+@pytest.mark.parametrize("method, n", [("h2o", 2), ("tova", 1)])
+def test_the_engine_compresses_every_n_rows_as_alone(method, n):
+    """The slot engine's dense rows, each compressed every N steps: requests of
+    different prompt lengths and budgets join rows at different steps (two rows, three
+    requests, three steps per sync, so a row's compressions fall inside and across
+    blocks); each request's tokens equal its decoding alone with the same schedule."""
+    from kvjax.inference import engine
+    cfg = cfg_for(method, budget=20, compression=every(n))
+    params = model_lib.init_params(cfg, 0)
+    r = np.random.default_rng(1)
+    prompts = [tuple(int(x) for x in r.integers(3, 97, t)) for t in (50, 29, 61)]
+    budgets = [13, 6, 11]
+    eng = engine.Engine(params, cfg, num_slots=2, max_seq_len=128, steps_per_sync=3)
+    done, _ = eng.run([engine.Request(i, p, m)
+                       for i, (p, m) in enumerate(zip(prompts, budgets))])
+    assert [c.slot for c in done] == [0, 1, 1]  # the third joins the second's row
+    for c, p, m in zip(done, prompts, budgets):
+        want = decode_tokens(params, cfg, jnp.asarray([p], jnp.int32), steps=m - 1)[0]
+        np.testing.assert_array_equal(np.asarray(c.tokens), want)
+
+
+@pytest.mark.parametrize("run, match", [
+    (dict(page_size=16, num_pages=32), "kv_compression='tova' with page_size=16"),
+    (dict(speculative="ngram"), "kv_compression='tova' with speculative decoding"),
+])
+def test_the_engine_refuses_every_n_on_pages_or_speculative_by_name(run, match):
+    """What the engine still cannot run with a compressed cache, every-N included: pages
+    (a compressed row is a dense row) and speculative decoding."""
+    from kvjax.config import SpeculativeConfig
     from kvjax.inference import engine
     cfg = cfg_for("tova", compression=every(2))
     params = model_lib.init_params(cfg, 0)
-    with pytest.raises(ConfigError, match="schedule='every_n'"):
-        engine.Engine(params, cfg, num_slots=2, max_seq_len=128)
+    if "speculative" in run:
+        run = dict(speculative=SpeculativeConfig(drafter="ngram", k=2))
+    with pytest.raises(ConfigError, match=match):
+        engine.Engine(params, cfg, num_slots=2, max_seq_len=128, **run)

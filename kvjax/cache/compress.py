@@ -24,7 +24,9 @@ masked); ``positions`` are then the smallest layer's, the others' follow from th
 
 Schedule 'every_n' (``model.compression.schedule``, N = ``every_n``; N = 1: every step)
 compresses again during decoding (:func:`recompress`, under a ``lax.cond`` in
-:func:`kvjax.inference.decode.decode_loop`): once a row's ring holds N tokens, its
+:func:`kvjax.inference.decode.decode_loop`: the main job, the ragged loop and the slot
+engine's dense rows, whose free rows hold :func:`empty_schedule` and take a request's
+state with its prefilled row, :func:`put_schedule_row`): once a row's ring holds N tokens, its
 kept + ring slots are scored and each KV head keeps its top kv_budget again, in slots
 0 .. kv_budget - 1, and the ring empties. What the method sees then is
 ``KVCache.schedule`` (:func:`init_schedule`): the decode queries since the last
@@ -51,7 +53,8 @@ from kvjax.cache import kv as cache_lib
 from kvjax.config import ModelConfig
 
 __all__ = ["query_count", "observation_queries", "select", "compress", "prompt_config",
-           "layer_budgets", "prompt_slots", "init_schedule", "observe_step", "due_rows",
+           "layer_budgets", "prompt_slots", "init_schedule", "empty_schedule",
+           "SCHEDULE_BATCH_AXES", "put_schedule_row", "observe_step", "due_rows",
            "recompress"]
 
 
@@ -249,6 +252,42 @@ def init_schedule(cfg: ModelConfig, batch: int, kept_positions: jax.Array,
     if accumulated is not None:
         state["accumulated"] = accumulated
     return state
+
+
+SCHEDULE_BATCH_AXES = {"queries": 1, "query_positions": 0, "count": 0,
+                       "kept_positions": 1, "accumulated": 1}
+"""The batch-row axis of each array of the scoring state (:func:`init_schedule`)."""
+
+
+def empty_schedule(cfg: ModelConfig, batch: int) -> dict:
+    """:func:`init_schedule` for ``batch`` rows that hold no token yet (a slot engine's
+    free rows, :class:`kvjax.inference.engine.DenseRows`): no kept slot (positions -1),
+    nothing buffered, H2O's accumulator zero. A row's state is put in place with its
+    prefilled row (:func:`put_schedule_row`)."""
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, cfg.kv_budget)
+    acc = jnp.zeros(shape, jnp.float32) \
+        if compression.get(cfg.kv_compression).queries == "all" else None
+    return init_schedule(cfg, batch, jnp.full(shape, -1, jnp.int32), acc)
+
+
+def put_schedule_row(state: dict, row: dict, slot: jax.Array) -> dict:
+    """``state`` (B rows) with row ``slot`` ([] int32, traced) replaced by the one-row
+    state ``row`` (a one-row prefill's, :func:`compress`), each array along its
+    :data:`SCHEDULE_BATCH_AXES` axis.
+
+    Raises:
+      ValueError: the two states hold different arrays (e.g. one with H2O's
+        accumulator, one without).
+    """
+    if set(state) != set(row):
+        raise ValueError(f"a scoring state of {sorted(row)} put into one of "
+                         f"{sorted(state)}; allowed: the same config's")
+    out = {}
+    for name, dst in state.items():
+        start = [0] * dst.ndim
+        start[SCHEDULE_BATCH_AXES[name]] = slot
+        out[name] = jax.lax.dynamic_update_slice(dst, row[name].astype(dst.dtype), start)
+    return out
 
 
 def observe_step(cache: cache_lib.KVCache, queries: tuple, positions: jax.Array,
