@@ -890,3 +890,24 @@ def test_the_engine_refuses_every_n_on_pages_or_speculative_by_name(run, match):
         run = dict(speculative=SpeculativeConfig(drafter="ngram", k=2))
     with pytest.raises(ConfigError, match=match):
         engine.Engine(params, cfg, num_slots=2, max_seq_len=128, **run)
+
+
+def test_the_cost_hooks_loop_compresses_every_n_from_a_full_cache():
+    """costs.full_cache of a compressed config holds its kept slots (markers) and a full
+    ring, with a scoring state under 'every_n'; the generate loop the cost hook compiles
+    (from shapes) re-scores: from a full ring, every 3 steps compress at steps 1 and 4,
+    so 5 steps leave 1 token in the ring (without re-scoring it would stay full)."""
+    from kvjax.analysis import costs
+    cfg = cfg_for("h2o", budget=24, compression=every(3))
+    cache = costs.full_cache(cfg, 1, 100)
+    pos = np.asarray(cache.positions)[0]
+    np.testing.assert_array_equal(pos[:24], np.arange(24))
+    np.testing.assert_array_equal(np.sort(pos[24:]), np.arange(99 - KNOBS.recent_slots, 99))
+    assert cache.schedule is not None and int(cache.length[0]) == 99
+    assert cache_lib.cache_bytes(cache) == theory.kv_cache_bytes(cfg, 100)
+    loop = costs.compile_generate(cfg, 1, 100)
+    params = model_lib.fuse_projections(cfg, model_lib.init_params(cfg, 0))
+    _, steps, out = loop(params, jnp.zeros((1,), jnp.int32), cache, jnp.int32(5),
+                         jax.random.key(0), jnp.int32(-1))
+    ring = np.asarray(out.positions)[0, 24:]
+    assert int(steps) == 5 and (ring >= 0).sum() == 1 and ring.max() == 103
