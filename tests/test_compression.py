@@ -434,10 +434,12 @@ def test_run_level_refusals(run, match):
         RunConfig(model=model, weights="random", **run)
 
 
-def test_speculative_is_refused():
+def test_speculative_every_n_is_refused():
+    """The main job speculates on a cache compressed after its prefill (tested in
+    tests/test_speculative.py), not on one re-scored every N steps."""
     from kvjax.config import SpeculativeConfig
-    model = tiny_config(kv_compression="snapkv", kv_budget=100)
-    with pytest.raises(ConfigError, match="speculative.drafter='ngram'"):
+    model = tiny_config(kv_compression="snapkv", kv_budget=100, compression=every(2))
+    with pytest.raises(ConfigError, match="speculative.drafter='ngram'.*schedule='every_n'"):
         RunConfig(model=model, weights="random", speculative=SpeculativeConfig(
             drafter="ngram", k=2))
 
@@ -497,14 +499,46 @@ def test_the_dense_engine_serves_compressed_rows(mla):
         engine.Engine(params, cfg, num_slots=2, max_seq_len=128, page_size=16, num_pages=32)
 
 
-def test_the_speculative_loop_refuses_a_compressed_target():
+def test_the_speculative_loop_refuses_every_n_by_name():
     from kvjax.config import SpeculativeConfig
     from kvjax.inference import speculative
-    cfg = cfg_for("snapkv", budget=20)
-    cache = cache_lib.init_cache(cfg, 1, 64, ragged=True)
-    with pytest.raises(ConfigError, match="kv_compression='snapkv'"):
+    cfg = cfg_for("h2o", budget=20, compression=every(2))
+    cache = speculative.init_target_cache(cfg, 1, 64, 2)
+    with pytest.raises(ConfigError, match="kv_compression='h2o'.*schedule='every_n'"):
         speculative.generate(None, cfg, SpeculativeConfig(drafter="ngram", k=2), [[1, 2]],
                              jnp.asarray([3], jnp.int32), cache, 4)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o"])
+def test_greedy_speculation_on_a_compressed_cache_equals_plain(method):
+    """Compressed after its prefill, the cache is a fixed kept set (pinned slots) and a
+    ring, which the prefill into init_target_cache gives k + 1 spare slots: greedy
+    speculative decoding (drafts accepted and rejected, the ring wrapped twice) emits
+    plain greedy decoding's tokens, and its cache ends holding what plain decoding's
+    shows."""
+    from kvjax.config import SpeculativeConfig
+    from kvjax.inference import speculative
+    cfg = cfg_for(method, budget=20)
+    spec = SpeculativeConfig(drafter="ngram", k=3, ngram_max=2)
+    params = model_lib.init_params(cfg, 0)
+    tokens = jnp.asarray(np.tile(prompt(1, 9, seed=2), (1, 5)))  # repeats: drafts hit
+    want = decode_tokens(params, cfg, tokens, steps=40)[0]
+    cache = speculative.init_target_cache(cfg, 1, 128, spec.k)
+    assert cache.num_slots == 20 + KNOBS.recent_slots + spec.k + 1
+    logits, cache = decode.prefill(params, cfg, tokens, cache)
+    first = jnp.argmax(logits, -1).astype(jnp.int32)
+    assert int(first[0]) == want[0]
+    got, stats, cache, _ = speculative.generate(params, cfg, spec, [tokens[0].tolist()],
+                                                first, cache, 40)
+    np.testing.assert_array_equal(got[0], want[1:])
+    assert 0 < stats.accepted[0] < stats.proposed[0]
+    assert cache.num_slots == 20 + KNOBS.recent_slots + spec.k + 1
+    # what the next query sees: the kept slots and the last recent_slots - 1 positions
+    pos = np.asarray(cache.positions)[0]
+    seen = np.asarray(cache_lib.policy_for(cfg).visible(
+        cache.length[:, None], cache.positions))[0, 0]
+    ring = np.sort(pos[seen & (np.arange(pos.size) >= 20)])
+    np.testing.assert_array_equal(ring, np.arange(85 - KNOBS.recent_slots + 1, 85))
 
 
 # ------------------------------------------------------------------ PyramidKV

@@ -145,8 +145,8 @@ def _gather(x: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
     return jnp.take_along_axis(x, idx[:, :, None, :], axis=3)
 
 
-def compress(cfg: ModelConfig, full: cache_lib.KVCache, queries: tuple | None
-             ) -> cache_lib.KVCache:
+def compress(cfg: ModelConfig, full: cache_lib.KVCache, queries: tuple | None,
+             ring: int | None = None) -> cache_lib.KVCache:
     """The compressed cache of ``cfg`` from the full cache a prompt was prefilled into.
 
     Args:
@@ -157,18 +157,26 @@ def compress(cfg: ModelConfig, full: cache_lib.KVCache, queries: tuple | None
       queries: per layer ([B, Q, K, G, H], [B, Q] positions) from
         :func:`observation_queries` (MLA: [B, Q, 1, N, C + R] absorbed queries), or None
         for a method reading no query.
+      ring: slots after the kept ones (None: recent_slots; a speculative target keeps
+        k + 1 spare, :func:`kvjax.inference.speculative.init_target_cache`).
     Returns:
-      A cache of ``cfg`` with kv_budget + recent_slots slots per row (layer i: b_i +
-      recent_slots with per-layer budgets): the kept slots first, the ring after them
-      empty; ``length`` and ``ragged`` as ``full``'s.
+      A cache of ``cfg`` with kv_budget + ``ring`` slots per row (layer i: b_i + ring
+      with per-layer budgets): the kept slots first, the ring after them empty;
+      ``length`` and ``ragged`` as ``full``'s.
     Raises:
-      ValueError: ``full`` has fewer slots than the largest budget.
+      ValueError: ``full`` has fewer slots than the largest budget, or ``ring`` is
+        below recent_slots.
     """
     method = compression.get(cfg.kv_compression)
     budgets = layer_budgets(cfg)
     if full.num_slots < max(budgets):
         raise ValueError(f"a prompt cache of {full.num_slots} slots for a budget of "
                          f"{max(budgets)}; allowed: at least {max(budgets)} slots")
+    recent = cfg.compression.recent_slots
+    ring = recent if ring is None else ring
+    if ring < recent:
+        raise ValueError(f"ring={ring} slots after the kept ones; allowed: at least "
+                         f"model.compression.recent_slots={recent}")
     pcfg = prompt_config(cfg)
     names = list(full.tensors)
     kept = {n: [] for n in names}
@@ -181,7 +189,6 @@ def compress(cfg: ModelConfig, full: cache_lib.KVCache, queries: tuple | None
         acc.append(a)
         for n in names:
             kept[n].append(_gather(layer[n], idx, cache_lib.slot_axis(pcfg, n)))
-    ring = cfg.compression.recent_slots
     tensors = {}
     for n in names:
         layers = [_pad_slots(x, ring, cache_lib.slot_axis(pcfg, n)) for x in kept[n]]
