@@ -859,8 +859,9 @@ def _program_args(params, cfg, spec, prompts, first_token, cache, num_steps, dra
         if policy_for(c).kind == "ring" and \
                 0 <= kv.num_slots - c.cache_window < spare_slots(c, spec.k):
             raise ValueError(
-                f"{name} holds {kv.num_slots} slots for a window of {c.cache_window} "
-                f"(window_size, or a compressed cache's kv_budget + recent_slots); "
+                f"{name} holds {kv.num_slots} slots for "
+                + (f"window_size={c.window_size}" if c.window_size else
+                   f"kv_budget + recent_slots={c.cache_window}") + "; "
                 f"allowed: at least {c.cache_window + spare_slots(c, spec.k)} (k + 1 = "
                 f"{spec.k + 1} spare, so a rejected draft evicts no key the window shows: "
                 "init_target_cache / init_draft_cache)")
