@@ -1138,10 +1138,16 @@ class RunConfig:
         if self.prefill_chunk is not None:
             _fail("prefill_chunk", self.prefill_chunk,
                   f"None {why} (the prompt is scored and compressed after one prefill pass)")
-        if self.speculative.enabled:
+        if self.speculative.enabled and m.compression.schedule != "prefill":
             _fail("speculative.drafter", self.speculative.drafter,
-                  f"'none' {why} (rolling drafts back on a compressed cache is not "
-                  "implemented)")
+                  f"'none' {why} and model.compression.schedule="
+                  f"{m.compression.schedule!r} (a decode-time re-scoring is not rolled "
+                  "back; schedule 'prefill' leaves a kept set and a ring, rolled back as a "
+                  "window's)")
+        if self.speculative.drafter == "self":
+            _fail("speculative.drafter", self.speculative.drafter,
+                  f"'ngram' or 'model' {why} (a 'self' draft's cheap cache is not derived "
+                  "from a compressed one)")
         if self.mesh.size > 1:
             _fail("mesh", self.mesh, f"one device {why} (not implemented on a mesh)")
 

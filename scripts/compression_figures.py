@@ -1,14 +1,17 @@
 r"""Lever 5's bytes three ways on SmolLM2's shapes (random weights: bytes and times do not
 depend on the values): allocated against theory for every method and budget, the
 compiled decode step against theory at the budget, the scoring overhead in the compiled
-prefill, and the measured step at t = 8K with a budget of 512 against the full cache's
-step at t = 512 and at t = 8K. PyramidKV's per-layer caches (``--only pyramid``): each
+prefill, and the measured generate loop per token at t = 8K with a budget of 512, every method
+after its prefill and every N = 1, 8, 64 steps (``--only timed``), against the full
+cache's at t = 512 and at t = 8K, with the every-N scoring overhead beside theory's
+(:func:`kvjax.analysis.theory.schedule_overhead`). PyramidKV's per-layer caches (``--only pyramid``): each
 layer's slots, the allocated bytes against theory's at the budget and a uniform cache's,
 and its compiled decode step against theory.
 
     PYTHONPATH=. python scripts/compression_figures.py                  # ~10 min, 2 cores
     PYTHONPATH=. python scripts/compression_figures.py --budgets 64,512 --prompt 1024
     PYTHONPATH=. python scripts/compression_figures.py --only pyramid --prompt 1024
+    PYTHONPATH=. python scripts/compression_figures.py --only timed --rounds 3  # ~30 min
 
 Prints markdown tables for docs/results/<machine>.md.
 """
@@ -16,7 +19,9 @@ Prints markdown tables for docs/results/<machine>.md.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -110,18 +115,84 @@ def overhead_rows(prompt_len: int, budget: int) -> list:
             for m in filter(compression.evicts, compression.names())]
 
 
-def timed(context: int, budget: int, repeats: int, rounds: int) -> dict:
-    """Median step seconds, the three configs interleaved round by round."""
-    cases = {"full t=512": (smollm2(), 512), f"full t={context}": (smollm2(), context),
-             f"budget {budget} t={context}": (
-                 smollm2(kv_compression="snapkv", kv_budget=budget), context)}
-    compiled = {k: costs.compile_decode_step(c, 1, t) for k, (c, t) in cases.items()}
-    times = {k: [] for k in cases}
-    for _ in range(rounds):
-        for k, (c, t) in cases.items():
-            times[k] += costs.measure_decode_step(c, t, repeats=repeats,
-                                                  compiled=compiled[k], budget_s=None)
-    return {k: statistics.median(v) for k, v in times.items()}
+SCHEDULES = ("prefill", 1, 8, 64)
+"""The schedules ``--only timed`` runs: after the prefill, and every N = 1, 8, 64 steps."""
+
+
+def timed_cases(context: int, budget: int, methods) -> dict:
+    """name -> (config, context) of the timed loops: the full cache at t = 512 and at
+    ``context``, and each method x schedule at ``context`` (every-N for the methods
+    that can re-score during decoding: not PyramidKV's per-layer budgets)."""
+    cases = {"full t=512": (smollm2(), 512), f"full t={context}": (smollm2(), context)}
+    uniform = [m for m in methods if compression.get(m).layer_budgets is None]
+    if uniform:  # after its prefill a method's step is the same program for all of them
+        cases[_case("uniform", "prefill")] = (
+            smollm2(kv_compression=uniform[0], kv_budget=budget), context)
+    for m in methods:
+        for n in SCHEDULES:
+            if (n == "prefill") == (m in uniform):
+                continue
+            knobs = {} if n == "prefill" else dict(compression=compression.CompressionConfig(
+                schedule="every_n", every_n=n))
+            cases[_case(m, n)] = (smollm2(kv_compression=m, kv_budget=budget, **knobs),
+                                  context)
+    return cases
+
+
+def _case(method: str, n) -> str:
+    """A timed case's name; 'uniform': every method with one budget in every layer."""
+    if method == "uniform":
+        return "every uniform-budget method, after prefill (one program)"
+    return f"{method}, " + ("after prefill" if n == "prefill" else f"every {n}")
+
+
+def _loop_cache(cfg, context: int, steps: int):
+    """A cache a loop of up to ``steps`` steps ends at ``context`` in: full at context -
+    steps (:func:`kvjax.analysis.costs.full_cache`), in ``context`` slots (a dense cache
+    read in full, masked; a compressed one holds its budget + ring whatever t is)."""
+    cache = costs.full_cache(cfg, 1, context - steps)
+    if cache_lib.num_slots(cfg, context) != cache.num_slots:
+        big = cache_lib.init_cache(cfg, 1, context)
+        cache = big.replace(positions=big.positions.at[:, :cache.num_slots].set(
+            cache.positions), length=cache.length)
+    return cache
+
+
+def timed(context: int, budget: int, rounds: int, methods, steps=(0, 64)) -> dict:
+    """Seconds per generated token of each case's compiled generate loop
+    (:func:`timed_cases`), interleaved: each round runs every case's loop at n1 and n2
+    steps from the same cache (reset after each call), per token (t(n2) - t(n1)) /
+    (n2 - n1), so a call's fixed cost cancels. The cache starts full
+    (:func:`kvjax.analysis.costs.full_cache`: a compressed one's kept slots and a full
+    ring of recent_slots >= 64 tokens, so an every-N cache compresses at its first
+    step, then every N), and n1, n2 - n1 are multiples of 64: every every-N case runs
+    (n2 - n1) / N compressions in the difference. Returns (name -> [per-round seconds
+    per token], the cases)."""
+    n1, n2 = steps
+    cases = timed_cases(context, budget, methods)
+    run = {}
+    for name, (c, t) in cases.items():  # compile everything before any timing
+        cfg = costs.planned(c, 1, t)
+        params = model_lib.fuse_projections(cfg, model_lib.init_params(cfg, 0))
+        host = jax.tree.map(np.asarray, _loop_cache(cfg, t, n2))
+        run[name] = (costs.compile_generate(cfg, 1, t), params, host)
+    out = {k: [] for k in cases}
+    for i in range(rounds + 1):  # the first round warms up
+        per = {}
+        for name, (fn, params, host) in run.items():
+            secs = []
+            for n in (n1, n2):
+                cache = jax.tree.map(jnp.asarray, host)
+                start = time.perf_counter()
+                buf, _, cache = fn(params, jnp.zeros((1,), jnp.int32), cache, jnp.int32(n),
+                                   jax.random.key(0), jnp.int32(-1))
+                buf.block_until_ready()
+                secs.append(time.perf_counter() - start)
+            per[name] = (secs[1] - secs[0]) / (n2 - n1)
+        if i:
+            for k, v in per.items():
+                out[k].append(v)
+    return out, cases
 
 
 def main():
@@ -130,8 +201,10 @@ def main():
     ap.add_argument("--prompt", type=int, default=1024,
                     help="prompt tokens of the allocated-bytes check")
     ap.add_argument("--context", type=int, default=8192)
-    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--methods", default=",".join(
+        m for m in compression.names() if compression.evicts(m)),
+        help="the methods --only timed runs (every-N: all but per-layer budgets)")
     ap.add_argument("--only", default="allocated,step,overhead,timed",
                     help="which tables to print")
     a = ap.parse_args()
@@ -147,7 +220,12 @@ def main():
                 smollm2(kv_compression="pyramidkv", kv_budget=b)
     except (ValueError, ConfigError) as e:
         ap.error(f"--budgets={a.budgets}: {e}")
-    for name in ("prompt", "context", "repeats", "rounds"):
+    bad = [m for m in a.methods.split(",") if m not in compression.names()
+           or not compression.evicts(m)]
+    if bad:
+        ap.error(f"--methods={a.methods}: {bad}; allowed: a comma-separated subset of "
+                 f"{[m for m in compression.names() if compression.evicts(m)]}")
+    for name in ("prompt", "context", "rounds"):
         if getattr(a, name) < 1:
             ap.error(f"--{name}={getattr(a, name)}; allowed: an integer >= 1")
     print(f"device: {jax.devices()[0].device_kind}")
@@ -199,12 +277,31 @@ def _print_overhead(context):
 
 
 def _print_timed(a):
-    med = timed(a.context, 512, a.repeats, a.rounds)
-    base = med["full t=512"]
-    print(f"\n| step (median of {a.rounds} interleaved rounds x {a.repeats}) | ms | "
-          "vs full t=512 |\n|---|---|---|")
-    for k, v in med.items():
-        print(f"| {k} | {v * 1e3:.2f} | {v / base:.3f} |")
+    load0 = os.getloadavg()
+    per, cases = timed(a.context, 512, a.rounds, a.methods.split(","))
+    load1 = os.getloadavg()
+    base = per["full t=512"]
+    ratio = {k: statistics.median(x / b for x, b in zip(v, base)) for k, v in per.items()}
+    med = {k: statistics.median(v) for k, v in per.items()}
+    print(f"\nload average (1, 5, 15 min) before {load0}, after {load1}")
+    print(f"\n| generated token, budget 512 (median of {a.rounds} interleaved rounds) | "
+          "ms | vs full t=512 (median of per-round ratios) |\n|---|---|---|")
+    for k in per:
+        print(f"| {k} | {med[k] * 1e3:.2f} | {ratio[k]:.3f} |")
+    # the scoring overhead of every N: against the same method after prefill
+    print(f"\n| scoring overhead per step, t={a.context} | measured ms (every N - after "
+          "prefill) | theory B/step | theory ms at the after-prefill step's B/s | "
+          "measured / theory |\n|---|---|---|---|---|")
+    for k, (c, t) in cases.items():
+        if c.kv_compression is None or c.compression.schedule != "every_n":
+            continue
+        pre = _case("uniform", "prefill")
+        diff = statistics.median(x - y for x, y in zip(per[k], per[pre]))
+        over = theory.schedule_overhead(c)
+        bw = theory.step_bytes(cases[pre][0], t).total / med[pre]  # achieved B/s
+        want = over["bytes_per_step"] / bw
+        print(f"| {k} | {diff * 1e3:.3f} | {over['bytes_per_step']:,.0f} | "
+              f"{want * 1e3:.3f} | {diff / want:.2f} |")
 
 
 if __name__ == "__main__":

@@ -434,10 +434,12 @@ def test_run_level_refusals(run, match):
         RunConfig(model=model, weights="random", **run)
 
 
-def test_speculative_is_refused():
+def test_speculative_every_n_is_refused():
+    """The main job speculates on a cache compressed after its prefill (tested in
+    tests/test_speculative.py), not on one re-scored every N steps."""
     from kvjax.config import SpeculativeConfig
-    model = tiny_config(kv_compression="snapkv", kv_budget=100)
-    with pytest.raises(ConfigError, match="speculative.drafter='ngram'"):
+    model = tiny_config(kv_compression="snapkv", kv_budget=100, compression=every(2))
+    with pytest.raises(ConfigError, match="speculative.drafter='ngram'.*schedule='every_n'"):
         RunConfig(model=model, weights="random", speculative=SpeculativeConfig(
             drafter="ngram", k=2))
 
@@ -497,14 +499,46 @@ def test_the_dense_engine_serves_compressed_rows(mla):
         engine.Engine(params, cfg, num_slots=2, max_seq_len=128, page_size=16, num_pages=32)
 
 
-def test_the_speculative_loop_refuses_a_compressed_target():
+def test_the_speculative_loop_refuses_every_n_by_name():
     from kvjax.config import SpeculativeConfig
     from kvjax.inference import speculative
-    cfg = cfg_for("snapkv", budget=20)
-    cache = cache_lib.init_cache(cfg, 1, 64, ragged=True)
-    with pytest.raises(ConfigError, match="kv_compression='snapkv'"):
+    cfg = cfg_for("h2o", budget=20, compression=every(2))
+    cache = speculative.init_target_cache(cfg, 1, 64, 2)
+    with pytest.raises(ConfigError, match="kv_compression='h2o'.*schedule='every_n'"):
         speculative.generate(None, cfg, SpeculativeConfig(drafter="ngram", k=2), [[1, 2]],
                              jnp.asarray([3], jnp.int32), cache, 4)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o"])
+def test_greedy_speculation_on_a_compressed_cache_equals_plain(method):
+    """Compressed after its prefill, the cache is a fixed kept set (pinned slots) and a
+    ring, which the prefill into init_target_cache gives k + 1 spare slots: greedy
+    speculative decoding (drafts accepted and rejected, the ring wrapped twice) emits
+    plain greedy decoding's tokens, and its cache ends holding what plain decoding's
+    shows."""
+    from kvjax.config import SpeculativeConfig
+    from kvjax.inference import speculative
+    cfg = cfg_for(method, budget=20)
+    spec = SpeculativeConfig(drafter="ngram", k=3, ngram_max=2)
+    params = model_lib.init_params(cfg, 0)
+    tokens = jnp.asarray(np.tile(prompt(1, 9, seed=2), (1, 5)))  # repeats: drafts hit
+    want = decode_tokens(params, cfg, tokens, steps=40)[0]
+    cache = speculative.init_target_cache(cfg, 1, 128, spec.k)
+    assert cache.num_slots == 20 + KNOBS.recent_slots + spec.k + 1
+    logits, cache = decode.prefill(params, cfg, tokens, cache)
+    first = jnp.argmax(logits, -1).astype(jnp.int32)
+    assert int(first[0]) == want[0]
+    got, stats, cache, _ = speculative.generate(params, cfg, spec, [tokens[0].tolist()],
+                                                first, cache, 40)
+    np.testing.assert_array_equal(got[0], want[1:])
+    assert 0 < stats.accepted[0] < stats.proposed[0]
+    assert cache.num_slots == 20 + KNOBS.recent_slots + spec.k + 1
+    # what the next query sees: the kept slots and the last recent_slots - 1 positions
+    pos = np.asarray(cache.positions)[0]
+    seen = np.asarray(cache_lib.policy_for(cfg).visible(
+        cache.length[:, None], cache.positions))[0, 0]
+    ring = np.sort(pos[seen & (np.arange(pos.size) >= 20)])
+    np.testing.assert_array_equal(ring, np.arange(85 - KNOBS.recent_slots + 1, 85))
 
 
 # ------------------------------------------------------------------ PyramidKV
@@ -854,11 +888,60 @@ def test_every_n_ragged_loop_rows_match_alone():
         np.testing.assert_array_equal(both[b, :budgets[b]], np.asarray(out)[0])
 
 
-def test_the_engine_refuses_every_n_by_name():
-    """The slot engine (its paged rows refuse any compression already) copies a one-row
-    prefill's kept slots into its rows, not the decode-time scoring state."""
+@pytest.mark.parametrize("method, n", [("h2o", 2), ("tova", 1)])
+def test_the_engine_compresses_every_n_rows_as_alone(method, n):
+    """The slot engine's dense rows, each compressed every N steps: requests of
+    different prompt lengths and budgets join rows at different steps (two rows, three
+    requests, three steps per sync, so a row's compressions fall inside and across
+    blocks); each request's tokens equal its decoding alone with the same schedule."""
+    from kvjax.inference import engine
+    cfg = cfg_for(method, budget=20, compression=every(n))
+    params = model_lib.init_params(cfg, 0)
+    r = np.random.default_rng(1)
+    prompts = [tuple(int(x) for x in r.integers(3, 97, t)) for t in (50, 29, 61)]
+    budgets = [13, 6, 11]
+    eng = engine.Engine(params, cfg, num_slots=2, max_seq_len=128, steps_per_sync=3)
+    done, _ = eng.run([engine.Request(i, p, m)
+                       for i, (p, m) in enumerate(zip(prompts, budgets))])
+    assert [c.slot for c in done] == [0, 1, 1]  # the third joins the second's row
+    for c, p, m in zip(done, prompts, budgets):
+        want = decode_tokens(params, cfg, jnp.asarray([p], jnp.int32), steps=m - 1)[0]
+        np.testing.assert_array_equal(np.asarray(c.tokens), want)
+
+
+@pytest.mark.parametrize("run, match", [
+    (dict(page_size=16, num_pages=32), "kv_compression='tova' with page_size=16"),
+    (dict(speculative="ngram"), "kv_compression='tova' with speculative decoding"),
+])
+def test_the_engine_refuses_every_n_on_pages_or_speculative_by_name(run, match):
+    """What the engine still cannot run with a compressed cache, every-N included: pages
+    (a compressed row is a dense row) and speculative decoding."""
+    from kvjax.config import SpeculativeConfig
     from kvjax.inference import engine
     cfg = cfg_for("tova", compression=every(2))
     params = model_lib.init_params(cfg, 0)
-    with pytest.raises(ConfigError, match="schedule='every_n'"):
-        engine.Engine(params, cfg, num_slots=2, max_seq_len=128)
+    if "speculative" in run:
+        run = dict(speculative=SpeculativeConfig(drafter="ngram", k=2))
+    with pytest.raises(ConfigError, match=match):
+        engine.Engine(params, cfg, num_slots=2, max_seq_len=128, **run)
+
+
+def test_the_cost_hooks_loop_compresses_every_n_from_a_full_cache():
+    """costs.full_cache of a compressed config holds its kept slots (markers) and a full
+    ring, with a scoring state under 'every_n'; the generate loop the cost hook compiles
+    (from shapes) re-scores: from a full ring, every 3 steps compress at steps 1 and 4,
+    so 5 steps leave 1 token in the ring (without re-scoring it would stay full)."""
+    from kvjax.analysis import costs
+    cfg = cfg_for("h2o", budget=24, compression=every(3))
+    cache = costs.full_cache(cfg, 1, 100)
+    pos = np.asarray(cache.positions)[0]
+    np.testing.assert_array_equal(pos[:24], np.arange(24))
+    np.testing.assert_array_equal(np.sort(pos[24:]), np.arange(99 - KNOBS.recent_slots, 99))
+    assert cache.schedule is not None and int(cache.length[0]) == 99
+    assert cache_lib.cache_bytes(cache) == theory.kv_cache_bytes(cfg, 100)
+    loop = costs.compile_generate(cfg, 1, 100)
+    params = model_lib.fuse_projections(cfg, model_lib.init_params(cfg, 0))
+    _, steps, out = loop(params, jnp.zeros((1,), jnp.int32), cache, jnp.int32(5),
+                         jax.random.key(0), jnp.int32(-1))
+    ring = np.asarray(out.positions)[0, 24:]
+    assert int(steps) == 5 and (ring >= 0).sum() == 1 and ring.max() == 103

@@ -163,8 +163,19 @@ def _token_spec(batch: int):
 
 def _specs(cfg: ModelConfig, batch: int, max_seq_len: int):
     """(parameters as the decode programs take them, fused projections included:
-    :func:`kvjax.models.model.decode_param_shapes`; the cache), as ShapeDtypeStructs."""
-    return model.decode_param_shapes(cfg), cache_lib.cache_spec(cfg, batch, max_seq_len)
+    :func:`kvjax.models.model.decode_param_shapes`; the cache, with its scoring state
+    when ``cfg`` compresses every N steps, so a loop compiled from it re-scores), as
+    ShapeDtypeStructs."""
+    cache = cache_lib.cache_spec(cfg, batch, max_seq_len)
+    if _every_n(cfg):
+        cache = cache.replace(schedule=jax.eval_shape(
+            lambda: compress_lib.empty_schedule(cfg, batch)))
+    return model.decode_param_shapes(cfg), cache
+
+
+def _every_n(cfg: ModelConfig) -> bool:
+    """``cfg`` evicts by score again during decoding (schedule 'every_n')."""
+    return cfg.kv_evicts and cfg.compression.schedule == "every_n"
 
 
 def analysis_compiler_options() -> dict | None:
@@ -420,6 +431,7 @@ def measure_loop_seconds(cfg: ModelConfig, params, context: int, batch: int = 1,
         pos = big.positions.at[:, :cache.num_slots].set(cache.positions)
         cache = big.replace(positions=pos, length=cache.length)
     pos0, len0 = np.asarray(cache.positions), np.asarray(cache.length)
+    sched0 = jax.tree.map(np.asarray, cache.schedule)
     compiled = compiled or compile_generate(cfg, batch, context, sampling)
     first = jnp.zeros((batch,), jnp.int32)
     rng = jax.random.key(0)
@@ -430,7 +442,8 @@ def measure_loop_seconds(cfg: ModelConfig, params, context: int, batch: int = 1,
             buf, _, cache = compiled(params, first, cache, jnp.int32(n), rng, jnp.int32(-1))
             buf.block_until_ready()
             elapsed = time.perf_counter() - start
-            cache = cache.replace(positions=jnp.asarray(pos0), length=jnp.asarray(len0))
+            cache = cache.replace(positions=jnp.asarray(pos0), length=jnp.asarray(len0),
+                                  schedule=jax.tree.map(jnp.asarray, sched0))
             if i:  # the first round warms up
                 seconds[n].append(elapsed)
     t1, t2 = np.median(seconds[n1]), np.median(seconds[n2])
@@ -584,11 +597,21 @@ def measure_step_seconds(cfg: ModelConfig, params, cache: cache_lib.KVCache, bat
 
 def full_cache(cfg: ModelConfig, batch: int, context: int) -> cache_lib.KVCache:
     """A zero cache of ``context`` slots (W for a window) that a step at context
-    ``context`` sees full: length context - 1, every slot holding a past position."""
+    ``context`` sees full: length context - 1, every slot holding a past position. A
+    compressed cache (``kv_compression``, context above its slots): its kv_budget kept
+    slots (markers 0 .. kv_budget - 1, :mod:`kvjax.cache.compress`) and its ring
+    holding the last recent_slots positions, with an empty scoring state
+    (:func:`kvjax.cache.compress.empty_schedule`) under schedule 'every_n'."""
     cache = cache_lib.init_cache(cfg, batch, context)
     s = cache.num_slots
-    held = jnp.arange(max(0, context - 1 - s), context - 1, dtype=jnp.int32)
-    positions = cache.positions.at[:, cache_lib.slot_of(held, cfg, s)].set(held)
+    pinned = cache_lib.policy_for(cfg).num_sink_tokens if cfg.kv_evicts else 0
+    held = jnp.arange(max(pinned, context - 1 - (s - pinned)), context - 1,
+                      dtype=jnp.int32)
+    positions = cache.positions.at[:, :pinned].set(
+        jnp.arange(min(pinned, context - 1), dtype=jnp.int32)) if pinned else cache.positions
+    positions = positions.at[:, cache_lib.slot_of(held, cfg, s)].set(held)
+    if _every_n(cfg):
+        cache = cache.replace(schedule=compress_lib.empty_schedule(cfg, batch))
     return cache.replace(positions=positions,
                          length=jnp.full((batch,), context - 1, jnp.int32))
 

@@ -24,7 +24,9 @@ masked); ``positions`` are then the smallest layer's, the others' follow from th
 
 Schedule 'every_n' (``model.compression.schedule``, N = ``every_n``; N = 1: every step)
 compresses again during decoding (:func:`recompress`, under a ``lax.cond`` in
-:func:`kvjax.inference.decode.decode_loop`): once a row's ring holds N tokens, its
+:func:`kvjax.inference.decode.decode_loop`: the main job, the ragged loop and the slot
+engine's dense rows, whose free rows hold :func:`empty_schedule` and take a request's
+state with its prefilled row, :func:`put_schedule_row`): once a row's ring holds N tokens, its
 kept + ring slots are scored and each KV head keeps its top kv_budget again, in slots
 0 .. kv_budget - 1, and the ring empties. What the method sees then is
 ``KVCache.schedule`` (:func:`init_schedule`): the decode queries since the last
@@ -51,7 +53,8 @@ from kvjax.cache import kv as cache_lib
 from kvjax.config import ModelConfig
 
 __all__ = ["query_count", "observation_queries", "select", "compress", "prompt_config",
-           "layer_budgets", "prompt_slots", "init_schedule", "observe_step", "due_rows",
+           "layer_budgets", "prompt_slots", "init_schedule", "empty_schedule",
+           "SCHEDULE_BATCH_AXES", "put_schedule_row", "observe_step", "due_rows",
            "recompress"]
 
 
@@ -142,8 +145,8 @@ def _gather(x: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
     return jnp.take_along_axis(x, idx[:, :, None, :], axis=3)
 
 
-def compress(cfg: ModelConfig, full: cache_lib.KVCache, queries: tuple | None
-             ) -> cache_lib.KVCache:
+def compress(cfg: ModelConfig, full: cache_lib.KVCache, queries: tuple | None,
+             ring: int | None = None) -> cache_lib.KVCache:
     """The compressed cache of ``cfg`` from the full cache a prompt was prefilled into.
 
     Args:
@@ -154,18 +157,26 @@ def compress(cfg: ModelConfig, full: cache_lib.KVCache, queries: tuple | None
       queries: per layer ([B, Q, K, G, H], [B, Q] positions) from
         :func:`observation_queries` (MLA: [B, Q, 1, N, C + R] absorbed queries), or None
         for a method reading no query.
+      ring: slots after the kept ones (None: recent_slots; a speculative target keeps
+        k + 1 spare, :func:`kvjax.inference.speculative.init_target_cache`).
     Returns:
-      A cache of ``cfg`` with kv_budget + recent_slots slots per row (layer i: b_i +
-      recent_slots with per-layer budgets): the kept slots first, the ring after them
-      empty; ``length`` and ``ragged`` as ``full``'s.
+      A cache of ``cfg`` with kv_budget + ``ring`` slots per row (layer i: b_i + ring
+      with per-layer budgets): the kept slots first, the ring after them empty;
+      ``length`` and ``ragged`` as ``full``'s.
     Raises:
-      ValueError: ``full`` has fewer slots than the largest budget.
+      ValueError: ``full`` has fewer slots than the largest budget, or ``ring`` is
+        below recent_slots.
     """
     method = compression.get(cfg.kv_compression)
     budgets = layer_budgets(cfg)
     if full.num_slots < max(budgets):
         raise ValueError(f"a prompt cache of {full.num_slots} slots for a budget of "
                          f"{max(budgets)}; allowed: at least {max(budgets)} slots")
+    recent = cfg.compression.recent_slots
+    ring = recent if ring is None else ring
+    if ring < recent:
+        raise ValueError(f"ring={ring} slots after the kept ones; allowed: at least "
+                         f"model.compression.recent_slots={recent}")
     pcfg = prompt_config(cfg)
     names = list(full.tensors)
     kept = {n: [] for n in names}
@@ -178,7 +189,6 @@ def compress(cfg: ModelConfig, full: cache_lib.KVCache, queries: tuple | None
         acc.append(a)
         for n in names:
             kept[n].append(_gather(layer[n], idx, cache_lib.slot_axis(pcfg, n)))
-    ring = cfg.compression.recent_slots
     tensors = {}
     for n in names:
         layers = [_pad_slots(x, ring, cache_lib.slot_axis(pcfg, n)) for x in kept[n]]
@@ -249,6 +259,42 @@ def init_schedule(cfg: ModelConfig, batch: int, kept_positions: jax.Array,
     if accumulated is not None:
         state["accumulated"] = accumulated
     return state
+
+
+SCHEDULE_BATCH_AXES = {"queries": 1, "query_positions": 0, "count": 0,
+                       "kept_positions": 1, "accumulated": 1}
+"""The batch-row axis of each array of the scoring state (:func:`init_schedule`)."""
+
+
+def empty_schedule(cfg: ModelConfig, batch: int) -> dict:
+    """:func:`init_schedule` for ``batch`` rows that hold no token yet (a slot engine's
+    free rows, :class:`kvjax.inference.engine.DenseRows`): no kept slot (positions -1),
+    nothing buffered, H2O's accumulator zero. A row's state is put in place with its
+    prefilled row (:func:`put_schedule_row`)."""
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, cfg.kv_budget)
+    acc = jnp.zeros(shape, jnp.float32) \
+        if compression.get(cfg.kv_compression).queries == "all" else None
+    return init_schedule(cfg, batch, jnp.full(shape, -1, jnp.int32), acc)
+
+
+def put_schedule_row(state: dict, row: dict, slot: jax.Array) -> dict:
+    """``state`` (B rows) with row ``slot`` ([] int32, traced) replaced by the one-row
+    state ``row`` (a one-row prefill's, :func:`compress`), each array along its
+    :data:`SCHEDULE_BATCH_AXES` axis.
+
+    Raises:
+      ValueError: the two states hold different arrays (e.g. one with H2O's
+        accumulator, one without).
+    """
+    if set(state) != set(row):
+        raise ValueError(f"a scoring state of {sorted(row)} put into one of "
+                         f"{sorted(state)}; allowed: the same config's")
+    out = {}
+    for name, dst in state.items():
+        start = [0] * dst.ndim
+        start[SCHEDULE_BATCH_AXES[name]] = slot
+        out[name] = jax.lax.dynamic_update_slice(dst, row[name].astype(dst.dtype), start)
+    return out
 
 
 def observe_step(cache: cache_lib.KVCache, queries: tuple, positions: jax.Array,

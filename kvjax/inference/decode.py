@@ -141,7 +141,8 @@ def prefill_program(params, tokens, cache, *, cfg, fresh=False):
     prefilled into a full cache and compressed (:func:`prefill_compressed`); a later
     chunk goes to the compressed cache's ring."""
     if fresh and cfg.kv_evicts:
-        return prefill_compressed(params, tokens, cfg, cache.ragged)
+        return prefill_compressed(params, tokens, cfg, cache.ragged,
+                                  num_slots=cache.num_slots)
     if not fresh:
         cache = model_lib.clear_masked_slots(cfg, cache, tokens.shape[1])
     logits, cache = model_lib.forward(params, cfg, tokens,
@@ -151,7 +152,7 @@ def prefill_program(params, tokens, cache, *, cfg, fresh=False):
 
 
 def prefill_compressed(params, tokens: jax.Array, cfg: ModelConfig, ragged: bool = False,
-                       num_valid: jax.Array | None = None):
+                       num_valid: jax.Array | None = None, num_slots: int | None = None):
     """Lever 5 (traced): the prompt ``tokens`` [B, T] int32 prefilled into a full cache
     of max(T, the largest layer budget) slots under :func:`kvjax.cache.compress.prompt_config`, whose
     slots ``cfg.kv_compression`` scores with the queries it reads (``model.forward``'s
@@ -160,9 +161,13 @@ def prefill_compressed(params, tokens: jax.Array, cfg: ModelConfig, ragged: bool
     Args:
       num_valid: [B] int32 real tokens of right-padded rows (None: all T); needs
         ``ragged``. Each row is scored and compressed on its own tokens.
+      num_slots: slots per row of the cache the caller gave (its ``positions``: the
+        smallest layer's), whose ring after the kept slots the compressed cache takes
+        (a speculative target's k + 1 spare included); None: kv_budget + recent_slots.
     Returns:
       (logits [B, V] float32 of each row's last real token, the compressed cache of
-      kv_budget + recent_slots slots, or per layer b_i + recent_slots).
+      kv_budget + recent_slots slots (or ``num_slots``), or per layer b_i +
+      recent_slots).
     """
     pcfg = compress_lib.prompt_config(cfg)
     b, t = tokens.shape
@@ -173,7 +178,9 @@ def prefill_compressed(params, tokens: jax.Array, cfg: ModelConfig, ragged: bool
     count = compress_lib.query_count(cfg, t)
     seen = None if count == 0 else tuple(
         compress_lib.observation_queries(q, full.length, count) for q in queries)
-    return logits[:, -1], compress_lib.compress(cfg, full, seen)
+    ring = None if num_slots is None else \
+        num_slots - min(compress_lib.layer_budgets(cfg))
+    return logits[:, -1], compress_lib.compress(cfg, full, seen, ring)
 
 
 def prefill(params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache):

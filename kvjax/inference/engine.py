@@ -62,6 +62,7 @@ import numpy as np
 
 from kvjax import cache as cache_lib
 from kvjax import planner
+from kvjax.cache import compress as compress_lib
 from kvjax.cache import paged
 from kvjax.cache.policy import written_tokens
 from kvjax.config import ConfigError, ModelConfig, SamplingConfig, SpeculativeConfig
@@ -297,7 +298,9 @@ def prefill_bucket(n: int, minimum: int = 16) -> int:
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def insert_program(cache, row, slot):
     """Copies a one-row cache ``row`` into row ``slot`` ([] int32, traced: one compile
-    for every slot) of the batch ``cache`` (donated; updated in place)."""
+    for every slot) of the batch ``cache`` (donated; updated in place), with its
+    scoring state when the rows compress every N steps (``cache.schedule``,
+    :func:`kvjax.cache.compress.put_schedule_row`)."""
 
     def put(dst, src, axis):
         start = [0] * dst.ndim
@@ -310,8 +313,10 @@ def insert_program(cache, row, slot):
             tensors[name] = tuple(put(d, s, 0) for d, s in zip(t, row.tensors[name]))
         else:  # stacked [L, B, ...]
             tensors[name] = put(t, row.tensors[name], 1)
+    schedule = None if cache.schedule is None else compress_lib.put_schedule_row(
+        cache.schedule, row.schedule, slot)
     return cache.replace(tensors=tensors, positions=put(cache.positions, row.positions, 0),
-                         length=put(cache.length, row.length, 0))
+                         length=put(cache.length, row.length, 0), schedule=schedule)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "steps"),
@@ -417,7 +422,11 @@ class DenseRows:
         slots: :func:`kvjax.inference.speculative.init_target_cache`)."""
         if self.spec is not None:
             return spec_lib.init_target_cache(self.cfg, rows, self.max_seq_len, self.spec.k)
-        return cache_lib.init_cache(self.cfg, rows, self.max_seq_len, ragged=True)
+        cache = cache_lib.init_cache(self.cfg, rows, self.max_seq_len, ragged=True)
+        if self.cfg.kv_evicts and self.cfg.compression.schedule == "every_n":
+            # each row's scoring state, put in place with its prefilled row
+            cache = cache.replace(schedule=compress_lib.empty_schedule(self.cfg, rows))
+        return cache
 
     def check(self, req: Request) -> None:
         """Raises CacheOverflowError (a ValueError) when prompt + budget do not fit a row
@@ -717,12 +726,6 @@ class Engine:
                 f"{'page_size=' + str(page_size) if page_size else 'speculative decoding'}"
                 "; allowed: dense rows without speculation (a compressed row is the one-row "
                 "prefill's kept slots, copied into a dense row)")
-        if cfg.kv_compression is not None and cfg.compression.schedule != "prefill":
-            raise ConfigError(
-                f"model.compression.schedule={cfg.compression.schedule!r} in the slot "
-                "engine; allowed: 'prefill' (a row's decode-time scoring state is not "
-                "copied into the engine's rows; kvjax.inference.decode.generate and the "
-                "ragged loop compress every N steps)")
         self.num_slots, self.max_seq_len = int(num_slots), int(max_seq_len)
         self.rows = row_store(self.num_slots, self.max_seq_len, page_size, num_pages,
                               prefix_cache)

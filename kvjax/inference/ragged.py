@@ -144,7 +144,8 @@ def prefill_ragged_program(params, tokens, lengths, cache, *, cfg):
     own tokens (:func:`kvjax.inference.decode.prefill_compressed`; the cache must be
     empty)."""
     if cfg.kv_evicts:
-        return decode_lib.prefill_compressed(params, tokens, cfg, True, lengths)
+        return decode_lib.prefill_compressed(params, tokens, cfg, True, lengths,
+                                             num_slots=cache.num_slots)
     cache = model_lib.clear_masked_slots(cfg, cache, tokens.shape[1])
     logits, cache = model_lib.forward(params, cfg, tokens, _positions(cache, tokens.shape[1]),
                                       cache, num_valid=lengths)

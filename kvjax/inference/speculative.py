@@ -819,10 +819,14 @@ def _program_args(params, cfg, spec, prompts, first_token, cache, num_steps, dra
     :func:`generate` (``first_token`` emitted, in the history; a row whose first token
     is a stop token inactive), after its checks."""
     dparams, dcfg, dcache = (None, None, None) if draft is None else draft
-    if cfg.kv_compression is not None:
-        raise ConfigError(f"speculative decoding with model.kv_compression="
-                          f"{cfg.kv_compression!r}; allowed: None (rolling drafts back on a "
-                          "compressed cache is not implemented)")
+    if cfg.kv_compression is not None and (not cfg.kv_evicts
+                                           or cfg.compression.schedule != "prefill"):
+        raise ConfigError(
+            f"speculative decoding with model.kv_compression={cfg.kv_compression!r} and "
+            f"model.compression.schedule={cfg.compression.schedule!r}; allowed: None, or "
+            "an evicting method with schedule 'prefill' (its cache is then a fixed kept "
+            "set and a ring, rolled back as a window's; a decode-time re-scoring or a "
+            "page selection is not rolled back)")
     drafter = drafter_for(spec, dcfg)
     if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) \
             or num_steps < 0:
@@ -853,10 +857,12 @@ def _program_args(params, cfg, spec, prompts, first_token, cache, num_steps, dra
         # a ring of fewer than W slots (max_seq_len < W) never wraps: it fills as a
         # dense cache (check_room), so a rollback evicts nothing
         if policy_for(c).kind == "ring" and \
-                0 <= kv.num_slots - c.window_size < spare_slots(c, spec.k):
+                0 <= kv.num_slots - c.cache_window < spare_slots(c, spec.k):
             raise ValueError(
-                f"{name} holds {kv.num_slots} slots for window_size={c.window_size}; "
-                f"allowed: at least {c.window_size + spare_slots(c, spec.k)} (k + 1 = "
+                f"{name} holds {kv.num_slots} slots for "
+                + (f"window_size={c.window_size}" if c.window_size else
+                   f"kv_budget + recent_slots={c.cache_window}") + "; "
+                f"allowed: at least {c.cache_window + spare_slots(c, spec.k)} (k + 1 = "
                 f"{spec.k + 1} spare, so a rejected draft evicts no key the window shows: "
                 "init_target_cache / init_draft_cache)")
     cache_lib.policy_for(cfg).check_room(jax.device_get(cache.length), num_steps,
@@ -909,7 +915,10 @@ def generate(params, cfg: ModelConfig, spec: SpeculativeConfig, prompts, first_t
       SpeculativeStats; the target cache; the draft cache or None).
     Raises:
       ConfigError: drafter 'none', a draft missing or given wrongly, vocabularies differ,
-        a target with ``kv_compression``.
+        a target with ``kv_compression`` other than an evicting method compressed
+        after its prefill (schedule 'prefill': its kept slots and ring roll back as a
+        window's; the prefill into :func:`init_target_cache` gives its ring the k + 1
+        spare slots).
       ValueError: num_steps not an integer >= 0, a cache that is not ragged, a ring
         cache (target's or draft's, or a local layer's ring of ``layer_windows``) with
         fewer than k + 1 slots beyond its window, or a

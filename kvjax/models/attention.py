@@ -739,8 +739,7 @@ class Call(NamedTuple):
         c = self.cfg
         k_cur, v_cur = self.current()
         k_layout, v_layout = self.layouts()
-        kw = dict(window_size=c.window_size, num_sink_tokens=c.num_sink_tokens,
-                  block_q=c.prefill_block_q, block_k=c.prefill_block_k, backend=c.backend,
+        kw = dict(_chunk_window(c), block_q=c.prefill_block_q, block_k=c.prefill_block_k, backend=c.backend,
                   k_layout=k_layout, v_layout=v_layout)
         if self.cached is not None:
             k_old, v_old, mask_old = self.old()
@@ -756,8 +755,7 @@ class Call(NamedTuple):
         c = self.cfg
         k_cur, v_cur = self.current()
         k_layout, v_layout = self.layouts()
-        kw = dict(window_size=c.window_size, num_sink_tokens=c.num_sink_tokens,
-                  k_layout=k_layout, v_layout=v_layout)
+        kw = dict(_chunk_window(c), k_layout=k_layout, v_layout=v_layout)
         if self.cached is not None:
             k_old, v_old, _ = self.old()
             kw.update(k_old=k_old, v_old=v_old, old_positions=self.cached_positions)
@@ -771,6 +769,17 @@ class Call(NamedTuple):
         k_layout, v_layout = self.layouts()
         return flash.attend_chunk_sdpa(self.q, k_cur, v_cur, self.positions, k_layout=k_layout,
                                        v_layout=v_layout, window_size=self.cfg.window_size)
+
+
+def _chunk_window(c: ModelConfig) -> dict:
+    """The window and sinks of a chunk's mask, the slot policy's
+    (:func:`kvjax.cache.attention_mask`): a compressed cache's kv_budget + recent_slots
+    with its kept slots pinned as sinks (a verify chunk of speculative decoding), else
+    ``window_size`` and ``num_sink_tokens``."""
+    if c.kv_evicts:
+        return dict(window_size=c.cache_window,
+                    num_sink_tokens=cache_lib.policy_for(c).num_sink_tokens)
+    return dict(window_size=c.window_size, num_sink_tokens=c.num_sink_tokens)
 
 
 def site(c: ModelConfig, cached, t: int) -> kernels.Site:
