@@ -481,23 +481,28 @@ def test_the_experiments_theories_fit_the_measured_plain_step():
     assert spec_exp.theories(cfg, t, k, b, plain_s, flops / plain_s / 2, None, 0)[2] is None
 
 
+def _plain_and_ngram(cfg, params, tok, eos):
+    """The main job on ``cfg`` decoded plainly and with n-gram drafts (k = 3): (plain
+    RunConfig, speculative RunConfig, loaded model, plain result, speculative result)."""
+    from kvjax.inference import runner  # noqa: PLC0415
+    from tests.test_stops import with_eos  # noqa: PLC0415
+    base = RunConfig(model=cfg, prompt="x", max_new_tokens=12, max_seq_len=32,
+                     chat_template=False, ignore_memory_check=True, stop_at_eos=False)
+    spec = dataclasses.replace(base, speculative=SpeculativeConfig(drafter="ngram", k=3))
+    loaded = runner.LoadedModel(cfg, params, with_eos(tok, eos))
+    return base, spec, loaded, runner.generate(base, loaded), runner.generate(spec, loaded)
+
+
 def test_the_main_job_speculates_on_a_cache_compressed_after_its_prefill(cycle, tok):
     """The main job with --config.model.kv_compression=tova (schedule 'prefill') and the
     n-gram drafter: its target cache is the compressed one with k + 1 spare ring slots,
     the ids equal plain decoding's, drafts accepted; every-N and a 'self' draft are
     refused by name."""
     from kvjax import compression  # noqa: PLC0415
-    from kvjax.inference import runner  # noqa: PLC0415
-    from tests.test_stops import with_eos  # noqa: PLC0415
     cfg, params, (a, b, c) = cycle
     knobs = compression.CompressionConfig(recent_slots=4)
     cfg = cfg.replace(kv_compression="tova", kv_budget=3, compression=knobs)
-    base = RunConfig(model=cfg, prompt="x", max_new_tokens=12, max_seq_len=32,
-                     chat_template=False, ignore_memory_check=True, stop_at_eos=False)
-    spec = dataclasses.replace(base, speculative=SpeculativeConfig(drafter="ngram", k=3))
-    loaded = runner.LoadedModel(cfg, params, with_eos(tok, (c, b)))
-    plain = runner.generate(base, loaded)
-    gen = runner.generate(spec, loaded)
+    _, spec, _, plain, gen = _plain_and_ngram(cfg, params, tok, (c, b))
     assert gen.generated_ids == plain.generated_ids == ([a, b, c] * 4)[:12]
     assert gen.speculative["accepted"][0] > 0
     every = cfg.replace(compression=dataclasses.replace(knobs, schedule="every_n"))
@@ -512,14 +517,8 @@ def test_the_main_job_decodes_speculatively_as_it_decodes_plainly(cycle, tok):
     # the runner's speculative path (--config.speculative.drafter=ngram) on a model that
     # cycles A, B, C: the same ids and stops as plain decoding, the n-gram drafts accepted
     from kvjax.inference import runner  # noqa: PLC0415
-    from tests.test_stops import with_eos  # noqa: PLC0415
     cfg, params, (a, b, c) = cycle
-    base = RunConfig(model=cfg, prompt="x", max_new_tokens=12, max_seq_len=32,
-                     chat_template=False, ignore_memory_check=True, stop_at_eos=False)
-    spec = dataclasses.replace(base, speculative=SpeculativeConfig(drafter="ngram", k=3))
-    loaded = runner.LoadedModel(cfg, params, with_eos(tok, (c, b)))
-    plain = runner.generate(base, loaded)
-    gen = runner.generate(spec, loaded)
+    base, spec, loaded, plain, gen = _plain_and_ngram(cfg, params, tok, (c, b))
     assert gen.generated_ids == plain.generated_ids == ([a, b, c] * 4)[:12]
     sp = gen.speculative
     assert sp["drafter"] == "ngram" and sum(sp["emitted"]) == 11
