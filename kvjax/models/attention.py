@@ -447,21 +447,14 @@ def step_pages_xla(name, cfg, q, cached, tables, seen, k_new, v_new, new_visible
 
 
 def step_pages_native(name, cfg, q, cached, tables, seen, k_new, v_new, new_visible):
-    """'pages_native': the native paged kernel over each (row, KV head)'s own pages, read
-    where they lie (:func:`kvjax.models.decode_kernels.partial_attention` with per-head
-    tables), and the new token merged; the values of :func:`attend_pages` up to float32
-    summation order. Float32 pools only (the kernel refuses others)."""
-    k_layout, v_layout = cfg.cache_layout("k"), cfg.cache_layout("v")
-    q1 = q[:, 0]
-    o, m, l = decode_kernels.partial_attention(
-        "native", q1, cached.pools["k"], cached.pools["v"], seen, k_layout, v_layout,
-        backend=cfg.backend, block_table=tables)
-    k1 = k_new[:, :, 0] if k_layout == "BKSH" else k_new[..., 0]  # [B, K, H]
-    v1 = v_new[:, :, 0] if v_layout == "BKSH" else v_new[..., 0]  # [B, K, Hv]
-    s_new = jnp.einsum("BKGH,BKH->BKG", q1, k1,
-                       preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
-    out = decode_kernels.merge_new(o, m, l, s_new, v1, new_visible)
-    return out[:, None].astype(v_new.dtype)
+    """'pages_native': :func:`step_kernel` with the native paged kernel over each (row,
+    KV head)'s own pages, read where they lie (per-head ``tables``), and the new token
+    merged; the values of :func:`attend_pages` up to float32 summation order. Float32
+    pools only (the kernel refuses others)."""
+    return step_kernel("native", q[:, 0], cached.pools["k"], cached.pools["v"],
+                       seen[:, None], k_new, v_new, cfg.cache_layout("k"),
+                       cfg.cache_layout("v"), new_visible, None, cfg.backend, None, None,
+                       tables, q.shape[-1] ** -0.5)
 
 
 def _native_chunk(plan, q, k, v, positions, k_old=None, v_old=None, old_positions=None,
@@ -739,8 +732,8 @@ class Call(NamedTuple):
         c = self.cfg
         k_cur, v_cur = self.current()
         k_layout, v_layout = self.layouts()
-        kw = dict(_chunk_window(c), block_q=c.prefill_block_q, block_k=c.prefill_block_k, backend=c.backend,
-                  k_layout=k_layout, v_layout=v_layout)
+        kw = dict(_chunk_window(c), block_q=c.prefill_block_q, block_k=c.prefill_block_k,
+                  backend=c.backend, k_layout=k_layout, v_layout=v_layout)
         if self.cached is not None:
             k_old, v_old, mask_old = self.old()
             kw.update(k_old=k_old, v_old=self.seen(v_old, mask_old),
