@@ -438,6 +438,13 @@ class ModelConfig:
             compression.evicts(self.kv_compression)
 
     @property
+    def kv_rescores(self) -> bool:
+        """True when an evicting ``kv_compression`` scores its slots again during
+        decoding (``compression.schedule`` 'every_n'): its cache carries a scoring state
+        (``KVCache.schedule``, :func:`kvjax.cache.compress.init_schedule`)."""
+        return self.kv_evicts and self.compression.schedule == "every_n"
+
+    @property
     def kv_selects_pages(self) -> bool:
         """True when ``kv_compression`` is a read-time page selection (Quest,
         :mod:`kvjax.compression.quest`): a paged cache keeps every page and its key

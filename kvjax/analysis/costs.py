@@ -167,15 +167,10 @@ def _specs(cfg: ModelConfig, batch: int, max_seq_len: int):
     when ``cfg`` compresses every N steps, so a loop compiled from it re-scores), as
     ShapeDtypeStructs."""
     cache = cache_lib.cache_spec(cfg, batch, max_seq_len)
-    if _every_n(cfg):
+    if cfg.kv_rescores:
         cache = cache.replace(schedule=jax.eval_shape(
             lambda: compress_lib.empty_schedule(cfg, batch)))
     return model.decode_param_shapes(cfg), cache
-
-
-def _every_n(cfg: ModelConfig) -> bool:
-    """``cfg`` evicts by score again during decoding (schedule 'every_n')."""
-    return cfg.kv_evicts and cfg.compression.schedule == "every_n"
 
 
 def analysis_compiler_options() -> dict | None:
@@ -610,7 +605,7 @@ def full_cache(cfg: ModelConfig, batch: int, context: int) -> cache_lib.KVCache:
     positions = cache.positions.at[:, :pinned].set(
         jnp.arange(min(pinned, context - 1), dtype=jnp.int32)) if pinned else cache.positions
     positions = positions.at[:, cache_lib.slot_of(held, cfg, s)].set(held)
-    if _every_n(cfg):
+    if cfg.kv_rescores:
         cache = cache.replace(schedule=compress_lib.empty_schedule(cfg, batch))
     return cache.replace(positions=positions,
                          length=jnp.full((batch,), context - 1, jnp.int32))

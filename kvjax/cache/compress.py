@@ -198,7 +198,7 @@ def compress(cfg: ModelConfig, full: cache_lib.KVCache, queries: tuple | None,
     slots = jnp.arange(low + ring, dtype=jnp.int32)[None, :]
     positions = jnp.where(slots < held, slots, -1)
     schedule = None
-    if cfg.compression.schedule == "every_n":
+    if cfg.kv_rescores:
         schedule = init_schedule(cfg, full.batch_size, jnp.stack(kept_pos),
                                  None if acc[0] is None else jnp.stack(acc))
     return cache_lib.KVCache(tensors=tensors, positions=positions, length=full.length,

@@ -423,7 +423,7 @@ class DenseRows:
         if self.spec is not None:
             return spec_lib.init_target_cache(self.cfg, rows, self.max_seq_len, self.spec.k)
         cache = cache_lib.init_cache(self.cfg, rows, self.max_seq_len, ragged=True)
-        if self.cfg.kv_evicts and self.cfg.compression.schedule == "every_n":
+        if self.cfg.kv_rescores:
             # each row's scoring state, put in place with its prefilled row
             cache = cache.replace(schedule=compress_lib.empty_schedule(self.cfg, rows))
         return cache
