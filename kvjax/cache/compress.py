@@ -53,8 +53,8 @@ from kvjax.cache import kv as cache_lib
 from kvjax.config import ModelConfig
 
 __all__ = ["query_count", "observation_queries", "select", "compress", "prompt_config",
-           "layer_budgets", "prompt_slots", "init_schedule", "empty_schedule",
-           "SCHEDULE_BATCH_AXES", "put_schedule_row", "observe_step", "due_rows",
+           "layer_budgets", "prompt_slots", "compress_prompt", "init_schedule",
+           "empty_schedule", "SCHEDULE_BATCH_AXES", "put_schedule_row", "observe_step", "due_rows",
            "recompress"]
 
 
@@ -204,6 +204,19 @@ def compress(cfg: ModelConfig, full: cache_lib.KVCache, queries: tuple | None,
     return cache_lib.KVCache(tensors=tensors, positions=positions, length=full.length,
                              layouts=cache_lib.layouts(cfg), ragged=full.ragged,
                              schedule=schedule)
+
+
+def compress_prompt(cfg: ModelConfig, full: cache_lib.KVCache, queries: tuple,
+                    prompt_len: int, ring: int | None = None) -> cache_lib.KVCache:
+    """:func:`compress` of a prompt's full cache with the observation queries its method
+    reads (:func:`query_count` of a ``prompt_len``-token prompt, :func:`observation_queries`
+    of each layer's rotated prompt queries ``queries``, L of [B, T, K, G, H]): the second
+    half of ``kvjax.inference.decode.prefill_compressed``, shared by the long-context
+    sweep that prefills once for many methods (traced)."""
+    count = query_count(cfg, prompt_len)
+    seen = None if count == 0 else tuple(
+        observation_queries(q, full.length, count) for q in queries)
+    return compress(cfg, full, seen, ring)
 
 
 def _score_layer(cfg: ModelConfig, method, layer: dict, key_positions, queries,

@@ -175,12 +175,9 @@ def prefill_compressed(params, tokens: jax.Array, cfg: ModelConfig, ragged: bool
     logits, full, queries = model_lib.forward(
         params, pcfg, tokens, _positions(full, t), full, num_valid=num_valid, fresh=True,
         last_only=True, observe=True)
-    count = compress_lib.query_count(cfg, t)
-    seen = None if count == 0 else tuple(
-        compress_lib.observation_queries(q, full.length, count) for q in queries)
     ring = None if num_slots is None else \
         num_slots - min(compress_lib.layer_budgets(cfg))
-    return logits[:, -1], compress_lib.compress(cfg, full, seen, ring)
+    return logits[:, -1], compress_lib.compress_prompt(cfg, full, queries, t, ring)
 
 
 def prefill(params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache):

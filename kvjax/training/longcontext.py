@@ -940,10 +940,7 @@ def _observed_prefill(params, tokens, num_valid, *, cfg, slots):
 def _compress_observed(full, queries, *, cfg, prompt_len):
     """The prompt's full cache and queries compressed under ``cfg``'s method and budget:
     ``decode.prefill_compressed``'s second half (the same observation queries)."""
-    count = compress_lib.query_count(cfg, prompt_len)
-    seen = None if count == 0 else tuple(
-        compress_lib.observation_queries(q, full.length, count) for q in queries)
-    return compress_lib.compress(cfg, full, seen)
+    return compress_lib.compress_prompt(cfg, full, queries, prompt_len)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "slots"))
