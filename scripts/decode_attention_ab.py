@@ -31,6 +31,50 @@ from kvjax.analysis import hardware
 from kvjax.models import decode_kernels
 
 _HEADERS = ("decode_attention.cc", "pool.h", "fast_math.h")
+# query heads N and the KV heads K of each variant (MHA, GQA, MQA) of the models timed
+HEADS = {"blog": (8, (8, 2, 1)), "smollm2": (9, (9, 3, 1))}
+
+
+def parse_flags(doc: str, rounds: int, baseline: bool) -> argparse.Namespace:
+    """--slots, --rounds (default ``rounds``), --models and, with ``baseline``, --baseline.
+
+    Raises:
+      SystemExit: a bad value, named with what is allowed, before any work.
+    """
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if baseline:
+        ap.add_argument("--baseline", default="8b4947c", help="commit of the old kernel")
+    ap.add_argument("--slots", type=int, default=32768)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--models", default="blog,smollm2")
+    a = ap.parse_args()
+    a.models = a.models.split(",")
+    for flag, ok, allowed in (
+            ("--slots", a.slots >= 16, "an integer >= 16"),
+            ("--rounds", a.rounds >= 1, "an integer >= 1"),
+            ("--models", bool(a.models) and set(a.models) <= set(HEADS),
+             f"a comma-separated subset of {', '.join(HEADS)}")):
+        if not ok:
+            value = ",".join(a.models) if flag == "--models" else getattr(a, flag[2:])
+            raise SystemExit(f"error: {flag}={value}; allowed: {allowed}")
+    return a
+
+
+def problem(rng: np.random.Generator, k: int, g: int, slots: int):
+    """One layer's decode attention at the CPU layouts (keys 'BKHS'; values 'BKSH' for
+    G > 1, else 'BKHS'; decode_attention_bench), B = 1, H = V = 64, every slot visible:
+    (q [1, K, G, H], [(keys, values)] copies of at least 96 MiB in all, visible [1, S],
+    the values' layout, bytes of cache read per call), all float32."""
+    h = 64
+    vl = "BKHS" if g == 1 else "BKSH"
+    nbytes = 2 * k * slots * h * 4
+    copies = max(1, -(-96 * 2**20 // nbytes))
+    q = jnp.asarray(rng.standard_normal((1, k, g, h)), jnp.float32)
+    caches = [(jnp.asarray(rng.standard_normal((1, k, h, slots)), jnp.float32),
+               jnp.asarray(rng.standard_normal((1, k, slots, h) if vl == "BKSH"
+                                               else (1, k, h, slots)), jnp.float32))
+              for _ in range(copies)]
+    return q, caches, jnp.ones((1, slots), bool), vl, nbytes
 
 
 def baseline_target(rev: str) -> str:
@@ -57,40 +101,19 @@ def baseline_target(rev: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--baseline", default="8b4947c", help="commit of the old kernel")
-    ap.add_argument("--slots", type=int, default=32768)
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--models", default="blog,smollm2")
-    a = ap.parse_args()
-    heads = {"blog": (8, (8, 2, 1)), "smollm2": (9, (9, 3, 1))}
-    models = a.models.split(",")
-    for flag, ok, allowed in (
-            ("--slots", a.slots >= 16, "an integer >= 16"),
-            ("--rounds", a.rounds >= 1, "an integer >= 1"),
-            ("--models", bool(models) and set(models) <= set(heads),
-             f"a comma-separated subset of {', '.join(heads)}")):
-        if not ok:
-            raise SystemExit(f"error: {flag}={getattr(a, flag[2:])}; allowed: {allowed}")
+    a = parse_flags(__doc__, 9, baseline=True)
     if not native.load():
         raise SystemExit("error: the working tree's native kernel could not be built")
     targets = {"old": baseline_target(a.baseline), "new": native.TARGET}
     probe = hardware.ReadProbe("vecmat")
     rng = np.random.default_rng(0)
     print(f"baseline {a.baseline}; S={a.slots}; load average {os.getloadavg()}", flush=True)
-    for name in models:
-        n, ks = heads[name]
+    for name in a.models:
+        n, ks = HEADS[name]
         for k in ks:
-            g, h = n // k, 64
-            vl = "BKHS" if g == 1 else "BKSH"  # the CPU layouts (decode_attention_bench)
-            nbytes = 2 * k * a.slots * h * 4
-            copies = max(1, -(-96 * 2**20 // nbytes))
-            q = jnp.asarray(rng.standard_normal((1, k, g, h)), jnp.float32)
-            vis = jnp.ones((1, a.slots), bool)
-            caches = [(jnp.asarray(rng.standard_normal((1, k, h, a.slots)), jnp.float32),
-                       jnp.asarray(rng.standard_normal((1, k, a.slots, h) if vl == "BKSH"
-                                                       else (1, k, h, a.slots)), jnp.float32))
-                      for _ in range(copies)]
+            g = n // k
+            q, caches, vis, vl, nbytes = problem(rng, k, g, a.slots)
+            copies = len(caches)
             fns = {}
             for tag, target in targets.items():
                 native.TARGET = target  # read when the call is traced

@@ -152,6 +152,26 @@ def test_native_window_over_a_dense_row_equals_xla(vl):
 
 
 @pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_native_any_thread_count_equals_xla(threads, monkeypatch):
+    """The work items of a call split into parts over 1, 2, 3 and 5 threads (more pool
+    tasks than CPUs: some start late, some find no part left, pool.h): rows of G = 3 and
+    8 (ragged, masked at random, a window with sinks) give (o, m, l) equal to XLA's, every
+    item done once."""
+    monkeypatch.setenv("KVJAX_NATIVE_THREADS", str(threads))
+    s, h, v = 9000, 64, 64
+    rng = np.random.default_rng(17)
+    for g in (3, 8):
+        q = jnp.asarray(rng.standard_normal((2, 2, g, h)), jnp.float32)
+        kc = jnp.asarray(3 * rng.standard_normal((2, 2, h, s)), jnp.float32)
+        vc = jnp.asarray(rng.standard_normal((2, 2, s, v)), jnp.float32)
+        vis = rng.random((2, s)) < 0.8
+        vis[1] = False
+        vis[1, :4] = vis[1, 7000:8100] = True  # sinks and a window
+        _native_matches_xla(q, kc, vc, jnp.asarray(vis), "BKSH")
+
+
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
 def test_native_chunks_cut_at_equal_shares_of_visible_slots():
     """Rows of one KV head are cut into chunks of equal visible slots, not equal slots: a
     window and sinks (the window's slots shared by the chunks), a row whose visible slots
@@ -399,7 +419,7 @@ def test_native_grouped_equals_xla(g, layouts):
 @pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
 @pytest.mark.parametrize("layouts", [("BKHS", "BKSH"), ("BKHS", "BKHS")],
                          ids=lambda x: "/".join(x))
-@pytest.mark.parametrize("g", [1, 3, 4, 8, 9])
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 8, 9])
 def test_native_avx2_build_equals_xla(g, layouts, monkeypatch):
     """The same kernel built for AVX2 (``-mno-avx512f``: 8-float vectors, 16 registers,
     the fast path's other blockings) on the same problems equals XLA."""

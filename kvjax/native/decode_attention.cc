@@ -32,6 +32,12 @@
 #include <immintrin.h>
 #endif
 
+#if defined(KVJAX_TRACE_PARTS)
+#include <chrono>
+#include <mutex>
+#include <thread>
+#endif
+
 #include "pool.h"
 #include "xla/ffi/api/ffi.h"
 #include "fast_math.h"
@@ -241,10 +247,16 @@ static inline vf vexp(vf x) {
   vf r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
   const vf p = fast_exp_poly(r);
+#if defined(__AVX512F__)
+  // p * 2^n in one instruction, where the bit trick below takes four
+  return reinterpret_cast<vf>(_mm512_scalef_ps(reinterpret_cast<__m512>(p),
+                                               reinterpret_cast<__m512>(n)));
+#else
   vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
   vf scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+#endif
 }
 
 constexpr int64_t kSpan = 4096;  // slots per span (a multiple of VL)
@@ -873,6 +885,23 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
   }
 }
 
+#if defined(KVJAX_TRACE_PARTS)
+// A diagnostic build (-DKVJAX_TRACE_PARTS; scripts/decode_attention_threads.py) records,
+// for each part of each call, which thread ran it and when; KvjaxTraceTake hands the
+// records over. Never in the default build.
+std::mutex trace_mu;
+std::vector<double> trace_rows;  // [part, parts, on a pool thread, start s, end s] each
+static void TracePart(int64_t p, int64_t parts, bool pooled,
+                      std::chrono::steady_clock::time_point t_call,
+                      std::chrono::steady_clock::time_point t_part) {
+  const auto now = std::chrono::steady_clock::now();
+  const auto secs = [t_call](auto t) { return std::chrono::duration<double>(t - t_call).count(); };
+  std::lock_guard<std::mutex> lock(trace_mu);
+  trace_rows.insert(trace_rows.end(), {double(p), double(parts), double(pooled),
+                                       secs(t_part), secs(now)});
+}
+#endif
+
 // Both targets: every (b, k, slot chunk) item over the threads, then the chunks of each
 // (b, k) merged into o, m, l.
 static void Run(ffi::ThreadPool& pool, const Shape& sh, const float* qp, const float* kp,
@@ -923,7 +952,14 @@ static void Run(ffi::ThreadPool& pool, const Shape& sh, const float* qp, const f
   // spin on the cores XLA's own threads need between calls).
   const int64_t parts = parallel ? std::min(nthreads, items) : 1;
   const bool fast = FastPathApplies(sh);
+#if defined(KVJAX_TRACE_PARTS)
+  const auto t_call = std::chrono::steady_clock::now();
+  const auto caller = std::this_thread::get_id();
+#endif
   kvjax_native::ParallelFor(pool, parts, [&](int64_t p) {
+#if defined(KVJAX_TRACE_PARTS)
+    const auto t_part = std::chrono::steady_clock::now();
+#endif
     for (int64_t it = items * p / parts; it < items * (p + 1) / parts; ++it) {
       const int64_t bk = it / chunks, c = it % chunks;
       const int64_t* cb = &cut[(bk / sh.K) * (chunks + 1)];
@@ -931,6 +967,9 @@ static void Run(ffi::ThreadPool& pool, const Shape& sh, const float* qp, const f
       (fast ? FastItem : Item)(sh, qp, kp, vp, visp, bk / sh.K, bk % sh.K, s0, s1,
                                &pm[it * G], &pl[it * G], &po[it * G * V]);
     }
+#if defined(KVJAX_TRACE_PARTS)
+    TracePart(p, parts, std::this_thread::get_id() != caller, t_call, t_part);
+#endif
   });
   for (int64_t bk = 0; bk < heads; ++bk) {
     for (int64_t g = 0; g < G; ++g) {
@@ -1006,6 +1045,19 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
 }
 
 }  // namespace
+
+#if defined(KVJAX_TRACE_PARTS)
+// Copies up to max_rows records (5 doubles each: part, parts, 1 if a pool thread ran it,
+// its start and end in seconds after the call's parts were scheduled) into out, drops
+// them, and returns how many it copied.
+extern "C" int64_t KvjaxTraceTake(double* out, int64_t max_rows) {
+  std::lock_guard<std::mutex> lock(trace_mu);
+  const int64_t n = std::min<int64_t>(max_rows, trace_rows.size() / 5);
+  std::copy(trace_rows.begin(), trace_rows.begin() + 5 * n, out);
+  trace_rows.erase(trace_rows.begin(), trace_rows.begin() + 5 * n);
+  return n;
+}
+#endif
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxDecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()

@@ -10,8 +10,7 @@
 // ~2e-7. T is float or a GCC vector of floats (decode_attention.cc's vexp).
 template <typename T>
 static inline T fast_exp_poly(T r) {
-  T p = r * 0.0f + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
+  T p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
