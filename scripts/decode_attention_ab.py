@@ -77,6 +77,25 @@ def problem(rng: np.random.Generator, k: int, g: int, slots: int):
     return q, caches, jnp.ones((1, slots), bool), vl, nbytes
 
 
+def shapes(models: list[str], slots: int, rng: np.random.Generator):
+    """(model, K, G, :func:`problem`) for each variant of each model, in turn."""
+    for name in models:
+        n, ks = HEADS[name]
+        for k in ks:
+            yield name, k, n // k, problem(rng, k, n // k, slots)
+
+
+def compiled(target: str, vl: str, q, caches, vis):
+    """partial_attention('native') of the kernel registered as ``target``, jitted and
+    called once."""
+    old, native.TARGET = native.TARGET, target  # read when the call is traced
+    fn = jax.jit(lambda q, kc, vc, v: decode_kernels.partial_attention(
+        "native", q, kc, vc, v, "BKHS", vl))
+    jax.block_until_ready(fn(q, *caches[0], vis))
+    native.TARGET = old
+    return fn
+
+
 def baseline_target(rev: str) -> str:
     """Registers the dense target of ``rev``'s decode_attention.cc; returns its name.
 
@@ -108,34 +127,24 @@ def main() -> None:
     probe = hardware.ReadProbe("vecmat")
     rng = np.random.default_rng(0)
     print(f"baseline {a.baseline}; S={a.slots}; load average {os.getloadavg()}", flush=True)
-    for name in a.models:
-        n, ks = HEADS[name]
-        for k in ks:
-            g = n // k
-            q, caches, vis, vl, nbytes = problem(rng, k, g, a.slots)
-            copies = len(caches)
-            fns = {}
-            for tag, target in targets.items():
-                native.TARGET = target  # read when the call is traced
-                fns[tag] = jax.jit(lambda q, kc, vc, v: decode_kernels.partial_attention(
-                    "native", q, kc, vc, v, "BKHS", vl))
-                jax.block_until_ready(fns[tag](q, *caches[0], vis))
-            native.TARGET = targets["new"]
-            secs = {tag: [] for tag in fns}
-            reads = []
-            for r in range(a.rounds):
-                for tag in (("old", "new") if r % 2 == 0 else ("new", "old")):
-                    reads.append(probe.once())
-                    kc, vc = caches[(2 * r + (tag == "new")) % copies]
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(fns[tag](q, kc, vc, vis))
-                    secs[tag].append(time.perf_counter() - t0)
-            roof = statistics.median(reads)
-            gbps = {tag: nbytes / statistics.median(s) / 1e9 for tag, s in secs.items()}
-            print(f"{name} K={k} G={g} BKHS/{vl}: " + "  ".join(
-                f"{tag} {gb:5.1f} GB/s ({gb * 1e9 / roof:4.0%})" for tag, gb in gbps.items())
-                + f"; new/old {gbps['new'] / gbps['old']:.2f}x; read {roof / 1e9:.1f} GB/s; "
-                f"load {os.getloadavg()[0]:.1f}", flush=True)
+    for name, k, g, (q, caches, vis, vl, nbytes) in shapes(a.models, a.slots, rng):
+        copies = len(caches)
+        fns = {tag: compiled(target, vl, q, caches, vis) for tag, target in targets.items()}
+        secs = {tag: [] for tag in fns}
+        reads = []
+        for r in range(a.rounds):
+            for tag in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                reads.append(probe.once())
+                kc, vc = caches[(2 * r + (tag == "new")) % copies]
+                t0 = time.perf_counter()
+                jax.block_until_ready(fns[tag](q, kc, vc, vis))
+                secs[tag].append(time.perf_counter() - t0)
+        roof = statistics.median(reads)
+        gbps = {tag: nbytes / statistics.median(s) / 1e9 for tag, s in secs.items()}
+        print(f"{name} K={k} G={g} BKHS/{vl}: " + "  ".join(
+            f"{tag} {gb:5.1f} GB/s ({gb * 1e9 / roof:4.0%})" for tag, gb in gbps.items())
+            + f"; new/old {gbps['new'] / gbps['old']:.2f}x; read {roof / 1e9:.1f} GB/s; "
+            f"load {os.getloadavg()[0]:.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -24,11 +24,10 @@ import time
 
 import jax
 import numpy as np
-from decode_attention_ab import HEADS, parse_flags, problem  # scripts/, run as a script
+from decode_attention_ab import compiled, parse_flags, shapes  # scripts/, run as a script
 
 from kvjax import native
 from kvjax.analysis import hardware
-from kvjax.models import decode_kernels
 
 TARGET = "kvjax_decode_attention_traced"
 
@@ -68,38 +67,30 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"S={a.slots}; threads {native.num_threads()}; load average {os.getloadavg()}",
           flush=True)
-    for name in a.models:
-        n, ks = HEADS[name]
-        for k in ks:
-            g = n // k
-            q, caches, vis, vl, nbytes = problem(rng, k, g, a.slots)
-            copies = len(caches)
-            old, native.TARGET = native.TARGET, TARGET  # read when the call is traced
-            fn = jax.jit(lambda q, kc, vc, v: decode_kernels.partial_attention(
-                "native", q, kc, vc, v, "BKHS", vl))
-            jax.block_until_ready(fn(q, *caches[0], vis))
-            native.TARGET = old
-            take(lib)
-            walls, reads, spans, late, pooled = [], [], [], [], 0
-            for r in range(a.rounds):
-                reads.append(probe.once())
-                kc, vc = caches[r % copies]
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(q, kc, vc, vis))
-                walls.append(time.perf_counter() - t0)
-                rows = take(lib)
-                spans.append(rows[:, 4].max())
-                if rows[:, 2].any():
-                    pooled += 1
-                    late.append(rows[rows[:, 2] == 1, 3].min())
-            roof = statistics.median(reads)
-            wall, span = statistics.median(walls), statistics.median(spans)
-            lates = f"{statistics.median(late) * 1e3:.2f} ms" if late else "-"
-            print(f"{name} K={k} G={g}: {int(rows[0, 1])} parts; a pool task ran a part in "
-                  f"{pooled}/{a.rounds} calls, starting {lates} after scheduling; parts "
-                  f"done {span * 1e3:.2f} ms ({nbytes / span / 1e9:.1f} GB/s); call "
-                  f"{wall * 1e3:.2f} ms ({nbytes / wall / roof:.0%} of the read's "
-                  f"{roof / 1e9:.1f} GB/s); load {os.getloadavg()[0]:.1f}", flush=True)
+    for name, k, g, (q, caches, vis, vl, nbytes) in shapes(a.models, a.slots, rng):
+        copies = len(caches)
+        fn = compiled(TARGET, vl, q, caches, vis)
+        take(lib)
+        walls, reads, spans, late, pooled = [], [], [], [], 0
+        for r in range(a.rounds):
+            reads.append(probe.once())
+            kc, vc = caches[r % copies]
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(q, kc, vc, vis))
+            walls.append(time.perf_counter() - t0)
+            rows = take(lib)
+            spans.append(rows[:, 4].max())
+            if rows[:, 2].any():
+                pooled += 1
+                late.append(rows[rows[:, 2] == 1, 3].min())
+        roof = statistics.median(reads)
+        wall, span = statistics.median(walls), statistics.median(spans)
+        lates = f"{statistics.median(late) * 1e3:.2f} ms" if late else "-"
+        print(f"{name} K={k} G={g}: {int(rows[0, 1])} parts; a pool task ran a part in "
+              f"{pooled}/{a.rounds} calls, starting {lates} after scheduling; parts "
+              f"done {span * 1e3:.2f} ms ({nbytes / span / 1e9:.1f} GB/s); call "
+              f"{wall * 1e3:.2f} ms ({nbytes / wall / roof:.0%} of the read's "
+              f"{roof / 1e9:.1f} GB/s); load {os.getloadavg()[0]:.1f}", flush=True)
 
 
 if __name__ == "__main__":
