@@ -80,10 +80,30 @@ def machine_key(backend: str | None = None, kernel: str = "decode_attention.cc")
     return {"cpu": model, "isa": isa, "cores": native.num_threads(),
             "backend": backend or backend_lib.current(), "jax": jax.__version__,
             "jaxlib": jaxlib.__version__, "kernel": hashlib.sha256(src).hexdigest()[:12],
-            "measure": MEASURE_METHOD}
+            "measure": MEASURE_METHOD if measures_cold() else WARM_METHOD}
 
 
 PLANNER_CACHE_ENV = "KVJAX_PLANNER_CACHE"
+PLANNER_MEASURE_ENV = "KVJAX_PLANNER_MEASURE"
+"""How :func:`resolve` measures the picks it lacks: 'cold' (unset: the caches flushed
+before every timed call, :data:`FLUSH_BYTES`) or 'warm' (no flush). The test suite sets
+'warm' for its session (tests/conftest.py): its picks are thrown away with the session,
+and the flush was most of a pick's time there (docs/decisions/0040-test-picks-warm.md).
+Warm picks are cached apart from cold ones (:data:`WARM_METHOD` in the key)."""
+
+
+def measures_cold() -> bool:
+    """Whether :func:`resolve` measures cold (``$KVJAX_PLANNER_MEASURE`` unset or 'cold')
+    or warm ('warm').
+
+    Raises:
+      ValueError: another value, naming it and the allowed ones.
+    """
+    how = os.environ.get(PLANNER_MEASURE_ENV, "cold")
+    if how not in ("cold", "warm"):
+        raise ValueError(f"${PLANNER_MEASURE_ENV}={how!r}; allowed: 'cold' (the default) "
+                         "or 'warm'")
+    return how == "cold"
 
 
 def cache_dir() -> pathlib.Path:
@@ -180,6 +200,8 @@ MEASURE_METHOD = f"cold-{FLUSH_BYTES >> 20}MiB-chain-iqr-mannwhitney"
 """How picks are measured and decided (flushed caches, chained weight products, the
 rule of :func:`_decide`): part of the cache key (:func:`machine_key`), so picks
 measured or decided another way are measured again."""
+WARM_METHOD = "warm-chain-iqr-mannwhitney"
+""":data:`MEASURE_METHOD` without the flush (``$KVJAX_PLANNER_MEASURE=warm``)."""
 
 
 def _flusher():
@@ -508,7 +530,7 @@ def _decode_pick(cfg: ModelConfig, b: int, s: int, mesh: bool, page_size: int = 
         path = cache_path(key)
         return _cached_choice(_memo, name, key, path, load_cache(path, key),
                               lambda: measure(b, k, g, h, h, s, dtype, k_layout, v_layout,
-                                              page_size=page_size))
+                                              page_size=page_size, cold=measures_cold()))
 
 
 def weight_shapes(cfg: ModelConfig, fused: bool = True) -> list[tuple[int, int, str]]:
@@ -557,7 +579,8 @@ def _weight_pick(m: int, k: int, n: int, layout: str) -> str:
         # the kernel would run it
         return wm.applies(_cached_choice(_wmemo, name, key, path,
                                          load_cache(path, key, WEIGHT_CANDIDATES),
-                                         lambda: measure_weight_matmul(row_band(m), k, n, layout),
+                                         lambda: measure_weight_matmul(
+                                             row_band(m), k, n, layout, cold=measures_cold()),
                                          WEIGHT_CANDIDATES),
                           m, layout)
 
@@ -745,8 +768,11 @@ def measure_weight_matmul(m: int, k: int, n: int, layout: str = "kn",
         # separate arrays, not slices of one stacked array: a custom call's operand sliced
         # out of a stack is copied first (XLA's dot fuses the slice), which would charge
         # the native kernel a copy of every weight; a decode step's weights are separate
-        w = tuple(jnp.asarray(rng.standard_normal(wshape, dtype=np.float32) / np.sqrt(k))
-                  for _ in range(copies))  # / sqrt(K): outputs of x's size, no overflow
+        # / sqrt(K): outputs of x's size, no overflow. One draw, each copy scaled apart
+        # (its own buffer, read from memory like the others): a draw per copy took most
+        # of a warm pick's time (docs/decisions/0040-test-picks-warm.md)
+        base = rng.standard_normal(wshape, dtype=np.float32) / np.float32(np.sqrt(k))
+        w = tuple(jnp.asarray(base * np.float32(1 + i / copies)) for i in range(copies))
         x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
         prods = {"xla": (lambda a, b: a @ b) if layout == "kn" else (lambda a, b: a @ b.T),
                  "native": lambda a, b: rm.rows_matmul(a, b, layout),

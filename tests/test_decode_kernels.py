@@ -746,6 +746,49 @@ def test_planner_flushes_the_caches_before_every_timed_call(monkeypatch, cold):
                                      if cold else 0)
 
 
+def test_the_planner_measures_warm_where_the_environment_says(planner_home, monkeypatch):
+    """$KVJAX_PLANNER_MEASURE: unset or 'cold', resolve's picks are measured with the
+    flush, 'warm' without (the test session's); warm picks are kept in files of their own
+    (so a cold pick is never read as a warm one, nor the reverse), and another value is
+    refused, named, before anything is measured."""
+    colds = []
+
+    def measure(*a, cold=True, **k):
+        colds.append(("attention", cold))
+        return _fake_measure([])(*a, **k)
+
+    def measure_weights(m, k, n, layout="kn", cold=True, **_):
+        colds.append(("weights", cold))
+        return {"choice": "xla", "gbps": {"xla": 1.0}, "seconds": {"xla": 1.0}}
+    monkeypatch.setattr(planner, "measure", measure)
+    monkeypatch.setattr(planner, "measure_weight_matmul", measure_weights)
+    cfg = presets.blog_model("float32", num_kv_heads=2, attention="gqa", backend="cpu",
+                             decode_attention="auto")
+    paths = []
+    for how in (None, "warm", "cold"):
+        if how is None:
+            monkeypatch.delenv(planner.PLANNER_MEASURE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(planner.PLANNER_MEASURE_ENV, how)
+        planner.clear_memo()
+        assert planner.resolve(cfg, max_seq_len=4096, batch_sizes=(1,)).plan \
+            .decode_attention == ((CLASS, "xla_cache_left"),)
+        planner._weight_pick(4, 576, 1536, "kn")
+        paths.append(planner.cache_path())
+    # unset: cold, measured; warm: measured again, without the flush; cold: read back
+    assert colds == [("attention", True), ("weights", True),
+                     ("attention", False), ("weights", False)]
+    assert paths[0] == paths[2] != paths[1]
+    assert json.loads(paths[1].read_text())["machine"]["measure"] == planner.WARM_METHOD
+    assert json.loads(paths[0].read_text())["machine"]["measure"] == planner.MEASURE_METHOD
+    monkeypatch.setenv(planner.PLANNER_MEASURE_ENV, "tepid")
+    planner.clear_memo()
+    with pytest.raises(ValueError, match=r"KVJAX_PLANNER_MEASURE='tepid'; allowed: 'cold'"):
+        planner.resolve(cfg, max_seq_len=4096, batch_sizes=(1,))
+    assert len(colds) == 4
+    planner.clear_memo()
+
+
 def test_the_flush_is_a_read_of_flush_bytes():
     """The real flusher is a read probe of planner.FLUSH_BYTES, and it runs."""
     flush = planner._flusher()
