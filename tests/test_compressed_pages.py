@@ -147,6 +147,9 @@ def test_engine_level_refusals_name_the_value():
                                          "; allowed: 5"):
         paged.init_paged_cache(cfg, 2, 32, P, 16)
     RunConfig(model=cfg, weights="random", max_seq_len=128, page_size=P)  # accepted
+    # drafter 'none' (what experiments.serve passes) is plain decoding, not refused
+    engine.Engine(params, cfg, num_slots=2, max_seq_len=128, page_size=P, num_pages=32,
+                  speculative=SpeculativeConfig())
 
 
 NATIVE_PLAN = Plan(native=("decode_attention",))

@@ -795,6 +795,8 @@ class Engine:
                         ("steps_per_sync", steps_per_sync)):
             if int(v) < 1:
                 raise ValueError(f"{name}={v}; allowed: an integer >= 1")
+        if speculative is not None and not speculative.enabled:  # drafter 'none'
+            speculative = None
         if cfg.kv_selects_pages and (not page_size or speculative is not None):
             raise ConfigError(
                 f"model.kv_compression={cfg.kv_compression!r} with "
@@ -824,8 +826,6 @@ class Engine:
                 f"prefix_cache=True with model.layer_windows={cfg.layer_windows}; allowed: "
                 "prefix_cache=False (a local layer's ring is its row's own, not pages a "
                 "prompt prefix can share)")
-        if speculative is not None and not speculative.enabled:
-            speculative = None
         if speculative is not None and speculative.drafter == "self" and draft is None:
             draft = spec_lib.self_draft(params, cfg, speculative)
         if speculative is not None:
