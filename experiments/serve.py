@@ -23,7 +23,9 @@ With ``--config.page_size=N`` the engine's rows are pages
 (:class:`kvjax.inference.engine.PagedRows`): a pool of ``--slots`` x max_seq_len tokens
 (the dense rows' bytes) in pages of N tokens, up to ``--max_rows`` requests at once, the
 newest preempted when the pool runs out; ``--prefix_cache`` shares the cached pages of
-common prompt prefixes. ``--config.chat_template=True`` makes each request's text the
+common prompt prefixes. With an evicting ``--config.model.kv_compression`` each row holds
+kv_budget + recent_slots slots of whole pages, and the pool ``--slots`` such rows.
+``--config.chat_template=True`` makes each request's text the
 user's turn of the checkpoint's chat template (every prompt then starts with the same
 system turn).
 
@@ -200,11 +202,14 @@ def pool_pages(run, slots: int) -> int:
     """Pages of the engine's pool on pages: the dense rows' bytes, ``slots`` rows of the
     cache's slots (max_seq_len, or a window's ring of W), in pages of page_size; at
     least the pages of one request of max_seq_len tokens (a window's prompt is
-    prefilled whole before its old pages are freed)."""
+    prefilled whole before its old pages are freed), or of one compressed row
+    (``model.kv_compression``: kv_budget + recent_slots slots, its prompt compressed on
+    a dense cache first)."""
     from kvjax.cache import paged  # noqa: PLC0415
 
-    return max(slots * cache_lib.num_slots(run.model, run.max_seq_len) // run.page_size,
-               paged.pages_for(run.max_seq_len, run.page_size))
+    row = cache_lib.num_slots(run.model, run.max_seq_len)
+    one = row if run.model.kv_evicts else run.max_seq_len
+    return max(slots * row // run.page_size, paged.pages_for(one, run.page_size))
 
 
 def check_arrival_rate(rate: float) -> None:

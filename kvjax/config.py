@@ -1057,7 +1057,9 @@ class RunConfig:
         peak memory, more passes over the weights.
       page_size: 0 (the default): the slot engine reserves a dense row of max_seq_len
         slots per request; N >= 1: its KV cache is a pool of pages of N tokens with a
-        block table per row (``kvjax.inference.engine.PagedRows``, ``kvjax.cache.paged``).
+        block table per row (``kvjax.inference.engine.PagedRows``, ``kvjax.cache.paged``);
+        an evicting ``model.kv_compression`` row holds kv_budget + recent_slots slots
+        of whole pages (:func:`check_paged_compression`).
       mesh: MeshConfig, the device mesh (default one device).
       distributed: DistributedConfig, ``jax.distributed`` settings (default one process).
       speculative: SpeculativeConfig (default plain decoding).
@@ -1141,7 +1143,7 @@ class RunConfig:
                   "fill), or a smaller model.compression.pyramid_beta")
         why = f"with model.kv_compression={m.kv_compression!r}"
         if self.page_size:
-            _fail("page_size", self.page_size, f"0 {why} (a compressed cache is dense rows)")
+            check_paged_compression(m, self.page_size)
         if self.prefill_chunk is not None:
             _fail("prefill_chunk", self.prefill_chunk,
                   f"None {why} (the prompt is scored and compressed after one prefill pass)")
@@ -1200,6 +1202,31 @@ class RunConfig:
                   f"at least prompt tokens ({prompt_tokens}) + max_new_tokens "
                   f"({self.max_new_tokens}) - 1 = {need} (the last new token is never "
                   "written)")
+
+
+def check_paged_compression(m: ModelConfig, page_size: int) -> None:
+    """Raises ConfigError, naming the value and what is allowed, unless an evicting
+    ``m.kv_compression`` runs on paged rows of ``page_size`` tokens: schedule 'prefill',
+    one budget in every layer, and kv_budget + recent_slots whole pages (a compressed
+    row holds that fixed number of pages: :func:`kvjax.cache.paged.init_paged_cache`).
+    Every-N re-scoring and PyramidKV's per-layer budgets run on dense rows
+    (``page_size=0``)."""
+    why = f"with page_size={page_size} and model.kv_compression={m.kv_compression!r}"
+    if m.compression.schedule != "prefill":
+        _fail("model.compression.schedule", m.compression.schedule,
+              f"'prefill' {why} (a paged row is compressed once, after its prefill; "
+              "'every_n' re-scores dense rows only: page_size=0)")
+    if m.layer_budgets is not None:
+        _fail("model.kv_compression", m.kv_compression,
+              f"a method with one budget in every layer {why}, or "
+              "model.compression.uniform_layers=True (per-layer budgets "
+              f"{m.layer_budgets} run on dense rows only: page_size=0)")
+    slots = m.kv_budget + m.compression.recent_slots
+    if slots % page_size:
+        _fail("model.kv_budget", m.kv_budget,
+              f"a budget with kv_budget + model.compression.recent_slots a multiple of "
+              f"page_size={page_size} (got {m.kv_budget} + {m.compression.recent_slots} "
+              f"= {slots}: a compressed row is whole pages)")
 
 
 def _plain(d: Any) -> dict:

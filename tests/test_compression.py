@@ -425,7 +425,8 @@ def test_mla_allocated_bytes_equal_theory(method, kv_dtype):
 
 @pytest.mark.parametrize("run, match", [
     (dict(max_seq_len=64), "kv_budget=100.*max_seq_len=64"),
-    (dict(page_size=16), "page_size=16"),
+    (dict(page_size=16), r"kv_budget=100; allowed: .*multiple of page_size=16 \(got 100 \+ "
+                         r"192 = 292"),
     (dict(prefill_chunk=32), "prefill_chunk=32"),
 ])
 def test_run_level_refusals(run, match):
@@ -484,7 +485,8 @@ def test_scoring_overhead_is_counted(mla):
 @pytest.mark.parametrize("mla", [False, True])
 def test_the_dense_engine_serves_compressed_rows(mla):
     """Each request's row is compressed at its own prefill (a one-row ragged prefill)
-    and decoded beside the others: its tokens equal its decoding alone. Pages refused."""
+    and decoded beside the others: its tokens equal its decoding alone (on pages:
+    tests/test_compressed_pages.py)."""
     from kvjax.inference import engine
     cfg = (mla_cfg if mla else cfg_for)("snapkv", budget=20)
     params = model_lib.init_params(cfg, 0)
@@ -495,8 +497,6 @@ def test_the_dense_engine_serves_compressed_rows(mla):
     for c, p in zip(done, prompts):
         want = decode_tokens(params, cfg, jnp.asarray([p], jnp.int32), steps=7)[0]
         np.testing.assert_array_equal(np.asarray(c.tokens), want)
-    with pytest.raises(ConfigError, match="page_size=16"):
-        engine.Engine(params, cfg, num_slots=2, max_seq_len=128, page_size=16, num_pages=32)
 
 
 def test_the_speculative_loop_refuses_every_n_by_name():
@@ -910,12 +910,13 @@ def test_the_engine_compresses_every_n_rows_as_alone(method, n):
 
 
 @pytest.mark.parametrize("run, match", [
-    (dict(page_size=16, num_pages=32), "kv_compression='tova' with page_size=16"),
+    (dict(page_size=16, num_pages=32), "model.compression.schedule='every_n'; allowed: "
+                                       "'prefill' with page_size=16"),
     (dict(speculative="ngram"), "kv_compression='tova' with speculative decoding"),
 ])
 def test_the_engine_refuses_every_n_on_pages_or_speculative_by_name(run, match):
     """What the engine still cannot run with a compressed cache, every-N included: pages
-    (a compressed row is a dense row) and speculative decoding."""
+    (a paged row is compressed once, after its prefill) and speculative decoding."""
     from kvjax.config import SpeculativeConfig
     from kvjax.inference import engine
     cfg = cfg_for("tova", compression=every(2))

@@ -26,6 +26,17 @@ num_pages, P)``: 'k' [N, K, P, H] or [N, K, H, P], 'c_kv' [N, P, C], 'k_scale' [
   the ring policy and read with :func:`kvjax.cache.kv.ring_positions` of the row's
   length, so the allocated bytes are theory's per-layer sum
   (docs/decisions/0031-paged-layer-windows-rings.md).
+* **Compressed rows** (an evicting ``cfg.kv_compression``, lever 5, schedule 'prefill'):
+  each row holds a fixed W = kv_budget + recent_slots slots on W / P pages that never
+  grow, the compressed cache's ring (:class:`kvjax.cache.policy.RingSlots` of W slots,
+  the first kv_budget pinned): slot j lives in page ``block_table[b, j // P]``, a
+  position p is written to slot ``slot_of(p)``, and :attr:`PagedKVCache.positions`
+  derives the slots' positions from the row's length and the length it was
+  compressed at (``ring_start``). The prompt is scored and compressed on a dense
+  one-row cache, whose kept slots (different per KV head: a page holds every KV head's
+  own kept slot j) are written into the row's pages (:func:`put_slots`), so a row holds
+  its budget's bytes, never a full-size cache masked
+  (docs/decisions/0041-paged-compressed-rows.md).
 * **Host allocation** (:class:`PageAllocator`): a free list, reference counts, fork and
   copy on write of a shared page, and page-granular prefix hashing (each full page's key
   is a hash of its token ids chained with the previous page's key, as vLLM's automatic
@@ -48,12 +59,14 @@ import numpy as np
 
 from kvjax import ops
 from kvjax.cache import kv, quant
-from kvjax.config import ModelConfig
+from kvjax.cache.policy import RingSlots
+from kvjax.config import ModelConfig, check_paged_compression
 
 __all__ = ["PagedKVCache", "PagedLayer", "PoolExhausted", "init_paged_cache", "pages_for",
            "write", "advance", "overflows", "copy_pages", "gather_view", "page_bytes",
            "ring_bytes", "row_cache", "put_row", "PageAllocator", "page_hashes", "BOUNDS",
-           "check_selection", "bound_bytes", "write_bounds", "gather_heads"]
+           "check_selection", "bound_bytes", "write_bounds", "gather_heads",
+           "compressed_slots", "put_slots"]
 
 
 class PoolExhausted(RuntimeError):
@@ -98,6 +111,10 @@ class PagedKVCache:
         {'k_min': pools, 'k_max': pools}: each page's per-channel minimum and maximum
         of its written keys (dequantized), [L, N, K, H] or a tuple of L [N, K, H] in the
         model dtype, kept by :func:`write_bounds`.
+      row_ring: static, () or (W, s) for compressed rows: each row's M·P = W slots are
+        a ring whose first s (kv_budget) are pinned (:func:`compressed_slots`).
+      ring_start: None, or with ``row_ring`` [B] int32 the length each row was
+        compressed at: its ring holds positions >= max(ring_start, s) only.
     """
 
     tensors: dict
@@ -110,6 +127,8 @@ class PagedKVCache:
     rings: tuple = flax.struct.field(pytree_node=False, default=())
     pool_pages: int = flax.struct.field(pytree_node=False, default=0)
     bounds: dict = flax.struct.field(default_factory=dict)
+    row_ring: tuple = flax.struct.field(pytree_node=False, default=())
+    ring_start: jax.Array | None = None
 
     @property
     def schedule(self) -> None:
@@ -147,10 +166,23 @@ class PagedKVCache:
     @property
     def positions(self) -> jax.Array:
         """[B, M·P] int32 positions of each row's dense view: slot j holds position j when
-        j < length and its page is allocated, else -1 (empty)."""
-        j = jnp.arange(self.num_slots, dtype=jnp.int32)
+        j < length and its page is allocated, else -1 (empty). A compressed row
+        (``row_ring`` (W, s)): a pinned slot j < s holds j while j < length (the kept
+        slots' markers, :mod:`kvjax.cache.compress`, or position j written after a
+        short prompt), a ring slot s + r the newest p < length with p - s = r mod
+        (W - s) and p >= max(ring_start, s), else -1 (the dense compressed cache's
+        positions, from two lengths)."""
+        j = jnp.arange(self.num_slots, dtype=jnp.int32)[None, :]
         page = jnp.repeat(self.block_table, self.page_size, axis=1)  # [B, M*P]
-        return jnp.where((j[None, :] < self.length[:, None]) & (page >= 0), j[None, :], -1)
+        length = self.length[:, None]
+        if not self.row_ring:
+            return jnp.where((j < length) & (page >= 0), j, -1)
+        w, s = self.row_ring
+        last = length - 1
+        p = last - jnp.mod(last - j, w - s)  # newest p <= last with p = j mod (W - s)
+        ring = (j >= s) & (j < w) & (p >= jnp.maximum(self.ring_start[:, None], s))
+        pos = jnp.where((j < s) & (j < length), j, jnp.where(ring, p, -1))
+        return jnp.where(page >= 0, pos, -1).astype(jnp.int32)
 
     def layer(self, i) -> "PagedLayer":
         """name -> layer ``i``'s dense view of every row ([B, K, M·P, H] ...);
@@ -282,6 +314,16 @@ def init_paged_cache(cfg: ModelConfig, batch_size: int, num_pages: int, page_siz
             tensors[name] = tuple(jnp.zeros(spec.shape, spec.dtype)
                                   for _ in range(cfg.num_layers))
     bounds = {}
+    row_ring, ring_start = (), None
+    if cfg.kv_evicts:  # a compressed row: W slots of whole pages, a ring
+        w = compressed_slots(cfg, page_size)
+        if max_pages * page_size != w:
+            raise ValueError(
+                f"max_pages={max_pages} with model.kv_compression={cfg.kv_compression!r}; "
+                f"allowed: {w // page_size} (a compressed row's kv_budget + recent_slots "
+                f"= {w} slots in pages of {page_size})")
+        row_ring = (w, cfg.kv_budget)
+        ring_start = jnp.zeros((batch_size,), jnp.int32)
     if cfg.kv_selects_pages:  # Quest: every page's key bounds
         check_selection(cfg, page_size, max_pages)
         shape = (num_pages, cfg.num_kv_heads, cfg.head_dim)
@@ -293,7 +335,41 @@ def init_paged_cache(cfg: ModelConfig, batch_size: int, num_pages: int, page_siz
                         length=jnp.zeros((batch_size,), jnp.int32), page_size=page_size,
                         axes=tuple((n, s.slot_axis) for n, s in specs.items()),
                         layouts=kv.layouts(cfg), ragged=True, rings=rings,
-                        pool_pages=int(num_pages), bounds=bounds)
+                        pool_pages=int(num_pages), bounds=bounds, row_ring=row_ring,
+                        ring_start=ring_start)
+
+
+def compressed_slots(cfg: ModelConfig, page_size: int) -> int:
+    """W = kv_budget + recent_slots, the slots of a compressed row on pages of
+    ``page_size`` (W / P pages, fixed). Raises ConfigError (a ValueError) naming the
+    value unless ``cfg``'s compression runs on pages
+    (:func:`kvjax.config.check_paged_compression`)."""
+    check_paged_compression(cfg, page_size)
+    return cfg.kv_budget + cfg.compression.recent_slots
+
+
+def put_slots(cache: PagedKVCache, one: kv.KVCache, block_table: jax.Array) -> PagedKVCache:
+    """``cache`` with the W slots of a dense one-row cache ``one`` (a compressed prompt's,
+    :func:`kvjax.cache.compress.compress`: codes and scales as stored) written into the
+    row's pages: slot j to page ``block_table[0, j // P]``, offset j % P (every slot,
+    so a reused page keeps nothing of its last row). Traceable.
+
+    Args:
+      one: a :class:`kvjax.cache.kv.KVCache` of one row and M·P slots, ``cache``'s tensors.
+      block_table: [1, M] int32 the row's pages.
+    """
+    plain = cache.replace(block_table=block_table, row_ring=())  # slot j = logical j
+    pos = jnp.arange(one.num_slots, dtype=jnp.int32)[None, :]
+    axes, tensors = dict(cache.axes), {}
+    for n, t in cache.tensors.items():
+        src = one.tensors[n]
+        if isinstance(t, tuple):
+            tensors[n] = tuple(write(plain, x, y, pos, axes[n]) for x, y in zip(t, src))
+            continue
+        for i in range(t.shape[0]):  # stacked [L, N, ...]
+            t = write(plain, t, src[i], pos, axes[n], jnp.int32(i))
+        tensors[n] = t
+    return cache.replace(tensors=tensors)
 
 
 BOUNDS = ("k_min", "k_max")
@@ -375,8 +451,13 @@ def put_row(cache: PagedKVCache, one: PagedKVCache, row) -> PagedKVCache:
 
 def _pages_offsets(cache: PagedKVCache, positions: jax.Array):
     """(page [B, T], offset [B, T]) int32 of each chunk token; page N (dropped by the
-    scatter) for a padded token, one past the view or one on no page."""
+    scatter) for a padded token, one past the view or one on no page. A compressed
+    row's token goes to its ring slot (``row_ring``; one a later token of the chunk
+    overwrites is dropped)."""
     p, n = cache.page_size, cache.num_pages
+    if cache.row_ring:
+        w, s = cache.row_ring
+        positions = jnp.where(positions >= 0, RingSlots(w, s).write_slots(positions, w), -1)
     ok = (positions >= 0) & (positions < cache.num_slots)
     logical = jnp.where(ok, positions // p, 0)
     page = jnp.take_along_axis(cache.block_table, logical, axis=1)

@@ -379,6 +379,29 @@ def paged_prefill_program(params, cache, row, block_table, start, tokens, num_va
             paged.put_row(cache, one, row))
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("cache",))
+def paged_compressed_prefill_program(params, cache, block_table, tokens, num_valid, key,
+                                     count, *, cfg, sampling):
+    """One row's prompt prefilled into a dense full cache, scored and compressed
+    (:func:`kvjax.inference.decode.prefill_compressed`, as a dense row's), and its W =
+    kv_budget + recent_slots slots written into the row's pages
+    (:func:`kvjax.cache.paged.put_slots`).
+
+    Args:
+      cache: the :class:`~kvjax.cache.paged.PagedKVCache` of compressed rows (donated).
+      block_table: [1, W / P] int32 the row's pages.
+      tokens: [1, T] int32 right-padded; num_valid: [1] int32 real tokens.
+      key: the request's key; count: [] int32 index of the token to sample.
+    Returns:
+      (token [1] int32 sampled from the last real token's logits, the cache of every
+      row: its block tables, lengths and ring starts as given).
+    """
+    logits, one = decode_lib.prefill_compressed(params, tokens, cfg, True, num_valid,
+                                                num_slots=cache.num_slots)
+    return (ragged.sample_rows(logits, key[None], count[None], sampling),
+            paged.put_slots(cache, one, block_table))
+
+
 class DenseRows:
     """``num_rows`` rows of ``max_seq_len`` cache slots, one reserved per request.
 
@@ -473,20 +496,34 @@ class PagedRows:
     grows, shares the cached full pages of common prompt prefixes with ``prefix_cache``,
     and frees the pages that slide out of a window. Raises ValueError for a non-positive
     ``num_pages`` or a pool smaller than one request of ``max_seq_len`` tokens (so the
-    oldest request can always finish)."""
+    oldest request can always finish).
+
+    ``row_slots`` W > 0: compressed rows (an evicting ``model.kv_compression``): a row
+    takes its W / P pages on admission and never more (a ring of W slots,
+    :func:`kvjax.cache.paged.put_slots`), so it never grows nor is preempted, caches no
+    prefix, and the pool need hold one row, not one request of max_seq_len tokens; the
+    rows' lengths and compression lengths are kept here (the allocator holds pages
+    only)."""
 
     def __init__(self, num_rows: int, max_seq_len: int, page_size: int, num_pages: int,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, row_slots: int = 0):
         if int(num_pages) < 1:
             raise ValueError(f"num_pages={num_pages}; allowed: an integer >= 1")
         self.num_rows, self.max_seq_len = num_rows, max_seq_len
         self.page_size, self.num_pages = int(page_size), int(num_pages)
-        self.max_pages = paged.pages_for(max_seq_len, self.page_size)
+        self.row_slots = int(row_slots)
+        if self.row_slots % self.page_size:
+            raise ValueError(f"row_slots={row_slots}; allowed: a multiple of page_size="
+                             f"{page_size} (a compressed row is whole pages)")
+        self.max_pages = (self.row_slots // self.page_size if self.row_slots
+                          else paged.pages_for(max_seq_len, self.page_size))
         if self.num_pages < self.max_pages:
+            one = (f"one compressed row of {self.row_slots} slots" if self.row_slots
+                   else f"one request of max_seq_len={max_seq_len}")
             raise ValueError(
                 f"num_pages={num_pages} pages of {page_size} tokens hold "
-                f"{self.num_pages * self.page_size} tokens, too few for one request of "
-                f"max_seq_len={max_seq_len}; allowed: num_pages >= {self.max_pages}")
+                f"{self.num_pages * self.page_size} tokens, too few for {one}; allowed: "
+                f"num_pages >= {self.max_pages}")
         self.view_len = self.max_pages * self.page_size
         self.prefix_cache = bool(prefix_cache)
         self.reset()
@@ -508,10 +545,14 @@ class PagedRows:
         self.alloc = paged.PageAllocator(
             self.num_pages, self.page_size,
             self.prefix_cache if prefix_cache is None else prefix_cache)
+        self._held: dict = {}  # compressed rows: row -> [length, length compressed at]
 
     def check(self, req: Request) -> None:
         """Raises ValueError when the request writes more tokens than a row or the pool
-        holds."""
+        holds (a compressed row's ring never fills: any request fits, as on dense
+        rows)."""
+        if self.row_slots:
+            return
         need = written_tokens(len(req.prompt), req.max_new_tokens)
         pages = paged.pages_for(need, self.page_size)
         if need > self.max_seq_len:
@@ -534,13 +575,28 @@ class PagedRows:
 
     def admit(self, row, tokens, need) -> int | None:
         try:
+            if self.row_slots:  # its W / P pages, kept to the end
+                self.alloc.admit(row, [], self.row_slots)
+                self._held[row] = [0, 0]
+                return 0
             return self.alloc.admit(row, tokens, need)
         except paged.PoolExhausted:
             return None
 
     def prefill(self, params, cfg, sampling, row, tokens, start, count, key) -> int:
         """``tokens[start:]`` written into ``row``'s pages (the first ``start`` are
-        cached) by a one-row view of the pools."""
+        cached) by a one-row view of the pools; a compressed row's whole prompt
+        compressed into its pages (``start`` 0: it caches no prefix and is never
+        preempted)."""
+        if self.row_slots:
+            toks = np.zeros((1, prefill_bucket(len(tokens))), np.int32)
+            toks[0, :len(tokens)] = tokens
+            first, self.cache = paged_compressed_prefill_program(
+                params, self.cache, jnp.asarray(self._table(row)[None]), jnp.asarray(toks),
+                jnp.asarray([len(tokens)], jnp.int32), key, jnp.int32(count), cfg=cfg,
+                sampling=sampling)
+            self._held[row] = [len(tokens), len(tokens)]
+            return int(first[0])
         n = len(tokens) - start
         toks = np.zeros((1, prefill_bucket(n)), np.int32)
         toks[0, :n] = tokens[start:]
@@ -558,7 +614,15 @@ class PagedRows:
         """A request's prefill can be of any bucket up to its whole length: a prefix hit
         leaves fewer tokens, a preempted request is prefilled again with its generated
         tokens, so every bucket up to the longest request's is compiled, fresh and (with
-        ``prefix_cache``) after a cached page."""
+        ``prefix_cache``) after a cached page. Compressed rows: each prompt's bucket
+        (:meth:`DenseRows.warmup`)."""
+        if self.row_slots:
+            buckets = sorted({prefill_bucket(len(r.prompt)) for r in requests})
+            for b in buckets:
+                self.admit("warmup", [], b)
+                prefill("warmup", [0] * b, 0)
+                self.release("warmup")
+            return buckets
         most = max(written_tokens(len(r.prompt), r.max_new_tokens) for r in requests)
         top = prefill_bucket(min(most, self.view_len))
         buckets = [prefill_bucket(1)]  # prefill_bucket's powers of two, up to top
@@ -581,7 +645,10 @@ class PagedRows:
 
     def grow(self, row, tokens, final) -> bool:
         """Frees the pages no query of the block sees (a window), then takes the pages of
-        the next ``tokens`` (copy on write of a shared page first)."""
+        the next ``tokens`` (copy on write of a shared page first). A compressed row
+        holds its pages already."""
+        if self.row_slots:
+            return True
         if self.cfg.window_size:
             self.alloc.drop_before(row, self.alloc.length(row) - self.cfg.window_size + 1,
                                    self.cfg.num_sink_tokens)
@@ -600,12 +667,16 @@ class PagedRows:
     def bind(self, running) -> None:
         self._bound = np.full((self.num_rows, self.max_pages), -1, np.int32)
         lengths = np.zeros(self.num_rows, np.int32)
+        starts = np.zeros(self.num_rows, np.int32)
         for row in running:
             self._bound[row] = self._table(row)
-            lengths[row] = self.alloc.length(row)
+            lengths[row], starts[row] = (self._held[row] if self.row_slots
+                                         else (self.alloc.length(row), 0))
         self._referenced = self.alloc.num_referenced
         self.cache = self.cache.replace(block_table=jnp.asarray(self._bound),
                                         length=jnp.asarray(lengths))
+        if self.row_slots:
+            self.cache = self.cache.replace(ring_start=jnp.asarray(starts))
 
     def account(self, stats: EngineStats, running, steps: int, ran) -> None:
         """The block's page figures; ``ran``: [B] int, steps (verify rounds) each row ran."""
@@ -618,16 +689,21 @@ class PagedRows:
             for i in range(steps))
 
     def append(self, row, tokens) -> None:
+        if self.row_slots:
+            self._held[row][0] += len(tokens)
+            return
         self.alloc.append(row, tokens)
 
     def release(self, row) -> None:
         self.alloc.release(row)
+        self._held.pop(row, None)
 
 
 def row_store(num_rows: int, max_seq_len: int, page_size: int = 0, num_pages: int = 0,
-              prefix_cache: bool = False):
+              prefix_cache: bool = False, row_slots: int = 0):
     """The one site choosing the rows: :class:`DenseRows` for ``page_size`` 0, else
-    :class:`PagedRows` of ``num_pages`` pages of ``page_size`` tokens.
+    :class:`PagedRows` of ``num_pages`` pages of ``page_size`` tokens (compressed rows
+    of ``row_slots`` slots each when > 0).
 
     Raises:
       ValueError: a negative ``page_size``, or pages (``num_pages``, ``prefix_cache``)
@@ -637,7 +713,8 @@ def row_store(num_rows: int, max_seq_len: int, page_size: int = 0, num_pages: in
         raise ValueError(f"page_size={page_size}; allowed: 0 (dense rows) or an integer "
                          ">= 1 (tokens per page)")
     if int(page_size):
-        return PagedRows(num_rows, max_seq_len, page_size, num_pages, prefix_cache)
+        return PagedRows(num_rows, max_seq_len, page_size, num_pages, prefix_cache,
+                         row_slots)
     if num_pages or prefix_cache:
         raise ValueError(f"num_pages={num_pages}, prefix_cache={prefix_cache} with "
                          "page_size=0; allowed: a pool and a prefix cache with page_size "
@@ -688,7 +765,11 @@ class Engine:
         one request of ``max_seq_len`` tokens must fit, so the oldest request can
         always finish. With ``cfg.layer_windows`` only the global layers are paged; a
         local layer keeps each row's ring of W_i (+ k + 1 speculative) slots
-        (docs/decisions/0031-paged-layer-windows-rings.md).
+        (docs/decisions/0031-paged-layer-windows-rings.md). With an evicting
+        ``cfg.kv_compression`` each row holds kv_budget + recent_slots slots of whole
+        pages, fixed (:class:`PagedRows` ``row_slots``; schedule 'prefill', one budget
+        in every layer: :func:`kvjax.config.check_paged_compression`), and the pool
+        need hold one such row.
       prefix_cache: reuse cached full pages of common prompt prefixes (pages only; not
         with ``cfg.layer_windows``, whose rings are a row's own).
     Raises:
@@ -698,8 +779,10 @@ class Engine:
       ConfigError: a drafter the config cannot build
         (:meth:`kvjax.inference.speculative.Drafter.check`: 'model' without ``draft``, a
         draft with another vocabulary), or a draft that copies the target's window
-        (``draft_kv_source='target'``) on pages, or ``prefix_cache`` with
-        ``cfg.layer_windows``, before any work.
+        (``draft_kv_source='target'``) on pages, ``prefix_cache`` with
+        ``cfg.layer_windows`` or an evicting ``cfg.kv_compression``, an evicting method
+        with speculation, or one the pages cannot hold
+        (:func:`kvjax.config.check_paged_compression`), before any work.
     """
 
     def __init__(self, params, cfg: ModelConfig, num_slots: int, max_seq_len: int,
@@ -712,6 +795,8 @@ class Engine:
                         ("steps_per_sync", steps_per_sync)):
             if int(v) < 1:
                 raise ValueError(f"{name}={v}; allowed: an integer >= 1")
+        if speculative is not None and not speculative.enabled:  # drafter 'none'
+            speculative = None
         if cfg.kv_selects_pages and (not page_size or speculative is not None):
             raise ConfigError(
                 f"model.kv_compression={cfg.kv_compression!r} with "
@@ -720,22 +805,27 @@ class Engine:
                 "cache to read)")
         if page_size and cfg.kv_selects_pages:
             paged.check_selection(cfg, page_size, paged.pages_for(max_seq_len, page_size))
-        if cfg.kv_evicts and (page_size or speculative is not None):
+        if cfg.kv_evicts and speculative is not None:
             raise ConfigError(
-                f"model.kv_compression={cfg.kv_compression!r} with "
-                f"{'page_size=' + str(page_size) if page_size else 'speculative decoding'}"
-                "; allowed: dense rows without speculation (a compressed row is the one-row "
-                "prefill's kept slots, copied into a dense row)")
+                f"model.kv_compression={cfg.kv_compression!r} with speculative decoding; "
+                "allowed: the engine without speculation (speculative=None; the main job "
+                "speculates on a compressed cache)")
+        row_slots = 0
+        if cfg.kv_evicts and page_size:
+            row_slots = paged.compressed_slots(cfg, page_size)
+            if prefix_cache:
+                raise ConfigError(
+                    f"prefix_cache=True with model.kv_compression={cfg.kv_compression!r};"
+                    " allowed: prefix_cache=False (a compressed row's pages hold its kept "
+                    "slots, not a prompt prefix another request can share)")
         self.num_slots, self.max_seq_len = int(num_slots), int(max_seq_len)
         self.rows = row_store(self.num_slots, self.max_seq_len, page_size, num_pages,
-                              prefix_cache)
+                              prefix_cache, row_slots)
         if page_size and prefix_cache and cfg.layer_windows is not None:
             raise ConfigError(
                 f"prefix_cache=True with model.layer_windows={cfg.layer_windows}; allowed: "
                 "prefix_cache=False (a local layer's ring is its row's own, not pages a "
                 "prompt prefix can share)")
-        if speculative is not None and not speculative.enabled:
-            speculative = None
         if speculative is not None and speculative.drafter == "self" and draft is None:
             draft = spec_lib.self_draft(params, cfg, speculative)
         if speculative is not None:

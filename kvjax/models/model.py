@@ -394,7 +394,7 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
       on the host and raise before running.
     Raises:
       ValueError: the cache records key/value layouts other than ``cfg``'s, a paged
-        cache built for other ``layer_windows``, or (checked
+        cache built for other ``layer_windows`` or compression, or (checked
         on the host when positions and the cache's lengths are concrete arrays, i.e.
         outside jit) a row's positions do not continue its cache; the message names the
         row.
@@ -407,6 +407,13 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
                 f"a paged cache of per-layer rings {cache.rings or None} with "
                 f"model.layer_windows={cfg.layer_windows}; allowed: a cache from "
                 "init_paged_cache with the same config (a ring for each local layer)")
+        if isinstance(cache, paged_lib.PagedKVCache) and \
+                bool(cache.row_ring) != cfg.kv_evicts:
+            raise ValueError(
+                f"a paged cache of compressed rows {cache.row_ring or None} with "
+                f"model.kv_compression={cfg.kv_compression!r}; allowed: a cache from "
+                "init_paged_cache with the same config (a ring of kv_budget + "
+                "recent_slots slots per row for an evicting method)")
         cache_lib.check_layouts(cache, cfg)
         check_positions(positions, cache)
         if num_valid is not None and not cache.ragged:
