@@ -14,8 +14,8 @@ head's few thunks are spread over the layers), and the count by opcode.
 
 ``--weight_matmul`` / ``--decode_attention`` pin the formulations ('auto': this machine's
 planner picks, read from or written to the planner's cache). ``--time_repeats=N`` also
-times two forms of the step, one call of each per round (N rounds after two warm-up
-rounds: a shared machine's load falls on both alike), random weights and a full cache,
+times two forms of the step, one call of each per round, in turns first (N rounds
+after two warm-up rounds: a shared machine's load falls on both alike), random weights and a full cache,
 and prints each one's median and the ratio: with ``--compare=fused`` the projections
 apart and fused (:func:`kvjax.models.model.fuse_projections`); with ``--compare=sums``
 (both fused) the per-row sums as plain reduces and in parts of 32 finished in each
@@ -131,7 +131,7 @@ def time_forms(name: str, context: int, weight_matmul: str, decode_attention: st
             step = decode.decode_step.lower(params, token, cache, cfg=cfg).compile()
         runs.append([step, params, cache, np.asarray(cache.length), []])
     for rnd in range(repeats + 2):
-        for r in runs:
+        for r in runs if rnd % 2 else runs[::-1]:  # each form first in half the rounds
             step, params, cache, length, times = r
             start = time.perf_counter()
             logits, cache = step(params, token, cache)
