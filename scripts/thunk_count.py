@@ -14,13 +14,16 @@ head's few thunks are spread over the layers), and the count by opcode.
 
 ``--weight_matmul`` / ``--decode_attention`` pin the formulations ('auto': this machine's
 planner picks, read from or written to the planner's cache). ``--time_repeats=N`` also
-times two forms of the step, one call of each per round (N rounds after two warm-up
-rounds: a shared machine's load falls on both alike), random weights and a full cache,
+times two forms of the step, one call of each per round, in turns first (N rounds
+after two warm-up rounds: a shared machine's load falls on both alike), random weights and a full cache,
 and prints each one's median and the ratio: with ``--compare=fused`` the projections
 apart and fused (:func:`kvjax.models.model.fuse_projections`); with ``--compare=sums``
 (both fused) the per-row sums as plain reduces and in parts of 32 finished in each
 element (:func:`kvjax.ops.lane_sum`, ``kvjax.ops.MAX_ADDS`` set to 0 while the plain
-form is traced; its thunk count is printed too).
+form is traced; its thunk count is printed too, JSON key 'plain'); with
+``--compare=norms`` (both fused) the RMSNorms before the weight products applied by XLA
+and folded into the native kernel (``kvjax.models.weight_matmul.FOLD_NORMS`` False while
+the first is traced; its count under 'plain' too).
 
     PYTHONPATH=. python scripts/thunk_count.py --configs=gqa --compare=sums \
         --weight_matmul=native --decode_attention=native --time_repeats=41
@@ -46,7 +49,7 @@ from kvjax import kernels, ops
 from kvjax.analysis import costs
 from kvjax.config import run_config_from_dict
 from kvjax.inference import decode
-from kvjax.models import model
+from kvjax.models import model, weight_matmul
 
 FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast"})
 """Entry instructions that run no code (no thunk of their own)."""
@@ -73,24 +76,29 @@ def entry_ops(hlo_text: str) -> collections.Counter:
 
 
 COMPARES = {"fused": (("apart", False, None), ("fused", True, None)),
-            "sums": (("plain", True, 0), ("parted", True, None))}
+            "sums": (("plain", True, 0), ("parted", True, None)),
+            "norms": (("xla_norms", True, "xla"), ("folded", True, None))}
 """{--compare value: its two forms (label, projections fused, kvjax.ops.MAX_ADDS while
-tracing: None keeps the default)}."""
+tracing, or 'xla' for kvjax.models.weight_matmul.FOLD_NORMS False: None keeps the
+defaults)}."""
 
 
 @contextlib.contextmanager
-def max_adds(value: int | None):
-    """``kvjax.ops.MAX_ADDS`` set to ``value`` (None: left as it is) while programs are
+def max_adds(value: int | str | None):
+    """``kvjax.ops.MAX_ADDS`` set to ``value`` (None: left as it is; 'xla':
+    ``kvjax.models.weight_matmul.FOLD_NORMS`` set False instead) while programs are
     traced inside; JAX's trace caches are dropped on entry and exit so that a program
     traced under one value is never reused under the other."""
-    old = ops.MAX_ADDS
+    old, fold = ops.MAX_ADDS, weight_matmul.FOLD_NORMS
     jax.clear_caches()
-    if value is not None:
+    if value == "xla":
+        weight_matmul.FOLD_NORMS = False
+    elif value is not None:
         ops.MAX_ADDS = value
     try:
         yield
     finally:
-        ops.MAX_ADDS = old
+        ops.MAX_ADDS, weight_matmul.FOLD_NORMS = old, fold
         jax.clear_caches()
 
 
@@ -123,7 +131,7 @@ def time_forms(name: str, context: int, weight_matmul: str, decode_attention: st
             step = decode.decode_step.lower(params, token, cache, cfg=cfg).compile()
         runs.append([step, params, cache, np.asarray(cache.length), []])
     for rnd in range(repeats + 2):
-        for r in runs:
+        for r in runs if rnd % 2 else runs[::-1]:  # each form first in half the rounds
             step, params, cache, length, times = r
             start = time.perf_counter()
             logits, cache = step(params, token, cache)
@@ -173,11 +181,12 @@ def main() -> None:
         r = out[name]
         print(f"{name}: {r['total']} thunks, {r['per_layer']} a layer ({r['layers']} "
               f"layers); {r['ops']}", flush=True)
-        if a.compare == "sums":
-            with max_adds(0):
+        if a.compare in ("sums", "norms"):
+            with max_adds(COMPARES[a.compare][0][2]):
                 r["plain"] = count(name, a.context, a.weight_matmul, a.decode_attention)
-            print(f"{name} with plain sums: {r['plain']['total']} thunks, "
-                  f"{r['plain']['per_layer']} a layer; {r['plain']['ops']}", flush=True)
+            print(f"{name} with {COMPARES[a.compare][0][0]}: {r['plain']['total']} "
+                  f"thunks, {r['plain']['per_layer']} a layer; {r['plain']['ops']}",
+                  flush=True)
         if a.time_repeats:
             r.update(time_forms(name, a.context, a.weight_matmul, a.decode_attention,
                                 a.time_repeats, a.compare))

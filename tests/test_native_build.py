@@ -40,6 +40,17 @@ static ffi::Error Zeros8(ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::S8>,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxRowsMatmulInt8, Zeros8,
     ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S8>>()
         .Ret<ffi::Buffer<ffi::F32>>().Attr<int64_t>("q_nk").Attr<int64_t>("threads"));
+static ffi::Error ZerosNorm(ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
+                            ffi::Buffer<ffi::F32>, ffi::ResultBuffer<ffi::F32> out, int64_t,
+                            int64_t, int64_t, int64_t, float) {
+  for (size_t i = 0; i < out->element_count(); ++i) out->typed_data()[i] = 0.f;
+  return ffi::Error::Success();
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxRowsMatmulNorm, ZerosNorm,
+    ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
+        .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int64_t>("w_nk")
+        .Attr<int64_t>("threads").Attr<int64_t>("split").Attr<int64_t>("lanes")
+        .Attr<float>("eps"));
 """
 
 
@@ -104,6 +115,7 @@ def test_a_library_whose_smoke_call_fails_is_not_used(module, what, bad_library,
         monkeypatch.setattr(module, "PAGED_TARGET", "kvjax_test_bad_paged")
     if module is rows_matmul:
         monkeypatch.setattr(module, "TARGET_INT8", "kvjax_test_bad_rows_matmul_int8")
+        monkeypatch.setattr(module, "TARGET_NORM", "kvjax_test_bad_rows_matmul_norm")
     with pytest.warns(UserWarning, match=what):
         assert module.load() is False
     assert module.load() is False  # the answer is kept: one warning per process

@@ -129,7 +129,7 @@ def test_compression_figures_refuses_bad_flags(flag, message):
     ("--context=0", "--context=0; allowed: an integer >= 1"),
     ("--weight_matmul=fast", "--weight_matmul=fast; allowed: one of ['auto', 'xla'"),
     ("--decode_attention=fast", "--decode_attention=fast; allowed: one of ['auto'"),
-    ("--compare=both", "--compare=both; allowed: one of ['fused', 'sums']"),
+    ("--compare=both", "--compare=both; allowed: one of ['fused', 'sums', 'norms']"),
 ])
 def test_thunk_count_refuses_bad_flags(flag, message):
     proc = _script("thunk_count.py", flag)

@@ -265,6 +265,8 @@ def kernel_flops(target: str, operand_types: list[str], result_type: str) -> flo
     :func:`kvjax.analysis.theory.prefill_attention_flops`).
 
     * ``kvjax_rows_matmul``: x [M, K] times a weight into [M, N]: 2·M·K·N.
+    * ``kvjax_rows_matmul_norm``: the same after an RMSNorm of x's rows (x², its sum,
+      the scaling by 1/rms and by g): 2·M·K·N + 4·M·K.
     * ``kvjax_decode_attention``: q [B, K, G, H] against S slots (``visible`` [B, S]) into
       o [B, K, G, V]: 2·B·K·G·S·(H + V) (the two products; the softmax's exp and sums
       are not counted, as XLA's dot FLOPs do not count them).
@@ -272,9 +274,10 @@ def kernel_flops(target: str, operand_types: list[str], result_type: str) -> flo
       (``visible`` [B, M·P]); its bytes are :func:`kernel_operand_bytes`'.
     """
     try:
-        if target == "kvjax_rows_matmul":
+        if target in ("kvjax_rows_matmul", "kvjax_rows_matmul_norm"):
             (x,), (y, *_) = shape_dims(operand_types[0]), shape_dims(result_type)
-            return 2.0 * math.prod(x) * y[-1]
+            norm = 4.0 * math.prod(x) if target == "kvjax_rows_matmul_norm" else 0.0
+            return 2.0 * math.prod(x) * y[-1] + norm
         if target in ("kvjax_decode_attention", "kvjax_paged_decode_attention"):
             (q,), (vis,) = shape_dims(operand_types[0]), shape_dims(operand_types[3])
             o = shape_dims(result_type)[0]

@@ -25,7 +25,7 @@ from kvjax.cache import paged as paged_lib
 from kvjax.config import ModelConfig
 from kvjax.models import decode_kernels, flash
 from kvjax.models.decode_kernels import SMALL_CHUNK  # noqa: F401 (re-exported)
-from kvjax.models.layers import Einsum, RMSNorm, apply_rope
+from kvjax.models.layers import Einsum, RMSNorm, applied, apply_rope
 from kvjax.native import prefill as native_prefill
 from kvjax.ops import NEG_INF, weight_dtype
 from kvjax.ops import layout_spec as _spec
@@ -808,7 +808,8 @@ class Attention(nn.Module):
         """Attention for one layer; the caller writes the returned chunk into the cache.
 
         Args:
-          x: [B, T, D] inputs.
+          x: [B, T, D] inputs (or their deferred norm,
+            :class:`kvjax.models.weight_matmul.Normed`).
           positions: [B, T] int32 absolute positions of the T tokens.
           cached: this layer's cache before the chunk, {'k': [B, K, S, H], 'v': ...} in
             the layouts of ``cfg.cache_layout`` (S and H swapped for 'BKHS'), or None for
@@ -825,11 +826,13 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         n, k, h, g = c.num_heads, c.num_kv_heads, c.head_dim, c.num_groups
         proj = dict(impl=c.weight_matmul, plan=c.plan, use_bias=c.qkv_bias)
-        if self.has_variable("params", "qkv_proj"):  # fused for decoding: one product
+        if self.has_variable("params", "qkv_proj"):  # fused for decoding: one product,
+            # into which a deferred norm folds (kvjax.models.weight_matmul.Normed)
             qkv = Einsum((c.d_model, n + 2 * k, h), "BTD,DNH->BTNH", dt, name="qkv_proj",
                          **proj)(x)
             q, kk, vv = qkv[:, :, :n], qkv[:, :, n:n + k], qkv[:, :, n + k:]
         else:
+            x = applied(x)
             q = Einsum((c.d_model, n, h), "BTD,DNH->BTNH", dt, name="q_proj", **proj)(x)
             kk = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="k_proj", **proj)(x)
             vv = Einsum((c.d_model, k, h), "BTD,DKH->BTKH", dt, name="v_proj", **proj)(x)

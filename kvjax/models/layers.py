@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import ops, rope
+from kvjax import rope
 from kvjax.models import weight_matmul
 from kvjax.plan import Plan
 
@@ -55,11 +55,15 @@ class Einsum(nn.Module):
         kernel = self.param(
             "kernel", nn.initializers.normal(stddev=fan_in ** -0.5), tuple(self.shape),
             self.dtype)
+        if isinstance(x, weight_matmul.Normed) and (
+                self.merge_in or x.dtype != jnp.dtype(self.dtype)):
+            x = x.apply()
         if self.merge_in:  # (an Int8Weight too: kvjax.models.weight_matmul)
             kernel = kernel.reshape(shape)
             x = x.reshape(x.shape[: x.ndim - self.merge_in] + (shape[0],))
-        y = weight_matmul.einsum(self.eqn, x.astype(self.dtype), kernel, self.impl,
-                                 self.plan)
+        if not isinstance(x, weight_matmul.Normed):  # (a Normed one is in self.dtype)
+            x = x.astype(self.dtype)
+        y = weight_matmul.einsum(self.eqn, x, kernel, self.impl, self.plan)
         if self.use_bias:
             out_shape = tuple(n for letter, n in zip(rhs, shape) if letter not in lhs)
             bias = self.param("bias", nn.initializers.zeros, out_shape, self.dtype)
@@ -70,20 +74,27 @@ class Einsum(nn.Module):
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * scale, computed in float32.
 
-    Input and output: [..., D] of ``dtype``.
+    Input and output: [..., D] of ``dtype`` (or the deferred form, ``defer=True``).
     """
 
     eps: float = 1e-5
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, defer: bool = False):
+        """``defer``: return a :class:`kvjax.models.weight_matmul.Normed` (the norm not yet
+        applied) for a consumer whose weight product can fold it into the native kernel
+        (:func:`kvjax.models.weight_matmul.einsum`); any other consumer calls its
+        ``apply()``."""
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        # 1 / sqrt(mean(x^2) + eps), summed so that a decode step's norm is two thunks
-        # (kvjax.ops.lane_sum; docs/decisions/0036-row-sums-in-parts.md)
-        y = x32 * jax.lax.rsqrt(ops.lane_sum(x32 * x32, x32) / x.shape[-1] + self.eps)
-        return (y * jnp.expand_dims(scale.astype(jnp.float32), range(y.ndim - 1))).astype(self.dtype)
+        normed = weight_matmul.Normed(x, scale, self.eps, jnp.dtype(self.dtype))
+        return normed if defer else normed.apply()
+
+
+def applied(x):
+    """``x`` with a deferred norm applied (:class:`kvjax.models.weight_matmul.Normed`);
+    an array as it is."""
+    return x.apply() if isinstance(x, weight_matmul.Normed) else x
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float,
@@ -113,10 +124,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float,
     amplitude = rope.rotary_amplitude(scaling)  # YaRN's mscale ratio; 1 otherwise
     if amplitude != 1.0:
         cos, sin = cos * amplitude, sin * amplitude
-    x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., : h // 2], x32[..., h // 2:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    # [x1, x2] -> [x1·cos - x2·sin, x2·cos + x1·sin] as x·[cos, cos] + [x2, x1]·[-sin, sin]
+    # over a [.., 2, H/2] view: the halves swapped by a reverse, not re-joined by a
+    # concatenate, so XLA:CPU fuses the rotation into each consumer (a decode step's
+    # score and cache write) instead of running it as a thunk of its own
+    # (docs/decisions/0042-rmsnorm-in-the-rows-kernel.md)
+    x32 = x.astype(jnp.float32).reshape(x.shape[:-1] + (2, h // 2))
+    cos2 = jnp.stack([cos, cos], axis=-2)
+    sin2 = jnp.stack([-sin, sin], axis=-2)
+    out = x32 * cos2 + jnp.flip(x32, axis=-2) * sin2
+    return out.reshape(x.shape).astype(x.dtype)
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -200,7 +217,8 @@ class MLP(nn.Module):
     'gelu':   down(gelu(up(x))), 2·D·F params (the blog's W1, W2).
     Parameters prepared for decoding (:func:`kvjax.models.model.fuse_projections`) hold
     one gate_up [D, 2F] (gate's columns, then up's) instead of gate and up: one product.
-    Input/output [B, T, D].
+    Input/output [B, T, D]; the input may be a deferred norm
+    (:class:`kvjax.models.weight_matmul.Normed`), folded into gate_up's product.
     """
 
     d_model: int
@@ -214,7 +232,9 @@ class MLP(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         d, f, wm, pl = self.d_model, self.mlp_dim, self.weight_matmul, self.plan
         gated = self.mlp_type in ("swiglu", "geglu")
-        if gated and self.has_variable("params", "gate_up"):  # fused for decoding
+        fused = gated and self.has_variable("params", "gate_up")
+        x = x if fused else applied(x)  # a deferred norm folds into one product only
+        if fused:  # prepared for decoding
             both = Einsum((d, 2 * f), "BTD,DF->BTF", self.dtype, name="gate_up", impl=wm,
                           plan=pl)(x)
             gate, up = both[..., :f], both[..., f:]

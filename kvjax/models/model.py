@@ -48,12 +48,15 @@ class Block(nn.Module):
     def __call__(self, x, positions, cached, cached_positions):
         c = self.cfg
         dt = c.jnp_dtype
-        h = RMSNorm(c.norm_eps, dt, name="attn_norm")(x)
-        h, new = _attention_cls(c)(c, name="attn")(h, positions, cached, cached_positions)
+        # the norms before the q/k/v and gate/up products are deferred into them (the
+        # native kernel applies them: docs/decisions/0042-rmsnorm-in-the-rows-kernel.md)
+        attn = _attention_cls(c)
+        h = RMSNorm(c.norm_eps, dt, name="attn_norm")(x, defer=attn is Attention)
+        h, new = attn(c, name="attn")(h, positions, cached, cached_positions)
         if c.post_norms:
             h = RMSNorm(c.norm_eps, dt, name="post_attn_norm")(h)
         x = x + h
-        h = RMSNorm(c.norm_eps, dt, name="mlp_norm")(x)
+        h = RMSNorm(c.norm_eps, dt, name="mlp_norm")(x, defer=not c.num_experts)
         if c.num_experts:  # DeepSeek's MoE layers
             h = MoE(c.d_model, c.moe_mlp_dim, c.num_experts, c.num_experts_per_tok,
                     c.num_shared_experts * c.moe_mlp_dim, c.routed_scaling_factor,
@@ -181,7 +184,7 @@ class DecoderLM(nn.Module):
         if last_only:  # the LM head for each row's last real token only (a prefill's)
             x = x[:, -1:] if num_valid is None else jnp.take_along_axis(
                 x, jnp.maximum(num_valid - 1, 0)[:, None, None], axis=1)
-        x = RMSNorm(c.norm_eps, dt, name="final_norm")(x)
+        x = RMSNorm(c.norm_eps, dt, name="final_norm")(x, defer=True)  # into the head
         if c.tie_embeddings:
             logits = weight_matmul.einsum("BTD,VD->BTV", x, embed.embedding, c.weight_matmul,
                                           c.plan)

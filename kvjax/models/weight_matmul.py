@@ -15,6 +15,12 @@ docs/decisions/0018-weight-splits-per-machine.md) are registered in :mod:`kvjax.
 pick of the config's plan for the product's class (:func:`kvjax.plan.weight_class`).
 Nothing is measured or built while a program is traced.
 
+An input may be a :class:`Normed` row (RMSNorm not yet applied): where the product runs
+on the native kernel in float32 the kernel applies the norm itself (one custom call
+instead of the norm's two fusions and the product:
+docs/decisions/0042-rmsnorm-in-the-rows-kernel.md); elsewhere the norm is applied first
+by XLA, as :class:`kvjax.models.layers.RMSNorm` does.
+
 Int8 weights (:class:`Int8Weight`: a self draft's copy of the target's weights,
 ``speculative.draft_weight_dtype='int8'``) run on the native kernel's int8 variant where
 the plan has it loaded (a quarter of float32's bytes), elsewhere XLA multiplies by the
@@ -37,13 +43,56 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax import kernels
+from kvjax import kernels, ops
 from kvjax import plan as plan_lib
 from kvjax.native import rows_matmul as rm
 
 # the native kernel's formulations: the registry's custom calls of that target
 NATIVE = tuple(f.name for f in kernels.formulations("weight_matmul")
                if f.target == "kvjax_rows_matmul")
+
+
+FOLD_NORMS = True
+"""Whether :func:`einsum` folds a :class:`Normed` input into the native kernel (False:
+XLA applies it first, as before; scripts/thunk_count.py's ``--compare=norms`` sets it
+while tracing the other form). Read while a program is traced."""
+
+
+@struct.dataclass
+class Normed:
+    """Rows whose RMSNorm (Zhang & Sennrich 2019) is not yet applied: x / sqrt(mean(x^2)
+    + eps) · scale over the last axis, computed in float32, in ``dtype``
+    (:class:`kvjax.models.layers.RMSNorm` with ``defer=True``). :func:`einsum` folds it
+    into the native kernel where that runs; :meth:`apply` computes it with XLA.
+
+    Attributes:
+      x: [..., D] the rows before the norm.
+      scale: [D] the norm's learned scale.
+      eps: the norm's epsilon.
+      dtype: the normed rows' dtype (the model's).
+    """
+
+    x: jax.Array
+    scale: jax.Array
+    eps: float = struct.field(pytree_node=False)
+    dtype: jnp.dtype = struct.field(pytree_node=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.x.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.x.ndim
+
+    def apply(self) -> jax.Array:
+        """The normed rows, [..., D] of ``dtype``, by XLA."""
+        x32 = self.x.astype(jnp.float32)
+        # 1 / sqrt(mean(x^2) + eps), summed so that a decode step's norm is two thunks
+        # (kvjax.ops.lane_sum; docs/decisions/0036-row-sums-in-parts.md)
+        y = x32 * jax.lax.rsqrt(ops.lane_sum(x32 * x32, x32) / self.x.shape[-1] + self.eps)
+        scale = jnp.expand_dims(self.scale.astype(jnp.float32), range(y.ndim - 1))
+        return (y * scale).astype(self.dtype)
 
 
 def split_eqn(eqn: str, x_ndim: int, w_ndim: int) -> tuple[int, int, str] | None:
@@ -98,7 +147,7 @@ def einsum(eqn: str, x: jax.Array, w: jax.Array, impl: str = "xla",
 
     Args:
       eqn: a projection's equation, e.g. 'BTD,DF->BTF' (w [D, F]) or 'BTD,VD->BTV'.
-      x: [rows..., contracted...] activations.
+      x: [rows..., contracted...] activations, or :class:`Normed` ones.
       w: the weight, [contracted..., out...] or [out..., contracted...], or an
         :class:`Int8Weight` of that shape (see the module docstring).
       impl: a value of ``model.weight_matmul`` (:mod:`kvjax.kernels`).
@@ -114,7 +163,12 @@ def einsum(eqn: str, x: jax.Array, w: jax.Array, impl: str = "xla",
         raise ValueError(f"weight_matmul={impl!r}; allowed: one of "
                          f"{list(kernels.names('weight_matmul'))}")
     int8 = isinstance(w, Int8Weight)
+    normed = x if isinstance(x, Normed) else None
+    x = x.x if normed is not None else x
     split = split_eqn(eqn, x.ndim, w.ndim)
+    if normed is not None and (split is None or split[1] != 1 or int8
+                               or normed.dtype != jnp.float32):
+        normed, x = None, normed.apply()  # the kernel folds one float32 norm axis only
     if split is None:  # not a rows-by-weight product: XLA's einsum
         return jnp.einsum(eqn, x, w.dequantize(x.dtype) if int8 else w)
     nr, nc, layout = split
@@ -128,6 +182,11 @@ def einsum(eqn: str, x: jax.Array, w: jax.Array, impl: str = "xla",
     dtype = ("int8" if int8 else "float32") if floats else jnp.dtype(x.dtype).name
     where = site(m, k, n, layout, dtype, plan)
     name = kernels.select("weight_matmul", impl, where, plan.pick(where) if plan else None)
+    if normed is not None:
+        if FOLD_NORMS and name in NATIVE and dtype == "float32":
+            return kernels.run("weight_matmul", name, eqn, x, w, split,
+                               norm=(normed.scale.astype(jnp.float32), normed.eps))
+        x = normed.apply()
     return kernels.run("weight_matmul", name, eqn, x, w, split)
 
 
@@ -142,7 +201,8 @@ def run_xla(name: str, eqn: str, x: jax.Array, w, split) -> jax.Array:
 def _rows(x: jax.Array, w, parts, **kw) -> jax.Array:
     """The native row-product kernel on ``x`` [rows..., contracted...] and ``w`` (its
     int8 variant for an :class:`Int8Weight`), reshaped back; ``parts``: (rows axes,
-    contracted axes, layout) of :func:`split_eqn`."""
+    contracted axes, layout) of :func:`split_eqn`; ``kw``: :func:`rows_matmul`'s split,
+    lanes and norm."""
     nr, nc, layout = parts
     rows_shape = x.shape[:nr]
     out_shape = w.shape[nc:] if layout == "kn" else w.shape[: w.ndim - nc]
@@ -155,19 +215,22 @@ def _rows(x: jax.Array, w, parts, **kw) -> jax.Array:
                           **kw).reshape(rows_shape + out_shape)
 
 
-def run_native(name: str, eqn: str, x: jax.Array, w, split) -> jax.Array:
+def run_native(name: str, eqn: str, x: jax.Array, w, split,
+               norm=None) -> jax.Array:
     """'native': the row-product kernel split by output columns."""
-    return _rows(x, w, split)
+    return _rows(x, w, split, norm=norm)
 
 
-def run_native_ksplit(name: str, eqn: str, x: jax.Array, w, split) -> jax.Array:
+def run_native_ksplit(name: str, eqn: str, x: jax.Array, w, split,
+                      norm=None) -> jax.Array:
     """'native_ksplit': the row-product kernel split by the weight's K rows."""
-    return _rows(x, w, split, split="k")
+    return _rows(x, w, split, split="k", norm=norm)
 
 
-def run_native_lanes(name: str, eqn: str, x: jax.Array, w, split) -> jax.Array:
+def run_native_lanes(name: str, eqn: str, x: jax.Array, w, split,
+                     norm=None) -> jax.Array:
     """'native_lanes': the row-product kernel with an [N, K] weight in the vector lanes."""
-    return _rows(x, w, split, lanes=True)
+    return _rows(x, w, split, lanes=True, norm=norm)
 
 
 # --------------------------------------------------------------------------- int8 weights

@@ -28,6 +28,7 @@
 // built with -march=native by kvjax/native/rows_matmul.py.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -472,17 +473,10 @@ static void SplitK(ffi::ThreadPool& pool, int64_t want, int64_t M, int64_t K, in
     for (int64_t i = 0; i < size; ++i) y[i] += pp[(p - 1) * size + i];
 }
 
-ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                          ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,
-                          int64_t w_nk, int64_t threads, int64_t split, int64_t lanes) {
-  int64_t M, K, N;
-  if (!Shapes(x.dimensions(), w.dimensions(), y->dimensions(), w_nk, &M, &K, &N))
-    return ffi::Error::InvalidArgument(
-        "kvjax_rows_matmul: x [M, K], w [K, N] (w_nk: [N, K]) and y [M, N] expected");
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* yp = y->typed_data();
-  if (Trivial(M, K, N, yp)) return ffi::Error::Success();
+// y[M, N] = xp[M, K] times the weight (RowsMatmulImpl's split rules).
+static void Rows(ffi::ThreadPool& pool, const float* xp, const float* wp, float* yp,
+                 int64_t M, int64_t K, int64_t N, int64_t w_nk, int64_t threads,
+                 int64_t split, int64_t lanes) {
   const int64_t want = (K * N >= kMinSplit) ? std::max<int64_t>(1, threads) : 1;
   if (!w_nk && (split || (M == 1 && N <= kWalkCols))) {
     // A K split (SplitK). One row, or with split = 1 up to kWalkRows rows, walks its
@@ -495,7 +489,7 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       else
         RangeKN(xp, M, K, wp, N, 0, N, yo, ka, kb, kSplitRowBlock);
     });
-    return ffi::Error::Success();
+    return;
   }
   // Units of work: column panels (w_nk = 0) or groups of NRT weight rows (w_nk = 1).
   const int64_t unit = w_nk ? NRT : NB;
@@ -511,6 +505,57 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     else
       RangeKN(xp, M, K, wp, N, c0, c1, yp, 0, K, kRowBlock);
   });
+}
+
+ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                          ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,
+                          int64_t w_nk, int64_t threads, int64_t split, int64_t lanes) {
+  int64_t M, K, N;
+  if (!Shapes(x.dimensions(), w.dimensions(), y->dimensions(), w_nk, &M, &K, &N))
+    return ffi::Error::InvalidArgument(
+        "kvjax_rows_matmul: x [M, K], w [K, N] (w_nk: [N, K]) and y [M, N] expected");
+  float* yp = y->typed_data();
+  if (Trivial(M, K, N, yp)) return ffi::Error::Success();
+  Rows(pool, x.typed_data(), w.typed_data(), yp, M, K, N, w_nk, threads, split, lanes);
+  return ffi::Error::Success();
+}
+
+// y = RMSNorm(x; g, eps) times the weight: each row of x scaled by 1 / sqrt(mean(x^2) +
+// eps) and by g (Zhang & Sennrich 2019, as kvjax.models.layers.RMSNorm) into a buffer of
+// M x K floats (in L1/L2 for a decode step's few rows), then the product above. The
+// norm's two XLA fusions before each weight product (its sum of squares, its scaling)
+// run here instead: two thunks fewer per norm
+// (docs/decisions/0042-rmsnorm-in-the-rows-kernel.md).
+ffi::Error RowsMatmulNormImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> w,
+                              ffi::ResultBuffer<ffi::F32> y, int64_t w_nk, int64_t threads,
+                              int64_t split, int64_t lanes, float eps) {
+  int64_t M, K, N;
+  if (!Shapes(x.dimensions(), w.dimensions(), y->dimensions(), w_nk, &M, &K, &N) ||
+      g.dimensions().size() != 1 || g.dimensions()[0] != K)
+    return ffi::Error::InvalidArgument(
+        "kvjax_rows_matmul_norm: x [M, K], g [K], w [K, N] (w_nk: [N, K]) and y [M, N] "
+        "expected");
+  float* yp = y->typed_data();
+  if (Trivial(M, K, N, yp)) return ffi::Error::Success();
+  const float* xp = x.typed_data();
+  const float* gp = g.typed_data();
+  std::unique_ptr<float[]> xn(new float[M * K]);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = xp + m * K;
+    vf a0 = zero(), a1 = zero();  // the sum of squares in vectors, two chains
+    int64_t k = 0;
+    for (; k + 2 * VW <= K; k += 2 * VW) {
+      const vf v0 = load(xr + k), v1 = load(xr + k + VW);
+      a0 = fma(v0, v0, a0);
+      a1 = fma(v1, v1, a1);
+    }
+    float ss = hsum(a0 + a1);
+    for (; k < K; ++k) ss += xr[k] * xr[k];
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
+    for (k = 0; k < K; ++k) xn[m * K + k] = xr[k] * r * gp[k];
+  }
+  Rows(pool, xn.get(), w.typed_data(), yp, M, K, N, w_nk, threads, split, lanes);
   return ffi::Error::Success();
 }
 
@@ -705,6 +750,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxRowsMatmul, RowsMatmulImpl,
                                   .Attr<int64_t>("threads")
                                   .Attr<int64_t>("split")
                                   .Attr<int64_t>("lanes"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxRowsMatmulNorm, RowsMatmulNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("w_nk")
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("split")
+                                  .Attr<int64_t>("lanes")
+                                  .Attr<float>("eps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxRowsMatmulInt8, RowsMatmulInt8Impl,
                               ffi::Ffi::Bind()

@@ -22,6 +22,7 @@ from kvjax import native
 
 TARGET = "kvjax_rows_matmul"
 TARGET_INT8 = "kvjax_rows_matmul_int8"  # the same library: int8 weights, float32 rows
+TARGET_NORM = "kvjax_rows_matmul_norm"  # the same library: RMSNorm(x) times the weight
 SOURCE = pathlib.Path(__file__).with_name("rows_matmul.cc")
 MAX_ROWS = 256  # rows above which XLA's GEMM is used (the kernel targets decode's few rows)
 _lock = threading.Lock()
@@ -52,6 +53,11 @@ def _smoke() -> None:
     native.check_close("rows_matmul's int8 smoke call (nk)",
                        _call_int8(jnp.asarray(x8), jnp.asarray(q.T.copy()), "nk"), want8,
                        tol=1e-4)
+    g = np.linspace(0.5, 1.5, 8, dtype=np.float32)
+    xn = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-5) * g
+    native.check_close("rows_matmul's normed smoke call (kn)",
+                       _call(jnp.asarray(x), jnp.asarray(w), "kn", "columns", False,
+                             (jnp.asarray(g), 1e-5)), xn @ w)
 
 
 def load() -> bool:
@@ -60,14 +66,16 @@ def load() -> bool:
     available; False with one warning naming the cause otherwise."""
     return native.register(_state, _lock, library_path, TARGET, "KvjaxRowsMatmul",
                            "kvjax rows_matmul", "weight products use XLA", smoke=_smoke,
-                           more=((TARGET_INT8, "KvjaxRowsMatmulInt8"),))
+                           more=((TARGET_INT8, "KvjaxRowsMatmulInt8"),
+                                 (TARGET_NORM, "KvjaxRowsMatmulNorm")))
 
 
 SPLITS = ("columns", "k")
 
 
 def rows_matmul(x: jax.Array, w: jax.Array, w_layout: str = "kn",
-                split: str = "columns", lanes: bool = False) -> jax.Array:
+                split: str = "columns", lanes: bool = False,
+                norm: tuple[jax.Array, float] | None = None) -> jax.Array:
     """``x @ w`` (``w_layout='kn'``, w [K, N]) or ``x @ w.T`` (``'nk'``, w [N, K]) by the
     native kernel: the weight streamed once for all M rows.
 
@@ -84,12 +92,16 @@ def rows_matmul(x: jax.Array, w: jax.Array, w_layout: str = "kn",
       lanes: w 'nk' only (one row runs as without): the rows of x in the vector
         lanes, each weight element broadcast once (no sums across lanes), instead of
         register tiles of dot products; which is faster depends on the machine.
+      norm: (g [K] float32, eps): each row of x is first RMS-normalised inside the
+        kernel, x / sqrt(mean(x^2) + eps) · g (Zhang & Sennrich 2019; the function of
+        :class:`kvjax.models.layers.RMSNorm`), so the norm costs no XLA fusions of its
+        own (target :data:`TARGET_NORM`); None: x as it is.
     Returns:
       [M, N] float32 (sums in a different order from XLA's: equal to ~1e-6 relative).
     Raises:
       ValueError: a non-float32 operand, ranks other than 2, mismatched K, a bad
-        w_layout or split, or split='k' / lanes=True with the other layout, naming the
-        value.
+        w_layout or split, split='k' / lanes=True with the other layout, or a norm
+        scale that is not a float32 [K] vector, naming the value.
       RuntimeError: the library could not be built or loaded (see the warning).
     """
     if w_layout not in ("kn", "nk"):
@@ -104,7 +116,13 @@ def rows_matmul(x: jax.Array, w: jax.Array, w_layout: str = "kn",
                          "weight")
     _check_operands("rows_matmul", x, ("w", w, jnp.float32), w_layout,
                     "; use model.weight_matmul='xla'")
-    return _product(x, w, w_layout, split, bool(lanes))
+    if norm is None:
+        return _product(x, w, w_layout, split, bool(lanes))
+    g, eps = norm
+    if g.shape != (x.shape[1],) or g.dtype != jnp.float32:
+        raise ValueError(f"rows_matmul: norm scale is {g.dtype}{list(g.shape)}; allowed: "
+                         f"float32[{x.shape[1]}] (x's K)")
+    return _normed_product(x, g, w, w_layout, split, bool(lanes), float(eps))
 
 
 def rows_matmul_int8(x: jax.Array, q: jax.Array, w_layout: str = "kn") -> jax.Array:
@@ -156,12 +174,17 @@ def _call_int8(x: jax.Array, q: jax.Array, w_layout: str) -> jax.Array:
         x, q, q_nk=np.int64(w_layout == "nk"), threads=np.int64(native.num_threads()))
 
 
-def _call(x: jax.Array, w: jax.Array, w_layout: str, split: str, lanes: bool) -> jax.Array:
+def _call(x: jax.Array, w: jax.Array, w_layout: str, split: str, lanes: bool,
+          norm: tuple | None = None) -> jax.Array:
     n = w.shape[1] if w_layout == "kn" else w.shape[0]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
-        x, w, w_nk=np.int64(w_layout == "nk"), threads=np.int64(native.num_threads()),
-        split=np.int64(split == "k"), lanes=np.int64(lanes))
+    attrs = dict(w_nk=np.int64(w_layout == "nk"), threads=np.int64(native.num_threads()),
+                 split=np.int64(split == "k"), lanes=np.int64(lanes))
+    if norm is None:
+        return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w, **attrs)
+    g, eps = norm
+    return jax.ffi.ffi_call(TARGET_NORM, out, vmap_method="sequential")(
+        x, g, w, eps=np.float32(eps), **attrs)
 
 
 # Differentiable: the kernel computes the forward product; the backward products (a
@@ -185,3 +208,28 @@ def _product_bwd(w_layout, split, lanes, res, g):
 
 
 _product.defvjp(_product_fwd, _product_bwd)
+
+
+def _rms_norm(x, g, eps):
+    """XLA's RMSNorm of the rows of x (the normed kernel's function, for its gradient)."""
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * g[None]
+
+
+# The normed product's backward is XLA's, through the norm and the product.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _normed_product(x, g, w, w_layout, split, lanes, eps):
+    return _call(x, w, w_layout, split, lanes, (g, eps))
+
+
+def _normed_fwd(x, g, w, w_layout, split, lanes, eps):
+    return _call(x, w, w_layout, split, lanes, (g, eps)), (x, g, w)
+
+
+def _normed_bwd(w_layout, split, lanes, eps, res, gy):
+    x, g, w = res
+    _, vjp = jax.vjp(lambda x, g, w: _rms_norm(x, g, eps) @ (w if w_layout == "kn" else w.T),
+                     x, g, w)
+    return vjp(gy)
+
+
+_normed_product.defvjp(_normed_fwd, _normed_bwd)
