@@ -250,6 +250,14 @@ def parse_shard(text: str | None) -> tuple | None:
     return k, n
 
 
+def shard_todo(todo: list, shard: tuple | None, score: bool) -> list:
+    """What this process scores of ``todo``: every n-th item from the k-th under a shard
+    (k, n), all of it without one, none when not scoring (``--summarize_only``)."""
+    if not score:
+        return []
+    return todo if shard is None else todo[shard[0]::shard[1]]
+
+
 def run_sweep(params, points, tokenizer, tasks, lengths, depths, samples: int, seed: int,
               query_first: bool, log_path: pathlib.Path, protocols,
               progress: bool = True, shard: tuple | None = None,
@@ -283,10 +291,7 @@ def run_sweep(params, points, tokenizer, tasks, lengths, depths, samples: int, s
     todo = [g for g in grid if any(skey(k, g) not in done for k in keys.values())]
     print(f"sweep: {len(points)} levers x {len(protocols)} protocols; {len(grid)} samples, "
           f"{len(grid) - len(todo)} already in {log_path} and its shards' logs")
-    if shard is not None:
-        todo = todo[shard[0]::shard[1]]
-    if not score:
-        todo = []
+    todo = shard_todo(todo, shard, score)
     eos = tokenizer.eos_token_ids
     resolved = {}
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -368,10 +373,7 @@ def run_sweep_ppl(params, points, texts: np.ndarray, tail: int, log_path: pathli
     todo = [j for j in range(n) if any(pkey(k, j) not in done for k in keys)]
     print(f"perplexity: {len(points)} levers, last {tail} of {length} tokens; {n} texts, "
           f"{n - len(todo)} already in {log_path} and its shards' logs")
-    if shard is not None:
-        todo = todo[shard[0]::shard[1]]
-    if not score:
-        todo = []
+    todo = shard_todo(todo, shard, score)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     resolved = [lc.resolve_config(p, length) for p in points] if todo else []
     with open(shard_log(log_path, shard), "a") as log, \
