@@ -529,8 +529,9 @@ def evaluate_sweep_grid(loaded, points, protocols, tokenizer, tasks, lengths, de
                    kv_compression=cfg.kv_compression, kv_budget=cfg.kv_budget,
                    kv_bytes_per_token=theory.kv_bytes_per_token(cfg),
                    sample_scores=sample_scores(rs))
-        if summarize_ppl(ppl.get(i, [])):
-            out["ppl"] = summarize_ppl(ppl[i])
+        tail_ppl_i = summarize_ppl(ppl.get(i, []))
+        if tail_ppl_i:
+            out["ppl"] = tail_ppl_i
         runs.append(out)
         print(f"{out['variant']:<70} accuracy {out['mean_accuracy']:.3f} "
               f"[{out['mean_accuracy_ci'][0]:.2f}, {out['mean_accuracy_ci'][1]:.2f}] answer "
