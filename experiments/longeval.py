@@ -11,6 +11,9 @@ variable tracking, word extraction, key-value retrieval and copying, generated o
     python -m experiments.longeval --config=configs/gqa.py --config.model.kv_dtype=int8
     python -m experiments.longeval --config=configs/gqa.py --config.model.kv_compression=snapkv \
         --config.model.kv_budget=512 --tasks=niah_single --lengths=4096 --protocol=question
+    python -m experiments.longeval --config=configs/gqa.py --tasks=passkey,niah_single \
+        --lengths=4096 --sweep=none,streaming_llm,snapkv --sweep_budgets=256,512 \
+        --sweep_protocols=context,question --ppl --out_dir=results/longeval/sweep
     python -m experiments.longeval --compare=results/longeval/full/longeval.json,results/longeval/w512/longeval.json
     python -m experiments.longeval --full_grid             # 1K-8K x depths 0-1 by 0.1 x 10 samples
 
@@ -21,6 +24,16 @@ once into the config's KV cache; the lever is the config (``--config.model.windo
 ``--query_first`` it also comes before the context). Two scores per sample: RULER's
 string match of the greedy answer (accuracy, Wilson 95% interval) and the reference
 answer's negative log-likelihood in nats per token (t interval).
+
+Perplexity (``--ppl``) of a lever that acts on the cache (``--sweep``,
+``--config.model.kv_compression``, or any config with ``--ppl_tokens`` given): for
+``--ppl_texts`` texts of the longest length L (the --eval corpus's first windows of L
+tokens), the first L - M tokens are prefilled into the config's cache (and compressed by
+its method and budget, ``kvjax.cache.compress.compress_prompt``), then the last M =
+``--ppl_tokens`` (default 256) are teacher-forced on that cache, its recent ring
+included (``lc.tail_nll``); a sweep scores every point on one prefill per text
+(``lc.sweep_tail_nll``, log ppl.jsonl) and each run gets a ``ppl`` entry. Otherwise
+``--ppl`` scores experiments.ppl's windows on the uncompressed cache.
 
 Writes to ``--out_dir`` (default results/longeval/): samples.jsonl (one line per sample,
 the resume log: a rerun skips the samples already there for the same config), longeval.json
@@ -57,8 +70,8 @@ from kvjax.inference import runner
 from kvjax.training import data, evaluate
 from kvjax.training import longcontext as lc
 from kvjax.training.longgrid import (
-    check_lengths, parse_grid, parse_shard, protocol_key, run_key, run_samples, run_sweep, sample_scores,
-    summarize, trained_context)
+    check_lengths, parse_grid, parse_shard, protocol_key, run_key, run_samples, run_sweep,
+    run_sweep_ppl, sample_scores, summarize, summarize_ppl, tail_ppl, trained_context)
 
 _CONFIG = cli.DEFINE_config_file(
     "config", "configs/gqa.py", cli.config_help("Model config file (get_config())."),
@@ -93,8 +106,19 @@ _QUERY_FIRST = flags.DEFINE_bool("query_first", False,
 _BEYOND = flags.DEFINE_bool(
     "allow_beyond_context", False,
     "Allow lengths past the checkpoint's trained context (cells marked beyond_context).")
-_PPL = flags.DEFINE_bool("ppl", False, "Also score perplexity with the --eval settings "
-                         "(experiments.ppl's), for the KV-bytes plot.")
+_PPL = flags.DEFINE_bool(
+    "ppl", False, "Also score perplexity, for the KV-bytes plot: with --ppl_tokens, --sweep "
+    "or --config.model.kv_compression, of each text's last --ppl_tokens tokens on the cache "
+    "its first L - M were prefilled (and compressed) into (texts of the longest --lengths "
+    "L from the --eval corpus); otherwise with the --eval settings (experiments.ppl's "
+    "windows).")
+_PPL_TOKENS = flags.DEFINE_integer(
+    "ppl_tokens", None, f"M, the scored last tokens of each perplexity text (default "
+    f"{lc.PPL_TOKENS} where the tail measure applies); given, the tail measure is used for "
+    "any config (a window, kv_dtype, KV heads: the levers on one perplexity axis).")
+_PPL_TEXTS = flags.DEFINE_integer(
+    "ppl_texts", 4, "Texts of L tokens (the --eval corpus's first windows) the tail "
+    "perplexity scores.")
 _OUT = flags.DEFINE_string("out_dir", "results/longeval", "Output folder.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the result JSON here.")
 _COMPARE = flags.DEFINE_list(
@@ -212,6 +236,7 @@ def plot_pareto(results: list, path: pathlib.Path) -> None:
     for r in results:
         series.setdefault((r.get("kv_compression"), r.get("protocol")), []).append(r)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawn = set()  # methods whose perplexity is drawn
     for k, (key, rs) in enumerate(series.items()):
         pts = sorted((r["lengths"][str(longest)]["kv_bytes_theory"], shared_accuracy(r, cells))
                      for r in rs)
@@ -227,13 +252,25 @@ def plot_pareto(results: list, path: pathlib.Path) -> None:
             if len(pts) == 1:
                 a.annotate(label(r), (x, acc), fontsize=7, xytext=(4, 4),
                            textcoords="offset points")
+        # perplexity does not depend on the protocol (its text has no question): one
+        # line per method, from its first protocol's runs
+        pp = sorted(((r["ppl"]["kv_bytes_theory"], r["ppl"]) for r in rs if r.get("ppl")),
+                    key=lambda t: t[0])
+        if pp and key[0] not in drawn:
+            drawn.add(key[0])
+            ys = [q["ppl"] for _, q in pp]
+            err = [[y - q.get("ppl_ci", [y, y])[0] for y, (_, q) in zip(ys, pp)],
+                   [q.get("ppl_ci", [y, y])[1] - y for y, (_, q) in zip(ys, pp)]]
+            err = np.nan_to_num(np.asarray(err, np.float64))
+            b.errorbar([x for x, _ in pp], ys, yerr=err, fmt="o-" if len(pp) > 1 else "o",
+                       capsize=3, color=c, alpha=0.8, label=key[0] or "full")
+            if len(rs) == 1:
+                b.annotate(label(rs[0]), (pp[0][0], ys[0]), fontsize=7, xytext=(4, 4),
+                           textcoords="offset points")
     if any(len(rs) > 1 for rs in series.values()):
         a.legend(fontsize=6, loc="lower right")
-        if r.get("ppl"):
-            px = r["ppl"]["kv_bytes_theory"]
-            b.plot([px], [r["ppl"]["ppl"]], "o")
-            b.annotate(label(r), (px, r["ppl"]["ppl"]), fontsize=7, xytext=(4, 4),
-                       textcoords="offset points")
+        if b.get_legend_handles_labels()[0]:
+            b.legend(fontsize=6, loc="upper right")
     for ax in (a, b):
         ax.set_xscale("log")
         lo, hi = ax.get_xlim()
@@ -244,7 +281,10 @@ def plot_pareto(results: list, path: pathlib.Path) -> None:
     b.set_xlabel("KV bytes per sequence at the perplexity context (theory)")
     b.set_ylabel("perplexity")
     a.set_title(f"accuracy on {len(cells)} shared cells (Wilson 95%)", fontsize=9)
-    b.set_title("perplexity", fontsize=9)
+    tails = {(r["ppl"]["context"], r["ppl"].get("tail")) for r in results if r.get("ppl")}
+    b.set_title("perplexity" + "".join(
+        f"; last {m} of {n:,} tokens on the cache of the first {n - m:,}"
+        for n, m in sorted(tails) if m), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -337,15 +377,7 @@ def main(argv):
         if (shard is not None or _SUMMARIZE_ONLY.value) and not points:
             raise cli.UsageError("--shard or --summarize_only without --sweep; allowed: "
                                  "with --sweep")
-        if points and ecfg is not None:
-            raise cli.UsageError("--ppl with --sweep; allowed: one of them (perplexity "
-                                 "over chunked windows is not defined for a compressed "
-                                 "cache; the sweep reports each point's answer NLL)")
-        if ecfg is not None and run.model.kv_compression is not None:
-            raise cli.UsageError(
-                f"--ppl with --config.model.kv_compression={run.model.kv_compression}; "
-                "allowed: no --ppl (perplexity over chunked windows is not defined for a "
-                "cache compressed after its prompt; the answer NLL is reported)")
+        tail = ppl_tail(ecfg, bool(points), run.model.kv_compression, max(lengths))
         cli.check_output_dir(str(out_dir), "out_dir")
         cli.check_output_file(_JSON_OUT.value, "json_out")
         path = run.weights_path or checkpoints.weights_path(run.cache_dir)
@@ -354,8 +386,12 @@ def main(argv):
         for t in tasks:
             for n in lengths:
                 lc.generate_sample(t, tokenizer, n, depths[0], _SEED.value, 0, _QUERY_FIRST.value)
-        evalset = None
-        if ecfg is not None:
+        evalset = texts = None
+        if tail is not None:  # texts of the harness's length L: its first windows
+            texts = evaluate.prepare_eval(dataclasses.replace(
+                ecfg, context=max(lengths), chunk=max(lengths),
+                num_tokens=_PPL_TEXTS.value * max(lengths)), tokenizer, run.cache_dir).windows
+        elif ecfg is not None:
             evalset = evaluate.prepare_eval(ecfg, tokenizer, run.cache_dir)
         # the weights need no cache of max_seq_len here: each length builds its own
         loaded = runner.load(dataclasses.replace(run, max_seq_len=min(lengths)))
@@ -369,9 +405,45 @@ def main(argv):
     if points:
         points, _ = sweep_points(loaded.cfg)
         return evaluate_sweep_grid(loaded, points, protocols, tokenizer, tasks, lengths,
-                                   depths, samples, context, out_dir, wall, shard)
+                                   depths, samples, context, out_dir, wall, shard,
+                                   texts, tail, ppl_source(ecfg))
     return evaluate_grid(run, loaded, tokenizer, tasks, lengths, depths, samples, context,
-                         out_dir, ecfg, evalset, wall)
+                         out_dir, ecfg, evalset, wall, texts, tail)
+
+
+def ppl_tail(ecfg, sweep: bool, kv_compression, length: int) -> int | None:
+    """M of the tail perplexity (``lc.tail_nll``), or None for experiments.ppl's windows
+    measure or no --ppl: the tail measure with --ppl_tokens given, with --sweep or with
+    a compressed config (whose prompt's cache is compressed after the prefill, so
+    windows prefilled chunk by chunk would score the uncompressed model).
+
+    Raises:
+      cli.UsageError: --ppl_tokens or --ppl_texts without --ppl; --ppl_texts below 1;
+        M outside [1, ``length``) (named).
+    """
+    given = _given("ppl_tokens")
+    if ecfg is None:
+        if given or _given("ppl_texts"):
+            raise cli.UsageError("--ppl_tokens or --ppl_texts without --ppl; allowed: "
+                                 "with --ppl")
+        return None
+    if not (given or sweep or kv_compression is not None):
+        return None
+    if _PPL_TEXTS.value < 1:
+        raise cli.UsageError(f"--ppl_texts={_PPL_TEXTS.value}; allowed: an integer >= 1")
+    tail = _PPL_TOKENS.value if _PPL_TOKENS.value is not None else lc.PPL_TOKENS
+    try:
+        lc.check_tail(length, tail)
+    except ValueError as e:
+        raise cli.UsageError(f"--{e} (the longest --lengths)") from None
+    return tail
+
+
+def ppl_source(ecfg) -> str:
+    """The corpus and split the tail perplexity's texts come from, for its log keys."""
+    if ecfg is None:
+        return ""
+    return json.dumps([ecfg.corpus or "django-docs", ecfg.split, ecfg.heldout_fraction])
 
 
 def sweep_points(model) -> tuple:
@@ -424,13 +496,21 @@ def sweep_points(model) -> tuple:
 
 
 def evaluate_sweep_grid(loaded, points, protocols, tokenizer, tasks, lengths, depths,
-                        samples, context, out_dir, wall, shard=None) -> int:
+                        samples, context, out_dir, wall, shard=None, texts=None,
+                        tail=None, source="") -> int:
     """--sweep: every point x protocol on one prefill per sample; sweep.json holds one
-    longeval.json entry per (point, protocol) (``runs``), with per-sample scores."""
+    longeval.json entry per (point, protocol) (``runs``), with per-sample scores, and
+    with --ppl each point's tail perplexity (``ppl``, the same under both protocols:
+    the text has no question), its texts scored first (ppl.jsonl, one prefill per
+    text)."""
     from kvjax.models import model as model_lib  # noqa: PLC0415
 
     params = model_lib.params_for(points[0], loaded.params)
     print(f"trained context: {context or 'unknown'}")
+    ppl = {}
+    if tail is not None:
+        ppl = run_sweep_ppl(params, points, texts, tail, out_dir / "ppl.jsonl", source,
+                            shard=shard, score=not _SUMMARIZE_ONLY.value)
     recs = run_sweep(params, points, tokenizer, tasks, lengths, depths, samples, _SEED.value,
                      _QUERY_FIRST.value, out_dir / "samples.jsonl", protocols,
                      shard=shard, score=not _SUMMARIZE_ONLY.value)
@@ -449,10 +529,15 @@ def evaluate_sweep_grid(loaded, points, protocols, tokenizer, tasks, lengths, de
                    kv_compression=cfg.kv_compression, kv_budget=cfg.kv_budget,
                    kv_bytes_per_token=theory.kv_bytes_per_token(cfg),
                    sample_scores=sample_scores(rs))
+        tail_ppl_i = summarize_ppl(ppl.get(i, []))
+        if tail_ppl_i:
+            out["ppl"] = tail_ppl_i
         runs.append(out)
         print(f"{out['variant']:<70} accuracy {out['mean_accuracy']:.3f} "
               f"[{out['mean_accuracy_ci'][0]:.2f}, {out['mean_accuracy_ci'][1]:.2f}] answer "
-              f"NLL {out['mean_answer_nll']:.3f}")
+              f"NLL {out['mean_answer_nll']:.3f}" + (
+                  f" perplexity {out['ppl']['ppl']:.3f} ({out['ppl']['texts']} texts)"
+                  if "ppl" in out else ""))
     result = dict(runs=runs, wall_seconds=time.perf_counter() - wall)
     cli.write_json(str(out_dir / "sweep.json"), result)
     if _JSON_OUT.value:
@@ -462,7 +547,7 @@ def evaluate_sweep_grid(loaded, points, protocols, tokenizer, tasks, lengths, de
 
 
 def evaluate_grid(run, loaded, tokenizer, tasks, lengths, depths, samples, context,
-                  out_dir, ecfg, evalset, wall) -> int:
+                  out_dir, ecfg, evalset, wall, texts=None, tail=None) -> int:
     cfg, params = loaded.cfg, loaded.params
     key = run_key(cfg) + ("" if _PROTOCOL.value == "context" else
                           f" protocol={_PROTOCOL.value}")
@@ -480,7 +565,9 @@ def evaluate_grid(run, loaded, tokenizer, tasks, lengths, depths, samples, conte
                sample_scores=sample_scores(records),
                wall_seconds=time.perf_counter() - wall,
                metric={t: f"string_match_{lc.TASKS[t].metric}" for t in tasks})
-    if ecfg is not None:
+    if tail is not None:
+        out["ppl"] = tail_ppl(params, cfg, texts, tail)
+    elif ecfg is not None:
         res = evaluate.perplexity(params, cfg, evalset.windows, ecfg,
                                   evalset.corpus.byte_lengths,
                                   separator_id=evalset.corpus.separator_id)
@@ -497,7 +584,10 @@ def evaluate_grid(run, loaded, tokenizer, tasks, lengths, depths, samples, conte
               f"theory / {v['kv_bytes_allocated']:,} B allocated, "
               f"{v['seconds_per_sample']:.2f} s per sample (median)")
     if "ppl" in out:
-        print(f"perplexity {out['ppl']['ppl']:.4f} at context {ecfg.context}")
+        print(f"perplexity {out['ppl']['ppl']:.4f} at context {out['ppl']['context']}"
+              + (f", its last {tail} tokens on the cache of the first "
+                 f"{out['ppl']['context'] - tail} ({out['ppl']['texts']} texts)"
+                 if tail is not None else ""))
     print(f"wall time {out['wall_seconds']:.0f} s")
     cli.write_json(str(out_dir / "longeval.json"), out)
     if _JSON_OUT.value:

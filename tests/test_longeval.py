@@ -190,6 +190,13 @@ def test_refusals_name_the_value(tok):
     (["--sweep=snapkv,bogus", "--sweep_budgets=512"], "kv_compression='bogus'"),
     (["--sweep=snapkv", "--sweep_budgets=16"], "model.kv_budget=16"),
     (["--sweep=none", "--sweep_protocols=later"], "--sweep_protocols=later"),
+    (["--sweep=none", "--ppl", "--ppl_tokens=0"], "--ppl_tokens=0; allowed: an integer M "
+     "with 1 <= M < L=2048"),
+    (["--lengths=1024", "--ppl", "--ppl_tokens=1024"], "--ppl_tokens=1024; allowed"),
+    (["--config.model.kv_compression=snapkv", "--config.model.kv_budget=512", "--ppl",
+      "--lengths=1024", "--ppl_tokens=4096"], "--ppl_tokens=4096; allowed"),
+    (["--ppl_tokens=64"], "--ppl_tokens or --ppl_texts without --ppl"),
+    (["--sweep=none", "--ppl", "--ppl_texts=0"], "--ppl_texts=0; allowed"),
 ])
 def test_entry_point_refuses_before_any_work(tmp_path, args, message):
     proc = subprocess.run([sys.executable, "-m", "experiments.longeval",
@@ -513,12 +520,97 @@ def test_compare_reads_a_sweep_and_tests_each_method_against_streaming_llm(tmp_p
     snap = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]  # 8 wins, 0 losses against the window
     runs = [run(None, None, [1] * 12), run("streaming_llm", 64, window),
             run("snapkv", 64, snap), run("snapkv", 128, snap)]
+    for r, ppl in zip(runs, (5.0, 9.5, 7.25, 6.0)):  # a tail perplexity per point
+        r["ppl"] = dict(ppl=ppl, ppl_ci=[ppl - 1, ppl + 1], context=600, tail=64,
+                        kv_bytes_theory=1000 * (r["kv_budget"] or 600), texts=2)
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps(dict(runs=runs)))
     assert le.compare([str(path)], [], tmp_path / "out") == 0
     lines = capsys.readouterr().out.splitlines()
     snap64 = next(x for x in lines if x.startswith("tiny snapkv 64"))
     assert f"8+/0- p={lc.sign_test(8, 0):.3g}" in snap64
+    assert "perplexity 7.2500" in snap64
     assert "p=" not in next(x for x in lines if x.startswith("tiny snapkv 128"))  # no ref
     assert "p=" not in next(x for x in lines if x.startswith("tiny None"))
     assert (tmp_path / "out" / "pareto.png").stat().st_size > 0
+
+
+# --------------------------------------------- perplexity of a text's tail on each cache
+
+
+def _text(tok, length=600):
+    """A text of ``length`` tokens (a haystack: filler and a needle)."""
+    return lc.generate_sample("passkey", tok, length + lc.RESERVE, 0.5, seed=5).context_ids[:length]
+
+
+def test_tail_perplexity_of_every_point_on_one_prefill_equals_each_config_alone(tok, tiny):
+    """sweep_tail_nll: the full cache's tail NLL equals a cache-free forward of the whole
+    text; a budget that keeps every slot (M within the ring) equals the full cache; each
+    swept point equals tail_nll of that config alone (its own prefill-and-compress)."""
+    params, cfg = tiny
+    cfg = cfg.replace(scan_layers=False)
+    params = model.params_for(cfg, params)
+    knobs = CompressionConfig(observation_window=16, recent_slots=48)
+    ids, tail = _text(tok), 40
+    points = [cfg] + [cfg.replace(kv_compression=m, kv_budget=b, compression=knobs)
+                      for m, b in (("snapkv", 600), ("streaming_llm", 32), ("h2o", 96),
+                                   ("pyramidkv", 64))]
+    points = [lc.resolve_config(p, len(ids)) for p in points]
+    swept = lc.sweep_tail_nll(params, points, ids, tail)
+    logits, _ = model.forward(params, cfg, jnp.asarray([ids], jnp.int32),
+                              jnp.arange(len(ids), dtype=jnp.int32)[None])
+    lp = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), -1), np.float64)
+    direct = np.array([-lp[i - 1, ids[i]] for i in range(len(ids) - tail, len(ids))])
+    np.testing.assert_allclose(swept[0].nll, direct, atol=2e-4)
+    np.testing.assert_allclose(swept[1].nll, swept[0].nll, atol=1e-5)  # keeps every slot
+    means = set()
+    for i, p in enumerate(points):
+        alone = lc.tail_nll(params, p, ids, tail)
+        np.testing.assert_allclose(swept[i].nll, alone.nll, atol=1e-5, err_msg=str(i))
+        assert (swept[i].kv_bytes_allocated, swept[i].kv_bytes_theory, swept[i].cache_slots) \
+            == (alone.kv_bytes_allocated, alone.kv_bytes_theory, alone.cache_slots)
+        if i != 1:  # kv_budget + recent_slots > L: theory counts L slots
+            assert alone.kv_bytes_allocated == alone.kv_bytes_theory == \
+                theory.kv_cache_bytes(p, len(ids))
+        means.add(round(float(swept[i].nll.mean()), 4))
+    assert len(means) == len(points) - 1  # every evicting point differs (snapkv 600 keeps all)
+
+
+def test_tail_perplexity_refuses_a_bad_tail_naming_it(tok, tiny):
+    params, cfg = tiny
+    ids = _text(tok, 100)
+    for bad in (0, -3, 100, 150, True, 2.5):
+        with pytest.raises(ValueError, match=f"ppl_tokens={bad!r}; allowed: an integer M "
+                                             "with 1 <= M < L=100"):
+            lc.tail_nll(params, cfg, ids, bad)
+        with pytest.raises(ValueError, match=f"ppl_tokens={bad!r}"):
+            lc.sweep_tail_nll(params, [cfg], ids, bad)
+
+
+def test_sweep_perplexity_log_resumes_and_summarizes(tok, tiny, tmp_path):
+    params, cfg = tiny
+    knobs = CompressionConfig(observation_window=16, recent_slots=48)
+    points = [cfg, cfg.replace(kv_compression="snapkv", kv_budget=64, compression=knobs)]
+    texts = np.asarray([_text(tok, 300), _text(tok, 600)[300:]], np.int32)
+    log = tmp_path / "ppl.jsonl"
+    first = longgrid.run_sweep_ppl(params, points, texts, 32, log, "src", progress=False,
+                                   shard=(0, 2))
+    assert [len(first[i]) for i in (0, 1)] == [1, 1]  # shard 0 of 2: text 0
+    both = longgrid.run_sweep_ppl(params, points, texts, 32, log, "src", progress=False)
+    lines = len(log.read_text().splitlines()) + len(
+        longgrid.shard_log(log, (0, 2)).read_text().splitlines())
+    assert lines == 4 and [len(both[i]) for i in (0, 1)] == [2, 2]
+    again = longgrid.run_sweep_ppl(params, points, texts, 32, log, "src", progress=False)
+    assert again == both and len(log.read_text().splitlines()) == 2  # nothing rescored
+    for i, p in enumerate(points):
+        alone = longgrid.tail_ppl(params, p, texts, 32)
+        got = longgrid.summarize_ppl(both[i])
+        assert got["ppl"] == pytest.approx(alone["ppl"], rel=1e-5)
+        per_text = [lc.tail_nll(params, lc.resolve_config(p, 300), list(t), 32).nll
+                    for t in texts]
+        assert got["ppl"] == pytest.approx(np.exp(np.concatenate(per_text).mean()), rel=1e-5)
+        assert (got["texts"], got["tokens"], got["context"], got["tail"]) == (2, 64, 300, 32)
+        assert got["ppl_ci"][0] <= got["ppl"] <= got["ppl_ci"][1] or got["nll_ci"][0] <= \
+            got["nll"] <= got["nll_ci"][1]
+        assert got["kv_bytes_theory"] == theory.kv_cache_bytes(p, 300)
+    assert longgrid.summarize_ppl([]) is None

@@ -825,7 +825,23 @@ def answer_prefilled(params, cfg: ModelConfig, logits, cache, question: Question
     last token and the (compressed) ``cache`` holding the context and the question ->
     (QuestionResult, the cache's allocated bytes, its slots); see
     :func:`ask_with_context`."""
-    a = list(question.answer_ids)
+    nll = continuation_nll(params, cfg, logits, cache, question.answer_ids)
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    allocated, slots = cache_lib.cache_bytes(cache), cache.num_slots
+    out, ran, _ = decode.generate(params, cfg, first, cache, max_new_tokens - 1,
+                                  eos_ids=tuple(eos_ids))
+    return _scored(tokenizer, [int(first[0])] + [int(t) for t in np.asarray(out[0, :ran])],
+                   eos_ids, question, metric, nll), allocated, slots
+
+
+def continuation_nll(params, cfg: ModelConfig, logits, cache, ids: Sequence[int]) -> np.ndarray:
+    """Teacher-forced NLL of ``ids`` (M >= 1 tokens) continuing a prefilled ``cache``:
+    ``logits`` [1, V] float32 of the prompt's last token score ids[0]; ids[:-1] go in one
+    right-padded chunk on the cache (not donated; :func:`ask`'s chunk), whose logits score
+    ids[1:]. On a compressed or windowed cache the chunk's queries see what decoding
+    would (the kept slots, the ring's last recent_slots tokens: the slot policy's mask).
+    Returns [M] float64 nats, -log p(ids[i] | prompt, ids[:i])."""
+    a = list(ids)
     lp0 = jax.nn.log_softmax(logits[0], axis=-1)
     nll = [-float(lp0[a[0]])]
     if len(a) > 1:
@@ -833,12 +849,7 @@ def answer_prefilled(params, cfg: ModelConfig, logits, cache, question: Question
         lp = jax.nn.log_softmax(rest[0, :len(a) - 1], axis=-1)
         nll += list(-np.asarray(jnp.take_along_axis(lp, jnp.asarray(a[1:])[:, None],
                                                     axis=-1)[:, 0], np.float64))
-    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    allocated, slots = cache_lib.cache_bytes(cache), cache.num_slots
-    out, ran, _ = decode.generate(params, cfg, first, cache, max_new_tokens - 1,
-                                  eos_ids=tuple(eos_ids))
-    return _scored(tokenizer, [int(first[0])] + [int(t) for t in np.asarray(out[0, :ran])],
-                   eos_ids, question, metric, np.asarray(nll, np.float64)), allocated, slots
+    return np.asarray(nll, np.float64)
 
 
 def _scored(tokenizer, gen: list, eos_ids, question: Question, metric: str,
@@ -968,6 +979,28 @@ def _cut_prompt(point: ModelConfig, prompt_len: int) -> tuple:
     return point, prompt_len
 
 
+def _check_sweep_points(points: Sequence[ModelConfig]) -> None:
+    """Raises ValueError for a point a shared prefill cannot serve (a window, a read-time
+    page selection)."""
+    for p in points:
+        if p.window_size is not None or p.kv_selects_pages:
+            raise ValueError(
+                f"a sweep point with window_size={p.window_size}, kv_compression="
+                f"{p.kv_compression!r}; allowed: a dense cache with or without an evicting "
+                "method (a window is streaming_llm at the same budget)")
+
+
+def _point_cache(point: ModelConfig, full, queries, prompt_len: int, length: int):
+    """A point's cache from the shared prefill's dense ``full`` cache and ``queries``:
+    compressed by its method and budget, or (no eviction) grown to ``length`` slots."""
+    if point.kv_evicts:
+        cache = _compress_observed(full, queries, cfg=point, prompt_len=prompt_len)
+    else:
+        cache = _grow(full, cfg=point, slots=length)
+    jax.block_until_ready(cache.length)
+    return cache
+
+
 def evaluate_sweep(params, points: Sequence[ModelConfig], sample: Sample, tokenizer,
                    eos_ids: Sequence[int] = (),
                    protocols: Sequence[str] = ("question",)) -> dict:
@@ -999,12 +1032,7 @@ def evaluate_sweep(params, points: Sequence[ModelConfig], sample: Sample, tokeni
     if bad or not protocols:
         raise ValueError(f"protocols={list(protocols)}; allowed: one or more of "
                          f"{list(PROTOCOLS)}")
-    for p in points:
-        if p.window_size is not None or p.kv_selects_pages:
-            raise ValueError(
-                f"a sweep point with window_size={p.window_size}, kv_compression="
-                f"{p.kv_compression!r}; allowed: a dense cache with or without an evicting "
-                "method (a window is streaming_llm at the same budget)")
+    _check_sweep_points(points)
     metric = TASKS[sample.task].metric
     out = {}
     for protocol in protocols:
@@ -1031,11 +1059,7 @@ def evaluate_sweep(params, points: Sequence[ModelConfig], sample: Sample, tokeni
                 for i in members:
                     p = points[i]
                     start = time.perf_counter()
-                    if p.kv_evicts:
-                        cache = _compress_observed(full, queries, cfg=p, prompt_len=width)
-                    else:
-                        cache = _grow(full, cfg=p, slots=sample.length)
-                    jax.block_until_ready(cache.length)
+                    cache = _point_cache(p, full, queries, width, sample.length)
                     prep = shared + time.perf_counter() - start
                     start = time.perf_counter()
                     if protocol == "question":
@@ -1057,6 +1081,101 @@ def evaluate_sweep(params, points: Sequence[ModelConfig], sample: Sample, tokeni
                 questions=results, kv_bytes_allocated=allocated,
                 kv_bytes_theory=theory.kv_cache_bytes(points[i], sample.length),
                 cache_slots=slots_, prefill_seconds=pre, decode_seconds=dec)
+    return out
+
+
+# ------------------------------------------- perplexity on a compressed (or any) cache
+
+
+PPL_TOKENS = 256
+"""M, the scored last tokens of a tail-perplexity text (:func:`tail_nll`) by default:
+past the compressed cache's recent ring (192 slots), so its last tokens are scored as a
+decode step would read the cache."""
+
+
+def check_tail(length: int, tail) -> None:
+    """Raises ValueError unless ``tail`` is an integer M with 1 <= M < ``length`` (named)."""
+    if isinstance(tail, bool) or not isinstance(tail, (int, np.integer)) \
+            or not 1 <= tail < length:
+        raise ValueError(f"ppl_tokens={tail!r}; allowed: an integer M with 1 <= M < "
+                         f"L={length} (a text's first L - M tokens are prefilled into the "
+                         "cache, its last M scored)")
+
+
+@dataclasses.dataclass
+class TailResult:
+    """A text's last M tokens scored on the cache its first L - M were prefilled (and
+    compressed) into: ``nll`` [M] float64 nats per token, the cache's allocated bytes
+    (one sequence) and theory's at L, its slots, and the wall time (s; a sweep's
+    includes the shared prefill)."""
+
+    nll: np.ndarray
+    kv_bytes_allocated: int
+    kv_bytes_theory: int
+    cache_slots: int
+    seconds: float
+
+
+def tail_nll(params, cfg: ModelConfig, ids: Sequence[int], tail: int) -> TailResult:
+    """Perplexity's measure under a lever that acts on the cache: ``ids`` (a text of L
+    tokens), its first L - M prefilled into ``cfg``'s cache of L positions by the
+    prefill every run uses (:func:`prefill_context`: a window's ring, a kv_dtype, or
+    prefill-and-compress with ``kv_compression``, ``decode.prefill_compressed``), then its
+    last M = ``tail`` tokens teacher-forced on that cache (:func:`continuation_nll`; the
+    kept slots and the cache's recent ring, as decoding reads them): compress once,
+    then continue (issue 55 item 4). A cache that keeps every slot, with M within its
+    ring, scores as the full cache; scored tokens past recent_slots see only the ring's
+    last recent_slots tokens besides the kept ones, as decoding would.
+
+    Args:
+      cfg: resolved (:func:`resolve_config`) for L.
+    Raises:
+      ValueError: M outside [1, L) (:func:`check_tail`).
+    """
+    check_tail(len(ids), tail)
+    start = time.perf_counter()
+    logits, cache = prefill_context(params, cfg, list(ids[:-tail]), len(ids))
+    nll = continuation_nll(params, cfg, logits, cache, list(ids[-tail:]))
+    return TailResult(nll, cache_lib.cache_bytes(cache), theory.kv_cache_bytes(cfg, len(ids)),
+                      cache.num_slots, time.perf_counter() - start)
+
+
+def sweep_tail_nll(params, points: Sequence[ModelConfig], ids: Sequence[int],
+                   tail: int) -> dict:
+    """:func:`tail_nll` of every point on one prefill of the text's first L - M tokens
+    (:func:`evaluate_sweep`'s: a dense cache and every layer's queries, each point's
+    method compressing it with the observation queries it reads, a full cache grown to
+    L slots).
+
+    Returns:
+      {index into points: TailResult}; ``seconds`` is the shared prefill's plus the
+      point's compression and scoring.
+    Raises:
+      ValueError: M outside [1, L), a windowed or page-selecting point.
+    """
+    check_tail(len(ids), tail)
+    _check_sweep_points(points)
+    prefix, rest = list(ids[:-tail]), list(ids[-tail:])
+    width = len(prefix)
+    groups: dict = {}
+    for i, p in enumerate(points):
+        groups.setdefault(_cut_prompt(p, width), []).append(i)
+    tokens = jnp.asarray([prefix], jnp.int32)
+    valid = jnp.asarray([width], jnp.int32)
+    out = {}
+    for (pcfg, slots), members in groups.items():
+        start = time.perf_counter()
+        logits, full, queries = _observed_prefill(params, tokens, valid, cfg=pcfg, slots=slots)
+        jax.block_until_ready(full.length)
+        shared = time.perf_counter() - start
+        for i in members:
+            p = points[i]
+            start = time.perf_counter()
+            cache = _point_cache(p, full, queries, width, len(ids))
+            nll = continuation_nll(params, p, logits, cache, rest)
+            out[i] = TailResult(nll, cache_lib.cache_bytes(cache),
+                                theory.kv_cache_bytes(p, len(ids)), cache.num_slots,
+                                shared + time.perf_counter() - start)
     return out
 
 

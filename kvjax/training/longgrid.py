@@ -250,6 +250,14 @@ def parse_shard(text: str | None) -> tuple | None:
     return k, n
 
 
+def shard_todo(todo: list, shard: tuple | None, score: bool) -> list:
+    """What this process scores of ``todo``: every n-th item from the k-th under a shard
+    (k, n), all of it without one, none when not scoring (``--summarize_only``)."""
+    if not score:
+        return []
+    return todo if shard is None else todo[shard[0]::shard[1]]
+
+
 def run_sweep(params, points, tokenizer, tasks, lengths, depths, samples: int, seed: int,
               query_first: bool, log_path: pathlib.Path, protocols,
               progress: bool = True, shard: tuple | None = None,
@@ -283,10 +291,7 @@ def run_sweep(params, points, tokenizer, tasks, lengths, depths, samples: int, s
     todo = [g for g in grid if any(skey(k, g) not in done for k in keys.values())]
     print(f"sweep: {len(points)} levers x {len(protocols)} protocols; {len(grid)} samples, "
           f"{len(grid) - len(todo)} already in {log_path} and its shards' logs")
-    if shard is not None:
-        todo = todo[shard[0]::shard[1]]
-    if not score:
-        todo = []
+    todo = shard_todo(todo, shard, score)
     eos = tokenizer.eos_token_ids
     resolved = {}
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -321,3 +326,99 @@ def run_sweep(params, points, tokenizer, tasks, lengths, depths, samples: int, s
             bar.update()
     return {kk: [done[skey(k, g)] for g in grid if skey(k, g) in done]
             for kk, k in keys.items()}
+
+
+# ------------------------------------------------ perplexity of each lever on its cache
+
+
+def ppl_key(key: str, length: int, tail: int, index: int, source: str) -> str:
+    """The perplexity log's key of a config's :func:`run_key` on text ``index`` of L =
+    ``length`` tokens from ``source`` (the corpus and split), its last ``tail`` scored."""
+    return json.dumps([key, "ppl", length, tail, index, source])
+
+
+def tail_record(key: str, variant: str, res, length: int, tail: int, index: int) -> dict:
+    """One text's line of the perplexity log from an ``lc.TailResult``."""
+    return dict(key=key, variant=variant, length=length, tail=tail, index=index,
+                nll_total=float(res.nll.sum()), tokens=int(res.nll.size),
+                kv_bytes_theory=res.kv_bytes_theory,
+                kv_bytes_allocated=res.kv_bytes_allocated, cache_slots=res.cache_slots,
+                seconds=res.seconds)
+
+
+def run_sweep_ppl(params, points, texts: np.ndarray, tail: int, log_path: pathlib.Path,
+                  source: str, progress: bool = True, shard: tuple | None = None,
+                  score: bool = True) -> dict:
+    """The tail perplexity (``lc.sweep_tail_nll``) of every point on one prefill per text,
+    resumable as :func:`run_sweep` is: each text not yet in ``log_path`` (a JSONL, every
+    shard's log beside it read too) for every point is scored once and each point's
+    result appended as its own record (:func:`tail_record`, keyed by :func:`ppl_key`).
+
+    Args:
+      points: unresolved configs (each is resolved for L).
+      texts: [N, L] int32, the corpus's first N windows of L tokens.
+      tail: M, the scored last tokens of each text.
+      source: names the corpus and split in the keys.
+      shard, score: as :func:`run_sweep`'s.
+    Returns:
+      {point index: records of the texts done, in text order}.
+    """
+    from tqdm import tqdm  # noqa: PLC0415
+
+    n, length = texts.shape
+    lc.check_tail(length, tail)
+    done = read_logs(log_path)
+    keys = [run_key(p) for p in points]
+    pkey = lambda k, j: ppl_key(k, length, tail, j, source)
+    todo = [j for j in range(n) if any(pkey(k, j) not in done for k in keys)]
+    print(f"perplexity: {len(points)} levers, last {tail} of {length} tokens; {n} texts, "
+          f"{n - len(todo)} already in {log_path} and its shards' logs")
+    todo = shard_todo(todo, shard, score)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    resolved = [lc.resolve_config(p, length) for p in points] if todo else []
+    with open(shard_log(log_path, shard), "a") as log, \
+            tqdm(total=len(todo), unit="text", dynamic_ncols=True,
+                 disable=not progress) as bar:
+        for j in todo:
+            res = lc.sweep_tail_nll(params, resolved, [int(x) for x in texts[j]], tail)
+            for i, r in res.items():
+                k = pkey(keys[i], j)
+                if k not in done:
+                    done[k] = tail_record(k, keys[i], r, length, tail, j)
+                    log.write(json.dumps(done[k]) + "\n")
+            log.flush()
+            bar.update()
+    return {i: [done[pkey(k, j)] for j in range(n) if pkey(k, j) in done]
+            for i, k in enumerate(keys)}
+
+
+def summarize_ppl(records: list) -> dict | None:
+    """The ``ppl`` entry of a result from its texts' records (:func:`tail_record`):
+    perplexity exp(sum NLL / sum tokens) over every scored token, the mean NLL in nats
+    per token with a t interval over the texts (each text's mean) and that interval
+    exponentiated, the texts, tokens, L (``context``), M (``tail``) and KV bytes
+    (theory's at L, allocated); None without records."""
+    if not records:
+        return None
+    total = sum(r["nll_total"] for r in records)
+    tokens = sum(r["tokens"] for r in records)
+    m, lo, hi = lc.mean_interval([r["nll_total"] / r["tokens"] for r in records])
+    return dict(ppl=float(np.exp(total / tokens)), nll=total / tokens,
+                nll_ci=[lo, hi], ppl_ci=[float(np.exp(lo)), float(np.exp(hi))],
+                texts=len(records), tokens=tokens, context=records[0]["length"],
+                tail=records[0]["tail"], measure="tail",
+                kv_bytes_theory=records[0]["kv_bytes_theory"],
+                kv_bytes_allocated=records[0]["kv_bytes_allocated"],
+                seconds=float(np.median([r["seconds"] for r in records])))
+
+
+def tail_ppl(params, cfg, texts: np.ndarray, tail: int) -> dict:
+    """:func:`summarize_ppl` of one config alone on every text (``lc.tail_nll``: its own
+    prefill, the path a single-config run takes); ``texts`` [N, L] int32."""
+    n, length = texts.shape
+    lc.check_tail(length, tail)
+    rcfg = lc.resolve_config(cfg, length)
+    key = run_key(cfg)
+    return summarize_ppl([
+        tail_record(key, key, lc.tail_nll(params, rcfg, [int(x) for x in texts[j]], tail),
+                    length, tail, j) for j in range(n)])
