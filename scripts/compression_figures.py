@@ -180,13 +180,27 @@ def _loop_cache(cfg, context: int, steps: int):
     return cache
 
 
-def _loop_runner(cfg, context: int, steps=(0, 64)):
+def _shared_params(cfg, shared: dict, fuse: bool):
+    """Random parameters of ``cfg`` (fused projections with ``fuse``), one copy per set
+    of shapes and dtypes in ``shared``: the times do not depend on the values, and a copy
+    per case would hold SmolLM2's 0.5 GB of weights once per timed case."""
+    make = lambda: model_lib.init_params(cfg, 0)
+    if fuse:
+        make = lambda: model_lib.fuse_projections(cfg, model_lib.init_params(cfg, 0))
+    key = (fuse, str(jax.eval_shape(make)))
+    if key not in shared:
+        shared[key] = make()
+    return shared[key]
+
+
+def _loop_runner(cfg, context: int, steps=(0, 64), shared=None):
     """Compiles ``cfg``'s generate loop over a cache of ``context`` slots now; returns a
     function timing it once: seconds per generated token, (t(n2) - t(n1)) / (n2 - n1)
-    from the same cache (reset before each call), so a call's fixed cost cancels."""
+    from the same cache (reset before each call), so a call's fixed cost cancels.
+    ``shared``: parameters already made (:func:`_shared_params`)."""
     n1, n2 = steps
     cfg = costs.planned(cfg, 1, context)
-    params = model_lib.fuse_projections(cfg, model_lib.init_params(cfg, 0))
+    params = _shared_params(cfg, {} if shared is None else shared, fuse=True)
     host = jax.tree.map(np.asarray, _loop_cache(cfg, context, n2))
     fn = costs.compile_generate(cfg, 1, context)
 
@@ -203,27 +217,28 @@ def _loop_runner(cfg, context: int, steps=(0, 64)):
     return run
 
 
-def _paged_runner(cfg, context: int, page_size: int, steps: int = 8):
+def _paged_runner(cfg, context: int, page_size: int, steps: int = 8, shared=None):
     """Compiles one paged decode step (:func:`kvjax.analysis.costs.compile_paged_decode_step`:
     one row holding ``context`` - 1 tokens on ceil(context / P) pages, random weights, a
     zero pool: the time does not depend on the values) now; returns a function timing
     it once: the mean seconds of ``steps`` steps, the cache donated to each and its
-    length reset, so every step sees the same context."""
+    length reset, so every step sees the same context. ``shared``: as
+    :func:`_loop_runner`'s."""
     pages = paged.pages_for(context, page_size)
     cfg = planner.resolve(cfg, max_seq_len=pages * page_size, batch_sizes=(1,),
                           page_size=page_size)
     fn = costs.compile_paged_decode_step(cfg, context, page_size)
-    params = model_lib.init_params(cfg, 0)
-    length = jnp.full((1,), context - 1, jnp.int32)
+    params = _shared_params(cfg, {} if shared is None else shared, fuse=False)
+    length = lambda: jnp.full((1,), context - 1, jnp.int32)  # a new one: donated
     state = {"cache": paged.init_paged_cache(cfg, 1, pages, page_size, pages).replace(
-        block_table=jnp.arange(pages, dtype=jnp.int32)[None], length=length)}
+        block_table=jnp.arange(pages, dtype=jnp.int32)[None], length=length())}
     token = jnp.zeros((1, 1), jnp.int32)
 
     def run() -> float:
         start = time.perf_counter()
         for _ in range(steps):
             logits, cache = fn(params, token, state["cache"])
-            state["cache"] = cache.replace(length=length)
+            state["cache"] = cache.replace(length=length())
         logits.block_until_ready()
         return (time.perf_counter() - start) / steps
     return run
@@ -242,14 +257,16 @@ def timed(context: int, budget: int, rounds: int, methods, every_n=EVERY_N,
     amortised one. Returns (name -> [per-round seconds per token], the cases)."""
     cases = timed_cases(context, budget, methods, every_n)
     pages = paged_cases(context, budget, methods)
-    run = {}  # compile everything before any timing
+    run, shared = {}, {}  # compile everything before any timing
     for name, (c, t) in pages.items():
-        run[name] = _paged_runner(c, t, page_size)
+        run[name] = _paged_runner(c, t, page_size, shared=shared)
     for name, (c, t) in cases.items():
-        run[name] = _loop_runner(c, t)
+        run[name] = _loop_runner(c, t, shared=shared)
     out = {k: [] for k in run}
     for i in range(rounds + 1):  # the first round warms up
         per = {name: fn() for name, fn in run.items()}
+        print(f"round {i}{' (warm-up)' if not i else ''}, ms: " + ", ".join(
+            f"{k} {v * 1e3:.2f}" for k, v in per.items()), flush=True)
         if i:
             for k, v in per.items():
                 out[k].append(v)
