@@ -2,9 +2,10 @@ r"""Lever 5's bytes three ways on SmolLM2's shapes (random weights: bytes and ti
 depend on the values): allocated against theory for every method and budget, the
 compiled decode step against theory at the budget, the scoring overhead in the compiled
 prefill, and the measured generate loop per token at t = 8K with a budget of 512, every method
-after its prefill and every N = 1, 8, 64 steps (``--only timed``), against the full
-cache's at t = 512 and at t = 8K, with the every-N scoring overhead beside theory's
-(:func:`kvjax.analysis.theory.schedule_overhead`). PyramidKV's per-layer caches (``--only pyramid``): each
+after its prefill and every N = 1, 8, 64 steps (``--only timed``, ``--every_n``), against
+the full cache's at t = 512 and at t = 8K, with the every-N scoring overhead beside
+theory's (:func:`kvjax.analysis.theory.schedule_overhead`), and Quest's paged step
+against the full paged read at t = 512, interleaved in the same rounds. PyramidKV's per-layer caches (``--only pyramid``): each
 layer's slots, the allocated bytes against theory's at the budget and a uniform cache's,
 and its compiled decode step against theory.
 
@@ -12,6 +13,8 @@ and its compiled decode step against theory.
     PYTHONPATH=. python scripts/compression_figures.py --budgets 64,512 --prompt 1024
     PYTHONPATH=. python scripts/compression_figures.py --only pyramid --prompt 1024
     PYTHONPATH=. python scripts/compression_figures.py --only timed --rounds 3  # ~30 min
+    PYTHONPATH=. python scripts/compression_figures.py --only timed --rounds 3 \
+        --methods tova,h2o,pyramidkv,quest --every_n 1,8
 
 Prints markdown tables for docs/results/<machine>.md.
 """
@@ -27,10 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import compression, presets
+from kvjax import compression, planner, presets
 from kvjax.analysis import costs, theory
 from kvjax.cache import compress as compress_lib
 from kvjax.cache import kv as cache_lib
+from kvjax.cache import paged
 from kvjax.config import ConfigError
 from kvjax.inference import decode
 from kvjax.models import model as model_lib
@@ -115,27 +119,45 @@ def overhead_rows(prompt_len: int, budget: int) -> list:
             for m in filter(compression.evicts, compression.names())]
 
 
-SCHEDULES = ("prefill", 1, 8, 64)
-"""The schedules ``--only timed`` runs: after the prefill, and every N = 1, 8, 64 steps."""
+EVERY_N = (1, 8, 64)
+"""The every-N schedules ``--only timed`` runs by default (``--every_n``), beside after
+the prefill."""
 
 
-def timed_cases(context: int, budget: int, methods) -> dict:
+def timed_cases(context: int, budget: int, methods, every_n=EVERY_N) -> dict:
     """name -> (config, context) of the timed loops: the full cache at t = 512 and at
-    ``context``, and each method x schedule at ``context`` (every-N for the methods
-    that can re-score during decoding: not PyramidKV's per-layer budgets)."""
+    ``context``, and each method x schedule at ``context``: after the prefill, and every
+    N steps for each N of ``every_n`` (the methods that can re-score during decoding:
+    not PyramidKV's per-layer budgets). A page-selecting method (Quest) is no loop of
+    a dense cache: :func:`paged_cases`."""
     cases = {"full t=512": (smollm2(), 512), f"full t={context}": (smollm2(), context)}
+    methods = [m for m in methods if compression.evicts(m)]
     uniform = [m for m in methods if compression.get(m).layer_budgets is None]
     if uniform:  # after its prefill a method's step is the same program for all of them
         cases[_case("uniform", "prefill")] = (
             smollm2(kv_compression=uniform[0], kv_budget=budget), context)
     for m in methods:
-        for n in SCHEDULES:
+        for n in ("prefill",) + tuple(every_n):
             if (n == "prefill") == (m in uniform):
                 continue
             knobs = {} if n == "prefill" else dict(compression=compression.CompressionConfig(
                 schedule="every_n", every_n=n))
             cases[_case(m, n)] = (smollm2(kv_compression=m, kv_budget=budget, **knobs),
                                   context)
+    return cases
+
+
+def paged_cases(context: int, budget: int, methods) -> dict:
+    """name -> (config, context) of the timed paged decode steps: each page-selecting
+    method of ``methods`` (Quest: every page kept, ``budget`` tokens read per KV head)
+    at ``context``, and the full paged read at t = 512, its reference by the same
+    measurement; {} when ``methods`` names none."""
+    chosen = [m for m in methods if compression.selects_pages(m)]
+    if not chosen:
+        return {}
+    cases = {"full paged t=512": (smollm2(), 512)}
+    for m in chosen:
+        cases[f"{m}, paged step"] = (smollm2(kv_compression=m, kv_budget=budget), context)
     return cases
 
 
@@ -158,41 +180,97 @@ def _loop_cache(cfg, context: int, steps: int):
     return cache
 
 
-def timed(context: int, budget: int, rounds: int, methods, steps=(0, 64)) -> dict:
+def _shared_params(cfg, shared: dict, fuse: bool):
+    """Random parameters of ``cfg`` (fused projections with ``fuse``), one copy per set
+    of shapes and dtypes in ``shared``: the times do not depend on the values, and a copy
+    per case would hold SmolLM2's 0.5 GB of weights once per timed case."""
+    make = lambda: model_lib.init_params(cfg, 0)
+    if fuse:
+        make = lambda: model_lib.fuse_projections(cfg, model_lib.init_params(cfg, 0))
+    key = (fuse, str(jax.eval_shape(make)))
+    if key not in shared:
+        shared[key] = make()
+    return shared[key]
+
+
+def _loop_runner(cfg, context: int, steps=(0, 64), shared=None):
+    """Compiles ``cfg``'s generate loop over a cache of ``context`` slots now; returns a
+    function timing it once: seconds per generated token, (t(n2) - t(n1)) / (n2 - n1)
+    from the same cache (reset before each call), so a call's fixed cost cancels.
+    ``shared``: parameters already made (:func:`_shared_params`)."""
+    n1, n2 = steps
+    cfg = costs.planned(cfg, 1, context)
+    params = _shared_params(cfg, {} if shared is None else shared, fuse=True)
+    host = jax.tree.map(np.asarray, _loop_cache(cfg, context, n2))
+    fn = costs.compile_generate(cfg, 1, context)
+
+    def run() -> float:
+        secs = []
+        for n in (n1, n2):
+            cache = jax.tree.map(jnp.asarray, host)
+            start = time.perf_counter()
+            buf, _, cache = fn(params, jnp.zeros((1,), jnp.int32), cache, jnp.int32(n),
+                               jax.random.key(0), jnp.int32(-1))
+            buf.block_until_ready()
+            secs.append(time.perf_counter() - start)
+        return (secs[1] - secs[0]) / (n2 - n1)
+    return run
+
+
+def _paged_runner(cfg, context: int, page_size: int, steps: int = 8, shared=None):
+    """Compiles one paged decode step (:func:`kvjax.analysis.costs.compile_paged_decode_step`:
+    one row holding ``context`` - 1 tokens on ceil(context / P) pages, random weights, a
+    zero pool: the time does not depend on the values) now; returns a function timing
+    it once: the mean seconds of ``steps`` steps, the cache donated to each and its
+    length reset, so every step sees the same context. ``shared``: as
+    :func:`_loop_runner`'s."""
+    pages = paged.pages_for(context, page_size)
+    cfg = planner.resolve(cfg, max_seq_len=pages * page_size, batch_sizes=(1,),
+                          page_size=page_size)
+    fn = costs.compile_paged_decode_step(cfg, context, page_size)
+    params = _shared_params(cfg, {} if shared is None else shared, fuse=False)
+    length = lambda: jnp.full((1,), context - 1, jnp.int32)  # a new one: donated
+    state = {"cache": paged.init_paged_cache(cfg, 1, pages, page_size, pages).replace(
+        block_table=jnp.arange(pages, dtype=jnp.int32)[None], length=length())}
+    token = jnp.zeros((1, 1), jnp.int32)
+
+    def run() -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            logits, cache = fn(params, token, state["cache"])
+            state["cache"] = cache.replace(length=length())
+        logits.block_until_ready()
+        return (time.perf_counter() - start) / steps
+    return run
+
+
+def timed(context: int, budget: int, rounds: int, methods, every_n=EVERY_N,
+          page_size: int = 16) -> dict:
     """Seconds per generated token of each case's compiled generate loop
-    (:func:`timed_cases`), interleaved: each round runs every case's loop at n1 and n2
-    steps from the same cache (reset after each call), per token (t(n2) - t(n1)) /
-    (n2 - n1), so a call's fixed cost cancels. The cache starts full
+    (:func:`timed_cases`, :func:`_loop_runner`) and per paged decode step
+    (:func:`paged_cases`, :func:`_paged_runner`), interleaved: each round times every
+    case once, after a first warm-up round. The loops' caches start full
     (:func:`kvjax.analysis.costs.full_cache`: a compressed one's kept slots and a full
     ring of recent_slots >= 64 tokens, so an every-N cache compresses at its first
-    step, then every N), and n1, n2 - n1 are multiples of 64: every every-N case runs
-    (n2 - n1) / N compressions in the difference. Returns (name -> [per-round seconds
-    per token], the cases)."""
-    n1, n2 = steps
-    cases = timed_cases(context, budget, methods)
-    run = {}
-    for name, (c, t) in cases.items():  # compile everything before any timing
-        cfg = costs.planned(c, 1, t)
-        params = model_lib.fuse_projections(cfg, model_lib.init_params(cfg, 0))
-        host = jax.tree.map(np.asarray, _loop_cache(cfg, t, n2))
-        run[name] = (costs.compile_generate(cfg, 1, t), params, host)
-    out = {k: [] for k in cases}
+    step, then every N), and they run 0 and 64 steps: every every-N case (N dividing
+    64) runs 64 / N compressions in the difference, so its time per token is the
+    amortised one. Returns (name -> [per-round seconds per token], the cases)."""
+    cases = timed_cases(context, budget, methods, every_n)
+    pages = paged_cases(context, budget, methods)
+    run, shared = {}, {}  # compile everything before any timing
+    for name, (c, t) in pages.items():
+        run[name] = _paged_runner(c, t, page_size, shared=shared)
+    for name, (c, t) in cases.items():
+        run[name] = _loop_runner(c, t, shared=shared)
+    out = {k: [] for k in run}
     for i in range(rounds + 1):  # the first round warms up
-        per = {}
-        for name, (fn, params, host) in run.items():
-            secs = []
-            for n in (n1, n2):
-                cache = jax.tree.map(jnp.asarray, host)
-                start = time.perf_counter()
-                buf, _, cache = fn(params, jnp.zeros((1,), jnp.int32), cache, jnp.int32(n),
-                                   jax.random.key(0), jnp.int32(-1))
-                buf.block_until_ready()
-                secs.append(time.perf_counter() - start)
-            per[name] = (secs[1] - secs[0]) / (n2 - n1)
+        per = {name: fn() for name, fn in run.items()}
+        print(f"round {i}{' (warm-up)' if not i else ''}, ms: " + ", ".join(
+            f"{k} {v * 1e3:.2f}" for k, v in per.items()), flush=True)
         if i:
             for k, v in per.items():
                 out[k].append(v)
-    return out, cases
+    return out, {**cases, **pages}
 
 
 def main():
@@ -202,9 +280,13 @@ def main():
                     help="prompt tokens of the allocated-bytes check")
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--methods", default=",".join(
-        m for m in compression.names() if compression.evicts(m)),
-        help="the methods --only timed runs (every-N: all but per-layer budgets)")
+    ap.add_argument("--methods", default=",".join(compression.names()),
+                    help="the methods --only timed runs (every-N: all but per-layer "
+                         "budgets; a page-selecting method: its paged step)")
+    ap.add_argument("--every_n", default=",".join(map(str, EVERY_N)),
+                    help="the every-N schedules --only timed runs, each N dividing 64")
+    ap.add_argument("--page_size", type=int, default=16,
+                    help="tokens per page of a page-selecting method's timed step")
     ap.add_argument("--only", default="allocated,step,overhead,timed",
                     help="which tables to print")
     a = ap.parse_args()
@@ -220,12 +302,21 @@ def main():
                 smollm2(kv_compression="pyramidkv", kv_budget=b)
     except (ValueError, ConfigError) as e:
         ap.error(f"--budgets={a.budgets}: {e}")
-    bad = [m for m in a.methods.split(",") if m not in compression.names()
-           or not compression.evicts(m)]
+    bad = [m for m in a.methods.split(",") if m not in compression.names()]
     if bad:
         ap.error(f"--methods={a.methods}: {bad}; allowed: a comma-separated subset of "
-                 f"{[m for m in compression.names() if compression.evicts(m)]}")
-    for name in ("prompt", "context", "rounds"):
+                 f"{list(compression.names())}")
+    try:
+        every_n = tuple(int(n) for n in a.every_n.split(",") if n)
+        for n in every_n:  # a valid knob (names the value), and whole schedules in 64
+            smollm2(kv_compression="tova", kv_budget=512, compression=(
+                compression.CompressionConfig(schedule="every_n", every_n=n)))
+            if 64 % n:
+                raise ValueError(f"every_n={n}; allowed: a divisor of the 64 timed steps")
+    except (ValueError, ConfigError) as e:
+        ap.error(f"--every_n={a.every_n}: {e}")
+    a.every_n = every_n
+    for name in ("prompt", "context", "rounds", "page_size"):
         if getattr(a, name) < 1:
             ap.error(f"--{name}={getattr(a, name)}; allowed: an integer >= 1")
     print(f"device: {jax.devices()[0].device_kind}")
@@ -278,7 +369,8 @@ def _print_overhead(context):
 
 def _print_timed(a):
     load0 = os.getloadavg()
-    per, cases = timed(a.context, 512, a.rounds, a.methods.split(","))
+    per, cases = timed(a.context, 512, a.rounds, a.methods.split(","), a.every_n,
+                       a.page_size)
     load1 = os.getloadavg()
     base = per["full t=512"]
     ratio = {k: statistics.median(x / b for x, b in zip(v, base)) for k, v in per.items()}
@@ -288,6 +380,14 @@ def _print_timed(a):
           "ms | vs full t=512 (median of per-round ratios) |\n|---|---|---|")
     for k in per:
         print(f"| {k} | {med[k] * 1e3:.2f} | {ratio[k]:.3f} |")
+    if "full paged t=512" in per:  # a paged step against the paged full read, same way
+        ref = per["full paged t=512"]
+        print(f"\n| paged decode step (P = {a.page_size}) | ms | vs full paged t=512 "
+              "(median of per-round ratios) |\n|---|---|---|")
+        for k, (c, _) in cases.items():
+            if k in ("full paged t=512",) or c.kv_selects_pages:
+                r = statistics.median(x / b for x, b in zip(per[k], ref))
+                print(f"| {k} | {med[k] * 1e3:.2f} | {r:.3f} |")
     # the scoring overhead of every N: against the same method after prefill
     print(f"\n| scoring overhead per step, t={a.context} | measured ms (every N - after "
           "prefill) | theory B/step | theory ms at the after-prefill step's B/s | "

@@ -116,6 +116,10 @@ def test_decode_attention_ab_refuses_bad_flags(script, flag, message):
     ("--only=steps", "--only=steps; allowed"),
     ("--rounds=0", "--rounds=0; allowed: an integer >= 1"),
     ("--only=pyramid --budgets=40", "model.kv_budget=40; allowed: a budget whose per-layer"),
+    ("--methods=nope", "--methods=nope: ['nope']; allowed: a comma-separated subset of"),
+    ("--every_n=3", "--every_n=3: every_n=3; allowed: a divisor of the 64 timed steps"),
+    ("--every_n=0", "--every_n=0: invalid config: model.compression.every_n=0"),
+    ("--page_size=0", "--page_size=0; allowed: an integer >= 1"),
 ])
 def test_compression_figures_refuses_bad_flags(flag, message):
     proc = _script("compression_figures.py", *flag.split())

@@ -346,7 +346,9 @@ def recompress(cfg: ModelConfig, cache: cache_lib.KVCache, due: jax.Array
     head's top kv_budget again (:func:`select`, as after the prefill), in slots
     0 .. kv_budget - 1; their ring is emptied, their buffer cleared. Other rows are
     untouched, so a row's tokens never depend on its batch-mates. The cache keeps its
-    kv_budget + recent_slots slots (the same arrays)."""
+    kv_budget + recent_slots slots (the same arrays). Unrolled over the layers inside
+    the loop's ``lax.cond``, neither scanned nor a program of its own
+    (docs/decisions/0043-every-n-rescoring-stays-in-the-loop.md)."""
     method = compression.get(cfg.kv_compression)
     st = cache.schedule
     budget, names = cfg.kv_budget, list(cache.tensors)
