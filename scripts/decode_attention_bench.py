@@ -12,6 +12,13 @@ queries per head at once, the G·T rows per KV head of a speculative verify step
 k + 1 = T positions (``attention.attend_small_chunk``): the same bytes, T times the
 FLOPs.
 
+Each call above is its own program, so its time includes JAX's dispatch (about 0.2 ms on
+the 2-core EPYC; docs/results/amd-epyc-avx512-2core.md, "Session 29, quiet"), which a decode
+step pays once for all its layers. ``--layers=L`` (default 8; 0: off) also times, per
+shape, one program that runs L layers' decode attention in turn over L distinct caches
+(together larger than the CPU's caches, so each is read from memory, as in a step), for
+'xla' and 'native': its GB/s and share of the same probe are the kernel as a step runs it.
+
     python scripts/decode_attention_bench.py [--slots 32768] [--dtype float32] [--rounds 7]
     python scripts/decode_attention_bench.py --models=smollm2 --slots=16384 --queries=1,2,3,5,9
 """
@@ -22,10 +29,46 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from kvjax import planner
+from kvjax import kernels, native, planner
 from kvjax.analysis import hardware
 from kvjax.models import decode_kernels
+from kvjax.models.attention import attend_step
+
+
+def in_program(layers: int, k: int, g: int, slots: int, dtype, lay: tuple, backend: str,
+               rounds: int) -> dict[str, float]:
+    """Median seconds of one program that runs ``layers`` layers' decode attention (B =
+    1, H = Hv = 64, ``slots`` visible slots) over as many distinct caches, per
+    formulation ('xla', and 'native' where it applies), in interleaved rounds."""
+    rng = np.random.default_rng(1)
+    h = 64
+    def arr(shape):
+        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
+    shape = {"BKSH": (1, k, slots, h), "BKHS": (1, k, h, slots)}
+    new = {"BKSH": (1, k, 1, h), "BKHS": (1, k, h, 1)}
+    q = arr((1, 1, k, g, h))
+    caches = [(arr(shape[lay[0]]), arr(shape[lay[1]])) for _ in range(layers)]
+    nk, nv, mask = arr(new[lay[0]]), arr(new[lay[1]]), jnp.ones((1, 1, slots), bool)
+    site = kernels.Site("decode_attention", backend=backend, dtype=jnp.dtype(dtype).name,
+                        k_layout=lay[0], v_layout=lay[1], head_dim=h, slots=slots,
+                        native=kernels.NATIVE)
+    fns = {}
+    for impl in ("xla", "native"):
+        f = kernels.get("decode_attention", impl)
+        if f.applies(site) is not None or (f.needs_plan and not native.load()):
+            continue
+        def run(q, caches, impl=impl):
+            out = q
+            for kc, vc in caches:  # each layer's query depends on the last one's output
+                o = attend_step(out, kc, vc, mask, nk, nv, k_layout=lay[0],
+                                v_layout=lay[1], impl=impl, backend=backend)
+                out = q + 1e-3 * o.reshape(q.shape)
+            return out
+        fns[impl] = jax.jit(run).lower(q, caches).compile()
+    times = planner._time_all(fns, (q, caches), rounds, budget_s=20.0)
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def main() -> None:
@@ -34,6 +77,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--models", default="blog,smollm2")
+    ap.add_argument("--layers", type=int, default=8,
+                    help="layers of one in-program timing per shape (0: none)")
     ap.add_argument("--queries", default="1",
                     help="queries per head T (comma-separated): G·T rows per KV head")
     a = ap.parse_args()
@@ -41,6 +86,8 @@ def main() -> None:
         queries = [int(x) for x in a.queries.split(",")]
     except ValueError:
         queries = []
+    if a.layers < 0:
+        raise SystemExit(f"error: --layers={a.layers}; allowed: an integer >= 0")
     if not queries or min(queries) < 1:
         raise SystemExit(f"error: --queries={a.queries}; allowed: integers >= 1, "
                          "comma-separated")
@@ -74,6 +121,14 @@ def main() -> None:
             print(f"{name} K={k} G={g}{rows} {lay[0]}/{lay[1]}: {cells}; roof "
                   f"{roof / 1e9:.1f} GB/s; pick {r['choice']} "
                   f"[{time.perf_counter() - t0:.1f} s]", flush=True)
+            if t == queries[0] and a.layers:
+                secs = in_program(a.layers, k, g, a.slots, dtype, lay, backend, a.rounds)
+                nbytes = a.layers * k * a.slots * 128 * dtype.itemsize
+                cells = "  ".join(f"{impl} {nbytes / sec / 1e9:6.1f} GB/s "
+                                  f"({nbytes / sec / roof:4.0%})"
+                                  for impl, sec in secs.items())
+                print(f"{name} K={k} G={g} in one program of {a.layers} layers: {cells}",
+                      flush=True)
             if t == queries[0]:
                 best[k] = min(r["seconds"].values())
         mha = best[ks[0]]

@@ -2,6 +2,7 @@
 shrunk run whose printed table is consistent with itself."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -93,6 +94,29 @@ def test_decode_attention_bench_refuses_bad_queries(flag):
     assert proc.returncode != 0
     assert f"error: {flag}; allowed: integers >= 1" in proc.stderr
     assert "machine:" not in proc.stdout  # refused before any work
+
+
+def test_decode_attention_bench_refuses_negative_layers():
+    proc = _script("decode_attention_bench.py", "--layers=-1")
+    assert proc.returncode != 0
+    assert "error: --layers=-1; allowed: an integer >= 0" in proc.stderr
+    assert "machine:" not in proc.stdout  # refused before any work
+
+
+def test_decode_attention_bench_times_layers_in_one_program():
+    """--layers=L prints, per shape, each formulation's GB/s over L layers' caches run in
+    one program; at 512 slots a call is mostly JAX's dispatch, which the program pays once
+    for its layers, so the program reads faster than the per-call figure of each shape."""
+    proc = _script("decode_attention_bench.py", "--models=blog", "--slots=512",
+                   "--rounds=3", "--layers=2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    per_call = re.findall(r"^blog K=(\d) G=\d BK\w+/BK\w+: xla +([\d.]+) GB/s", proc.stdout,
+                          re.M)
+    in_prog = re.findall(r"^blog K=(\d) G=\d in one program of 2 layers: xla +([\d.]+) GB/s",
+                         proc.stdout, re.M)
+    assert [k for k, _ in in_prog] == [k for k, _ in per_call] == ["8", "2", "1"]
+    for (_, one), (_, prog) in zip(per_call, in_prog):
+        assert float(prog) > float(one)
 
 
 @pytest.mark.parametrize("flag, message", [
