@@ -322,6 +322,10 @@ class ModelConfig:
                 and compression.get(self.kv_compression).layer_budgets is not None \
                 and self.compression.uniform_layers is not True:  # per-layer budgets
             object.__setattr__(self, "scan_layers", False)
+        dense = getattr(self.compression, "dense_layers", 0)
+        if self.scan_layers is None and _is_int(dense) and dense > 0 \
+                and self.kv_selects_pages:
+            object.__setattr__(self, "scan_layers", False)  # dense and selecting layers
         if self.scan_layers is None and self.num_experts and \
                 0 < self.first_dense_layers < self.num_layers:  # dense and MoE layers
             object.__setattr__(self, "scan_layers", False)
@@ -339,10 +343,17 @@ class ModelConfig:
 
     def layer_config(self, i: int) -> "ModelConfig":
         """The config layer ``i`` runs with: a dense MLP (num_experts 0) below
-        ``first_dense_layers``; without ``layer_windows`` the config itself; with them, one window (``window_size`` = W_i or None) and that layer's
-        rotary base (``rope_local_theta`` without scaling on a local layer when set)."""
+        ``first_dense_layers``; no compression below a page selection's
+        ``compression.dense_layers`` (the ordinary paged read); without ``layer_windows``
+        the config itself; with them, one window (``window_size`` = W_i or None) and that
+        layer's rotary base (``rope_local_theta`` without scaling on a local layer when
+        set)."""
         if self.num_experts and i < self.first_dense_layers:  # a dense MLP here
             return self.replace(num_experts=0, first_dense_layers=0).layer_config(i)
+        if self.kv_selects_pages and i < self.compression.dense_layers:  # reads every page
+            return self.replace(kv_compression=None, kv_budget=None,
+                                compression=dataclasses.replace(self.compression,
+                                                                dense_layers=0))
         budgets = self.layer_budgets
         if budgets is not None:  # lever 5 per layer: this layer's budget, kept uniform
             return self.replace(kv_budget=budgets[i], compression=dataclasses.replace(
@@ -670,6 +681,21 @@ def _check_compression(c: ModelConfig) -> None:
     if not isinstance(k, compression.CompressionConfig):
         _fail("model.compression", k, "a mapping of kvjax.compression.CompressionConfig "
               "fields")
+    d = k.dense_layers
+    if not _is_int(d) or not 0 <= d <= c.num_layers:
+        _fail("model.compression.dense_layers", d,
+              f"an integer in [0, num_layers={c.num_layers}] (the first layers that read "
+              "every page; num_layers: all of them)")
+    if d and not (c.kv_compression in compression.names()
+                  and compression.selects_pages(c.kv_compression)):
+        selecting = [n for n in compression.names() if compression.selects_pages(n)]
+        _fail("model.compression.dense_layers", d,
+              f"0 with model.kv_compression={c.kv_compression!r} (only a read-time page "
+              f"selection, one of {selecting}, has layers that read every page)")
+    if d and c.scan_layers:
+        _fail("model.scan_layers", c.scan_layers,
+              f"False or None with model.compression.dense_layers={d} (dense and "
+              "selecting layers read differently: the layers are unrolled)")
     if c.kv_compression is None:
         if c.kv_budget is not None:
             _fail("model.kv_budget", c.kv_budget, "None unless model.kv_compression is set")

@@ -654,10 +654,13 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
             for t in widths:
                 # the class's measured pick, then the registry's rule over it (a kernel
                 # not loaded, the dense-window rule, 1-byte codes, sinks): what runs
-                site = decode_kernels.site(cfg, b, t, s, True, page_size, plan)
-                rule = kernels.forced(site.op, cfg.decode_attention, site)
-                decode[site.key] = cfg.formulation(site, plan, rule or _decode_pick(
-                    cfg, b, s, mesh, page_size, t))
+                # (a page selection's dense layers, compression.dense_layers, share the
+                # class: its pick is theirs, and the selecting layers' rule holds anyway)
+                c = cfg.layer_config(0) if cfg.compression.dense_layers else cfg
+                site = decode_kernels.site(c, b, t, s, True, page_size, plan)
+                rule = kernels.forced(site.op, c.decode_attention, site)
+                decode[site.key] = c.formulation(site, plan, rule or _decode_pick(
+                    c, b, s, mesh, page_size, t))
     # the prompt's attention, into an empty cache and as a chunk over a cache
     prompt = {site.key: cfg.formulation(site, plan) for site in (
         decode_kernels.site(cfg, 1, SMALL_CHUNK + 1, 0, cached, plan=plan)

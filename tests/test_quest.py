@@ -323,15 +323,18 @@ def test_pages_native_equals_the_gathered_reference(overrides):
 
 
 @pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
-def test_compiled_bytes_match_theory_at_the_budget():
-    """SmolLM2's shapes shrunk to 2 layers, t = 1,024, a budget of 128, pages of 16: the
-    native kernel's pool reads (the cost hook's kernel_operand_bytes: its tables' pages)
-    are theory's kv_read exactly, the compiled step (XLA + kernels) is within [0.9, 1.3]
-    of theory with the scoring attributed on its own, and the scoring reads at least
-    theory's bounds."""
+@pytest.mark.parametrize("dense_layers", [0, 1])
+def test_compiled_bytes_match_theory_at_the_budget(dense_layers):
+    """SmolLM2's shapes shrunk to 2 layers, t = 1,024, a budget of 128, pages of 16,
+    ``dense_layers`` of them reading every page: the native kernel's pool reads (the
+    cost hook's kernel_operand_bytes: its tables' pages) are theory's kv_read exactly
+    (the dense layers' t tokens, the others' budget), the compiled step (XLA + kernels)
+    is within [0.9, 1.3] of theory with the scoring attributed on its own, and the
+    scoring reads at least theory's bounds."""
     cfg = presets.smollm2_135m("float32", scan_layers=None).replace(
         num_layers=2, vocab_size=4096, kv_compression="quest", kv_budget=128,
-        decode_attention="native", weight_matmul="xla", plan=NATIVE_PLAN)
+        decode_attention="native", weight_matmul="xla", plan=NATIVE_PLAN,
+        compression=compression.CompressionConfig(dense_layers=dense_layers))
     r = costs.analyze_paged_decode_step(cfg, 1024, 16)
     th = r["theory"]
     compiled = costs.compile_paged_decode_step(cfg, 1024, 16)
@@ -345,3 +348,103 @@ def test_compiled_bytes_match_theory_at_the_budget():
     # the reference gathers: XLA charges each gather of chosen pages the whole pool
     ref = costs.analyze_paged_decode_step(cfg.replace(decode_attention="xla"), 1024, 16)
     assert ref["xla_bytes"] > r["counted_bytes"]
+
+
+def dense(d, budget=2 * P, **kw):
+    """Quest over 3 unrolled layers, the first ``d`` reading every page."""
+    return quest(budget, num_layers=3, compression=compression.CompressionConfig(
+        dense_layers=d), **{"scan_layers": None, **kw})
+
+
+def test_dense_layers_read_every_page_and_the_others_select():
+    """compression.dense_layers (Quest's paper: 2): at L it is the uncompressed paged
+    decode (tokens and logits); at 0 today's Quest, scanned or unrolled; in between the
+    logits differ from both (each kind of layer is there), and only the selecting layers
+    write page bounds."""
+    base = tiny_config(tie_embeddings=False, num_layers=3, scan_layers=False)
+    params = model_lib.init_params(base, 0)
+    toks, lengths = prompts(2, 22, seed=3), [22, 19]  # + 8 steps <= M·P slots
+    want_t, want_l, _ = greedy(base, params, fresh_cache(base), toks, lengths, 8)
+    every = dense(3)
+    assert every.scan_layers is False
+    got_t, got_l, _ = greedy(every, params, fresh_cache(every), toks, lengths, 8)
+    np.testing.assert_array_equal(got_t, want_t)
+    np.testing.assert_allclose(got_l, want_l, rtol=0, atol=1e-6)
+    none = dense(0, scan_layers=False)
+    quest_t, quest_l, _ = greedy(none, params, fresh_cache(none), toks, lengths, 8)
+    scanned = quest(2 * P, num_layers=3)  # today's Quest (scan_layers=True)
+    s_params = model_lib.stack_layers(params, 3)
+    s_t, s_l, _ = greedy(scanned, s_params, fresh_cache(scanned), toks, lengths, 8)
+    np.testing.assert_array_equal(quest_t, s_t)
+    np.testing.assert_allclose(quest_l, s_l, rtol=0, atol=1e-5)
+    one = dense(1)
+    assert [one.layer_config(i).kv_selects_pages for i in range(3)] == [False, True, True]
+    mix_t, mix_l, cache = greedy(one, params, fresh_cache(one), toks, lengths, 8)
+    assert np.abs(mix_l - want_l).max() > 1e-3 and np.abs(mix_l - quest_l).max() > 1e-3
+    untouched = paged.init_paged_cache(one, 2, 2 * M + 4, P, M).bounds
+    for n in cache.bounds:
+        np.testing.assert_array_equal(cache.bounds[n][0], untouched[n][0])
+        assert not np.array_equal(cache.bounds[n][1], untouched[n][1])
+
+
+@pytest.mark.parametrize("value,match", [
+    (-1, "model.compression.dense_layers=-1; allowed: an integer in \\[0, num_layers=3\\]"),
+    (4, "model.compression.dense_layers=4; allowed: an integer in \\[0, num_layers=3\\]"),
+    (True, "model.compression.dense_layers=True; allowed: an integer"),
+    (1.0, "model.compression.dense_layers=1.0; allowed: an integer"),
+])
+def test_bad_dense_layers_are_refused_by_name(value, match):
+    with pytest.raises(ConfigError, match=match):
+        dense(value)
+
+
+def test_dense_layers_need_a_page_selection_and_unrolled_layers():
+    with pytest.raises(ConfigError, match="model.compression.dense_layers=1; allowed: 0 "
+                                          "with model.kv_compression='snapkv'"):
+        tiny_config(num_layers=3, kv_compression="snapkv", kv_budget=40,
+                    compression=compression.CompressionConfig(dense_layers=1))
+    with pytest.raises(ConfigError, match="model.compression.dense_layers=1; allowed: 0 "
+                                          "with model.kv_compression=None"):
+        tiny_config(compression=compression.CompressionConfig(dense_layers=1))
+    with pytest.raises(ConfigError, match="model.scan_layers=True; allowed: False or None "
+                                          "with model.compression.dense_layers=2"):
+        dense(2, scan_layers=True)
+    assert dense(0, scan_layers=True).scan_layers is True  # 0: scanned, as before
+
+
+def test_theory_reads_the_dense_layers_in_full():
+    """A step's kv_read is d layers' full read of t tokens plus L - d layers' budget;
+    the bounds are read and written by the L - d selecting layers only; at d = L it is
+    the uncompressed step's read."""
+    plain = tiny_config(num_layers=3)
+    per_layer = theory.kv_bytes_per_token(plain) // 3
+    bound = 2 * plain.num_kv_heads * plain.head_dim * 4  # one layer's, float32
+    for d in range(4):
+        got = theory.page_selection_step_bytes(dense(d), 30, P, batch=2)
+        assert got["kv_read"] == 2 * (d * 30 + (3 - d) * 2 * P) * per_layer
+        assert got["kv_read"] == 2 * (theory.kv_cache_bytes(plain, 30) * d
+                                      + theory.kv_cache_bytes(plain, 2 * P) * (3 - d)) // 3
+        assert got["bounds_read"] == 2 * 8 * (3 - d) * bound
+        assert got["bounds_write"] == 2 * (3 - d) * bound
+    assert theory.page_selection_step_bytes(dense(3), 30, P)["kv_read"] \
+        == theory.step_bytes(plain, 30).kv_read
+
+
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+def test_the_planner_picks_the_dense_layers_read(monkeypatch):
+    """With dense layers the class's plan entry is the full paged read's measured pick
+    (the dense layers run it); the selecting layers still run the rule over it."""
+    calls = []
+
+    def pick(cfg, *a, **k):
+        calls.append(cfg.kv_selects_pages)
+        return "native"
+
+    monkeypatch.setattr(planner, "_decode_pick", pick)
+    got = planner.resolve(dense(1, decode_attention="auto"), max_seq_len=M * P,
+                          batch_sizes=(2,), page_size=P)
+    site = lambda c: decode_kernels.site(c, 2, 1, M * P, True, P)  # noqa: E731
+    assert calls == [False]
+    assert dict(got.plan.decode_attention) == {site(got).key: "native"}
+    assert got.layer_config(0).formulation(site(got.layer_config(0))) == "native"
+    assert got.layer_config(1).formulation(site(got.layer_config(1))) == "pages_native"

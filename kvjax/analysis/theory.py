@@ -390,11 +390,14 @@ def page_selection_step_bytes(cfg: ModelConfig, t: int, page_size: int, batch: i
     5 at read time, Quest: Tang et al. 2024 sec. 3.2, ``cfg.kv_selects_pages``) over a
     paged cache of ``page_size`` P tokens per page.
 
-    Each KV head of each layer reads C = kv_budget / P pages, at most the ceil(t / P)
-    pages the row holds: min(kv_budget, P·ceil(t / P)) tokens' keys and values, i.e.
-    that many tokens of :func:`kv_bytes_per_token`; the selection reads every held
-    page's key bounds, ceil(t / P)·L·2·K·H elements in the model dtype, and the step
-    writes its token's page bounds once, L·2·K·H elements (plus its token's K/V).
+    Each KV head of each selecting layer reads C = kv_budget / P pages, at most the
+    ceil(t / P) pages the row holds: min(kv_budget, P·ceil(t / P)) tokens' keys and
+    values; each of the first d = ``compression.dense_layers`` layers reads all t
+    tokens (the ordinary paged read, :func:`kv_cache_bytes`; Quest's paper: d = 2). So
+    kv_read = (d·t + (L - d)·min(kv_budget, P·ceil(t / P)))·(:func:`kv_bytes_per_token`
+    / L). The selecting layers read every held page's key bounds, ceil(t / P)·(L - d)·
+    2·K·H elements in the model dtype, and write the step's token's page bounds once,
+    (L - d)·2·K·H elements (plus its token's K/V in every layer).
 
     Returns:
       {'weights', 'kv_read' (the selected pages), 'bounds_read', 'kv_write' (the token's
@@ -410,10 +413,14 @@ def page_selection_step_bytes(cfg: ModelConfig, t: int, page_size: int, batch: i
         raise ValueError(f"page_size={page_size}; allowed: an integer >= 1")
     pages = -(-int(t) // page_size)
     read = min(cfg.kv_budget, pages * page_size)
-    plain = cfg.replace(kv_compression=None, kv_budget=None)
-    bound = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cfg.dtype_bytes
+    plain = cfg.replace(kv_compression=None, kv_budget=None, compression=dataclasses.replace(
+        cfg.compression, dense_layers=0))
+    dense, num_layers = cfg.compression.dense_layers, cfg.num_layers
+    per_layer = kv_bytes_per_token(plain) // num_layers  # exact: each term has a factor L
+    bound = 2 * (num_layers - dense) * cfg.num_kv_heads * cfg.head_dim * cfg.dtype_bytes
     out = {"weights": int(weight_bytes_per_step(cfg) if weights is None else weights),
-           "kv_read": batch * read * kv_bytes_per_token(plain),
+           "kv_read": batch * (dense * tokens_held(plain, t)
+                               + (num_layers - dense) * read) * per_layer,
            "bounds_read": batch * pages * bound,
            "kv_write": batch * kv_bytes_per_token(plain),
            "bounds_write": batch * bound}

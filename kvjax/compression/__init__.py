@@ -116,6 +116,12 @@ class CompressionConfig:
         kv_budget is its own budget.
       first_pages: a page-selecting method's (Quest's) first pages of each row always
         read, within its budget (attention sinks; Quest itself: 0).
+      dense_layers: a page-selecting method's (Quest's) first layers that read every
+        page (the ordinary paged read) instead of selecting; an integer in [0, L] (L:
+        every layer reads the full cache). Quest's paper keeps 2 (Tang et al. 2024,
+        sec. 4.1's setting: the first two layers, whose attention is not sparse, read
+        every token); kvjax's default 0 selects in every layer, as its figures before
+        this knob did. With 0 < dense_layers the layers are unrolled (their reads differ).
     """
 
     observation_window: int = 32
@@ -128,6 +134,7 @@ class CompressionConfig:
     pyramid_beta: int = 20
     uniform_layers: bool = False
     first_pages: int = 0
+    dense_layers: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

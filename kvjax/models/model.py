@@ -171,7 +171,7 @@ class DecoderLM(nn.Module):
                     for n in tensors:
                         tensors[n][i] = _write(cache, tensors[n][i], new[n], positions, ci,
                                                n, ring=_is_ring(cache, i))
-                    if bounds:
+                    if bounds and ci.kv_selects_pages:  # (a dense layer reads none)
                         upd = _write_bounds(cache, {n: b[i] for n, b in bounds.items()},
                                             new, positions, ci)
                         for n in bounds:
