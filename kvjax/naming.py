@@ -40,11 +40,14 @@ def window_label(cfg: ModelConfig) -> str:
 
 def compression_label(cfg: ModelConfig) -> str:
     """'' without lever 5, else e.g. 'snapkv 512+192' (the method, its budget and the
-    ring of recent slots after it), 'tova 512+192 every 1' with schedule 'every_n'."""
+    ring of recent slots after it), 'tova 512+192 every 1' with schedule 'every_n',
+    'quest 512 read dense 2' with ``compression.dense_layers`` 2."""
     if cfg.kv_compression is None:
         return ""
     if cfg.kv_selects_pages:  # Quest: tokens read per KV head, every page kept
-        return f"{cfg.kv_compression} {cfg.kv_budget} read"
+        dense = cfg.compression.dense_layers
+        return f"{cfg.kv_compression} {cfg.kv_budget} read" + (f" dense {dense}" if dense
+                                                               else "")
     every = f" every {cfg.compression.every_n}" \
         if cfg.compression.schedule == "every_n" else ""
     return f"{cfg.kv_compression} {cfg.kv_budget}+{cfg.compression.recent_slots}{every}"

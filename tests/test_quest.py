@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import compression, kernels, native, planner, presets
+from kvjax import compression, kernels, naming, native, planner, presets
 from kvjax.analysis import costs, hlo_cost, theory
 from kvjax.cache import kv as cache_lib
 from kvjax.cache import paged
@@ -410,6 +410,9 @@ def test_dense_layers_need_a_page_selection_and_unrolled_layers():
                                           "with model.compression.dense_layers=2"):
         dense(2, scan_layers=True)
     assert dense(0, scan_layers=True).scan_layers is True  # 0: scanned, as before
+    # a run's log keys its samples by the variant: dense layers are another variant
+    assert naming.compression_label(dense(2)) == "quest 8 read dense 2"
+    assert naming.compression_label(dense(0)) == "quest 8 read"
 
 
 def test_theory_reads_the_dense_layers_in_full():
