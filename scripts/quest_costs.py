@@ -29,7 +29,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from kvjax import planner, presets
+from kvjax import compression, planner, presets
 from kvjax.analysis import costs
 from kvjax.cache import paged
 from kvjax.models import decode_kernels
@@ -40,19 +40,24 @@ def _formulations(names: str) -> list:
     return [n for n in names.split(",") if n]
 
 
-def configs(context: int, budget: int, page_size: int, formulations) -> list:
+def configs(context: int, budget: int, page_size: int, formulations,
+            dense_layers=(0,)) -> list:
     """(label, config, t) of the steps compared: the full paged read by each decode
     formulation at t = ``context`` and at t = ``budget``, and Quest by each (its read
-    is the rule 'pages_native' for 'native', 'pages_xla' for 'xla'), each config
-    resolved for its paged class (the native kernel loaded where asked)."""
+    is the rule 'pages_native' for 'native', 'pages_xla' for 'xla') with each count of
+    ``dense_layers`` (``compression.dense_layers``: first layers reading every page),
+    each config resolved for its paged class (the native kernel loaded where asked)."""
     base = presets.smollm2_135m("float32", scan_layers=None)
     out = []
     for name in formulations:
         for t in (context, budget):
             out.append((f"full paged read ('{name}')", base.replace(decode_attention=name), t))
     for name in formulations:
-        q = base.replace(kv_compression="quest", kv_budget=budget, decode_attention=name)
-        out.append((f"quest, budget {budget} ('{name}')", q, context))
+        for d in dense_layers:
+            q = base.replace(kv_compression="quest", kv_budget=budget, decode_attention=name,
+                             compression=compression.CompressionConfig(dense_layers=d))
+            out.append((f"quest, budget {budget}{f', {d} dense layers' if d else ''} "
+                        f"('{name}')", q, context))
     return [(label, _plan(cfg, t, page_size), t) for label, cfg, t in out]
 
 
@@ -62,10 +67,11 @@ def _plan(cfg, t: int, page_size: int):
                            page_size=page_size)
 
 
-def rows(context: int, budget: int, page_size: int, formulations) -> list:
+def rows(context: int, budget: int, page_size: int, formulations,
+         dense_layers=(0,)) -> list:
     """(label, t, formulation run, analyze_paged_decode_step's dict) per step."""
     out = []
-    for label, cfg, t in configs(context, budget, page_size, formulations):
+    for label, cfg, t in configs(context, budget, page_size, formulations, dense_layers):
         site = decode_kernels.site(cfg, 1, 1, paged.pages_for(t, page_size) * page_size,
                                    True, page_size)
         out.append((label, t, cfg.formulation(site),
@@ -105,13 +111,17 @@ def main() -> None:
     ap.add_argument("--formulations", default="xla,native",
                     help="decode_attention values, comma separated (Quest's read: "
                          "'native' runs the rule 'pages_native', 'xla' 'pages_xla')")
+    ap.add_argument("--dense_layers", default="0",
+                    help="Quest's compression.dense_layers values, comma separated (its "
+                         "paper: 2)")
     ap.add_argument("--measure", type=int, default=0,
                     help="rounds of each step's timing (0: compiled bytes only)")
     ap.add_argument("--skip_compiled", action="store_true",
                     help="only the measured steps (with --measure)")
     a = ap.parse_args()
     names = _formulations(a.formulations)
-    table = [] if a.skip_compiled else rows(a.context, a.budget, a.page_size, names)
+    dense = tuple(int(d) for d in a.dense_layers.split(",") if d)
+    table = [] if a.skip_compiled else rows(a.context, a.budget, a.page_size, names, dense)
     if table:
         print("| step | t | runs | part | compiled (+kernels) MB | theory MB | "
               "compiled / theory |")
@@ -135,7 +145,7 @@ def main() -> None:
             print(f"| {label} | {t} | `{run}` | {part} | {got / 1e6:.2f} | {want / 1e6:.2f} "
                   f"| {got / want:.3f} |")
     if a.measure:
-        steps = configs(a.context, a.budget, a.page_size, names)
+        steps = configs(a.context, a.budget, a.page_size, names, dense)
         params = model_lib.init_params(steps[0][1].replace(plan=None), 0)
         fns = [(label, t, step_fn(cfg, params, t, a.page_size)) for label, cfg, t in steps]
         runs = [cfg.decode_attention for _, cfg, _ in steps]
