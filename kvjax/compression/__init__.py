@@ -121,7 +121,8 @@ class CompressionConfig:
         every layer reads the full cache). Quest's paper keeps 2 (Tang et al. 2024,
         sec. 4.1's setting: the first two layers, whose attention is not sparse, read
         every token); kvjax's default 0 selects in every layer, as its figures before
-        this knob did. With 0 < dense_layers the layers are unrolled (their reads differ).
+        this knob did (docs/decisions/0044-quest-dense-layers-default-0.md). With
+        0 < dense_layers the layers are unrolled (their reads differ).
     """
 
     observation_window: int = 32
