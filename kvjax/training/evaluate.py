@@ -205,7 +205,8 @@ def perplexity(params, cfg: ModelConfig, windows: np.ndarray, ecfg: EvalConfig,
         raise ValueError(
             f"perplexity with model.kv_compression={cfg.kv_compression!r}; allowed: None "
             "(a compressed cache is scored by experiments.longeval: accuracy and the "
-            "answer's NLL after the prompt is compressed)")
+            "answer's NLL after the prompt is compressed, and with --ppl --ppl_tokens=M "
+            "the perplexity of a text's last M tokens on the compressed cache of the rest)")
     m, t = windows.shape
     if t % ecfg.chunk:
         raise ValueError(f"windows of {t} tokens; allowed: a multiple of chunk={ecfg.chunk}")
