@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from kvjax.config import ModelConfig
+from kvjax.models import layers
 from kvjax.models import model as model_lib
 
 
@@ -202,7 +203,8 @@ def attention_inputs(params, cfg: ModelConfig, tokens) -> np.ndarray:
         capture_intermediates=lambda mdl, _: isinstance(mdl, nn.Module)
         and mdl.name == "attn_norm")
     inter = state["intermediates"]
-    return np.stack([np.asarray(inter[f"layers_{i}"]["attn_norm"]["__call__"][0],
+    # a norm deferred into the q/k/v product (decision 0042) is captured unapplied
+    return np.stack([np.asarray(layers.applied(inter[f"layers_{i}"]["attn_norm"]["__call__"][0]),
                                 np.float32).reshape(b * t, cfg.d_model)
                      for i in range(cfg.num_layers)])
 
