@@ -16,7 +16,7 @@ from kvjax import compression
 from kvjax.analysis import costs, theory
 from kvjax.cache import compress as compress_lib
 from kvjax.cache import kv as cache_lib
-from kvjax.config import ConfigError, ModelConfig, RunConfig
+from kvjax.config import ConfigError, RunConfig
 from kvjax.inference import decode, ragged
 from kvjax.models import model as model_lib
 from tests.conftest import tiny_config
