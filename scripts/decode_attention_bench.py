@@ -31,17 +31,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import kernels, native, planner
+from kvjax import planner
 from kvjax.analysis import hardware
 from kvjax.models import decode_kernels
 from kvjax.models.attention import attend_step
 
 
 def in_program(layers: int, k: int, g: int, slots: int, dtype, lay: tuple, backend: str,
-               rounds: int) -> dict[str, float]:
+               rounds: int, impls: list[str]) -> dict[str, float]:
     """Median seconds of one program that runs ``layers`` layers' decode attention (B =
     1, H = Hv = 64, ``slots`` visible slots) over as many distinct caches, per
-    formulation ('xla', and 'native' where it applies), in interleaved rounds."""
+    formulation of ``impls`` (those :func:`kvjax.planner.measure` found to apply), in
+    interleaved rounds."""
     rng = np.random.default_rng(1)
     h = 64
     def arr(shape):
@@ -51,14 +52,8 @@ def in_program(layers: int, k: int, g: int, slots: int, dtype, lay: tuple, backe
     q = arr((1, 1, k, g, h))
     caches = [(arr(shape[lay[0]]), arr(shape[lay[1]])) for _ in range(layers)]
     nk, nv, mask = arr(new[lay[0]]), arr(new[lay[1]]), jnp.ones((1, 1, slots), bool)
-    site = kernels.Site("decode_attention", backend=backend, dtype=jnp.dtype(dtype).name,
-                        k_layout=lay[0], v_layout=lay[1], head_dim=h, slots=slots,
-                        native=kernels.NATIVE)
     fns = {}
-    for impl in ("xla", "native"):
-        f = kernels.get("decode_attention", impl)
-        if f.applies(site) is not None or (f.needs_plan and not native.load()):
-            continue
+    for impl in impls:
         def run(q, caches, impl=impl):
             out = q
             for kc, vc in caches:  # each layer's query depends on the last one's output
@@ -122,7 +117,8 @@ def main() -> None:
                   f"{roof / 1e9:.1f} GB/s; pick {r['choice']} "
                   f"[{time.perf_counter() - t0:.1f} s]", flush=True)
             if t == queries[0] and a.layers:
-                secs = in_program(a.layers, k, g, a.slots, dtype, lay, backend, a.rounds)
+                secs = in_program(a.layers, k, g, a.slots, dtype, lay, backend, a.rounds,
+                                  [i for i in ("xla", "native") if i in r["gbps"]])
                 nbytes = a.layers * k * a.slots * 128 * dtype.itemsize
                 cells = "  ".join(f"{impl} {nbytes / sec / 1e9:6.1f} GB/s "
                                   f"({nbytes / sec / roof:4.0%})"
