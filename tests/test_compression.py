@@ -210,6 +210,27 @@ def test_keep_everything_equals_the_full_cache():
         np.testing.assert_array_equal(got, want, err_msg=method)
 
 
+def test_methods_at_one_budget_share_their_decode_config():
+    """decode_config (decision 0047): after a prefill-only compression every evicting
+    method at one budget decodes under one config (the sweep compiles its decode programs
+    once per budget); a config whose decoding depends on its method (every_n re-scoring,
+    per-layer budgets) or that does not evict keeps its own. That the shared config decodes
+    each method's cache as its own config does: tests/test_longeval.py's sweep tests
+    (tokens and NLL of every point equal the config run alone)."""
+    shared = {compress_lib.decode_config(cfg_for(m, 24))
+              for m in ("snapkv", "tova", "h2o", "key_norm", "streaming_llm")}
+    assert len(shared) == 1
+    (one,) = shared
+    assert (one.kv_budget, one.compression, one.kv_evicts, one.kv_rescores) == \
+        (24, KNOBS, True, False)
+    assert compress_lib.decode_config(cfg_for("snapkv", 32)).kv_budget == 32
+    for cfg in (cfg_for("pyramidkv", 24),
+                cfg_for("h2o", 24, compression=dataclasses.replace(
+                    KNOBS, schedule="every_n", every_n=4)),
+                tiny_config(), cfg_for("quest", 16)):
+        assert compress_lib.decode_config(cfg) is cfg
+
+
 def test_streaming_llm_equals_the_ring_cache():
     """One layer (its keys depend on the tokens alone): StreamingLLM through the interface
     with a budget of N and s sinks keeps what a ring of W = N + 1 slots with s sinks

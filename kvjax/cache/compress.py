@@ -55,13 +55,32 @@ from kvjax.config import ModelConfig
 __all__ = ["query_count", "observation_queries", "select", "compress", "prompt_config",
            "layer_budgets", "prompt_slots", "compress_prompt", "init_schedule",
            "empty_schedule", "SCHEDULE_BATCH_AXES", "put_schedule_row", "observe_step", "due_rows",
-           "recompress"]
+           "recompress", "decode_config"]
 
 
 def prompt_config(cfg: ModelConfig) -> ModelConfig:
     """The config a compressed model's prompt is prefilled with: ``cfg`` without
     ``kv_compression`` (a full cache)."""
     return cfg.replace(kv_compression=None, kv_budget=None)
+
+
+def decode_config(cfg: ModelConfig) -> ModelConfig:
+    """The config that decodes a cache compressed once, after its prefill: ``cfg`` with
+    ``kv_compression`` named by the first registered evicting method, when ``cfg`` evicts
+    with schedule 'prefill' and one budget for every layer; else ``cfg`` itself.
+
+    After that compression the method plays no part: a decode step appends to the ring
+    and attends over the kept slots and the ring, whose sizes are kv_budget and
+    recent_slots whatever the method. So every such method at one budget shares the
+    decoding programs (``jax.jit`` keys them on the config): a sweep of M methods
+    compiles its decode and answer programs once per budget, not M times
+    (docs/decisions/0047-sweep-decodes-one-program-per-budget.md). The cache itself is
+    the method's.
+    """
+    if not cfg.kv_evicts or cfg.kv_rescores or cfg.layer_budgets is not None:
+        return cfg
+    return cfg.replace(kv_compression=next(n for n in compression.names()
+                                           if compression.evicts(n)))
 
 
 def layer_budgets(cfg: ModelConfig) -> tuple:

@@ -1062,13 +1062,14 @@ def evaluate_sweep(params, points: Sequence[ModelConfig], sample: Sample, tokeni
                     cache = _point_cache(p, full, queries, width, sample.length)
                     prep = shared + time.perf_counter() - start
                     start = time.perf_counter()
+                    dcfg = compress_lib.decode_config(p)  # one program per budget
                     if protocol == "question":
                         res, allocated, slots_ = answer_prefilled(
-                            params, p, logits, cache, sample.questions[qi],
+                            params, dcfg, logits, cache, sample.questions[qi],
                             sample.max_new_tokens, tokenizer, eos_ids, metric)
                         got = [res]
                     else:
-                        got = [ask(params, p, cache, q, sample.max_new_tokens, tokenizer,
+                        got = [ask(params, dcfg, cache, q, sample.max_new_tokens, tokenizer,
                                    eos_ids, metric) for q in sample.questions]
                         allocated, slots_ = cache_lib.cache_bytes(cache), cache.num_slots
                     results, pre, dec, _, _ = per_point[i]
@@ -1172,7 +1173,8 @@ def sweep_tail_nll(params, points: Sequence[ModelConfig], ids: Sequence[int],
             p = points[i]
             start = time.perf_counter()
             cache = _point_cache(p, full, queries, width, len(ids))
-            nll = continuation_nll(params, p, logits, cache, rest)
+            nll = continuation_nll(params, compress_lib.decode_config(p), logits, cache,
+                                   rest)
             out[i] = TailResult(nll, cache_lib.cache_bytes(cache),
                                 theory.kv_cache_bytes(p, len(ids)), cache.num_slots,
                                 shared + time.perf_counter() - start)
