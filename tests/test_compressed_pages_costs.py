@@ -144,3 +144,27 @@ def test_paged_step_bytes_of_compressed_rows_are_theorys_at_the_budget():
     plain = dataclasses.replace(cfg, kv_compression=None, kv_budget=None)
     assert paging.paged_step_bytes(plain, lens, 8, 125, "in_place").pages == \
         sum(paging.paged_tokens(x, 8) for x in lens) * theory.kv_bytes_per_token(plain)
+
+
+def test_serve_reports_the_rows_a_compressed_pool_holds():
+    """experiments.serve on compressed pages adds the row's W slots and W / P pages and
+    the rows the pool holds (paging.capacity): the engine's own admission count; its
+    report prints them; uncompressed or dense rows add nothing."""
+    from tests.conftest import import_entry_point  # noqa: PLC0415
+    serve = import_entry_point("serve")
+    cfg = tiny()
+    n, pool = admitted(cfg, 65, [100, 7])
+    got = serve.compressed_pool(cfg, pool, 8, 128)
+    assert got == {"compressed_row_slots": 40, "compressed_row_pages": 5,
+                   "compressed_pool_rows": n}
+    full = cfg.replace(kv_compression=None, kv_budget=None)
+    assert serve.compressed_pool(full, pool, 8, 128) == serve.compressed_pool(
+        cfg, pool, 0, 128) == {}
+    st = engine.EngineStats(wall_s=1.0, tokens=4, steps=2, occupied_slot_steps=2,
+                            live_kv_byte_steps=10.0, allocated_kv_bytes=pool, num_slots=2,
+                            page_kv_byte_steps=20.0, active_page_kv_byte_steps=20.0,
+                            max_running=1, page_size=8)
+    done = [engine.Completion(0, 5, [1, 2], "budget", 0, 0.1, 0.5)]
+    text = serve.report({**serve.summarize(done, st), **got}, [])
+    assert "compressed rows: 40 slots (kv_budget + recent_slots) = 5 pages each" in text
+    assert "the pool holds 13 such rows" in text
