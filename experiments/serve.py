@@ -24,7 +24,9 @@ With ``--config.page_size=N`` the engine's rows are pages
 (the dense rows' bytes) in pages of N tokens, up to ``--max_rows`` requests at once, the
 newest preempted when the pool runs out; ``--prefix_cache`` shares the cached pages of
 common prompt prefixes. With an evicting ``--config.model.kv_compression`` each row holds
-kv_budget + recent_slots slots of whole pages, and the pool ``--slots`` such rows.
+kv_budget + recent_slots slots of whole pages, and the pool ``--slots`` such rows (the
+report prints the row's slots and pages and the rows the pool holds, keys
+``compressed_row_slots``, ``compressed_row_pages``, ``compressed_pool_rows``).
 ``--config.chat_template=True`` makes each request's text the
 user's turn of the checkpoint's chat template (every prompt then starts with the same
 system turn).
@@ -210,6 +212,22 @@ def pool_pages(run, slots: int) -> int:
     row = cache_lib.num_slots(run.model, run.max_seq_len)
     one = row if run.model.kv_evicts else run.max_seq_len
     return max(slots * row // run.page_size, paged.pages_for(one, run.page_size))
+
+
+def compressed_pool(cfg, allocated_bytes: int, page_size: int, max_seq_len: int) -> dict:
+    """The pool figures of compressed rows on pages (an evicting ``model.kv_compression``:
+    each row its fixed W = kv_budget + recent_slots slots on W / P pages, whatever its
+    length): {'compressed_row_slots': W, 'compressed_row_pages': W / P,
+    'compressed_pool_rows': the rows the pool's ``allocated_bytes`` hold,
+    :func:`kvjax.analysis.paging.capacity`}; {} for rows that grow by pages."""
+    from kvjax.analysis import paging  # noqa: PLC0415
+
+    if not (page_size and cfg.kv_evicts):
+        return {}
+    cap = paging.capacity(cfg, allocated_bytes, [max_seq_len], max_seq_len, page_size)
+    return {"compressed_row_slots": cap.row_slots,
+            "compressed_row_pages": cap.row_slots // page_size,
+            "compressed_pool_rows": cap.paged}
 
 
 def check_arrival_rate(rate: float) -> None:
@@ -399,6 +417,11 @@ def report(summary: dict, skipped) -> str:
             f"prefix cache: {summary['prefix_hit_tokens']:,} of {summary['prompt_tokens']:,} "
             f"prompt tokens found cached (hit rate {summary['prefix_hit_rate']:.1%}), "
             f"{summary['prefill_tokens']:,} prefilled"]
+    if "compressed_pool_rows" in summary:
+        lines.append(
+            f"compressed rows: {summary['compressed_row_slots']} slots (kv_budget + "
+            f"recent_slots) = {summary['compressed_row_pages']} pages each, whatever the "
+            f"length; the pool holds {summary['compressed_pool_rows']} such rows")
     for s in skipped:
         lines.append(f"skipped {s.where}: {s.reason}")
     if "compare_plain" in summary:
@@ -474,6 +497,8 @@ def main(argv):
         bar.close()
     summary = summarize(done, stats)
     summary["arrival_rate"] = _ARRIVAL_RATE.value
+    summary.update(compressed_pool(loaded.cfg, stats.allocated_kv_bytes, run.page_size,
+                                   run.max_seq_len))
     if _COMPARE.value:
         summary["compare_plain"] = compare_plain(loaded, run, reqs, slots,
                                                  new_max, _STEPS_PER_SYNC.value)

@@ -343,10 +343,13 @@ def wall_lengths(t: int, n: int = 256) -> list[int]:
     return sorted({max(1, round(1 + i * (t - 1) / max(n - 1, 1))) for i in range(n)})
 
 
-def _held(cfg: ModelConfig, lengths) -> list[int]:
+def _held(cfg: ModelConfig, lengths, page_size: int) -> list[int]:
     """Tokens a paged row holds for requests of ``lengths``: a window's row frees the
-    pages that slide out, so it holds its W (+ sinks) at most."""
-    return [theory.tokens_held(cfg, x) for x in lengths]
+    pages that slide out, so it holds its W (+ sinks) at most; a compressed row holds
+    its fixed W = kv_budget + recent_slots whatever its length
+    (:func:`kvjax.analysis.paging.row_slots`)."""
+    w = paging.row_slots(cfg, page_size)
+    return [w or theory.tokens_held(cfg, x) for x in lengths]
 
 
 def paged_wall_table(shape: str, t: int, page_size: int, chips=None,
@@ -365,7 +368,7 @@ def paged_wall_table(shape: str, t: int, page_size: int, chips=None,
     rows = []
     for lever in LEVERS:
         cfg = lever_config(shape, lever, dtype)
-        held, full = _held(cfg, lengths), _held(cfg, [t])
+        held, full = _held(cfg, lengths, page_size), _held(cfg, [t], page_size)
         row = {"shape": shape, "lever": lever, "context": t, "dtype": dtype,
                "page_size": page_size, "mean_length": sum(lengths) / len(lengths),
                "mean_paged_tokens": sum(paging.paged_tokens(x, page_size) for x in held)
@@ -414,14 +417,15 @@ def measure_paged_wall(cfg: ModelConfig, t: int, budget_bytes: int, page_size: i
     """Allocates, for real, the weights and one page pool of the bytes left under
     ``budget_bytes`` (zero-filled, so its memory is touched), then admits requests of
     ``lengths`` (default :func:`wall_lengths` of ``t``; a window's rows hold their
-    window) one after another through the paged engine's allocator until the next does
-    not fit; frees it all.
+    window, a compressed row its fixed kv_budget + recent_slots) one after another
+    through the paged engine's allocator until the next does not fit; frees it all.
 
     Raises:
       kvjax.inference.memory.MemoryCheckError: the budget exceeds the memory available
         here, or cannot hold the weights and one request of t tokens (named), before
         anything is allocated.
-      ValueError: page_size below 1; ``cfg.layer_windows`` (its local layers keep
+      ValueError: page_size below 1; a compression pages cannot hold
+        (:func:`kvjax.analysis.paging.row_slots`); ``cfg.layer_windows`` (its local layers keep
         per-row rings beside the pool: docs/decisions/0031-paged-layer-windows-rings.md).
     """
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
@@ -432,8 +436,8 @@ def measure_paged_wall(cfg: ModelConfig, t: int, budget_bytes: int, page_size: i
     lengths = wall_lengths(t) if lengths is None else list(lengths)
     per_page = paged.page_bytes(cfg, page_size)
     weights = _check_budget(cfg, budget_bytes, available)
-    held = _held(cfg, lengths)
-    one = paged.pages_for(theory.tokens_held(cfg, t), page_size) * per_page
+    held = _held(cfg, lengths, page_size)
+    one = paged.pages_for(_held(cfg, [t], page_size)[0], page_size) * per_page
     if weights + one > budget_bytes:
         raise memory.MemoryCheckError(
             f"a budget of {budget_bytes:,} bytes cannot hold the weights ({weights:,} "

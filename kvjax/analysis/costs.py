@@ -223,12 +223,29 @@ def compression_overhead(cfg: ModelConfig, prompt_len: int, batch: int = 1) -> d
             "prefill_flops": both[0].flops, "prefill_bytes": both[0].bytes}
 
 
+def paged_row_pages(cfg: ModelConfig, context: int, page_size: int) -> int:
+    """Pages one paged row holds at ``context`` tokens: ceil(context / P), or a
+    compressed row's fixed W / P (:func:`kvjax.cache.paged.compressed_slots`, which
+    raises ConfigError naming what pages cannot hold)."""
+    if cfg.kv_evicts:
+        return paged.compressed_slots(cfg, page_size) // page_size
+    return paged.pages_for(context, page_size)
+
+
 def compile_paged_decode_step(cfg: ModelConfig, context: int, page_size: int,
                               batch: int = 1, compiler_options: dict | None = None):
     """Compiles one decode step of ``batch`` rows over a paged cache
     (:mod:`kvjax.cache.paged`) whose rows hold ``context`` tokens on ceil(context / P)
-    pages each (a pool of exactly those pages), the cache donated, from shapes only."""
-    pages = paged.pages_for(context, page_size)
+    pages each (a pool of exactly those pages), the cache donated, from shapes only.
+    Compressed rows (an evicting ``cfg.kv_compression``, schedule 'prefill'): each row
+    holds its fixed W / P pages (W = kv_budget + recent_slots,
+    :func:`kvjax.cache.paged.compressed_slots`; decision 0041) whatever ``context``.
+
+    Raises:
+      kvjax.config.ConfigError: a compression the paged engine refuses (schedule
+        'every_n', per-layer budgets, W not whole pages), naming the value.
+    """
+    pages = paged_row_pages(cfg, context, page_size)
     if cfg.plan is None:  # the plan of the paged class (a rule's formulation untimed)
         cfg = planner.resolve(cfg, max_seq_len=pages * page_size, batch_sizes=(batch,),
                               page_size=page_size)
@@ -250,10 +267,13 @@ def analyze_paged_decode_step(cfg: ModelConfig, context: int, page_size: int,
     (:func:`compile_paged_decode_step`) beside theory: with a read-time page selection
     (Quest, ``cfg.kv_selects_pages``) :func:`kvjax.analysis.theory.page_selection_step_bytes`
     (the budget's pages plus every page's key bounds), else :func:`theory.step_bytes`
-    (every token).
+    (every token; compressed rows, an evicting ``cfg.kv_compression``: min(t, W) tokens,
+    W = kv_budget + recent_slots, the dense compressed step's theory, while the step
+    reads the row's fixed W / P pages whatever ``context``).
 
     Returns:
-      {'context', 'page_size', 'batch', 'kv_compression', 'kv_budget', 'xla_bytes',
+      {'context', 'page_size', 'batch', 'kv_compression', 'kv_budget', 'row_pages'
+      (pages of one row: ceil(context / P), or a compressed row's W / P), 'xla_bytes',
       'xla_flops', 'theory': {...bytes}, 'theory_bytes', 'xla_over_theory',
       'kernel_bytes', 'counted_bytes', 'counted_over_theory', 'scoring_bytes',
       'attribution'}: 'kernel_bytes' are the custom calls' (a native kernel reading
@@ -267,6 +287,7 @@ def analyze_paged_decode_step(cfg: ModelConfig, context: int, page_size: int,
     """
     compiled = compile_paged_decode_step(cfg, context, page_size, batch,
                                          analysis_compiler_options())
+    row_pages = paged_row_pages(cfg, context, page_size)
     xla = hlo_cost.loop_aware_cost(compiled)
     ops = hlo_cost.op_costs(compiled)
     att = hlo_cost.attribute(ops).as_dict()
@@ -277,7 +298,7 @@ def analyze_paged_decode_step(cfg: ModelConfig, context: int, page_size: int,
         th = theory.step_bytes(cfg, context, batch).as_dict()
     return {"context": context, "page_size": page_size, "batch": batch,
             "kv_compression": cfg.kv_compression, "kv_budget": cfg.kv_budget,
-            "xla_bytes": float(xla.bytes), "xla_flops": float(xla.flops), "theory": th,
+            "row_pages": row_pages, "xla_bytes": float(xla.bytes), "xla_flops": float(xla.flops), "theory": th,
             "theory_bytes": float(th["total"]), "xla_over_theory": xla.bytes / th["total"],
             "kernel_bytes": float(xla.uncosted_bytes),
             "counted_bytes": float(xla.bytes + xla.uncosted_bytes),

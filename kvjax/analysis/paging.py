@@ -12,6 +12,11 @@ shared by n requests, its floor(s / P) full pages are stored once (sec. 4.4, sha
 prefix; page-granular, as vLLM's automatic prefix caching), saving (n - 1)·floor(s/P)·P
 tokens.
 
+A compressed row (lever 5, an evicting ``kv_compression``, schedule 'prefill') holds a
+fixed W = kv_budget + recent_slots slots on W / P pages, taken on admission whatever its
+length and never grown (decision 0041, :func:`kvjax.cache.paged.compressed_slots`): it
+is sized by W, not by its length, and shares no prefix.
+
 Units: tokens, bytes (per-token bytes from :func:`kvjax.analysis.theory.kv_bytes_per_token`,
 every layer and cached tensor, quantization scales included).
 """
@@ -23,10 +28,11 @@ import math
 from typing import Sequence
 
 from kvjax.analysis import theory
-from kvjax.config import ModelConfig
+from kvjax.config import ModelConfig, check_paged_compression
 
-__all__ = ["paged_tokens", "internal_waste", "shared_prefix_tokens", "PagingCapacity",
-           "capacity", "PagedStepBytes", "paged_step_bytes", "paged_step_read_bytes"]
+__all__ = ["paged_tokens", "internal_waste", "shared_prefix_tokens", "row_slots",
+           "row_tokens", "PagingCapacity", "capacity", "PagedStepBytes",
+           "paged_step_bytes", "paged_step_read_bytes"]
 
 
 def _check(page_size: int, lengths: Sequence[int]) -> list:
@@ -56,6 +62,29 @@ def internal_waste(lengths: Sequence[int], page_size: int) -> int:
     return sum(paged_tokens(x, page_size) - x for x in lengths)
 
 
+def row_slots(cfg: ModelConfig, page_size: int) -> int:
+    """W = kv_budget + recent_slots, the fixed slots of a compressed row on pages of
+    ``page_size`` (an evicting ``cfg.kv_compression``), else 0 (rows grow by pages).
+
+    Raises:
+      ValueError: page_size below 1; kvjax.config.ConfigError (a ValueError) for a
+        compression pages cannot hold (schedule 'every_n', per-layer budgets, W not
+        whole pages: :func:`kvjax.config.check_paged_compression`), naming the value.
+    """
+    _check(page_size, [])
+    if not cfg.kv_evicts:
+        return 0
+    check_paged_compression(cfg, page_size)
+    return cfg.cache_window
+
+
+def row_tokens(cfg: ModelConfig, length: int, page_size: int) -> int:
+    """Tokens of pages one row of ``length`` tokens holds: :func:`paged_tokens`, or a
+    compressed row's W whatever its length (:func:`row_slots`)."""
+    (length,) = _check(page_size, [length])
+    return row_slots(cfg, page_size) or paged_tokens(length, page_size)
+
+
 def shared_prefix_tokens(prefix_len: int, page_size: int) -> int:
     """Tokens of a shared prefix stored once in a page-granular prefix cache: its full
     pages only, P·floor(prefix_len / P) (the partly filled page is each request's own)."""
@@ -71,12 +100,18 @@ class PagingCapacity:
     Attributes:
       bytes_per_token: KV bytes per token (all layers and tensors).
       budget_tokens: floor(memory_bytes / bytes_per_token).
-      reserved: per-slot reservation, floor(budget_tokens / max_seq_len).
-      paged: floor(budget_tokens / mean paged tokens per request).
+      reserved: per-slot reservation, floor(budget_tokens / max_seq_len) (a compressed
+        dense row holds W = kv_budget + recent_slots: floor(budget_tokens / W)).
+      paged: floor(budget_tokens / mean paged tokens per request) (a compressed row's
+        W whatever its length: floor(budget_tokens / W)).
       shared: with the prefix's full pages stored once: floor((budget_tokens - shared
-        tokens) / mean of each request's own paged tokens).
-      waste_fraction: internal waste over paged tokens (mean over ``lengths``).
-      reserved_live_fraction: mean length / max_seq_len, the live share of a reserved row.
+        tokens) / mean of each request's own paged tokens) (compressed rows: ``paged``).
+      waste_fraction: internal waste over paged tokens (mean over ``lengths``; a
+        compressed row's slots no token fills, W - min(l, W)).
+      reserved_live_fraction: mean length / max_seq_len, the live share of a reserved row
+        (compressed: mean min(l, W) / W).
+      row_slots: W, the fixed slots of a compressed row (:func:`row_slots`); 0 for rows
+        that grow by pages.
     """
 
     bytes_per_token: float
@@ -86,6 +121,7 @@ class PagingCapacity:
     shared: int
     waste_fraction: float
     reserved_live_fraction: float
+    row_slots: int = 0
 
 
 def capacity(cfg: ModelConfig, memory_bytes: float, lengths: Sequence[int],
@@ -99,9 +135,16 @@ def capacity(cfg: ModelConfig, memory_bytes: float, lengths: Sequence[int],
       max_seq_len: the row a per-slot reservation holds per request.
       page_size: P tokens per page.
       prefix_len: tokens every request's prompt starts with (a system turn).
+
+    With compression (an evicting ``cfg.kv_compression``) every row is W = kv_budget +
+    recent_slots slots on W / P pages whatever its length, as the paged engine admits it
+    (:class:`kvjax.inference.engine.PagedRows`), and a dense row is W slots too.
+
     Raises:
-      ValueError: page_size below 1, no lengths, a length above max_seq_len or a prefix
-        longer than the shortest length (each named).
+      ValueError: page_size below 1, no lengths, a length above max_seq_len, a prefix
+        longer than the shortest length, or a prefix with compression (its rows share no
+        pages) (each named); kvjax.config.ConfigError for a compression pages cannot
+        hold (:func:`row_slots`).
     """
     lengths = _check(page_size, lengths)
     if not lengths:
@@ -112,8 +155,19 @@ def capacity(cfg: ModelConfig, memory_bytes: float, lengths: Sequence[int],
     if not 0 <= prefix_len <= min(lengths):
         raise ValueError(f"prefix_len={prefix_len}; allowed: 0..{min(lengths)} (the "
                          "shortest request)")
+    w = row_slots(cfg, page_size)
+    if w and prefix_len:
+        raise ValueError(f"prefix_len={prefix_len} with model.kv_compression="
+                         f"{cfg.kv_compression!r}; allowed: 0 (a compressed row's pages "
+                         "hold its kept slots, shared with no other row)")
     per_token = theory.kv_bytes_per_token(cfg)
     budget = int(memory_bytes // per_token)
+    if w:
+        held = sum(min(x, w) for x in lengths) / len(lengths)
+        return PagingCapacity(
+            bytes_per_token=per_token, budget_tokens=budget, reserved=budget // w,
+            paged=budget // w, shared=budget // w, waste_fraction=(w - held) / w,
+            reserved_live_fraction=held / w, row_slots=w)
     mean_paged = sum(paged_tokens(x, page_size) for x in lengths) / len(lengths)
     shared = shared_prefix_tokens(prefix_len, page_size)
     own = mean_paged - shared
@@ -131,9 +185,9 @@ class PagedStepBytes:
 
     Attributes:
       weights: the weights read once (:func:`kvjax.analysis.theory.weight_bytes_per_step`).
-      pages: the rows' pages read: P·ceil(l/P) tokens per row in place; every one of a
-        row's M block-table entries for the gather (M·P tokens: missing pages read page
-        0, masked).
+      pages: the rows' pages read: P·ceil(l/P) tokens per row in place (a compressed
+        row's W, :func:`row_tokens`); every one of a row's M block-table entries for the
+        gather (M·P tokens: missing pages read page 0, masked).
       tables: the block tables read, 4·M bytes per row and layer.
       view: the gather only: its dense view written and read again by attention,
         2·M·P tokens per row.
@@ -164,18 +218,28 @@ def paged_step_bytes(cfg: ModelConfig, lengths: Sequence[int], page_size: int,
     Kwon et al. 2023, sec. 4.1; kvjax's native one). 'gather': the XLA formulation of
     :mod:`kvjax.cache.paged` (every row's M pages gathered into a dense view, which
     attention reads). The dense step's counterpart: :func:`kvjax.analysis.theory.step_bytes`
-    (blog, "The Fundamental Equation of Inference Throughput").
+    (blog, "The Fundamental Equation of Inference Throughput"). A compressed row holds
+    its W / P pages whatever its length (:func:`row_tokens`): past the budget its bytes
+    are the dense compressed step's, :func:`kvjax.analysis.theory.step_bytes`.
 
     Raises:
-      ValueError: an unknown formulation, page_size below 1 or a negative length.
+      ValueError: an unknown formulation, page_size below 1, a negative length, or with
+        compression max_pages other than W / P (named); kvjax.config.ConfigError for a
+        compression pages cannot hold (:func:`row_slots`).
     """
     lengths = _check(page_size, lengths)
     if formulation not in ("in_place", "gather"):
         raise ValueError(f"formulation={formulation!r}; allowed: 'in_place' or 'gather'")
+    w = row_slots(cfg, page_size)
+    if w and max_pages * page_size != w:
+        raise ValueError(f"max_pages={max_pages} with model.kv_compression="
+                         f"{cfg.kv_compression!r}; allowed: {w // page_size} (a compressed "
+                         f"row's kv_budget + recent_slots = {w} slots in pages of "
+                         f"{page_size})")
     per_token = theory.kv_bytes_per_token(cfg)
     rows = len(lengths)
     if formulation == "in_place":
-        pages = sum(paged_tokens(x, page_size) for x in lengths) * per_token
+        pages = sum(row_tokens(cfg, x, page_size) for x in lengths) * per_token
         view = 0
     else:
         pages = max_pages * page_size * rows * per_token
