@@ -5,13 +5,20 @@
 // scores (SpanScores: G = 1 and AVX2; GroupScores: G > 1 on AVX-512, with the heads'
 // maxima), the online softmax on scores already in place (on AVX-512 with G > 1 given
 // the maxima, as FastItem does), the values over a dense row's contiguous rows (without
-// FastItem's prefetch of the next sub-block), and a plain read of the same bytes.
+// FastItem's prefetch of the next sub-block), and a plain read of the same bytes. On
+// AVX-512, for G <= 4, also the per-block (flash-decoding) sweep measured and not kept
+// (FusedSpan below; docs/decisions/0045-grouped-decode-fused-blocks.md) against FastItem,
+// paired in interleaved rounds (FusedAgainstFastItem; KVJAX_PAIRED_ROUNDS, default 41).
+// Two threads sharing the memory: two copies at once, `(/tmp/prof ... > /tmp/b.txt &);
+// /tmp/prof ...`.
 //
 //   g++ -O3 -march=native -std=c++17 -w -I$(python -c 'import jax.ffi; print(jax.ffi.include_dir())') \
 //       -Ikvjax/native scripts/decode_attention_profile.cc -o /tmp/prof && /tmp/prof 32768 1 3 4 8 9
 // (add -mno-avx512f for the AVX2 loops).
 #include "../kvjax/native/decode_attention.cc"
 
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -33,6 +40,155 @@ static void SpanValuesContig(int64_t G, int64_t V, const float* scp, int64_t ld_
       for (int64_t c0 = 0; c0 < V; c0 += nv * VL)
         ValuesRowsAny<true>(nv, std::min(gmax, G - g0), scp + g0 * ld_sc + j0, ld_sc,
                             &rows[j0], nj, 0, c0, o + g0 * V, V);
+  }
+}
+
+// One block's online softmax and values, right after its scores (flash-decoding's per
+// block update, Dao et al. 2023): the GB heads' scores of w visible slots at sc (row
+// stride ld_sc, in L1: just stored) become unnormalised probabilities against each
+// head's running max m[g] (o[g] and l[g] rescaled when it grows), then the w contiguous
+// value rows at vp ([w, V]) are accumulated into o with every head's columns in
+// registers (ValuesRows).
+template <int GB>
+static inline void BlockSoftmaxValues(float* sc, int64_t ld_sc, int64_t w, const float* vp,
+                                      int64_t V, int nv, float* m, float* l, float* o) {
+  for (int g = 0; g < GB; ++g) {
+    float* sr = sc + g * ld_sc;
+    vf bm = ld(sr);
+    for (int64_t j = VL; j < w; j += VL) bm = vmax(bm, ld(sr + j));
+    const float mnew = std::max(m[g], hmax(bm));
+    if (mnew > m[g]) {  // m = -1e30 before any slot: o and l are 0, whatever the factor
+      const float a = fast_exp(m[g] - mnew);
+      l[g] *= a;
+      for (int64_t c = 0; c < V; c += VL) st(o + g * V + c, ld(o + g * V + c) * a);
+      m[g] = mnew;
+    }
+    const vf mv = bc(mnew);
+    vf sum{};
+    for (int64_t j = 0; j < w; j += VL) {
+      const vf e = vexp(ld(sr + j) - mv);
+      st(sr + j, e);
+      sum += e;
+    }
+    l[g] += hsum(sum);
+  }
+  for (int64_t c0 = 0; c0 < V; c0 += nv * VL)
+    ValuesRowsAny<true>(nv, GB, sc, ld_sc, &vp, w, 0, c0, o, V);
+}
+
+// A dense row's span of n visible slots (n a multiple of VL) for GB heads in one sweep of
+// blocks: GroupScoresGB's walk (passes of pass_rows key rows, the block `ahead` blocks on
+// prefetched), and on the last pass each block's softmax and values right after its
+// scores (BlockSoftmaxValues), so the value stream runs between the key blocks instead
+// of after the whole span's keys.
+
+template <int GB>
+static void FusedSpanGB(const float* qs, int64_t H, const float* kp, int64_t ks,
+                        const float* vp, int64_t V, int64_t n, float* sc, int64_t ld_sc,
+                        float* m, float* l, float* o, int64_t pass_rows, int64_t ahead) {
+  constexpr int NJ = GroupNJ(GB);
+  constexpr int64_t W = NJ * VL;
+  const int64_t nvv = V / VL;
+  const int nv = nvv % 4 == 0 ? 4 : (nvv % 2 == 0 ? 2 : 1);
+  for (int64_t h0 = 0; h0 < H; h0 += pass_rows) {
+    const int64_t h1 = std::min(H, h0 + pass_rows);
+    const bool last = h1 == H;
+    int64_t j = 0;
+    for (; j + W <= n; j += W) {
+      const int64_t jj = j + ahead * W;
+      const float* pf = jj < n ? kp + jj : last ? kp + jj - h0 * ks : kp + jj - n + pass_rows * ks;
+      GroupScoresBlock<GB, NJ>(qs, H, h0, h1, kp + j, ks, sc + j, ld_sc, pf, nullptr, nullptr);
+      if (last) BlockSoftmaxValues<GB>(sc + j, ld_sc, W, vp + j * V, V, nv, m, l, o);
+    }
+    for (; j < n; j += VL) {
+      GroupScoresBlock<GB, 1>(qs, H, h0, h1, kp + j, ks, sc + j, ld_sc, nullptr, nullptr,
+                              nullptr);
+      if (last) BlockSoftmaxValues<GB>(sc + j, ld_sc, VL, vp + j * V, V, nv, m, l, o);
+    }
+  }
+}
+
+
+static void FusedSpan(const float* qs, int64_t G, int64_t H, const float* kp, int64_t ks,
+                      const float* vp, int64_t V, int64_t n, float* sc, int64_t ld_sc,
+                      float* m, float* l, float* o, int64_t pass_rows, int64_t ahead) {
+  switch (G) {
+#define KVJAX_FUSED(N) \
+  case N: FusedSpanGB<N>(qs, H, kp, ks, vp, V, n, sc, ld_sc, m, l, o, pass_rows, ahead); break;
+    KVJAX_FUSED(1) KVJAX_FUSED(2) KVJAX_FUSED(3) KVJAX_FUSED(4)
+#undef KVJAX_FUSED
+  }
+}
+
+
+// The per-block sweep (FusedSpan) against FastItem on the same head, in `rounds`
+// interleaved rounds with a plain read of the same bytes, the caches rotated over
+// `copies`: prints medians and the median of the paired ratios (fused / FastItem time:
+// below 1, fused is faster), per (R, A, span) = passes of R key rows, the block A ahead
+// prefetched, spans of that many slots. Compares the fused (o, m, l) with FastItem's on
+// the first round: the largest |m - m'| + |l / l' - 1| or difference of o / l is printed.
+static void FusedAgainstFastItem(const Shape& sh, const float* q, const float* kc,
+                                 const float* vc, const bool* vis, int64_t copies,
+                                 int rounds) {
+  const int64_t G = sh.G, H = sh.H, V = sh.V, S = sh.S;
+  const double bytes = double(S) * (H + V) * 4;
+  auto med = [](std::vector<double> x) {
+    std::sort(x.begin(), x.end());
+    return x[x.size() / 2];
+  };
+  std::vector<float> qs(G * H), m(G), l(G), o(G * V), m2(G), l2(G), o2(G * V);
+  for (int64_t i = 0; i < G * H; ++i) qs[i] = q[i] * sh.scale;
+  const int64_t span = std::min<int64_t>(kSpan, kScFloats / G) / VL * VL;
+  std::vector<float> sc(G * (8192 + kScorePad));
+  const std::vector<std::array<int64_t, 3>> cfg = {
+      {8, 4, span}, {8, 8, span}, {8, 4, 8192}, {16, 4, span}, {H, 2, span}, {H, 4, span}};
+  const int nvar = 2 + cfg.size();
+  std::vector<std::vector<double>> t(nvar);
+  double err = 0.0;
+  for (int r = 0; r < rounds + 2; ++r) {
+    for (int v = 0; v < nvar; ++v) {
+      const int64_t c = (r * nvar + v) % copies;
+      const float* kp = kc + c * H * S;
+      const float* vp = vc + c * S * V;
+      const auto t0 = std::chrono::steady_clock::now();
+      if (v == 0) {
+        FastItem(sh, q, kp, vp, vis, 0, 0, 0, S, m.data(), l.data(), o.data());
+      } else if (v == 1) {  // a plain read of the same bytes
+        vf x{}, y{};
+        for (int64_t i = 0; i < H * S; i += 2 * VL) { x += ld(kp + i); y += ld(kp + i + VL); }
+        for (int64_t i = 0; i < S * V; i += 2 * VL) { x += ld(vp + i); y += ld(vp + i + VL); }
+        m2[0] = hsum(x + y);
+      } else {
+        const auto [R, A, SP] = cfg[v - 2];
+        std::fill(m2.begin(), m2.end(), kNegInf);
+        std::fill(l2.begin(), l2.end(), 0.0f);
+        std::fill(o2.begin(), o2.end(), 0.0f);
+        for (int64_t sb = 0; sb < S; sb += SP)
+          FusedSpan(qs.data(), G, H, kp + sb, S, vp + sb * V, V, SP, sc.data(),
+                    SP + kScorePad, m2.data(), l2.data(), o2.data(), R, A);
+      }
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (r >= 2) t[v].push_back(s);
+      if (r == 0 && v >= 2) {  // the same copy as FastItem's: recompute it there
+        FastItem(sh, q, kp, vp, vis, 0, 0, 0, S, m.data(), l.data(), o.data());
+        for (int64_t g = 0; g < G; ++g) {
+          err = std::max<double>(err, std::abs(m2[g] - m[g]) + std::abs(l2[g] / l[g] - 1));
+          for (int64_t h = 0; h < V; ++h)
+            err = std::max<double>(err, std::abs(o2[g * V + h] / l2[g] - o[g * V + h] / l[g]));
+        }
+      }
+    }
+  }
+  const double w = med(t[0]), rd = med(t[1]);
+  std::printf("  paired, %d rounds: FastItem %.3f ms (%.0f%% of the read's %.1f GB/s); "
+              "fused max error %.1e\n", rounds, w * 1e3, 100 * rd / w, bytes / rd / 1e9, err);
+  for (int v = 2; v < nvar; ++v) {
+    std::vector<double> ratio;
+    for (size_t i = 0; i < t[v].size(); ++i) ratio.push_back(t[v][i] / t[0][i]);
+    std::printf("  fused R=%2lld A=%lld span %4lld: %.3f ms (%.0f%% of the read), "
+                "fused / FastItem %.3f\n", (long long)cfg[v - 2][0],
+                (long long)cfg[v - 2][1], (long long)cfg[v - 2][2], med(t[v]) * 1e3,
+                100 * rd / med(t[v]), med(ratio));
   }
 }
 
@@ -110,5 +266,10 @@ int main(int argc, char** argv) {
       m[0] = hsum(a + b);
     });
     std::printf("  read   %6.1f GB/s\n", bytes / tr / 1e9);
+    if (kRegs == 32 && G <= 4) {  // AVX2's value blocking holds 2 heads x 4 vectors
+      const char* env = std::getenv("KVJAX_PAIRED_ROUNDS");
+      FusedAgainstFastItem(sh, q.data(), kc.data(), vc.data(), vis.get(), copies,
+                           std::max(3, env ? std::atoi(env) : 41));
+    }
   }
 }
