@@ -25,7 +25,8 @@ those under :data:`kvjax.planner.MIN_MEASURED_BYTES` skipped) at each
 batch size M, every ``--impls`` formulation that applies (not 'auto'), as the planner
 does (:func:`kvjax.planner.measure_weight_matmul`: a chain of copies reading 48 MiB a
 call, the caches flushed before every call), and prints GB/s of weight read per
-formulation and each one's GB/s over the probed read bandwidth:
+formulation and each one's GB/s over the probed read bandwidth
+(docs/decisions/0046-one-row-walk-parts-and-prefetch.md):
 
   PYTHONPATH=. python scripts/weight_matmul_bench.py --per_shape --batch_sizes=1
 
