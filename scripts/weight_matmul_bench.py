@@ -19,6 +19,17 @@ random weights, a full cache at ``--context``) at each of ``--batch_sizes`` for 
 
   PYTHONPATH=. python scripts/weight_matmul_bench.py --batch_sizes=1,2,4,8,16
 
+With ``--per_shape`` it times instead each weight product of the model alone (q/k/v and
+gate/up unfused and fused, o, down and the LM head: :func:`kvjax.planner.weight_shapes`;
+those under :data:`kvjax.planner.MIN_MEASURED_BYTES` skipped) at each
+batch size M, every ``--impls`` formulation that applies (not 'auto'), as the planner
+does (:func:`kvjax.planner.measure_weight_matmul`: a chain of copies reading 48 MiB a
+call, the caches flushed before every call), and prints GB/s of weight read per
+formulation and each one's GB/s over the probed read bandwidth
+(docs/decisions/0046-one-row-walk-parts-and-prefetch.md):
+
+  PYTHONPATH=. python scripts/weight_matmul_bench.py --per_shape --batch_sizes=1
+
 Every figure names the CPU model and vector ISA; timings on a shared host are noisy:
 read the ratios (one interleaved run), not the absolute times.
 """
@@ -47,6 +58,7 @@ _DECODE_ATTENTION = flags.DEFINE_enum(
     "decode_attention", "auto", ["auto", "xla", "xla_cache_left", "native"],
     "model.decode_attention of every point ('auto', the configs' default, measures the "
     "formulations once per shape class): at B = 16 the cache is ~26% of the step's bytes.")
+_PER_SHAPE = flags.DEFINE_bool("per_shape", False, "Time each weight product alone (GB/s).")
 _SCAN = flags.DEFINE_enum("scan_layers", "default", ["default", "true", "false", "both"],
                           "Layer stack: the backend's default (CPU: unrolled), scanned, "
                           "unrolled, or both (interleaved: the scan's weight copies).")
@@ -63,6 +75,9 @@ def main(argv):
         if impl not in kernels.names("weight_matmul"):
             raise app.UsageError(f"--impls contains {impl!r}; allowed: "
                                  f"{', '.join(kernels.names('weight_matmul'))}")
+    if _PER_SHAPE.value and set(_IMPLS.value) == {"auto"}:
+        raise app.UsageError("--per_shape with --impls=auto; allowed: formulations to time "
+                             "alone (not 'auto'), e.g. --impls=xla,native")
     t = _CONTEXT.value
     make = presets.smollm2_135m if _MODEL.value == "smollm2" else presets.blog_model
     scans = {"default": [default_scan_layers()], "true": [True], "false": [False],
@@ -78,6 +93,8 @@ def main(argv):
     bw, peak = chip.hbm_bytes_per_s, chip.peak_flops("float32")
     print(f"probed read bandwidth {bw / 1e9:.1f} GB/s ({chip.read_kernel}); float32 peak "
           f"{peak / 1e9:.1f} GFLOP/s ({chip.source}); ridge {peak / bw:.1f} FLOP/byte")
+    if _PER_SHAPE.value:
+        return per_shape(base, batches, bw)
     params = {s: model.init_params(base.replace(scan_layers=s), 0) for s in scans}
     points = {}
     for scan, impl in impls:
@@ -125,6 +142,23 @@ def main(argv):
             f"B={b} {med[si, b] / med[impls[0], b]:.2f}" for b in batches))
     for line in planner.report_lines():
         print(line)
+
+
+def per_shape(cfg, batches: list[int], bw: float) -> None:
+    """Prints GB/s of weight read of each of ``cfg``'s float32 weight products alone, per
+    M in ``batches`` and formulation of ``--impls`` (planner.measure_weight_matmul,
+    cold, :data:`kvjax.planner.MAX_CALLS` calls at most), beside its share of ``bw``."""
+    impls = [i for i in _IMPLS.value if i != "auto"]
+    print(f"\n{cfg.name} float32, each weight product alone, GB/s of weight read "
+          f"(median call; share of the probed {bw / 1e9:.1f} GB/s)")
+    for m in batches:
+        for k, n, layout in planner.weight_shapes(cfg):
+            if 4 * k * n < planner.MIN_MEASURED_BYTES:
+                continue
+            r = planner.measure_weight_matmul(m, k, n, layout, candidates=impls)
+            cells = ", ".join(f"{i} {g:.1f} ({g * 1e9 / bw:.0%})" for i, g in r["gbps"].items())
+            print(f"  M={m} [{k}, {n}] {layout}: {cells}; {r['calls']} calls, "
+                  f"planner's pick {r['choice']}", flush=True)
 
 
 if __name__ == "__main__":

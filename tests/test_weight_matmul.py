@@ -78,11 +78,13 @@ def test_native_splits_large_weights_over_threads(monkeypatch):
 
 @needs_native
 @pytest.mark.parametrize("threads", ["1", "2", "3"])
-@pytest.mark.parametrize("k,n", [(300, 1000), (200, 70), (64, 4096), (130, 4100)])
+@pytest.mark.parametrize("k,n", [(300, 1000), (200, 70), (64, 4096), (130, 4100),
+                                 (1030, 2100), (576, 3072), (200, 2049)])
 def test_one_row_walk_splits_k_over_threads(monkeypatch, threads, k, n):
     """One row against a [K, N] weight: K split into one contiguous range of >= 64 rows
-    per thread, partial rows added by the caller (N with a tail under a vector: 70, 1000;
-    N = 4096 the widest walked; 4100 keeps the column panels)."""
+    per thread, partial rows added by the caller (N with a tail under a vector: 70, 1000,
+    2049, 2100; N = 4096 the widest walked; 4100 keeps the column panels; SmolLM2's fused
+    gate/up 576 x 3072; K = 1030 in ranges of unequal rows)."""
     monkeypatch.setenv("KVJAX_NATIVE_THREADS", threads)
     rng = np.random.default_rng(k + n)
     x = rng.standard_normal((1, k), dtype=np.float32)
