@@ -11,8 +11,13 @@ import json
 import os
 import sys
 
+# LLVM at -O0: what this worker asserts is read before LLVM runs (the partitioned HLO's
+# collectives and shardings) or compared with a one-device reference compiled alike, and
+# the machine code's speed is never measured here; -O0 takes a third off its ~90 programs'
+# compile time (docs/decisions/0048-mesh-worker-llvm-o0.md)
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8")
+                           + " --xla_force_host_platform_device_count=8"
+                           + " --xla_backend_optimization_level=0")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402

@@ -208,7 +208,10 @@ def logits_by_chunks(cfg, params, tokens, chunks, max_seq_len, fresh_first=False
     return jnp.concatenate(outs, axis=1), c
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# "mha" (K = N = 4, G = 1) is left out: the model runs gqa's einsums for it, whose tiled
+# prefill the "gqa" and "gqa-BKSH" cases check, and test_chunk_equals_reference[..-mha]
+# checks the kernel at G = 1 against the reference
+@pytest.mark.parametrize("name", [n for n in CASES if n != "mha"])
 def test_tiled_prefill_equals_dense_for_every_variant_and_cache_kind(name):
     """Whole prompt (T = max_seq_len = 16 for a dense cache), then a chunk of 5 over the
     filled cache (old slots), then single steps; tiled vs dense, and a fresh one-pass

@@ -66,7 +66,9 @@ def run_ragged(cfg, params, prompts, budgets, eos_id=-1, pad_to=None):
     return np.asarray(logits), np.asarray(first), toks, counts, cache
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+# not "mha" (K = N = 4): the model runs gqa's einsums for it (G = 1; no branch on G),
+# which the gqa cases check here, and test_model checks K = N against the reference
+@pytest.mark.parametrize("name", sorted(set(VARIANTS) - {"mha"}))
 def test_ragged_equals_alone(name):
     cfg = ModelConfig(**VARIANTS[name])
     params = params_of(name)
