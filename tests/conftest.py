@@ -40,6 +40,24 @@ if compilation_cache.ENV not in os.environ:
 compilation_cache.enable()
 
 
+def pytest_configure(config):
+    """A run that leaves out the slow tests (the README's command: pyproject's
+    ``-m 'not slow'``) compiles with LLVM at -O0 (``--xla_backend_optimization_level=0``
+    in ``XLA_FLAGS``, before JAX starts a backend; the entry points run in subprocesses
+    inherit it): its tiny models' time is XLA compiles, and what the tests assert does
+    not depend on LLVM's code-generation level. A run with the slow tests keeps the
+    default level: they run the real model's compute (docs/decisions/0048-mesh-worker-llvm-o0.md)."""
+    markexpr = (config.option.markexpr or "").replace(" ", "")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "notslow" not in markexpr or "xla_backend_optimization_level" in flags:
+        return
+    from jax._src import xla_bridge  # noqa: PLC0415
+    if xla_bridge.backends_are_initialized():
+        raise pytest.UsageError("tests/conftest.py: a JAX backend started before "
+                                "pytest_configure; XLA_FLAGS cannot change now")
+    os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=0").strip()
+
+
 FAST_LIST = pathlib.Path(__file__).with_name("fast.txt")
 
 
