@@ -105,18 +105,20 @@ def test_decode_attention_bench_refuses_negative_layers():
 
 def test_decode_attention_bench_times_layers_in_one_program():
     """--layers=L prints, per shape, each formulation's GB/s over L layers' caches run in
-    one program; at 512 slots a call is mostly JAX's dispatch, which the program pays once
-    for its layers, so the program reads faster than the per-call figure of each shape."""
+    one program beside the per-call figure, each with its share of the run's read probe.
+    Which is faster is the benchmark's figure, not asserted here (the test session even
+    compiles at -O0, decision 0048)."""
     proc = _script("decode_attention_bench.py", "--models=blog", "--slots=512",
                    "--rounds=3", "--layers=2")
     assert proc.returncode == 0, proc.stderr[-2000:]
     per_call = re.findall(r"^blog K=(\d) G=\d BK\w+/BK\w+: xla +([\d.]+) GB/s", proc.stdout,
                           re.M)
-    in_prog = re.findall(r"^blog K=(\d) G=\d in one program of 2 layers: xla +([\d.]+) GB/s",
-                         proc.stdout, re.M)
-    assert [k for k, _ in in_prog] == [k for k, _ in per_call] == ["8", "2", "1"]
-    for (_, one), (_, prog) in zip(per_call, in_prog):
-        assert float(prog) > float(one)
+    in_prog = re.findall(r"^blog K=(\d) G=(\d) in one program of 2 layers: xla +([\d.]+) GB/s "
+                         r"\( *(\d+)%\)", proc.stdout, re.M)
+    assert [k for k, *_ in in_prog] == [k for k, _ in per_call] == ["8", "2", "1"]
+    assert [int(k) * int(g) for k, g, *_ in in_prog] == [8, 8, 8]  # the blog's N = 8
+    for (_, one), (*_, prog, share) in zip(per_call, in_prog):
+        assert float(one) > 0 and float(prog) > 0 and int(share) >= 0
 
 
 @pytest.mark.parametrize("flag, message", [
