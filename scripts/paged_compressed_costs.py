@@ -60,7 +60,7 @@ def main() -> None:
     a = ap.parse_args()
     t, p = a.context, a.page_size
     cases = configs(a.method, a.budget, a.kv_dtypes.split(","), a.formulations.split(","))
-    print(f"| cache | runs | step | t | pages per row | compiled (+kernels) MB | "
+    print("| cache | runs | step | t | pages per row | compiled (+kernels) MB | "
           "theory MB | compiled / theory | K/V read compiled MB | K/V read theory MB |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for kv, name, cfg in cases:
