@@ -16,7 +16,7 @@ from kvjax.config import ConfigError
 from kvjax.inference import engine
 from kvjax.models import model as model_lib
 from kvjax.plan import Plan
-from tests.conftest import tiny_config
+from tests.test_compressed_pages import cfg_for
 
 P = 16
 BUDGET = 128  # + the default ring of 192: W = 320 slots, 20 pages of 16
@@ -67,15 +67,10 @@ def test_a_compression_pages_cannot_hold_is_refused_by_the_cost_hook():
         costs.analyze_paged_decode_step(cfg, 1024, P)
 
 
-KNOBS = compression.CompressionConfig(observation_window=8, recent_slots=16,
-                                      num_sink_tokens=4, pooling_kernel=3)
-
-
 def tiny(method="snapkv", **overrides):
     """tests/test_compressed_pages.py's setup: budget 24 + ring 16 = 40 slots, 5 pages
     of 8."""
-    return tiny_config(tie_embeddings=False, kv_compression=method, kv_budget=24,
-                       compression=KNOBS, **overrides)
+    return cfg_for(method, 24, **overrides)
 
 
 def admitted(cfg, num_pages, lengths, page_size=8):

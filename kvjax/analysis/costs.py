@@ -35,7 +35,7 @@ from kvjax import kernels
 from kvjax import planner
 from kvjax.cache import compress as compress_lib
 from kvjax.cache import paged
-from kvjax.analysis import hlo_cost, roofline, theory
+from kvjax.analysis import hlo_cost, paging, roofline, theory
 from kvjax.inference import decode, memory
 from kvjax.config import ModelConfig, SamplingConfig
 from kvjax.models import flash, model
@@ -223,15 +223,6 @@ def compression_overhead(cfg: ModelConfig, prompt_len: int, batch: int = 1) -> d
             "prefill_flops": both[0].flops, "prefill_bytes": both[0].bytes}
 
 
-def paged_row_pages(cfg: ModelConfig, context: int, page_size: int) -> int:
-    """Pages one paged row holds at ``context`` tokens: ceil(context / P), or a
-    compressed row's fixed W / P (:func:`kvjax.cache.paged.compressed_slots`, which
-    raises ConfigError naming what pages cannot hold)."""
-    if cfg.kv_evicts:
-        return paged.compressed_slots(cfg, page_size) // page_size
-    return paged.pages_for(context, page_size)
-
-
 def compile_paged_decode_step(cfg: ModelConfig, context: int, page_size: int,
                               batch: int = 1, compiler_options: dict | None = None):
     """Compiles one decode step of ``batch`` rows over a paged cache
@@ -239,13 +230,13 @@ def compile_paged_decode_step(cfg: ModelConfig, context: int, page_size: int,
     pages each (a pool of exactly those pages), the cache donated, from shapes only.
     Compressed rows (an evicting ``cfg.kv_compression``, schedule 'prefill'): each row
     holds its fixed W / P pages (W = kv_budget + recent_slots,
-    :func:`kvjax.cache.paged.compressed_slots`; decision 0041) whatever ``context``.
+    :func:`kvjax.analysis.paging.row_tokens`; decision 0041) whatever ``context``.
 
     Raises:
       kvjax.config.ConfigError: a compression the paged engine refuses (schedule
         'every_n', per-layer budgets, W not whole pages), naming the value.
     """
-    pages = paged_row_pages(cfg, context, page_size)
+    pages = paging.row_tokens(cfg, context, page_size) // page_size
     if cfg.plan is None:  # the plan of the paged class (a rule's formulation untimed)
         cfg = planner.resolve(cfg, max_seq_len=pages * page_size, batch_sizes=(batch,),
                               page_size=page_size)
@@ -287,7 +278,7 @@ def analyze_paged_decode_step(cfg: ModelConfig, context: int, page_size: int,
     """
     compiled = compile_paged_decode_step(cfg, context, page_size, batch,
                                          analysis_compiler_options())
-    row_pages = paged_row_pages(cfg, context, page_size)
+    row_pages = paging.row_tokens(cfg, context, page_size) // page_size
     xla = hlo_cost.loop_aware_cost(compiled)
     ops = hlo_cost.op_costs(compiled)
     att = hlo_cost.attribute(ops).as_dict()
