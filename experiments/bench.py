@@ -17,7 +17,9 @@ theory's byte ratio (also timed interleaved at t = 32K: the two variants' steps 
 back, so host drift cancels in each ratio); the window's flatness in context (step time
 at the longest context over the shortest, also interleaved); the
 measured crossover context (a robust Theil-Sen fit of time = a + b·t, t* = a/b) against
-theory; peers at the same shapes. Prints tables, writes JSON and a PNG plot.
+theory; peers at the same shapes (llama.cpp timed in the same rounds as kvjax's step,
+``--repeats`` rounds: the median of the rounds' tokens/s ratios and the rounds kvjax
+won). Prints tables, writes JSON and a PNG plot.
 
 SmolLM2 is benchmarked with its shapes and random weights (timing does not depend on the
 values, and random weights skip the 4 s GGUF read).
@@ -30,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 from absl import flags
 import jax.numpy as jnp
@@ -48,7 +51,8 @@ _VARIANTS = flags.DEFINE_list("variants", ["mha", "gqa", "mqa", "window"],
 _CONTEXTS = flags.DEFINE_list("contexts", ["1024", "4096", "16384", "32768", "65536"],
                               "Cache lengths (tokens).")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "float32 | bfloat16 | float16.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed steps per point (median reported).")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed steps per point (median reported); "
+                                "rounds of the interleaved ratios and of llama.cpp.")
 _PEERS = flags.DEFINE_list("peers", ["flax", "torch"],
                            "Peers to time: flax, torch (blog MHA shapes), llamacpp (SmolLM2 "
                            "GGUF vs kvjax SmolLM2 GQA, contexts <= 8192).")
@@ -108,40 +112,67 @@ def time_point(cfg: ModelConfig, context: int, repeats: int,
     return statistics.median(times), statistics.median(roofs), fraction
 
 
+def step_runner(cfg: ModelConfig, context: int) -> Callable[[], float]:
+    """A function that runs one decode step of ``cfg`` over a full cache of ``context``
+    slots (random weights, fused projections; the plan resolved for that context first,
+    :func:`kvjax.analysis.costs.planned`, so a forced formulation runs as in
+    :func:`time_point`; compiled here, once) and returns its wall seconds; the cache's
+    length is reset after each step, so every call times the same step."""
+    token = jnp.zeros((1, 1), jnp.int32)
+    cfg = costs.planned(cfg, 1, context)
+    params = model.fuse_projections(cfg, model.init_params(cfg, 0))
+    state = {"cache": costs.full_cache(cfg, 1, context)}
+    length = np.asarray(state["cache"].length)
+    step = decode.decode_step.lower(params, token, state["cache"], cfg=cfg).compile()
+
+    def run() -> float:
+        start = time.perf_counter()
+        logits, cache = step(params, token, state["cache"])
+        logits.block_until_ready()
+        seconds = time.perf_counter() - start
+        state["cache"] = cache.replace(length=jnp.asarray(length))
+        return seconds
+    return run
+
+
+def interleaved_rounds(arms: dict[str, Callable[[], float]], rounds: int, warmup: int = 1,
+                       before_round: Callable[[], object] | None = None
+                       ) -> dict[str, list[float]]:
+    """Seconds of each arm (a function that times one step and returns its seconds) in
+    ``rounds`` rounds after ``warmup`` untimed ones: each round calls every arm once, the
+    order rotated by one from round to round (each arm first in every len(arms)-th
+    round), so a shared host's drift and any arm's effect on the next fall on all arms
+    alike; ``before_round()`` runs before each timed round (e.g. a bandwidth probe).
+    Returns {arm: [seconds of round 1, ..., round ``rounds``]}.
+
+    Raises:
+      ValueError: no arms, ``rounds`` < 1 or ``warmup`` < 0.
+    """
+    if not arms or rounds < 1 or warmup < 0:
+        raise ValueError(f"arms={list(arms)}, rounds={rounds}, warmup={warmup}; allowed: "
+                         "at least one arm, rounds >= 1, warmup >= 0")
+    names = list(arms)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(warmup + rounds):
+        if i >= warmup and before_round is not None:
+            before_round()
+        k = i % len(names)
+        for n in names[k:] + names[:k]:
+            seconds = arms[n]()
+            if i >= warmup:
+                out[n].append(seconds)
+    return out
+
+
 def interleaved_ratio(a: tuple[ModelConfig, int], b: tuple[ModelConfig, int],
                       repeats: int) -> float:
-    """Median over ``repeats`` of step time of ``a`` / step time of ``b`` (each a config
-    and a context), the two steps timed back to back (two warm-up pairs first), so drift
-    of the shared host cancels in each ratio. Each config's plan is resolved for its own
-    context first (:func:`kvjax.analysis.costs.planned`), so a forced formulation
-    ('native', 'flash', ...) runs as it does in :func:`time_point`."""
-    token = jnp.zeros((1, 1), jnp.int32)
-    runs = []
-    for cfg, t in (a, b):
-        cfg = costs.planned(cfg, 1, t)
-        params = model.fuse_projections(cfg, model.init_params(cfg, 0))
-        cache = costs.full_cache(cfg, 1, t)
-        step = decode.decode_step.lower(params, token, cache, cfg=cfg).compile()
-        runs.append([step, params, cache, np.asarray(cache.length)])
-    ratios = []
-    for i in range(repeats + 2):
-        seconds = []
-        for run in runs:
-            step, params, cache, length = run
-            start = time.perf_counter()
-            logits, cache = step(params, token, cache)
-            logits.block_until_ready()
-            seconds.append(time.perf_counter() - start)
-            run[2] = cache.replace(length=jnp.asarray(length))
-        if i >= 2:
-            ratios.append(seconds[0] / seconds[1])
-    return statistics.median(ratios)
-
-
-def probe_median(probe: hardware.ReadProbe | None, chip: hardware.Chip, n: int = 5) -> float:
-    """Bandwidth for a point timed outside kvjax (llama.cpp): the median of ``n`` probe
-    reads just before it, or the chip's published figure without a probe."""
-    return statistics.median(probe.once() for _ in range(n)) if probe else chip.hbm_bytes_per_s
+    """Median over ``repeats`` rounds of step time of ``a`` / step time of ``b`` (each a
+    config and a context; :func:`step_runner`), timed in turns
+    (:func:`interleaved_rounds`, two warm-up rounds), so drift of the shared host cancels
+    in each ratio."""
+    times = interleaved_rounds({"a": step_runner(*a), "b": step_runner(*b)}, repeats,
+                               warmup=2)
+    return statistics.median(x / y for x, y in zip(times["a"], times["b"]))
 
 
 def llamacpp_rows(contexts, dtype, scan, repeats, probe, chip) -> list[dict]:
@@ -149,7 +180,12 @@ def llamacpp_rows(contexts, dtype, scan, repeats, probe, chip) -> list[dict]:
 
     llama.cpp runs twice: on the published GGUF (4-bit weights, its default f16 KV cache)
     and on a float32 copy with a float32 KV cache (:func:`peers.dense_gguf`): the same
-    shapes and dtype as kvjax's float32 run.
+    shapes and dtype as kvjax's float32 run. The three steps are timed in ``repeats``
+    interleaved rounds after one warm-up round (:func:`interleaved_rounds`; one probe
+    read before each round), so one run compares them under the same load: besides the
+    medians, each row gives the median over rounds of kvjax's tokens/s over llama.cpp
+    f32's ('kvjax_over_llamacpp_f32') and the rounds where kvjax was faster (timed apart,
+    the ratio moved more between windows than any kernel change: docs/decisions/0049).
     """
     from kvjax import checkpoints  # noqa: PLC0415
 
@@ -157,32 +193,40 @@ def llamacpp_rows(contexts, dtype, scan, repeats, probe, chip) -> list[dict]:
     cfg = variant_cfg("smollm2", "gqa", dtype, scan)
     rows = []
     for t in (c for c in contexts if c <= 8192):
-        roof = probe_median(probe, chip)
         try:
-            q4 = peers.median(peers.llamacpp_decode_step_seconds(q4_path, t, repeats))
             f32_path = peers.dense_gguf(q4_path)
-            f32 = peers.median(peers.llamacpp_decode_step_seconds(f32_path, t, repeats,
-                                                                  kv_type="f32"))
+            arms = {"llamacpp_q4": peers.llamacpp_stepper(q4_path, t),
+                    "llamacpp_f32": peers.llamacpp_stepper(f32_path, t, kv_type="f32")}
         except ImportError as e:
             print(f"peer llamacpp skipped: {e}")
             return rows
-        ours, _, ours_fraction = time_point(cfg, t, repeats, probe)
+        arms["kvjax"] = step_runner(cfg, t)
+        roofs: list[float] = []
+        times = interleaved_rounds(arms, repeats, before_round=(
+            (lambda: roofs.append(probe.once())) if probe else None))
+        roof = statistics.median(roofs) if roofs else chip.hbm_bytes_per_s
+        ours, f32, q4 = (peers.median(times[n])
+                         for n in ("kvjax", "llamacpp_f32", "llamacpp_q4"))
+        wins = [b / a for a, b in zip(times["kvjax"], times["llamacpp_f32"])]
         row = dict(context=t, model="smollm2-gqa", kvjax_ms=ours * 1e3,
                    llamacpp_f32_ms=f32 * 1e3, llamacpp_q4_ms=q4 * 1e3,
                    kvjax_tokens_per_s=1 / ours, llamacpp_f32_tokens_per_s=1 / f32,
                    llamacpp_q4_tokens_per_s=1 / q4,
+                   kvjax_over_llamacpp_f32=statistics.median(wins),
+                   rounds=repeats, rounds_kvjax_faster_f32=sum(w > 1 for w in wins),
                    roofline_bytes_per_s=roof,
-                   kvjax_fraction_of_roofline=(
-                       ours_fraction if ours_fraction is not None
-                       else theory.step_bytes(cfg, t).total / ours / roof),
+                   kvjax_fraction_of_roofline=theory.step_bytes(cfg, t).total / ours / roof,
                    llamacpp_f32_fraction_of_roofline=(
                        peers.llamacpp_step_bytes(f32_path, cfg, t, kv_bytes=4) / f32 / roof),
                    llamacpp_q4_fraction_of_roofline=(
                        peers.llamacpp_step_bytes(q4_path, cfg, t) / q4 / roof))
         rows.append(row)
         print(f"peers (SmolLM2 GQA, t={t}; llama.cpp f32 = float32 weights + KV like kvjax, "
-              "q4 = the published 4-bit GGUF with f16 KV): " + ", ".join(
-                  f"{k}={v:.3g}" for k, v in row.items() if isinstance(v, float)), flush=True)
+              "q4 = the published 4-bit GGUF with f16 KV; "
+              f"{repeats} interleaved rounds): " + ", ".join(
+                  f"{k}={v:.3g}" for k, v in row.items() if isinstance(v, float))
+              + f"; kvjax faster than llama.cpp f32 in {row['rounds_kvjax_faster_f32']} "
+              f"of {repeats} rounds", flush=True)
     return rows
 
 

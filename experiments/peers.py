@@ -7,17 +7,21 @@
 * :func:`torch_decode_step_seconds`: PyTorch ``scaled_dot_product_attention`` over a
   preallocated static cache [B, K, S, H] (``enable_gqa`` for K < N), same shapes, under
   ``torch.inference_mode``; needs ``pip install torch==2.13.0`` (optional).
-* :func:`llamacpp_decode_step_seconds`: llama.cpp on the same SmolLM2 GGUF (4-bit
-  weights, f16 cache); needs ``pip install llama-cpp-python`` (optional, compiles).
+* :func:`llamacpp_stepper`: llama.cpp on the same SmolLM2 GGUF (4-bit weights, f16
+  cache; or its float32 copy, :func:`dense_gguf`, with a float32 cache); needs ``pip
+  install llama-cpp-python`` (optional, compiles).
 
-Both return the per-step wall times (s) of ``repeats`` steps at a cache filled to
-``context`` - 1 tokens; peers are benchmark extras, not library dependencies.
+The first two return the per-step wall times (s) of ``repeats`` steps at a cache filled
+to ``context`` - 1 tokens; the third a function that times one such step each call (so
+a benchmark can interleave it with kvjax's). Peers are benchmark extras, not library
+dependencies.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -157,16 +161,19 @@ def torch_decode_step_seconds(cfg: ModelConfig, context: int, repeats: int = 5,
     return times
 
 
-def llamacpp_decode_step_seconds(gguf_path: str, context: int, repeats: int = 5,
-                                 threads: int = 2, kv_type: str = "f16") -> list[float]:
-    """Per-step seconds of llama.cpp (``llama-cpp-python``) on a SmolLM2 GGUF.
+def llamacpp_stepper(gguf_path: str, context: int, threads: int = 2,
+                     kv_type: str = "f16") -> Callable[[], float]:
+    """A function that times one llama.cpp (``llama-cpp-python``) decode step on a
+    SmolLM2 GGUF at ``context`` tokens and returns its wall seconds.
 
     On the published file its weights stay 4-bit (Q4_1, Q8_0 embeddings); on the file
     from :func:`dense_gguf` they are float32 like kvjax's. ``kv_type`` is llama.cpp's KV
     cache type ('f16', its default, or 'f32'). Bytes per step differ between the files:
     compare tokens/s and, separately, the fraction of the bandwidth roofline
-    (:func:`llamacpp_step_bytes`). The prompt of ``context - 1`` tokens is evaluated first
-    (not timed), then ``repeats`` single-token steps are timed (one warm-up).
+    (:func:`llamacpp_step_bytes`). The prompt of ``context - 1`` tokens is evaluated here
+    (not timed); each call evaluates one token after it and then rewinds to the prompt
+    (``Llama.eval`` drops the slots past ``n_tokens`` first), so every call times the
+    same step, ``threads`` threads.
 
     Raises:
       ImportError: llama-cpp-python is not installed (``pip install llama-cpp-python``
@@ -178,17 +185,17 @@ def llamacpp_decode_step_seconds(gguf_path: str, context: int, repeats: int = 5,
     types = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}
     if kv_type not in types:
         raise ValueError(f"kv_type={kv_type!r}; allowed: one of {list(types)}")
-    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=context + repeats + 1,
-                          n_threads=threads, verbose=False, type_k=types[kv_type],
-                          type_v=types[kv_type])
+    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=context + 1, n_threads=threads,
+                          verbose=False, type_k=types[kv_type], type_v=types[kv_type])
     llm.eval([1] * (context - 1))
-    times = []
-    for i in range(repeats + 1):
+
+    def step() -> float:
         start = time.perf_counter()
         llm.eval([1])
-        if i:
-            times.append(time.perf_counter() - start)
-    return times
+        seconds = time.perf_counter() - start
+        llm.n_tokens = context - 1
+        return seconds
+    return step
 
 
 def dense_gguf(gguf_path: str, out_path: str | None = None) -> str:

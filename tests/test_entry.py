@@ -191,6 +191,55 @@ def test_bench_times_every_forced_formulation(decode_attention, weight_matmul):
     assert seconds > 0 and math.isfinite(ratio) and ratio > 0
 
 
+def test_interleaved_rounds_rotate_the_order_and_drop_the_warmup():
+    """Each round calls every arm once, starting one arm later than the round before
+    (each arm first equally often); the warm-up rounds' seconds are dropped, and the
+    probe hook runs before each timed round only; no arm or no round is refused."""
+    bench = import_entry_point("bench")
+    calls, probes = [], []
+    arms = {n: (lambda n=n: calls.append(n) or float(len(calls))) for n in "abc"}
+    out = bench.interleaved_rounds(arms, 6, warmup=2, before_round=lambda: probes.append(1))
+    rounds = [calls[i:i + 3] for i in range(0, len(calls), 3)]
+    assert len(rounds) == 8 and all(sorted(r) == list("abc") for r in rounds)
+    assert [r[0] for r in rounds] == list("abcabcab")
+    assert len(probes) == 6 and all(len(v) == 6 for v in out.values())
+    assert (out["c"][0], out["a"][0]) == (7.0, 8.0)  # round 3, the first timed: c, a, b
+    for bad in (({}, 3), (arms, 0)):
+        with pytest.raises(ValueError, match="allowed: at least one arm, rounds >= 1"):
+            bench.interleaved_rounds(*bad)
+
+
+def test_llamacpp_rows_time_kvjax_and_the_peer_in_the_same_rounds(monkeypatch):
+    """The llama.cpp rows time kvjax's step and both llama.cpp files round by round (fake
+    steps here: llama.cpp is optional): medians, the median of the rounds' kvjax over
+    llama.cpp f32 ratios and the rounds kvjax won come from the same rounds, and the
+    fractions use the probe read before each round."""
+    from kvjax import checkpoints
+    bench = import_entry_point("bench")
+    seq = {"kvjax": iter([10, 10, 30, 10, 10, 30]), "f32": iter([20, 20, 20, 20, 20, 20]),
+           "q4": iter([5] * 6)}
+    fake = lambda name: (lambda: next(seq[name]) / 1e3)  # noqa: E731
+    monkeypatch.setattr(checkpoints, "weights_path", lambda progress: "/x/model.Q4.gguf")
+    monkeypatch.setattr(bench.peers, "dense_gguf", lambda path: "/x/model.F32.gguf")
+    monkeypatch.setattr(bench.peers, "llamacpp_stepper",
+                        lambda path, t, kv_type="f16": fake("f32" if "F32" in path else "q4"))
+    monkeypatch.setattr(bench.peers, "llamacpp_step_bytes", lambda path, cfg, t, kv_bytes=2: 1e9)
+    monkeypatch.setattr(bench, "step_runner", lambda cfg, t: fake("kvjax"))
+
+    class Probe:
+        def once(self):
+            return 25e9
+    rows = bench.llamacpp_rows([1024, 16384], "float32", False, 5, Probe(), None)
+    assert len(rows) == 1  # contexts above 8,192 are left out
+    row = rows[0]
+    # round 0 is the warm-up: kvjax 10, 30, 10, 10, 30 ms against llama.cpp f32's 20 ms
+    assert row["kvjax_ms"] == pytest.approx(10) and row["llamacpp_f32_ms"] == pytest.approx(20)
+    assert row["kvjax_over_llamacpp_f32"] == pytest.approx(2.0)
+    assert (row["rounds"], row["rounds_kvjax_faster_f32"]) == (5, 3)
+    assert row["roofline_bytes_per_s"] == 25e9
+    assert row["llamacpp_f32_fraction_of_roofline"] == pytest.approx(1e9 / 0.02 / 25e9)
+
+
 def test_bench_refuses_a_formulation_this_backend_lacks_before_any_work(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.bench", "--models=blog", "--variants=gqa",

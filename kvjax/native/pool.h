@@ -4,6 +4,8 @@
 // Why not OpenMP: an OpenMP team spins after each parallel region, waiting for the next
 // one, on the same cores XLA's Eigen threads need for the ops around the custom call
 // (a 2-core CPU has no spare core); XLA's pool is the one the rest of the step uses.
+// A pool of kvjax's own whose workers poll between the kernels' calls did not make a
+// step faster, and slowed XLA's products beside it (docs/decisions/0049).
 //
 // ParallelFor(pool, parts, f) runs f(p) for p in [0, parts): the caller and up to
 // parts - 1 scheduled pool tasks claim parts from a shared counter, so the caller never
