@@ -31,17 +31,14 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 from absl import flags
-import jax.numpy as jnp
 import numpy as np
 
 from experiments import cli, peers
 from kvjax import kernels, presets
 from kvjax.analysis import costs, hardware, theory
-from kvjax.inference import decode
 from kvjax.models import model
 from kvjax.config import ConfigError, ModelConfig, default_scan_layers
 
@@ -114,25 +111,12 @@ def time_point(cfg: ModelConfig, context: int, repeats: int,
 
 def step_runner(cfg: ModelConfig, context: int) -> Callable[[], float]:
     """A function that runs one decode step of ``cfg`` over a full cache of ``context``
-    slots (random weights, fused projections; the plan resolved for that context first,
-    :func:`kvjax.analysis.costs.planned`, so a forced formulation runs as in
-    :func:`time_point`; compiled here, once) and returns its wall seconds; the cache's
-    length is reset after each step, so every call times the same step."""
-    token = jnp.zeros((1, 1), jnp.int32)
+    slots and returns its wall seconds (:func:`kvjax.analysis.costs.step_timer`: random
+    weights, compiled here once, every call the same step), the plan resolved for that
+    context first (:func:`kvjax.analysis.costs.planned`), so a forced formulation runs as
+    in :func:`time_point`."""
     cfg = costs.planned(cfg, 1, context)
-    params = model.fuse_projections(cfg, model.init_params(cfg, 0))
-    state = {"cache": costs.full_cache(cfg, 1, context)}
-    length = np.asarray(state["cache"].length)
-    step = decode.decode_step.lower(params, token, state["cache"], cfg=cfg).compile()
-
-    def run() -> float:
-        start = time.perf_counter()
-        logits, cache = step(params, token, state["cache"])
-        logits.block_until_ready()
-        seconds = time.perf_counter() - start
-        state["cache"] = cache.replace(length=jnp.asarray(length))
-        return seconds
-    return run
+    return costs.step_timer(cfg, model.init_params(cfg, 0), costs.full_cache(cfg, 1, context))
 
 
 def interleaved_rounds(arms: dict[str, Callable[[], float]], rounds: int, warmup: int = 1,

@@ -564,36 +564,49 @@ def prefill_bytes_over_activations(step: StepCost) -> float:
     return prefill_with_kernel(step)[1] / (p["weights"] + p["kv_write"] + act)
 
 
+def step_timer(cfg: ModelConfig, params, cache: cache_lib.KVCache, batch: int = 1,
+               compiled=None) -> Callable[[], float]:
+    """A function that runs one decode step at the cache's current length and returns
+    its wall seconds. The plan is resolved for the cache's slots (:func:`planned`), the
+    projections fused once and the step compiled once (unless ``compiled`` is given); the
+    cache is donated to each call and the returned one kept for the next, with its length
+    reset, so every call sees the same context."""
+    cfg = planned(cfg, batch, cache.num_slots)
+    params = model.fuse_projections(cfg, params)  # once, as the compiled step takes them
+    token = jnp.zeros((batch, 1), jnp.int32)
+    compiled = compiled or decode.decode_step.lower(params, token, cache, cfg=cfg).compile()
+    length = np.asarray(cache.length)
+    state = {"cache": cache}
+
+    def run() -> float:
+        start = time.perf_counter()
+        logits, out = compiled(params, token, state["cache"])
+        logits.block_until_ready()
+        elapsed = time.perf_counter() - start
+        state["cache"] = out.replace(length=jnp.asarray(length))
+        return elapsed
+    return run
+
+
 def measure_step_seconds(cfg: ModelConfig, params, cache: cache_lib.KVCache, batch: int = 1,
                          repeats: int = 5, compiled=None, warmup: int = 1,
                          budget_s: float | None = None,
                          before_step: Callable[[], object] | None = None) -> list[float]:
-    """Wall times (s) of up to ``repeats`` decode steps at the cache's current length.
-
-    The cache is donated to each call and the returned one fed to the next, with its
-    length reset, so every step sees the same context. ``warmup`` calls are not timed.
+    """Wall times (s) of up to ``repeats`` decode steps at the cache's current length
+    (:func:`step_timer`: every step sees the same context). ``warmup`` calls are not timed.
     With ``budget_s``, timing stops once the timed steps add up to it (at least one is
     timed) and a warm-up call that alone exceeds it ends the warm-up: a slow step (MLA's
     naive path at long context) is timed fewer times. ``before_step``, if given, is called
     (untimed) before every call, warm-ups included: e.g. a bandwidth probe to pair with
     each step. Returns the times; report their median.
     """
-    cfg = planned(cfg, batch, cache.num_slots)
-    params = model.fuse_projections(cfg, params)  # once, as the compiled step takes them
-    compiled = compiled or decode.decode_step.lower(
-        params, jnp.zeros((batch, 1), jnp.int32), cache, cfg=cfg).compile()
-    token = jnp.zeros((batch, 1), jnp.int32)
-    length = np.asarray(cache.length)
+    step = step_timer(cfg, params, cache, batch, compiled)
     times: list[float] = []
     warm = 0
     while len(times) < repeats:
         if before_step is not None:
             before_step()
-        start = time.perf_counter()
-        logits, cache = compiled(params, token, cache)
-        logits.block_until_ready()
-        elapsed = time.perf_counter() - start
-        cache = cache.replace(length=jnp.asarray(length))
+        elapsed = step()
         if warm < warmup:
             warm = warmup if (budget_s is not None and elapsed > budget_s) else warm + 1
             continue
