@@ -18,8 +18,9 @@ back, so host drift cancels in each ratio); the window's flatness in context (st
 at the longest context over the shortest, also interleaved); the
 measured crossover context (a robust Theil-Sen fit of time = a + b·t, t* = a/b) against
 theory; peers at the same shapes (llama.cpp timed in the same rounds as kvjax's step,
-``--repeats`` rounds: the median of the rounds' tokens/s ratios and the rounds kvjax
-won). Prints tables, writes JSON and a PNG plot.
+``--repeats`` rounds of ``--peer_block`` back-to-back steps each after
+``--peer_settle`` untimed ones: the median of the rounds' tokens/s ratios and the rounds
+kvjax won). Prints tables, writes JSON and a PNG plot.
 
 SmolLM2 is benchmarked with its shapes and random weights (timing does not depend on the
 values, and random weights skip the 4 s GGUF read).
@@ -54,6 +55,12 @@ _PEERS = flags.DEFINE_list("peers", ["flax", "torch"],
                            "Peers to time: flax, torch (blog MHA shapes), llamacpp (SmolLM2 "
                            "GGUF vs kvjax SmolLM2 GQA, contexts <= 8192).")
 _PEER_CONTEXTS = flags.DEFINE_list("peer_contexts", ["4096", "32768"], "Peer contexts.")
+_PEER_BLOCK = flags.DEFINE_integer(
+    "peer_block", 3, "llama.cpp rows: timed steps of each runtime per round, back to back "
+    "(their median is the round's time).", lower_bound=1)
+_PEER_SETTLE = flags.DEFINE_integer(
+    "peer_settle", 1, "llama.cpp rows: untimed steps of each runtime before its timed ones "
+    "in every round (0: each timed step may follow the other runtime's).", lower_bound=0)
 _SCAN = flags.DEFINE_enum("scan_layers", "auto", ["auto", "true", "false", "both"],
                           "Layer stack mode; 'both' times each.")
 _OUT = flags.DEFINE_string("out_dir", "results/bench", "Where JSON and PNG go.")
@@ -120,21 +127,27 @@ def step_runner(cfg: ModelConfig, context: int) -> Callable[[], float]:
 
 
 def interleaved_rounds(arms: dict[str, Callable[[], float]], rounds: int, warmup: int = 1,
-                       before_round: Callable[[], object] | None = None
-                       ) -> dict[str, list[float]]:
+                       before_round: Callable[[], object] | None = None, block: int = 1,
+                       settle: int = 0) -> dict[str, list[float]]:
     """Seconds of each arm (a function that times one step and returns its seconds) in
-    ``rounds`` rounds after ``warmup`` untimed ones: each round calls every arm once, the
-    order rotated by one from round to round (each arm first in every len(arms)-th
-    round), so a shared host's drift and any arm's effect on the next fall on all arms
-    alike; ``before_round()`` runs before each timed round (e.g. a bandwidth probe).
+    ``rounds`` rounds after ``warmup`` untimed ones: each round runs every arm's block in
+    turn, the order rotated by one from round to round (each arm first in every
+    len(arms)-th round), so a shared host's drift falls on all arms alike; a block is
+    ``settle`` untimed calls, then ``block`` timed ones, whose median is the arm's
+    seconds for the round. With ``settle`` >= 1 every timed call follows a call of its
+    own arm, as a decode step follows a step: what the previous arm left behind (another
+    runtime's threads still polling for work) falls on the untimed call
+    (docs/decisions/0050-peer-rounds-time-back-to-back-steps.md). ``before_round()``
+    runs before each timed round (e.g. a bandwidth probe).
     Returns {arm: [seconds of round 1, ..., round ``rounds``]}.
 
     Raises:
-      ValueError: no arms, ``rounds`` < 1 or ``warmup`` < 0.
+      ValueError: no arms, ``rounds`` or ``block`` < 1, or ``warmup`` or ``settle`` < 0.
     """
-    if not arms or rounds < 1 or warmup < 0:
-        raise ValueError(f"arms={list(arms)}, rounds={rounds}, warmup={warmup}; allowed: "
-                         "at least one arm, rounds >= 1, warmup >= 0")
+    if not arms or rounds < 1 or warmup < 0 or block < 1 or settle < 0:
+        raise ValueError(f"arms={list(arms)}, rounds={rounds}, warmup={warmup}, "
+                         f"block={block}, settle={settle}; allowed: at least one arm, "
+                         "rounds >= 1, warmup >= 0, block >= 1, settle >= 0")
     names = list(arms)
     out: dict[str, list[float]] = {n: [] for n in names}
     for i in range(warmup + rounds):
@@ -142,7 +155,9 @@ def interleaved_rounds(arms: dict[str, Callable[[], float]], rounds: int, warmup
             before_round()
         k = i % len(names)
         for n in names[k:] + names[:k]:
-            seconds = arms[n]()
+            for _ in range(settle):
+                arms[n]()
+            seconds = statistics.median([arms[n]() for _ in range(block)])
             if i >= warmup:
                 out[n].append(seconds)
     return out
@@ -159,17 +174,22 @@ def interleaved_ratio(a: tuple[ModelConfig, int], b: tuple[ModelConfig, int],
     return statistics.median(x / y for x, y in zip(times["a"], times["b"]))
 
 
-def llamacpp_rows(contexts, dtype, scan, repeats, probe, chip) -> list[dict]:
+def llamacpp_rows(contexts, dtype, scan, repeats, probe, chip, block: int = 3,
+                  settle: int = 1) -> list[dict]:
     """kvjax SmolLM2 GQA vs llama.cpp on the same model: tokens/s and roofline fractions.
 
     llama.cpp runs twice: on the published GGUF (4-bit weights, its default f16 KV cache)
     and on a float32 copy with a float32 KV cache (:func:`peers.dense_gguf`): the same
     shapes and dtype as kvjax's float32 run. The three steps are timed in ``repeats``
     interleaved rounds after one warm-up round (:func:`interleaved_rounds`; one probe
-    read before each round), so one run compares them under the same load: besides the
-    medians, each row gives the median over rounds of kvjax's tokens/s over llama.cpp
-    f32's ('kvjax_over_llamacpp_f32') and the rounds where kvjax was faster (timed apart,
-    the ratio moved more between windows than any kernel change: docs/decisions/0049).
+    read before each round), so one run compares them under the same load; in each
+    round each runs ``settle`` untimed steps, then ``block`` timed ones back to back, as
+    in decoding (a step timed right after the other runtime's pays for its threads
+    still polling: docs/decisions/0050-peer-rounds-time-back-to-back-steps.md). Besides
+    the medians, each row gives the median over rounds of kvjax's tokens/s over
+    llama.cpp f32's ('kvjax_over_llamacpp_f32') and the rounds where kvjax was faster
+    (timed apart, the ratio moved more between windows than any kernel change:
+    docs/decisions/0049), with 'block' and 'settle'.
     """
     from kvjax import checkpoints  # noqa: PLC0415
 
@@ -187,7 +207,8 @@ def llamacpp_rows(contexts, dtype, scan, repeats, probe, chip) -> list[dict]:
         arms["kvjax"] = step_runner(cfg, t)
         roofs: list[float] = []
         times = interleaved_rounds(arms, repeats, before_round=(
-            (lambda: roofs.append(probe.once())) if probe else None))
+            (lambda: roofs.append(probe.once())) if probe else None), block=block,
+            settle=settle)
         roof = statistics.median(roofs) if roofs else chip.hbm_bytes_per_s
         ours, f32, q4 = (peers.median(times[n])
                          for n in ("kvjax", "llamacpp_f32", "llamacpp_q4"))
@@ -198,6 +219,7 @@ def llamacpp_rows(contexts, dtype, scan, repeats, probe, chip) -> list[dict]:
                    llamacpp_q4_tokens_per_s=1 / q4,
                    kvjax_over_llamacpp_f32=statistics.median(wins),
                    rounds=repeats, rounds_kvjax_faster_f32=sum(w > 1 for w in wins),
+                   block=block, settle=settle,
                    roofline_bytes_per_s=roof,
                    kvjax_fraction_of_roofline=theory.step_bytes(cfg, t).total / ours / roof,
                    llamacpp_f32_fraction_of_roofline=(
@@ -207,7 +229,8 @@ def llamacpp_rows(contexts, dtype, scan, repeats, probe, chip) -> list[dict]:
         rows.append(row)
         print(f"peers (SmolLM2 GQA, t={t}; llama.cpp f32 = float32 weights + KV like kvjax, "
               "q4 = the published 4-bit GGUF with f16 KV; "
-              f"{repeats} interleaved rounds): " + ", ".join(
+              f"{repeats} interleaved rounds of {settle} untimed + {block} timed steps "
+              "each): " + ", ".join(
                   f"{k}={v:.3g}" for k, v in row.items() if isinstance(v, float))
               + f"; kvjax faster than llama.cpp f32 in {row['rounds_kvjax_faster_f32']} "
               f"of {repeats} rounds", flush=True)
@@ -326,7 +349,8 @@ def main(argv):
                 f"{k}={v:.2f}" for k, v in row.items() if isinstance(v, float)), flush=True)
     if "llamacpp" in peer_names:
         peer_rows += llamacpp_rows([int(c) for c in _PEER_CONTEXTS.value], dtype,
-                                   scan_modes[0], repeats, probe, chip)
+                                   scan_modes[0], repeats, probe, chip,
+                                   _PEER_BLOCK.value, _PEER_SETTLE.value)
 
     os.makedirs(_OUT.value, exist_ok=True)
     out = dict(device=hardware.device_name(), roofline_bytes_per_s=start_roof,

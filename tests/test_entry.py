@@ -209,15 +209,35 @@ def test_interleaved_rounds_rotate_the_order_and_drop_the_warmup():
             bench.interleaved_rounds(*bad)
 
 
+def test_interleaved_rounds_time_blocks_of_back_to_back_calls():
+    """With block and settle, each arm runs its settle untimed calls and then its block of
+    timed calls before the next arm starts (every timed call follows a call of its own
+    arm), and the round's seconds are the block's median; bad sizes are refused."""
+    bench = import_entry_point("bench")
+    calls = []
+    arms = {n: (lambda n=n: calls.append(n) or float(len(calls))) for n in "ab"}
+    out = bench.interleaved_rounds(arms, 2, warmup=1, block=3, settle=1)
+    # rounds of 8 calls: a a a a b b b b, then b first, then a first
+    assert "".join(calls) == "aaaabbbb" + "bbbbaaaa" + "aaaabbbb"
+    # the first timed round: b's timed calls are calls 10-12, a's 14-16; then a's 18-20
+    assert out == {"b": [11.0, 23.0], "a": [15.0, 19.0]}
+    for bad in (dict(block=0), dict(settle=-1)):
+        with pytest.raises(ValueError, match="block >= 1, settle >= 0"):
+            bench.interleaved_rounds(arms, 2, **bad)
+
+
 def test_llamacpp_rows_time_kvjax_and_the_peer_in_the_same_rounds(monkeypatch):
     """The llama.cpp rows time kvjax's step and both llama.cpp files round by round (fake
-    steps here: llama.cpp is optional): medians, the median of the rounds' kvjax over
-    llama.cpp f32 ratios and the rounds kvjax won come from the same rounds, and the
-    fractions use the probe read before each round."""
+    steps here: llama.cpp is optional), each in blocks of back-to-back steps after an
+    untimed one: medians, the median of the rounds' kvjax over llama.cpp f32 ratios and
+    the rounds kvjax won come from the same rounds, the untimed steps count nowhere, and
+    the fractions use the probe read before each round."""
     from kvjax import checkpoints
     bench = import_entry_point("bench")
-    seq = {"kvjax": iter([10, 10, 30, 10, 10, 30]), "f32": iter([20, 20, 20, 20, 20, 20]),
-           "q4": iter([5] * 6)}
+    # per round: one untimed step (99 ms), then a block of two timed ones
+    block = lambda ms: [99, ms, ms]  # noqa: E731
+    seq = {"kvjax": iter(sum(map(block, [10, 10, 30, 10, 10, 30]), [])),
+           "f32": iter(block(20) * 6), "q4": iter(block(5) * 6)}
     fake = lambda name: (lambda: next(seq[name]) / 1e3)  # noqa: E731
     monkeypatch.setattr(checkpoints, "weights_path", lambda progress: "/x/model.Q4.gguf")
     monkeypatch.setattr(bench.peers, "dense_gguf", lambda path: "/x/model.F32.gguf")
@@ -229,13 +249,15 @@ def test_llamacpp_rows_time_kvjax_and_the_peer_in_the_same_rounds(monkeypatch):
     class Probe:
         def once(self):
             return 25e9
-    rows = bench.llamacpp_rows([1024, 16384], "float32", False, 5, Probe(), None)
+    rows = bench.llamacpp_rows([1024, 16384], "float32", False, 5, Probe(), None, block=2,
+                               settle=1)
     assert len(rows) == 1  # contexts above 8,192 are left out
     row = rows[0]
     # round 0 is the warm-up: kvjax 10, 30, 10, 10, 30 ms against llama.cpp f32's 20 ms
     assert row["kvjax_ms"] == pytest.approx(10) and row["llamacpp_f32_ms"] == pytest.approx(20)
     assert row["kvjax_over_llamacpp_f32"] == pytest.approx(2.0)
     assert (row["rounds"], row["rounds_kvjax_faster_f32"]) == (5, 3)
+    assert (row["block"], row["settle"]) == (2, 1)
     assert row["roofline_bytes_per_s"] == 25e9
     assert row["llamacpp_f32_fraction_of_roofline"] == pytest.approx(1e9 / 0.02 / 25e9)
 
