@@ -43,10 +43,11 @@ import numpy as np
 from kvjax import backend as backend_lib
 from kvjax import cache as cache_lib
 from kvjax import kernels, native
-from kvjax.analysis import hardware
+from kvjax.analysis import hardware, theory
 from kvjax.config import ModelConfig
 from kvjax.cache import paged
 from kvjax.models import decode_kernels
+from kvjax.models import model as model_lib
 from kvjax.models import weight_matmul as wm
 from kvjax.models.attention import SMALL_CHUNK, attend_step
 from kvjax.native import prefill as native_prefill
@@ -290,57 +291,57 @@ def mann_whitney_p(faster: list[float], slower: list[float]) -> float:
     return 0.5 * (1 + math.erf(z / math.sqrt(2)))
 
 
-def _decide(calls: dict[str, list[float]]) -> Decision:
+def _decide(calls: dict[str, list[float]], ref: str = "xla") -> Decision:
     """The formulation of ``calls`` ({name: its timed calls' seconds}) a pick keeps, and
-    the rule that kept it. ``alt``, the fastest other than 'xla' by median, against
-    'xla', in this order:
+    the rule that kept it. ``alt``, the fastest other than ``ref`` (the reference: 'xla',
+    the reference of every op, :data:`kvjax.kernels.REFERENCE`) by median, against
+    ``ref``, in this order:
 
-    1. no 'xla' timed: the fastest median;
+    1. no ``ref`` timed: the fastest median;
     2. the one-sided Mann-Whitney test (:func:`mann_whitney_p`) that the calls of the
        lower median are faster, at level :data:`ALPHA`: when it passes, the faster,
-       unless it is ``alt`` and beats xla's median by less than :data:`MIN_GAIN`;
+       unless it is ``alt`` and beats ref's median by less than :data:`MIN_GAIN`;
     3. medians within :data:`MIN_GAIN` of each other after :data:`TIE_CALLS` calls
-       each: 'xla' (nothing to gain);
-    4. else undecided: 'xla' for now, and :func:`_measure` times more rounds
+       each: ``ref`` (nothing to gain);
+    4. else undecided: ``ref`` for now, and :func:`_measure` times more rounds
        (docs/decisions/0009-planner-noise-rule.md).
     """
     secs = {n: statistics.median(t) for n, t in calls.items()}
     n_calls = min(len(t) for t in calls.values())
-    ref = kernels.REFERENCE["decode_attention"]  # 'xla', the reference of every op
     if ref not in secs or len(secs) == 1:
         best = min(secs, key=secs.get)
         return Decision(best, f"fastest median over {n_calls} calls each", True)
     alt = min((n for n in secs if n != ref), key=secs.get)
     gain = 1 - secs[alt] / secs[ref]
     fast, slow = (alt, ref) if gain > 0 else (ref, alt)
-    what = f"{alt} {gain:+.0%} in median against xla"
+    what = f"{alt} {gain:+.0%} in median against {ref}"
     p = mann_whitney_p(calls[fast], calls[slow])
     test = f"Mann-Whitney p = {p:.2g} {'<' if p < ALPHA else '>='} {ALPHA}, {n_calls} calls"
     if p < ALPHA:
         if fast == alt and gain < MIN_GAIN:
             return Decision(ref, f"{what} ({test}), under the {MIN_GAIN:.0%} a pick "
-                                   "must gain: xla kept", True, p)
+                                   f"must gain: {ref} kept", True, p)
         return Decision(fast, f"{what} ({test}): {fast}", True, p)
     if abs(gain) < MIN_GAIN and n_calls >= TIE_CALLS:
-        return Decision(ref, f"{what} ({test}), within {MIN_GAIN:.0%}: xla kept",
+        return Decision(ref, f"{what} ({test}), within {MIN_GAIN:.0%}: {ref} kept",
                         True, p)
-    return Decision(ref, f"{what}, undecided ({test}): xla kept", False, p)
+    return Decision(ref, f"{what}, undecided ({test}): {ref} kept", False, p)
 
 
 def _measure(fns: dict, args: tuple, rounds: int, budget_s: float,
-             flush=None) -> tuple[dict[str, list[float]], Decision]:
-    """The timed calls of ``fns`` (:func:`_time_all`) and their :func:`_decide`; while
-    undecided, more rounds of ``rounds`` are added until it decides, :data:`MAX_CALLS`
-    calls per candidate or :data:`EXTRA_BUDGET_S` seconds."""
+             flush=None, ref: str = "xla") -> tuple[dict[str, list[float]], Decision]:
+    """The timed calls of ``fns`` (:func:`_time_all`) and their :func:`_decide` against
+    ``ref``; while undecided, more rounds of ``rounds`` are added until it decides,
+    :data:`MAX_CALLS` calls per candidate or :data:`EXTRA_BUDGET_S` seconds."""
     calls = _time_all(fns, args, rounds, budget_s, flush)
-    decision = _decide(calls)
+    decision = _decide(calls, ref)
     start = time.perf_counter()
     while (not decision.decided and min(map(len, calls.values())) < MAX_CALLS
            and time.perf_counter() - start < EXTRA_BUDGET_S):
         more = _time_all(fns, args, rounds, budget_s, flush, warmups=0)
         for n, t in more.items():
             calls[n].extend(t)
-        decision = _decide(calls)
+        decision = _decide(calls, ref)
     return calls, decision
 
 
@@ -585,6 +586,114 @@ def _weight_pick(m: int, k: int, n: int, layout: str) -> str:
                           m, layout)
 
 
+STEP_CHOICES = ("picks", "flipped")
+"""The two weight plans :func:`_step_flips_win` times a decode step under: the
+per-class picks, and the same with every measured class they left to 'xla' flipped to
+the native kernel (:func:`resolve`)."""
+STEP_MAX_SLOTS = 4096
+"""A step is timed over at most this many slots a row (the first decode length's, a
+dense cache): at longer context the cache's reads dilute what the weights' plan decides,
+and two caches of that length are allocated."""
+STEP_MIN_WEIGHT_BYTES = FLUSH_BYTES
+"""Steps whose weights stream from memory (more bytes than the flush that evicts the
+caches) are timed whole; smaller models keep the per-class picks."""
+
+
+def _step_name(cfg: ModelConfig, weights: dict, b: int) -> str:
+    """The cache name of a step arbitration: the rows and a hash of the architecture
+    (every config field but its plan and name) and of the per-class weight picks (a
+    re-measured pick times the step again). Not the context: the weights' plan is
+    decided once, on a step at the first context it is resolved for."""
+    arch = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if f.name not in ("plan", "name")}
+    what = repr((sorted(arch.items()), sorted(weights.items())))
+    return f"step-B{b}-{hashlib.sha256(what.encode()).hexdigest()[:12]}"
+
+
+def measure_step(cfgs: dict[str, ModelConfig], b: int, s: int, rounds: int = 7,
+                 budget_s: float = 2.0) -> dict:
+    """Times one decode step of each config in ``cfgs`` ({'picks': ..., 'flipped': ...},
+    the same architecture under two plans) in interleaved rounds: random weights
+    (timing does not depend on their values) shared by both, ``b`` rows over a dense
+    cache of ``s`` slots full to its last one, each step's cache donated and the
+    returned one kept (its length reset), as a decode loop runs. No flush: a step reads
+    its weights from memory anyway (:data:`STEP_MIN_WEIGHT_BYTES`).
+
+    Returns {'choice' (of :data:`STEP_CHOICES`), 'rule', 'decided', 'calls', 'p_value'
+    (:func:`_decide` against 'picks'), 'ms': {name: median milliseconds a step},
+    'slots': s}.
+    """
+    first = next(iter(cfgs.values()))
+    params = model_lib.fuse_projections(first, model_lib.init_params(first, 0))
+    token = jnp.zeros((b, 1), jnp.int32)
+    fns = {}
+    for name, c in cfgs.items():
+        cache = _full_dense_cache(c, b, s)
+        step = jax.jit(functools.partial(_decode_step, cfg=c), donate_argnums=2).lower(
+            params, token, cache).compile()
+        state = {"cache": cache}
+
+        def run(step=step, state=state):
+            logits, out = step(params, token, state["cache"])
+            state["cache"] = out.replace(length=jnp.full((b,), s - 1, jnp.int32))
+            return logits
+        fns[name] = run
+    calls, decision = _measure(fns, (), rounds, budget_s, ref=STEP_CHOICES[0])
+    return _decided({"ms": {n: round(statistics.median(t) * 1e3, 3)
+                            for n, t in calls.items()}, "slots": s}, calls, decision)
+
+
+def _full_dense_cache(cfg: ModelConfig, b: int, s: int) -> cache_lib.KVCache:
+    """A dense cache of ``b`` rows and ``s`` slots that a step at position s - 1 sees
+    full: slot j holds position j, the last slot is the step's own (zero values: timing
+    does not depend on them)."""
+    cache = cache_lib.init_cache(cfg, b, s)
+    held = jnp.where(jnp.arange(s) < s - 1, jnp.arange(s), -1).astype(jnp.int32)
+    return cache.replace(positions=jnp.broadcast_to(held, cache.positions.shape),
+                         length=jnp.full((b,), s - 1, jnp.int32))
+
+
+def _decode_step(params, token, cache, *, cfg):
+    """One decode step as the decode loop runs it (token [B, 1] int32 at position
+    cache.length -> (logits [B, 1, V], cache))."""
+    return model_lib.forward(params, cfg, token, cache.length[:, None], cache)
+
+
+def _step_flips_win(cfg: ModelConfig, plan: Plan, weights: dict, flips: dict, b: int,
+                    s: int) -> bool:
+    """Whether a decode step of ``b`` rows runs faster with ``weights`` (the per-class
+    picks) updated by ``flips`` (classes they left to 'xla', native) than with the
+    picks. The classes are measured apart; inside a step the native calls' neighbours
+    (the attention kernel's calls, the norms folded into the native products) change
+    what is faster (docs/decisions/0051-step-weight-plans-timed-whole.md). Decided once
+    per architecture, rows and picks (:func:`_step_name`) by :func:`measure_step` on a
+    step over the ``s`` slots of this resolve (with ``plan``'s attention), by
+    :func:`_decide`'s rule against the picks, and cached like the classes; a resolve of
+    more than :data:`STEP_MAX_SLOTS` slots only reads a cached decision. False (no step
+    timed) for a config whose weights do not exceed :data:`STEP_MIN_WEIGHT_BYTES` or
+    whose cache is not dense (a window, compression)."""
+    if (cfg.window_size or cfg.layer_windows or cfg.kv_compression
+            or theory.weight_bytes(cfg) < STEP_MIN_WEIGHT_BYTES):
+        return False
+    name = _step_name(cfg, weights, b)
+    with _lock:
+        if name not in _smemo:
+            key = machine_key("cpu", "rows_matmul.cc")
+            path = cache_path(key, "weight_step")
+            entries = load_cache(path, key, STEP_CHOICES)
+            if name not in entries and s > STEP_MAX_SLOTS:
+                return False
+            cfgs = {c: cfg.replace(plan=dataclasses.replace(plan, weight_matmul=tuple(
+                sorted(w.items())))) for c, w in zip(STEP_CHOICES, (weights,
+                                                                    {**weights, **flips}))}
+            _cached_choice(_smemo, name, key, path, entries,
+                           lambda: measure_step(cfgs, b, s), STEP_CHOICES)
+        return _smemo[name]["choice"] == STEP_CHOICES[1]
+
+
+_smemo: dict[str, dict] = {}
+
+
 def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
             extra_seq_lens=(), mesh_axes: dict | None = None,
             manual_axes=(), page_size: int = 0, queries=()) -> ModelConfig:
@@ -673,6 +782,22 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
                 continue
             for k, n, layout in weight_shapes(cfg):
                 weights[weight_class(m, k, n, layout)] = _weight_pick(m, k, n, layout)
+        if batch_sizes:
+            # a decode step's weight picks, arbitrated on the whole step (its own rows'
+            # classes; the step's attention as resolved above)
+            step_plan = dataclasses.replace(plan, decode_attention=tuple(sorted(
+                decode.items())), prefill_attention=tuple(sorted(prompt.items())))
+            for b in sorted({int(b) for b in batch_sizes}):
+                # the step's measured classes left to 'xla' that the kernel runs
+                flips = {weight_class(b, k, n, lay): "native"
+                         for k, n, lay in weight_shapes(cfg)
+                         if weights.get(weight_class(b, k, n, lay)) == "xla"
+                         and 4 * k * n >= MIN_MEASURED_BYTES
+                         and wm.applies("native", b, lay) == "native"}
+                if flips and b <= rm.MAX_ROWS and not page_size and _step_flips_win(
+                        cfg, step_plan, weights, flips, b,
+                        cache_lib.num_slots(cfg, lengths[0])):
+                    weights.update(flips)
     plan = dataclasses.replace(plan, decode_attention=tuple(sorted(decode.items())),
                                weight_matmul=tuple(sorted(weights.items())),
                                prefill_attention=tuple(sorted(prompt.items())))
@@ -683,7 +808,8 @@ def report_lines() -> list[str]:
     """One line per decode-attention and weight-product choice made in this process: the
     shape class, the formulation, the rule that decided it (:func:`_decide`), the
     measured GB/s of each candidate and whether it was measured now or read from the
-    cache (with its date), and the machine."""
+    cache (with its date), and the machine; then one per decode step's weight plan
+    (:func:`_step_flips_win`) with its steps' milliseconds."""
     model, isa = _cpu()
     lines = [f"decode-attention planner on {model} ({', '.join(isa)}; "
              f"{native.num_threads()} cores), jax {jax.__version__}:"] if _memo else []
@@ -699,6 +825,13 @@ def report_lines() -> list[str]:
             rates = ", ".join(f"{n} {r:.1f}" for n, r in e["gbps"].items())
             lines.append(f"  {name}: {e['choice']}{_why(e)} (GB/s of weight read: "
                          f"{rates}; {_when(e)})")
+    if _smemo:
+        lines.append("decode steps' weight plans (the per-class picks, or 'flipped': "
+                     "every class they left to xla native; a whole step timed):")
+    for name, e in sorted(_smemo.items()):
+        ms = ", ".join(f"{n} {t:.2f}" for n, t in e["ms"].items())
+        lines.append(f"  {name}: {e['choice']}{_why(e)} (ms a step over {e['slots']:,} "
+                     f"slots: {ms}; {_when(e)})")
     return lines
 
 
@@ -707,6 +840,7 @@ def clear_memo() -> None:
     with _lock:
         _memo.clear()
         _wmemo.clear()
+        _smemo.clear()
 
 
 # ------------------------------------------------------------------ weight products

@@ -1,0 +1,145 @@
+"""The weight plan of a decode step, arbitrated on the whole step (issue 58, item 4):
+which classes the step times native, when it times at all, how the decision is cached
+and read back, and that a timed step is the model's decode step under each plan."""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import planner
+from kvjax.analysis import costs
+from kvjax.inference import decode
+from kvjax.models import model
+from kvjax.native import rows_matmul as rm
+from kvjax.plan import weight_class
+from tests.conftest import tiny_config
+
+needs_native = pytest.mark.skipif(not rm.load(), reason="native kernel not built (no compiler)")
+
+# every weight class of this model is measured (4·K·N >= 256 KiB), and it is small
+BIG = dict(d_model=256, mlp_dim=1024, num_heads=4, num_kv_heads=2, head_dim=64,
+           vocab_size=1024, num_layers=2, dtype="float32", weight_matmul="auto")
+
+
+def _all_xla(monkeypatch):
+    """Every class's own measurement keeps 'xla' (as the LM head's did on the AMD EPYC)."""
+    monkeypatch.setattr(planner, "_weight_pick", lambda m, k, n, layout: "xla")
+
+
+def _fake_step(monkeypatch, choice, seen):
+    def measure(cfgs, b, s, **kw):
+        seen.append((dict(cfgs), b, s))
+        return {"choice": choice, "rule": f"fake: {choice}", "decided": True, "calls": 7,
+                "ms": {"picks": 2.0, "flipped": 1.0 if choice == "flipped" else 3.0},
+                "slots": s}
+    monkeypatch.setattr(planner, "measure_step", measure)
+
+
+@needs_native
+def test_the_step_flips_the_measured_classes_left_to_xla_where_native_runs(
+        planner_home, monkeypatch):
+    """Only classes of the step's own rows, picked 'xla', measured and run by the
+    kernel are flipped: not a class already native, not one below the measured size
+    (k/v, [256, 128]: 128 KiB), not a prefill chunk's other row band."""
+    monkeypatch.setattr(planner, "STEP_MIN_WEIGHT_BYTES", 0)
+    monkeypatch.setattr(planner, "_weight_pick",
+                        lambda m, k, n, layout: "native" if (k, n) == (1024, 256) else "xla")
+    seen = []
+    _fake_step(monkeypatch, "flipped", seen)
+    planner.clear_memo()
+    cfg = tiny_config(**BIG)
+    plan = planner.resolve(cfg, max_seq_len=64, batch_sizes=(1,), rows=(16,)).plan
+    (cfgs, _, _), = seen
+    picks, flipped = (dict(cfgs[n].plan.weight_matmul) for n in planner.STEP_CHOICES)
+    changed = {n for n in picks if picks[n] != flipped[n]}
+    assert changed == {weight_class(1, *kn) for kn in
+                       ((256, 1024, "kn"), (256, 256, "kn"), (256, 1024, "nk"),
+                        (256, 512, "kn"), (256, 2048, "kn"))}  # gate/up, q, o, head, fused
+    assert picks[weight_class(1, 256, 128, "kn")] == "xla"  # under 256 KiB: unmeasured
+    assert picks[weight_class(1, 1024, 256, "kn")] == "native"  # down: already native
+    assert any(n.startswith("M16-") for n in flipped)  # the chunk's band: left as picked
+    assert dict(plan.weight_matmul) == flipped
+    planner.clear_memo()
+
+
+@needs_native
+@pytest.mark.parametrize("choice", ["flipped", "picks"])
+def test_resolve_takes_the_step_decision_and_caches_it(planner_home, monkeypatch, choice):
+    """resolve() times one step under the picks and under them with the xla classes
+    native, takes the winner's weight plan, writes the decision to the planner cache and
+    reads it back later without timing; the report prints it."""
+    monkeypatch.setattr(planner, "STEP_MIN_WEIGHT_BYTES", 0)
+    _all_xla(monkeypatch)
+    seen = []
+    _fake_step(monkeypatch, choice, seen)
+    planner.clear_memo()
+    cfg = tiny_config(**BIG)
+    plan = planner.resolve(cfg, max_seq_len=64, batch_sizes=(1,)).plan
+    (cfgs, b, s), = seen
+    assert (b, s) == (1, 64) and set(cfgs) == set(planner.STEP_CHOICES)
+    picks, flipped = (dict(cfgs[n].plan.weight_matmul) for n in planner.STEP_CHOICES)
+    assert set(picks.values()) == {"xla"} and "native" in flipped.values()
+    assert dict(plan.weight_matmul) == (flipped if choice == "flipped" else picks)
+    assert any(line.startswith("  step-B1-") and f": {choice} by rule: fake" in line
+               for line in planner.report_lines())
+    path = planner.cache_path(planner.machine_key("cpu", "rows_matmul.cc"), "weight_step")
+    (entry,) = json.loads(path.read_text())["entries"].values()
+    assert entry["choice"] == choice and entry["slots"] == 64
+    planner.clear_memo()  # from the file: no timing, at any context
+    monkeypatch.setattr(planner, "measure_step", lambda *a, **k: pytest.fail("timed"))
+    again = planner.resolve(cfg, max_seq_len=planner.STEP_MAX_SLOTS * 2, batch_sizes=(1,))
+    assert dict(again.plan.weight_matmul) == dict(plan.weight_matmul)
+    planner.clear_memo()
+
+
+@needs_native
+@pytest.mark.parametrize("why", ["long context", "small weights", "window", "mesh"])
+def test_resolve_keeps_the_picks_without_timing_a_step(planner_home, monkeypatch, why):
+    """No step is timed (and the per-class picks stand) beyond STEP_MAX_SLOTS without a
+    cached decision, for weights that do not stream from memory, for a window's ring and
+    on a mesh."""
+    if why != "small weights":
+        monkeypatch.setattr(planner, "STEP_MIN_WEIGHT_BYTES", 0)
+    _all_xla(monkeypatch)
+    monkeypatch.setattr(planner, "measure_step", lambda *a, **k: pytest.fail("timed"))
+    planner.clear_memo()
+    cfg = tiny_config(**BIG, **({"window_size": 32} if why == "window" else {}))
+    length = planner.STEP_MAX_SLOTS * 2 if why == "long context" else 64
+    plan = planner.resolve(cfg, max_seq_len=length, batch_sizes=(1,),
+                           mesh_axes={"data": 2} if why == "mesh" else None).plan
+    assert set(dict(plan.weight_matmul).values()) <= {"xla"}
+    planner.clear_memo()
+
+
+@needs_native
+def test_measure_step_times_the_decode_step_of_each_plan(monkeypatch):
+    """The timed program is the decode loop's step: under both plans its logits equal
+    decode.decode_step's on the same weights and full cache (fp32 tolerance), and each
+    plan is timed at least three times, with a decision of the documented choices."""
+    monkeypatch.setattr(planner, "EXTRA_BUDGET_S", 0.2)  # tiny steps tie: no extra rounds
+    _all_xla(monkeypatch)  # no class measured: the picks all xla, the other plan native
+    cfg = tiny_config(**BIG)
+    picks = planner.resolve(cfg, max_seq_len=64, batch_sizes=(1,))
+    flips = {n: "native" for n, _ in picks.plan.weight_matmul}
+    native = picks.replace(plan=picks.plan.__class__(**{
+        **picks.plan.__dict__, "weight_matmul": tuple(sorted(flips.items()))}))
+    out = planner.measure_step(dict(zip(planner.STEP_CHOICES, (picks, native))), 1, 64,
+                               rounds=3, budget_s=0.5)
+    assert out["choice"] in planner.STEP_CHOICES and out["calls"] >= 3
+    assert set(out["ms"]) == set(planner.STEP_CHOICES) and min(out["ms"].values()) > 0
+    params = model.fuse_projections(picks, model.init_params(picks, 0))
+    cache = costs.full_cache(picks, 1, 64)  # the cost hook's full cache: the same slots
+    mine = planner._full_dense_cache(picks, 1, 64)
+    np.testing.assert_array_equal(mine.positions, cache.positions)
+    np.testing.assert_array_equal(mine.length, cache.length)
+    token = jnp.zeros((1, 1), jnp.int32)
+    ref, _ = decode.decode_step(params, token, cache, cfg=picks)
+    for c in (picks, native):
+        got, _ = jax.jit(functools.partial(planner._decode_step, cfg=c))(
+            params, token, planner._full_dense_cache(c, 1, 64))
+        np.testing.assert_allclose(got[:, 0], ref, rtol=2e-5, atol=2e-5 * float(
+            jnp.abs(ref).max()))
