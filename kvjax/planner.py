@@ -449,19 +449,19 @@ def _cached_choice(memo: dict, name: str, key: dict, path, entries: dict, measur
     with what the file holds by then (:func:`_save`; a write failure only warns).
     Remembered in ``memo`` for this process. ``allowed`` as in :func:`load_cache`.
 
-    A cached pick measured under load (:func:`under_load` of its recorded load average)
-    is measured again once the machine is quiet; until then every report says so
-    (:func:`_when`)."""
-    load = _load_average()
-    fresh = name not in entries or (under_load(entries[name].get("load_average"))
-                                    and not under_load(load))
+    A cached pick measured under load (:func:`under_load` of the other work recorded
+    with it, :func:`_recorded_load`) is measured again once the machine is quiet; until
+    then every report says so (:func:`_when`)."""
+    stale = name in entries and under_load(_recorded_load(entries[name]))
+    load = _others_load() if stale or name not in entries else None  # 0.2 s: when needed
+    fresh = name not in entries or (stale and not under_load(load))
     if fresh:
         print(f"kvjax planner: measuring the formulations of {name} on this machine "
               f"(once; cached in {path})", file=sys.stderr, flush=True)
         entries[name] = measure_fn()
         entries[name]["measured_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
         if load is not None:  # other jobs on the cores skew a pick: kept beside it
-            entries[name]["load_average"] = round(load, 2)
+            entries[name]["others_load"] = round(load, 2)
         try:
             _save(path, key, entries, allowed)
         except OSError as e:
@@ -471,30 +471,71 @@ def _cached_choice(memo: dict, name: str, key: dict, path, entries: dict, measur
 
 
 BUSY_LOAD_PER_CORE = 0.5
-"""A pick counts as measured under load when the 1-minute load average, read just
-before it was measured, exceeded this many runnable jobs per usable core."""
+"""A pick counts as measured under load when the other work on the machine
+(:func:`_others_load`), read just before it was measured, held more than this many
+cores per usable core."""
+LOAD_WINDOW_S = 0.2
+"""The window :func:`_others_load` reads the CPUs' busy time over."""
 
 
-def _load_average() -> float | None:
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy clock ticks of all CPUs since boot: /proc/stat's user, nice, system, irq,
+    softirq and steal; this process's: /proc/self/stat's utime + stime, all its
+    threads), or None where /proc cannot be read."""
     try:
-        return os.getloadavg()[0]
-    except OSError:
+        cpu = pathlib.Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        mine = pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        user, nice, system, _, _, irq, softirq, steal = (int(x) for x in cpu[1:9])
+        return user + nice + system + irq + softirq + steal, int(mine[11]) + int(mine[12])
+    except (OSError, ValueError, IndexError):
         return None
 
 
+def _others_load(window_s: float = LOAD_WINDOW_S) -> float | None:
+    """Cores' worth of work other than this process's over the last ``window_s`` seconds
+    (slept here): the CPUs' busy time (steal included: on a virtual machine, other
+    guests holding its host's cores) minus this process's own, over the wall time
+    (:func:`_cpu_ticks`). The 1-minute load average, used before, counted this
+    process's own compiles: on 2 cores a first run's every pick read as measured under
+    load and was measured again by the next run
+    (docs/results/intel-xeon-avx512-2core.md, "Session 32"). Where /proc is missing
+    (not Linux), the 1-minute load average; None if neither can be read."""
+    start, t0 = _cpu_ticks(), time.perf_counter()
+    if start is None:
+        try:
+            return os.getloadavg()[0]
+        except OSError:
+            return None
+    time.sleep(window_s)
+    end, seconds = _cpu_ticks(), time.perf_counter() - t0
+    if end is None:
+        return None
+    others = (end[0] - start[0]) - (end[1] - start[1])
+    return max(0.0, others / os.sysconf("SC_CLK_TCK") / seconds)
+
+
+def _recorded_load(e: dict):
+    """The other work recorded with a cached pick: 'others_load' (cores,
+    :func:`_others_load`), or in a file written before it the 1-minute load average
+    ('load_average'); None if neither."""
+    return e.get("others_load", e.get("load_average"))
+
+
 def under_load(load) -> bool:
-    """Whether a load average (None: unknown) means other jobs held the cores."""
+    """Whether recorded other work (cores; None: unknown) means other jobs held the
+    cores."""
     return isinstance(load, (int, float)) and load > BUSY_LOAD_PER_CORE * native.num_threads()
 
 
 def _when(e: dict) -> str:
-    """'measured now' or 'cached <date>', the load average then, and whether that was
+    """'measured now' or 'cached <date>', the other work then, and whether that was
     under load: a pick is kept until the machine, jax or the kernel changes, except one
     measured under load, which is measured again on a quiet machine (delete the cache
     file to measure everything again)."""
     when = "measured now" if e.get("fresh") else f"cached {e.get('measured_at', '')}".strip()
-    load = e.get("load_average")
-    return when + (f", load average {load:.1f} on {native.num_threads()} cores"
+    load = _recorded_load(e)
+    what = "other work" if "others_load" in e else "load average"
+    return when + (f", {what} {load:.1f} on {native.num_threads()} cores"
                    if isinstance(load, (int, float)) else "") + (
         " (measured under load: measured again when the machine is quiet)"
         if under_load(load) else "")

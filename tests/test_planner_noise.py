@@ -2,7 +2,11 @@
 (issue 32, item 16)."""
 
 import itertools
+import os
 import statistics
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -147,10 +151,10 @@ def test_a_slower_kernel_is_rejected_by_the_same_rule(monkeypatch):
                                                (0.1, 0.1, False), (None, 0.1, False)])
 def test_a_pick_made_under_load_is_measured_again_when_quiet(tmp_path, monkeypatch, then,
                                                             now, measured):
-    monkeypatch.setattr(planner, "_load_average", lambda: now)
+    monkeypatch.setattr(planner, "_others_load", lambda: now)
     entry = {"choice": "native", "gbps": {"native": 1.0}}
     if then is not None:
-        entry["load_average"] = then
+        entry["others_load"] = then
     entries = {"cls": entry}
     calls = []
 
@@ -163,10 +167,47 @@ def test_a_pick_made_under_load_is_measured_again_when_quiet(tmp_path, monkeypat
     assert bool(calls) == measured
     assert got == ("xla" if measured else "native")
     if measured:
-        assert entries["cls"]["load_average"] == now
+        assert entries["cls"]["others_load"] == now
+
+
+def test_a_file_from_before_reads_its_load_average():
+    """A cache entry written before 'others_load' existed is judged by its 1-minute load
+    average, and reported as such."""
+    busy = 2.0 * native.num_threads()
+    assert planner.under_load(planner._recorded_load({"load_average": busy}))
+    assert "load average" in planner._when({"load_average": busy})
+    assert "other work 0.0" in planner._when({"others_load": 0.0, "load_average": busy})
 
 
 def test_reports_say_when_a_pick_was_measured_under_load():
     busy = 2.0 * native.num_threads()
-    assert "measured under load" in planner._when({"load_average": busy})
-    assert "under load" not in planner._when({"load_average": 0.0})
+    assert "measured under load" in planner._when({"others_load": busy})
+    assert "under load" not in planner._when({"others_load": 0.0})
+
+
+OTHERS_LOAD = planner._others_load  # tests/conftest.py stubs it in every test
+
+
+def test_other_work_is_the_cpus_busy_time_less_this_processs(monkeypatch):
+    """Over the window, all CPUs busy for 1.5 cores' worth while this process used 1.0
+    reads as 0.5 cores of other work (its own compiles are not load); without /proc the
+    1-minute load average stands in."""
+    hz, window = os.sysconf("SC_CLK_TCK"), 0.1
+    ticks = iter([(1000, 100), (1000 + 1.5 * hz * window, 100 + 1.0 * hz * window)])
+    monkeypatch.setattr(planner, "_cpu_ticks", lambda: next(ticks))
+    assert 0.35 < OTHERS_LOAD(window) <= 0.5
+    monkeypatch.setattr(planner, "_cpu_ticks", lambda: None)
+    monkeypatch.setattr(planner.os, "getloadavg", lambda: (3.0, 2.0, 1.0))
+    assert OTHERS_LOAD(window) == 3.0
+
+
+@pytest.mark.skipif(planner._cpu_ticks() is None, reason="no /proc here")
+def test_another_process_spinning_is_other_work():
+    """A busy loop in another process reads as most of a core of other work."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)
+        assert OTHERS_LOAD(0.5) >= 0.5
+    finally:
+        spinner.kill()
+        spinner.wait()
