@@ -453,7 +453,7 @@ def _cached_choice(memo: dict, name: str, key: dict, path, entries: dict, measur
     with it, :func:`_recorded_load`) is measured again once the machine is quiet; until
     then every report says so (:func:`_when`)."""
     stale = name in entries and under_load(_recorded_load(entries[name]))
-    load = _others_load() if stale or name not in entries else None  # 0.2 s: when needed
+    load = _others_load_now() if stale or name not in entries else None  # when needed
     fresh = name not in entries or (stale and not under_load(load))
     if fresh:
         print(f"kvjax planner: measuring the formulations of {name} on this machine "
@@ -489,6 +489,20 @@ def _cpu_ticks() -> tuple[int, int] | None:
         return user + nice + system + irq + softirq + steal, int(mine[11]) + int(mine[12])
     except (OSError, ValueError, IndexError):
         return None
+
+
+LOAD_REUSE_S = 5.0
+"""A reading of :func:`_others_load` serves the picks measured within this many seconds
+after it (one 0.2 s window per resolve, not per class)."""
+_last_load: list = [None, -math.inf]  # [reading, perf_counter when read]
+
+
+def _others_load_now() -> float | None:
+    """:func:`_others_load`, read again only when the last reading is older than
+    :data:`LOAD_REUSE_S`."""
+    if time.perf_counter() - _last_load[1] > LOAD_REUSE_S:
+        _last_load[:] = [_others_load(), time.perf_counter()]
+    return _last_load[0]
 
 
 def _others_load(window_s: float = LOAD_WINDOW_S) -> float | None:
@@ -632,22 +646,28 @@ STEP_CHOICES = ("picks", "flipped")
 per-class picks, and the same with every measured class they left to 'xla' flipped to
 the native kernel (:func:`resolve`)."""
 STEP_MAX_SLOTS = 4096
-"""A step is timed over at most this many slots a row (the first decode length's, a
-dense cache): at longer context the cache's reads dilute what the weights' plan decides,
-and two caches of that length are allocated."""
+"""A step is timed over at most this many slots in all its rows (B x the first decode
+length's slots, a dense cache): at longer context the cache's reads dilute what the
+weights' plan decides, and two caches of that size are allocated."""
 STEP_MIN_WEIGHT_BYTES = FLUSH_BYTES
 """Steps whose weights stream from memory (more bytes than the flush that evicts the
 caches) are timed whole; smaller models keep the per-class picks."""
+STEP_MAX_WEIGHT_BYTES = 2 * 2**30
+"""Nor is a step whose weights exceed this timed: the timing holds a second set of
+random weights (and their fused copies) beside the caller's, before any memory check."""
 
 
 def _step_name(cfg: ModelConfig, weights: dict, b: int) -> str:
     """The cache name of a step arbitration: the rows and a hash of the architecture
-    (every config field but its plan and name) and of the per-class weight picks (a
-    re-measured pick times the step again). Not the context: the weights' plan is
-    decided once, on a step at the first context it is resolved for."""
+    (every config field but its plan and name) and of the per-class picks of the step's
+    own row band (a re-measured pick times the step again; other bands, a prefill's or
+    another batch size's, do not). Not the context: the weights' plan is decided once,
+    on a step at the first context it is resolved for."""
     arch = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
             if f.name not in ("plan", "name")}
-    what = repr((sorted(arch.items()), sorted(weights.items())))
+    band = f"M{row_band(b)}-"
+    what = repr((sorted(arch.items()), sorted((n, c) for n, c in weights.items()
+                                              if n.startswith(band))))
     return f"step-B{b}-{hashlib.sha256(what.encode()).hexdigest()[:12]}"
 
 
@@ -710,11 +730,13 @@ def _step_flips_win(cfg: ModelConfig, plan: Plan, weights: dict, flips: dict, b:
     per architecture, rows and picks (:func:`_step_name`) by :func:`measure_step` on a
     step over the ``s`` slots of this resolve (with ``plan``'s attention), by
     :func:`_decide`'s rule against the picks, and cached like the classes; a resolve of
-    more than :data:`STEP_MAX_SLOTS` slots only reads a cached decision. False (no step
-    timed) for a config whose weights do not exceed :data:`STEP_MIN_WEIGHT_BYTES` or
-    whose cache is not dense (a window, compression)."""
+    more than :data:`STEP_MAX_SLOTS` slots in all rows only reads a cached decision.
+    False (no step timed) for a config whose weights are not between
+    :data:`STEP_MIN_WEIGHT_BYTES` and :data:`STEP_MAX_WEIGHT_BYTES` or whose cache is
+    not dense (a window, compression). The flips are of the step's row band
+    (:func:`kvjax.plan.row_band`): a prefill chunk of as many rows shares them."""
     if (cfg.window_size or cfg.layer_windows or cfg.kv_compression
-            or theory.weight_bytes(cfg) < STEP_MIN_WEIGHT_BYTES):
+            or not STEP_MIN_WEIGHT_BYTES <= theory.weight_bytes(cfg) <= STEP_MAX_WEIGHT_BYTES):
         return False
     name = _step_name(cfg, weights, b)
     with _lock:
@@ -722,7 +744,7 @@ def _step_flips_win(cfg: ModelConfig, plan: Plan, weights: dict, flips: dict, b:
             key = machine_key("cpu", "rows_matmul.cc")
             path = cache_path(key, "weight_step")
             entries = load_cache(path, key, STEP_CHOICES)
-            if name not in entries and s > STEP_MAX_SLOTS:
+            if name not in entries and b * s > STEP_MAX_SLOTS:
                 return False
             cfgs = {c: cfg.replace(plan=dataclasses.replace(plan, weight_matmul=tuple(
                 sorted(w.items())))) for c, w in zip(STEP_CHOICES, (weights,
@@ -869,10 +891,10 @@ def report_lines() -> list[str]:
     if _smemo:
         lines.append("decode steps' weight plans (the per-class picks, or 'flipped': "
                      "every class they left to xla native; a whole step timed):")
-    for name, e in sorted(_smemo.items()):
-        ms = ", ".join(f"{n} {t:.2f}" for n, t in e["ms"].items())
-        lines.append(f"  {name}: {e['choice']}{_why(e)} (ms a step over {e['slots']:,} "
-                     f"slots: {ms}; {_when(e)})")
+    for name, e in sorted(_smemo.items()):  # a hand-edited file may lack ms or slots
+        ms = ", ".join(f"{n} {t:.2f}" for n, t in e.get("ms", {}).items())
+        lines.append(f"  {name}: {e['choice']}{_why(e)} (ms a step over "
+                     f"{e.get('slots', '?')} slots: {ms}; {_when(e)})")
     return lines
 
 

@@ -97,7 +97,7 @@ def planner_home(tmp_path, monkeypatch):
 def _planner_ignores_the_load(monkeypatch):
     """The suite's own workers load the cores: picks are not re-measured for it (the
     tests of that rule set the load themselves, tests/test_planner_noise.py)."""
-    monkeypatch.setattr(planner, "_others_load", lambda: None)
+    monkeypatch.setattr(planner, "_others_load_now", lambda: None)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -151,7 +151,7 @@ def test_a_slower_kernel_is_rejected_by_the_same_rule(monkeypatch):
                                                (0.1, 0.1, False), (None, 0.1, False)])
 def test_a_pick_made_under_load_is_measured_again_when_quiet(tmp_path, monkeypatch, then,
                                                             now, measured):
-    monkeypatch.setattr(planner, "_others_load", lambda: now)
+    monkeypatch.setattr(planner, "_others_load_now", lambda: now)
     entry = {"choice": "native", "gbps": {"native": 1.0}}
     if then is not None:
         entry["others_load"] = then
@@ -185,7 +185,18 @@ def test_reports_say_when_a_pick_was_measured_under_load():
     assert "under load" not in planner._when({"others_load": 0.0})
 
 
-OTHERS_LOAD = planner._others_load  # tests/conftest.py stubs it in every test
+OTHERS_LOAD_NOW = planner._others_load_now  # tests/conftest.py stubs it in every test
+
+
+def test_one_load_reading_serves_the_picks_of_a_few_seconds(monkeypatch):
+    """The 0.2 s reading is taken once for the classes measured within LOAD_REUSE_S of
+    it, and again after."""
+    readings = iter([0.25, 1.5])
+    monkeypatch.setattr(planner, "_others_load", lambda: next(readings))
+    monkeypatch.setattr(planner, "_last_load", [None, -float("inf")])
+    assert [OTHERS_LOAD_NOW(), OTHERS_LOAD_NOW()] == [0.25, 0.25]
+    monkeypatch.setattr(planner, "LOAD_REUSE_S", -1.0)
+    assert OTHERS_LOAD_NOW() == 1.5
 
 
 def test_other_work_is_the_cpus_busy_time_less_this_processs(monkeypatch):
@@ -195,10 +206,10 @@ def test_other_work_is_the_cpus_busy_time_less_this_processs(monkeypatch):
     hz, window = os.sysconf("SC_CLK_TCK"), 0.1
     ticks = iter([(1000, 100), (1000 + 1.5 * hz * window, 100 + 1.0 * hz * window)])
     monkeypatch.setattr(planner, "_cpu_ticks", lambda: next(ticks))
-    assert 0.35 < OTHERS_LOAD(window) <= 0.5
+    assert 0.35 < planner._others_load(window) <= 0.5
     monkeypatch.setattr(planner, "_cpu_ticks", lambda: None)
     monkeypatch.setattr(planner.os, "getloadavg", lambda: (3.0, 2.0, 1.0))
-    assert OTHERS_LOAD(window) == 3.0
+    assert planner._others_load(window) == 3.0
 
 
 @pytest.mark.skipif(planner._cpu_ticks() is None, reason="no /proc here")
@@ -207,7 +218,7 @@ def test_another_process_spinning_is_other_work():
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.2)
-        assert OTHERS_LOAD(0.5) >= 0.5
+        assert planner._others_load(0.5) >= 0.5
     finally:
         spinner.kill()
         spinner.wait()

@@ -91,25 +91,32 @@ def test_resolve_takes_the_step_decision_and_caches_it(planner_home, monkeypatch
     assert entry["choice"] == choice and entry["slots"] == 64
     planner.clear_memo()  # from the file: no timing, at any context
     monkeypatch.setattr(planner, "measure_step", lambda *a, **k: pytest.fail("timed"))
-    again = planner.resolve(cfg, max_seq_len=planner.STEP_MAX_SLOTS * 2, batch_sizes=(1,))
-    assert dict(again.plan.weight_matmul) == dict(plan.weight_matmul)
+    again = planner.resolve(cfg, max_seq_len=planner.STEP_MAX_SLOTS * 2, batch_sizes=(1,),
+                            rows=(40,))  # a prefill's other row band: the same decision
+    assert {n: c for n, c in again.plan.weight_matmul if n.startswith("M1-")} \
+        == dict(plan.weight_matmul)
     planner.clear_memo()
 
 
 @needs_native
-@pytest.mark.parametrize("why", ["long context", "small weights", "window", "mesh"])
+@pytest.mark.parametrize("why", ["long context", "rows x slots", "small weights",
+                                 "large weights", "window", "mesh"])
 def test_resolve_keeps_the_picks_without_timing_a_step(planner_home, monkeypatch, why):
-    """No step is timed (and the per-class picks stand) beyond STEP_MAX_SLOTS without a
-    cached decision, for weights that do not stream from memory, for a window's ring and
-    on a mesh."""
+    """No step is timed (and the per-class picks stand) beyond STEP_MAX_SLOTS slots in
+    all rows without a cached decision, for weights that do not stream from memory or
+    that would not fit twice, for a window's ring and on a mesh."""
     if why != "small weights":
         monkeypatch.setattr(planner, "STEP_MIN_WEIGHT_BYTES", 0)
+    if why == "large weights":
+        monkeypatch.setattr(planner, "STEP_MAX_WEIGHT_BYTES", 1)
     _all_xla(monkeypatch)
     monkeypatch.setattr(planner, "measure_step", lambda *a, **k: pytest.fail("timed"))
     planner.clear_memo()
     cfg = tiny_config(**BIG, **({"window_size": 32} if why == "window" else {}))
-    length = planner.STEP_MAX_SLOTS * 2 if why == "long context" else 64
-    plan = planner.resolve(cfg, max_seq_len=length, batch_sizes=(1,),
+    length = {"long context": planner.STEP_MAX_SLOTS * 2,
+              "rows x slots": planner.STEP_MAX_SLOTS}.get(why, 64)
+    plan = planner.resolve(cfg, max_seq_len=length,
+                           batch_sizes=(2,) if why == "rows x slots" else (1,),
                            mesh_axes={"data": 2} if why == "mesh" else None).plan
     assert set(dict(plan.weight_matmul).values()) <= {"xla"}
     planner.clear_memo()
