@@ -38,6 +38,7 @@ from absl import flags
 import numpy as np
 
 from experiments import cli, peers
+from kvjax.cache import compress as compress_lib
 from kvjax import kernels, presets
 from kvjax.analysis import costs, hardware, theory
 from kvjax.models import model
@@ -123,7 +124,8 @@ def step_runner(cfg: ModelConfig, context: int) -> Callable[[], float]:
     context first (:func:`kvjax.analysis.costs.planned`), so a forced formulation runs as
     in :func:`time_point`."""
     cfg = costs.planned(cfg, 1, context)
-    return costs.step_timer(cfg, model.init_params(cfg, 0), costs.full_cache(cfg, 1, context))
+    return costs.step_timer(cfg, model.init_params(cfg, 0),
+                            compress_lib.full_cache(cfg, 1, context))
 
 
 def interleaved_rounds(arms: dict[str, Callable[[], float]], rounds: int, warmup: int = 1,

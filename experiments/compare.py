@@ -43,6 +43,7 @@ from absl import app, flags
 
 from experiments import cli
 
+from kvjax.cache import compress as compress_lib
 from kvjax import checkpoints, fields, naming
 from kvjax import cache as cache_lib
 from kvjax.analysis import costs, theory
@@ -269,7 +270,7 @@ def measure(v: Variant, evalset: evaluate.EvalSet, ecfg: evaluate.EvalConfig,
                               evalset.corpus.byte_lengths)
     tok_s, text = decode_speed(v.run, loaded.params, tokenizer)
     times = costs.measure_step_seconds(cfg, loaded.params,
-                                       costs.full_cache(cfg, 1, step_context), 1, repeats)
+                                       compress_lib.full_cache(cfg, 1, step_context), 1, repeats)
     return dict(
         label=v.label, variant=v.name, config=v.path, model=cfg.name,
         attention=cfg.attention, num_kv_heads=cfg.num_kv_heads, window=cfg.window_size,

@@ -45,6 +45,7 @@ from kvjax import cache as cache_lib
 from kvjax import kernels, native
 from kvjax.analysis import hardware, theory
 from kvjax.config import ModelConfig
+from kvjax.cache import compress as compress_lib
 from kvjax.cache import paged
 from kvjax.models import decode_kernels
 from kvjax.models import model as model_lib
@@ -689,7 +690,7 @@ def measure_step(cfgs: dict[str, ModelConfig], b: int, s: int, rounds: int = 7,
     token = jnp.zeros((b, 1), jnp.int32)
     fns = {}
     for name, c in cfgs.items():
-        cache = _full_dense_cache(c, b, s)
+        cache = compress_lib.full_cache(c, b, s)
         step = jax.jit(functools.partial(_decode_step, cfg=c), donate_argnums=2).lower(
             params, token, cache).compile()
         state = {"cache": cache}
@@ -702,16 +703,6 @@ def measure_step(cfgs: dict[str, ModelConfig], b: int, s: int, rounds: int = 7,
     calls, decision = _measure(fns, (), rounds, budget_s, ref=STEP_CHOICES[0])
     return _decided({"ms": {n: round(statistics.median(t) * 1e3, 3)
                             for n, t in calls.items()}, "slots": s}, calls, decision)
-
-
-def _full_dense_cache(cfg: ModelConfig, b: int, s: int) -> cache_lib.KVCache:
-    """A dense cache of ``b`` rows and ``s`` slots that a step at position s - 1 sees
-    full: slot j holds position j, the last slot is the step's own (zero values: timing
-    does not depend on them)."""
-    cache = cache_lib.init_cache(cfg, b, s)
-    held = jnp.where(jnp.arange(s) < s - 1, jnp.arange(s), -1).astype(jnp.int32)
-    return cache.replace(positions=jnp.broadcast_to(held, cache.positions.shape),
-                         length=jnp.full((b,), s - 1, jnp.int32))
 
 
 def _decode_step(params, token, cache, *, cfg):

@@ -170,9 +170,9 @@ def _case(method: str, n) -> str:
 
 def _loop_cache(cfg, context: int, steps: int):
     """A cache a loop of up to ``steps`` steps ends at ``context`` in: full at context -
-    steps (:func:`kvjax.analysis.costs.full_cache`), in ``context`` slots (a dense cache
+    steps (:func:`kvjax.cache.compress.full_cache`), in ``context`` slots (a dense cache
     read in full, masked; a compressed one holds its budget + ring whatever t is)."""
-    cache = costs.full_cache(cfg, 1, context - steps)
+    cache = compress_lib.full_cache(cfg, 1, context - steps)
     if cache_lib.num_slots(cfg, context) != cache.num_slots:
         big = cache_lib.init_cache(cfg, 1, context)
         cache = big.replace(positions=big.positions.at[:, :cache.num_slots].set(
@@ -250,7 +250,7 @@ def timed(context: int, budget: int, rounds: int, methods, every_n=EVERY_N,
     (:func:`timed_cases`, :func:`_loop_runner`) and per paged decode step
     (:func:`paged_cases`, :func:`_paged_runner`), interleaved: each round times every
     case once, after a first warm-up round. The loops' caches start full
-    (:func:`kvjax.analysis.costs.full_cache`: a compressed one's kept slots and a full
+    (:func:`kvjax.cache.compress.full_cache`: a compressed one's kept slots and a full
     ring of recent_slots >= 64 tokens, so an every-N cache compresses at its first
     step, then every N), and they run 0 and 64 steps: every every-N case (N dividing
     64) runs 64 / N compressions in the difference, so its time per token is the

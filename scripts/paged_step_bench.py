@@ -1,7 +1,7 @@
 """The paged decode step against the dense one, per decode-attention formulation.
 
 For each context t and each ``--impls`` formulation, one decode step of the model is
-compiled twice: over a dense cache of t slots (``kvjax.analysis.costs.full_cache``) and
+compiled twice: over a dense cache of t slots (``kvjax.cache.compress.full_cache``) and
 over a paged cache holding the same t tokens in pages of ``--page_size`` taken from the
 pool in shuffled order (``kvjax.cache.paged``; 'native' and, on GPU, 'pallas' read the
 pages in place, the other formulations the gather of each row's pages into its dense
@@ -34,9 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import gqa
+from kvjax.cache import compress as compress_lib
 from kvjax.config import run_config_from_dict
 from kvjax import planner
-from kvjax.analysis import costs, hardware, hlo_cost, paging, theory
+from kvjax.analysis import hardware, hlo_cost, paging, theory
 from kvjax.cache import paged
 from kvjax.inference import decode
 from kvjax.kernels import names
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
                         base, max_seq_len=paged.pages_for(t, a.page_size) * a.page_size,
                         page_size=a.page_size)}
             token = jnp.zeros((1, 1), jnp.int32)
-            caches = {"dense": costs.full_cache(cfgs["dense"], 1, t),
+            caches = {"dense": compress_lib.full_cache(cfgs["dense"], 1, t),
                       "paged": paged_full_cache(cfgs["paged"], t, a.page_size)}
             compiled, xla_mb, times = {}, {}, {k: [] for k in caches}
             for k, c in caches.items():

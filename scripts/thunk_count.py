@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache import compress as compress_lib
 from kvjax import kernels, ops
 from kvjax.analysis import costs
 from kvjax.config import run_config_from_dict
@@ -126,7 +127,7 @@ def time_forms(name: str, context: int, weight_matmul: str, decode_attention: st
     for _, fused, adds in COMPARES[compare]:
         params = model.init_params(cfg, 0)
         params = model.fuse_projections(cfg, params) if fused else params
-        cache = costs.full_cache(cfg, 1, context)
+        cache = compress_lib.full_cache(cfg, 1, context)
         with max_adds(adds):
             step = decode.decode_step.lower(params, token, cache, cfg=cfg).compile()
         runs.append([step, params, cache, np.asarray(cache.length), []])

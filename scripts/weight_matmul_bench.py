@@ -43,9 +43,10 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
+from kvjax.cache import compress as compress_lib
 from kvjax import kernels, planner, presets
 from kvjax.config import default_scan_layers
-from kvjax.analysis import costs, hardware, theory
+from kvjax.analysis import hardware, theory
 from kvjax.inference import decode
 from kvjax.models import model
 
@@ -100,7 +101,7 @@ def main(argv):
     for scan, impl in impls:
         cfg = base.replace(weight_matmul=impl, scan_layers=scan)
         for b in batches:
-            cache = costs.full_cache(cfg, b, t)
+            cache = compress_lib.full_cache(cfg, b, t)
             tok = jnp.zeros((b, 1), jnp.int32)
             fn = decode.decode_step.lower(params[scan], tok, cache, cfg=cfg).compile()
             for _ in range(2):  # warm-up

@@ -949,13 +949,13 @@ def test_the_engine_refuses_every_n_on_pages_or_speculative_by_name(run, match):
 
 
 def test_the_cost_hooks_loop_compresses_every_n_from_a_full_cache():
-    """costs.full_cache of a compressed config holds its kept slots (markers) and a full
+    """compress_lib.full_cache of a compressed config holds its kept slots (markers) and a full
     ring, with a scoring state under 'every_n'; the generate loop the cost hook compiles
     (from shapes) re-scores: from a full ring, every 3 steps compress at steps 1 and 4,
     so 5 steps leave 1 token in the ring (without re-scoring it would stay full)."""
     from kvjax.analysis import costs
     cfg = cfg_for("h2o", budget=24, compression=every(3))
-    cache = costs.full_cache(cfg, 1, 100)
+    cache = compress_lib.full_cache(cfg, 1, 100)
     pos = np.asarray(cache.positions)[0]
     np.testing.assert_array_equal(pos[:24], np.arange(24))
     np.testing.assert_array_equal(np.sort(pos[24:]), np.arange(99 - KNOBS.recent_slots, 99))

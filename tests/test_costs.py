@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax.cache import compress as compress_lib
 from kvjax import cache as cache_lib
 from kvjax import presets
 from kvjax.analysis import costs, hlo_cost, theory
@@ -129,7 +130,7 @@ def test_loop_per_token_bytes_equal_the_single_step_in_float32():
     step = costs.analyze_decode_step(cfg, 256, attribute=False, jaxpr=False)
     assert abs(step.xla.bytes / loop.xla.bytes - 1) < 0.02
     assert abs(loop.bytes_ratio - 1) < 0.03
-    cache = costs.full_cache(loop.cfg, 1, 256)
+    cache = compress_lib.full_cache(loop.cfg, 1, 256)
     clear = 0 if model.step_ignores_masked_values(loop.cfg, cache) else 2 * loop.cache_bytes
     assert abs(loop.once_per_call["bytes"] - clear) < 1e-3 * loop.xla.bytes + 0.01 * clear
     assert "bytes_widened" not in loop.theory_parts

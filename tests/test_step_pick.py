@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax.cache import compress as compress_lib
 from kvjax import planner
-from kvjax.analysis import costs
 from kvjax.inference import decode
 from kvjax.models import model
 from kvjax.native import rows_matmul as rm
@@ -139,14 +139,11 @@ def test_measure_step_times_the_decode_step_of_each_plan(monkeypatch):
     assert out["choice"] in planner.STEP_CHOICES and out["calls"] >= 3
     assert set(out["ms"]) == set(planner.STEP_CHOICES) and min(out["ms"].values()) > 0
     params = model.fuse_projections(picks, model.init_params(picks, 0))
-    cache = costs.full_cache(picks, 1, 64)  # the cost hook's full cache: the same slots
-    mine = planner._full_dense_cache(picks, 1, 64)
-    np.testing.assert_array_equal(mine.positions, cache.positions)
-    np.testing.assert_array_equal(mine.length, cache.length)
+    cache = compress_lib.full_cache(picks, 1, 64)  # the cache measure_step times over
     token = jnp.zeros((1, 1), jnp.int32)
     ref, _ = decode.decode_step(params, token, cache, cfg=picks)
     for c in (picks, native):
         got, _ = jax.jit(functools.partial(planner._decode_step, cfg=c))(
-            params, token, planner._full_dense_cache(c, 1, 64))
+            params, token, compress_lib.full_cache(c, 1, 64))
         np.testing.assert_allclose(got[:, 0], ref, rtol=2e-5, atol=2e-5 * float(
             jnp.abs(ref).max()))

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache import compress as compress_lib
 from kvjax import cache as cache_lib
 from kvjax import presets
 from kvjax.analysis import costs, hardware, paging, theory
@@ -169,7 +170,7 @@ def measure_ragged_vs_lockstep(cfg: ModelConfig, params, t: int, batch: int,
     compiles, each at n1 and n2 steps (fixed cost cancelled). Returns both and their
     ratio (ragged / lockstep)."""
     n1, n2 = steps
-    base = costs.full_cache(cfg, batch, t - n2)
+    base = compress_lib.full_cache(cfg, batch, t - n2)
     if cache_lib.num_slots(cfg, t) != base.num_slots:
         big = cache_lib.init_cache(cfg, batch, t)
         base = big.replace(positions=big.positions.at[:, :base.num_slots].set(base.positions),

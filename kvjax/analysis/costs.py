@@ -432,7 +432,7 @@ def measure_loop_seconds(cfg: ModelConfig, params, context: int, batch: int = 1,
     if n2 - n1 < 1:
         return {"per_token_s": float("nan"), "steps": (n1, n2), "seconds": {},
                 "call_overhead_s": float("nan")}
-    cache = full_cache(cfg, batch, context - n2)
+    cache = compress_lib.full_cache(cfg, batch, context - n2)
     if cache_lib.num_slots(cfg, context) != cache.num_slots:
         # dense: a cache of ``context`` slots holding the same tokens
         big = cache_lib.init_cache(cfg, batch, context)
@@ -616,27 +616,6 @@ def measure_step_seconds(cfg: ModelConfig, params, cache: cache_lib.KVCache, bat
     return times
 
 
-def full_cache(cfg: ModelConfig, batch: int, context: int) -> cache_lib.KVCache:
-    """A zero cache of ``context`` slots (W for a window) that a step at context
-    ``context`` sees full: length context - 1, every slot holding a past position. A
-    compressed cache (``kv_compression``, context above its slots): its kv_budget kept
-    slots (markers 0 .. kv_budget - 1, :mod:`kvjax.cache.compress`) and its ring
-    holding the last recent_slots positions, with an empty scoring state
-    (:func:`kvjax.cache.compress.empty_schedule`) under schedule 'every_n'."""
-    cache = cache_lib.init_cache(cfg, batch, context)
-    s = cache.num_slots
-    pinned = cache_lib.policy_for(cfg).num_sink_tokens if cfg.kv_evicts else 0
-    held = jnp.arange(max(pinned, context - 1 - (s - pinned)), context - 1,
-                      dtype=jnp.int32)
-    positions = cache.positions.at[:, :pinned].set(
-        jnp.arange(min(pinned, context - 1), dtype=jnp.int32)) if pinned else cache.positions
-    positions = positions.at[:, cache_lib.slot_of(held, cfg, s)].set(held)
-    if cfg.kv_rescores:
-        cache = cache.replace(schedule=compress_lib.empty_schedule(cfg, batch))
-    return cache.replace(positions=positions,
-                         length=jnp.full((batch,), context - 1, jnp.int32))
-
-
 def measure_decode_step(cfg: ModelConfig, context: int, batch: int = 1, repeats: int = 5,
                         compiled=None, budget_s: float | None = 2.0,
                         before_step: Callable[[], object] | None = None) -> list[float]:
@@ -653,7 +632,7 @@ def measure_decode_step(cfg: ModelConfig, context: int, batch: int = 1, repeats:
     memory.check(cfg, batch, context, what=f"decode step at context {context}",
                  weights_bytes=theory.weight_bytes(cfg), temp_bytes=temps)
     params = model.init_params(cfg, 0)
-    cache = full_cache(cfg, batch, context)
+    cache = compress_lib.full_cache(cfg, batch, context)
     return measure_step_seconds(cfg, params, cache, batch, repeats, compiled=compiled,
                                 warmup=2, budget_s=budget_s, before_step=before_step)
 

@@ -426,3 +426,24 @@ def _pad_slots(x: jax.Array, n: int, axis: int) -> jax.Array:
     widths = [(0, 0)] * x.ndim
     widths[x.ndim + axis] = (0, n)
     return jnp.pad(x, widths)
+
+
+def full_cache(cfg: ModelConfig, batch: int, context: int) -> cache_lib.KVCache:
+    """A zero cache of ``context`` slots (W for a window) that a step at context
+    ``context`` sees full: length context - 1, every slot holding a past position. A
+    compressed cache (``kv_compression``, context above its slots): its kv_budget kept
+    slots (markers 0 .. kv_budget - 1, this module) and its ring
+    holding the last recent_slots positions, with an empty scoring state
+    (:func:`empty_schedule`) under schedule 'every_n'."""
+    cache = cache_lib.init_cache(cfg, batch, context)
+    s = cache.num_slots
+    pinned = cache_lib.policy_for(cfg).num_sink_tokens if cfg.kv_evicts else 0
+    held = jnp.arange(max(pinned, context - 1 - (s - pinned)), context - 1,
+                      dtype=jnp.int32)
+    positions = cache.positions.at[:, :pinned].set(
+        jnp.arange(min(pinned, context - 1), dtype=jnp.int32)) if pinned else cache.positions
+    positions = positions.at[:, cache_lib.slot_of(held, cfg, s)].set(held)
+    if cfg.kv_rescores:
+        cache = cache.replace(schedule=empty_schedule(cfg, batch))
+    return cache.replace(positions=positions,
+                         length=jnp.full((batch,), context - 1, jnp.int32))

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache import compress as compress_lib
 from kvjax import cache as cache_lib
 from kvjax import checkpoints
 from kvjax import naming, planner
@@ -479,7 +480,7 @@ def steps_at_context(cfgs: list, params: list, context: int, batch: int,
         except memory.MemoryCheckError as e:
             out.append(StepAtContext(step, float("nan"), str(e)))
             continue
-        cache = costs.full_cache(cfg, batch, context)
+        cache = compress_lib.full_cache(cfg, batch, context)
         p = model.init_params(cfg, 0) if p is None else p
         runs.append([len(out), compiled, model.fuse_projections(cfg, p), cache,
                      np.asarray(cache.length), []])
@@ -798,7 +799,7 @@ def cost_report(run: RunConfig, loaded: LoadedModel, gen: Generation) -> CostRep
                                         repeats=max(2, run.measure_repeats // 2))
     loop = costs.analyze_loop(cfg, context, b, compiled=loop_c, sampling=run.sampling)
     step = costs.analyze_decode_step(cfg, context, b)
-    times = costs.measure_step_seconds(cfg, params, costs.full_cache(cfg, b, context), b,
+    times = costs.measure_step_seconds(cfg, params, compress_lib.full_cache(cfg, b, context), b,
                                        run.measure_repeats)
     prefill = costs.analyze_prefill(cfg, gen.prompt_tokens, run.max_seq_len, b,
                                     compiled=gen.prefill_compiled)

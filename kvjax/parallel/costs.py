@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from kvjax.cache import compress as compress_lib
 from kvjax import cache as cache_lib
 from kvjax.analysis import hlo_cost
 from kvjax.config import MeshConfig, ModelConfig
 from kvjax.parallel import collectives as coll_lib
 from kvjax.parallel import programs
-from kvjax.analysis import costs as single
 from kvjax.inference import decode
 from kvjax.parallel import specs as specs_lib
 from kvjax.parallel.specs import cache_tensor_spec
@@ -151,7 +151,7 @@ def measure_sharded_step(cfg: ModelConfig, mcfg: MeshConfig, params, context: in
                          devices=None) -> list[float]:
     """Wall times (s) of ``repeats`` sharded decode steps at ``context``, after one
     warm-up: ``params`` (host or single-device arrays) placed by their specs, a full
-    cache (``kvjax.analysis.costs.full_cache``) created directly in its shardings, the
+    cache (``kvjax.cache.compress.full_cache``) created directly in its shardings, the
     cache donated to each call and its length reset, so every step sees the same
     context. ``compiled``: :attr:`ShardedStepCost.compiled` (else compiled here).
     Report the median.
@@ -163,7 +163,7 @@ def measure_sharded_step(cfg: ModelConfig, mcfg: MeshConfig, params, context: in
     import numpy as np  # noqa: PLC0415
     mm = programs.build(cfg, mcfg, batch, context, devices=devices)
     cshard = specs_lib.shardings(mm.mesh, mm.cache_specs)
-    cache = jax.jit(functools.partial(single.full_cache, cfg, batch, context),
+    cache = jax.jit(functools.partial(compress_lib.full_cache, cfg, batch, context),
                     out_shardings=cshard)()
     params = mm.shard_params(params)
     token = jax.device_put(np.zeros((batch, 1), np.int32), mm.sharding(P("data")))
