@@ -101,8 +101,9 @@ def model_dict(**fields) -> config_dict.ConfigDict:
     m.kv_dtype = config_dict.placeholder(str)
     # Decode attention formulation: 'auto' (default here: the fastest measured on this
     # machine per shape class, kvjax.planner, cached; caches under 256 KiB skip the
-    # measurement and use 'xla'), 'xla', 'xla_cache_left', 'native' (CPU FFI kernel) or
-    # 'pallas' (GPU). ModelConfig's own default stays 'xla' (library calls, tests).
+    # measurement and use 'xla'), 'xla', 'xla_cache_left', 'native' (CPU FFI kernel),
+    # 'native_blocks' (the same, grouped rows swept block by block; AVX-512) or 'pallas'
+    # (GPU). ModelConfig's own default stays 'xla' (library calls, tests).
     m.decode_attention = "auto"
     # Few-row weight products (float32, M <= 256 rows): 'auto' (default here: the faster
     # of the two measured on this machine per (M, K, N, layout) class, kvjax.planner,

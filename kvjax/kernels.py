@@ -38,7 +38,7 @@ formulations, and for the prompt the native kernel where it applies (loaded in t
 else its fallback 'tiled'."""
 REFERENCE = {"decode_attention": "xla", "weight_matmul": "xla", "prefill_attention": "tiled"}
 """The reference formulation of each op (what a config without a plan runs)."""
-NATIVE = ("decode_attention", "prefill_attention", "rows_matmul")
+NATIVE = ("decode_attention", "decode_attention_blocks", "prefill_attention", "rows_matmul")
 """The native CPU kernels a plan may hold (:data:`kvjax.plan.NATIVE_KERNELS`)."""
 
 
@@ -60,7 +60,8 @@ class Site:
       dtype: element type name the formulation reads (a cache's read dtype, the model's
         for a prompt, the weight's for a product).
       k_layout, v_layout: 'BKSH' or 'BKHS' (attention).
-      head_dim: H; slots: S of the cache (0: none); queries: T positions per row;
+      head_dim: H; groups: G·T query rows per KV head (0: not known); slots: S of the
+        cache (0: none); queries: T positions per row;
       rows: M rows of a weight product (-1: not known yet, a config's static site);
       layout: 'kn' or 'nk' of its weight.
       slot_kind: the cache policy's kind ('dense', 'ring', 'dense_window').
@@ -88,6 +89,7 @@ class Site:
     k_layout: str = "BKSH"
     v_layout: str = "BKSH"
     head_dim: int = 64
+    groups: int = 0
     slots: int = 0
     queries: int = 1
     rows: int = 1
@@ -187,6 +189,17 @@ def _native_decode(s: Site) -> str | None:
                   ("decode_attention" not in s.native,
                    "the config's plan holds no native decode-attention kernel (resolve "
                    "the config with kvjax.planner.resolve, which builds and loads it)"))
+
+
+def _native_blocks(s: Site) -> str | None:
+    return _native_decode(s) or _first(
+        ("decode_attention_blocks" not in s.native,
+         "this machine's kernel has no block sweep (AVX-512 only)"),
+        (s.groups and not 2 <= s.groups <= 9, f"G = 2 to 9 query heads per KV head (got "
+                                               f"{s.groups}; 'native' reads the others)"),
+        (s.v_layout != "BKSH", f"values 'BKSH' (got {s.v_layout!r})"),
+        (s.paged, "dense rows, not page pools"),
+        (s.slot_kind != "dense", f"a dense cache (got {s.slot_kind!r})"))
 
 
 def _pallas_decode(s: Site) -> str | None:
@@ -301,6 +314,17 @@ REGISTRY = (
                 # the dense-window rule: only a formulation that skips masked slots
                 # reads W of a dense window's S slots, whatever was measured for S
                 forced_by=lambda s: s.slot_kind == "dense_window", stands_in=(AUTO,)),
+    Formulation("decode_attention", "native_blocks", ("cpu",),
+                "'native' with each fully visible run of a grouped row (G = 2 to 9, "
+                "values 'BKSH', dense, AVX-512) swept block by block: a block's scores, "
+                "then at once its softmax and values (flash-decoding's update); timed "
+                "against 'native' per machine",
+                "kvjax/native/decode_attention.cc", "custom call",
+                "kvjax_decode_attention", "kvjax_paged_decode_attention",
+                fn=".run_step", step=f"{_ATTN}:step_kernel",
+                partial=f"{_DK}:partial_native_blocks", applies=_native_blocks,
+                fallback="native", in_place=True, skips_masked=True, measured=True,
+                needs_plan=True),
     Formulation("decode_attention", "pallas", ("gpu",),
                 "dense 'BKSH' caches (visible slots a prefix), head_dim a power of two "
                 ">= 16; paged float caches read in place (the paged-attention kernel's "

@@ -26,8 +26,10 @@ SEQ = "seq"  # the mesh axis that splits a cache's slots (flash-decoding across 
 DATA = "data"  # the mesh axis that splits batch rows
 MODEL = "model"  # the mesh axis that splits KV heads and weight columns
 # the native CPU kernels a plan may hold (kvjax.native: decode_attention.cc,
-# prefill_attention.cc, rows_matmul.cc)
-NATIVE_KERNELS = ("decode_attention", "prefill_attention", "rows_matmul")
+# prefill_attention.cc, rows_matmul.cc; decode_attention_blocks: decode_attention.cc
+# built with its block sweep, kvjax.native.block_sweep)
+NATIVE_KERNELS = ("decode_attention", "decode_attention_blocks", "prefill_attention",
+                  "rows_matmul")
 
 
 def decode_attention_class(b: int, k: int, g: int, h: int, v: int, s: int, dtype: str,

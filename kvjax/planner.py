@@ -206,6 +206,13 @@ WARM_METHOD = "warm-chain-iqr-mannwhitney"
 """:data:`MEASURE_METHOD` without the flush (``$KVJAX_PLANNER_MEASURE=warm``)."""
 
 
+def _native_kernels() -> tuple:
+    """:data:`kvjax.kernels.NATIVE` as :func:`measure` may run them here: without the
+    block sweep where this machine's kernel has none (:func:`kvjax.native.block_sweep`)."""
+    return tuple(n for n in kernels.NATIVE
+                 if n != "decode_attention_blocks" or native.block_sweep())
+
+
 def _flusher():
     """A callable that reads :data:`FLUSH_BYTES` (evicting the caches); it holds that
     buffer until it is dropped, at the end of the measurement."""
@@ -292,7 +299,8 @@ def mann_whitney_p(faster: list[float], slower: list[float]) -> float:
     return 0.5 * (1 + math.erf(z / math.sqrt(2)))
 
 
-def _decide(calls: dict[str, list[float]], ref: str = "xla") -> Decision:
+def _decide(calls: dict[str, list[float]], ref: str = "xla",
+            variants: dict[str, str] | None = None) -> Decision:
     """The formulation of ``calls`` ({name: its timed calls' seconds}) a pick keeps, and
     the rule that kept it. ``alt``, the fastest other than ``ref`` (the reference: 'xla',
     the reference of every op, :data:`kvjax.kernels.REFERENCE`) by median, against
@@ -306,7 +314,24 @@ def _decide(calls: dict[str, list[float]], ref: str = "xla") -> Decision:
        each: ``ref`` (nothing to gain);
     4. else undecided: ``ref`` for now, and :func:`_measure` times more rounds
        (docs/decisions/0009-planner-noise-rule.md).
+
+    ``variants`` ({name: the formulation it is a variant of}): a pick that is a variant
+    of another timed formulation ('native_blocks' of 'native') must then win against
+    that one by the same rule, with it as the reference; else that one is kept
+    (docs/decisions/0052-grouped-decode-blocks-per-machine.md). Both rules' lines are
+    kept; it is decided when both are.
     """
+    first = _decide_against(calls, ref)
+    base = (variants or {}).get(first.choice)
+    if base is None or base not in calls:
+        return first
+    second = _decide_against({base: calls[base], first.choice: calls[first.choice]}, base)
+    return Decision(second.choice, f"{first.rule}; then {second.rule}",
+                    first.decided and second.decided, second.p_value)
+
+
+def _decide_against(calls: dict[str, list[float]], ref: str) -> Decision:
+    """:func:`_decide`'s rules 1-4 against ``ref``."""
     secs = {n: statistics.median(t) for n, t in calls.items()}
     n_calls = min(len(t) for t in calls.values())
     if ref not in secs or len(secs) == 1:
@@ -330,19 +355,20 @@ def _decide(calls: dict[str, list[float]], ref: str = "xla") -> Decision:
 
 
 def _measure(fns: dict, args: tuple, rounds: int, budget_s: float,
-             flush=None, ref: str = "xla") -> tuple[dict[str, list[float]], Decision]:
+             flush=None, ref: str = "xla",
+             variants: dict[str, str] | None = None) -> tuple[dict[str, list[float]], Decision]:
     """The timed calls of ``fns`` (:func:`_time_all`) and their :func:`_decide` against
-    ``ref``; while undecided, more rounds of ``rounds`` are added until it decides,
-    :data:`MAX_CALLS` calls per candidate or :data:`EXTRA_BUDGET_S` seconds."""
+    ``ref`` (and ``variants``); while undecided, more rounds of ``rounds`` are added until
+    it decides, :data:`MAX_CALLS` calls per candidate or :data:`EXTRA_BUDGET_S` seconds."""
     calls = _time_all(fns, args, rounds, budget_s, flush)
-    decision = _decide(calls, ref)
+    decision = _decide(calls, ref, variants)
     start = time.perf_counter()
     while (not decision.decided and min(map(len, calls.values())) < MAX_CALLS
            and time.perf_counter() - start < EXTRA_BUDGET_S):
         more = _time_all(fns, args, rounds, budget_s, flush, warmups=0)
         for n, t in more.items():
             calls[n].extend(t)
-        decision = _decide(calls, ref)
+        decision = _decide(calls, ref, variants)
     return calls, decision
 
 
@@ -403,7 +429,8 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
             args = args + (table,)
         site = kernels.Site("decode_attention", backend=backend,
                             dtype=jnp.dtype(dtype).name, k_layout=k_layout,
-                            v_layout=v_layout, head_dim=h, slots=s, native=kernels.NATIVE)
+                            v_layout=v_layout, head_dim=h, groups=g, slots=s,
+                            native=_native_kernels())
         for impl in candidates:
             f = kernels.get("decode_attention", impl)
             if f.applies(site) is not None or (f.needs_plan and not native.load()):
@@ -419,8 +446,11 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
             raise ValueError(f"candidates={tuple(candidates)!r}: none applies to this "
                              f"attention ({jnp.dtype(dtype).name} {k_layout}/{v_layout}, "
                              f"backend {backend}); allowed: 'xla' always applies")
+        # a variant (its fallback timed too: 'native_blocks' of 'native') must beat it
+        variants = {n: f.fallback for n in fns
+                    if (f := kernels.get("decode_attention", n)).fallback in fns}
         calls, decision = _measure(fns, args, rounds, budget_s,
-                                   _flusher() if cold else None)
+                                   _flusher() if cold else None, variants=variants)
     secs = {n: statistics.median(t) for n, t in calls.items()}
     nbytes = b * k * s * (h + v) * jnp.dtype(dtype).itemsize
     return _decided({"gbps": {n: round(nbytes / t / 1e9, 2) for n, t in secs.items()},
@@ -803,6 +833,8 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
         if (not cfg.is_mla and cfg.decode_attention in ("native", "auto")
                 and jnp.dtype(cfg.cache_dtype) == jnp.float32 and native.load()):
             loaded.add("decode_attention")
+            if native.block_sweep():
+                loaded.add("decode_attention_blocks")
         if (not cfg.is_mla and cfg.prefill_impl in ("native", "auto")
                 and native_prefill.load()):
             loaded.add("prefill_attention")

@@ -17,7 +17,7 @@ the 2-core EPYC; docs/results/amd-epyc-avx512-2core.md, "Session 29, quiet"), wh
 step pays once for all its layers. ``--layers=L`` (default 8; 0: off) also times, per
 shape, one program that runs L layers' decode attention in turn over L distinct caches
 (together larger than the CPU's caches, so each is read from memory, as in a step), for
-'xla' and 'native': its GB/s and share of the same probe are the kernel as a step runs it.
+'xla', 'native' and 'native_blocks': its GB/s and share of the same probe are the kernel as a step runs it.
 
     python scripts/decode_attention_bench.py [--slots 32768] [--dtype float32] [--rounds 7]
     python scripts/decode_attention_bench.py --models=smollm2 --slots=16384 --queries=1,2,3,5,9
@@ -95,7 +95,7 @@ def main() -> None:
     probe = hardware.ReadProbe("vecmat") if chip is None else None
     dtype = jnp.dtype(a.dtype)
     heads = {"blog": (8, (8, 2, 1)), "smollm2": (9, (9, 3, 1))}
-    candidates = ["xla", "xla_cache_left", "native", "pallas"]
+    candidates = list(planner.CANDIDATES) + ["pallas"]
     for name in a.models.split(","):
         n, ks = heads[name]
         best = {}
@@ -118,7 +118,8 @@ def main() -> None:
                   f"[{time.perf_counter() - t0:.1f} s]", flush=True)
             if t == queries[0] and a.layers:
                 secs = in_program(a.layers, k, g, a.slots, dtype, lay, backend, a.rounds,
-                                  [i for i in ("xla", "native") if i in r["gbps"]])
+                                  [i for i in ("xla", "native", "native_blocks")
+                                   if i in r["gbps"]])
                 nbytes = a.layers * k * a.slots * 128 * dtype.itemsize
                 cells = "  ".join(f"{impl} {nbytes / sec / 1e9:6.1f} GB/s "
                                   f"({nbytes / sec / roof:4.0%})"

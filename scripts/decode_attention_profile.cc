@@ -6,8 +6,10 @@
 // maxima), the online softmax on scores already in place (on AVX-512 with G > 1 given
 // the maxima, as FastItem does), the values over a dense row's contiguous rows (without
 // FastItem's prefetch of the next sub-block), and a plain read of the same bytes. On
-// AVX-512, for G <= 4, also the per-block (flash-decoding) sweep measured and not kept
-// (FusedSpan below; docs/decisions/0045-grouped-decode-fused-blocks.md) against FastItem,
+// AVX-512, for G >= 2, also the per-block (flash-decoding) sweep, 'native_blocks'
+// (BlockSweep in the kernel, at several pass lengths, prefetch distances and spans;
+// docs/decisions/0045-grouped-decode-fused-blocks.md,
+// docs/decisions/0052-grouped-decode-blocks-per-machine.md) against FastItem,
 // paired in interleaved rounds (FusedAgainstFastItem; KVJAX_PAIRED_ROUNDS, default 41).
 // Two threads sharing the memory: two copies at once, `(/tmp/prof ... > /tmp/b.txt &);
 // /tmp/prof ...`.
@@ -43,85 +45,7 @@ static void SpanValuesContig(int64_t G, int64_t V, const float* scp, int64_t ld_
   }
 }
 
-// One block's online softmax and values, right after its scores (flash-decoding's per
-// block update, Dao et al. 2023): the GB heads' scores of w visible slots at sc (row
-// stride ld_sc, in L1: just stored) become unnormalised probabilities against each
-// head's running max m[g] (o[g] and l[g] rescaled when it grows), then the w contiguous
-// value rows at vp ([w, V]) are accumulated into o with every head's columns in
-// registers (ValuesRows).
-template <int GB>
-static inline void BlockSoftmaxValues(float* sc, int64_t ld_sc, int64_t w, const float* vp,
-                                      int64_t V, int nv, float* m, float* l, float* o) {
-  for (int g = 0; g < GB; ++g) {
-    float* sr = sc + g * ld_sc;
-    vf bm = ld(sr);
-    for (int64_t j = VL; j < w; j += VL) bm = vmax(bm, ld(sr + j));
-    const float mnew = std::max(m[g], hmax(bm));
-    if (mnew > m[g]) {  // m = -1e30 before any slot: o and l are 0, whatever the factor
-      const float a = fast_exp(m[g] - mnew);
-      l[g] *= a;
-      for (int64_t c = 0; c < V; c += VL) st(o + g * V + c, ld(o + g * V + c) * a);
-      m[g] = mnew;
-    }
-    const vf mv = bc(mnew);
-    vf sum{};
-    for (int64_t j = 0; j < w; j += VL) {
-      const vf e = vexp(ld(sr + j) - mv);
-      st(sr + j, e);
-      sum += e;
-    }
-    l[g] += hsum(sum);
-  }
-  for (int64_t c0 = 0; c0 < V; c0 += nv * VL)
-    ValuesRowsAny<true>(nv, GB, sc, ld_sc, &vp, w, 0, c0, o, V);
-}
-
-// A dense row's span of n visible slots (n a multiple of VL) for GB heads in one sweep of
-// blocks: GroupScoresGB's walk (passes of pass_rows key rows, the block `ahead` blocks on
-// prefetched), and on the last pass each block's softmax and values right after its
-// scores (BlockSoftmaxValues), so the value stream runs between the key blocks instead
-// of after the whole span's keys.
-
-template <int GB>
-static void FusedSpanGB(const float* qs, int64_t H, const float* kp, int64_t ks,
-                        const float* vp, int64_t V, int64_t n, float* sc, int64_t ld_sc,
-                        float* m, float* l, float* o, int64_t pass_rows, int64_t ahead) {
-  constexpr int NJ = GroupNJ(GB);
-  constexpr int64_t W = NJ * VL;
-  const int64_t nvv = V / VL;
-  const int nv = nvv % 4 == 0 ? 4 : (nvv % 2 == 0 ? 2 : 1);
-  for (int64_t h0 = 0; h0 < H; h0 += pass_rows) {
-    const int64_t h1 = std::min(H, h0 + pass_rows);
-    const bool last = h1 == H;
-    int64_t j = 0;
-    for (; j + W <= n; j += W) {
-      const int64_t jj = j + ahead * W;
-      const float* pf = jj < n ? kp + jj : last ? kp + jj - h0 * ks : kp + jj - n + pass_rows * ks;
-      GroupScoresBlock<GB, NJ>(qs, H, h0, h1, kp + j, ks, sc + j, ld_sc, pf, nullptr, nullptr);
-      if (last) BlockSoftmaxValues<GB>(sc + j, ld_sc, W, vp + j * V, V, nv, m, l, o);
-    }
-    for (; j < n; j += VL) {
-      GroupScoresBlock<GB, 1>(qs, H, h0, h1, kp + j, ks, sc + j, ld_sc, nullptr, nullptr,
-                              nullptr);
-      if (last) BlockSoftmaxValues<GB>(sc + j, ld_sc, VL, vp + j * V, V, nv, m, l, o);
-    }
-  }
-}
-
-
-static void FusedSpan(const float* qs, int64_t G, int64_t H, const float* kp, int64_t ks,
-                      const float* vp, int64_t V, int64_t n, float* sc, int64_t ld_sc,
-                      float* m, float* l, float* o, int64_t pass_rows, int64_t ahead) {
-  switch (G) {
-#define KVJAX_FUSED(N) \
-  case N: FusedSpanGB<N>(qs, H, kp, ks, vp, V, n, sc, ld_sc, m, l, o, pass_rows, ahead); break;
-    KVJAX_FUSED(1) KVJAX_FUSED(2) KVJAX_FUSED(3) KVJAX_FUSED(4)
-#undef KVJAX_FUSED
-  }
-}
-
-
-// The per-block sweep (FusedSpan) against FastItem on the same head, in `rounds`
+// The per-block sweep (BlockSweep, 'native_blocks') against FastItem on the same head, in `rounds`
 // interleaved rounds with a plain read of the same bytes, the caches rotated over
 // `copies`: prints medians and the median of the paired ratios (fused / FastItem time:
 // below 1, fused is faster), per (R, A, span) = passes of R key rows, the block A ahead
@@ -164,8 +88,8 @@ static void FusedAgainstFastItem(const Shape& sh, const float* q, const float* k
         std::fill(l2.begin(), l2.end(), 0.0f);
         std::fill(o2.begin(), o2.end(), 0.0f);
         for (int64_t sb = 0; sb < S; sb += SP)
-          FusedSpan(qs.data(), G, H, kp + sb, S, vp + sb * V, V, SP, sc.data(),
-                    SP + kScorePad, m2.data(), l2.data(), o2.data(), R, A);
+          BlockSweep(qs.data(), G, H, kp + sb, S, vp + sb * V, V, SP, sc.data(),
+                     SP + kScorePad, m2.data(), l2.data(), o2.data(), R, A);
       }
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (r >= 2) t[v].push_back(s);
@@ -266,7 +190,7 @@ int main(int argc, char** argv) {
       m[0] = hsum(a + b);
     });
     std::printf("  read   %6.1f GB/s\n", bytes / tr / 1e9);
-    if (kRegs == 32 && G <= 4) {  // AVX2's value blocking holds 2 heads x 4 vectors
+    if (kRegs == 32) {  // AVX2 keeps the phases (BlockSweepApplies)
       const char* env = std::getenv("KVJAX_PAIRED_ROUNDS");
       FusedAgainstFastItem(sh, q.data(), kc.data(), vc.data(), vis.get(), copies,
                            std::max(3, env ? std::atoi(env) : 41));

@@ -393,12 +393,12 @@ def _grouped_problem(g, kl, vl, seed):
     return dense, paged, jnp.asarray(table)
 
 
-def _grouped_matches_xla(g, layouts):
+def _grouped_matches_xla(g, layouts, impl="native"):
     kl, vl = layouts
     dense, paged, table = _grouped_problem(g, kl, vl, seed=g)
     for args, bt in ((dense, None), (paged, table)):
         ref = decode_kernels.partial_attention("xla", *args, kl, vl, block_table=bt)
-        got = decode_kernels.partial_attention("native", *args, kl, vl, block_table=bt)
+        got = decode_kernels.partial_attention(impl, *args, kl, vl, block_table=bt)
         for name, r, o in zip("oml", ref, got):
             assert np.isfinite(np.asarray(o)).all(), name
             np.testing.assert_allclose(np.asarray(o), np.asarray(r), atol=3e-5, rtol=3e-5,
@@ -414,6 +414,39 @@ def test_native_grouped_equals_xla(g, layouts):
     every layout: ragged rows, windows with sinks, masked slots and paged rows; (o, m, l)
     equal XLA's."""
     _grouped_matches_xla(g, layouts)
+
+
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+@pytest.mark.parametrize("v", [64, 32])
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 8, 9])
+def test_native_blocks_equals_xla(g, v):
+    """'native_blocks' (each fully visible dense run of a grouped row swept block by
+    block, docs/decisions/0052-grouped-decode-blocks-per-machine.md) against XLA: rows of
+    several spans fully visible, a run starting inside a span (at slot 128), a ragged end
+    (S = 9,000), a row with masked slots and one that sees nothing; V = 64 and 32 (4 and 2
+    vectors a value row). On AVX-512 for G = 2-9 its sums differ from 'native''s in the
+    last bits (another summation order): the sweep ran. Then the ragged, windowed and
+    paged problems of test_native_grouped_equals_xla."""
+    b, k, h, s = 4, 2, 64, 9000
+    rng = np.random.default_rng(11 + g)
+    q = jnp.asarray(rng.standard_normal((b, k, g, h)), jnp.float32)
+    kc = jnp.asarray(3 * rng.standard_normal((b, k, h, s)), jnp.float32)
+    vc = jnp.asarray(rng.standard_normal((b, k, s, v)), jnp.float32)
+    vis = np.zeros((b, s), bool)
+    vis[0] = True
+    vis[1, 128:6144] = True
+    vis[2] = rng.random(s) < 0.7
+    vis = jnp.asarray(vis)
+    ref = decode_kernels.partial_attention("xla", q, kc, vc, vis, "BKHS", "BKSH")
+    got = decode_kernels.partial_attention("native_blocks", q, kc, vc, vis, "BKHS", "BKSH")
+    phased = decode_kernels.partial_attention("native", q, kc, vc, vis, "BKHS", "BKSH")
+    for name, r, o in zip("oml", ref, got):
+        np.testing.assert_allclose(np.asarray(o), np.asarray(r), atol=3e-5, rtol=3e-5,
+                                   err_msg=name)
+    assert float(got[2][3].max()) == 0.0 and float(got[0][3].max()) == 0.0  # sees nothing
+    swept = native.block_sweep() and 2 <= g <= 9
+    assert (not np.array_equal(np.asarray(got[0][:2]), np.asarray(phased[0][:2]))) == swept
+    _grouped_matches_xla(g, ("BKHS", "BKSH"), "native_blocks")
 
 
 @pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
@@ -732,7 +765,7 @@ def test_planner_flushes_the_caches_before_every_timed_call(monkeypatch, cold):
     monkeypatch.setattr(planner, "_time_all", spy)
     monkeypatch.setattr(planner, "MAX_CALLS", 3)  # one batch of rounds, decided or not
     planner.measure(1, 2, 4, 64, 64, 512, jnp.float32, "BKHS", "BKSH", rounds=3,
-                    budget_s=0.0, cold=cold)
+                    budget_s=0.0, cold=cold, candidates=("xla", "xla_cache_left", "native"))
     timed = events[events.index("flush"):] if cold else events[6:]  # after 2 warm-ups
     assert len([e for e in timed if e != "flush"]) == 9  # 3 rounds x 3 formulations
     if cold:

@@ -270,7 +270,8 @@ def test_bench_refuses_a_formulation_this_backend_lacks_before_any_work(tmp_path
     assert proc.returncode == 2, proc.stderr[-3000:]
     # the registry's refusal: the value, why it cannot run here, and what can
     assert "model.decode_attention='pallas' cannot run here (backend 'cpu'" in proc.stderr
-    assert "allowed here: ['auto', 'xla', 'xla_cache_left', 'native']" in proc.stderr
+    assert ("allowed here: ['auto', 'xla', 'xla_cache_left', 'native', 'native_blocks']"
+            in proc.stderr)
     assert "Traceback" not in proc.stderr and "device:" not in proc.stdout
 
 

@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_every_list_is_the_registry():
     assert kernels.names("decode_attention") == ("auto", "xla", "xla_cache_left", "native",
-                                                 "pallas")
+                                                 "native_blocks", "pallas")
     assert kernels.names("weight_matmul") == ("auto", "xla", "native", "native_ksplit",
                                               "native_lanes")
     assert set(weight_matmul.NATIVE) == {"native", "native_ksplit", "native_lanes"}
@@ -40,7 +40,8 @@ def test_custom_calls_name_their_targets():
 
 def test_unknown_names_are_refused_naming_the_allowed():
     with pytest.raises(ValueError, match=r"decode_attention='nope'; allowed: one of "
-                                         r"\['xla', 'xla_cache_left', 'native', 'pallas'\]"):
+                                         r"\['xla', 'xla_cache_left', 'native', "
+                                         r"'native_blocks', 'pallas'\]"):
         kernels.get("decode_attention", "nope")
     with pytest.raises(ValueError, match=r"op='matmul'; allowed"):
         kernels.names("matmul")

@@ -48,7 +48,8 @@ def test_tracing_with_a_resolved_plan_measures_nothing_and_writes_nothing(
         tmp_path, monkeypatch):
     cfg = planner.resolve(_native_cfg().replace(weight_matmul="auto"), max_seq_len=S,
                           batch_sizes=(B,), rows=(B * T,))
-    assert set(cfg.plan.native) == {"decode_attention", "prefill_attention", "rows_matmul"}
+    assert set(cfg.plan.native) == {"decode_attention", "prefill_attention", "rows_matmul"} | (
+        {"decode_attention_blocks"} if native.block_sweep() else set())
     empty = tmp_path / "planner"
     empty.mkdir()
     monkeypatch.setenv(planner.PLANNER_CACHE_ENV, str(empty))
@@ -95,7 +96,7 @@ def test_auto_picks_are_per_shape_class_and_printed(planner_home):
                           batch_sizes=(1, 4))
     names = [n for n, _ in cfg.plan.decode_attention]
     assert len(names) == 2 and names[0].startswith("B1-K2-G2-H64") and "S1024" in names[0]
-    assert all(impl in ("xla", "xla_cache_left", "native") for _, impl in
+    assert all(impl in ("xla", "xla_cache_left", "native", "native_blocks") for _, impl in
                cfg.plan.decode_attention)
     lines = cfg.plan.lines()
     # the header, two decode classes, the prompt's attention fresh and over a cache

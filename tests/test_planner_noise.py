@@ -50,6 +50,41 @@ def test_a_much_faster_kernel_with_a_wide_spread_is_picked():
     assert (d.choice, d.decided) == ("native", True) and "Mann-Whitney" in d.rule
 
 
+def test_a_variant_must_beat_the_formulation_it_varies():
+    """'native_blocks' is a variant of 'native' (its fallback): picked over 'xla' by the
+    rules, it must then beat 'native' by the same rules with 'native' as the reference
+    (decision 0052); a tie or a gain inside the noise keeps 'native'."""
+    variants = {"native_blocks": "native"}
+    rng = np.random.default_rng(0)
+    spread = lambda x, n=21: list(x * (1 + 0.02 * rng.standard_normal(n)))  # noqa: E731
+    xla = spread(2.0)
+    d = planner._decide({"xla": xla, "native": spread(1.0), "native_blocks": spread(0.8)},
+                        variants=variants)
+    assert (d.choice, d.decided) == ("native_blocks", True), d
+    assert "then native_blocks" in d.rule and d.p_value < planner.ALPHA
+    # 1% lower in median: under MIN_GAIN against native, which is kept
+    native_calls = spread(1.0)
+    d = planner._decide({"xla": xla, "native": native_calls,
+                         "native_blocks": [t * 0.99 for t in native_calls]},
+                        variants=variants)
+    assert (d.choice, d.decided) == ("native", True), d
+    assert "native kept" in d.rule.split("; then ")[1]
+    # lower in median but inside the noise after few calls: undecided, native for now
+    d = planner._decide({"xla": [2.0] * 10, "native": [0.85, 0.9, 1.0, 1.1, 1.15] * 2,
+                         "native_blocks": [0.88, 0.89, 0.9, 0.91, 0.92] * 2},
+                        variants=variants)
+    assert (d.choice, d.decided) == ("native", False), d
+    assert "undecided" in d.rule.split("; then ")[1]
+    # slower than native: the first rule already picks native, no second
+    d = planner._decide({"xla": xla, "native": spread(1.0), "native_blocks": spread(1.3)},
+                        variants=variants)
+    assert (d.choice, d.decided) == ("native", True) and "then" not in d.rule
+    # without the variants the lowest median other than xla wins outright
+    assert planner._decide({"xla": xla, "native": native_calls,
+                            "native_blocks": [t * 0.99 for t in native_calls]}).choice \
+        == "native_blocks"
+
+
 def _quartiles(times):
     """(25th, 75th percentile) of ``times``."""
     q = statistics.quantiles(times, n=4)

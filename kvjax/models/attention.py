@@ -157,7 +157,8 @@ def attend_step(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.
     dtype = "float32" if k_scale is not None else jnp.dtype(k_cache.dtype).name
     where = kernels.Site("decode_attention", backend=backend or backend_lib.current(),
                          dtype=dtype, k_layout=k_layout,
-                         v_layout=v_layout, head_dim=q.shape[-1], slots=dims[2],
+                         v_layout=v_layout, head_dim=q.shape[-1], groups=q.shape[3],
+                         slots=dims[2],
                          quantized=k_scale is not None,
                          sinks_at_cache=sink_scores is not None, native=kernels.NATIVE)
     return kernels.run("decode_attention", kernels.select("decode_attention", impl, where),

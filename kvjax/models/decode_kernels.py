@@ -104,7 +104,8 @@ def site(cfg, b: int, t: int, s: int, cached: bool = True, page_size: int = 0,
         base_key=shape_class(cfg, b, s, dtype, page_size) if decode and t > 1 else "",
         backend=cfg.backend, dtype=jnp.dtype(dtype).name,
         k_layout=cfg.cache_layout("k"), v_layout=cfg.cache_layout("v"),
-        head_dim=cfg.head_dim, slots=int(s), queries=int(t), slot_kind=kind,
+        head_dim=cfg.head_dim, groups=cfg.num_groups * int(t), slots=int(s),
+        queries=int(t), slot_kind=kind,
         paged=page_size > 0, quantized=scaled_codes(cfg),
         sinks=cfg.num_sink_tokens > 0,
         sinks_at_cache=cfg.rope_positions == "cache" and cfg.num_sink_tokens > 0,
@@ -235,6 +236,14 @@ def partial_native(name, q, k_cache, v_cache, visible, k_layout, v_layout, scale
     return _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale, block_table)
 
 
+def partial_native_blocks(name, q, k_cache, v_cache, visible, k_layout, v_layout, scale,
+                          backend, interpret, block_table):
+    """'native_blocks': the custom call, each fully visible dense run of a grouped row
+    swept block by block (``blocks=1``)."""
+    return _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale, block_table,
+                   blocks=True)
+
+
 def partial_pallas(name, q, k_cache, v_cache, visible, k_layout, v_layout, scale, backend,
                    interpret, block_table):
     """'pallas': JAX's Pallas decode kernel, or its paged kernel's body over the pools."""
@@ -247,8 +256,12 @@ def partial_pallas(name, q, k_cache, v_cache, visible, k_layout, v_layout, scale
     return _pallas(q, k_cache, v_cache, visible, k_layout, v_layout, scale, interpret)
 
 
-def _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale, block_table=None):
-    """The native kernel's custom call (:func:`partial_attention`'s 'native').
+def _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale, block_table=None,
+            blocks: bool = False):
+    """The native kernel's custom call (:func:`partial_attention`'s 'native'; with
+    ``blocks``, 'native_blocks': on AVX-512, G = 2 to 9 and values 'BKSH', each fully
+    visible dense run is swept block by block, flash-decoding's per-block update, Dao et
+    al. 2023; other shapes run as 'native').
 
     A per-head table ([B, K, C], ``visible`` [B, K, C·P]: each KV head its own pages) is
     read by the paged target as a per-row table of B·K rows of one KV head each over the
@@ -262,7 +275,7 @@ def _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale, block_table
         rows = jnp.where(block_table >= 0, block_table * k + heads, -1).reshape(b * k, -1)
         pools = [x.reshape((x.shape[0] * k, 1) + x.shape[2:]) for x in (k_cache, v_cache)]
         o, m, l = _native(q.reshape(b * k, 1, g, h), *pools, visible.reshape(b * k, -1),
-                          k_layout, v_layout, scale, rows)
+                          k_layout, v_layout, scale, rows, blocks)
         return o.reshape(b, k, g, -1), m.reshape(b, k, g), l.reshape(b, k, g)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if x.dtype != jnp.float32:
@@ -278,7 +291,8 @@ def _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale, block_table
     out = (jax.ShapeDtypeStruct((b, k, g, width), f32), jax.ShapeDtypeStruct((b, k, g), f32),
            jax.ShapeDtypeStruct((b, k, g), f32))
     attrs = dict(k_bksh=np.int64(k_layout == "BKSH"), v_bksh=np.int64(v_layout == "BKSH"),
-                 scale=np.float32(scale), threads=np.int64(native.num_threads()))
+                 scale=np.float32(scale), threads=np.int64(native.num_threads()),
+                 blocks=np.int64(blocks))
     args = (q.astype(f32), k_cache, v_cache, visible.astype(jnp.bool_))
     if block_table is None:
         return jax.ffi.ffi_call(native.TARGET, out, vmap_method="sequential")(*args, **attrs)

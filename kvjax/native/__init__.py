@@ -192,7 +192,7 @@ def _smoke() -> None:
     o, m, l = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
         jnp.zeros((1, 1, 1, 8), f32), jnp.ones((1, 1, 2, 8), f32), jnp.asarray(v),
         jnp.ones((1, 2), jnp.bool_), k_bksh=np.int64(1), v_bksh=np.int64(1),
-        scale=np.float32(8 ** -0.5), threads=np.int64(1))
+        scale=np.float32(8 ** -0.5), threads=np.int64(1), blocks=np.int64(0))
     check_close("decode attention's smoke call (m, l)", [float(m[0, 0, 0]),
                                                         float(l[0, 0, 0])], [0.0, 2.0])
     check_close("decode attention's smoke call (o)", o[0, 0, 0], v[0, 0].sum(0))
@@ -206,6 +206,13 @@ def load() -> bool:
     return register(_state, _lock, library_path, TARGET, "KvjaxDecodeAttention",
                     "kvjax native kernels", "using the XLA formulations", smoke=_smoke,
                     more=((PAGED_TARGET, "KvjaxPagedDecodeAttention"),))
+
+
+def block_sweep() -> bool:
+    """Whether the kernel built here sweeps a grouped row block by block when asked
+    ('native_blocks'): built with ``-march=native`` on a CPU with AVX-512 (its 32 vector
+    registers hold a block's scores and a group's value accumulators at once)."""
+    return "avx512f" in machine_id().split("|", 1)[-1].split()
 
 
 def num_threads() -> int:

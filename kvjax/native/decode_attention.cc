@@ -56,6 +56,7 @@ struct Shape {
   const int32_t* bt;         // [B, M] page of each logical page, -1: none (dense: nullptr)
   bool k_bksh, v_bksh;
   float scale;
+  bool blocks;               // grouped dense runs swept block by block (BlockSweep)
 };
 
 // The page holding row b's logical slot s (-1: none; dense: page b, the row itself).
@@ -385,17 +386,15 @@ static inline void GroupScoresBlock(const float* qs, int64_t H, int64_t h0, int6
 
 // sc[g * ld_sc + j] = q_g . k[:, j], j in [0, n) (n a multiple of VL), for GB heads at qs
 // ([GB, H], pre-scaled); key row h at kp + h * ks; with mk, the running maxima into bmax
-// (GroupScoresBlock).
-template <int GB>
-static void GroupScoresGB(const float* qs, int64_t H, const float* kp, int64_t ks, int64_t n,
-                          float* sc, int64_t ld_sc, const float* mk, float* bmax) {
+// (GroupScoresBlock). In passes of `rows` key rows, the block `ahead` blocks on
+// prefetched; after(j, w) runs once a block [j, j + w) has its scores (on the last pass:
+// BlockSweep's softmax and values).
+template <int GB, class After>
+static void GroupScoresWalk(const float* qs, int64_t H, const float* kp, int64_t ks,
+                            int64_t n, float* sc, int64_t ld_sc, const float* mk,
+                            float* bmax, int64_t rows, int64_t ahead, After after) {
   constexpr int NJ = GroupNJ(GB);
   constexpr int64_t W = NJ * VL;
-  // Up to 4 heads (FMAs to spare per key byte) walk the span in passes of kPassRows key
-  // rows, the scores reloaded from sc between passes, the block 4 ahead prefetched: 8
-  // strided streams read faster than 64 (docs/decisions/0035-grouped-decode-streams.md).
-  // More heads walk all H rows in one pass: their scores' reloads would cost FMA slots.
-  const int64_t rows = GB <= 4 ? kPassRows : H, ahead = GB <= 4 ? 2 * kPfAhead : kPfAhead;
   for (int64_t h0 = 0; h0 < H; h0 += rows) {
     const int64_t h1 = std::min(H, h0 + rows);
     const bool last = h1 == H;
@@ -407,11 +406,28 @@ static void GroupScoresGB(const float* qs, int64_t H, const float* kp, int64_t k
       const float* pf = jj < n ? kp + jj : last ? kp + jj - h0 * ks : kp + jj - n + rows * ks;
       GroupScoresBlock<GB, NJ>(qs, H, h0, h1, kp + j, ks, sc + j, ld_sc, pf,
                                last && mk ? mk + j : nullptr, bmax);
+      if (last) after(j, W);
     }
-    for (; j < n; j += VL)
+    for (; j < n; j += VL) {
       GroupScoresBlock<GB, 1>(qs, H, h0, h1, kp + j, ks, sc + j, ld_sc, nullptr,
                               last && mk ? mk + j : nullptr, bmax);
+      if (last) after(j, VL);
+    }
   }
+}
+
+// Up to 4 heads (FMAs to spare per key byte) walk the span in passes of kPassRows key
+// rows, the scores reloaded from sc between passes, the block 4 ahead prefetched: 8
+// strided streams read faster than 64 (docs/decisions/0035-grouped-decode-streams.md).
+// More heads walk all H rows in one pass: their scores' reloads would cost FMA slots.
+constexpr int64_t PassRows(int gb, int64_t H) { return gb <= 4 ? kPassRows : H; }
+constexpr int64_t PassAhead(int gb) { return gb <= 4 ? 2 * kPfAhead : kPfAhead; }
+
+template <int GB>
+static void GroupScoresGB(const float* qs, int64_t H, const float* kp, int64_t ks, int64_t n,
+                          float* sc, int64_t ld_sc, const float* mk, float* bmax) {
+  GroupScoresWalk<GB>(qs, H, kp, ks, n, sc, ld_sc, mk, bmax, PassRows(GB, H), PassAhead(GB),
+                      [](int64_t, int64_t) {});
 }
 
 // Whether G heads are scored by GroupScores, else by SpanScores. AVX-512: G > 1 (G = 1:
@@ -608,6 +624,95 @@ static void SpanSoftmax(int64_t G, int64_t V, float* scp, int64_t ld_sc, const f
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// The block-by-block form of a grouped dense run ('native_blocks', kvjax/kernels.py): the
+// per-block update of flash-decoding (Dao et al. 2023). GroupScoresGB's walk (passes of
+// kPassRows key rows, the block 2 * kPfAhead on prefetched), and on the last pass each
+// block's online softmax and values right after its scores, so the value stream runs
+// between the key blocks instead of after a whole span's keys. Which form streams faster
+// is a property of the machine's memory system, so the planner times both
+// (docs/decisions/0052-grouped-decode-blocks-per-machine.md; decision 0045 measured it).
+
+// One block's online softmax and values, right after its scores: the GB heads' scores of
+// w visible slots at sc (row stride ld_sc, in L1: just stored) become unnormalised
+// probabilities against each head's running max m[g] (o[g] and l[g] rescaled when it
+// grows, Milakov & Gimelshein 2018), then the w contiguous value rows at vp ([w, V]) are
+// accumulated into o with every head's columns in registers (ValuesRows; heads in
+// balanced groups of at most 6 over 4 vectors, as FastItem's dense runs: a later group
+// reads the block's value rows from L1).
+template <int GB>
+static inline void BlockSoftmaxValues(float* sc, int64_t ld_sc, int64_t w, const float* vp,
+                                      int64_t V, int nv, float* m, float* l, float* o) {
+  for (int g = 0; g < GB; ++g) {
+    float* sr = sc + g * ld_sc;
+    vf bm = ld(sr);
+    for (int64_t j = VL; j < w; j += VL) bm = vmax(bm, ld(sr + j));
+    const float mnew = std::max(m[g], hmax(bm));
+    if (mnew > m[g]) {  // m = -1e30 before any slot: o and l are 0, whatever the factor
+      const float a = fast_exp(m[g] - mnew);
+      l[g] *= a;
+      for (int64_t c = 0; c < V; c += VL) st(o + g * V + c, ld(o + g * V + c) * a);
+      m[g] = mnew;
+    }
+    const vf mv = bc(mnew);
+    vf sum{};
+    for (int64_t j = 0; j < w; j += VL) {
+      const vf e = vexp(ld(sr + j) - mv);
+      st(sr + j, e);
+      sum += e;
+    }
+    l[g] += hsum(sum);
+  }
+  const int64_t cap = std::max(1, std::min(6, AccFor(nv) / nv)), ng = (GB + cap - 1) / cap;
+  for (int64_t i = 0, g0 = 0; i < ng; ++i) {
+    const int64_t gb = (GB - g0) / (ng - i);
+    for (int64_t c0 = 0; c0 < V; c0 += nv * VL)
+      ValuesRowsAny<true>(nv, gb, sc + g0 * ld_sc, ld_sc, &vp, w, 0, c0, o + g0 * V, V);
+    g0 += gb;
+  }
+}
+
+// GB heads at qs ([GB, H], pre-scaled) over a dense run of n slots (n a multiple of VL),
+// every slot visible: key row h at kp + h * ks, values [n, V] at vp; sc ([GB, ld_sc],
+// ld_sc >= n) holds the scores between passes; m, l, o updated as by SpanSoftmax and
+// the values.
+template <int GB>
+static void BlockSweepGB(const float* qs, int64_t H, const float* kp, int64_t ks,
+                         const float* vp, int64_t V, int64_t n, float* sc, int64_t ld_sc,
+                         float* m, float* l, float* o, int64_t pass_rows, int64_t ahead) {
+  const int64_t nvv = V / VL;
+  const int nv = nvv % 4 == 0 ? 4 : (nvv % 2 == 0 ? 2 : 1);
+  GroupScoresWalk<GB>(qs, H, kp, ks, n, sc, ld_sc, nullptr, nullptr, pass_rows, ahead,
+                      [&](int64_t j, int64_t w) {
+                        BlockSoftmaxValues<GB>(sc + j, ld_sc, w, vp + j * V, V, nv, m, l, o);
+                      });
+}
+
+// Whether BlockSweep runs G heads: AVX-512 (GroupScores' blocking of up to kGroupMax
+// heads at once) and G >= 2; G = 1 and AVX2 keep the phases.
+static inline bool BlockSweepApplies(int64_t G) {
+  return kRegs == 32 && G >= 2 && G <= kGroupMax;
+}
+
+// pass_rows = 0: GroupScoresGB's passes (PassRows, PassAhead).
+static void BlockSweep(const float* qs, int64_t G, int64_t H, const float* kp, int64_t ks,
+                       const float* vp, int64_t V, int64_t n, float* sc, int64_t ld_sc,
+                       float* m, float* l, float* o, int64_t pass_rows = 0,
+                       int64_t ahead = 0) {
+  if (pass_rows == 0) {
+    pass_rows = PassRows(G, H);
+    ahead = PassAhead(G);
+  }
+  switch (G) {
+#define KVJAX_SWEEP(N) \
+  case N: if constexpr (N <= kGroupMax) \
+    BlockSweepGB<N>(qs, H, kp, ks, vp, V, n, sc, ld_sc, m, l, o, pass_rows, ahead); break;
+    KVJAX_SWEEP(1) KVJAX_SWEEP(2) KVJAX_SWEEP(3) KVJAX_SWEEP(4) KVJAX_SWEEP(5)
+    KVJAX_SWEEP(6) KVJAX_SWEEP(7) KVJAX_SWEEP(8) KVJAX_SWEEP(9)
+#undef KVJAX_SWEEP
+  }
+}
+
 static bool FastPathApplies(const Shape& sh) {
 #if defined(__AVX__)
   return !sh.k_bksh && sh.H % VL == 0 && sh.V % VL == 0;
@@ -718,6 +823,15 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
       }
     }
     if (segs.empty()) continue;
+    // 'native_blocks': a span of one fully visible dense run of whole vectors (no page
+    // boundary, no masked slot) is swept block by block (BlockSweep) instead of in phases.
+    if (sh.blocks && sh.v_bksh && BlockSweepApplies(G) && segs.size() == 1 &&
+        segs[0].n % VL == 0 && segs[0].n >= kLong && segs[0].nvis == segs[0].n &&
+        nopage.empty()) {
+      BlockSweep(qs.data(), G, H, segs[0].kp, P, segs[0].vp, V, segs[0].n,
+                 scp + segs[0].j0, ld_sc, m, l, o);
+      continue;
+    }
     // The float mask over the segments' range and a vector past it (the loops below read
     // [lo, hi) a vector at a time, padded segments up to a vector past their end); 0
     // past the span's end and on slots with no page.
@@ -996,7 +1110,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                ffi::Buffer<ffi::F32> vc, ffi::Buffer<ffi::PRED> vis,
                                ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
                                ffi::ResultBuffer<ffi::F32> l, int64_t k_bksh, int64_t v_bksh,
-                               float scale, int64_t threads) {
+                               float scale, int64_t threads, int64_t blocks) {
   auto qd = q.dimensions();
   auto kd = kc.dimensions();
   auto vd = vc.dimensions();
@@ -1004,7 +1118,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     return ffi::Error::InvalidArgument("kvjax_decode_attention: q, k, v must be rank 4, visible rank 2");
   const int64_t S = k_bksh ? kd[2] : kd[3];
   Shape sh{qd[0], qd[1], qd[2], qd[3], v_bksh ? vd[3] : vd[2], S, S, 1, nullptr,
-           k_bksh != 0, v_bksh != 0, scale};
+           k_bksh != 0, v_bksh != 0, scale, blocks != 0};
   if ((k_bksh ? kd[3] : kd[2]) != sh.H || (v_bksh ? vd[2] : vd[3]) != sh.S ||
       kd[0] != sh.B || kd[1] != sh.K || vd[0] != sh.B || vd[1] != sh.K ||
       vis.dimensions()[0] != sh.B || vis.dimensions()[1] != sh.S)
@@ -1019,7 +1133,8 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
                                     ffi::Buffer<ffi::PRED> vis, ffi::Buffer<ffi::S32> bt,
                                     ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> m,
                                     ffi::ResultBuffer<ffi::F32> l, int64_t k_bksh,
-                                    int64_t v_bksh, float scale, int64_t threads) {
+                                    int64_t v_bksh, float scale, int64_t threads,
+                                    int64_t blocks) {
   auto qd = q.dimensions();
   auto kd = kc.dimensions();
   auto vd = vc.dimensions();
@@ -1030,7 +1145,7 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
         "kvjax_paged_decode_attention: q, k, v must be rank 4, visible and block_table rank 2");
   const int64_t P = k_bksh ? kd[2] : kd[3], M = bd[1], N = kd[0];
   Shape sh{qd[0], qd[1], qd[2], qd[3], v_bksh ? vd[3] : vd[2], M * P, P, M,
-           bt.typed_data(), k_bksh != 0, v_bksh != 0, scale};
+           bt.typed_data(), k_bksh != 0, v_bksh != 0, scale, blocks != 0};
   if ((k_bksh ? kd[3] : kd[2]) != sh.H || (v_bksh ? vd[2] : vd[3]) != P || vd[0] != N ||
       kd[1] != sh.K || vd[1] != sh.K || bd[0] != sh.B ||
       vis.dimensions()[0] != sh.B || vis.dimensions()[1] != sh.S)
@@ -1072,7 +1187,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxDecodeAttention, DecodeAttentionImpl,
                                   .Attr<int64_t>("k_bksh")
                                   .Attr<int64_t>("v_bksh")
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("threads"));
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("blocks"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPagedDecodeAttention, PagedDecodeAttentionImpl,
                               ffi::Ffi::Bind()
@@ -1088,4 +1204,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPagedDecodeAttention, PagedDecodeAttentionImp
                                   .Attr<int64_t>("k_bksh")
                                   .Attr<int64_t>("v_bksh")
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("threads"));
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("blocks"));
