@@ -227,7 +227,7 @@ class ModelConfig:
         process's JAX backend, resolved once when the config is built.
       decode_attention: the formulation of a decode step's attention over the cache
         (MHA/GQA/MQA): a name of the kernel registry ('xla', 'xla_cache_left',
-        'native', 'pallas'), or 'auto': the fastest measured on this machine for the
+        'native', 'native_blocks', 'pallas'), or 'auto': the fastest measured on this machine for the
         step's shape class, picked before tracing by :func:`kvjax.planner.resolve` into
         ``plan`` (cached per machine;
         docs/decisions/0006-decode-attention-measured-per-machine.md). Same result for

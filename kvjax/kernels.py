@@ -198,6 +198,7 @@ def _native_blocks(s: Site) -> str | None:
         (s.groups and not 2 <= s.groups <= 9, f"G = 2 to 9 query heads per KV head (got "
                                                f"{s.groups}; 'native' reads the others)"),
         (s.v_layout != "BKSH", f"values 'BKSH' (got {s.v_layout!r})"),
+        (s.head_dim % 16, f"H a multiple of 16 (got {s.head_dim})"),
         (s.paged, "dense rows, not page pools"),
         (s.slot_kind != "dense", f"a dense cache (got {s.slot_kind!r})"))
 
@@ -316,7 +317,8 @@ REGISTRY = (
                 forced_by=lambda s: s.slot_kind == "dense_window", stands_in=(AUTO,)),
     Formulation("decode_attention", "native_blocks", ("cpu",),
                 "'native' with each fully visible run of a grouped row (G = 2 to 9, "
-                "values 'BKSH', dense, AVX-512) swept block by block: a block's scores, "
+                "values 'BKSH', H a multiple of 16, dense, AVX-512; keys 'BKHS', else as "
+                "'native') swept block by block: a block's scores, "
                 "then at once its softmax and values (flash-decoding's update); timed "
                 "against 'native' per machine",
                 "kvjax/native/decode_attention.cc", "custom call",

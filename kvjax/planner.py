@@ -317,17 +317,24 @@ def _decide(calls: dict[str, list[float]], ref: str = "xla",
 
     ``variants`` ({name: the formulation it is a variant of}): a pick that is a variant
     of another timed formulation ('native_blocks' of 'native') must then win against
-    that one by the same rule, with it as the reference; else that one is kept
-    (docs/decisions/0052-grouped-decode-blocks-per-machine.md). Both rules' lines are
-    kept; it is decided when both are.
+    that one by the same rules, with it as the reference; where it does not, that one
+    must win against ``ref`` by them in turn, else ``ref`` is kept
+    (docs/decisions/0052-grouped-decode-blocks-per-machine.md). Every rule's line is
+    kept; it is decided when each rule that ran is.
     """
     first = _decide_against(calls, ref)
-    base = (variants or {}).get(first.choice)
+    variant = first.choice
+    base = (variants or {}).get(variant)
     if base is None or base not in calls:
         return first
-    second = _decide_against({base: calls[base], first.choice: calls[first.choice]}, base)
-    return Decision(second.choice, f"{first.rule}; then {second.rule}",
-                    first.decided and second.decided, second.p_value)
+    won, rule, decided, p = _decide_against({base: calls[base], variant: calls[variant]},
+                                            base)
+    rules = f"{first.rule}; then {rule}"
+    if won != base or ref not in calls:
+        return Decision(won, rules, first.decided and decided, p)
+    third = _decide_against({ref: calls[ref], base: calls[base]}, ref)
+    return Decision(third.choice, f"{rules}; then {third.rule}",
+                    first.decided and decided and third.decided, third.p_value)
 
 
 def _decide_against(calls: dict[str, list[float]], ref: str) -> Decision:
@@ -430,7 +437,7 @@ def measure(b: int, k: int, g: int, h: int, v: int, s: int, dtype, k_layout: str
         site = kernels.Site("decode_attention", backend=backend,
                             dtype=jnp.dtype(dtype).name, k_layout=k_layout,
                             v_layout=v_layout, head_dim=h, groups=g, slots=s,
-                            native=_native_kernels())
+                            paged=page_size > 0, native=_native_kernels())
         for impl in candidates:
             f = kernels.get("decode_attention", impl)
             if f.applies(site) is not None or (f.needs_plan and not native.load()):
@@ -830,7 +837,7 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
     mesh = plan.num_devices > 1
     loaded = set()
     if cfg.backend == "cpu" and backend_lib.current() == "cpu":
-        if (not cfg.is_mla and cfg.decode_attention in ("native", "auto")
+        if (not cfg.is_mla and cfg.decode_attention in ("native", "native_blocks", "auto")
                 and jnp.dtype(cfg.cache_dtype) == jnp.float32 and native.load()):
             loaded.add("decode_attention")
             if native.block_sweep():

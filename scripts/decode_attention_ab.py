@@ -85,19 +85,20 @@ def shapes(models: list[str], slots: int, rng: np.random.Generator):
             yield name, k, n // k, problem(rng, k, n // k, slots)
 
 
-def compiled(target: str, vl: str, q, caches, vis):
-    """partial_attention('native') of the kernel registered as ``target``, jitted and
-    called once."""
+def compiled(target: str, vl: str, q, caches, vis, blocks: bool | None = False):
+    """The 'native' call of the kernel registered as ``target``, jitted and called once;
+    ``blocks=None`` for a kernel built before its ``blocks`` attribute."""
     old, native.TARGET = native.TARGET, target  # read when the call is traced
-    fn = jax.jit(lambda q, kc, vc, v: decode_kernels.partial_attention(
-        "native", q, kc, vc, v, "BKHS", vl))
+    fn = jax.jit(lambda q, kc, vc, v: decode_kernels._native(
+        q, kc, vc, v, "BKHS", vl, q.shape[-1] ** -0.5, blocks=blocks))
     jax.block_until_ready(fn(q, *caches[0], vis))
     native.TARGET = old
     return fn
 
 
-def baseline_target(rev: str) -> str:
-    """Registers the dense target of ``rev``'s decode_attention.cc; returns its name.
+def baseline_target(rev: str) -> tuple[str, bool | None]:
+    """Registers the dense target of ``rev``'s decode_attention.cc; returns its name and
+    the ``blocks`` attribute to call it with (None: its source binds none).
 
     Raises:
       SystemExit: ``rev`` is not a commit holding the source, or the build failed.
@@ -116,20 +117,22 @@ def baseline_target(rev: str) -> str:
                          "KvjaxDecodeAttention", f"the kernel of {rev}", "exiting")
     if not ok:
         raise SystemExit(f"error: the kernel of {rev} could not be built or loaded")
-    return target
+    return target, (False if 'Attr<int64_t>("blocks")' in (tmp / _HEADERS[0]).read_text()
+                    else None)
 
 
 def main() -> None:
     a = parse_flags(__doc__, 9, baseline=True)
     if not native.load():
         raise SystemExit("error: the working tree's native kernel could not be built")
-    targets = {"old": baseline_target(a.baseline), "new": native.TARGET}
+    targets = {"old": baseline_target(a.baseline), "new": (native.TARGET, False)}
     probe = hardware.ReadProbe("vecmat")
     rng = np.random.default_rng(0)
     print(f"baseline {a.baseline}; S={a.slots}; load average {os.getloadavg()}", flush=True)
     for name, k, g, (q, caches, vis, vl, nbytes) in shapes(a.models, a.slots, rng):
         copies = len(caches)
-        fns = {tag: compiled(target, vl, q, caches, vis) for tag, target in targets.items()}
+        fns = {tag: compiled(target, vl, q, caches, vis, blocks)
+               for tag, (target, blocks) in targets.items()}
         secs = {tag: [] for tag in fns}
         reads = []
         for r in range(a.rounds):

@@ -417,16 +417,18 @@ def test_native_grouped_equals_xla(g, layouts):
 
 
 @pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
-@pytest.mark.parametrize("v", [64, 32])
-@pytest.mark.parametrize("g", [1, 2, 3, 4, 8, 9])
+@pytest.mark.parametrize("v", [64, 32, 16])
+@pytest.mark.parametrize("g", range(1, 10))
 def test_native_blocks_equals_xla(g, v):
     """'native_blocks' (each fully visible dense run of a grouped row swept block by
     block, docs/decisions/0052-grouped-decode-blocks-per-machine.md) against XLA: rows of
     several spans fully visible, a run starting inside a span (at slot 128), a ragged end
-    (S = 9,000), a row with masked slots and one that sees nothing; V = 64 and 32 (4 and 2
-    vectors a value row). On AVX-512 for G = 2-9 its sums differ from 'native''s in the
-    last bits (another summation order): the sweep ran. Then the ragged, windowed and
-    paged problems of test_native_grouped_equals_xla."""
+    (S = 9,000), a row with masked slots and one that sees nothing; V = 64, 32 and 16 (4,
+    2 and 1 vectors a value row; G = 7 and 9 split the values' heads unevenly). On AVX-512
+    for G = 2-9 its sums differ from 'native''s in the last bits (another summation
+    order): the sweep ran. Then a page pool of 512-slot pages whose one fully visible page
+    of a row is a span's only run (the paged target sweeps it), and the ragged, windowed
+    and paged problems of test_native_grouped_equals_xla."""
     b, k, h, s = 4, 2, 64, 9000
     rng = np.random.default_rng(11 + g)
     q = jnp.asarray(rng.standard_normal((b, k, g, h)), jnp.float32)
@@ -446,6 +448,22 @@ def test_native_blocks_equals_xla(g, v):
     assert float(got[2][3].max()) == 0.0 and float(got[0][3].max()) == 0.0  # sees nothing
     swept = native.block_sweep() and 2 <= g <= 9
     assert (not np.array_equal(np.asarray(got[0][:2]), np.asarray(phased[0][:2]))) == swept
+    # pools of 4 pages of P = 512; row 0 sees all of its page 2 only, row 1 its first 300
+    # slots (a run that is not whole vectors: phases)
+    p, n = 512, 4
+    kp = jnp.asarray(rng.standard_normal((n, k, h, p)), jnp.float32)
+    vp = jnp.asarray(rng.standard_normal((n, k, p, v)), jnp.float32)
+    table = jnp.asarray([[3, 1, 2, 0], [0, 2, 1, 3]], jnp.int32)
+    pvis = np.zeros((2, n * p), bool)
+    pvis[0, 2 * p:3 * p] = True
+    pvis[1, :300] = True
+    args = (q[:2], kp, vp, jnp.asarray(pvis))
+    ref = decode_kernels.partial_attention("xla", *args, "BKHS", "BKSH", block_table=table)
+    got = decode_kernels.partial_attention("native_blocks", *args, "BKHS", "BKSH",
+                                           block_table=table)
+    for name, r, o in zip("oml", ref, got):
+        np.testing.assert_allclose(np.asarray(o), np.asarray(r), atol=3e-5, rtol=3e-5,
+                                   err_msg=f"{name} paged")
     _grouped_matches_xla(g, ("BKHS", "BKSH"), "native_blocks")
 
 
@@ -584,7 +602,8 @@ def test_model_decode_with_window_matches_reference(impl):
 def test_forced_native_needs_a_resolved_plan_then_decodes_as_xla():
     """decode_attention='native' on a config without a plan is refused while the step is
     traced, naming planner.resolve (the kernel is only loaded there); resolved, the plan
-    holds the kernel, the compiled step calls it, and its logits equal 'xla's."""
+    holds the kernel, the compiled step calls it, and its logits equal 'xla's; so for
+    'native_blocks' (the same kernel)."""
     from kvjax import cache as cache_lib
     from kvjax.models import model
     from tests.conftest import tiny_config
@@ -598,10 +617,10 @@ def test_forced_native_needs_a_resolved_plan_then_decodes_as_xla():
         model.forward(params, base, toks[:, :1], jnp.zeros((2, 1), jnp.int32),
                       cache_lib.init_cache(base, 2, 16))
     logits = {}
-    for name in ("xla", "native"):
+    for name in ("xla", "native", "native_blocks"):
         cfg = planner.resolve(base.replace(decode_attention=name), max_seq_len=16,
                               batch_sizes=(2,), rows=(2 * 5,))
-        assert ("decode_attention" in cfg.plan.native) == (name == "native")
+        assert ("decode_attention" in cfg.plan.native) == (name != "xla")
         cache = cache_lib.init_cache(cfg, 2, 16)
         lg, cache = model.forward(params, cfg, toks[:, :5],
                                   jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5)),
@@ -614,8 +633,9 @@ def test_forced_native_needs_a_resolved_plan_then_decodes_as_xla():
         logits[name] = np.asarray(jnp.concatenate(out, axis=1))
         hlo = jax.jit(lambda p, c, tk, ps, cfg=cfg: model.forward(p, cfg, tk, ps, c)).lower(
             params, cache, toks[:, :1], jnp.full((2, 1), 8, jnp.int32)).as_text()
-        assert (native.TARGET in hlo) == (name == "native")
-    np.testing.assert_allclose(logits["native"], logits["xla"], atol=1e-4, rtol=1e-4)
+        assert (native.TARGET in hlo) == (name != "xla")
+    for name in ("native", "native_blocks"):
+        np.testing.assert_allclose(logits[name], logits["xla"], atol=1e-4, rtol=1e-4)
 
 
 def test_config_names_the_bad_formulation():

@@ -79,6 +79,11 @@ def test_a_variant_must_beat_the_formulation_it_varies():
     d = planner._decide({"xla": xla, "native": spread(1.0), "native_blocks": spread(1.3)},
                         variants=variants)
     assert (d.choice, d.decided) == ("native", True) and "then" not in d.rule
+    # the variant beats xla, but native alone gains under MIN_GAIN on xla: xla kept
+    d = planner._decide({"xla": xla, "native": [t * 0.985 for t in xla],
+                         "native_blocks": [t * 0.96 for t in xla]}, variants=variants)
+    assert (d.choice, d.decided) == ("xla", True) and d.rule.count("; then ") == 2, d
+    assert d.rule.endswith("xla kept"), d
     # without the variants the lowest median other than xla wins outright
     assert planner._decide({"xla": xla, "native": native_calls,
                             "native_blocks": [t * 0.99 for t in native_calls]}).choice \

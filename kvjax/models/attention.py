@@ -647,7 +647,7 @@ class Call(NamedTuple):
 
     def run_step(self, name: str) -> jax.Array:
         """Decode-step formulations (op 'decode_attention': 'xla', 'xla_cache_left',
-        'native', 'pallas'): one position (:func:`attend_step`) or a small chunk over a
+        'native', 'native_blocks', 'pallas'): one position (:func:`attend_step`) or a small chunk over a
         dense cache (:func:`attend_small_chunk`, the T queries as extra group rows, so the
         cache is read once as in a plain step). Returns [B, T, K, G, H]."""
         c, q, positions, cached = self.cfg, self.q, self.positions, self.cached

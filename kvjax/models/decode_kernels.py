@@ -13,7 +13,8 @@ Dao et al. 2023; the online softmax of Milakov & Gimelshein 2018):
 
 and :func:`merge_new` folds in the new token's own key and value, so every formulation
 returns what :func:`kvjax.models.attention.attend_step` returns. The formulations
-('xla', 'xla_cache_left', 'native', 'pallas') are registered, with what each applies to,
+('xla', 'xla_cache_left', 'native', 'native_blocks', 'pallas') are registered, with what
+each applies to,
 in :mod:`kvjax.kernels` (the table in docs/DESIGN.md); ``ModelConfig.decode_attention``
 selects one, 'auto' the pick of the config's plan. 'pallas' over a paged float cache
 runs the body of JAX's Pallas GPU paged-attention kernel (after vLLM's PagedAttention,
@@ -257,11 +258,12 @@ def partial_pallas(name, q, k_cache, v_cache, visible, k_layout, v_layout, scale
 
 
 def _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale, block_table=None,
-            blocks: bool = False):
+            blocks: bool | None = False):
     """The native kernel's custom call (:func:`partial_attention`'s 'native'; with
     ``blocks``, 'native_blocks': on AVX-512, G = 2 to 9 and values 'BKSH', each fully
     visible dense run is swept block by block, flash-decoding's per-block update, Dao et
-    al. 2023; other shapes run as 'native').
+    al. 2023; other shapes run as 'native'). ``blocks=None`` leaves the attribute out: a
+    kernel built from a source before it (``scripts/decode_attention_ab.py``'s baseline).
 
     A per-head table ([B, K, C], ``visible`` [B, K, C·P]: each KV head its own pages) is
     read by the paged target as a per-row table of B·K rows of one KV head each over the
@@ -291,8 +293,9 @@ def _native(q, k_cache, v_cache, visible, k_layout, v_layout, scale, block_table
     out = (jax.ShapeDtypeStruct((b, k, g, width), f32), jax.ShapeDtypeStruct((b, k, g), f32),
            jax.ShapeDtypeStruct((b, k, g), f32))
     attrs = dict(k_bksh=np.int64(k_layout == "BKSH"), v_bksh=np.int64(v_layout == "BKSH"),
-                 scale=np.float32(scale), threads=np.int64(native.num_threads()),
-                 blocks=np.int64(blocks))
+                 scale=np.float32(scale), threads=np.int64(native.num_threads()))
+    if blocks is not None:
+        attrs["blocks"] = np.int64(blocks)
     args = (q.astype(f32), k_cache, v_cache, visible.astype(jnp.bool_))
     if block_table is None:
         return jax.ffi.ffi_call(native.TARGET, out, vmap_method="sequential")(*args, **attrs)
