@@ -29,11 +29,8 @@
 // inline), without its prefetch of the next sub-block.
 static void SpanValuesContig(int64_t G, int64_t V, const float* scp, int64_t ld_sc,
                              const float* vb, int64_t n, float* o) {
-  const int nv = (V / VL) % 4 == 0 ? 4 : ((V / VL) % 2 == 0 ? 2 : 1);
-  const auto groups = [G](int64_t cap) {
-    return (G + (G + cap - 1) / cap - 1) / ((G + cap - 1) / cap);
-  };
-  const int64_t gmax = groups(std::max(1, std::min(6, AccFor(nv) / nv)));
+  const int nv = ValueVectors(V);
+  const int64_t gmax = HeadsPerGroup(G, ContigHeads(nv));
   std::vector<const float*> rows(n);
   for (int64_t j = 0; j < n; ++j) rows[j] = vb + j * V;
   for (int64_t j0 = 0; j0 < n; j0 += kSub) {

@@ -569,6 +569,21 @@ static void ValuesRowsAny(int nv, int64_t gb, const float* p, int64_t ld_p,
   else ValuesRowsNV<1, kContig>(gb, p, ld_p, rows, n, npf, c0, o, V, pf_call);
 }
 
+// Value columns per pass and heads per group (docs/decisions/0013-decode-values-in-registers.md):
+// the widest NV of 4, 2 or 1 vectors dividing V / VL (ValueVectors); G heads in groups of
+// at most `cap`, balanced (HeadsPerGroup); over a dense row's run (contiguous rows) as many
+// heads as fit beside NV loaded vectors, at most 6 (ContigHeads: AVX-512 6 heads x 4
+// vectors, AVX2 2 x 4).
+static inline int ValueVectors(int64_t V) {
+  const int64_t n = V / VL;
+  return n % 4 == 0 ? 4 : (n % 2 == 0 ? 2 : 1);
+}
+static inline int64_t HeadsPerGroup(int64_t G, int64_t cap) {
+  const int64_t groups = (G + cap - 1) / cap;
+  return (G + groups - 1) / groups;
+}
+static inline int64_t ContigHeads(int nv) { return std::max(1, std::min(6, AccFor(nv) / nv)); }
+
 // The online softmax of a span (Milakov & Gimelshein 2018), per head g: the running max
 // m[g] over the scores sc[g * ld_sc + j] of slots j in [lo, hi) whose mask[j] > 0, o[g]
 // and l[g] rescaled to it, the unnormalised probabilities written over the scores (0 on
@@ -663,13 +678,11 @@ static inline void BlockSoftmaxValues(float* sc, int64_t ld_sc, int64_t w, const
     }
     l[g] += hsum(sum);
   }
-  const int64_t cap = std::max(1, std::min(6, AccFor(nv) / nv)), ng = (GB + cap - 1) / cap;
-  for (int64_t i = 0, g0 = 0; i < ng; ++i) {
-    const int64_t gb = (GB - g0) / (ng - i);
+  const int64_t gmax = HeadsPerGroup(GB, ContigHeads(nv));
+  for (int64_t g0 = 0; g0 < GB; g0 += gmax)
     for (int64_t c0 = 0; c0 < V; c0 += nv * VL)
-      ValuesRowsAny<true>(nv, gb, sc + g0 * ld_sc, ld_sc, &vp, w, 0, c0, o + g0 * V, V);
-    g0 += gb;
-  }
+      ValuesRowsAny<true>(nv, std::min(gmax, GB - g0), sc + g0 * ld_sc, ld_sc, &vp, w, 0,
+                          c0, o + g0 * V, V);
 }
 
 // GB heads at qs ([GB, H], pre-scaled) over a dense run of n slots (n a multiple of VL),
@@ -680,8 +693,7 @@ template <int GB>
 static void BlockSweepGB(const float* qs, int64_t H, const float* kp, int64_t ks,
                          const float* vp, int64_t V, int64_t n, float* sc, int64_t ld_sc,
                          float* m, float* l, float* o, int64_t pass_rows, int64_t ahead) {
-  const int64_t nvv = V / VL;
-  const int nv = nvv % 4 == 0 ? 4 : (nvv % 2 == 0 ? 2 : 1);
+  const int nv = ValueVectors(V);
   GroupScoresWalk<GB>(qs, H, kp, ks, n, sc, ld_sc, nullptr, nullptr, pass_rows, ahead,
                       [&](int64_t j, int64_t w) {
                         BlockSoftmaxValues<GB>(sc + j, ld_sc, w, vp + j * V, V, nv, m, l, o);
@@ -761,18 +773,13 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
   std::vector<float> kpad, vpad;
   std::vector<const float*> ck;
   std::vector<float*> co;
-  // Value columns per pass and heads per group: NV vectors of columns, gmax heads.
-  const int64_t nv_all = V / VL;
-  // The widest NV (4, 2 or 1 vectors dividing V / VL), then as many heads as fit beside
-  // it: over a dense row's run (contiguous rows) AccFor(NV) / NV (AVX-512: 6 heads x 4
-  // vectors; AVX2: 2 x 4), else kAcc / NV (6 x 4; AVX2 3 x 4); over pages 3 x 4 stayed
-  // fastest (docs/decisions/0013-decode-values-in-registers.md).
-  const int nv = nv_all % 4 == 0 ? 4 : (nv_all % 2 == 0 ? 2 : 1);
-  const auto groups = [G](int64_t cap) {  // heads per group, the groups balanced
-    return (G + (G + cap - 1) / cap - 1) / ((G + cap - 1) / cap);
-  };
-  const int64_t gmax_contig = groups(std::max(1, std::min(6, AccFor(nv) / nv)));
-  const int64_t gmax_rows = groups(std::min(6, kAcc / nv));
+  // Value columns per pass and heads per group: NV vectors of columns, gmax heads
+  // (ValueVectors, HeadsPerGroup): over a dense row's run ContigHeads, else kAcc / NV
+  // (6 x 4; AVX2 3 x 4); over pages 3 x 4 stayed fastest
+  // (docs/decisions/0013-decode-values-in-registers.md).
+  const int nv = ValueVectors(V);
+  const int64_t gmax_contig = HeadsPerGroup(G, ContigHeads(nv));
+  const int64_t gmax_rows = HeadsPerGroup(G, std::min(6, kAcc / nv));
   struct Seg { int64_t j0, n, nvis; const float* kp; const float* vp; };
   std::vector<Seg> segs;
   for (int64_t sb = s0; sb < s1; sb += span) {
