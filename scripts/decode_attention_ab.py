@@ -8,9 +8,17 @@ blog model's and SmolLM2's shapes at S slots with either library, in alternating
 each round paired with a streaming read of 256 MiB (:class:`kvjax.analysis.hardware.ReadProbe`).
 Caches are rotated over copies of at least 96 MiB in all, so every call reads from
 memory. Prints, per shape, the median GB/s of cache read of each kernel, its share of the
-median read, and the ratio of the medians (new over old), with the load average.
+median read, the ratio of the medians (new over old) and the median of the rounds' paired
+ratios (old's time over new's, adjacent calls), with the load average.
+``--blocks`` times the 'native_blocks' call of both kernels instead (grouped shapes
+only; the baseline's source must bind the ``blocks`` attribute). ``--layers=L`` times,
+for either kernel, one program of L calls in turn over L distinct caches (each layer's
+query depends on the last one's output), as a decode step runs them: its dispatch paid
+once, and L caches together larger than the last-level cache (a shape's caches are
+then at least L times one layer's).
 
     PYTHONPATH=. python scripts/decode_attention_ab.py --baseline 8b4947c --slots 32768
+    PYTHONPATH=. python scripts/decode_attention_ab.py --baseline 8f224a8 --blocks --layers 16
 """
 
 import argparse
@@ -47,11 +55,17 @@ def parse_flags(doc: str, rounds: int, baseline: bool) -> argparse.Namespace:
     ap.add_argument("--slots", type=int, default=32768)
     ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--models", default="blog,smollm2")
+    if baseline:
+        ap.add_argument("--blocks", action="store_true",
+                        help="time the 'native_blocks' call (grouped shapes) of both kernels")
+        ap.add_argument("--layers", type=int, default=0,
+                        help="time one program of this many calls over distinct caches")
     a = ap.parse_args()
     a.models = a.models.split(",")
     for flag, ok, allowed in (
             ("--slots", a.slots >= 16, "an integer >= 16"),
             ("--rounds", a.rounds >= 1, "an integer >= 1"),
+            ("--layers", getattr(a, "layers", 0) >= 0, "an integer >= 0 (0: one call)"),
             ("--models", bool(a.models) and set(a.models) <= set(HEADS),
              f"a comma-separated subset of {', '.join(HEADS)}")):
         if not ok:
@@ -60,15 +74,16 @@ def parse_flags(doc: str, rounds: int, baseline: bool) -> argparse.Namespace:
     return a
 
 
-def problem(rng: np.random.Generator, k: int, g: int, slots: int):
+def problem(rng: np.random.Generator, k: int, g: int, slots: int, least: int = 1):
     """One layer's decode attention at the CPU layouts (keys 'BKHS'; values 'BKSH' for
     G > 1, else 'BKHS'; decode_attention_bench), B = 1, H = V = 64, every slot visible:
-    (q [1, K, G, H], [(keys, values)] copies of at least 96 MiB in all, visible [1, S],
-    the values' layout, bytes of cache read per call), all float32."""
+    (q [1, K, G, H], [(keys, values)] copies of at least 96 MiB in all and at least
+    ``least`` of them, visible [1, S], the values' layout, bytes of cache read per call),
+    all float32."""
     h = 64
     vl = "BKHS" if g == 1 else "BKSH"
     nbytes = 2 * k * slots * h * 4
-    copies = max(1, -(-96 * 2**20 // nbytes))
+    copies = max(least, -(-96 * 2**20 // nbytes))
     q = jnp.asarray(rng.standard_normal((1, k, g, h)), jnp.float32)
     caches = [(jnp.asarray(rng.standard_normal((1, k, h, slots)), jnp.float32),
                jnp.asarray(rng.standard_normal((1, k, slots, h) if vl == "BKSH"
@@ -77,12 +92,12 @@ def problem(rng: np.random.Generator, k: int, g: int, slots: int):
     return q, caches, jnp.ones((1, slots), bool), vl, nbytes
 
 
-def shapes(models: list[str], slots: int, rng: np.random.Generator):
+def shapes(models: list[str], slots: int, rng: np.random.Generator, least: int = 1):
     """(model, K, G, :func:`problem`) for each variant of each model, in turn."""
     for name in models:
         n, ks = HEADS[name]
         for k in ks:
-            yield name, k, n // k, problem(rng, k, n // k, slots)
+            yield name, k, n // k, problem(rng, k, n // k, slots, least)
 
 
 def compiled(target: str, vl: str, q, caches, vis, blocks: bool | None = False):
@@ -96,12 +111,32 @@ def compiled(target: str, vl: str, q, caches, vis, blocks: bool | None = False):
     return fn
 
 
-def baseline_target(rev: str) -> tuple[str, bool | None]:
+def compiled_layers(target: str, vl: str, q, caches, vis, blocks: bool | None = False):
+    """As :func:`compiled`, one program of a call per cache of ``caches`` in turn (the
+    next call's query depends on the last one's output); called as fn(q, caches, vis)."""
+    old, native.TARGET = native.TARGET, target
+
+    def run(q, caches, vis):
+        out = q
+        for kc, vc in caches:
+            o, _, _ = decode_kernels._native(out, kc, vc, vis, "BKHS", vl,
+                                             q.shape[-1] ** -0.5, blocks=blocks)
+            out = q + 1e-3 * o
+        return out
+    fn = jax.jit(run)
+    jax.block_until_ready(fn(q, caches, vis))
+    native.TARGET = old
+    return fn
+
+
+def baseline_target(rev: str, blocks: bool = False) -> tuple[str, bool | None]:
     """Registers the dense target of ``rev``'s decode_attention.cc; returns its name and
-    the ``blocks`` attribute to call it with (None: its source binds none).
+    the ``blocks`` attribute to call it with (None: its source binds none; ``blocks``:
+    True, the block sweep).
 
     Raises:
-      SystemExit: ``rev`` is not a commit holding the source, or the build failed.
+      SystemExit: ``rev`` is not a commit holding the source, ``blocks`` and its source
+        binds no ``blocks`` attribute (before building), or the build failed.
     """
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="kvjax-ab-"))
     for name in _HEADERS:
@@ -111,42 +146,61 @@ def baseline_target(rev: str) -> tuple[str, bool | None]:
             raise SystemExit(f"error: --baseline={rev}: no kvjax/native/{name} there "
                              f"({r.stderr.strip()})")
         (tmp / name).write_text(r.stdout)
+    binds = 'Attr<int64_t>("blocks")' in (tmp / _HEADERS[0]).read_text()
+    if blocks and not binds:
+        raise SystemExit(f"error: --blocks with --baseline={rev}, whose kernel binds no "
+                         "'blocks' attribute; allowed: a commit from 3e7df1b on")
     target = f"kvjax_decode_attention_{rev}"
     ok = native.register({}, threading.Lock(),
                          lambda: native.build_library(tmp / _HEADERS[0], target), target,
                          "KvjaxDecodeAttention", f"the kernel of {rev}", "exiting")
     if not ok:
         raise SystemExit(f"error: the kernel of {rev} could not be built or loaded")
-    return target, (False if 'Attr<int64_t>("blocks")' in (tmp / _HEADERS[0]).read_text()
-                    else None)
+    return target, (blocks if binds else None)
 
 
 def main() -> None:
     a = parse_flags(__doc__, 9, baseline=True)
     if not native.load():
         raise SystemExit("error: the working tree's native kernel could not be built")
-    targets = {"old": baseline_target(a.baseline), "new": (native.TARGET, False)}
+    targets = {"old": baseline_target(a.baseline, a.blocks), "new": (native.TARGET, a.blocks)}
     probe = hardware.ReadProbe("vecmat")
     rng = np.random.default_rng(0)
-    print(f"baseline {a.baseline}; S={a.slots}; load average {os.getloadavg()}", flush=True)
-    for name, k, g, (q, caches, vis, vl, nbytes) in shapes(a.models, a.slots, rng):
+    print(f"baseline {a.baseline}; S={a.slots}; {'native_blocks' if a.blocks else 'native'}; "
+          f"load average {os.getloadavg()}", flush=True)
+    for name, k, g, (q, caches, vis, vl, nbytes) in shapes(a.models, a.slots, rng,
+                                                            max(1, a.layers)):
+        if a.blocks and g == 1:
+            continue  # 'native_blocks' sweeps grouped heads only
         copies = len(caches)
-        fns = {tag: compiled(target, vl, q, caches, vis, blocks)
-               for tag, (target, blocks) in targets.items()}
+        if a.layers:
+            caches, nbytes = caches[:a.layers], nbytes * a.layers
+            fns = {tag: compiled_layers(target, vl, q, caches, vis, blocks)
+                   for tag, (target, blocks) in targets.items()}
+        else:
+            fns = {tag: compiled(target, vl, q, caches, vis, blocks)
+                   for tag, (target, blocks) in targets.items()}
         secs = {tag: [] for tag in fns}
         reads = []
         for r in range(a.rounds):
             for tag in (("old", "new") if r % 2 == 0 else ("new", "old")):
                 reads.append(probe.once())
-                kc, vc = caches[(2 * r + (tag == "new")) % copies]
                 t0 = time.perf_counter()
-                jax.block_until_ready(fns[tag](q, kc, vc, vis))
+                if a.layers:
+                    jax.block_until_ready(fns[tag](q, caches, vis))
+                else:
+                    kc, vc = caches[(2 * r + (tag == "new")) % copies]
+                    jax.block_until_ready(fns[tag](q, kc, vc, vis))
                 secs[tag].append(time.perf_counter() - t0)
         roof = statistics.median(reads)
         gbps = {tag: nbytes / statistics.median(s) / 1e9 for tag, s in secs.items()}
-        print(f"{name} K={k} G={g} BKHS/{vl}: " + "  ".join(
+        print(f"{name} K={k} G={g} BKHS/{vl}"
+              + (f", {a.layers} layers in one program" if a.layers else "") + ": " + "  ".join(
             f"{tag} {gb:5.1f} GB/s ({gb * 1e9 / roof:4.0%})" for tag, gb in gbps.items())
-            + f"; new/old {gbps['new'] / gbps['old']:.2f}x; read {roof / 1e9:.1f} GB/s; "
+            + f"; new/old {gbps['new'] / gbps['old']:.2f}x (paired: "
+            f"{statistics.median(o / n for o, n in zip(secs['old'], secs['new'])):.3f}x, new "
+            f"faster in {sum(o > n for o, n in zip(secs['old'], secs['new']))}/{a.rounds}); "
+            f"read {roof / 1e9:.1f} GB/s; "
             f"load {os.getloadavg()[0]:.1f}", flush=True)
 
 

@@ -135,6 +135,26 @@ def test_decode_attention_ab_refuses_bad_flags(script, flag, message):
     assert not proc.stdout  # refused before any work
 
 
+def test_decode_attention_ab_refuses_negative_layers():
+    proc = _script("decode_attention_ab.py", "--layers=-1")
+    assert proc.returncode != 0
+    assert "error: --layers=-1; allowed: an integer >= 0 (0: one call)" in proc.stderr
+    assert not proc.stdout  # refused before any work
+
+
+@pytest.mark.skipif(subprocess.run(["git", "-C", ROOT, "cat-file", "-e", "6fb952d^{commit}"],
+                                    capture_output=True).returncode != 0,
+                    reason="a clone without the commit 6fb952d")
+def test_decode_attention_ab_refuses_blocks_on_a_kernel_without_them():
+    """6fb952d's kernel binds no ``blocks`` attribute: --blocks is refused before it is
+    built, naming the commit and what is allowed."""
+    proc = _script("decode_attention_ab.py", "--baseline=6fb952d", "--blocks")
+    assert proc.returncode != 0
+    assert ("error: --blocks with --baseline=6fb952d, whose kernel binds no 'blocks' "
+            "attribute; allowed: a commit from 3e7df1b on") in proc.stderr
+    assert "new/old" not in proc.stdout
+
+
 @pytest.mark.parametrize("flag, message", [
     ("--budgets=0", "--budgets=0: invalid config: model.kv_budget=0"),
     ("--budgets=a", "--budgets=a:"),
