@@ -7,10 +7,12 @@
 // the maxima, as FastItem does), the values over a dense row's contiguous rows (without
 // FastItem's prefetch of the next sub-block), and a plain read of the same bytes. On
 // AVX-512, for G >= 2, also the per-block (flash-decoding) sweep, 'native_blocks'
-// (BlockSweep in the kernel, at several pass lengths, prefetch distances and spans;
-// docs/decisions/0045-grouped-decode-fused-blocks.md,
+// (BlockSweep in the kernel, at its passes, then at other pass lengths, prefetch
+// distances and spans; docs/decisions/0045-grouped-decode-fused-blocks.md,
 // docs/decisions/0052-grouped-decode-blocks-per-machine.md) against FastItem,
-// paired in interleaved rounds (FusedAgainstFastItem; KVJAX_PAIRED_ROUNDS, default 41).
+// paired in interleaved rounds (FusedAgainstFastItem; KVJAX_PAIRED_ROUNDS, default 41),
+// and the same sweep over keys tiled [S / 64, H, 64] (a layout the cache does not have;
+// docs/decisions/0053-sweep-passes-of-32-rows.md). KVJAX_PROFILE_H: H = V (default 64).
 // Two threads sharing the memory: two copies at once, `(/tmp/prof ... > /tmp/b.txt &);
 // /tmp/prof ...`.
 //
@@ -42,6 +44,35 @@ static void SpanValuesContig(int64_t G, int64_t V, const float* scp, int64_t ld_
   }
 }
 
+// A layout the kernel does not have, timed as a lead: keys tiled [S / 64, H, 64], a block
+// of 64 slots' H key rows one contiguous 16 KiB stream (session 31's lead for G = 3-4),
+// swept as BlockSweep does (GroupScoresBlock down a tile's rows, a tile 2 ahead
+// prefetched, then BlockSoftmaxValues). kt: the tiles of n slots (n a multiple of 64).
+template <int GB>
+static void TiledSweepGB(const float* qs, int64_t H, const float* kt, const float* vp,
+                         int64_t V, int64_t n, float* sc, int64_t ld_sc, float* m, float* l,
+                         float* o) {
+  constexpr int NJ = GroupNJ(GB) >= 4 ? 4 : 2;
+  for (int64_t j = 0; j < n; j += 64) {
+    for (int c0 = 0; c0 < 4; c0 += NJ)
+      GroupScoresBlock<GB, NJ>(qs, H, 0, H, kt + j * H + c0 * VL, 64, sc + c0 * VL, ld_sc,
+                               kt + (j + 2 * 64) * H + c0 * VL, nullptr, nullptr);
+    BlockSoftmaxValues<GB>(sc, ld_sc, 64, vp + j * V, V, ValueVectors(V), m, l, o);
+  }
+}
+static void TiledSweep(const float* qs, int64_t G, int64_t H, const float* kt,
+                       const float* vp, int64_t V, int64_t n, float* sc, int64_t ld_sc,
+                       float* m, float* l, float* o) {
+  switch (G) {
+#define KVJAX_TILED(N) \
+  case N: if constexpr (N <= kGroupMax) \
+    TiledSweepGB<N>(qs, H, kt, vp, V, n, sc, ld_sc, m, l, o); break;
+    KVJAX_TILED(2) KVJAX_TILED(3) KVJAX_TILED(4) KVJAX_TILED(5) KVJAX_TILED(6)
+    KVJAX_TILED(7) KVJAX_TILED(8) KVJAX_TILED(9)
+#undef KVJAX_TILED
+  }
+}
+
 // The per-block sweep (BlockSweep, 'native_blocks') against FastItem on the same head, in `rounds`
 // interleaved rounds with a plain read of the same bytes, the caches rotated over
 // `copies`: prints medians and the median of the paired ratios (fused / FastItem time:
@@ -61,14 +92,25 @@ static void FusedAgainstFastItem(const Shape& sh, const float* q, const float* k
   for (int64_t i = 0; i < G * H; ++i) qs[i] = q[i] * sh.scale;
   const int64_t span = std::min<int64_t>(kSpan, kScFloats / G) / VL * VL;
   std::vector<float> sc(G * (8192 + kScorePad));
+  // the kernel's passes first, then GroupScoresGB's for up to 4 heads (session 33's sweep)
   const std::vector<std::array<int64_t, 3>> cfg = {
-      {8, 4, span}, {8, 8, span}, {8, 4, 8192}, {16, 4, span}, {H, 2, span}, {H, 4, span}};
-  const int nvar = 2 + cfg.size();
+      {kSweepRows, kPfAhead, span}, {8, 4, span}, {16, 2, span}, {32, 4, span},
+      {H, 2, span}, {kSweepRows, kPfAhead, 8192}};
+  // the same keys tiled (TiledSweep), rotated over the same copies
+  std::vector<float> kt(copies * H * S);
+  for (int64_t c = 0; c < copies; ++c)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t s = 0; s < S; ++s)
+        kt[c * H * S + s / 64 * 64 * H + h * 64 + s % 64] = kc[c * H * S + h * S + s];
+  const int tiled = 2 + cfg.size(), nvar = tiled + 1;
   std::vector<std::vector<double>> t(nvar);
   double err = 0.0;
   for (int r = 0; r < rounds + 2; ++r) {
-    for (int v = 0; v < nvar; ++v) {
-      const int64_t c = (r * nvar + v) % copies;
+    // the order rotates a place each round: a call right after the plain read ran up to
+    // 8% slower than the same call elsewhere in the round
+    for (int i = 0; i < nvar; ++i) {
+      const int v = (i + r) % nvar;
+      const int64_t c = (r * nvar + i) % copies;
       const float* kp = kc + c * H * S;
       const float* vp = vc + c * S * V;
       const auto t0 = std::chrono::steady_clock::now();
@@ -80,13 +122,18 @@ static void FusedAgainstFastItem(const Shape& sh, const float* q, const float* k
         for (int64_t i = 0; i < S * V; i += 2 * VL) { x += ld(vp + i); y += ld(vp + i + VL); }
         m2[0] = hsum(x + y);
       } else {
-        const auto [R, A, SP] = cfg[v - 2];
         std::fill(m2.begin(), m2.end(), kNegInf);
         std::fill(l2.begin(), l2.end(), 0.0f);
         std::fill(o2.begin(), o2.end(), 0.0f);
-        for (int64_t sb = 0; sb < S; sb += SP)
-          BlockSweep(qs.data(), G, H, kp + sb, S, vp + sb * V, V, SP, sc.data(),
-                     SP + kScorePad, m2.data(), l2.data(), o2.data(), R, A);
+        if (v == tiled) {
+          TiledSweep(qs.data(), G, H, kt.data() + c * H * S, vp, V, S, sc.data(),
+                     64 + kScorePad, m2.data(), l2.data(), o2.data());
+        } else {
+          const auto [R, A, SP] = cfg[v - 2];
+          for (int64_t sb = 0; sb < S; sb += SP)
+            BlockSweep(qs.data(), G, H, kp + sb, S, vp + sb * V, V, SP, sc.data(),
+                       SP + kScorePad, m2.data(), l2.data(), o2.data(), R, A);
+        }
       }
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (r >= 2) t[v].push_back(s);
@@ -106,15 +153,20 @@ static void FusedAgainstFastItem(const Shape& sh, const float* q, const float* k
   for (int v = 2; v < nvar; ++v) {
     std::vector<double> ratio;
     for (size_t i = 0; i < t[v].size(); ++i) ratio.push_back(t[v][i] / t[0][i]);
-    std::printf("  fused R=%2lld A=%lld span %4lld: %.3f ms (%.0f%% of the read), "
-                "fused / FastItem %.3f\n", (long long)cfg[v - 2][0],
-                (long long)cfg[v - 2][1], (long long)cfg[v - 2][2], med(t[v]) * 1e3,
+    if (v == tiled)
+      std::printf("  fused, keys tiled [S/64, H, 64]: ");
+    else
+      std::printf("  fused R=%2lld A=%lld span %4lld: ", (long long)cfg[v - 2][0],
+                  (long long)cfg[v - 2][1], (long long)cfg[v - 2][2]);
+    std::printf("%.3f ms (%.0f%% of the read), fused / FastItem %.3f\n", med(t[v]) * 1e3,
                 100 * rd / med(t[v]), med(ratio));
   }
 }
 
 int main(int argc, char** argv) {
-  const int64_t S = argc > 1 ? std::atoll(argv[1]) : 32768, H = 64, V = 64;
+  const char* hv = std::getenv("KVJAX_PROFILE_H");  // head width H = V (default 64)
+  const int64_t S = argc > 1 ? std::atoll(argv[1]) : 32768, H = hv ? std::atoll(hv) : 64,
+                V = H;
   const int64_t copies = 6;  // 6 x 16 MiB at S = 32K: beyond a 32 MiB L3
   std::vector<float> kc(copies * H * S), vc(copies * S * V);
   for (size_t i = 0; i < kc.size(); ++i) kc[i] = float((i * 2654435761u) % 1000) / 1000 - 0.5f;

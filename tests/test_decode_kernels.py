@@ -468,6 +468,31 @@ def test_native_blocks_equals_xla(g, v):
 
 
 @pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
+@pytest.mark.parametrize("h", [16, 48, 96])
+@pytest.mark.parametrize("g", [2, 4, 9])
+def test_native_blocks_key_passes_equal_xla(g, h):
+    """The sweep walks the key rows in passes of 32 (kSweepRows,
+    docs/decisions/0053-sweep-passes-of-32-rows.md): H = 16 (one pass shorter than 32),
+    48 (a full pass and a short one) and 96 (three) equal XLA on fully visible rows of
+    4,200 slots (a span of whole blocks, then a tail of single vectors), and on AVX-512
+    differ from the phases in the last bits: the sweep ran."""
+    b, k, v, s = 2, 1, 32, 4200
+    rng = np.random.default_rng(5 * g + h)
+    q = jnp.asarray(rng.standard_normal((b, k, g, h)), jnp.float32)
+    kc = jnp.asarray(3 * rng.standard_normal((b, k, h, s)), jnp.float32)
+    vc = jnp.asarray(rng.standard_normal((b, k, s, v)), jnp.float32)
+    vis = jnp.ones((b, s), bool)
+    ref = decode_kernels.partial_attention("xla", q, kc, vc, vis, "BKHS", "BKSH")
+    got = decode_kernels.partial_attention("native_blocks", q, kc, vc, vis, "BKHS", "BKSH")
+    phased = decode_kernels.partial_attention("native", q, kc, vc, vis, "BKHS", "BKSH")
+    for name, r, o in zip("oml", ref, got):
+        np.testing.assert_allclose(np.asarray(o), np.asarray(r), atol=3e-5, rtol=3e-5,
+                                   err_msg=name)
+    assert (not np.array_equal(np.asarray(got[0]), np.asarray(phased[0]))) == \
+        native.block_sweep()
+
+
+@pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
 @pytest.mark.parametrize("layouts", [("BKHS", "BKSH"), ("BKHS", "BKHS")],
                          ids=lambda x: "/".join(x))
 @pytest.mark.parametrize("g", [1, 2, 3, 4, 8, 9])

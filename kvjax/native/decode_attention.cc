@@ -641,12 +641,16 @@ static void SpanSoftmax(int64_t G, int64_t V, float* scp, int64_t ld_sc, const f
 
 // ---------------------------------------------------------------------------------------
 // The block-by-block form of a grouped dense run ('native_blocks', kvjax/kernels.py): the
-// per-block update of flash-decoding (Dao et al. 2023). GroupScoresGB's walk (passes of
-// kPassRows key rows, the block 2 * kPfAhead on prefetched), and on the last pass each
-// block's online softmax and values right after its scores, so the value stream runs
-// between the key blocks instead of after a whole span's keys. Which form streams faster
-// is a property of the machine's memory system, so the planner times both
+// per-block update of flash-decoding (Dao et al. 2023). GroupScoresGB's key walk
+// (GroupScoresWalk) in passes of kSweepRows rows, the block kPfAhead on prefetched, and on
+// the last pass each block's online softmax and values right after its scores, so the
+// value stream runs between the key blocks instead of after a whole span's keys. Passes
+// of 32 rows (H = 64: two), not GroupScoresGB's 8 for up to 4 heads: the value stream then
+// runs beside half the key rows instead of an eighth, and the sweep read faster for every
+// G (docs/decisions/0053-sweep-passes-of-32-rows.md). Which form streams faster is a
+// property of the machine's memory system, so the planner times both
 // (docs/decisions/0052-grouped-decode-blocks-per-machine.md; decision 0045 measured it).
+constexpr int64_t kSweepRows = 32;
 
 // One block's online softmax and values, right after its scores: the GB heads' scores of
 // w visible slots at sc (row stride ld_sc, in L1: just stored) become unnormalised
@@ -706,15 +710,12 @@ static inline bool BlockSweepApplies(int64_t G) {
   return kRegs == 32 && G >= 2 && G <= kGroupMax;
 }
 
-// pass_rows = 0: GroupScoresGB's passes (PassRows, PassAhead).
+// pass_rows, ahead: the walk's passes and prefetch distance (the profile harness varies
+// them; the kernel takes kSweepRows and kPfAhead).
 static void BlockSweep(const float* qs, int64_t G, int64_t H, const float* kp, int64_t ks,
                        const float* vp, int64_t V, int64_t n, float* sc, int64_t ld_sc,
-                       float* m, float* l, float* o, int64_t pass_rows = 0,
-                       int64_t ahead = 0) {
-  if (pass_rows == 0) {
-    pass_rows = PassRows(G, H);
-    ahead = PassAhead(G);
-  }
+                       float* m, float* l, float* o, int64_t pass_rows = kSweepRows,
+                       int64_t ahead = kPfAhead) {
   switch (G) {
 #define KVJAX_SWEEP(N) \
   case N: if constexpr (N <= kGroupMax) \
