@@ -14,8 +14,8 @@ ratios (old's time over new's, adjacent calls), with the load average.
 only; the baseline's source must bind the ``blocks`` attribute). ``--layers=L`` times,
 for either kernel, one program of L calls in turn over L distinct caches (each layer's
 query depends on the last one's output), as a decode step runs them: its dispatch paid
-once, and L caches together larger than the last-level cache (a shape's caches are
-then at least L times one layer's).
+once. Pick L so the L caches together exceed the last-level cache (the Intel Xeon model
+207 lists 260 MiB: 16 layers of the blog GQA cache at S = 32K are 512 MiB).
 
     PYTHONPATH=. python scripts/decode_attention_ab.py --baseline 8b4947c --slots 32768
     PYTHONPATH=. python scripts/decode_attention_ab.py --baseline 8f224a8 --blocks --layers 16
