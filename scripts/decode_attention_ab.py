@@ -6,8 +6,8 @@ source), registers it under a target name of its own, and times one layer's part
 decode attention (:func:`kvjax.models.decode_kernels.partial_attention`, 'native') of the
 blog model's and SmolLM2's shapes at S slots with either library, in alternating rounds,
 each round paired with a streaming read of 256 MiB (:class:`kvjax.analysis.hardware.ReadProbe`).
-Caches are rotated over copies of at least 96 MiB in all, so every call reads from
-memory. Prints, per shape, the median GB/s of cache read of each kernel, its share of the
+Caches are rotated over copies of at least 96 MiB and twice the last-level cache in
+all, so every call reads from memory. Prints, per shape, the median GB/s of cache read of each kernel, its share of the
 median read, the ratio of the medians (new over old) and the median of the rounds' paired
 ratios (old's time over new's, adjacent calls), with the load average.
 ``--blocks`` times the 'native_blocks' call of both kernels instead (grouped shapes
@@ -77,13 +77,14 @@ def parse_flags(doc: str, rounds: int, baseline: bool) -> argparse.Namespace:
 def problem(rng: np.random.Generator, k: int, g: int, slots: int, least: int = 1):
     """One layer's decode attention at the CPU layouts (keys 'BKHS'; values 'BKSH' for
     G > 1, else 'BKHS'; decode_attention_bench), B = 1, H = V = 64, every slot visible:
-    (q [1, K, G, H], [(keys, values)] copies of at least 96 MiB in all and at least
-    ``least`` of them, visible [1, S], the values' layout, bytes of cache read per call),
-    all float32."""
+    (q [1, K, G, H], [(keys, values)] copies of at least 96 MiB and twice the
+    last-level cache in all, and at least ``least`` of them, visible [1, S], the values'
+    layout, bytes of cache read per call), all float32."""
     h = 64
     vl = "BKHS" if g == 1 else "BKSH"
     nbytes = 2 * k * slots * h * 4
-    copies = max(least, -(-96 * 2**20 // nbytes))
+    total = max(96 * 2**20, 2 * hardware.last_level_cache_bytes())
+    copies = max(least, -(-total // nbytes))
     q = jnp.asarray(rng.standard_normal((1, k, g, h)), jnp.float32)
     caches = [(jnp.asarray(rng.standard_normal((1, k, h, slots)), jnp.float32),
                jnp.asarray(rng.standard_normal((1, k, slots, h) if vl == "BKSH"

@@ -16,7 +16,8 @@ Each call above is its own program, so its time includes JAX's dispatch (about 0
 the 2-core EPYC; docs/results/amd-epyc-avx512-2core.md, "Session 29, quiet"), which a decode
 step pays once for all its layers. ``--layers=L`` (default 8; 0: off) also times, per
 shape, one program that runs L layers' decode attention in turn over L distinct caches
-(together larger than the CPU's caches, so each is read from memory, as in a step), for
+(together larger than the CPU's caches, so each is read from memory, as in a step;
+a line says where they are not twice the last-level cache), for
 'xla', 'native' and 'native_blocks': its GB/s and share of the same probe are the kernel as a step runs it.
 
     python scripts/decode_attention_bench.py [--slots 32768] [--dtype float32] [--rounds 7]
@@ -124,7 +125,11 @@ def main() -> None:
                 cells = "  ".join(f"{impl} {nbytes / sec / 1e9:6.1f} GB/s "
                                   f"({nbytes / sec / roof:4.0%})"
                                   for impl, sec in secs.items())
-                print(f"{name} K={k} G={g} in one program of {a.layers} layers: {cells}",
+                llc = hardware.last_level_cache_bytes()
+                warm = (f" (caches {nbytes / 2**20:.0f} MiB in all, under twice this CPU's "
+                        f"{llc / 2**20:.0f} MiB last-level cache: partly cache reads; raise "
+                        f"--layers)" if nbytes < 2 * llc else "")
+                print(f"{name} K={k} G={g} in one program of {a.layers} layers: {cells}{warm}",
                       flush=True)
             if t == queries[0]:
                 best[k] = min(r["seconds"].values())

@@ -7,7 +7,8 @@ source), registers it under a target of its own, and times one layer's partial d
 attention (:func:`kvjax.models.decode_kernels.partial_attention`, 'native') of the blog
 model's and SmolLM2's shapes at S slots, each call paired with a streaming read of 256 MiB
 (:class:`kvjax.analysis.hardware.ReadProbe`) just before it. Caches are rotated over
-copies of at least 96 MiB in all, so every call reads from memory. Prints, per shape:
+copies of at least 96 MiB and twice the last-level cache in all (decode_attention_ab.py),
+so every call reads from memory. Prints, per shape:
 the calls in which a pool task ran a part (the others ran every part on the caller), how
 late the pool's part began after the parts were scheduled (median over the calls it ran
 in), the median time from scheduling to the last part's end and its GB/s of cache read,

@@ -118,6 +118,24 @@ def test_vector_isa_names_the_widest_first(tmp_path, flags, want):
     assert hardware.vector_isa(str(tmp_path / "missing")) == ""
 
 
+def test_last_level_cache_falls_back_to_l2_then_none(monkeypatch):
+    """The largest cache level sysconf reports: L3, else L2 (a name the C library lacks
+    raises ValueError, an unknown size reads 0 or -1), else 0."""
+    sizes = {"SC_LEVEL3_CACHE_SIZE": 272629760, "SC_LEVEL2_CACHE_SIZE": 2097152}
+
+    def sysconf(name):
+        if name not in sizes:
+            raise ValueError(name)
+        return sizes[name]
+    monkeypatch.setattr(hardware.os, "sysconf", sysconf)
+    assert hardware.last_level_cache_bytes() == 272629760
+    sizes["SC_LEVEL3_CACHE_SIZE"] = 0
+    assert hardware.last_level_cache_bytes() == 2097152
+    del sizes["SC_LEVEL3_CACHE_SIZE"]
+    sizes["SC_LEVEL2_CACHE_SIZE"] = -1
+    assert hardware.last_level_cache_bytes() == 0
+
+
 def test_compare_parses_labels_and_overrides():
     compare = import_entry_point("compare")
     runs = compare.build_variants(

@@ -119,6 +119,12 @@ def test_decode_attention_bench_times_layers_in_one_program():
     assert [int(k) * int(g) for k, g, *_ in in_prog] == [8, 8, 8]  # the blog's N = 8
     for (_, one), (*_, prog, share) in zip(per_call, in_prog):
         assert float(one) > 0 and float(prog) > 0 and int(share) >= 0
+    # 2 layers of 512 slots are far inside any last-level cache: each line says so
+    from kvjax.analysis import hardware
+    warned = re.findall(r"in one program of 2 layers: .*\(caches \d+ MiB in all, under twice "
+                        r"this CPU's \d+ MiB last-level cache: partly cache reads; raise "
+                        r"--layers\)$", proc.stdout, re.M)
+    assert len(warned) == (3 if hardware.last_level_cache_bytes() else 0)
 
 
 @pytest.mark.parametrize("flag, message", [

@@ -166,6 +166,21 @@ def cpu_model() -> str | None:
     return None
 
 
+def last_level_cache_bytes() -> int:
+    """Bytes of the host CPU's largest cache level as the C library reports it
+    (``sysconf``'s L3, else L2; 0 where neither can be read): a working set meant to
+    come from memory must be well past it (the Intel Xeon model 207 lists 260 MiB of L3,
+    the AMD EPYC 32 MiB)."""
+    for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+        try:
+            size = os.sysconf(name)
+        except (ValueError, OSError):
+            continue
+        if size > 0:
+            return int(size)
+    return 0
+
+
 def vector_isa(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The host CPU's vector instruction sets that the kernels and XLA:CPU use, widest
     first, from the flags line of ``cpuinfo``: e.g. 'AVX-512 (F, BW, VL, VNNI, BF16),
