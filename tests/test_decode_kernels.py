@@ -416,6 +416,17 @@ def test_native_grouped_equals_xla(g, layouts):
     _grouped_matches_xla(g, layouts)
 
 
+def _blocks_equal_xla(q, kc, vc, vis):
+    """'native_blocks' on keys 'BKHS', values 'BKSH' equals XLA's (o, m, l); returns its
+    statistics and 'native''s (the phases) on the same problem."""
+    ref = decode_kernels.partial_attention("xla", q, kc, vc, vis, "BKHS", "BKSH")
+    got = decode_kernels.partial_attention("native_blocks", q, kc, vc, vis, "BKHS", "BKSH")
+    for name, r, o in zip("oml", ref, got):
+        np.testing.assert_allclose(np.asarray(o), np.asarray(r), atol=3e-5, rtol=3e-5,
+                                   err_msg=name)
+    return got, decode_kernels.partial_attention("native", q, kc, vc, vis, "BKHS", "BKSH")
+
+
 @pytest.mark.skipif(not native.load(), reason="native kernel not built (no compiler)")
 @pytest.mark.parametrize("v", [64, 32, 16])
 @pytest.mark.parametrize("g", range(1, 10))
@@ -438,13 +449,7 @@ def test_native_blocks_equals_xla(g, v):
     vis[0] = True
     vis[1, 128:6144] = True
     vis[2] = rng.random(s) < 0.7
-    vis = jnp.asarray(vis)
-    ref = decode_kernels.partial_attention("xla", q, kc, vc, vis, "BKHS", "BKSH")
-    got = decode_kernels.partial_attention("native_blocks", q, kc, vc, vis, "BKHS", "BKSH")
-    phased = decode_kernels.partial_attention("native", q, kc, vc, vis, "BKHS", "BKSH")
-    for name, r, o in zip("oml", ref, got):
-        np.testing.assert_allclose(np.asarray(o), np.asarray(r), atol=3e-5, rtol=3e-5,
-                                   err_msg=name)
+    got, phased = _blocks_equal_xla(q, kc, vc, jnp.asarray(vis))
     assert float(got[2][3].max()) == 0.0 and float(got[0][3].max()) == 0.0  # sees nothing
     swept = native.block_sweep() and 2 <= g <= 9
     assert (not np.array_equal(np.asarray(got[0][:2]), np.asarray(phased[0][:2]))) == swept
@@ -481,13 +486,7 @@ def test_native_blocks_key_passes_equal_xla(g, h):
     q = jnp.asarray(rng.standard_normal((b, k, g, h)), jnp.float32)
     kc = jnp.asarray(3 * rng.standard_normal((b, k, h, s)), jnp.float32)
     vc = jnp.asarray(rng.standard_normal((b, k, s, v)), jnp.float32)
-    vis = jnp.ones((b, s), bool)
-    ref = decode_kernels.partial_attention("xla", q, kc, vc, vis, "BKHS", "BKSH")
-    got = decode_kernels.partial_attention("native_blocks", q, kc, vc, vis, "BKHS", "BKSH")
-    phased = decode_kernels.partial_attention("native", q, kc, vc, vis, "BKHS", "BKSH")
-    for name, r, o in zip("oml", ref, got):
-        np.testing.assert_allclose(np.asarray(o), np.asarray(r), atol=3e-5, rtol=3e-5,
-                                   err_msg=name)
+    got, phased = _blocks_equal_xla(q, kc, vc, jnp.ones((b, s), bool))
     assert (not np.array_equal(np.asarray(got[0]), np.asarray(phased[0]))) == \
         native.block_sweep()
 
