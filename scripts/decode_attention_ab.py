@@ -7,18 +7,19 @@ decode attention (:func:`kvjax.models.decode_kernels.partial_attention`, 'native
 blog model's and SmolLM2's shapes at S slots with either library, in alternating rounds,
 each round paired with a streaming read of 256 MiB (:class:`kvjax.analysis.hardware.ReadProbe`).
 Caches are rotated over copies of at least 96 MiB and twice the last-level cache in
-all, so every call reads from memory. Prints, per shape, the median GB/s of cache read of each kernel, its share of the
-median read, the ratio of the medians (new over old) and the median of the rounds' paired
-ratios (old's time over new's, adjacent calls), with the load average.
-``--blocks`` times the 'native_blocks' call of both kernels instead (grouped shapes
-only; the baseline's source must bind the ``blocks`` attribute). ``--layers=L`` times,
-for either kernel, one program of L calls in turn over L distinct caches (each layer's
-query depends on the last one's output), as a decode step runs them: its dispatch paid
-once. Pick L so the L caches together exceed the last-level cache (the Intel Xeon model
-207 lists 260 MiB: 16 layers of the blog GQA cache at S = 32K are 512 MiB).
+all, so every call reads from memory. Prints, per shape, the median GB/s of cache read
+of each kernel, its share of the median read, the ratio of the medians (new over old)
+and the median of the rounds' paired ratios (old's time over new's, adjacent calls),
+with the load average. ``--blocks`` times the 'native_blocks' call of both kernels
+instead (grouped shapes only; the baseline's source must bind the ``blocks``
+attribute). ``--layers=L`` times, for either kernel, one program of L calls in turn over
+L distinct caches, the same L every round (each layer's query depends on the last one's
+output), as a decode step runs them: its dispatch paid once. Pick L so the L caches
+together are at least twice the last-level cache (a line says where they are not; the
+Intel Xeon model 207 lists 260 MiB: 33 layers of a K = 1 cache at S = 32K are 528 MiB).
 
     PYTHONPATH=. python scripts/decode_attention_ab.py --baseline 8b4947c --slots 32768
-    PYTHONPATH=. python scripts/decode_attention_ab.py --baseline 8f224a8 --blocks --layers 16
+    PYTHONPATH=. python scripts/decode_attention_ab.py --baseline 8f224a8 --blocks --layers 33
 """
 
 import argparse
@@ -44,7 +45,8 @@ HEADS = {"blog": (8, (8, 2, 1)), "smollm2": (9, (9, 3, 1))}
 
 
 def parse_flags(doc: str, rounds: int, baseline: bool) -> argparse.Namespace:
-    """--slots, --rounds (default ``rounds``), --models and, with ``baseline``, --baseline.
+    """--slots, --rounds (default ``rounds``), --models and, with ``baseline``,
+    --baseline, --blocks and --layers.
 
     Raises:
       SystemExit: a bad value, named with what is allowed, before any work.
@@ -74,17 +76,17 @@ def parse_flags(doc: str, rounds: int, baseline: bool) -> argparse.Namespace:
     return a
 
 
-def problem(rng: np.random.Generator, k: int, g: int, slots: int, least: int = 1):
+def problem(rng: np.random.Generator, k: int, g: int, slots: int, copies: int = 0):
     """One layer's decode attention at the CPU layouts (keys 'BKHS'; values 'BKSH' for
     G > 1, else 'BKHS'; decode_attention_bench), B = 1, H = V = 64, every slot visible:
-    (q [1, K, G, H], [(keys, values)] copies of at least 96 MiB and twice the
-    last-level cache in all, and at least ``least`` of them, visible [1, S], the values'
-    layout, bytes of cache read per call), all float32."""
+    (q [1, K, G, H], [(keys, values)] ``copies`` copies (0: enough for 96 MiB and twice
+    the last-level cache in all), visible [1, S], the values' layout, bytes of cache read
+    per call), all float32."""
     h = 64
     vl = "BKHS" if g == 1 else "BKSH"
     nbytes = 2 * k * slots * h * 4
     total = max(96 * 2**20, 2 * hardware.last_level_cache_bytes())
-    copies = max(least, -(-total // nbytes))
+    copies = copies or -(-total // nbytes)
     q = jnp.asarray(rng.standard_normal((1, k, g, h)), jnp.float32)
     caches = [(jnp.asarray(rng.standard_normal((1, k, h, slots)), jnp.float32),
                jnp.asarray(rng.standard_normal((1, k, slots, h) if vl == "BKSH"
@@ -93,12 +95,15 @@ def problem(rng: np.random.Generator, k: int, g: int, slots: int, least: int = 1
     return q, caches, jnp.ones((1, slots), bool), vl, nbytes
 
 
-def shapes(models: list[str], slots: int, rng: np.random.Generator, least: int = 1):
-    """(model, K, G, :func:`problem`) for each variant of each model, in turn."""
+def shapes(models: list[str], slots: int, rng: np.random.Generator, copies: int = 0,
+           grouped: bool = False):
+    """(model, K, G, :func:`problem`) for each variant of each model (``grouped``: those
+    with G > 1), in turn."""
     for name in models:
         n, ks = HEADS[name]
         for k in ks:
-            yield name, k, n // k, problem(rng, k, n // k, slots, least)
+            if n // k > 1 or not grouped:
+                yield name, k, n // k, problem(rng, k, n // k, slots, copies)
 
 
 def compiled(target: str, vl: str, q, caches, vis, blocks: bool | None = False):
@@ -130,14 +135,13 @@ def compiled_layers(target: str, vl: str, q, caches, vis, blocks: bool | None = 
     return fn
 
 
-def baseline_target(rev: str, blocks: bool = False) -> tuple[str, bool | None]:
-    """Registers the dense target of ``rev``'s decode_attention.cc; returns its name and
-    the ``blocks`` attribute to call it with (None: its source binds none; ``blocks``:
-    True, the block sweep).
+def baseline_source(rev: str, blocks: bool = False) -> tuple[pathlib.Path, bool]:
+    """``rev``'s decode_attention.cc and the headers it includes, written to a new
+    folder; returns it and whether that source binds the ``blocks`` attribute.
 
     Raises:
-      SystemExit: ``rev`` is not a commit holding the source, ``blocks`` and its source
-        binds no ``blocks`` attribute (before building), or the build failed.
+      SystemExit: ``rev`` is not a commit holding the source, or ``blocks`` and its
+        source binds no ``blocks`` attribute (before anything is built).
     """
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="kvjax-ab-"))
     for name in _HEADERS:
@@ -151,6 +155,18 @@ def baseline_target(rev: str, blocks: bool = False) -> tuple[str, bool | None]:
     if blocks and not binds:
         raise SystemExit(f"error: --blocks with --baseline={rev}, whose kernel binds no "
                          "'blocks' attribute; allowed: a commit from 3e7df1b on")
+    return tmp, binds
+
+
+def baseline_target(rev: str, tmp: pathlib.Path, binds: bool,
+                    blocks: bool = False) -> tuple[str, bool | None]:
+    """Registers the dense target of ``rev``'s source in ``tmp`` (:func:`baseline_source`);
+    returns its name and the ``blocks`` attribute to call it with (None: its source binds
+    none; ``blocks``: True, the block sweep).
+
+    Raises:
+      SystemExit: the build failed.
+    """
     target = f"kvjax_decode_attention_{rev}"
     ok = native.register({}, threading.Lock(),
                          lambda: native.build_library(tmp / _HEADERS[0], target), target,
@@ -162,20 +178,21 @@ def baseline_target(rev: str, blocks: bool = False) -> tuple[str, bool | None]:
 
 def main() -> None:
     a = parse_flags(__doc__, 9, baseline=True)
+    tmp, binds = baseline_source(a.baseline, a.blocks)
     if not native.load():
         raise SystemExit("error: the working tree's native kernel could not be built")
-    targets = {"old": baseline_target(a.baseline, a.blocks), "new": (native.TARGET, a.blocks)}
+    targets = {"old": baseline_target(a.baseline, tmp, binds, a.blocks),
+               "new": (native.TARGET, a.blocks)}
     probe = hardware.ReadProbe("vecmat")
     rng = np.random.default_rng(0)
     print(f"baseline {a.baseline}; S={a.slots}; {'native_blocks' if a.blocks else 'native'}; "
           f"load average {os.getloadavg()}", flush=True)
-    for name, k, g, (q, caches, vis, vl, nbytes) in shapes(a.models, a.slots, rng,
-                                                            max(1, a.layers)):
-        if a.blocks and g == 1:
-            continue  # 'native_blocks' sweeps grouped heads only
+    # 'native_blocks' sweeps grouped heads only; --layers: as many caches as layers
+    for name, k, g, (q, caches, vis, vl, nbytes) in shapes(a.models, a.slots, rng, a.layers,
+                                                            grouped=a.blocks):
         copies = len(caches)
         if a.layers:
-            caches, nbytes = caches[:a.layers], nbytes * a.layers
+            nbytes *= a.layers
             fns = {tag: compiled_layers(target, vl, q, caches, vis, blocks)
                    for tag, (target, blocks) in targets.items()}
         else:
@@ -202,7 +219,8 @@ def main() -> None:
             f"{statistics.median(o / n for o, n in zip(secs['old'], secs['new'])):.3f}x, new "
             f"faster in {sum(o > n for o, n in zip(secs['old'], secs['new']))}/{a.rounds}); "
             f"read {roof / 1e9:.1f} GB/s; "
-            f"load {os.getloadavg()[0]:.1f}", flush=True)
+            f"load {os.getloadavg()[0]:.1f}"
+            + (hardware.cache_reads_note(nbytes, "--layers") if a.layers else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -125,10 +125,9 @@ def main() -> None:
                 cells = "  ".join(f"{impl} {nbytes / sec / 1e9:6.1f} GB/s "
                                   f"({nbytes / sec / roof:4.0%})"
                                   for impl, sec in secs.items())
-                llc = hardware.last_level_cache_bytes()
-                warm = (f" (caches {nbytes / 2**20:.0f} MiB in all, under twice this CPU's "
-                        f"{llc / 2**20:.0f} MiB last-level cache: partly cache reads; raise "
-                        f"--layers)" if nbytes < 2 * llc else "")
+                # the CPU's caches matter on a CPU run only (no probe on a GPU)
+                warm = (hardware.cache_reads_note(nbytes, "--layers") if probe is not None
+                        else "")
                 print(f"{name} K={k} G={g} in one program of {a.layers} layers: {cells}{warm}",
                       flush=True)
             if t == queries[0]:

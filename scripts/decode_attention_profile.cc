@@ -96,15 +96,15 @@ static void FusedAgainstFastItem(const Shape& sh, const float* q, const float* k
   std::vector<float> sc(G * (8192 + kScorePad));
   // the kernel's passes first, then GroupScoresGB's for up to 4 heads (session 33's sweep)
   const std::vector<std::array<int64_t, 3>> cfg = {
-      {kSweepRows, kPfAhead, span}, {8, 4, span}, {16, 2, span}, {32, 4, span},
-      {H, 2, span}, {kSweepRows, kPfAhead, 8192}};
+      {SweepRows(H), kPfAhead, span}, {8, 4, span}, {16, 2, span}, {32, 4, span},
+      {H, 2, span}, {SweepRows(H), kPfAhead, 8192}};
   // the same keys tiled (TiledSweep), rotated over the same copies
-  std::vector<float> kt(S % 64 ? 0 : copies * H * S);
-  for (int64_t c = 0; c < (S % 64 ? 0 : copies); ++c)
+  std::vector<float> kt(copies * H * S);
+  for (int64_t c = 0; c < copies; ++c)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t s = 0; s < S; ++s)
         kt[c * H * S + s / 64 * 64 * H + h * 64 + s % 64] = kc[c * H * S + h * S + s];
-  const int tiled = 2 + cfg.size(), nvar = tiled + (S % 64 == 0);  // whole tiles only
+  const int tiled = 2 + cfg.size(), nvar = tiled + (G >= 2);  // TiledSweep: G = 2-9
   std::vector<std::vector<double>> t(nvar);
   double err = 0.0;
   for (int r = 0; r < rounds + 2; ++r) {
@@ -169,6 +169,21 @@ int main(int argc, char** argv) {
   const char* hv = std::getenv("KVJAX_PROFILE_H");  // head width H = V (default 64)
   const int64_t S = argc > 1 ? std::atoll(argv[1]) : 32768, H = hv ? std::atoll(hv) : 64,
                 V = H;
+  if (S <= 0 || S % 8192) {  // the sweep's spans of 4,096 and 8,192 slots tile the row
+    std::fprintf(stderr, "error: S=%s; allowed: a positive multiple of 8192\n",
+                 argc > 1 ? argv[1] : "");
+    return 2;
+  }
+  if (H <= 0 || H % VL) {  // whole vectors of a key column and of a value row
+    std::fprintf(stderr, "error: KVJAX_PROFILE_H=%s; allowed: a positive multiple of %d\n",
+                 hv, VL);
+    return 2;
+  }
+  for (int a = 2; a < argc; ++a)
+    if (std::atoll(argv[a]) < 1 || std::atoll(argv[a]) > 9) {
+      std::fprintf(stderr, "error: G=%s; allowed: 1 to 9\n", argv[a]);
+      return 2;
+    }
   // copies of 16 MiB at S = 32K: 33 on the Intel Xeon model 207's 260 MiB L3 (6 copies,
   // beyond a 32 MiB L3, fitted in it: its figures before session 34 were partly L3 reads)
   const int64_t l3 = std::max<long>(0, sysconf(_SC_LEVEL3_CACHE_SIZE));

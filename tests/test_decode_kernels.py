@@ -476,11 +476,11 @@ def test_native_blocks_equals_xla(g, v):
 @pytest.mark.parametrize("h", [16, 48, 96])
 @pytest.mark.parametrize("g", [2, 4, 9])
 def test_native_blocks_key_passes_equal_xla(g, h):
-    """The sweep walks the key rows in passes of 32 (kSweepRows,
+    """The sweep walks the key rows in passes of about 32 (SweepRows,
     docs/decisions/0053-sweep-passes-of-32-rows.md): H = 16 (one pass shorter than 32),
-    48 (a full pass and a short one) and 96 (three) equal XLA on fully visible rows of
-    4,200 slots (a span of whole blocks, then a tail of single vectors), and on AVX-512
-    differ from the phases in the last bits: the sweep ran."""
+    48 (two balanced passes of 24, SweepRows) and 96 (three of 32) equal XLA on fully
+    visible rows of 4,200 slots, and on AVX-512 differ from the phases in the last bits:
+    the sweep ran."""
     b, k, v, s = 2, 1, 32, 4200
     rng = np.random.default_rng(5 * g + h)
     q = jnp.asarray(rng.standard_normal((b, k, g, h)), jnp.float32)

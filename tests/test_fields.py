@@ -136,6 +136,18 @@ def test_last_level_cache_falls_back_to_l2_then_none(monkeypatch):
     assert hardware.last_level_cache_bytes() == 0
 
 
+def test_cache_reads_note_names_both_sizes(monkeypatch):
+    """A working set under twice the last-level cache gets a note naming its size, the
+    cache's and the flag that raises it; one of twice or more, none."""
+    monkeypatch.setattr(hardware, "last_level_cache_bytes", lambda: 260 * 2**20)
+    assert hardware.cache_reads_note(256 * 2**20, "--layers") == (
+        " (caches 256 MiB in all, under twice this CPU's 260 MiB last-level cache: partly "
+        "cache reads; raise --layers)")
+    assert hardware.cache_reads_note(520 * 2**20, "--layers") == ""
+    monkeypatch.setattr(hardware, "last_level_cache_bytes", lambda: 0)  # unknown: no note
+    assert hardware.cache_reads_note(1, "--layers") == ""
+
+
 def test_compare_parses_labels_and_overrides():
     compare = import_entry_point("compare")
     runs = compare.build_variants(

@@ -181,6 +181,18 @@ def last_level_cache_bytes() -> int:
     return 0
 
 
+def cache_reads_note(nbytes: int, flag: str) -> str:
+    """'' where ``nbytes`` of a working set meant to come from memory are at least twice
+    :func:`last_level_cache_bytes`, else a note for a figure's line naming both sizes and
+    the ``flag`` that raises it (' (caches 256 MiB in all, under twice this CPU's 260 MiB
+    last-level cache: partly cache reads; raise --layers)')."""
+    llc = last_level_cache_bytes()
+    if nbytes >= 2 * llc:
+        return ""
+    return (f" (caches {nbytes / 2**20:.0f} MiB in all, under twice this CPU's "
+            f"{llc / 2**20:.0f} MiB last-level cache: partly cache reads; raise {flag})")
+
+
 def vector_isa(cpuinfo: str = "/proc/cpuinfo") -> str:
     """The host CPU's vector instruction sets that the kernels and XLA:CPU use, widest
     first, from the flags line of ``cpuinfo``: e.g. 'AVX-512 (F, BW, VL, VNNI, BF16),

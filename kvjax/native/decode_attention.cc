@@ -645,12 +645,19 @@ static void SpanSoftmax(int64_t G, int64_t V, float* scp, int64_t ld_sc, const f
 // (GroupScoresWalk) in passes of kSweepRows rows, the block kPfAhead on prefetched, and on
 // the last pass each block's online softmax and values right after its scores, so the
 // value stream runs between the key blocks instead of after a whole span's keys. Passes
-// of 32 rows (H = 64: two), not GroupScoresGB's 8 for up to 4 heads: the value stream then
-// runs beside half the key rows instead of an eighth, and the sweep read faster for every
-// G (docs/decisions/0053-sweep-passes-of-32-rows.md). Which form streams faster is a
+// of about 32 rows (H = 64: two of 32), not GroupScoresGB's (8 rows for up to 4 heads,
+// all H for more): the value stream then runs beside half the key rows instead of an
+// eighth, and the sweep read faster or level for every G
+// (docs/decisions/0053-sweep-passes-of-32-rows.md). Which form streams faster is a
 // property of the machine's memory system, so the planner times both
 // (docs/decisions/0052-grouped-decode-blocks-per-machine.md; decision 0045 measured it).
 constexpr int64_t kSweepRows = 32;
+// H rows in as few passes of at most kSweepRows as cover them, balanced (H = 48: two of
+// 24; passes differ by a row at most): a pass prefetches the next pass's rows, so a short
+// last pass would leave the prefetches of the one before it reaching past row H.
+constexpr int64_t SweepRows(int64_t H) {
+  return (H + (H + kSweepRows - 1) / kSweepRows - 1) / ((H + kSweepRows - 1) / kSweepRows);
+}
 
 // One block's online softmax and values, right after its scores: the GB heads' scores of
 // w visible slots at sc (row stride ld_sc, in L1: just stored) become unnormalised
@@ -710,12 +717,11 @@ static inline bool BlockSweepApplies(int64_t G) {
   return kRegs == 32 && G >= 2 && G <= kGroupMax;
 }
 
-// pass_rows, ahead: the walk's passes and prefetch distance (the profile harness varies
-// them; the kernel takes kSweepRows and kPfAhead).
+// pass_rows, ahead: the walk's passes and prefetch distance (the kernel: SweepRows(H) and
+// kPfAhead; the profile harness varies them).
 static void BlockSweep(const float* qs, int64_t G, int64_t H, const float* kp, int64_t ks,
                        const float* vp, int64_t V, int64_t n, float* sc, int64_t ld_sc,
-                       float* m, float* l, float* o, int64_t pass_rows = kSweepRows,
-                       int64_t ahead = kPfAhead) {
+                       float* m, float* l, float* o, int64_t pass_rows, int64_t ahead) {
   switch (G) {
 #define KVJAX_SWEEP(N) \
   case N: if constexpr (N <= kGroupMax) \
@@ -837,7 +843,7 @@ static void FastItem(const Shape& sh, const float* q, const float* kc, const flo
         segs[0].n % VL == 0 && segs[0].n >= kLong && segs[0].nvis == segs[0].n &&
         nopage.empty()) {
       BlockSweep(qs.data(), G, H, segs[0].kp, P, segs[0].vp, V, segs[0].n,
-                 scp + segs[0].j0, ld_sc, m, l, o);
+                 scp + segs[0].j0, ld_sc, m, l, o, SweepRows(H), kPfAhead);
       continue;
     }
     // The float mask over the segments' range and a vector past it (the loops below read
