@@ -118,22 +118,25 @@ def test_vector_isa_names_the_widest_first(tmp_path, flags, want):
     assert hardware.vector_isa(str(tmp_path / "missing")) == ""
 
 
-def test_last_level_cache_falls_back_to_l2_then_none(monkeypatch):
-    """The largest cache level sysconf reports: L3, else L2 (a name the C library lacks
-    raises ValueError, an unknown size reads 0 or -1), else 0."""
-    sizes = {"SC_LEVEL3_CACHE_SIZE": 272629760, "SC_LEVEL2_CACHE_SIZE": 2097152}
-
-    def sysconf(name):
-        if name not in sizes:
-            raise ValueError(name)
-        return sizes[name]
-    monkeypatch.setattr(hardware.os, "sysconf", sysconf)
-    assert hardware.last_level_cache_bytes() == 272629760
-    sizes["SC_LEVEL3_CACHE_SIZE"] = 0
-    assert hardware.last_level_cache_bytes() == 2097152
-    del sizes["SC_LEVEL3_CACHE_SIZE"]
-    sizes["SC_LEVEL2_CACHE_SIZE"] = -1
-    assert hardware.last_level_cache_bytes() == 0
+def test_last_level_cache_reads_the_highest_level(tmp_path):
+    """The highest-level data or unified cache of sysfs' index* folders (an instruction
+    cache never; sizes with K, M or no suffix); 0 where no folder can be read."""
+    def index(i, level, kind, size):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        for name, text in (("level", level), ("type", kind), ("size", size)):
+            (d / name).write_text(f"{text}\n")
+    index(0, 1, "Data", "48K")
+    index(1, 1, "Instruction", "32K")
+    index(2, 2, "Unified", "2048K")
+    assert hardware.last_level_cache_bytes(str(tmp_path)) == 2 * 2**20  # no L3: the L2
+    index(3, 3, "Unified", "266240K")
+    assert hardware.last_level_cache_bytes(str(tmp_path)) == 272629760  # model 207's L3
+    (tmp_path / "index3" / "size").write_text("32M\n")
+    assert hardware.last_level_cache_bytes(str(tmp_path)) == 32 * 2**20
+    index(4, 4, "Instruction", "1G")  # an instruction cache is never the answer
+    assert hardware.last_level_cache_bytes(str(tmp_path)) == 32 * 2**20
+    assert hardware.last_level_cache_bytes(str(tmp_path / "missing")) == 0
 
 
 def test_cache_reads_note_names_both_sizes(monkeypatch):

@@ -14,6 +14,7 @@ Units: FLOP/s, bytes/s, bytes. Peaks are dense (no 2:4 sparsity), keyed by dtype
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import statistics
 import time
@@ -166,19 +167,29 @@ def cpu_model() -> str | None:
     return None
 
 
-def last_level_cache_bytes() -> int:
-    """Bytes of the host CPU's largest cache level as the C library reports it
-    (``sysconf``'s L3, else L2; 0 where neither can be read): a working set meant to
-    come from memory must be well past it (the Intel Xeon model 207 lists 260 MiB of L3,
-    the AMD EPYC 32 MiB)."""
-    for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """Bytes of the host CPU's highest-level data or unified cache, from Linux's sysfs
+    (``root``/index*/level, type and size, e.g. '266240K'); 0 where none can be read. A
+    working set meant to come from memory must be well past it (the Intel Xeon model 207
+    lists 260 MiB of L3, the AMD EPYC 32 MiB). Not ``os.sysconf``: Python's table of
+    names lacks the C library's cache sizes."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+    def read(index: str, name: str) -> str:
+        with open(os.path.join(index, name), encoding="utf-8") as f:
+            return f.read().strip()
+    best = (0, 0)  # (level, bytes)
+    for index in sorted(glob.glob(os.path.join(root, "index*"))):
         try:
-            size = os.sysconf(name)
-        except (ValueError, OSError):
+            if read(index, "type") == "Instruction":
+                continue
+            size = read(index, "size")
+            nbytes = (int(size[:-1]) * units[size[-1].upper()] if size[-1:].isalpha()
+                      else int(size))
+            best = max(best, (int(read(index, "level")), nbytes))
+        except (OSError, ValueError, KeyError, IndexError):
             continue
-        if size > 0:
-            return int(size)
-    return 0
+    return best[1]
 
 
 def cache_reads_note(nbytes: int, flag: str) -> str:
