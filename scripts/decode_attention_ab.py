@@ -106,22 +106,26 @@ def shapes(models: list[str], slots: int, rng: np.random.Generator, copies: int 
                 yield name, k, n // k, problem(rng, k, n // k, slots, copies)
 
 
+def _jit_on(target: str, f, *args):
+    """``f`` jitted with the kernel registered as ``target`` (native.TARGET is read when
+    the call is traced), called once on ``args``."""
+    old, native.TARGET = native.TARGET, target
+    fn = jax.jit(f)
+    jax.block_until_ready(fn(*args))
+    native.TARGET = old
+    return fn
+
+
 def compiled(target: str, vl: str, q, caches, vis, blocks: bool | None = False):
     """The 'native' call of the kernel registered as ``target``, jitted and called once;
     ``blocks=None`` for a kernel built before its ``blocks`` attribute."""
-    old, native.TARGET = native.TARGET, target  # read when the call is traced
-    fn = jax.jit(lambda q, kc, vc, v: decode_kernels._native(
-        q, kc, vc, v, "BKHS", vl, q.shape[-1] ** -0.5, blocks=blocks))
-    jax.block_until_ready(fn(q, *caches[0], vis))
-    native.TARGET = old
-    return fn
+    return _jit_on(target, lambda q, kc, vc, v: decode_kernels._native(
+        q, kc, vc, v, "BKHS", vl, q.shape[-1] ** -0.5, blocks=blocks), q, *caches[0], vis)
 
 
 def compiled_layers(target: str, vl: str, q, caches, vis, blocks: bool | None = False):
     """As :func:`compiled`, one program of a call per cache of ``caches`` in turn (the
     next call's query depends on the last one's output); called as fn(q, caches, vis)."""
-    old, native.TARGET = native.TARGET, target
-
     def run(q, caches, vis):
         out = q
         for kc, vc in caches:
@@ -129,10 +133,7 @@ def compiled_layers(target: str, vl: str, q, caches, vis, blocks: bool | None = 
                                              q.shape[-1] ** -0.5, blocks=blocks)
             out = q + 1e-3 * o
         return out
-    fn = jax.jit(run)
-    jax.block_until_ready(fn(q, caches, vis))
-    native.TARGET = old
-    return fn
+    return _jit_on(target, run, q, caches, vis)
 
 
 def baseline_source(rev: str, blocks: bool = False) -> tuple[pathlib.Path, bool]:
@@ -191,24 +192,22 @@ def main() -> None:
     for name, k, g, (q, caches, vis, vl, nbytes) in shapes(a.models, a.slots, rng, a.layers,
                                                             grouped=a.blocks):
         copies = len(caches)
-        if a.layers:
+        if a.layers:  # every call reads all the caches
             nbytes *= a.layers
-            fns = {tag: compiled_layers(target, vl, q, caches, vis, blocks)
-                   for tag, (target, blocks) in targets.items()}
-        else:
-            fns = {tag: compiled(target, vl, q, caches, vis, blocks)
-                   for tag, (target, blocks) in targets.items()}
+            build, args = compiled_layers, lambda r, tag: (q, caches, vis)
+        else:  # each call one copy, rotated
+            build = compiled
+            args = lambda r, tag: (q, *caches[(2 * r + (tag == "new")) % copies], vis)
+        fns = {tag: build(target, vl, q, caches, vis, blocks)
+               for tag, (target, blocks) in targets.items()}
         secs = {tag: [] for tag in fns}
         reads = []
         for r in range(a.rounds):
             for tag in (("old", "new") if r % 2 == 0 else ("new", "old")):
                 reads.append(probe.once())
+                call = args(r, tag)
                 t0 = time.perf_counter()
-                if a.layers:
-                    jax.block_until_ready(fns[tag](q, caches, vis))
-                else:
-                    kc, vc = caches[(2 * r + (tag == "new")) % copies]
-                    jax.block_until_ready(fns[tag](q, kc, vc, vis))
+                jax.block_until_ready(fns[tag](*call))
                 secs[tag].append(time.perf_counter() - t0)
         roof = statistics.median(reads)
         gbps = {tag: nbytes / statistics.median(s) / 1e9 for tag, s in secs.items()}

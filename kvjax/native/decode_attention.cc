@@ -578,7 +578,7 @@ static inline int ValueVectors(int64_t V) {
   const int64_t n = V / VL;
   return n % 4 == 0 ? 4 : (n % 2 == 0 ? 2 : 1);
 }
-static inline int64_t HeadsPerGroup(int64_t G, int64_t cap) {
+constexpr int64_t HeadsPerGroup(int64_t G, int64_t cap) {
   const int64_t groups = (G + cap - 1) / cap;
   return (G + groups - 1) / groups;
 }
@@ -652,12 +652,11 @@ static void SpanSoftmax(int64_t G, int64_t V, float* scp, int64_t ld_sc, const f
 // property of the machine's memory system, so the planner times both
 // (docs/decisions/0052-grouped-decode-blocks-per-machine.md; decision 0045 measured it).
 constexpr int64_t kSweepRows = 32;
-// H rows in as few passes of at most kSweepRows as cover them, balanced (H = 48: two of
-// 24; passes differ by a row at most): a pass prefetches the next pass's rows, so a short
-// last pass would leave the prefetches of the one before it reaching past row H.
-constexpr int64_t SweepRows(int64_t H) {
-  return (H + (H + kSweepRows - 1) / kSweepRows - 1) / ((H + kSweepRows - 1) / kSweepRows);
-}
+// H rows in as few passes of at most kSweepRows as cover them, balanced as HeadsPerGroup
+// balances heads (H = 48: two of 24; passes differ by a row at most): a pass prefetches
+// the next pass's rows, so a short last pass would leave the prefetches of the one before
+// it reaching past row H.
+constexpr int64_t SweepRows(int64_t H) { return HeadsPerGroup(H, kSweepRows); }
 
 // One block's online softmax and values, right after its scores: the GB heads' scores of
 // w visible slots at sc (row stride ld_sc, in L1: just stored) become unnormalised
