@@ -37,7 +37,6 @@ import contextlib
 import importlib
 import json
 import pathlib
-import re
 import statistics
 import time
 
@@ -47,33 +46,16 @@ import numpy as np
 
 from kvjax.cache import compress as compress_lib
 from kvjax import kernels, ops
-from kvjax.analysis import costs
+from kvjax.analysis import costs, profile
 from kvjax.config import run_config_from_dict
 from kvjax.inference import decode
 from kvjax.models import model, weight_matmul
 
-FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast"})
-"""Entry instructions that run no code (no thunk of their own)."""
-
-_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*[^=]*?\s([a-z][\w\-]*)\(")
-
 
 def entry_ops(hlo_text: str) -> collections.Counter:
     """{opcode: count} of the ENTRY computation of a compiled module's HLO text, without
-    :data:`FREE`."""
-    counts: collections.Counter = collections.Counter()
-    inside = False
-    for line in hlo_text.splitlines():
-        if line.startswith("ENTRY"):
-            inside = True
-            continue
-        if inside:
-            if line.startswith("}"):
-                break
-            m = _OP.match(line)
-            if m and m.group(1) not in FREE:
-                counts[m.group(1)] += 1
-    return counts
+    the instructions that run no code (:func:`kvjax.analysis.profile.entry_instructions`)."""
+    return collections.Counter(i.opcode for i in profile.entry_instructions(hlo_text).values())
 
 
 COMPARES = {"fused": (("apart", False, None), ("fused", True, None)),

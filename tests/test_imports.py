@@ -41,7 +41,7 @@ LAYERS = (
                    "kvjax.inference.engine", "kvjax.inference.memory",
                    "kvjax.parallel.specs", "kvjax.parallel.programs",
                    "kvjax.parallel.collectives")),
-    ("analysis", ("kvjax.analysis.roofline", "kvjax.analysis.costs",
+    ("analysis", ("kvjax.analysis.roofline", "kvjax.analysis.costs", "kvjax.analysis.profile",
                   "kvjax.analysis.report", "kvjax.analysis.batch",
                   "kvjax.parallel.costs", "kvjax.training.data",
                   "kvjax.training.evaluate", "kvjax.training.train",

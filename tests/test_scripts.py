@@ -222,3 +222,29 @@ ENTRY %main (a: f32[4]) -> (f32[4], f32[4]) {
 }
 """
     assert dict(entry_ops(hlo)) == {"fusion": 1, "custom-call": 1, "copy": 1}
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--contexts=0", "--contexts=0; allowed: integers >= 1"),
+    ("--repeats=0", "--repeats=0; allowed: an integer >= 1"),
+    ("--models=llama", "--models=llama; allowed: a non-empty subset of blog,smollm2"),
+    ("--variants=mla", "--variants=mla; allowed: a non-empty subset of mha,gqa,mqa,window"),
+    ("--dtype=int3", "int3"),
+])
+def test_step_profile_refuses_bad_flags(flag, message):
+    proc = _script("step_profile.py", flag)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+
+
+def test_step_profile_prints_the_attention_and_products():
+    """The blog model's step at a short context, XLA's products: a line per group, the
+    tied LM head's dot reading its 49,152 x 512 float32 table (100.7 MB) and the row."""
+    proc = _script("step_profile.py", "--models=blog", "--variants=gqa", "--contexts=64",
+                   "--repeats=1", "--probe_reads=1", "--weight_matmul=xla",
+                   "--decode_attention=xla")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "blog gqa t=64: step " in proc.stdout
+    head = next(ln for ln in proc.stdout.splitlines() if "dot embed/embedding" in ln)
+    assert head.split()[2] == "1" and "   100.7 " in head
+    assert "dot layers_*/mlp/up" in proc.stdout
