@@ -695,17 +695,25 @@ STEP_MAX_WEIGHT_BYTES = 2 * 2**30
 random weights (and their fused copies) beside the caller's, before any memory check."""
 
 
-def _step_name(cfg: ModelConfig, weights: dict, b: int) -> str:
+def _architecture(cfg: ModelConfig) -> list:
+    """Every config field but its plan and name, as sorted (field, value) pairs: what a
+    step's decision is keyed on besides the picks."""
+    return sorted((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+                  if f.name not in ("plan", "name"))
+
+
+def _step_name(cfg: ModelConfig, weights: dict, b: int, attention=()) -> str:
     """The cache name of a step arbitration: the rows and a hash of the architecture
-    (every config field but its plan and name) and of the per-class picks of the step's
+    (every config field but its plan and name), of the per-class picks of the step's
     own row band (a re-measured pick times the step again; other bands, a prefill's or
-    another batch size's, do not). Not the context: the weights' plan is decided once,
-    on a step at the first context it is resolved for."""
-    arch = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-            if f.name not in ("plan", "name")}
+    another batch size's, do not) and of the ``attention`` the step runs where a step
+    check changed it (:func:`_attention_flip_wins`; () otherwise, as before that
+    check). Not the context: the weights' plan is decided once, on a step at the first
+    context it is resolved for."""
     band = f"M{row_band(b)}-"
-    what = repr((sorted(arch.items()), sorted((n, c) for n, c in weights.items()
-                                              if n.startswith(band))))
+    what = repr((_architecture(cfg), sorted((n, c) for n, c in weights.items()
+                                            if n.startswith(band)))
+                + ((tuple(sorted(attention)),) if attention else ()))
     return f"step-B{b}-{hashlib.sha256(what.encode()).hexdigest()[:12]}"
 
 
@@ -748,8 +756,35 @@ def _decode_step(params, token, cache, *, cfg):
     return model_lib.forward(params, cfg, token, cache.length[:, None], cache)
 
 
+def _step_timeable(cfg: ModelConfig) -> bool:
+    """Whether a decode step of ``cfg`` is timed whole to check its picks: weights
+    between :data:`STEP_MIN_WEIGHT_BYTES` and :data:`STEP_MAX_WEIGHT_BYTES`, and a dense
+    cache (no window, no compression)."""
+    return not (cfg.window_size or cfg.layer_windows or cfg.kv_compression) and (
+        STEP_MIN_WEIGHT_BYTES <= theory.weight_bytes(cfg) <= STEP_MAX_WEIGHT_BYTES)
+
+
+def _flipped_step_wins(name: str, kernel: str, kind: str, cfgs: dict, b: int,
+                       s: int) -> bool:
+    """Whether the step of ``cfgs['flipped']`` beat that of ``cfgs['picks']``
+    (:data:`STEP_CHOICES`): decision ``name`` read from the planner cache of ``kind``
+    (keyed with the hash of ``kernel``'s source), else timed by :func:`measure_step`
+    (``b`` rows over ``s`` slots) and cached; without a cached decision, a step of more
+    than :data:`STEP_MAX_SLOTS` slots in all rows is not timed (False)."""
+    with _lock:
+        if name not in _smemo:
+            key = machine_key("cpu", kernel)
+            path = cache_path(key, kind)
+            entries = load_cache(path, key, STEP_CHOICES)
+            if name not in entries and b * s > STEP_MAX_SLOTS:
+                return False
+            _cached_choice(_smemo, name, key, path, entries,
+                           lambda: measure_step(cfgs, b, s), STEP_CHOICES)
+        return _smemo[name]["choice"] == STEP_CHOICES[1]
+
+
 def _step_flips_win(cfg: ModelConfig, plan: Plan, weights: dict, flips: dict, b: int,
-                    s: int) -> bool:
+                    s: int, attention=()) -> bool:
     """Whether a decode step of ``b`` rows runs faster with ``weights`` (the per-class
     picks) updated by ``flips`` (classes they left to 'xla', native) than with the
     picks. The classes are measured apart; inside a step the native calls' neighbours
@@ -757,29 +792,60 @@ def _step_flips_win(cfg: ModelConfig, plan: Plan, weights: dict, flips: dict, b:
     what is faster (docs/decisions/0051-step-weight-plans-timed-whole.md). Decided once
     per architecture, rows and picks (:func:`_step_name`) by :func:`measure_step` on a
     step over the ``s`` slots of this resolve (with ``plan``'s attention), by
-    :func:`_decide`'s rule against the picks, and cached like the classes; a resolve of
-    more than :data:`STEP_MAX_SLOTS` slots in all rows only reads a cached decision.
-    False (no step timed) for a config whose weights are not between
-    :data:`STEP_MIN_WEIGHT_BYTES` and :data:`STEP_MAX_WEIGHT_BYTES` or whose cache is
-    not dense (a window, compression). The flips are of the step's row band
-    (:func:`kvjax.plan.row_band`): a prefill chunk of as many rows shares them."""
-    if (cfg.window_size or cfg.layer_windows or cfg.kv_compression
-            or not STEP_MIN_WEIGHT_BYTES <= theory.weight_bytes(cfg) <= STEP_MAX_WEIGHT_BYTES):
+    :func:`_decide`'s rule against the picks, and cached like the classes
+    (:func:`_flipped_step_wins`; ``attention``: the attention picks a step check
+    flipped, in the name). False (no step timed) where :func:`_step_timeable` is not.
+    The flips are of the step's row band (:func:`kvjax.plan.row_band`): a prefill chunk
+    of as many rows shares them."""
+    if not _step_timeable(cfg):
         return False
-    name = _step_name(cfg, weights, b)
-    with _lock:
-        if name not in _smemo:
-            key = machine_key("cpu", "rows_matmul.cc")
-            path = cache_path(key, "weight_step")
-            entries = load_cache(path, key, STEP_CHOICES)
-            if name not in entries and b * s > STEP_MAX_SLOTS:
-                return False
-            cfgs = {c: cfg.replace(plan=dataclasses.replace(plan, weight_matmul=tuple(
-                sorted(w.items())))) for c, w in zip(STEP_CHOICES, (weights,
-                                                                    {**weights, **flips}))}
-            _cached_choice(_smemo, name, key, path, entries,
-                           lambda: measure_step(cfgs, b, s), STEP_CHOICES)
-        return _smemo[name]["choice"] == STEP_CHOICES[1]
+    cfgs = {c: cfg.replace(plan=dataclasses.replace(plan, weight_matmul=tuple(
+        sorted(w.items())))) for c, w in zip(STEP_CHOICES, (weights, {**weights, **flips}))}
+    return _flipped_step_wins(_step_name(cfg, weights, b, attention), "rows_matmul.cc",
+                              "weight_step", cfgs, b, s)
+
+
+def _attention_flip(cfg: ModelConfig, plan: Plan, decode: dict, b: int, s: int) -> dict:
+    """{site key: formulation} for the decode step's own attention class (``b`` rows,
+    ``s`` dense slots, one position) where what runs (``decode``, the picks after the
+    registry's rules) is not the candidate of the fastest median the class timed
+    (:func:`_decide` kept another: undecided, within the least gain, or a variant that
+    did not beat its base) and that candidate runs this site: that candidate. {}
+    otherwise (the pick wins ties)."""
+    c = cfg.layer_config(0) if cfg.compression.dense_layers else cfg
+    e = _memo.get(decode_kernels.shape_class(c, b, s, decode_kernels.read_dtype(c), 0, 1))
+    site = decode_kernels.site(c, b, 1, s, True, 0, plan)
+    runs = decode.get(site.key)
+    if not e or runs is None or not (e.get("seconds") or e.get("gbps")):
+        return {}
+    speed = ({n: -t for n, t in e["seconds"].items()} if e.get("seconds") else e["gbps"])
+    fastest = max(speed, key=lambda n: (speed[n], n == runs))
+    if fastest == runs or c.formulation(site, plan, fastest) != fastest:
+        return {}
+    return {site.key: fastest}
+
+
+def _attention_flip_wins(cfg: ModelConfig, plan: Plan, decode: dict, flip: dict, b: int,
+                         s: int) -> bool:
+    """Whether a decode step of ``b`` rows over ``s`` slots runs faster with its
+    attention class flipped (:func:`_attention_flip`) than with the pick ``decode``
+    holds. A class of a short cache timed alone, one call from a flushed cache, can
+    come out level (undecided or within the least gain) where the step, its calls
+    between the layers' weight products, tells the formulations apart
+    (docs/decisions/0054-attention-pick-checked-on-the-step.md). Decided once
+    per architecture, rows, slots, the class's pick and flip and the weights' picks of
+    the step's row band (``plan`` holds the weights' per-class picks), and cached
+    (:func:`_flipped_step_wins`), where :func:`_step_timeable`."""
+    if not _step_timeable(cfg):
+        return False
+    band = f"M{row_band(b)}-"
+    what = repr((_architecture(cfg), sorted((k, decode[k]) for k in flip),
+                 sorted(flip.items()), sorted((n, f) for n, f in plan.weight_matmul
+                                              if n.startswith(band))))
+    name = f"attention-step-B{b}-S{s}-{hashlib.sha256(what.encode()).hexdigest()[:12]}"
+    cfgs = {c: cfg.replace(plan=dataclasses.replace(plan, decode_attention=tuple(
+        sorted(d.items())))) for c, d in zip(STEP_CHOICES, (decode, {**decode, **flip}))}
+    return _flipped_step_wins(name, "decode_attention.cc", "attention_step", cfgs, b, s)
 
 
 _smemo: dict[str, dict] = {}
@@ -868,29 +934,41 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
         decode_kernels.site(cfg, 1, SMALL_CHUNK + 1, 0, cached, plan=plan)
         for cached in (False, True))}
     weights = {}
-    if cfg.weight_matmul == "auto" and "rows_matmul" in loaded and not mesh:
+    weights_auto = cfg.weight_matmul == "auto" and "rows_matmul" in loaded and not mesh
+    if weights_auto:
         chunks = {int(b) * int(t) for b in batch_sizes for t in queries}
         for m in sorted({int(x) for x in tuple(batch_sizes) + tuple(rows)} | chunks):
             if not 0 < m <= rm.MAX_ROWS:
                 continue
             for k, n, layout in weight_shapes(cfg):
                 weights[weight_class(m, k, n, layout)] = _weight_pick(m, k, n, layout)
-        if batch_sizes:
-            # a decode step's weight picks, arbitrated on the whole step (its own rows'
-            # classes; the step's attention as resolved above)
-            step_plan = dataclasses.replace(plan, decode_attention=tuple(sorted(
-                decode.items())), prefill_attention=tuple(sorted(prompt.items())))
-            for b in sorted({int(b) for b in batch_sizes}):
-                # the step's measured classes left to 'xla' that the kernel runs
-                flips = {weight_class(b, k, n, lay): "native"
-                         for k, n, lay in weight_shapes(cfg)
-                         if weights.get(weight_class(b, k, n, lay)) == "xla"
-                         and 4 * k * n >= MIN_MEASURED_BYTES
-                         and wm.applies("native", b, lay) == "native"}
-                if flips and b <= rm.MAX_ROWS and not page_size and _step_flips_win(
-                        cfg, step_plan, weights, flips, b,
-                        cache_lib.num_slots(cfg, lengths[0])):
-                    weights.update(flips)
+    s = cache_lib.num_slots(cfg, lengths[0])  # the slots a step is timed over
+    flipped = {}  # attention classes a step check moved off their picks
+    if (cfg.decode_attention == "auto" and "decode_attention" in loaded and decode
+            and not page_size and not mesh):
+        # an attention pick kept against a faster median, arbitrated on the whole step
+        for b in sorted({int(b) for b in batch_sizes}):
+            flip = _attention_flip(cfg, plan, decode, b, s)
+            if flip and _attention_flip_wins(cfg, dataclasses.replace(
+                    plan, weight_matmul=tuple(sorted(weights.items())),
+                    prefill_attention=tuple(sorted(prompt.items()))), decode, flip, b, s):
+                decode.update(flip)
+                flipped.update(flip)
+    if weights_auto and batch_sizes:
+        # a decode step's weight picks, arbitrated on the whole step (its own rows'
+        # classes; the step's attention as resolved above)
+        step_plan = dataclasses.replace(plan, decode_attention=tuple(sorted(
+            decode.items())), prefill_attention=tuple(sorted(prompt.items())))
+        for b in sorted({int(b) for b in batch_sizes}):
+            # the step's measured classes left to 'xla' that the kernel runs
+            flips = {weight_class(b, k, n, lay): "native"
+                     for k, n, lay in weight_shapes(cfg)
+                     if weights.get(weight_class(b, k, n, lay)) == "xla"
+                     and 4 * k * n >= MIN_MEASURED_BYTES
+                     and wm.applies("native", b, lay) == "native"}
+            if flips and b <= rm.MAX_ROWS and not page_size and _step_flips_win(
+                    cfg, step_plan, weights, flips, b, s, tuple(flipped.items())):
+                weights.update(flips)
     plan = dataclasses.replace(plan, decode_attention=tuple(sorted(decode.items())),
                                weight_matmul=tuple(sorted(weights.items())),
                                prefill_attention=tuple(sorted(prompt.items())))
@@ -901,8 +979,9 @@ def report_lines() -> list[str]:
     """One line per decode-attention and weight-product choice made in this process: the
     shape class, the formulation, the rule that decided it (:func:`_decide`), the
     measured GB/s of each candidate and whether it was measured now or read from the
-    cache (with its date), and the machine; then one per decode step's weight plan
-    (:func:`_step_flips_win`) with its steps' milliseconds."""
+    cache (with its date), and the machine; then one per decode step timed whole (its
+    weight plan, :func:`_step_flips_win`; an attention pick against the class's fastest
+    median, :func:`_attention_flip_wins`) with its steps' milliseconds."""
     model, isa = _cpu()
     lines = [f"decode-attention planner on {model} ({', '.join(isa)}; "
              f"{native.num_threads()} cores), jax {jax.__version__}:"] if _memo else []
@@ -919,8 +998,9 @@ def report_lines() -> list[str]:
             lines.append(f"  {name}: {e['choice']}{_why(e)} (GB/s of weight read: "
                          f"{rates}; {_when(e)})")
     if _smemo:
-        lines.append("decode steps' weight plans (the per-class picks, or 'flipped': "
-                     "every class they left to xla native; a whole step timed):")
+        lines.append("decode steps timed whole (the per-class picks, or 'flipped': "
+                     "step-*: every weight class they left to xla native; attention-step-*: "
+                     "the attention class's fastest median):")
     for name, e in sorted(_smemo.items()):  # a hand-edited file may lack ms or slots
         ms = ", ".join(f"{n} {t:.2f}" for n, t in e.get("ms", {}).items())
         lines.append(f"  {name}: {e['choice']}{_why(e)} (ms a step over "

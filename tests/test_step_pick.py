@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvjax.cache import compress as compress_lib
-from kvjax import planner
+from kvjax import native, planner
 from kvjax.inference import decode
 from kvjax.models import model
 from kvjax.native import rows_matmul as rm
@@ -147,3 +147,92 @@ def test_measure_step_times_the_decode_step_of_each_plan(monkeypatch):
             params, token, compress_lib.full_cache(c, 1, 64))
         np.testing.assert_allclose(got[:, 0], ref, rtol=2e-5, atol=2e-5 * float(
             jnp.abs(ref).max()))
+
+
+# ---------------------------- an attention pick kept against a faster median, on the step
+
+needs_attention = pytest.mark.skipif(not native.load(),
+                                     reason="native decode attention not built (no compiler)")
+ATTENTION = dict(BIG, decode_attention="auto", weight_matmul="xla")
+SLOTS = 512  # 1 x 2 x 512 x 2 x 64 float32 = 512 KiB of cache: a measured class
+
+
+def _undecided_attention(monkeypatch, decided=False, fastest="native", seen=None):
+    """Every decode-attention class's own timing keeps 'xla', undecided (or decided: a
+    tie), with ``fastest`` the fastest median; each class timed is appended to
+    ``seen``."""
+    def measure(*a, **k):
+        if seen is not None:
+            seen.append(a)
+        seconds = {"xla": 1.0, "native": 0.99, "native_blocks": 0.98}
+        seconds[fastest] = 0.5
+        return {"choice": "xla", "rule": "fake", "decided": decided, "calls": 63,
+                "gbps": {n: 1 / t for n, t in seconds.items()}, "seconds": seconds,
+                "slots": a[5]}
+    monkeypatch.setattr(planner, "measure", measure)
+
+
+def _attention_pick(plan):
+    (pick,) = (f for n, f in plan.decode_attention)
+    return pick
+
+
+@needs_attention
+@pytest.mark.parametrize("choice, decided", [("flipped", False), ("picks", False),
+                                             ("flipped", True)])
+def test_an_attention_pick_kept_against_a_faster_median_is_timed_in_the_step(
+        planner_home, monkeypatch, choice, decided):
+    """The class's pick 'xla' was kept (undecided, or decided: within the least gain)
+    while native had the fastest median: resolve() times the step under both,
+    takes the winner, caches the decision and reads it back without timing; the report
+    prints it."""
+    monkeypatch.setattr(planner, "STEP_MIN_WEIGHT_BYTES", 0)
+    _undecided_attention(monkeypatch, decided=decided)
+    seen = []
+    _fake_step(monkeypatch, choice, seen)
+    planner.clear_memo()
+    cfg = tiny_config(**ATTENTION)
+    plan = planner.resolve(cfg, max_seq_len=SLOTS, batch_sizes=(1,)).plan
+    (cfgs, b, s), = seen
+    assert (b, s) == (1, SLOTS)
+    assert _attention_pick(cfgs["picks"].plan) == "xla"
+    assert _attention_pick(cfgs["flipped"].plan) == "native"
+    assert _attention_pick(plan) == ("native" if choice == "flipped" else "xla")
+    assert any(line.startswith("  attention-step-B1-S512-") and f": {choice} by rule: fake"
+               in line for line in planner.report_lines())
+    path = planner.cache_path(planner.machine_key("cpu"), "attention_step")
+    (entry,) = json.loads(path.read_text())["entries"].values()
+    assert entry["choice"] == choice
+    planner.clear_memo()
+    monkeypatch.setattr(planner, "measure_step", lambda *a, **k: pytest.fail("timed"))
+    again = planner.resolve(cfg, max_seq_len=SLOTS, batch_sizes=(1,)).plan
+    assert _attention_pick(again) == _attention_pick(plan)
+    planner.clear_memo()
+
+
+@needs_attention
+@pytest.mark.parametrize("why", ["fastest kept", "small weights", "window",
+                                 "paged", "forced", "rows x slots"])
+def test_an_attention_pick_stands_without_a_step(planner_home, monkeypatch, why):
+    """No step is timed for a class whose pick is its fastest median, weights
+    that do not stream from memory, a window's ring, a paged cache, a forced
+    formulation, or more than STEP_MAX_SLOTS slots in all rows."""
+    if why != "small weights":
+        monkeypatch.setattr(planner, "STEP_MIN_WEIGHT_BYTES", 0)
+    measured = []
+    _undecided_attention(monkeypatch, fastest="xla" if why == "fastest kept" else "native",
+                         seen=measured)
+    monkeypatch.setattr(planner, "measure_step", lambda *a, **k: pytest.fail("timed"))
+    planner.clear_memo()
+    if why == "paged":  # the dense class in memory, kept against native: not a paged step's
+        planner._decode_pick(tiny_config(**ATTENTION), 1, SLOTS, False)
+    cfg = tiny_config(**dict(ATTENTION, **{"window": {"window_size": SLOTS},
+                                          "forced": {"decode_attention": "xla"}}.get(why, {})))
+    length = {"rows x slots": planner.STEP_MAX_SLOTS, "window": 2 * SLOTS}.get(why, SLOTS)
+    plan = planner.resolve(cfg, max_seq_len=length,
+                           batch_sizes=(2,) if why == "rows x slots" else (1,),
+                           page_size=64 if why == "paged" else 0).plan
+    assert set(dict(plan.decode_attention).values()) <= {"xla"}
+    assert bool(measured) == (why != "forced")  # the class was timed alone (or forced)
+    assert not any("attention-step" in ln for ln in planner.report_lines())
+    planner.clear_memo()
