@@ -46,7 +46,7 @@ def f32_cache_copies(hlo: str, cfg, t: int) -> int:
     root is a dot is streamed, not materialised; parameters are not copies)."""
     k, h = cfg.num_kv_heads, cfg.head_dim
     pat = re.compile(rf"=\s*f32\[(1,)*{k},({t},{h}|{h},{t})\]\S*\s+(?!parameter)")
-    comps, _ = hlo_cost._split_computations(hlo)
+    comps, _ = hlo_cost.split_computations(hlo)
     fused = set()
     for lines in comps.values():
         for line in lines:

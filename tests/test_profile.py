@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.analysis import profile
+from kvjax.analysis import hlo_cost, profile
 from tests.conftest import tiny_config
 
 HLO = """HloModule m
@@ -30,12 +30,14 @@ metadata={op_name="jit(decode_step)/DecoderLM/layers_0/attn/add"}
 
 
 def test_shape_bytes_counts_arrays_and_tuples():
-    assert profile.shape_bytes("f32[1,512]{1,0}") == 2048
-    assert profile.shape_bytes("(f32[1,2,4,64]{3,2,1,0}, bf16[1,2,4]{2,1,0})") == 2048 + 16
-    assert profile.shape_bytes("pred[1,32768]{1,0}") == 32768
-    assert profile.shape_bytes("f32[]") == 4
-    with pytest.raises(ValueError, match="element type 'q7'"):
-        profile.shape_bytes("q7[3]")
+    """The profile's operand bytes come from hlo_cost.shape_bytes, fp8 types included."""
+    assert hlo_cost.shape_bytes("f32[1,512]{1,0}") == 2048
+    assert hlo_cost.shape_bytes("(f32[1,2,4,64]{3,2,1,0}, bf16[1,2,4]{2,1,0})") == 2048 + 16
+    assert hlo_cost.shape_bytes("pred[1,32768]{1,0}") == 32768
+    assert hlo_cost.shape_bytes("f32[]") == 4
+    assert hlo_cost.shape_bytes("(f8e4m3fn[2,8]{1,0}, f8e5m2[4]{0})") == 16 + 4
+    with pytest.raises(ValueError, match="element type 'u7'"):
+        hlo_cost.shape_bytes("u7[3]")
 
 
 def test_entry_instructions_name_targets_paths_and_operand_bytes():

@@ -57,8 +57,8 @@ _CONTROL_DEPS = re.compile(r",\s*control-predecessors=\{[^}]*\}")
 
 # Bytes per element of HLO primitive types (sub-byte types rounded as XLA packs them).
 _ELEMENT_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
-                  "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
-                  "f64": 8, "c64": 8, "c128": 16, "token": 0}
+                  "f8e4m3fn": 1, "f8e5m2": 1, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                  "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0}
 
 
 def normalize_cost(cost: Any) -> dict:
@@ -181,7 +181,9 @@ def parse_instruction(line: str) -> Instruction | None:
                        is_root=bool(m.group(1)))
 
 
-def _split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+def split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """({computation name: its lines, header first}, the ENTRY computation's name) of a
+    module's HLO text ('' when it has none)."""
     comps: dict[str, list[str]] = {}
     entry = ""
     current = None
@@ -412,7 +414,7 @@ def loop_aware_cost(compiled, trip_counts: Mapping[str, int] | None = None,
     """
     trip_counts = dict(trip_counts or {})
     text = compiled.as_text()
-    comps, entry = _split_computations(text)
+    comps, entry = split_computations(text)
     raw = normalize_cost(compiled.cost_analysis())
     loops: list[LoopCost] = []
     complete = True
@@ -635,7 +637,7 @@ def op_costs(compiled, trip_counts: Mapping[str, int] | None = None,
     """
     trip_counts = dict(trip_counts or {})
     text = compiled if isinstance(compiled, str) else compiled.as_text()
-    comps, entry = _split_computations(text)
+    comps, entry = split_computations(text)
     parsed = {n: [i for i in map(parse_instruction, lines[1:]) if i is not None]
               for n, lines in comps.items()}
     comp_text = {n: _computation_text(n, comps, entry=False) for n in comps}

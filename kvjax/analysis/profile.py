@@ -31,9 +31,8 @@ import statistics
 import tempfile
 
 import jax
-import numpy as np
 
-from kvjax.analysis import costs
+from kvjax.analysis import costs, hlo_cost
 from kvjax.cache import compress as compress_lib
 from kvjax.config import ModelConfig
 from kvjax.models import model
@@ -44,12 +43,6 @@ FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcas
 READ_WHOLE = frozenset({"dot", "custom-call", "convolution"})
 """Opcodes whose operands' bytes are what they read (module docstring)."""
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2,
-                "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8,
-                "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
-_PARAM = re.compile(r"([\w.\-]+):\s*((?:\([^)]*\))|(?:[a-z][a-z0-9]*\[[0-9,]*\]))")
 _LAYER = re.compile(r"layers_\d+")
 
 
@@ -74,35 +67,6 @@ class Instruction:
     output_bytes: int
 
 
-def shape_bytes(text: str) -> int:
-    """Bytes of every array shape written in ``text`` (``f32[1,512]{1,0}``, tuples
-    too): the product of the dimensions times the element type's size.
-
-    Raises:
-      ValueError: an element type this module does not know (named, with the known ones).
-    """
-    total = 0
-    for dtype, dims in _ARRAY.findall(text):
-        if dtype not in _DTYPE_BYTES:
-            if dtype in ("token", "opaque"):
-                continue
-            raise ValueError(f"element type {dtype!r} in {text!r}; allowed: "
-                             f"{sorted(_DTYPE_BYTES)}")
-        total += int(np.prod([int(d) for d in dims.split(",") if d] or [1])) * _DTYPE_BYTES[dtype]
-    return total
-
-
-def _call_operands(args: str) -> list[str]:
-    """The %names inside the opcode's parentheses (up to the matching one)."""
-    depth, end = 1, len(args)
-    for i, ch in enumerate(args):
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth == 0:
-            end = i
-            break
-    return re.findall(r"%([\w.\-]+)", args[:end])
-
-
 def _param_path(name: str) -> str:
     """A step parameter's pytree path from its HLO name
     (``params__layers_0____attn____o_proj____kernel__.1`` -> ``layers_0/attn/o_proj/kernel``)."""
@@ -111,47 +75,46 @@ def _param_path(name: str) -> str:
 
 def entry_instructions(hlo_text: str) -> dict[str, Instruction]:
     """The instructions of the ENTRY computation of a compiled module's text
-    (``compiled.as_text()``), by name, in program order; parameters, constants,
-    tuples and bitcasts (:data:`FREE`) are left out, as they run no code.
+    (``compiled.as_text()``; parsed by :mod:`kvjax.analysis.hlo_cost`), by name, in
+    program order; parameters, constants, tuples and bitcasts (:data:`FREE`) are left
+    out, as they run no code.
 
     Raises:
-      ValueError: the text holds no ENTRY computation.
+      ValueError: the text holds no ENTRY computation, or an element type
+        :func:`kvjax.analysis.hlo_cost.shape_bytes` does not know.
     """
-    lines = hlo_text.splitlines()
-    start = next((i for i, ln in enumerate(lines) if ln.startswith("ENTRY ")), None)
-    if start is None:
+    comps, entry = hlo_cost.split_computations(hlo_text)
+    if not entry:
         raise ValueError("the HLO text holds no ENTRY computation; allowed: the text of "
                          "a compiled module (compiled.as_text())")
-    sizes = {n: shape_bytes(s) for n, s in _PARAM.findall(lines[start].split("->")[0])}
-    origin = {n: n for n in sizes}  # the step parameter an array is (through bitcasts)
+    sizes: dict[str, float] = {}
+    origin: dict[str, str] = {}  # the step parameter an array is (through bitcasts)
     out: dict[str, Instruction] = {}
-    for line in lines[start + 1:]:
-        if line.startswith("}"):
-            break
-        m = _INSTR.match(line)
-        if not m:
+    for line in comps[entry][1:]:
+        ins = hlo_cost.parse_instruction(line)
+        if ins is None:
             continue
-        name, shape, opcode, rest = m.groups()
-        sizes[name] = shape_bytes(shape)
-        operands = _call_operands(rest)
-        if opcode == "bitcast" and operands and operands[0] in origin:
-            origin[name] = origin[operands[0]]
-        if opcode in FREE:
+        sizes[ins.name] = hlo_cost.shape_bytes(ins.type)
+        if ins.opcode == "parameter":
+            origin[ins.name] = ins.name
+        elif ins.opcode == "bitcast" and ins.operands and ins.operands[0] in origin:
+            origin[ins.name] = origin[ins.operands[0]]
+        if ins.opcode in FREE:
             continue
-        target = re.search(r'custom_call_target="([^"]+)"', rest)
-        op_name = re.search(r'op_name="([^"]+)"', rest)
-        path = op_name.group(1).split("/") if op_name else []
-        path = "/".join(p for p in path[1:-1] if p != "DecoderLM")  # jit(...)/…/primitive
-        read = [origin[o] for o in operands if o in origin]
+        target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+        path = "/".join(p for p in ins.op_name.split("/")[1:-1]  # jit(...)/…/primitive
+                        if p != "DecoderLM")
+        read = [origin[o] for o in ins.operands if o in origin]
         weights = [o for o in read if o.startswith("params")]
-        if weights and opcode in READ_WHOLE:  # a weight product: the weight it reads
+        if weights and ins.opcode in READ_WHOLE:  # a weight product: the weight it reads
             path = _param_path(max(weights, key=sizes.get))
         elif not path and read:  # no metadata: the first step parameter it reads
             path = _param_path(read[0])
-        out[name] = Instruction(
-            name=name, opcode=opcode, target=target.group(1) if target else "", path=path,
-            operand_bytes=sum(sizes.get(o, 0) for o in dict.fromkeys(operands)),
-            output_bytes=sizes[name])
+        out[ins.name] = Instruction(
+            name=ins.name, opcode=ins.opcode, target=target.group(1) if target else "",
+            path=path, operand_bytes=int(sum(sizes.get(o, 0)
+                                             for o in dict.fromkeys(ins.operands))),
+            output_bytes=int(sizes[ins.name]))
     return out
 
 
