@@ -702,6 +702,13 @@ def _architecture(cfg: ModelConfig) -> list:
                   if f.name not in ("plan", "name"))
 
 
+def _band_picks(picks, b: int) -> list:
+    """The (weight class, formulation) pairs of ``picks`` in the row band of ``b`` rows
+    (:func:`kvjax.plan.row_band`), sorted: the weight picks a step of ``b`` rows runs."""
+    band = f"M{row_band(b)}-"
+    return sorted((n, c) for n, c in picks if n.startswith(band))
+
+
 def _step_name(cfg: ModelConfig, weights: dict, b: int, attention=()) -> str:
     """The cache name of a step arbitration: the rows and a hash of the architecture
     (every config field but its plan and name), of the per-class picks of the step's
@@ -710,9 +717,7 @@ def _step_name(cfg: ModelConfig, weights: dict, b: int, attention=()) -> str:
     check changed it (:func:`_attention_flip_wins`; () otherwise, as before that
     check). Not the context: the weights' plan is decided once, on a step at the first
     context it is resolved for."""
-    band = f"M{row_band(b)}-"
-    what = repr((_architecture(cfg), sorted((n, c) for n, c in weights.items()
-                                            if n.startswith(band)))
+    what = repr((_architecture(cfg), _band_picks(weights.items(), b))
                 + ((tuple(sorted(attention)),) if attention else ()))
     return f"step-B{b}-{hashlib.sha256(what.encode()).hexdigest()[:12]}"
 
@@ -838,10 +843,8 @@ def _attention_flip_wins(cfg: ModelConfig, plan: Plan, decode: dict, flip: dict,
     (:func:`_flipped_step_wins`), where :func:`_step_timeable`."""
     if not _step_timeable(cfg):
         return False
-    band = f"M{row_band(b)}-"
     what = repr((_architecture(cfg), sorted((k, decode[k]) for k in flip),
-                 sorted(flip.items()), sorted((n, f) for n, f in plan.weight_matmul
-                                              if n.startswith(band))))
+                 sorted(flip.items()), _band_picks(plan.weight_matmul, b)))
     name = f"attention-step-B{b}-S{s}-{hashlib.sha256(what.encode()).hexdigest()[:12]}"
     cfgs = {c: cfg.replace(plan=dataclasses.replace(plan, decode_attention=tuple(
         sorted(d.items())))) for c, d in zip(STEP_CHOICES, (decode, {**decode, **flip}))}
