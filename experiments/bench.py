@@ -81,8 +81,22 @@ _WEIGHT_MATMUL = flags.DEFINE_enum(
     "and the native few-row kernel once per product class and keeps the faster.")
 
 
+MODELS = ("blog", "smollm2")
+VARIANTS = ("mha", "gqa", "mqa", "window")
+PEERS = ("flax", "torch", "llamacpp")
+
+
 def variant_cfg(model_name: str, variant: str, dtype: str, scan_layers: bool) -> ModelConfig:
-    """The config for one benchmark point."""
+    """The config for one benchmark point: ``model_name`` in :data:`MODELS`, ``variant``
+    in :data:`VARIANTS`.
+
+    Raises:
+      ConfigError: another model or variant (naming it and the allowed ones), or a config
+        the dtype or the forced formulations make invalid.
+    """
+    for what, given, allowed in (("model", model_name, MODELS), ("variant", variant, VARIANTS)):
+        if given not in allowed:
+            raise ConfigError(f"{what}={given!r}; allowed: {', '.join(allowed)}")
     base = (presets.blog_model(dtype=dtype, vocab_size=49152) if model_name == "blog"
             else presets.smollm2_135m(dtype=dtype)).replace(scan_layers=scan_layers)
     if flags.FLAGS.is_parsed():  # the flag (tests may call this without parsing)
@@ -256,18 +270,50 @@ def fit_crossover(contexts, seconds) -> float:
     return a / b if b > 0 else float("inf")
 
 
+def flag_error(flag: str, given: list[str], allowed) -> str | None:
+    """The usage error of a list flag: ``allowed`` a tuple of names (a non-empty subset
+    of them), or ``int`` (integers >= 1); None when ``given`` is one."""
+    if allowed is int:
+        if given and all(c.isascii() and c.isdigit() and int(c) >= 1 for c in given):
+            return None
+        return f"--{flag}={','.join(given)}; allowed: integers >= 1"
+    if given and not set(given) - set(allowed):
+        return None
+    return f"--{flag}={','.join(given)}; allowed: a non-empty subset of {','.join(allowed)}"
+
+
 def main(argv):
     del argv
     models, variants = _MODELS.value, _VARIANTS.value
-    contexts = [int(c) for c in _CONTEXTS.value]
-    dtype, repeats, peer_names = _DTYPE.value, _REPEATS.value, _PEERS.value
+    contexts, repeats, peer_names = _CONTEXTS.value, _REPEATS.value, _PEERS.value
+    if _QUICK.value:
+        models, contexts, repeats = ["blog"], ["1024", "16384", "32768"], 3
+    if _GPU_CHECK.value:
+        models, variants, peer_names = ["blog", "smollm2"], ["mha", "gqa", "mqa"], []
+        contexts, repeats = ["4096", "32768", "131072"], 5
+    # the values that will run, before any work: what --quick or --gpu_check replaces is
+    # not checked, nor --peer_contexts without a peer
+    checks = [("models", models, MODELS), ("variants", variants, VARIANTS),
+              ("contexts", contexts, int)]
+    if peer_names:
+        checks.append(("peer_contexts", _PEER_CONTEXTS.value, int))
+    for flag, given, allowed in checks:
+        if err := flag_error(flag, given, allowed):
+            print(f"error: {err}", file=sys.stderr)
+            return cli.USAGE_EXIT
+    if set(peer_names) - set(PEERS):  # empty: no peer
+        print(f"error: --peers={','.join(peer_names)}; allowed: a subset of "
+              f"{','.join(PEERS)} (empty: none)", file=sys.stderr)
+        return cli.USAGE_EXIT
+    if repeats < 1:
+        print(f"error: --repeats={repeats}; allowed: an integer >= 1", file=sys.stderr)
+        return cli.USAGE_EXIT
+    contexts = [int(c) for c in contexts]
+    dtype = _DTYPE.value
     scan_modes = {"auto": [default_scan_layers()], "true": [True], "false": [False],
                   "both": [False, True]}[_SCAN.value]
-    if _QUICK.value:
-        models, contexts, repeats = ["blog"], [1024, 16384, 32768], 3
     if _GPU_CHECK.value:
-        models, variants, dtype = ["blog", "smollm2"], ["mha", "gqa", "mqa"], "bfloat16"
-        contexts, repeats, peer_names, scan_modes = [4096, 32768, 131072], 5, [], [False, True]
+        dtype, scan_modes = "bfloat16", [False, True]
 
     try:  # every point's config, checked before any probe, measurement or compile
         for model_name in models:

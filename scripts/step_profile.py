@@ -32,8 +32,6 @@ from experiments import bench, cli
 from kvjax.analysis import hardware, profile
 from kvjax.config import ConfigError
 
-MODELS = ("blog", "smollm2")
-VARIANTS = ("mha", "gqa", "mqa", "window")
 _PROBE_READS = flags.DEFINE_integer("probe_reads", 7, "Read-probe reads per point.",
                                     lower_bound=1)
 
@@ -44,16 +42,10 @@ def main(argv):
         print(f"error: --repeats={flags.FLAGS.repeats}; allowed: an integer >= 1 (steps "
               "profiled)", file=sys.stderr)
         return cli.USAGE_EXIT
-    contexts = [c for c in flags.FLAGS.contexts if not c.isdigit() or int(c) < 1]
-    if contexts:
-        print(f"error: --contexts={','.join(flags.FLAGS.contexts)}; allowed: integers >= 1",
-              file=sys.stderr)
-        return cli.USAGE_EXIT
-    for name, given, allowed in (("models", flags.FLAGS.models, MODELS),
-                                 ("variants", flags.FLAGS.variants, VARIANTS)):
-        if not given or set(given) - set(allowed):
-            print(f"error: --{name}={','.join(given)}; allowed: a non-empty subset of "
-                  f"{','.join(allowed)}", file=sys.stderr)
+    for flag, allowed in (("models", bench.MODELS), ("variants", bench.VARIANTS),
+                          ("contexts", int)):
+        if err := bench.flag_error(flag, flags.FLAGS[flag].value, allowed):
+            print(f"error: {err}", file=sys.stderr)
             return cli.USAGE_EXIT
     try:  # every point's config, before any probe or compile
         for model_name in flags.FLAGS.models:

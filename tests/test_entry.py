@@ -155,7 +155,8 @@ def test_prompt_longer_than_cache_fails_before_compiling(tmp_path):
 def test_bench_entry_point_smoke(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.bench", "--models=blog", "--variants=mha,window",
-         "--contexts=256,512", "--repeats=1", "--peers=", f"--out_dir={tmp_path}"],
+         "--contexts=256,512", "--repeats=1", "--peers=", "--peer_contexts=",  # no peer
+         f"--out_dir={tmp_path}"],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
@@ -273,6 +274,37 @@ def test_bench_refuses_a_formulation_this_backend_lacks_before_any_work(tmp_path
     assert ("allowed here: ['auto', 'xla', 'xla_cache_left', 'native', 'native_blocks']"
             in proc.stderr)
     assert "Traceback" not in proc.stderr and "device:" not in proc.stdout
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--models=llama", "--models=llama; allowed: a non-empty subset of blog,smollm2"),
+    ("--models=", "--models=; allowed: a non-empty subset"),
+    ("--variants=mla", "--variants=mla; allowed: a non-empty subset of mha,gqa,mqa,window"),
+    ("--contexts=1k", "--contexts=1k; allowed: integers >= 1"),
+    ("--contexts=\u00b2", "--contexts=\u00b2; allowed: integers >= 1"),  # isdigit(), not int()
+    ("--peer_contexts=0", "--peer_contexts=0; allowed: integers >= 1"),
+    ("--peers=vllm", "--peers=vllm; allowed: a subset of flax,torch,llamacpp"),
+    ("--repeats=0", "--repeats=0; allowed: an integer >= 1"),
+])
+def test_bench_refuses_bad_flags_before_any_work(flag, message, tmp_path):
+    """A model name outside blog/smollm2 ran as SmolLM2 before, and a bad variant or
+    context ended in a traceback."""
+    proc = subprocess.run([sys.executable, "-m", "experiments.bench", flag,
+                           f"--out_dir={tmp_path}"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"error: {message}" in proc.stderr
+    assert "Traceback" not in proc.stderr and "device:" not in proc.stdout
+
+
+def test_bench_variant_cfg_refuses_other_models_and_variants():
+    from kvjax.config import ConfigError
+    bench = import_entry_point("bench")
+    with pytest.raises(ConfigError, match="model='gpt2'; allowed: blog, smollm2"):
+        bench.variant_cfg("gpt2", "gqa", "float32", False)
+    with pytest.raises(ConfigError, match="variant='mla'; allowed: mha, gqa, mqa, window"):
+        bench.variant_cfg("blog", "mla", "float32", False)
+    assert bench.variant_cfg("smollm2", "gqa", "float32", False).num_kv_heads == 3
 
 
 def test_bench_crossover_fit_is_robust_to_one_outlier():
