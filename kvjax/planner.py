@@ -71,14 +71,18 @@ def _cpu() -> tuple[str, list[str]]:
     return model or "unknown", [f for f in ISA_FLAGS if f in have]
 
 
-def machine_key(backend: str | None = None, kernel: str = "decode_attention.cc") -> dict:
+def machine_key(backend: str | None = None,
+                kernel: str | tuple[str, ...] = "decode_attention.cc") -> dict:
     """What the planner's choices depend on: {'cpu', 'isa', 'cores', 'backend', 'jax',
     'jaxlib', 'kernel', 'measure'} ('kernel': hash of the native kernel's source,
-    ``kernel`` under kvjax/native: 'decode_attention.cc' or 'rows_matmul.cc'; 'measure':
+    ``kernel`` under kvjax/native: 'decode_attention.cc' or 'rows_matmul.cc', or a tuple
+    of them, every source hashed (:data:`STEP_KERNELS`); 'measure':
     :data:`MEASURE_METHOD`)."""
     import jaxlib  # noqa: PLC0415
     model, isa = _cpu()
-    src = pathlib.Path(native.__file__).with_name(kernel).read_bytes() + native.headers().encode()
+    here = pathlib.Path(native.__file__)
+    names = (kernel,) if isinstance(kernel, str) else kernel
+    src = b"".join(here.with_name(n).read_bytes() for n in names) + native.headers().encode()
     return {"cpu": model, "isa": isa, "cores": native.num_threads(),
             "backend": backend or backend_lib.current(), "jax": jax.__version__,
             "jaxlib": jaxlib.__version__, "kernel": hashlib.sha256(src).hexdigest()[:12],
@@ -769,16 +773,20 @@ def _step_timeable(cfg: ModelConfig) -> bool:
         STEP_MIN_WEIGHT_BYTES <= theory.weight_bytes(cfg) <= STEP_MAX_WEIGHT_BYTES)
 
 
-def _flipped_step_wins(name: str, kernel: str, kind: str, cfgs: dict, b: int,
-                       s: int) -> bool:
+STEP_KERNELS = ("decode_attention.cc", "rows_matmul.cc")
+"""The sources a whole step's decision is keyed on: a step runs the picks of both."""
+
+
+def _flipped_step_wins(name: str, kind: str, cfgs: dict, b: int, s: int) -> bool:
     """Whether the step of ``cfgs['flipped']`` beat that of ``cfgs['picks']``
     (:data:`STEP_CHOICES`): decision ``name`` read from the planner cache of ``kind``
-    (keyed with the hash of ``kernel``'s source), else timed by :func:`measure_step`
+    (keyed with the hash of both kernels' sources, :data:`STEP_KERNELS`: a change of
+    either may change which step is faster), else timed by :func:`measure_step`
     (``b`` rows over ``s`` slots) and cached; without a cached decision, a step of more
     than :data:`STEP_MAX_SLOTS` slots in all rows is not timed (False)."""
     with _lock:
         if name not in _smemo:
-            key = machine_key("cpu", kernel)
+            key = machine_key("cpu", STEP_KERNELS)
             path = cache_path(key, kind)
             entries = load_cache(path, key, STEP_CHOICES)
             if name not in entries and b * s > STEP_MAX_SLOTS:
@@ -806,8 +814,8 @@ def _step_flips_win(cfg: ModelConfig, plan: Plan, weights: dict, flips: dict, b:
         return False
     cfgs = {c: cfg.replace(plan=dataclasses.replace(plan, weight_matmul=tuple(
         sorted(w.items())))) for c, w in zip(STEP_CHOICES, (weights, {**weights, **flips}))}
-    return _flipped_step_wins(_step_name(cfg, weights, b, attention), "rows_matmul.cc",
-                              "weight_step", cfgs, b, s)
+    return _flipped_step_wins(_step_name(cfg, weights, b, attention), "weight_step", cfgs,
+                              b, s)
 
 
 def _attention_flip(cfg: ModelConfig, plan: Plan, decode: dict, b: int, s: int) -> dict:
@@ -848,7 +856,7 @@ def _attention_flip_wins(cfg: ModelConfig, plan: Plan, decode: dict, flip: dict,
     name = f"attention-step-B{b}-S{s}-{hashlib.sha256(what.encode()).hexdigest()[:12]}"
     cfgs = {c: cfg.replace(plan=dataclasses.replace(plan, decode_attention=tuple(
         sorted(d.items())))) for c, d in zip(STEP_CHOICES, (decode, {**decode, **flip}))}
-    return _flipped_step_wins(name, "decode_attention.cc", "attention_step", cfgs, b, s)
+    return _flipped_step_wins(name, "attention_step", cfgs, b, s)
 
 
 _smemo: dict[str, dict] = {}

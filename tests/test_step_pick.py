@@ -86,7 +86,11 @@ def test_resolve_takes_the_step_decision_and_caches_it(planner_home, monkeypatch
     assert dict(plan.weight_matmul) == (flipped if choice == "flipped" else picks)
     assert any(line.startswith("  step-B1-") and f": {choice} by rule: fake" in line
                for line in planner.report_lines())
-    path = planner.cache_path(planner.machine_key("cpu", "rows_matmul.cc"), "weight_step")
+    key = planner.machine_key("cpu", planner.STEP_KERNELS)
+    # the step runs both kernels' picks: its decisions are keyed on both sources
+    assert key["kernel"] not in {planner.machine_key("cpu", k)["kernel"]
+                                 for k in planner.STEP_KERNELS}
+    path = planner.cache_path(key, "weight_step")
     (entry,) = json.loads(path.read_text())["entries"].values()
     assert entry["choice"] == choice and entry["slots"] == 64
     planner.clear_memo()  # from the file: no timing, at any context
@@ -200,7 +204,7 @@ def test_an_attention_pick_kept_against_a_faster_median_is_timed_in_the_step(
     assert _attention_pick(plan) == ("native" if choice == "flipped" else "xla")
     assert any(line.startswith("  attention-step-B1-S512-") and f": {choice} by rule: fake"
                in line for line in planner.report_lines())
-    path = planner.cache_path(planner.machine_key("cpu"), "attention_step")
+    path = planner.cache_path(planner.machine_key("cpu", planner.STEP_KERNELS), "attention_step")
     (entry,) = json.loads(path.read_text())["entries"].values()
     assert entry["choice"] == choice
     planner.clear_memo()
