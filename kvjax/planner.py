@@ -388,7 +388,9 @@ def _decided(entry: dict, calls: dict[str, list[float]], decision: Decision) -> 
     entry.update(choice=decision.choice, rule=decision.rule, decided=decision.decided,
                  calls=min(map(len, calls.values())))
     if decision.p_value is not None:
-        entry["p_value"] = round(decision.p_value, 4)
+        # three significant digits: rounded to places, a win at p = 0.00196 would read
+        # as ALPHA (a level test to _attention_flip)
+        entry["p_value"] = float(f"{decision.p_value:.3g}")
     return entry
 
 
@@ -820,11 +822,14 @@ def _step_flips_win(cfg: ModelConfig, plan: Plan, weights: dict, flips: dict, b:
 
 def _attention_flip(cfg: ModelConfig, plan: Plan, decode: dict, b: int, s: int) -> dict:
     """{site key: formulation} for the decode step's own attention class (``b`` rows,
-    ``s`` dense slots, one position) where what runs (``decode``, the picks after the
-    registry's rules) is not the candidate of the fastest median the class timed
-    (:func:`_decide` kept another: undecided, within the least gain, or a variant that
-    did not beat its base) and that candidate runs this site: that candidate. {}
-    otherwise (the pick wins ties)."""
+    ``s`` dense slots, one position) where the class's own timing did not settle what
+    runs (``decode``, the picks after the registry's rules): of the candidates that run
+    this site, another had a faster median than the pick (:func:`_decide` kept the pick:
+    undecided, within the least gain, or a variant that did not beat its base), or the
+    pick had the fastest but the rule's last test was level (p >= :data:`ALPHA`:
+    undecided or a tie). Then the fastest of those others. {} otherwise: the pick the
+    fastest that runs here and its test won (p < ALPHA) or none ran (no 'p_value': an
+    entry of an older cache, or no reference timed), or nothing else runs here."""
     c = cfg.layer_config(0) if cfg.compression.dense_layers else cfg
     e = _memo.get(decode_kernels.shape_class(c, b, s, decode_kernels.read_dtype(c), 0, 1))
     site = decode_kernels.site(c, b, 1, s, True, 0, plan)
@@ -832,10 +837,14 @@ def _attention_flip(cfg: ModelConfig, plan: Plan, decode: dict, b: int, s: int) 
     if not e or runs is None or not (e.get("seconds") or e.get("gbps")):
         return {}
     speed = ({n: -t for n, t in e["seconds"].items()} if e.get("seconds") else e["gbps"])
-    fastest = max(speed, key=lambda n: (speed[n], n == runs))
-    if fastest == runs or c.formulation(site, plan, fastest) != fastest:
+    others = {n: v for n, v in speed.items()
+              if n != runs and c.formulation(site, plan, n) == n}
+    if not others:
         return {}
-    return {site.key: fastest}
+    best = max(others, key=lambda n: (others[n], n))
+    level = e.get("p_value") is not None and e["p_value"] >= ALPHA
+    faster = others[best] > speed.get(runs, -math.inf)  # the pick wins ties
+    return {site.key: best} if faster or level else {}
 
 
 def _attention_flip_wins(cfg: ModelConfig, plan: Plan, decode: dict, flip: dict, b: int,
@@ -957,7 +966,8 @@ def resolve(cfg: ModelConfig, *, max_seq_len: int, batch_sizes=(1,), rows=(),
     flipped = {}  # attention classes a step check moved off their picks
     if (cfg.decode_attention == "auto" and "decode_attention" in loaded and decode
             and not page_size and not mesh):
-        # an attention pick kept against a faster median, arbitrated on the whole step
+        # an attention pick kept against a faster median or on a level test, arbitrated
+        # on the whole step
         for b in sorted({int(b) for b in batch_sizes}):
             flip = _attention_flip(cfg, plan, decode, b, s)
             if flip and _attention_flip_wins(cfg, dataclasses.replace(
@@ -1011,7 +1021,8 @@ def report_lines() -> list[str]:
     if _smemo:
         lines.append("decode steps timed whole (the per-class picks, or 'flipped': "
                      "step-*: every weight class they left to xla native; attention-step-*: "
-                     "the attention class's fastest median):")
+                     "the attention class's fastest median, or its fastest other where "
+                     "its own test was level):")
     for name, e in sorted(_smemo.items()):  # a hand-edited file may lack ms or slots
         ms = ", ".join(f"{n} {t:.2f}" for n, t in e.get("ms", {}).items())
         lines.append(f"  {name}: {e['choice']}{_why(e)} (ms a step over "
