@@ -286,11 +286,12 @@ def main(argv):
     del argv
     models, variants = _MODELS.value, _VARIANTS.value
     contexts, repeats, peer_names = _CONTEXTS.value, _REPEATS.value, _PEERS.value
+    dtype = _DTYPE.value
     if _QUICK.value:
         models, contexts, repeats = ["blog"], ["1024", "16384", "32768"], 3
     if _GPU_CHECK.value:
-        models, variants, peer_names = ["blog", "smollm2"], ["mha", "gqa", "mqa"], []
-        contexts, repeats = ["4096", "32768", "131072"], 5
+        models, variants, dtype = ["blog", "smollm2"], ["mha", "gqa", "mqa"], "bfloat16"
+        contexts, repeats, peer_names = ["4096", "32768", "131072"], 5, []
     # the values that will run, before any work: what --quick or --gpu_check replaces is
     # not checked, nor --peer_contexts without a peer
     checks = [("models", models, MODELS), ("variants", variants, VARIANTS),
@@ -309,11 +310,9 @@ def main(argv):
         print(f"error: --repeats={repeats}; allowed: an integer >= 1", file=sys.stderr)
         return cli.USAGE_EXIT
     contexts = [int(c) for c in contexts]
-    dtype = _DTYPE.value
-    scan_modes = {"auto": [default_scan_layers()], "true": [True], "false": [False],
-                  "both": [False, True]}[_SCAN.value]
-    if _GPU_CHECK.value:
-        dtype, scan_modes = "bfloat16", [False, True]
+    scan_modes = [False, True] if _GPU_CHECK.value else {
+        "auto": [default_scan_layers()], "true": [True], "false": [False],
+        "both": [False, True]}[_SCAN.value]
 
     try:  # every point's config, checked before any probe, measurement or compile
         for model_name in models:
